@@ -1,0 +1,10 @@
+// tern: one binary, one subcommand per job.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+int main(int argc, char** argv) {
+  CLI::App app{"tern: serves large language models from their Hugging Face checkpoints"};
+  app.require_subcommand(1);
+  CLI11_PARSE(app, argc, argv);
+  return 0;
+}
