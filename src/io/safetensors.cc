@@ -15,7 +15,6 @@
 #include "io/safetensors.h"
 
 #include <fcntl.h>
-#include <fmt/ranges.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -25,6 +24,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fmt/ranges.h>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>

@@ -80,6 +80,8 @@ class SafetensorsSet {
  public:
   // dir holding model.safetensors.index.json (sharded) or exactly model.safetensors; otherwise every
   // *.safetensors file in the directory (error if none). Tensor names must be unique across files.
+  // With an index, the shards are the files its weight_map names, and each tensor it lists must be in its shard;
+  // a shard's tensors that the index omits are still served, as transformers loads whole shards.
   static Expected<SafetensorsSet> open_dir(const std::filesystem::path& dir);
   static Expected<SafetensorsSet> open_files(std::vector<std::filesystem::path> files);
 

@@ -258,6 +258,16 @@ TEST_F(SafetensorsTest, HeaderKeyOrderNeedNotFollowOffsets) {
   EXPECT_EQ(bytes_to_string(file->find("second")->data), bytes.substr(data_start + 2, 3));
 }
 
+TEST_F(SafetensorsTest, AcceptsWhatTheReferenceAccepts) {
+  // serde reads a null `__metadata__` as absent and ignores unknown fields in a tensor entry.
+  const std::string header = R"({"__metadata__":null,"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2],"x":[1]}})";
+  Expected<SafetensorsFile> file = SafetensorsFile::open(write("r.safetensors", make_file(header, 2)));
+  ASSERT_TRUE(file) << file.error().message;
+  EXPECT_TRUE(file->metadata().empty());
+  ASSERT_NE(file->find("w"), nullptr);
+  EXPECT_EQ(file->find("w")->data.size(), 2u);
+}
+
 TEST_F(SafetensorsTest, MovingAFileKeepsViewsValid) {
   const std::vector<int32_t> values = {11, -22, 33};
   ASSERT_TRUE(safetensors_write(dir_ / "mv.safetensors", {{"w", DType::kI32, {3}, std::as_bytes(std::span(values))}}));
@@ -380,6 +390,13 @@ TEST_F(SafetensorsTest, RejectsHeaderThatIsNotUtf8) {
   EXPECT_HAS(open_header_error("{\"\xed\xa0\x80\": 1}", 0), "not valid UTF-8");   // surrogate U+D800
   EXPECT_HAS(open_header_error("{\"\xf4\x90\x80\x80\": 1}", 0), "not valid UTF-8");  // past U+10FFFF
   EXPECT_HAS(open_header_error("{\"\xe2\x82\": 1}", 0), "not valid UTF-8");       // truncated sequence
+}
+
+TEST_F(SafetensorsTest, RejectsDeeplyNestedHeaderWithoutOverflowingTheStack) {
+  const size_t depth = 200'000;
+  EXPECT_HAS(open_header_error("{\"w\":" + std::string(depth, '[') + std::string(depth, ']') + "}", 0),
+             "tensor 'w': entry is not an object (got array)");
+  EXPECT_HAS(open_header_error(std::string(depth, '{'), 0), "header is not valid JSON");
 }
 
 TEST_F(SafetensorsTest, RejectsHeaderThatIsNotAnObject) {
