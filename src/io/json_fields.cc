@@ -6,15 +6,23 @@ namespace tern {
 
 std::string_view json_type_name(const nlohmann::json& value) {
   switch (value.type()) {
-    case nlohmann::json::value_t::null: return "null";
-    case nlohmann::json::value_t::object: return "object";
-    case nlohmann::json::value_t::array: return "array";
-    case nlohmann::json::value_t::string: return "string";
-    case nlohmann::json::value_t::boolean: return "boolean";
+    case nlohmann::json::value_t::null:
+      return "null";
+    case nlohmann::json::value_t::object:
+      return "object";
+    case nlohmann::json::value_t::array:
+      return "array";
+    case nlohmann::json::value_t::string:
+      return "string";
+    case nlohmann::json::value_t::boolean:
+      return "boolean";
     case nlohmann::json::value_t::number_integer:
-    case nlohmann::json::value_t::number_unsigned: return "integer";
-    case nlohmann::json::value_t::number_float: return "floating-point number";
-    default: return "value";
+    case nlohmann::json::value_t::number_unsigned:
+      return "integer";
+    case nlohmann::json::value_t::number_float:
+      return "floating-point number";
+    default:
+      return "value";
   }
 }
 
@@ -50,7 +58,9 @@ const nlohmann::json* JsonFields::find(std::string_view key) const {
   return it == object_.end() ? nullptr : &*it;
 }
 
-bool JsonFields::has(std::string_view key) const { return find(key) != nullptr; }
+bool JsonFields::has(std::string_view key) const {
+  return find(key) != nullptr;
+}
 
 bool JsonFields::has_value(std::string_view key) const {
   const nlohmann::json* value = find(key);
@@ -93,8 +103,7 @@ Expected<std::optional<bool>> JsonFields::get_optional_bool(std::string_view key
   const nlohmann::json* value = get_raw(key);
   if (value == nullptr || value->is_null()) return std::optional<bool>();
   if (!value->is_boolean()) {
-    return make_error("{} must be true or false, got {} {}", where(key), json_type_name(*value),
-                      json_excerpt(*value));
+    return make_error("{} must be true or false, got {} {}", where(key), json_type_name(*value), json_excerpt(*value));
   }
   return std::optional<bool>(value->get<bool>());
 }

@@ -21,8 +21,8 @@ class JsonFields {
   // `object` must outlive this reader. `prefix` is prepended to field names in messages ("text_config.").
   JsonFields(const nlohmann::json& object, std::string_view source, std::string_view prefix = "");
 
-  bool has(std::string_view key) const;         // present, null included
-  bool has_value(std::string_view key) const;   // present and not null
+  bool has(std::string_view key) const;        // present, null included
+  bool has_value(std::string_view key) const;  // present and not null
   std::string_view source() const { return source_; }
   std::string path(std::string_view key) const { return prefix_ + std::string(key); }
 

@@ -16,19 +16,24 @@ namespace tern {
 
 std::string_view architecture_name(Architecture architecture) {
   switch (architecture) {
-    case Architecture::kQwen3: return "qwen3";
-    case Architecture::kQwen3Moe: return "qwen3_moe";
-    case Architecture::kQwen3Next: return "qwen3_next";
-    case Architecture::kQwen35Moe: return "qwen3_5_moe";
-    case Architecture::kGlmMoeDsa: return "glm_moe_dsa";
-    case Architecture::kDeepseekV3: return "deepseek_v3";
+    case Architecture::kQwen3:
+      return "qwen3";
+    case Architecture::kQwen3Moe:
+      return "qwen3_moe";
+    case Architecture::kQwen3Next:
+      return "qwen3_next";
+    case Architecture::kQwen35Moe:
+      return "qwen3_5_moe";
+    case Architecture::kGlmMoeDsa:
+      return "glm_moe_dsa";
+    case Architecture::kDeepseekV3:
+      return "deepseek_v3";
   }
   return "unknown";
 }
 
 bool ModelConfig::is_moe_layer(int64_t layer) const {
-  TERN_CHECK(layer >= 0 && layer < static_cast<int64_t>(moe_layers.size()), "layer {} of {}", layer,
-             moe_layers.size());
+  TERN_CHECK(layer >= 0 && layer < static_cast<int64_t>(moe_layers.size()), "layer {} of {}", layer, moe_layers.size());
   return moe_layers[static_cast<size_t>(layer)];
 }
 
@@ -39,27 +44,32 @@ namespace {
 // PreTrainedConfig attributes (current and v4), generation parameters that transformers pops from config.json,
 // and bookkeeping keys the Hub tooling writes. None of them changes the served model.
 const std::vector<std::string_view>& generic_config_keys() {
+  // clang-format off
   static const std::vector<std::string_view> keys = {
       "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
       "quantization_config", "_name_or_path", "name_or_path", "_commit_hash", "auto_map", "initializer_range",
       "output_hidden_states", "output_attentions", "return_dict", "use_return_dict", "chunk_size_feed_forward",
       "is_encoder_decoder", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
-      "tie_encoder_decoder", "id2label", "label2id", "num_labels", "problem_type", "pruned_heads",
-      "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
-      "finetuning_task", "torchscript", "use_bfloat16", "tf_legacy_loss", "attn_implementation",
-      "_attn_implementation", "_attn_implementation_autoset", "_attn_implementation_internal",
-      "experts_implementation", "_experts_implementation", "per_layer_config", "max_length", "min_length",
-      "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k",
-      "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+      "tie_encoder_decoder", "id2label", "label2id", "num_labels", "problem_type", "pruned_heads", "tokenizer_class",
+      "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params", "finetuning_task", "torchscript",
+      "use_bfloat16", "tf_legacy_loss",
+      "attn_implementation", "_attn_implementation", "_attn_implementation_autoset", "_attn_implementation_internal",
+      "experts_implementation", "_experts_implementation", "per_layer_config",
+      "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+      "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
       "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
       "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
-      "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens"};
+      "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens"
+  };
+  // clang-format on
   return keys;
 }
 
 }  // namespace
 
-void accept_generic_keys(JsonFields& fields) { fields.accept(generic_config_keys()); }
+void accept_generic_keys(JsonFields& fields) {
+  fields.accept(generic_config_keys());
+}
 
 Expected<void> require_positive(const JsonFields& fields, std::string_view key, int64_t value) {
   if (value <= 0) return make_error("{} must be positive, got {}", fields.where(key), value);
@@ -108,8 +118,8 @@ Expected<void> read_text_basics(JsonFields& fields, const TextDefaults& defaults
   TERN_ASSIGN_OR_RETURN(config.num_attention_heads, read_positive(fields, "num_attention_heads", defaults.num_heads));
   // `num_key_value_heads: null` means "as many as the query heads" (HF __post_init__).
   TERN_ASSIGN_OR_RETURN(const std::optional<int64_t> kv_heads, fields.get_optional_int("num_key_value_heads"));
-  config.num_key_value_heads = fields.has("num_key_value_heads") ? kv_heads.value_or(config.num_attention_heads)
-                                                                 : defaults.num_kv_heads;
+  config.num_key_value_heads =
+      fields.has("num_key_value_heads") ? kv_heads.value_or(config.num_attention_heads) : defaults.num_kv_heads;
   TERN_TRY(require_positive(fields, "num_key_value_heads", config.num_key_value_heads));
   if (config.num_attention_heads % config.num_key_value_heads != 0) {
     return make_error("{}: num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
@@ -125,8 +135,8 @@ Expected<void> read_text_basics(JsonFields& fields, const TextDefaults& defaults
   TERN_ASSIGN_OR_RETURN(config.tie_word_embeddings, fields.get_bool("tie_word_embeddings", false));
   TERN_ASSIGN_OR_RETURN(config.attention_bias, fields.get_bool("attention_bias", false));
   if (defaults.intermediate_size > 0) {
-    TERN_ASSIGN_OR_RETURN(config.intermediate_size, read_positive(fields, "intermediate_size",
-                                                                  defaults.intermediate_size));
+    TERN_ASSIGN_OR_RETURN(config.intermediate_size,
+                          read_positive(fields, "intermediate_size", defaults.intermediate_size));
   }
   return read_token_ids(fields, defaults, config);
 }
@@ -148,8 +158,8 @@ Expected<void> read_head_dim(JsonFields& fields, int64_t class_default, ModelCon
 
 // layer_types as written: HF's legacy names are remapped ("attention" -> full, "mamba" -> linear, as
 // remap_legacy_layer_types does); `full_aliases` lists other names that mean full attention for this architecture.
-Expected<void> read_layer_types(JsonFields& fields, bool allow_linear, const std::vector<std::string_view>& full_aliases,
-                                ModelConfig& config) {
+Expected<void> read_layer_types(JsonFields& fields, bool allow_linear,
+                                const std::vector<std::string_view>& full_aliases, ModelConfig& config) {
   std::vector<std::string> names;
   TERN_ASSIGN_OR_RETURN(const bool present, fields.get_string_list("layer_types", names));
   if (!present) return {};
@@ -164,8 +174,8 @@ Expected<void> read_layer_types(JsonFields& fields, bool allow_linear, const std
                          std::find(full_aliases.begin(), full_aliases.end(), name) != full_aliases.end();
     const bool is_linear = allow_linear && (name == "linear_attention" || name == "mamba");
     if (!is_full && !is_linear) {
-      return make_error("{} is '{}', which {} does not support (expected {})", fields.where("layer_types", i),
-                        name, config.model_type, allow_linear ? "full_attention or linear_attention" : "full_attention");
+      return make_error("{} is '{}', which {} does not support (expected {})", fields.where("layer_types", i), name,
+                        config.model_type, allow_linear ? "full_attention or linear_attention" : "full_attention");
     }
     config.layer_types.push_back(is_full ? LayerType::kFullAttention : LayerType::kLinearAttention);
   }

@@ -29,23 +29,23 @@ enum class IndexerType { kFull, kShared };  // DSA: "full" runs the indexer, "sh
 
 struct RopeConfig {
   double theta = 10000.0;
-  std::string type = "default";          // "default", "linear", "dynamic", "yarn", "llama3"
+  std::string type = "default";  // "default", "linear", "dynamic", "yarn", "llama3"
   double partial_rotary_factor = 1.0;
-  int64_t rotary_dim = 0;                // int(head_dim * partial_rotary_factor), as HF's default rope init
-  std::vector<int64_t> mrope_section;    // [t, h, w] frequency counts (sum = rotary_dim / 2); empty = 1-D rope
+  int64_t rotary_dim = 0;              // int(head_dim * partial_rotary_factor), as HF's default rope init
+  std::vector<int64_t> mrope_section;  // [t, h, w] frequency counts (sum = rotary_dim / 2); empty = 1-D rope
   bool mrope_interleaved = false;
-  bool interleaved = false;              // GPT-J pairs (x[2i], x[2i+1]) instead of NeoX halves
+  bool interleaved = false;  // GPT-J pairs (x[2i], x[2i+1]) instead of NeoX halves
   // Scaling (rope_type != "default"); factor is 1 when unscaled.
   double factor = 1.0;
   int64_t original_max_position_embeddings = 0;  // yarn/llama3: defaults to max_position_embeddings
-  std::optional<double> attention_factor;         // yarn: absent = derived from factor/mscale by the rope code
+  std::optional<double> attention_factor;        // yarn: absent = derived from factor/mscale by the rope code
   double beta_fast = 32.0;
   double beta_slow = 1.0;
-  std::optional<double> mscale;                   // DeepSeek-style yarn
+  std::optional<double> mscale;  // DeepSeek-style yarn
   std::optional<double> mscale_all_dim;
-  bool truncate = true;                           // yarn: round the correction range to integers
-  double low_freq_factor = 1.0;                   // llama3
-  double high_freq_factor = 4.0;                  // llama3
+  bool truncate = true;           // yarn: round the correction range to integers
+  double low_freq_factor = 1.0;   // llama3
+  double high_freq_factor = 4.0;  // llama3
 };
 
 struct ModelConfig {
@@ -82,7 +82,7 @@ struct ModelConfig {
   int64_t n_group = 1;
   int64_t topk_group = 1;
   double routed_scaling_factor = 1.0;
-  std::string topk_method;  // "greedy" (plain top-k) or "noaux_tc" (bias-corrected, grouped)
+  std::string topk_method;       // "greedy" (plain top-k) or "noaux_tc" (bias-corrected, grouped)
   std::vector<bool> moe_layers;  // derived: one per layer, true where the MLP is the MoE block
 
   // Gated DeltaNet
@@ -99,7 +99,7 @@ struct ModelConfig {
   int64_t qk_rope_head_dim = 0;
   int64_t qk_head_dim = 0;  // qk_nope_head_dim + qk_rope_head_dim
   int64_t v_head_dim = 0;
-  int64_t index_topk = 0;   // 0: no DSA indexer
+  int64_t index_topk = 0;  // 0: no DSA indexer
   int64_t index_head_dim = 0;
   int64_t index_n_heads = 0;
   bool indexer_rope_interleave = false;

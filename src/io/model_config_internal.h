@@ -32,9 +32,9 @@ struct TextDefaults {
 
 // What the RoPE reader needs from the architecture.
 struct RopeInputs {
-  double default_theta = 10000.0;            // RotaryEmbeddingConfigMixin.default_theta
+  double default_theta = 10000.0;  // RotaryEmbeddingConfigMixin.default_theta
   double default_partial_rotary_factor = 1.0;
-  int64_t head_dim = 0;                      // the width RoPE is computed over
+  int64_t head_dim = 0;  // the width RoPE is computed over
   int64_t max_position_embeddings = 0;
   bool interleaved = false;
 };
@@ -46,8 +46,8 @@ Expected<int64_t> read_positive(JsonFields& fields, std::string_view key, int64_
 Expected<void> read_token_ids(JsonFields& fields, const TextDefaults& defaults, ModelConfig& config);
 Expected<void> read_text_basics(JsonFields& fields, const TextDefaults& defaults, ModelConfig& config);
 Expected<void> read_head_dim(JsonFields& fields, int64_t class_default, ModelConfig& config);
-Expected<void> read_layer_types(JsonFields& fields, bool allow_linear, const std::vector<std::string_view>& full_aliases,
-                                ModelConfig& config);
+Expected<void> read_layer_types(JsonFields& fields, bool allow_linear,
+                                const std::vector<std::string_view>& full_aliases, ModelConfig& config);
 Expected<void> derive_hybrid_layer_types(JsonFields& fields, ModelConfig& config);
 void fill_full_attention_layers(ModelConfig& config);
 

@@ -38,7 +38,8 @@ Expected<int64_t> read_aliased_int(JsonFields& fields, std::initializer_list<std
   for (std::string_view key : keys) {
     TERN_ASSIGN_OR_RETURN(const std::optional<int64_t> v, fields.get_optional_int(key));
     if (!v) continue;
-    if (value && *value != *v) return make_error("{} is {} but {} is {}", fields.where(first_key), *value, fields.where(key), *v);
+    if (value && *value != *v)
+      return make_error("{} is {} but {} is {}", fields.where(first_key), *value, fields.where(key), *v);
     if (!value) first_key = key;
     value = v;
   }
@@ -114,12 +115,14 @@ Expected<void> check_expert_groups(const JsonFields& fields, const ModelConfig& 
 
 Expected<void> read_mla_experts(JsonFields& fields, const MlaDefaults& d, ModelConfig& config) {
   // attribute_map num_local_experts -> n_routed_experts; GLM also accepts num_experts for backward compatibility.
-  TERN_ASSIGN_OR_RETURN(config.num_experts, read_aliased_int(fields, {"n_routed_experts", "num_local_experts",
-                                                                      "num_experts"}, d.n_routed_experts));
+  TERN_ASSIGN_OR_RETURN(
+      config.num_experts,
+      read_aliased_int(fields, {"n_routed_experts", "num_local_experts", "num_experts"}, d.n_routed_experts));
   TERN_TRY(require_positive(fields, "n_routed_experts", config.num_experts));
   TERN_ASSIGN_OR_RETURN(config.n_shared_experts, fields.get_int("n_shared_experts", d.n_shared_experts));
   TERN_TRY(require_non_negative(fields, "n_shared_experts", config.n_shared_experts));
-  TERN_ASSIGN_OR_RETURN(config.num_experts_per_tok, read_positive(fields, "num_experts_per_tok", d.num_experts_per_tok));
+  TERN_ASSIGN_OR_RETURN(config.num_experts_per_tok,
+                        read_positive(fields, "num_experts_per_tok", d.num_experts_per_tok));
   TERN_ASSIGN_OR_RETURN(config.n_group, read_positive(fields, "n_group", d.n_group));
   TERN_ASSIGN_OR_RETURN(config.topk_group, read_positive(fields, "topk_group", d.topk_group));
   TERN_TRY(check_expert_groups(fields, config));
@@ -135,8 +138,8 @@ Expected<void> read_mla_experts(JsonFields& fields, const MlaDefaults& d, ModelC
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     config.moe_layers.push_back(i >= config.first_k_dense_replace && i % freq == 0);
   }
-  TERN_ASSIGN_OR_RETURN(config.num_mtp_layers, read_aliased_int(fields, {"num_nextn_predict_layers", "num_mtp_layers"},
-                                                                d.num_mtp_layers));
+  TERN_ASSIGN_OR_RETURN(config.num_mtp_layers,
+                        read_aliased_int(fields, {"num_nextn_predict_layers", "num_mtp_layers"}, d.num_mtp_layers));
   TERN_TRY(require_non_negative(fields, "num_nextn_predict_layers", config.num_mtp_layers));
   return read_router(fields, config);
 }
@@ -222,7 +225,8 @@ Expected<void> read_indexer(JsonFields& fields, ModelConfig& config) {
       return make_error("{} is '{}' (expected full or shared)", fields.where("indexer_types", i), names[i]);
     }
     if (i == 0 && names[i] == "shared") {
-      return make_error("{} is 'shared' but no earlier layer computes a top-k to share", fields.where("indexer_types", 0));
+      return make_error("{} is 'shared' but no earlier layer computes a top-k to share",
+                        fields.where("indexer_types", 0));
     }
     config.indexer_types.push_back(names[i] == "full" ? IndexerType::kFull : IndexerType::kShared);
   }

@@ -12,7 +12,8 @@ namespace {
 // Sliding-window attention is a Qwen3 training option that no released Qwen3 checkpoint enables.
 Expected<void> reject_sliding_window(JsonFields& fields) {
   TERN_ASSIGN_OR_RETURN(const bool sliding, fields.get_bool("use_sliding_window", false));
-  if (sliding) return make_error("{} is true; sliding-window attention is not supported", fields.where("use_sliding_window"));
+  if (sliding)
+    return make_error("{} is true; sliding-window attention is not supported", fields.where("use_sliding_window"));
   fields.accept({"sliding_window", "max_window_layers"});
   return {};
 }
@@ -31,8 +32,8 @@ Expected<void> derive_qwen_moe_layers(JsonFields& fields, ModelConfig& config) {
   }
   config.moe_layers.clear();
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
-    const bool dense_only = std::find(config.mlp_only_layers.begin(), config.mlp_only_layers.end(), i) !=
-                            config.mlp_only_layers.end();
+    const bool dense_only =
+        std::find(config.mlp_only_layers.begin(), config.mlp_only_layers.end(), i) != config.mlp_only_layers.end();
     config.moe_layers.push_back(!dense_only && config.num_experts > 0 && (i + 1) % config.decoder_sparse_step == 0);
   }
   return {};
@@ -42,7 +43,8 @@ Expected<void> derive_qwen_moe_layers(JsonFields& fields, ModelConfig& config) {
 Expected<void> read_qwen_experts(JsonFields& fields, const ModelConfig& defaults, ModelConfig& config) {
   TERN_ASSIGN_OR_RETURN(config.num_experts, fields.get_int("num_experts", defaults.num_experts));
   TERN_TRY(require_non_negative(fields, "num_experts", config.num_experts));
-  TERN_ASSIGN_OR_RETURN(config.num_experts_per_tok, fields.get_int("num_experts_per_tok", defaults.num_experts_per_tok));
+  TERN_ASSIGN_OR_RETURN(config.num_experts_per_tok,
+                        fields.get_int("num_experts_per_tok", defaults.num_experts_per_tok));
   TERN_ASSIGN_OR_RETURN(config.moe_intermediate_size,
                         fields.get_int("moe_intermediate_size", defaults.moe_intermediate_size));
   config.router_scoring = RouterScoring::kSoftmax;
@@ -89,7 +91,8 @@ Expected<void> read_qwen_rope(JsonFields& fields, double default_partial, ModelC
 
 // A dense MLP is built wherever a layer is not MoE; it needs a width.
 Expected<void> require_dense_width(const JsonFields& fields, const ModelConfig& config) {
-  const bool has_dense = std::find(config.moe_layers.begin(), config.moe_layers.end(), false) != config.moe_layers.end();
+  const bool has_dense =
+      std::find(config.moe_layers.begin(), config.moe_layers.end(), false) != config.moe_layers.end();
   if (has_dense && config.intermediate_size <= 0) {
     return make_error("{} must be positive: some layers use the dense MLP", fields.where("intermediate_size"));
   }

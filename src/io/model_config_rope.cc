@@ -113,16 +113,17 @@ Expected<RopeConfig> read_rope(JsonFields& fields, const RopeInputs& inputs) {
   out.interleaved = inputs.interleaved;
   TERN_ASSIGN_OR_RETURN(out.theta, read_dict_or_top(rope, fields, "rope_theta", inputs.default_theta));
   if (!(out.theta > 0.0)) return make_error("{} must be positive, got {}", rope.where("rope_theta"), out.theta);
-  TERN_ASSIGN_OR_RETURN(out.partial_rotary_factor, read_dict_or_top(rope, fields, "partial_rotary_factor",
-                                                                    inputs.default_partial_rotary_factor));
+  TERN_ASSIGN_OR_RETURN(out.partial_rotary_factor,
+                        read_dict_or_top(rope, fields, "partial_rotary_factor", inputs.default_partial_rotary_factor));
   if (!(out.partial_rotary_factor > 0.0 && out.partial_rotary_factor <= 1.0)) {
     return make_error("{} must be in (0, 1], got {}", rope.where("partial_rotary_factor"), out.partial_rotary_factor);
   }
   out.rotary_dim = static_cast<int64_t>(std::trunc(static_cast<double>(inputs.head_dim) * out.partial_rotary_factor));
   if (out.rotary_dim <= 0 || out.rotary_dim % 2 != 0) {
-    return make_error("{}: head_dim {} x partial_rotary_factor {} gives a rotary dimension of {}, which is not a "
-                      "positive even number",
-                      rope.where("partial_rotary_factor"), inputs.head_dim, out.partial_rotary_factor, out.rotary_dim);
+    return make_error(
+        "{}: head_dim {} x partial_rotary_factor {} gives a rotary dimension of {}, which is not a "
+        "positive even number",
+        rope.where("partial_rotary_factor"), inputs.head_dim, out.partial_rotary_factor, out.rotary_dim);
   }
   TERN_ASSIGN_OR_RETURN(out.type, read_rope_type(rope));
   TERN_TRY(read_rope_scaling(rope, inputs, out));

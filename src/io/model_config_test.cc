@@ -36,11 +36,11 @@ std::string parse_error(const json& config) {
 }
 
 // The error names the file and the field.
-#define EXPECT_ERROR_NAMES(config, field)                                  \
-  do {                                                                     \
-    const std::string message = parse_error(config);                      \
+#define EXPECT_ERROR_NAMES(config, field)                                      \
+  do {                                                                         \
+    const std::string message = parse_error(config);                           \
     EXPECT_NE(message.find("test/config.json"), std::string::npos) << message; \
-    EXPECT_NE(message.find(field), std::string::npos) << message;          \
+    EXPECT_NE(message.find(field), std::string::npos) << message;              \
   } while (0)
 
 // Qwen3-Next / Qwen3.5 hybrid pattern from HF __post_init__: layer i is full attention iff (i+1) % interval == 0.
@@ -313,8 +313,8 @@ TEST(ModelConfigDefaults, Qwen3MoeHeadDimFromHiddenSize) {
 }
 
 TEST(ModelConfigDefaults, Qwen3MoeSparseStepAndMlpOnlyLayers) {
-  const ModelConfig c = parse_ok(json{{"model_type", "qwen3_moe"}, {"num_hidden_layers", 6},
-                                      {"decoder_sparse_step", 2}, {"mlp_only_layers", {3}}});
+  const ModelConfig c = parse_ok(json{
+      {"model_type", "qwen3_moe"}, {"num_hidden_layers", 6}, {"decoder_sparse_step", 2}, {"mlp_only_layers", {3}}});
   // MoE iff i not in [3] and (i+1) % 2 == 0: layers 1 and 5.
   EXPECT_EQ(moe_flags(c), (std::vector<bool>{false, true, false, false, false, true}));
   EXPECT_EQ(c.mlp_only_layers, std::vector<int64_t>{3});
@@ -326,8 +326,8 @@ TEST(ModelConfigDefaults, Qwen3MoeNumLocalExpertsAlias) {
 }
 
 TEST(ModelConfigDefaults, Qwen3NextIntervalAndPartialRotary) {
-  const ModelConfig c = parse_ok(json{{"model_type", "qwen3_next"}, {"num_hidden_layers", 6},
-                                      {"full_attention_interval", 2}});
+  const ModelConfig c =
+      parse_ok(json{{"model_type", "qwen3_next"}, {"num_hidden_layers", 6}, {"full_attention_interval", 2}});
   EXPECT_EQ(c.layer_types, hybrid_pattern(6, 2));
   EXPECT_DOUBLE_EQ(c.rope.partial_rotary_factor, 0.25);  // kwargs.setdefault("partial_rotary_factor", 0.25)
   EXPECT_EQ(c.rope.rotary_dim, 64);
@@ -338,7 +338,9 @@ TEST(ModelConfigDefaults, Qwen3NextIntervalAndPartialRotary) {
 }
 
 TEST(ModelConfigDefaults, Qwen3NextExplicitLayerTypesWinOverInterval) {
-  json config{{"model_type", "qwen3_next"}, {"num_hidden_layers", 3}, {"full_attention_interval", 4},
+  json config{{"model_type", "qwen3_next"},
+              {"num_hidden_layers", 3},
+              {"full_attention_interval", 4},
               {"layer_types", {"full_attention", "linear_attention", "mamba"}}};
   const ModelConfig c = parse_ok(config);
   EXPECT_EQ(c.layer_types, (std::vector<LayerType>{LayerType::kFullAttention, LayerType::kLinearAttention,
@@ -374,8 +376,8 @@ TEST(ModelConfigDefaults, BareQwen35TextConfig) {
 }
 
 TEST(ModelConfigDefaults, Qwen35TopLevelTokenIdsFillTheTextConfig) {
-  const ModelConfig c = parse_ok(json{{"model_type", "qwen3_5_moe"}, {"eos_token_id", {1, 2}},
-                                      {"text_config", {{"bos_token_id", 7}}}});
+  const ModelConfig c =
+      parse_ok(json{{"model_type", "qwen3_5_moe"}, {"eos_token_id", {1, 2}}, {"text_config", {{"bos_token_id", 7}}}});
   EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{1, 2}));
   EXPECT_EQ(c.bos_token_id, 7);
 }
@@ -400,8 +402,8 @@ TEST(ModelConfigDefaults, DeepseekNullQLoraRankMeansNone) {
 
 TEST(ModelConfigDefaults, MoeLayerFreq) {
   // vLLM DeepseekV2DecoderLayer: MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0.
-  const ModelConfig c = parse_ok(json{{"model_type", "deepseek_v3"}, {"num_hidden_layers", 6},
-                                      {"first_k_dense_replace", 1}, {"moe_layer_freq", 2}});
+  const ModelConfig c = parse_ok(json{
+      {"model_type", "deepseek_v3"}, {"num_hidden_layers", 6}, {"first_k_dense_replace", 1}, {"moe_layer_freq", 2}});
   EXPECT_EQ(moe_flags(c), (std::vector<bool>{false, false, true, false, true, false}));
 }
 
@@ -420,26 +422,28 @@ TEST(ModelConfigDefaults, GlmEmptyConfig) {
 
 TEST(ModelConfigDefaults, GlmIndexerFrequencyAndOffset) {
   // full iff max(i - 3 + 1, 0) % 4 == 0: layers 0, 1, 2, then 6, 10, ...
-  const ModelConfig c = parse_ok(json{{"model_type", "glm_moe_dsa"}, {"num_hidden_layers", 11},
-                                      {"index_topk_freq", 4}, {"index_skip_topk_offset", 3}});
+  const ModelConfig c = parse_ok(json{
+      {"model_type", "glm_moe_dsa"}, {"num_hidden_layers", 11}, {"index_topk_freq", 4}, {"index_skip_topk_offset", 3}});
   const IndexerType F = IndexerType::kFull;
   const IndexerType S = IndexerType::kShared;
   EXPECT_EQ(c.indexer_types, (std::vector<IndexerType>{F, F, F, S, S, S, F, S, S, S, F}));
 }
 
 TEST(ModelConfigDefaults, GlmIndexerPattern) {
-  const ModelConfig c = parse_ok(json{{"model_type", "glm_moe_dsa"}, {"num_hidden_layers", 4},
-                                      {"index_topk_pattern", "FSSF"}});
+  const ModelConfig c =
+      parse_ok(json{{"model_type", "glm_moe_dsa"}, {"num_hidden_layers", 4}, {"index_topk_pattern", "FSSF"}});
   const IndexerType F = IndexerType::kFull;
   const IndexerType S = IndexerType::kShared;
   EXPECT_EQ(c.indexer_types, (std::vector<IndexerType>{F, S, S, F}));
 }
 
 TEST(ModelConfigDefaults, GlmMatchingMlpLayerTypesAccepted) {
-  json config{{"model_type", "glm_moe_dsa"}, {"num_hidden_layers", 4}, {"first_k_dense_replace", 1},
+  json config{{"model_type", "glm_moe_dsa"},
+              {"num_hidden_layers", 4},
+              {"first_k_dense_replace", 1},
               {"mlp_layer_types", {"dense", "sparse", "sparse", "sparse"}},
               {"layer_types", json::array({"deepseek_sparse_attention", "deepseek_sparse_attention",
-                                            "deepseek_sparse_attention", "deepseek_sparse_attention"})}};
+                                           "deepseek_sparse_attention", "deepseek_sparse_attention"})}};
   const ModelConfig c = parse_ok(config);
   EXPECT_EQ(moe_flags(c), (std::vector<bool>{false, true, true, true}));
   EXPECT_EQ(c.layer_types, std::vector<LayerType>(4, LayerType::kFullAttention));
@@ -449,9 +453,10 @@ TEST(ModelConfigDefaults, GlmMatchingMlpLayerTypesAccepted) {
 
 TEST(ModelConfigRope, LegacyYarnRopeScaling) {
   // The Qwen3 model card's long-context recipe, in the legacy top-level form.
-  const ModelConfig c = parse_ok(json{{"model_type", "qwen3"}, {"rope_theta", 1000000},
-                                      {"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0},
-                                                        {"original_max_position_embeddings", 32768}}}});
+  const ModelConfig c = parse_ok(
+      json{{"model_type", "qwen3"},
+           {"rope_theta", 1000000},
+           {"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 32768}}}});
   EXPECT_EQ(c.rope.type, "yarn");
   EXPECT_DOUBLE_EQ(c.rope.factor, 4.0);
   EXPECT_EQ(c.rope.original_max_position_embeddings, 32768);
@@ -461,22 +466,23 @@ TEST(ModelConfigRope, LegacyYarnRopeScaling) {
 }
 
 TEST(ModelConfigRope, YarnOriginalLengthDefaultsToMaxPosition) {
-  const ModelConfig c = parse_ok(json{{"model_type", "qwen3"}, {"max_position_embeddings", 40960},
+  const ModelConfig c = parse_ok(json{{"model_type", "qwen3"},
+                                      {"max_position_embeddings", 40960},
                                       {"rope_parameters", {{"rope_type", "yarn"}, {"factor", 2}}}});
   EXPECT_EQ(c.rope.original_max_position_embeddings, 40960);
 }
 
 TEST(ModelConfigRope, V5RopeParameters) {
-  const ModelConfig c = parse_ok(json{{"model_type", "qwen3_next"},
-                                      {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 5000000},
-                                                           {"partial_rotary_factor", 0.5}}}});
+  const ModelConfig c = parse_ok(
+      json{{"model_type", "qwen3_next"},
+           {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 5000000}, {"partial_rotary_factor", 0.5}}}});
   EXPECT_DOUBLE_EQ(c.rope.theta, 5e6);
   EXPECT_EQ(c.rope.rotary_dim, 128);  // 256 * 0.5
 }
 
 TEST(ModelConfigRope, SameValueInBothPlacesIsFine) {
-  const ModelConfig c = parse_ok(json{{"model_type", "qwen3"}, {"rope_theta", 500000},
-                                      {"rope_parameters", {{"rope_theta", 500000}}}});
+  const ModelConfig c =
+      parse_ok(json{{"model_type", "qwen3"}, {"rope_theta", 500000}, {"rope_parameters", {{"rope_theta", 500000}}}});
   EXPECT_DOUBLE_EQ(c.rope.theta, 5e5);
 }
 
@@ -509,10 +515,12 @@ TEST(ModelConfigErrors, HeadsNotMultipleOfKvHeads) {
 }
 
 TEST(ModelConfigErrors, LayerTypes) {
-  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3_next"}, {"num_hidden_layers", 3},
+  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3_next"},
+                           {"num_hidden_layers", 3},
                            {"layer_types", {"full_attention", "linear_attention"}}}),
                      "layer_types");
-  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3_next"}, {"num_hidden_layers", 2},
+  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3_next"},
+                           {"num_hidden_layers", 2},
                            {"layer_types", {"full_attention", "sliding_attention"}}}),
                      "layer_types[1]");
   EXPECT_ERROR_NAMES((json{{"model_type", "qwen3"}, {"num_hidden_layers", 1}, {"layer_types", {"linear_attention"}}}),
@@ -534,9 +542,10 @@ TEST(ModelConfigErrors, ExpertCounts) {
 
 TEST(ModelConfigErrors, HeadDimInconsistent) {
   // Qwen3-MoE derives head_dim from hidden_size / heads when absent, so they must divide.
-  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3_moe"}, {"hidden_size", 1000}, {"num_attention_heads", 32},
-                           {"num_key_value_heads", 4}}),
-                     "hidden_size");
+  EXPECT_ERROR_NAMES(
+      (json{
+          {"model_type", "qwen3_moe"}, {"hidden_size", 1000}, {"num_attention_heads", 32}, {"num_key_value_heads", 4}}),
+      "hidden_size");
   // MLA: a written head_dim must be the rope width or the full q/k width.
   EXPECT_ERROR_NAMES((json{{"model_type", "glm_moe_dsa"}, {"head_dim", 128}}), "head_dim");
   EXPECT_ERROR_NAMES((json{{"model_type", "glm_moe_dsa"}, {"index_head_dim", 32}}), "index_head_dim");
@@ -575,10 +584,11 @@ TEST(ModelConfigErrors, WrongJsonTypes) {
 }
 
 TEST(ModelConfigErrors, ContradictoryRope) {
-  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3"}, {"rope_theta", 10000},
-                           {"rope_parameters", {{"rope_theta", 1000000}}}}),
-                     "rope_theta");
-  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3"}, {"rope_parameters", {{"rope_type", "default"}}},
+  EXPECT_ERROR_NAMES(
+      (json{{"model_type", "qwen3"}, {"rope_theta", 10000}, {"rope_parameters", {{"rope_theta", 1000000}}}}),
+      "rope_theta");
+  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3"},
+                           {"rope_parameters", {{"rope_type", "default"}}},
                            {"rope_scaling", {{"rope_type", "yarn"}, {"factor", 2}}}}),
                      "rope_scaling");
   EXPECT_ERROR_NAMES((json{{"model_type", "qwen3"}, {"rope_parameters", {{"rope_type", "longrope"}}}}),
@@ -593,7 +603,8 @@ TEST(ModelConfigErrors, ContradictoryRope) {
 TEST(ModelConfigErrors, Qwen35TopLevel) {
   EXPECT_ERROR_NAMES((json{{"model_type", "qwen3_5_moe"}, {"text_config", {{"model_type", "qwen3_next"}}}}),
                      "text_config.model_type");
-  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3_5_moe"}, {"tie_word_embeddings", true},
+  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3_5_moe"},
+                           {"tie_word_embeddings", true},
                            {"text_config", {{"tie_word_embeddings", false}}}}),
                      "tie_word_embeddings");
   EXPECT_ERROR_NAMES((json{{"model_type", "qwen3_5_moe"}, {"text_config", {{"hidden_size", -1}}}}),
@@ -604,12 +615,14 @@ TEST(ModelConfigErrors, Qwen35TopLevel) {
 TEST(ModelConfigErrors, DenseAndIndexerLayouts) {
   EXPECT_ERROR_NAMES((json{{"model_type", "qwen3_moe"}, {"num_hidden_layers", 4}, {"mlp_only_layers", {4}}}),
                      "mlp_only_layers");
-  EXPECT_ERROR_NAMES((json{{"model_type", "glm_moe_dsa"}, {"num_hidden_layers", 3}, {"first_k_dense_replace", 1},
+  EXPECT_ERROR_NAMES((json{{"model_type", "glm_moe_dsa"},
+                           {"num_hidden_layers", 3},
+                           {"first_k_dense_replace", 1},
                            {"mlp_layer_types", {"dense", "dense", "sparse"}}}),
                      "mlp_layer_types[1]");
-  EXPECT_ERROR_NAMES((json{{"model_type", "glm_moe_dsa"}, {"num_hidden_layers", 2},
-                           {"indexer_types", {"shared", "full"}}}),
-                     "indexer_types");
+  EXPECT_ERROR_NAMES(
+      (json{{"model_type", "glm_moe_dsa"}, {"num_hidden_layers", 2}, {"indexer_types", {"shared", "full"}}}),
+      "indexer_types");
   EXPECT_ERROR_NAMES((json{{"model_type", "glm_moe_dsa"}, {"num_hidden_layers", 2}, {"index_topk_pattern", "FX"}}),
                      "index_topk_pattern");
   EXPECT_ERROR_NAMES((json{{"model_type", "glm_moe_dsa"}, {"scoring_func", "relu"}}), "scoring_func");

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -19,8 +20,8 @@ constexpr std::string_view kHfQuantSource = "hf_quant_config.json";
 constexpr std::string_view kConfigJsonSource = "config.json quantization_config";
 
 // vLLM QUANT_ALGOS and KV_CACHE_QUANT_ALGOS.
-const std::vector<std::string_view> kQuantAlgos = {"FP8",    "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4",
-                                                   "W4A16_NVFP4", "MXFP8",             "MIXED_PRECISION"};
+const std::vector<std::string_view> kQuantAlgos = {
+    "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION"};
 const std::vector<std::string_view> kKvCacheAlgos = {"FP8", "NVFP4"};
 
 std::string to_upper(std::string text) {
@@ -38,8 +39,12 @@ std::string join(const std::vector<std::string_view>& list) {
   return out;
 }
 
-bool is_nvfp4_algo(std::string_view algo) { return algo.find("NVFP4") != std::string_view::npos; }
-bool is_weight_only_algo(std::string_view algo) { return algo == "W4A16_NVFP4" || algo == "FP8_PB_WO"; }
+bool is_nvfp4_algo(std::string_view algo) {
+  return algo.find("NVFP4") != std::string_view::npos;
+}
+bool is_weight_only_algo(std::string_view algo) {
+  return algo == "W4A16_NVFP4" || algo == "FP8_PB_WO";
+}
 
 Expected<std::string> read_quant_algo(JsonFields& fields, std::string_view key) {
   TERN_ASSIGN_OR_RETURN(const std::optional<std::string> algo, fields.get_optional_string(key));
@@ -62,16 +67,21 @@ Expected<std::string> read_kv_cache_algo(JsonFields& fields) {
   return upper;
 }
 
-// group_size as vLLM reads it: an integer, or anything int() accepts (a decimal string).
+// group_size as vLLM reads it: an integer, or what int() turns into one (a decimal string; an integral float).
 Expected<std::optional<int64_t>> read_group_size(JsonFields& fields) {
   const nlohmann::json* raw = fields.get_raw("group_size");
   if (raw == nullptr || raw->is_null()) return std::optional<int64_t>();
   std::optional<int64_t> value;
   if (raw->is_string()) {
     const std::string text = raw->get<std::string>();
-    if (!text.empty() && text.size() < 18 && std::all_of(text.begin(), text.end(), ::isdigit)) value = std::stoll(text);
+    const bool digits = !text.empty() && text.size() < 18 &&
+                        std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isdigit(c) != 0; });
+    if (digits) value = std::stoll(text);
   } else if (raw->is_number_integer()) {
     value = raw->get<int64_t>();
+  } else if (raw->is_number_float()) {
+    const double number = raw->get<double>();
+    if (number == std::floor(number) && std::abs(number) < 1e15) value = static_cast<int64_t>(number);
   }
   if (!value || *value <= 0) {
     return make_error("{} must be a positive integer, got {}", fields.where("group_size"), raw->dump());
@@ -125,8 +135,8 @@ Expected<void> finish_config(JsonFields& fields, std::optional<int64_t> group_si
     return {};
   }
   if (!config.quantized_layers.empty()) {
-    return make_error("{} is only meaningful with quant_algo MIXED_PRECISION, not {}",
-                      fields.where("quantized_layers"), config.quant_algo);
+    return make_error("{} is only meaningful with quant_algo MIXED_PRECISION, not {}", fields.where("quantized_layers"),
+                      config.quant_algo);
   }
   if (is_nvfp4_algo(config.quant_algo)) {
     config.group_size = group_size.value_or(16);
@@ -290,9 +300,12 @@ Expected<void> check_agreement(const QuantConfig& hf, const QuantConfig& cfg, co
   const std::set<std::string> b = pattern_set(cfg.exclude_modules);
   if (a != b) {
     std::string only_one;
-    for (const std::string& p : a) if (!b.count(p)) only_one += " '" + p + "' (only in hf_quant_config.json)";
-    for (const std::string& p : b) if (!a.count(p)) only_one += " '" + p + "' (only in config.json)";
-    return make_error("{} and {} (quantization_config) disagree on the excluded modules:{}", hf_path, cfg_path, only_one);
+    for (const std::string& p : a)
+      if (!b.count(p)) only_one += " '" + p + "' (only in hf_quant_config.json)";
+    for (const std::string& p : b)
+      if (!a.count(p)) only_one += " '" + p + "' (only in config.json)";
+    return make_error("{} and {} (quantization_config) disagree on the excluded modules:{}", hf_path, cfg_path,
+                      only_one);
   }
   if (!hf.quantized_layers.empty() && !cfg.quantized_layers.empty() && hf.quantized_layers != cfg.quantized_layers) {
     return disagree("quantized_layers", "one list", "another");
@@ -316,7 +329,8 @@ Expected<std::optional<QuantConfig>> quant_config_load(const std::filesystem::pa
     TERN_ASSIGN_OR_RETURN(const nlohmann::json doc, read_json_file(cfg_path));
     const auto it = doc.is_object() ? doc.find("quantization_config") : doc.end();
     if (doc.is_object() && it != doc.end() && !it->is_null()) {
-      TERN_ASSIGN_OR_RETURN(cfg, quant_config_parse_quantization_config(*it, cfg_path.string() + " quantization_config"));
+      TERN_ASSIGN_OR_RETURN(cfg,
+                            quant_config_parse_quantization_config(*it, cfg_path.string() + " quantization_config"));
     }
   }
   if (hf && cfg) {
@@ -358,7 +372,9 @@ std::string replace_all(std::string_view text, std::string_view from, std::strin
   return out.append(text.substr(pos));
 }
 
-bool contains_text(std::string_view text, std::string_view needle) { return text.find(needle) != std::string_view::npos; }
+bool contains_text(std::string_view text, std::string_view needle) {
+  return text.find(needle) != std::string_view::npos;
+}
 
 // is_layer_skipped(prefix, ignored, fused_mapping) with skip_with_substr=False.
 Expected<bool> layer_skipped(std::string_view prefix, const std::vector<std::string>& ignored) {

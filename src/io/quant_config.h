@@ -22,13 +22,13 @@
 namespace tern {
 
 struct QuantConfig {
-  std::string quant_algo;            // upper-cased: "NVFP4", "FP8", "MIXED_PRECISION", "W4A16_NVFP4", ...
-  int64_t group_size = 0;            // 16 for NVFP4 (0 when the algorithm has no groups)
-  std::string kv_cache_quant_algo;   // "" when none, else "FP8" / "NVFP4"
-  std::vector<std::string> exclude_modules;             // patterns as written
+  std::string quant_algo;                    // upper-cased: "NVFP4", "FP8", "MIXED_PRECISION", "W4A16_NVFP4", ...
+  int64_t group_size = 0;                    // 16 for NVFP4 (0 when the algorithm has no groups)
+  std::string kv_cache_quant_algo;           // "" when none, else "FP8" / "NVFP4"
+  std::vector<std::string> exclude_modules;  // patterns as written
   std::map<std::string, std::string> quantized_layers;  // MIXED_PRECISION: module -> algo (upper-cased)
   bool activations_quantized = true;                    // false for weight-only algorithms (W4A16_NVFP4, FP8_PB_WO)
-  std::string source;                // "hf_quant_config.json" or "config.json quantization_config"
+  std::string source;                                   // "hf_quant_config.json" or "config.json quantization_config"
 
   // True when `module_name` (a checkpoint module path such as "model.layers.3.self_attn.q_proj") stays
   // unquantized, by vLLM's rules: vision modules always; then an exact (or fused-name) match, vLLM's legacy

@@ -109,15 +109,21 @@ TEST(QuantConfig, WeightOnlyNvfp4) {
   EXPECT_EQ(q.quant_algo, "W4A16_NVFP4");
   EXPECT_EQ(q.group_size, 16);
   EXPECT_FALSE(q.activations_quantized);
-  const QuantConfig hf = hf_ok(json{{"quantization", {{"quant_algo", "W4A16_NVFP4"}, {"group_size", 16},
-                                                      {"kv_cache_quant_algo", nullptr}, {"exclude_modules", json::array()}}}});
+  const QuantConfig hf = hf_ok(json{{"quantization",
+                                     {{"quant_algo", "W4A16_NVFP4"},
+                                      {"group_size", 16},
+                                      {"kv_cache_quant_algo", nullptr},
+                                      {"exclude_modules", json::array()}}}});
   EXPECT_FALSE(hf.activations_quantized);
 }
 
 TEST(QuantConfig, NormalisationAndOptionalForms) {
   // vLLM upper-cases quant_algo and kv_cache_quant_algo and int()-converts group_size.
-  const QuantConfig q = hf_ok(json{{"quantization", {{"quant_algo", "nvfp4"}, {"group_size", "16"},
-                                                     {"kv_cache_quant_algo", "fp8"}, {"exclude_modules", json::array()}}}});
+  const QuantConfig q = hf_ok(json{{"quantization",
+                                    {{"quant_algo", "nvfp4"},
+                                     {"group_size", "16"},
+                                     {"kv_cache_quant_algo", "fp8"},
+                                     {"exclude_modules", json::array()}}}});
   EXPECT_EQ(q.quant_algo, "NVFP4");
   EXPECT_EQ(q.kv_cache_quant_algo, "FP8");
   EXPECT_EQ(q.group_size, 16);
@@ -127,15 +133,17 @@ TEST(QuantConfig, NormalisationAndOptionalForms) {
   EXPECT_TRUE(fp8.exclude_modules.empty());
   EXPECT_FALSE(fp8.is_excluded("model.layers.0.mlp.down_proj"));
   // The hf_quant_config.json layout nested inside quantization_config is accepted, as vLLM does.
-  const QuantConfig nested = qc_ok(json{{"quant_method", "modelopt"},
-                                        {"quantization", {{"quant_algo", "FP8"}, {"kv_cache_quant_algo", "FP8"}}}});
+  const QuantConfig nested = qc_ok(
+      json{{"quant_method", "modelopt"}, {"quantization", {{"quant_algo", "FP8"}, {"kv_cache_quant_algo", "FP8"}}}});
   EXPECT_EQ(nested.kv_cache_quant_algo, "FP8");
   EXPECT_EQ(nested.source, "config.json quantization_config");
 }
 
 TEST(QuantConfigErrors, MissingNvfp4Fields) {
   // ModelOptNvFp4Config._from_config requires these three keys in hf_quant_config.json.
-  const json complete = {{"quant_algo", "NVFP4"}, {"group_size", 16}, {"kv_cache_quant_algo", nullptr},
+  const json complete = {{"quant_algo", "NVFP4"},
+                         {"group_size", 16},
+                         {"kv_cache_quant_algo", nullptr},
                          {"exclude_modules", json::array()}};
   for (const char* field : {"group_size", "kv_cache_quant_algo", "exclude_modules"}) {
     json block = complete;
@@ -158,28 +166,37 @@ TEST(QuantConfigErrors, UnknownAlgorithms) {
                   "kv_cache_quant_algo");
   EXPECT_CONTAINS(qc_error(json{{"quant_method", "modelopt"}, {"quant_algo", "NVFP8"}}), "NVFP8");
   EXPECT_CONTAINS(qc_error(json{{"quant_method", "fp8"}, {"fmt", "e4m3"}}), "quant_method");
-  EXPECT_CONTAINS(qc_error(json{{"quant_method", "modelopt"}, {"quant_algo", "FP8"},
+  EXPECT_CONTAINS(qc_error(json{{"quant_method", "modelopt"},
+                                {"quant_algo", "FP8"},
                                 {"kv_cache_scheme", {{"type", "int"}, {"num_bits", 8}}}}),
                   "kv_cache_scheme");
-  EXPECT_CONTAINS(qc_error(json{{"quant_method", "modelopt"}, {"quant_algo", "MIXED_PRECISION"},
+  EXPECT_CONTAINS(qc_error(json{{"quant_method", "modelopt"},
+                                {"quant_algo", "MIXED_PRECISION"},
                                 {"quantized_layers", {{"a.b", {{"quant_algo", "INT8"}}}}}}),
                   "quantized_layers.a.b.quant_algo");
 }
 
 TEST(QuantConfigErrors, BadValues) {
-  EXPECT_CONTAINS(hf_error(json{{"quantization", {{"quant_algo", "NVFP4"}, {"group_size", 32},
-                                                  {"kv_cache_quant_algo", nullptr}, {"exclude_modules", json::array()}}}}),
+  EXPECT_CONTAINS(hf_error(json{{"quantization",
+                                 {{"quant_algo", "NVFP4"},
+                                  {"group_size", 32},
+                                  {"kv_cache_quant_algo", nullptr},
+                                  {"exclude_modules", json::array()}}}}),
                   "group_size");
   EXPECT_CONTAINS(hf_error(json{{"quantization", {{"quant_algo", "FP8"}, {"group_size", "sixteen"}}}}), "group_size");
+  EXPECT_CONTAINS(hf_error(json{{"quantization", {{"quant_algo", "FP8"}, {"group_size", 16.5}}}}), "group_size");
+  EXPECT_CONTAINS(hf_error(json{{"quantization", {{"quant_algo", "FP8"}, {"group_size", -16}}}}), "group_size");
   EXPECT_CONTAINS(hf_error(json{{"quantization", {{"quant_algo", "FP8"}, {"exclude_modules", "lm_head"}}}}),
                   "exclude_modules");
   EXPECT_CONTAINS(hf_error(json{{"quantization", {{"quant_algo", "FP8"}, {"exclude_modules", {"lm_head", 3}}}}}),
                   "exclude_modules[1]");
   EXPECT_CONTAINS(qc_error(json{{"quant_method", "modelopt"}, {"quant_algo", "MIXED_PRECISION"}}), "quantized_layers");
-  EXPECT_CONTAINS(qc_error(json{{"quant_method", "modelopt"}, {"quant_algo", "W4A16_NVFP4"},
-                                {"config_groups", {{"g", {{"weights", {{"group_size", 16}}},
-                                                          {"input_activations", {{"num_bits", 4}}}}}}}}),
-                  "config_groups");
+  EXPECT_CONTAINS(
+      qc_error(json{
+          {"quant_method", "modelopt"},
+          {"quant_algo", "W4A16_NVFP4"},
+          {"config_groups", {{"g", {{"weights", {{"group_size", 16}}}, {"input_activations", {{"num_bits", 4}}}}}}}}),
+      "config_groups");
 }
 
 // ---- quant_fnmatch: expected values checked against CPython's fnmatch.fnmatchcase ----
@@ -192,17 +209,49 @@ struct GlobCase {
 
 TEST(QuantFnmatch, MatchesPythonFnmatchcase) {
   const GlobCase cases[] = {
-      {"abc", "a*c", true},        {"a.b.c", "a*", true},       {"abc", "a?c", true},       {"ac", "a?c", false},
-      {"", "*", true},             {"", "?", false},            {"AbC", "abc", false},      {"b", "[]b]", true},
-      {"]", "[]b]", true},         {"c", "[]b]", false},        {"[", "[", true},           {"a[b", "a[b", true},
-      {"ab", "a[b", false},        {"^", "[^a]", true},         {"b", "[^a]", false},       {"b", "[!a]", true},
-      {"a", "[!a]", false},        {"]", "[!]]", false},        {"x", "[!]]", true},        {"-", "[a-]", true},
-      {"-", "[-a]", true},         {"b", "[a-c]", true},        {"d", "[a-c]", false},      {"b", "[c-a]", false},
-      {"c", "[c-a]", false},       {"x", "[c-ax]", true},       {"a", "[c-ax]", false},     {"c", "[c-ax]", false},
-      {"\\", "[\\]", true},        {"a\\b", "a\\b", true},      {"-", "[a-c-e]", true},     {"d", "[a-c-e]", false},
-      {"e", "[a-c-e]", true},      {"b", "[a-c-e]", true},      {"!", "[!]", false},        {"[!]", "[!]", true},
-      {"a", "[!-a]", false},       {"-", "[!-a]", false},       {"b", "[!-a]", true},       {"aXbXc", "a*b*c", true},
-      {"abcbc", "a*bc", true},     {"aaab", "a*a*b", true},     {"ab", "a**b", true},
+      {"abc", "a*c", true},
+      {"a.b.c", "a*", true},
+      {"abc", "a?c", true},
+      {"ac", "a?c", false},
+      {"", "*", true},
+      {"", "?", false},
+      {"AbC", "abc", false},
+      {"b", "[]b]", true},
+      {"]", "[]b]", true},
+      {"c", "[]b]", false},
+      {"[", "[", true},
+      {"a[b", "a[b", true},
+      {"ab", "a[b", false},
+      {"^", "[^a]", true},
+      {"b", "[^a]", false},
+      {"b", "[!a]", true},
+      {"a", "[!a]", false},
+      {"]", "[!]]", false},
+      {"x", "[!]]", true},
+      {"-", "[a-]", true},
+      {"-", "[-a]", true},
+      {"b", "[a-c]", true},
+      {"d", "[a-c]", false},
+      {"b", "[c-a]", false},
+      {"c", "[c-a]", false},
+      {"x", "[c-ax]", true},
+      {"a", "[c-ax]", false},
+      {"c", "[c-ax]", false},
+      {"\\", "[\\]", true},
+      {"a\\b", "a\\b", true},
+      {"-", "[a-c-e]", true},
+      {"d", "[a-c-e]", false},
+      {"e", "[a-c-e]", true},
+      {"b", "[a-c-e]", true},
+      {"!", "[!]", false},
+      {"[!]", "[!]", true},
+      {"a", "[!-a]", false},
+      {"-", "[!-a]", false},
+      {"b", "[!-a]", true},
+      {"aXbXc", "a*b*c", true},
+      {"abcbc", "a*bc", true},
+      {"aaab", "a*a*b", true},
+      {"ab", "a**b", true},
       {"model.layers.3.self_attn.q_proj", "model.layers.*.self_attn*", true},
       {"model.layers.12.mlp.gate", "model.layers.[0-2].mlp.gate", false},
       {"model.layers.1.mlp.gate", "model.layers.[0-2].mlp.gate", true},
@@ -235,18 +284,30 @@ TEST(QuantExclude, FollowsVllmRules) {
       {attn, "model.layers.3.mlp.gate_proj", false, "no rule matches"},
       {{"model.layers.1"}, "model.layers.10.mlp.gate_proj", true, "legacy substring quirk: '...1' in '...10...'"},
       {{"model.layers.1"}, "model.layers.2.mlp.gate_proj", false, "not a substring, no wildcard"},
-      {{"model.layers.78*"}, "model.layers.78.mlp.experts.3.gate_proj", true,
+      {{"model.layers.78*"},
+       "model.layers.78.mlp.experts.3.gate_proj",
+       true,
        "rewritten to 'model.layers.78' (a substring) and 'model.layers.78.*'"},
       {{"model.layers.78*"}, "model.layers.7.mlp.down_proj", false, "'model.layers.78' is not a substring"},
-      {{"model.layers.1.mlp.experts.0.down_proj"}, "model.layers.1.mlp.experts", true,
+      {{"model.layers.1.mlp.experts.0.down_proj"},
+       "model.layers.1.mlp.experts",
+       true,
        "experts branch: the fused-experts prefix is a substring of an excluded expert entry"},
-      {{"model.layers.1.mlp.experts.0.down_proj"}, "model.layers.1.mlp.experts.0.up_proj", false,
+      {{"model.layers.1.mlp.experts.0.down_proj"},
+       "model.layers.1.mlp.experts.0.up_proj",
+       false,
        "experts branch finds nothing; not a substring; fnmatch fails"},
-      {{"model.layers.3.mlp.experts*"}, "model.layers.3.mlp.experts.17.down_proj", true,
+      {{"model.layers.3.mlp.experts*"},
+       "model.layers.3.mlp.experts.17.down_proj",
+       true,
        "experts branch fails (name longer than the entries) but 'model.layers.3.mlp.experts' is a substring"},
       {{"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"},
-       "model.layers.0.self_attn.qkv_proj", true, "fused name: all three parts are excluded"},
-      {{"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"}, "model.layers.0.mlp.gate_up_proj", true,
+       "model.layers.0.self_attn.qkv_proj",
+       true,
+       "fused name: all three parts are excluded"},
+      {{"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"},
+       "model.layers.0.mlp.gate_up_proj",
+       true,
        "fused gate_up_proj: both parts excluded"},
       {{"model.layers.[0-2].mlp.gate"}, "model.layers.2.mlp.gate", true, "fnmatch character range"},
       {{"model.layers.[0-2].mlp.gate"}, "model.layers.12.mlp.gate", false, "the range covers one character"},

@@ -16,8 +16,8 @@ namespace {
 struct GlobItem {
   enum class Kind { kStar, kAnyChar, kNever, kSet } kind = Kind::kSet;
   bool negate = false;
-  std::string members;                              // single characters
-  std::vector<std::pair<char, char>> ranges;        // inclusive
+  std::string members;                        // single characters
+  std::vector<std::pair<char, char>> ranges;  // inclusive
 
   bool matches(char c) const {
     if (kind == Kind::kAnyChar) return true;
