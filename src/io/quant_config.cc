@@ -190,6 +190,18 @@ Expected<void> read_config_groups(JsonFields& fields, std::set<int64_t>& weight_
   return {};
 }
 
+// The flat form names the KV-cache format by kv_cache_quant_algo (what vLLM reads) and/or kv_cache_scheme (what
+// ModelOpt writes); both present must agree.
+Expected<std::string> read_flat_kv_cache(JsonFields& fields) {
+  TERN_ASSIGN_OR_RETURN(const std::string from_algo, read_kv_cache_algo(fields));
+  TERN_ASSIGN_OR_RETURN(const std::string from_scheme, read_kv_cache_scheme(fields));
+  if (!from_algo.empty() && !from_scheme.empty() && from_algo != from_scheme) {
+    return make_error("{} ({}) contradicts kv_cache_scheme ({})", fields.where("kv_cache_quant_algo"), from_algo,
+                      from_scheme);
+  }
+  return from_algo.empty() ? from_scheme : from_algo;
+}
+
 Expected<std::string> read_text_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return make_error("{}: cannot open", path.string());
@@ -251,13 +263,7 @@ Expected<QuantConfig> quant_config_parse_quantization_config(const nlohmann::jso
   QuantConfig config;
   config.source = std::string(kConfigJsonSource);
   TERN_ASSIGN_OR_RETURN(config.quant_algo, read_quant_algo(fields, "quant_algo"));
-  TERN_ASSIGN_OR_RETURN(config.kv_cache_quant_algo, read_kv_cache_algo(fields));
-  TERN_ASSIGN_OR_RETURN(const std::string from_scheme, read_kv_cache_scheme(fields));
-  if (!config.kv_cache_quant_algo.empty() && !from_scheme.empty() && config.kv_cache_quant_algo != from_scheme) {
-    return make_error("{} ({}) contradicts kv_cache_scheme ({})", fields.where("kv_cache_quant_algo"),
-                      config.kv_cache_quant_algo, from_scheme);
-  }
-  if (config.kv_cache_quant_algo.empty()) config.kv_cache_quant_algo = from_scheme;
+  TERN_ASSIGN_OR_RETURN(config.kv_cache_quant_algo, read_flat_kv_cache(fields));
   TERN_ASSIGN_OR_RETURN(std::optional<int64_t> group_size, read_group_size(fields));
   TERN_TRY(read_exclude_list(fields, "ignore", config));
   TERN_TRY(read_quantized_layers(fields, config));

@@ -165,6 +165,11 @@ TEST(QuantConfigErrors, UnknownAlgorithms) {
   EXPECT_CONTAINS(hf_error(json{{"quantization", {{"quant_algo", "FP8"}, {"kv_cache_quant_algo", "INT8"}}}}),
                   "kv_cache_quant_algo");
   EXPECT_CONTAINS(qc_error(json{{"quant_method", "modelopt"}, {"quant_algo", "NVFP8"}}), "NVFP8");
+  EXPECT_CONTAINS(qc_error(json{{"quant_method", "modelopt"},
+                                {"quant_algo", "FP8"},
+                                {"kv_cache_quant_algo", "NVFP4"},
+                                {"kv_cache_scheme", {{"type", "float"}, {"num_bits", 8}}}}),
+                  "kv_cache_quant_algo");
   EXPECT_CONTAINS(qc_error(json{{"quant_method", "fp8"}, {"fmt", "e4m3"}}), "quant_method");
   EXPECT_CONTAINS(qc_error(json{{"quant_method", "modelopt"},
                                 {"quant_algo", "FP8"},
