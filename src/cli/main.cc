@@ -1,10 +1,12 @@
 // tern: one binary, one subcommand per job.
 #include <CLI/CLI.hpp>
-#include <cstdio>
+
+#include "cli/info_command.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"tern: serves large language models from their Hugging Face checkpoints"};
   app.require_subcommand(1);
+  tern::register_info_command(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

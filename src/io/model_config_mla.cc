@@ -56,6 +56,12 @@ Expected<void> read_mla_attention(JsonFields& fields, const MlaDefaults& d, Mode
   TERN_ASSIGN_OR_RETURN(config.qk_nope_head_dim, read_positive(fields, "qk_nope_head_dim", d.qk_nope_head_dim));
   TERN_ASSIGN_OR_RETURN(config.v_head_dim, read_positive(fields, "v_head_dim", d.v_head_dim));
   config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim;
+  // transformers v5 writes its derived qk_head_dim into config.json; it must agree with its parts.
+  TERN_ASSIGN_OR_RETURN(const std::optional<int64_t> written_qk, fields.get_optional_int("qk_head_dim"));
+  if (written_qk && *written_qk != config.qk_head_dim) {
+    return make_error("{} is {}, but qk_nope_head_dim + qk_rope_head_dim is {}", fields.where("qk_head_dim"),
+                      *written_qk, config.qk_head_dim);
+  }
   // HF sets head_dim = qk_rope_head_dim whatever the file says; a written head_dim must be one of the two widths
   // the exporters use for it.
   TERN_ASSIGN_OR_RETURN(const std::optional<int64_t> written, fields.get_optional_int("head_dim"));

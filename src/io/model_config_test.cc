@@ -549,6 +549,7 @@ TEST(ModelConfigErrors, HeadDimInconsistent) {
   // MLA: a written head_dim must be the rope width or the full q/k width.
   EXPECT_ERROR_NAMES((json{{"model_type", "glm_moe_dsa"}, {"head_dim", 128}}), "head_dim");
   EXPECT_ERROR_NAMES((json{{"model_type", "glm_moe_dsa"}, {"index_head_dim", 32}}), "index_head_dim");
+  EXPECT_ERROR_NAMES((json{{"model_type", "glm_moe_dsa"}, {"qk_head_dim", 100}}), "qk_head_dim");
 }
 
 TEST(ModelConfigErrors, LinearHeads) {
