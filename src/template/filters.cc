@@ -247,6 +247,7 @@ Value f_unique(const Value& input, CallArgs& a, Renderer&) {
 Value to_int(const Value& input, CallArgs& a, Renderer&) {
   const Value fallback = arg_value(a, 0, "default", Value::integer(0));
   const int64_t base = arg_int(a, 1, "base", 10);
+  require_defined(input);  // Undefined.__int__ raises
   if (input.is_int() || input.is_bool()) return Value::integer(input.as_int());
   if (input.is_float()) {
     if (!std::isfinite(input.as_double())) return fallback;
@@ -269,6 +270,7 @@ Value to_int(const Value& input, CallArgs& a, Renderer&) {
 
 Value to_float(const Value& input, CallArgs& a, Renderer&) {
   const Value fallback = arg_value(a, 0, "default", Value::number(0.0));
+  require_defined(input);
   if (input.is_number()) return Value::number(input.as_double());
   if (!input.is_string()) return fallback;
   const std::string s = py_strip(input.str(), std::nullopt, true, true);
@@ -511,7 +513,8 @@ const std::unordered_map<std::string_view, TestFn>& test_table() {
                                  v.list_data().seq != SeqKind::kValues && v.list_data().seq != SeqKind::kItems;
          return v.is_undefined() || v.is_string() || v.is_dict();
        }},
-      {"callable", [](const Value& v, CallArgs&) { return v.is_callable(); }},
+            // Undefined defines __call__ (to raise), so Python's callable() is true for it.
+      {"callable", [](const Value& v, CallArgs&) { return v.is_callable() || v.is_undefined(); }},
       {"lower", [](const Value& v, CallArgs&) { return py_islower(value_to_string(v)); }},
       {"upper", [](const Value& v, CallArgs&) { return py_isupper(value_to_string(v)); }},
       {"odd", [](const Value& v, CallArgs&) { return number_mod(v, Value::integer(2), 1); }},

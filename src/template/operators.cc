@@ -50,9 +50,8 @@ std::vector<Value> iterate(const Value& v) {
 
 namespace {
 
-int64_t checked(bool overflow, int64_t v) {
+void check_overflow(bool overflow) {
   if (overflow) fail("integer overflow (values beyond 64 bits are not supported)");
-  return v;
 }
 
 Value repeat(const Value& seq, int64_t times) {
@@ -82,9 +81,13 @@ Value arithmetic(std::string_view op, const Value& a, const Value& b) {
   const int64_t x = a.as_int(), y = b.as_int();
   const double fx = a.as_double(), fy = b.as_double();
   int64_t r = 0;
-  if (op == "+") return ints ? Value::integer(checked(__builtin_add_overflow(x, y, &r), r)) : Value::number(fx + fy);
-  if (op == "-") return ints ? Value::integer(checked(__builtin_sub_overflow(x, y, &r), r)) : Value::number(fx - fy);
-  if (op == "*") return ints ? Value::integer(checked(__builtin_mul_overflow(x, y, &r), r)) : Value::number(fx * fy);
+  if (op == "+" || op == "-" || op == "*") {
+    if (!ints) return Value::number(op == "+" ? fx + fy : op == "-" ? fx - fy : fx * fy);
+    check_overflow(op == "+"   ? __builtin_add_overflow(x, y, &r)
+                   : op == "-" ? __builtin_sub_overflow(x, y, &r)
+                               : __builtin_mul_overflow(x, y, &r));
+    return Value::integer(r);
+  }
   if (op == "/") {
     if (fy == 0.0) fail(ints ? "division by zero" : "float division by zero");
     return Value::number(fx / fy);
@@ -116,9 +119,9 @@ Value arithmetic(std::string_view op, const Value& a, const Value& b) {
   if (ints && y >= 0) {
     int64_t result = 1, base = x, e = y;
     while (e > 0) {
-      if (e & 1) result = checked(__builtin_mul_overflow(result, base, &result), result);
+      if (e & 1) check_overflow(__builtin_mul_overflow(result, base, &result));
       e >>= 1;
-      if (e) base = checked(__builtin_mul_overflow(base, base, &base), base);
+      if (e) check_overflow(__builtin_mul_overflow(base, base, &base));
     }
     return Value::integer(result);
   }

@@ -172,7 +172,10 @@ std::string py_replace(std::string_view s, std::string_view old, std::string_vie
 
 std::string py_upper(std::string_view s) {
   std::string out;
-  for (char32_t cp : utf8_decode(s)) utf8_append(out, to_upper(cp));
+  for (char32_t cp : utf8_decode(s)) {
+    if (cp == 0xdf) out += "SS";  // the one full case mapping common in text; utf8proc maps only 1:1
+    else utf8_append(out, to_upper(cp));
+  }
   return out;
 }
 

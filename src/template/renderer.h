@@ -23,7 +23,7 @@ using ScopePtr = std::shared_ptr<Scope>;
 class Renderer {
  public:
   // Limits against runaway templates: loop iterations plus macro calls, macro nesting, output size.
-  static constexpr int64_t kMaxSteps = 20'000'000;
+  static constexpr int64_t kMaxSteps = 2'000'000;
   static constexpr int kMaxDepth = 256;
   static constexpr size_t kMaxOutput = 256u << 20;
 
