@@ -81,9 +81,11 @@ class Lexer {
 
  private:
   int line_at(size_t pos) {
-    if (newlines_.empty() && !src_.empty())
+    if (!newlines_ready_) {
       for (size_t i = 0; i < src_.size(); ++i)
         if (src_[i] == '\n') newlines_.push_back(i);
+      newlines_ready_ = true;
+    }
     return 1 + static_cast<int>(std::lower_bound(newlines_.begin(), newlines_.end(), pos) - newlines_.begin());
   }
 
@@ -390,7 +392,8 @@ class Lexer {
   size_t pos_ = 0;
   bool line_starting_ = true;
   std::vector<Token> tokens_;
-  std::vector<size_t> newlines_;
+  std::vector<size_t> newlines_;  // positions of '\n', for line numbers
+  bool newlines_ready_ = false;
 };
 
 }  // namespace

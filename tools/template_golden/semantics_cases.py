@@ -1,7 +1,8 @@
 """The semantics micro-suite: small templates whose Python Jinja2 output (or error) becomes golden data.
 
 Each entry is a template string, or (template, extra context). CONTEXT is available to all of them.
-Avoid templates whose Python output is not deterministic (printing generators, functions, the time).
+Avoid templates whose Python output is not deterministic (printing generators, functions, the time), and integers
+beyond 64 bits (Python's big ints; the engine reports an overflow error instead).
 """
 
 CONTEXT = {
