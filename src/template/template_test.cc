@@ -1,0 +1,146 @@
+// Chat-template tests against golden data written by Python Jinja2 3.1.6 set up as transformers does
+// (tools/template_golden/make_golden.py): real templates over conversations, and a semantics micro-suite.
+#include "template/template.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace tern {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+const std::filesystem::path kData = std::filesystem::path(TERN_SOURCE_DIR) / "tests/data/templates";
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+json read_json(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) ADD_FAILURE() << "cannot open " << path;
+  return json::parse(in);
+}
+
+// The line number our error message names ("template 'x', line N: ..."), or -1.
+int error_line_of(const std::string& message) {
+  const size_t at = message.find(", line ");
+  if (at == std::string::npos) return -1;
+  return std::stoi(message.substr(at + 7));
+}
+
+// Loads a real template: the npm tokenizer_config.json's chat_template, or a committed .jinja file.
+std::string load_real_template(const std::string& relative_path) {
+  const std::filesystem::path path = std::filesystem::path(TERN_SOURCE_DIR) / relative_path;
+  if (!std::filesystem::exists(path)) {
+    ADD_FAILURE() << "missing " << path << ": run scripts/fetch_test_assets.sh to install the npm test assets";
+    return {};
+  }
+  if (path.extension() == ".json") return read_json(path)["chat_template"].get<std::string>();
+  return read_file(path);
+}
+
+void expect_case(const json& c, const std::string& source, const json& context, const std::string& label) {
+  SCOPED_TRACE(label);
+  auto tmpl = ChatTemplate::parse(source, "case");
+  Expected<std::string> out = tmpl ? tmpl->render(context) : Expected<std::string>(tl::unexpected(tmpl.error()));
+  if (c.contains("text")) {
+    ASSERT_TRUE(out) << "Python rendered it, we failed: " << out.error().message;
+    EXPECT_EQ(*out, c["text"].get<std::string>());
+    return;
+  }
+  ASSERT_FALSE(out) << "Python failed with '" << c["error"].get<std::string>() << "', we rendered: " << *out;
+  if (c["error_type"] == "TemplateError") {  // raise_exception: the message must come through
+    EXPECT_NE(out.error().message.find(c["error"].get<std::string>()), std::string::npos) << out.error().message;
+  }
+  if (!c["error_line"].is_null()) {
+    EXPECT_EQ(error_line_of(out.error().message), c["error_line"].get<int>())
+        << "ours: " << out.error().message << "\nPython: " << c["error"].get<std::string>();
+  }
+}
+
+TEST(TemplateGolden, RealTemplatesMatchPythonJinja2) {
+  const json golden = read_json(kData / "golden.json");
+  ASSERT_GE(golden.size(), 100u);
+  std::map<std::string, std::string> sources;
+  for (const json& c : golden) {
+    const std::string name = c["template"].get<std::string>();
+    if (!sources.count(name)) sources[name] = load_real_template(c["template_path"].get<std::string>());
+    ASSERT_FALSE(sources[name].empty()) << name;
+    expect_case(c, sources[name], c["context"], name + " / " + c["conversation"].get<std::string>());
+  }
+  EXPECT_EQ(sources.size(), 7u);
+}
+
+TEST(TemplateGolden, SemanticsMatchPythonJinja2) {
+  const json golden = read_json(kData / "semantics_golden.json");
+  const json& cases = golden["cases"];
+  ASSERT_GE(cases.size(), 200u);
+  for (const json& c : cases) {
+    json context = golden["context"];
+    if (c.contains("context"))
+      for (const auto& [k, v] : c["context"].items()) context[k] = v;
+    expect_case(c, c["template"].get<std::string>(), context, c["template"].get<std::string>());
+  }
+}
+
+TEST(TemplateErrors, SyntaxErrorNamesTemplateAndLine) {
+  auto t = ChatTemplate::parse("line one\n{% if x %}\n{{ 1 + }}\n{% endif %}", "my_template");
+  ASSERT_FALSE(t);
+  EXPECT_NE(t.error().message.find("template 'my_template', line 3"), std::string::npos) << t.error().message;
+}
+
+TEST(TemplateErrors, RaiseExceptionMessageAndLine) {
+  auto t = ChatTemplate::parse("a\nb\n{{ raise_exception('Conversation roles must alternate') }}");
+  ASSERT_TRUE(t) << t.error().message;
+  auto r = t->render(json::object());
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message.find("Conversation roles must alternate"), std::string::npos) << r.error().message;
+  EXPECT_EQ(error_line_of(r.error().message), 3) << r.error().message;
+}
+
+TEST(TemplateErrors, UnknownFilterIsAParseError) {
+  auto t = ChatTemplate::parse("{{ 'x' }}\n{{ messages | frobnicate }}");
+  ASSERT_FALSE(t);
+  EXPECT_NE(t.error().message.find("frobnicate"), std::string::npos) << t.error().message;
+  EXPECT_EQ(error_line_of(t.error().message), 2) << t.error().message;
+}
+
+TEST(TemplateErrors, MissingMethodIsARuntimeErrorWithLine) {
+  auto t = ChatTemplate::parse("{% for m in messages %}\n{{ m.content.frobnicate() }}\n{% endfor %}");
+  ASSERT_TRUE(t) << t.error().message;
+  auto r = t->render({{"messages", {{{"role", "user"}, {"content", "hi"}}}}});
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message.find("frobnicate"), std::string::npos) << r.error().message;
+  EXPECT_EQ(error_line_of(r.error().message), 2) << r.error().message;
+}
+
+TEST(TemplateErrors, RunawayRecursionAndLoopsAreStopped) {
+  auto rec = ChatTemplate::parse("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}");
+  ASSERT_TRUE(rec) << rec.error().message;
+  auto r = rec->render(json::object());
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message.find("recursion"), std::string::npos) << r.error().message;
+
+  // 100000^2 iterations: stopped by the step limit long before it finishes.
+  auto loops = ChatTemplate::parse("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}");
+  ASSERT_TRUE(loops) << loops.error().message;
+  auto l = loops->render(json::object());
+  ASSERT_FALSE(l);
+  EXPECT_NE(l.error().message.find("limit"), std::string::npos) << l.error().message;
+}
+
+TEST(TemplateErrors, ContextMustBeAnObject) {
+  auto t = ChatTemplate::parse("x");
+  ASSERT_TRUE(t);
+  EXPECT_FALSE(t->render(json::array()));
+}
+
+}  // namespace
+}  // namespace tern
