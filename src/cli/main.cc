@@ -2,9 +2,12 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
+#include "cli/tokenize_command.h"
+
 int main(int argc, char** argv) {
   CLI::App app{"tern: serves large language models from their Hugging Face checkpoints"};
   app.require_subcommand(1);
+  tern::register_tokenize_commands(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }
