@@ -33,6 +33,7 @@ class IncrementalDetokenizer {
   std::vector<int32_t> window_;
   std::string prefix_;     // decode(window_[0, prefix_end_)): text already emitted
   size_t prefix_end_ = 0;  // ids at the front of window_ that only serve as context
+  bool in_byte_run_ = false;  // the last decoded token is a "<0xNN>" byte-fallback token
 };
 
 }  // namespace tern

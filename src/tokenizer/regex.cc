@@ -33,12 +33,52 @@ MatchScratch& match_scratch() {
   return scratch;
 }
 
+// Oniguruma's Unicode \w (the reference's engine) is Alphabetic + Mark + Decimal_Number + Connector_Punctuation +
+// Join_Control, while PCRE2 10.42's is only letters, numbers and '_'. The difference shows on decomposed text
+// (NFD), so \w and \W are rewritten into explicit classes. Alphabetic symbols outside L/Nl/M are the circled
+// and squared Latin letters.
+constexpr std::string_view kWordClass =
+    R"(\p{L}\p{Nl}\p{M}\p{Nd}\p{Pc}\x{200C}\x{200D}\x{24B6}-\x{24E9}\x{1F130}-\x{1F149}\x{1F150}-\x{1F169}\x{1F170}-\x{1F189})";
+
+std::string rewrite_word_classes(std::string_view pattern) {
+  std::string out;
+  out.reserve(pattern.size());
+  bool in_class = false;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    if (c == '\\' && i + 1 < pattern.size()) {
+      const char next = pattern[++i];
+      if (next == 'w') {
+        out += in_class ? std::string(kWordClass) : "[" + std::string(kWordClass) + "]";
+      } else if (next == 'W' && !in_class) {
+        out += "[^" + std::string(kWordClass) + "]";
+      } else {
+        out += c;
+        out += next;
+      }
+      continue;
+    }
+    if (c == '[' && !in_class) {
+      in_class = true;
+      out += c;
+      // A ']' (or '^]') right after the opening bracket is a literal, not the end of the class.
+      if (i + 1 < pattern.size() && pattern[i + 1] == '^') out += pattern[++i];
+      if (i + 1 < pattern.size() && pattern[i + 1] == ']') out += pattern[++i];
+      continue;
+    }
+    if (c == ']' && in_class) in_class = false;
+    out += c;
+  }
+  return out;
+}
+
 }  // namespace
 
 Expected<Regex> Regex::compile(std::string_view pattern) {
   int error_code = 0;
   PCRE2_SIZE error_offset = 0;
-  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+  const std::string rewritten = rewrite_word_classes(pattern);
+  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(rewritten.data()), rewritten.size(),
                                    PCRE2_UTF | PCRE2_UCP, &error_code, &error_offset, nullptr);
   if (code == nullptr) {
     PCRE2_UCHAR message[256];

