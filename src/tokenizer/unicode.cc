@@ -110,19 +110,6 @@ std::string utf8_lossy(std::string_view bytes) {
   return out;
 }
 
-size_t utf8_incomplete_tail(std::string_view text) {
-  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
-  const size_t n = text.size();
-  for (size_t back = 1; back <= 3 && back <= n; ++back) {
-    const size_t i = n - back;
-    if ((s[i] & 0xC0) == 0x80) continue;  // continuation byte: keep looking for the lead
-    size_t bad = 0;
-    if (utf8_valid_sequence(s, n, i, &bad) == 0 && bad == back && utf8_sequence_length(s[i]) > back) return back;
-    return 0;
-  }
-  return 0;
-}
-
 bool unicode_is_whitespace(char32_t c) {
   if (c < 0x80) return c == ' ' || (c >= 0x09 && c <= 0x0D);
   switch (c) {

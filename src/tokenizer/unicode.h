@@ -1,4 +1,4 @@
-// UTF-8 and Unicode helpers for the tokenizer. Character classes follow Rust's `char` methods, because the
+// UTF-8 and Unicode functions for the tokenizer. Character classes follow Rust's `char` methods, because the
 // reference library (Rust `tokenizers`) decides splits and strips with them.
 #pragma once
 
@@ -26,8 +26,6 @@ bool utf8_is_valid(std::string_view text);
 
 // Rust's String::from_utf8_lossy: every maximal invalid subsequence becomes one U+FFFD.
 std::string utf8_lossy(std::string_view bytes);
-// Number of bytes at the end of `text` that form an incomplete (but so far valid) UTF-8 sequence.
-size_t utf8_incomplete_tail(std::string_view text);
 
 bool unicode_is_whitespace(char32_t c);    // char::is_whitespace (White_Space property)
 bool unicode_is_numeric(char32_t c);       // char::is_numeric (Nd, Nl, No)
