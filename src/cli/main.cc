@@ -3,11 +3,13 @@
 
 #include "cli/info_command.h"
 #include "cli/template_command.h"
+#include "cli/tokenize_command.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"tern: serves large language models from their Hugging Face checkpoints"};
   app.require_subcommand(1);
   tern::register_info_command(app);
+  tern::register_tokenize_commands(app);
   tern::register_template_command(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
