@@ -15,7 +15,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const std::vector<std::string> kFixtures = {"qwen3", "qwen3_moe", "qwen3_5_moe", "glm_moe_dsa", "qwen3_5_moe_nvfp4"};
+const std::vector<std::string> kFixtures = {"qwen3",       "qwen3_moe",         "qwen3_5_moe",
+                                            "glm_moe_dsa", "qwen3_5_moe_fused", "qwen3_5_moe_nvfp4"};
 
 nlohmann::json read_json(const fs::path& p) {
   std::ifstream in(p);
