@@ -66,6 +66,14 @@ with open(dict_path, "w") as f:
 PY
 
 echo "fuzzing safetensors_parse_header for ${seconds}s (corpus: $corpus)"
-"$build/fuzz/safetensors_header_fuzz" "$corpus" -dict="$build/safetensors.dict" \
+# The fuzzer's progress lines go to a log; on failure its tail (with the crash report) is printed.
+log="$build/fuzz.log"
+if ! "$build/fuzz/safetensors_header_fuzz" "$corpus" -dict="$build/safetensors.dict" \
   -max_total_time="$seconds" -max_len=4096 -timeout=10 -rss_limit_mb=2048 \
-  -artifact_prefix="$artifacts/" -print_final_stats=1
+  -artifact_prefix="$artifacts/" -print_final_stats=1 >"$log" 2>&1; then
+  tail -n 60 "$log"
+  echo "fuzz: FAILED (inputs that broke it are in $artifacts/)"
+  exit 1
+fi
+grep -E "^stat::number_of_executed_units|^stat::peak_rss_mb|Done [0-9]+ runs" "$log" || true
+echo "fuzz: no crash, no broken invariant in ${seconds}s"
