@@ -1,6 +1,8 @@
 #include "runtime/sampler.h"
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -64,6 +66,28 @@ int32_t logits_argmax(std::span<const float> logits) {
     if (logits[i] > logits[best]) best = i;
   }
   return static_cast<int32_t>(best);
+}
+
+// The k-th largest value (counting repeats), 0 < k < size. For small k (top_k 20 to 50 is the common setting) a
+// min-heap of the k best so far rejects most of the row with one comparison; otherwise nth_element on a copy.
+float logits_kth_largest(std::span<const float> logits, size_t k, std::vector<float>& scratch) {
+  constexpr size_t kMaxHeap = 1024;
+  const auto greater = std::greater<float>();
+  if (k > kMaxHeap) {
+    scratch.assign(logits.begin(), logits.end());
+    const auto kth = scratch.begin() + static_cast<ptrdiff_t>(k - 1);
+    std::nth_element(scratch.begin(), kth, scratch.end(), greater);
+    return *kth;
+  }
+  scratch.assign(logits.begin(), logits.begin() + static_cast<ptrdiff_t>(k));
+  std::make_heap(scratch.begin(), scratch.end(), greater);  // front() is the smallest of the k kept
+  for (size_t i = k; i < logits.size(); ++i) {
+    if (logits[i] <= scratch.front()) continue;
+    std::pop_heap(scratch.begin(), scratch.end(), greater);
+    scratch.back() = logits[i];
+    std::push_heap(scratch.begin(), scratch.end(), greater);
+  }
+  return scratch.front();
 }
 
 // log(sum(exp(x - max))) with a double accumulator: the log-normaliser of the raw log_softmax.
@@ -213,18 +237,19 @@ Expected<std::span<const float>> Sampler::apply_penalties(std::span<const float>
 }
 
 int32_t Sampler::sample_random(std::span<const float> logits) {
+  mass_scale_ = std::ldexp(1.0f, 62 - static_cast<int>(std::bit_width(logits.size())));
   select_candidates(logits);
   if (params_.top_p < 1.0f) apply_top_p();
-  double total = 0.0;
-  for (const Candidate& c : candidates_) total += c.weight;
-  // Inverse CDF over the kept set in its current order: one uniform draw per token, so a seed replays exactly.
-  const double target = rng_.next_unit() * total;
-  double cumulative = 0.0;
+  uint64_t total = 0;
+  for (const Candidate& c : candidates_) total += mass(c);
+  // Inverse CDF over the kept tokens in id order with one uniform draw per token, so a seed replays exactly.
+  const auto target = std::min(total - 1, static_cast<uint64_t>(rng_.next_unit() * static_cast<double>(total)));
+  uint64_t cumulative = 0;
   for (const Candidate& c : candidates_) {
-    cumulative += c.weight;
+    cumulative += mass(c);
     if (target < cumulative) return c.id;
   }
-  return candidates_.back().id;  // rounding left the target at the very top of the range
+  return candidates_.back().id;  // not reached: target < total
 }
 
 // Temperature, min_p and top_k in one pass. vLLM applies min_p before top_k; both keep every token whose logit
@@ -236,49 +261,76 @@ void Sampler::select_candidates(std::span<const float> logits) {
   const float max = *std::max_element(logits.begin(), logits.end());
   float threshold = -kInf;
   if (params_.top_k > 0 && static_cast<size_t>(params_.top_k) < vocab) {
-    value_scratch_.assign(logits.begin(), logits.end());
-    const auto kth = value_scratch_.begin() + (params_.top_k - 1);
-    std::nth_element(value_scratch_.begin(), kth, value_scratch_.end(), std::greater<float>());
-    threshold = *kth;
+    threshold = logits_kth_largest(logits, static_cast<size_t>(params_.top_k), value_scratch_);
   }
   // Weights are probabilities relative to the best token, so min_p's `prob < min_p * max_prob` is
-  // `weight < min_p`. Subtracting the max before dividing keeps a small temperature from overflowing.
+  // `weight < min_p`. Subtracting the max before dividing keeps a small temperature from overflowing. Tokens
+  // whose mass rounds to zero (weight < 2^-44 for a 248k vocabulary) could never be drawn and are dropped.
   candidates_.clear();
   for (size_t i = 0; i < vocab; ++i) {
     if (logits[i] < threshold) continue;
-    const float weight = std::exp((logits[i] - max) / params_.temperature);
-    if (weight > 0.0f && weight >= params_.min_p) candidates_.push_back({static_cast<int32_t>(i), weight});
+    const Candidate c{static_cast<int32_t>(i), std::exp((logits[i] - max) / params_.temperature)};
+    if (c.weight >= params_.min_p && mass(c) > 0) candidates_.push_back(c);
   }
 }
 
 // Keeps the smallest set of most probable tokens whose probability (renormalised over the tokens min_p and top_k
 // kept) reaches top_p; the best token always stays. vLLM drops the ascending tail whose cumulative mass is
-// <= 1 - top_p, which is the same set. Only the kept prefix is sorted: chunks of growing size are selected with
-// nth_element, so a peaked distribution costs O(vocab) instead of a full sort.
+// <= 1 - top_p, which is the same set. Nothing is fully sorted: one pass sums the mass per weight bucket (the
+// float's exponent and top mantissa bits, which order positive floats), the walk down the buckets finds the one
+// holding the boundary, and a weighted quickselect runs on that bucket's tokens only. Kept tokens stay in id order.
 void Sampler::apply_top_p() {
-  double total = 0.0;
-  for (const Candidate& c : candidates_) total += c.weight;
-  const double target = static_cast<double>(params_.top_p) * total;
+  constexpr int kBucketShift = 20;  // 8 buckets per power of two
+  constexpr size_t kBuckets = (std::bit_cast<uint32_t>(1.0f) >> kBucketShift) + 1;
+  const auto bucket = [](const Candidate& c) { return std::bit_cast<uint32_t>(c.weight) >> kBucketShift; };
+  std::array<uint64_t, kBuckets> bucket_mass{};
+  uint64_t total = 0;
+  for (const Candidate& c : candidates_) {
+    bucket_mass[bucket(c)] += mass(c);
+    total += mass(c);
+  }
+  const double wanted = std::ceil(static_cast<double>(params_.top_p) * static_cast<double>(total));
+  uint64_t need = std::clamp<uint64_t>(static_cast<uint64_t>(wanted), 1, total);
+  size_t boundary_bucket = kBuckets - 1;
+  while (bucket_mass[boundary_bucket] < need) need -= bucket_mass[boundary_bucket--];  // ends: the sum is total
+
+  select_scratch_.clear();
+  for (const Candidate& c : candidates_) {
+    if (bucket(c) == boundary_bucket) select_scratch_.push_back(c);
+  }
+  const Candidate boundary = top_p_boundary(select_scratch_, need);
   const auto higher = [](const Candidate& a, const Candidate& b) {
     return a.weight > b.weight || (a.weight == b.weight && a.id < b.id);
   };
-  double cumulative = 0.0;
-  size_t sorted = 0;
-  for (size_t chunk = 64; sorted < candidates_.size(); chunk *= 2) {
-    const size_t end = std::min(candidates_.size(), sorted + chunk);
-    const auto first = candidates_.begin() + static_cast<ptrdiff_t>(sorted);
-    const auto middle = candidates_.begin() + static_cast<ptrdiff_t>(end);
-    std::nth_element(first, middle, candidates_.end(), higher);
-    std::sort(first, middle, higher);
-    for (size_t i = sorted; i < end; ++i) {
-      cumulative += candidates_[i].weight;
-      if (cumulative >= target) {
-        candidates_.resize(i + 1);
-        return;
-      }
+  std::erase_if(candidates_, [&](const Candidate& c) { return higher(boundary, c); });
+}
+
+// The token at which the cumulative mass of `tokens`, taken from the most probable, first reaches `need` (which
+// is at most their total). Weighted quickselect: nth_element splits the range holding the boundary in two.
+Sampler::Candidate Sampler::top_p_boundary(std::vector<Candidate>& tokens, uint64_t need) const {
+  const auto higher = [](const Candidate& a, const Candidate& b) {
+    return a.weight > b.weight || (a.weight == b.weight && a.id < b.id);
+  };
+  auto lo = tokens.begin(), hi = tokens.end();
+  while (hi - lo > 32) {  // invariant: the boundary is in [lo, hi), and `need` is what [lo, ...] must still cover
+    const auto mid = lo + (hi - lo) / 2;
+    std::nth_element(lo, mid, hi, higher);
+    uint64_t upper = 0;
+    for (auto it = lo; it != mid; ++it) upper += mass(*it);
+    if (upper >= need) {
+      hi = mid;
+    } else {
+      need -= upper;
+      lo = mid;
     }
-    sorted = end;
   }
+  std::sort(lo, hi, higher);
+  uint64_t cumulative = 0;
+  for (auto it = lo; it != hi; ++it) {
+    cumulative += mass(*it);
+    if (cumulative >= need) return *it;
+  }
+  return *(hi - 1);  // not reached while need <= the range's mass
 }
 
 }  // namespace tern

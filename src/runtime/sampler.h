@@ -81,19 +81,26 @@ class Sampler {
     int32_t id;
     float weight;  // exp((logit - max) / temperature): unnormalised probability, 1 for the best token
   };
+  // Probability mass as a fixed-point integer (the best token has 2^(62 - bit_width(vocab))): integer sums do
+  // not depend on the order of addition, so the kept set and the drawn token do not depend on the order in
+  // which a standard library's nth_element leaves the candidates.
+  uint64_t mass(const Candidate& c) const { return static_cast<uint64_t>(c.weight * mass_scale_); }
 
   Expected<std::span<const float>> apply_penalties(std::span<const float> logits, std::span<const int32_t> prompt_ids,
                                                    std::span<const int32_t> output_ids);
   int32_t sample_random(std::span<const float> logits);
   void select_candidates(std::span<const float> logits);
   void apply_top_p();
+  Candidate top_p_boundary(std::vector<Candidate>& tokens, uint64_t need) const;
 
   SamplingParams params_;
   std::optional<Error> invalid_;
   SamplerRng rng_;
   std::vector<float> penalized_;        // [vocab] logits after penalties (only when a penalty is active)
   std::vector<float> value_scratch_;    // [vocab] copy for the top-k selection
-  std::vector<Candidate> candidates_;   // tokens still allowed after min_p / top_k / top_p
+  std::vector<Candidate> candidates_;   // tokens still allowed after min_p / top_k / top_p, in id order
+  std::vector<Candidate> select_scratch_;  // reordered copy for the top_p selection
+  float mass_scale_ = 1.0f;
 };
 
 }  // namespace tern

@@ -301,6 +301,23 @@ TEST(SamplerDistribution, TopKKeepsTiesWithTheKthLogit) {
   }
 }
 
+TEST(SamplerDistribution, TopKKeepsExactlyTheKHighestLogits) {
+  // 3000 distinct random logits; at T = 1000 the kept tokens are nearly equiprobable (q ~ 1/k >= 1/1100), so
+  // 20000 draws see each of them (a miss has probability < 1100 * e^-17) and the sampled set must equal the k
+  // highest logits found by a full sort. k = 1000 and 1100 take the sampler's two selection paths.
+  const std::vector<float> row = random_row(3000, 9, 2.0f);
+  std::vector<float> sorted = row;
+  std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+  for (int32_t k : {1000, 1100}) {
+    std::vector<char> kept(row.size()), seen(row.size(), 0);
+    for (size_t i = 0; i < row.size(); ++i) kept[i] = row[i] >= sorted[k - 1];
+    ASSERT_EQ(std::count(kept.begin(), kept.end(), 1), k);  // distinct values: exactly k
+    Sampler sampler(SamplingParams{.temperature = 1000.0f, .top_k = k, .seed = 23});
+    for (int i = 0; i < 20000; ++i) seen[sample_ok(sampler, row).id] = 1;
+    EXPECT_EQ(seen, kept) << "top_k " << k;
+  }
+}
+
 TEST(SamplerDistribution, TopPOnALargeVocabularyKeepsExactlyTheReferenceSet) {
   // 40000 tokens: 200 likely ones with logits in [5, 5.5], the rest in [-6, 0]. The reference kept set for
   // top_p 0.5 at T = 0.9 is recomputed in double by a full sort; it has ~90 tokens, more than the sampler's first
@@ -434,9 +451,12 @@ TEST(Sampler, LogprobsAreTheRawLogSoftmax) {
   std::iota(by_value.begin(), by_value.end(), 0);
   std::stable_sort(by_value.begin(), by_value.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
 
-  Sampler sampler(SamplingParams{.temperature = 0.7f, .top_k = 50, .repetition_penalty = 3.0f, .seed = 3,
-                                 .logprobs = 5});
-  const SampledToken token = sample_ok(sampler, row, {by_value[0], by_value[1]}, {by_value[2]});
+  // The whole row is in the prompt, so the repetition penalty reshapes every logit the sampler sees.
+  std::vector<int32_t> prompt(row.size());
+  std::iota(prompt.begin(), prompt.end(), 0);
+  Sampler sampler(SamplingParams{.temperature = 0.7f, .top_k = 50, .repetition_penalty = 3.0f,
+                                 .frequency_penalty = 1.0f, .seed = 3, .logprobs = 5});
+  const SampledToken token = sample_ok(sampler, row, prompt, {by_value[2]});
   EXPECT_NEAR(token.logprob, reference[token.id], logprob_tolerance(reference[token.id]));
   ASSERT_EQ(token.top_logprobs.size(), 5u);
   for (size_t i = 0; i < 5; ++i) {
