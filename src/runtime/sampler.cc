@@ -14,7 +14,9 @@ namespace {
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Written as "inside the range" so that NaN, which fails every comparison, is rejected too.
-bool is_within(float x, float lo, float hi) { return x >= lo && x <= hi; }
+bool is_within(float x, float lo, float hi) {
+  return x >= lo && x <= hi;
+}
 
 uint64_t splitmix64_next(uint64_t& state) {
   uint64_t z = (state += 0x9E3779B97F4A7C15ull);
@@ -23,11 +25,13 @@ uint64_t splitmix64_next(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
-uint64_t rotate_left(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+uint64_t rotate_left(uint64_t x, int k) {
+  return (x << k) | (x >> (64 - k));
+}
 
 uint64_t random_seed() {
   std::random_device device;
-  return (uint64_t{device()} << 32) ^ uint64_t{device()};
+  return (uint64_t{device()} << 32) ^ uint64_t { device() };
 }
 
 const char* non_finite_name(float x) {
@@ -200,7 +204,9 @@ uint64_t SamplerRng::next_u64() {
   return result;
 }
 
-double SamplerRng::next_unit() { return static_cast<double>(next_u64() >> 11) * 0x1.0p-53; }
+double SamplerRng::next_unit() {
+  return static_cast<double>(next_u64() >> 11) * 0x1.0p-53;
+}
 
 Sampler::Sampler(const SamplingParams& params)
     : params_(params), rng_(params.seed.has_value() ? *params.seed : random_seed()) {
@@ -299,22 +305,21 @@ void Sampler::apply_top_p() {
     if (bucket(c) == boundary_bucket) select_scratch_.push_back(c);
   }
   const Candidate boundary = top_p_boundary(select_scratch_, need);
-  const auto higher = [](const Candidate& a, const Candidate& b) {
-    return a.weight > b.weight || (a.weight == b.weight && a.id < b.id);
-  };
-  std::erase_if(candidates_, [&](const Candidate& c) { return higher(boundary, c); });
+  std::erase_if(candidates_, [&](const Candidate& c) { return more_probable(boundary, c); });
+}
+
+// A strict total order, so the kept set is the same whatever order the candidates arrive in.
+bool Sampler::more_probable(const Candidate& a, const Candidate& b) {
+  return a.weight > b.weight || (a.weight == b.weight && a.id < b.id);
 }
 
 // The token at which the cumulative mass of `tokens`, taken from the most probable, first reaches `need` (which
 // is at most their total). Weighted quickselect: nth_element splits the range holding the boundary in two.
 Sampler::Candidate Sampler::top_p_boundary(std::vector<Candidate>& tokens, uint64_t need) const {
-  const auto higher = [](const Candidate& a, const Candidate& b) {
-    return a.weight > b.weight || (a.weight == b.weight && a.id < b.id);
-  };
   auto lo = tokens.begin(), hi = tokens.end();
   while (hi - lo > 32) {  // invariant: the boundary is in [lo, hi), and `need` is what [lo, ...] must still cover
     const auto mid = lo + (hi - lo) / 2;
-    std::nth_element(lo, mid, hi, higher);
+    std::nth_element(lo, mid, hi, more_probable);
     uint64_t upper = 0;
     for (auto it = lo; it != mid; ++it) upper += mass(*it);
     if (upper >= need) {
@@ -324,7 +329,7 @@ Sampler::Candidate Sampler::top_p_boundary(std::vector<Candidate>& tokens, uint6
       lo = mid;
     }
   }
-  std::sort(lo, hi, higher);
+  std::sort(lo, hi, more_probable);
   uint64_t cumulative = 0;
   for (auto it = lo; it != hi; ++it) {
     cumulative += mass(*it);

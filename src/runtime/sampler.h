@@ -6,6 +6,11 @@
 //             ├─► temperature < 1e-5: greedy argmax, ties to the lowest id
 //             └─► temperature ─► min_p ─► top_k ─► top_p ─► draw from the renormalised kept set
 //
+// min_p comes before top_p as in vLLM v1 (transformers and SGLang apply it after top_p; the kept sets differ
+// when both are set). top_p is taken over the distribution renormalised after min_p and top_k, as vLLM does
+// (SGLang uses the unrenormalised one). A random draw consumes exactly one value of the seeded generator; a
+// greedy step none.
+//
 //   Sampler sampler(params);  // params checked by sampling_params_validate at the API boundary
 //   TERN_ASSIGN_OR_RETURN(SampledToken t, sampler.sample(logits_row, prompt_ids, output_ids));
 #pragma once
@@ -91,14 +96,15 @@ class Sampler {
   int32_t sample_random(std::span<const float> logits);
   void select_candidates(std::span<const float> logits);
   void apply_top_p();
+  static bool more_probable(const Candidate& a, const Candidate& b);
   Candidate top_p_boundary(std::vector<Candidate>& tokens, uint64_t need) const;
 
   SamplingParams params_;
   std::optional<Error> invalid_;
   SamplerRng rng_;
-  std::vector<float> penalized_;        // [vocab] logits after penalties (only when a penalty is active)
-  std::vector<float> value_scratch_;    // [vocab] copy for the top-k selection
-  std::vector<Candidate> candidates_;   // tokens still allowed after min_p / top_k / top_p, in id order
+  std::vector<float> penalized_;           // [vocab] logits after penalties (only when a penalty is active)
+  std::vector<float> value_scratch_;       // [top_k] heap or [vocab] copy for the top-k selection
+  std::vector<Candidate> candidates_;      // tokens still allowed after min_p / top_k / top_p, in id order
   std::vector<Candidate> select_scratch_;  // reordered copy for the top_p selection
   float mass_scale_ = 1.0f;
 };

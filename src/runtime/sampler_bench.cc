@@ -33,16 +33,29 @@ void run_sampler(benchmark::State& state, const SamplingParams& params) {
   }
 }
 
-void BM_Greedy(benchmark::State& s) { run_sampler(s, {.temperature = 0.0f}); }
-void BM_Temperature(benchmark::State& s) { run_sampler(s, {.temperature = 0.7f, .seed = 1}); }
-void BM_TopK20(benchmark::State& s) { run_sampler(s, {.temperature = 0.7f, .top_k = 20, .seed = 1}); }
-void BM_TopP095(benchmark::State& s) { run_sampler(s, {.temperature = 0.7f, .top_p = 0.95f, .seed = 1}); }
+void BM_Greedy(benchmark::State& s) {
+  run_sampler(s, {.temperature = 0.0f});
+}
+void BM_Temperature(benchmark::State& s) {
+  run_sampler(s, {.temperature = 0.7f, .seed = 1});
+}
+void BM_TopK20(benchmark::State& s) {
+  run_sampler(s, {.temperature = 0.7f, .top_k = 20, .seed = 1});
+}
+void BM_TopP095(benchmark::State& s) {
+  run_sampler(s, {.temperature = 0.7f, .top_p = 0.95f, .seed = 1});
+}
 void BM_TopKTopPMinP(benchmark::State& s) {
   run_sampler(s, {.temperature = 0.6f, .top_k = 20, .top_p = 0.95f, .min_p = 0.05f, .seed = 1});
 }
 void BM_PenaltiesLogprobs(benchmark::State& s) {
-  run_sampler(s, {.temperature = 0.7f, .top_p = 0.9f, .repetition_penalty = 1.1f, .presence_penalty = 0.5f,
-                  .frequency_penalty = 0.2f, .seed = 1, .logprobs = 20});
+  run_sampler(s, {.temperature = 0.7f,
+                  .top_p = 0.9f,
+                  .repetition_penalty = 1.1f,
+                  .presence_penalty = 0.5f,
+                  .frequency_penalty = 0.2f,
+                  .seed = 1,
+                  .logprobs = 20});
 }
 
 BENCHMARK(BM_Greedy)->Unit(benchmark::kMicrosecond);

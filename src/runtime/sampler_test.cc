@@ -92,8 +92,8 @@ TEST(SamplingParams, EachOutOfRangeFieldIsNamed) {
   };
   for (const auto& c : cases) {
     const std::string message = validate_error(c.params);
-    EXPECT_NE(message.find(c.name), std::string::npos) << "expected an error naming " << c.name << ", got '"
-                                                       << message << "'";
+    EXPECT_NE(message.find(c.name), std::string::npos)
+        << "expected an error naming " << c.name << ", got '" << message << "'";
   }
 }
 
@@ -128,7 +128,8 @@ TEST(SamplingPenalties, MatchHandComputedValues) {
   // presence 0.5 on the output ids 2 (count 2), 4 (1), 5 (1).
   std::vector<float> logits = {2.0f, -1.0f, 0.5f, 3.0f, -2.0f, 0.0f, 1.0f};
   const SamplingParams params{.repetition_penalty = 2.0f, .presence_penalty = 0.5f, .frequency_penalty = 0.25f};
-  ASSERT_TRUE(sampling_apply_penalties(params, logits, std::vector<int32_t>{0, 1, 0}, std::vector<int32_t>{2, 2, 4, 5}));
+  ASSERT_TRUE(
+      sampling_apply_penalties(params, logits, std::vector<int32_t>{0, 1, 0}, std::vector<int32_t>{2, 2, 4, 5}));
   const std::vector<float> expected = {
       1.0f,    // 2 / 2
       -2.0f,   // -1 * 2
@@ -232,8 +233,8 @@ void expect_distribution(const SamplingParams& params, const std::vector<int>& k
     }
     const double mean = kDraws * q[id];
     const double sigma = std::sqrt(kDraws * q[id] * (1.0 - q[id]));
-    EXPECT_LE(std::abs(counts[id] - mean), 5.0 * sigma) << "id " << id << ": count " << counts[id] << ", expected "
-                                                        << mean;
+    EXPECT_LE(std::abs(counts[id] - mean), 5.0 * sigma)
+        << "id " << id << ": count " << counts[id] << ", expected " << mean;
   }
 }
 
@@ -407,8 +408,14 @@ std::vector<int32_t> generate(const SamplingParams& params, int steps) {
 }
 
 TEST(Sampler, SameSeedSameTokensOtherSeedOtherTokens) {
-  SamplingParams params{.temperature = 1.3f, .top_k = 200, .top_p = 0.95f, .min_p = 0.01f,
-                        .repetition_penalty = 1.2f, .presence_penalty = 0.3f, .frequency_penalty = 0.2f, .seed = 7};
+  SamplingParams params{.temperature = 1.3f,
+                        .top_k = 200,
+                        .top_p = 0.95f,
+                        .min_p = 0.01f,
+                        .repetition_penalty = 1.2f,
+                        .presence_penalty = 0.3f,
+                        .frequency_penalty = 0.2f,
+                        .seed = 7};
   const std::vector<int32_t> first = generate(params, 100);
   EXPECT_EQ(generate(params, 100), first);
   params.seed = 8;
@@ -440,7 +447,9 @@ TEST(Sampler, NonFiniteLogitsAreAnErrorNamingTheFirstBadId) {
 
 // Float log_softmax: the result's rounding (half an ulp, 6e-8 relative) plus the float exp terms of the
 // normaliser (< 1.2e-7 relative on the sum, so absolute on its log); twice that as margin.
-double logprob_tolerance(double reference) { return 5e-7 + 2e-7 * std::abs(reference); }
+double logprob_tolerance(double reference) {
+  return 5e-7 + 2e-7 * std::abs(reference);
+}
 
 TEST(Sampler, LogprobsAreTheRawLogSoftmax) {
   // Penalties, temperature and filters are active; the logprobs must still be those of the raw row (vLLM's
@@ -454,8 +463,12 @@ TEST(Sampler, LogprobsAreTheRawLogSoftmax) {
   // The whole row is in the prompt, so the repetition penalty reshapes every logit the sampler sees.
   std::vector<int32_t> prompt(row.size());
   std::iota(prompt.begin(), prompt.end(), 0);
-  Sampler sampler(SamplingParams{.temperature = 0.7f, .top_k = 50, .repetition_penalty = 3.0f,
-                                 .frequency_penalty = 1.0f, .seed = 3, .logprobs = 5});
+  Sampler sampler(SamplingParams{.temperature = 0.7f,
+                                 .top_k = 50,
+                                 .repetition_penalty = 3.0f,
+                                 .frequency_penalty = 1.0f,
+                                 .seed = 3,
+                                 .logprobs = 5});
   const SampledToken token = sample_ok(sampler, row, prompt, {by_value[2]});
   EXPECT_NEAR(token.logprob, reference[token.id], logprob_tolerance(reference[token.id]));
   ASSERT_EQ(token.top_logprobs.size(), 5u);

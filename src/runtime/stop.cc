@@ -9,7 +9,9 @@ namespace {
 constexpr std::string_view kFinishStop = "stop";
 constexpr std::string_view kFinishLength = "length";
 
-bool utf8_is_continuation(char byte) { return (static_cast<unsigned char>(byte) & 0xC0) == 0x80; }
+bool utf8_is_continuation(char byte) {
+  return (static_cast<unsigned char>(byte) & 0xC0) == 0x80;
+}
 
 // Length of the sequence a lead byte announces, 0 for a byte that cannot start one (RFC 3629 table).
 size_t utf8_sequence_length(char byte) {

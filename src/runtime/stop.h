@@ -32,9 +32,9 @@ struct StopCriteria {
 Expected<void> stop_criteria_validate(const StopCriteria& criteria);
 
 struct StopUpdate {
-  std::string text;                 // text the client may see now
+  std::string text;  // text the client may see now
   bool finished = false;
-  std::string_view finish_reason;   // "stop" or "length" once finished, empty before
+  std::string_view finish_reason;  // "stop" or "length" once finished, empty before
   // What ended the sequence with "stop" (OpenAI/vLLM's stop_reason): the matched string or the token id.
   std::optional<std::string> stop_string;
   std::optional<int32_t> stop_token_id;
