@@ -1,7 +1,6 @@
 #include "models/causal_lm.h"
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include "models/weight_schema.h"
 
@@ -78,10 +77,10 @@ Expected<std::unique_ptr<WeightStore>> open_weights(const std::filesystem::path&
 Expected<std::unique_ptr<CausalLm>> model_load(const std::filesystem::path& dir, const ModelLoadOptions& options) {
   TERN_ASSIGN_OR_RETURN(ModelConfig config, model_config_load(dir));
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<WeightStore> weights, open_weights(dir, config, options));
-  if (config.has_vision) spdlog::info("{}: vision tower weights are skipped (text model only)", dir.string());
   const WeightSchema schema = weight_schema_build(config, weights->text_prefix());
   WeightStore& store = *weights;
   auto model = std::make_unique<CausalLm>(config, std::move(weights));
+  if (config.has_vision) model->notices.push_back("the vision tower's weights are skipped (text model only)");
   const bool wa4 = options.nvfp4_quantize_activations;
   Expected<void> built;
   switch (config.architecture) {

@@ -54,6 +54,7 @@ class CausalLm {
   std::vector<DecoderLayer> layers;
   RmsNorm final_norm;
   Linear lm_head;
+  std::vector<std::string> notices;  // worth telling the user once (e.g. skipped vision weights)
 
  private:
   ModelConfig config_;
