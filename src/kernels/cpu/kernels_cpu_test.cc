@@ -12,6 +12,9 @@
 #include "kernels/cpu/matmul.h"
 
 namespace tern {
+namespace cpu_detail {  // the portable NVFP4 dot product (matmul.cc), which AVX2 machines do not dispatch to
+float dot_nvfp4(const float* a, const uint8_t* packed, const uint8_t* scales, float global_scale, int64_t n);
+}  // namespace cpu_detail
 namespace {
 
 std::vector<float> random_vector(size_t n, uint32_t seed, float scale = 1.0f) {
@@ -90,6 +93,25 @@ TEST(CpuMatmul, Nvfp4MatchesDequantizedReference) {
   std::vector<float> row(k);
   cpu_matrix_row(w, 7, row.data());
   for (int64_t j = 0; j < k; ++j) ASSERT_EQ(row[j], wd[7 * k + j]);
+}
+
+TEST(CpuMatmul, PortableNvfp4DotMatchesDequantizedReference) {
+  const int64_t k = 256;
+  const auto x = random_vector(k, 21);
+  const auto wf = random_vector(2 * k, 22, 0.3f);
+  const Nvfp4Matrix q = nvfp4_quantize_weight(wf, 2, k);
+  const std::vector<float> wd = nvfp4_dequantize(q);
+  for (int64_t r = 0; r < 2; ++r) {
+    double want = 0.0, max_term = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      want += double(x[j]) * wd[r * k + j];
+      max_term = std::max(max_term, std::abs(double(x[j]) * wd[r * k + j]));
+    }
+    const float got = cpu_detail::dot_nvfp4(x.data(), &q.packed[r * k / 2], &q.block_scales[r * k / 16],
+                                            q.global_scale, k);
+    ASSERT_NEAR(got, want, 1e-5 * max_term * k);
+    ASSERT_NE(got, 0.0f);
+  }
 }
 
 TEST(CpuMatmul, RowResultIndependentOfBatch) {
