@@ -9,6 +9,7 @@
 #include <cmath>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <numeric>
 
 #include "models/causal_lm.h"
@@ -196,6 +197,37 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, ModelReference,
                                          Case{"qwen3_5_moe_nvfp4", "reference_w4a16.json", false},
                                          Case{"qwen3_5_moe_nvfp4", "reference_w4a4.json", true}),
                          case_name);
+
+}  // namespace
+}  // namespace tern
+
+namespace tern {
+namespace {
+
+// Intermediates reach a tracer under stable names, one row per batch row, all finite.
+TEST(ModelTrace, NamedIntermediatesOfEveryBlock) {
+  auto model = model_load(std::string(TERN_FIXTURES_DIR) + "/qwen3_5_moe", {});
+  ASSERT_TRUE(model.has_value()) << model.error().message;
+  std::map<std::string, std::pair<int64_t, int64_t>> seen;
+  bool all_finite = true;
+  const Tracer tracer = [&](std::string_view name, const float* data, int64_t rows, int64_t cols) {
+    seen[std::string(name)] = {rows, cols};
+    for (int64_t i = 0; i < rows * cols; ++i) all_finite = all_finite && std::isfinite(data[i]);
+  };
+  SequenceCache seq = (*model)->new_sequence();
+  const std::vector<int32_t> tokens{5, 6, 7};
+  const std::vector<SequenceInput> batch{{&seq, tokens}};
+  ASSERT_TRUE((*model)->forward(batch, LogitsFor::kLastToken, &tracer).has_value());
+  EXPECT_TRUE(all_finite);
+  for (const char* name : {"layers.0.gdn_core", "layers.1.attn", "layers.0.router_logits", "layers.0.mixer_out",
+                           "layers.3.ffn_out", "layers.3.out", "final_norm"}) {
+    ASSERT_TRUE(seen.contains(name)) << name;
+  }
+  EXPECT_EQ(seen["layers.0.gdn_core"], (std::pair<int64_t, int64_t>{3, 128}));  // 4 value heads x 32
+  EXPECT_EQ(seen["layers.1.attn"], (std::pair<int64_t, int64_t>{3, 256}));      // 4 heads x 64
+  EXPECT_EQ(seen["layers.0.router_logits"], (std::pair<int64_t, int64_t>{3, 8}));
+  EXPECT_EQ(seen["final_norm"], (std::pair<int64_t, int64_t>{1, 64}));
+}
 
 }  // namespace
 }  // namespace tern
