@@ -1,6 +1,7 @@
 #include "layers/weights.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <cstring>
