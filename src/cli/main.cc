@@ -1,7 +1,9 @@
 // tern: one binary, one subcommand per job.
 #include <CLI/CLI.hpp>
 
+#include "cli/generate_command.h"
 #include "cli/info_command.h"
+#include "cli/score_command.h"
 #include "cli/template_command.h"
 #include "cli/tokenize_command.h"
 
@@ -11,6 +13,8 @@ int main(int argc, char** argv) {
   tern::register_info_command(app);
   tern::register_tokenize_commands(app);
   tern::register_template_command(app);
+  tern::register_generate_command(app);
+  tern::register_score_command(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Checks `tern score --json` and `tern generate --json` against a fixture's transformers reference
+(tests/fixtures/README.md): per prompt, the top-K teacher-forced logits within 1e-3 * max |reference logit| with
+the same ids wherever the reference gaps exceed that, and the 24-token greedy continuation exactly.
+
+usage: model_cli_test.py TERN FIXTURE_DIR REFERENCE_JSON [extra tern flags...]
+"""
+import json
+import subprocess
+import sys
+
+
+def run(cmd):
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def check_score(tern, model, prompt, positions, extra):
+    ids_arg = ",".join(map(str, prompt))
+    got = run([tern, "score", "--model", model, "--prompt-ids", ids_arg, "--top-k", "16", "--json"] + extra)
+    assert len(got["positions"]) == len(prompt), "one entry per prompt position"
+    for t, (ours, ref) in enumerate(zip(got["positions"], positions)):
+        tol = 1e-3 * max(abs(v) for v in ref["logits"])
+        ours_by_id = dict(zip(ours["ids"], ours["logits"]))
+        assert ours["logits"] == sorted(ours["logits"], reverse=True), f"position {t}: logits not highest first"
+        kth = ref["logits"][-1]
+        for rid, rv in zip(ref["ids"], ref["logits"]):
+            if rv - kth > tol:
+                assert rid in ours_by_id, f"position {t}: reference top id {rid} missing"
+            if rid in ours_by_id:
+                assert abs(ours_by_id[rid] - rv) <= tol, f"position {t} id {rid}: {ours_by_id[rid]} vs {rv}"
+        for oid, ov in ours_by_id.items():
+            if oid not in ref["ids"]:
+                assert ov - kth <= tol, f"position {t}: id {oid} only in our top-K"
+
+
+def check_generate(tern, model, prompt, continuation, extra):
+    ids_arg = ",".join(map(str, prompt))
+    got = run([tern, "generate", "--model", model, "--prompt-ids", ids_arg, "--max-tokens", str(len(continuation)),
+               "--temperature", "0", "--json", "--logprobs", "2"] + extra)
+    assert got["prompt_ids"] == prompt
+    assert got["ids"] == continuation, f"greedy {got['ids']} != reference {continuation}"
+    assert got["text"] == "", "fixtures have no tokenizer: text must be empty"
+    assert got["finish_reason"] == "length"
+    assert len(got["logprobs"]) == len(continuation)
+    for step, chosen in zip(got["logprobs"], continuation):
+        assert step[0]["id"] == chosen and step[0]["logprob"] <= 0 and step[0]["logprob"] >= step[1]["logprob"]
+
+
+def main():
+    tern, model, reference = sys.argv[1], sys.argv[2], sys.argv[3]
+    extra = sys.argv[4:]
+    with open(f"{model}/{reference}") as f:
+        ref = json.load(f)
+    for p, prompt in enumerate(ref["prompts"]):
+        check_score(tern, model, prompt, ref["teacher_forced"][p]["positions"], extra)
+        check_generate(tern, model, prompt, ref["greedy"][p]["continuation"], extra)
+    print(f"{model} {reference} {' '.join(extra)}: ok")
+
+
+if __name__ == "__main__":
+    main()

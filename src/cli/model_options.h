@@ -1,0 +1,30 @@
+// Options shared by the commands that run a model (generate, score): where the model is, how to load it, and the
+// prompt given as token ids.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "models/causal_lm.h"
+
+namespace tern {
+
+struct ModelCliOptions {
+  std::string model_dir;
+  std::string load_format = "auto";           // auto | dummy
+  std::string nvfp4_activations = "dequantize";  // dequantize (W4A16) | quantize (W4A4)
+  std::string device = "cpu";
+  uint64_t dummy_seed = 0;
+};
+
+void add_model_options(CLI::App& cmd, ModelCliOptions& options);
+Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOptions& options);
+
+// "1,2,3" -> {1, 2, 3}; an error names the bad item.
+Expected<std::vector<int32_t>> parse_id_list(const std::string& text);
+
+}  // namespace tern

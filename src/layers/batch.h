@@ -1,0 +1,45 @@
+// What every layer's forward sees: the activations of several sequences stacked row-wise (one row per new token),
+// where each sequence's rows sit, how many tokens it has cached, and its cache. Linear layers run over all rows at
+// once; attention and Gated DeltaNet run per sequence over its slice.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <string>
+#include <functional>
+#include <string_view>
+#include <vector>
+
+namespace tern {
+
+// Per layer, per sequence: the KV cache of an attention layer or the states of a Gated DeltaNet layer.
+struct LayerCache {
+  std::vector<float> k, v;                 // [tokens, n_kv_heads, head_dim]
+  std::vector<float> conv_state;           // [conv_channels, kernel - 1]
+  std::vector<float> recurrent_state;      // [n_value_heads, key_dim, value_dim]
+};
+
+struct SequenceCache {
+  std::vector<LayerCache> layers;
+  int64_t length = 0;  // tokens already processed
+};
+
+struct BatchSlice {
+  int64_t row_begin = 0;
+  int64_t n_rows = 0;
+  int64_t past = 0;  // cached tokens before these rows (the first row's position)
+  SequenceCache* cache = nullptr;
+};
+
+struct Batch {
+  std::vector<BatchSlice> sequences;
+  int64_t n_rows = 0;
+};
+
+// Receives named intermediates ("layers.3.mixer_out", ...): rows x cols fp32, one row per batch row.
+using Tracer = std::function<void(std::string_view name, const float* data, int64_t rows, int64_t cols)>;
+
+inline std::string trace_name(int64_t layer, std::string_view what) { return fmt::format("layers.{}.{}", layer, what); }
+
+}  // namespace tern

@@ -1,0 +1,41 @@
+// One linear layer y = x . W^T (+ bias) over fp32 activations, W in its stored format (kernels/cpu/matmul.h). An
+// NVFP4 layer can also quantize its input (W4A4): every row is quantize-dequantized with the layer's input_scale
+// exactly as core/nvfp4.h nvfp4_fake_quantize_activation_row does, before the product.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/matmul.h"
+
+namespace tern {
+
+class Linear {
+ public:
+  Linear() = default;
+  Linear(std::string name, CpuMatrix matrix) : name_(std::move(name)), matrix_(matrix) {}
+
+  void set_bias(std::vector<float> bias) { bias_ = std::move(bias); }
+  void set_input_quantization(float input_scale) {
+    quantize_input_ = true;
+    input_scale_ = input_scale;
+  }
+
+  // y [m, out] = x [m, in] . W^T
+  void forward(const float* x, int64_t m, float* y) const;
+
+  int64_t out_features() const { return matrix_.rows; }
+  int64_t in_features() const { return matrix_.cols; }
+  const CpuMatrix& matrix() const { return matrix_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  std::string name_;
+  CpuMatrix matrix_;
+  std::vector<float> bias_;
+  bool quantize_input_ = false;
+  float input_scale_ = 1.0f;
+};
+
+}  // namespace tern

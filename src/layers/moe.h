@@ -1,0 +1,53 @@
+// Feed-forward blocks: the SwiGLU MLP y = down(silu(gate(x)) * up(x)), and the sparse MoE of Qwen3-MoE / Qwen3.5 /
+// Qwen3-Next (model-specs.md section 2.6): softmax router in fp32, top-k, optional renormalisation, routed SwiGLU
+// experts weighted by their probability, plus an optional shared expert scaled by sigmoid(shared_expert_gate(x)).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "layers/blocks.h"
+#include "layers/linear.h"
+
+namespace tern {
+
+struct MlpWeights {
+  Linear gate_proj, up_proj, down_proj;
+};
+
+void mlp_forward(const MlpWeights& w, const float* x, int64_t rows, float* y);
+
+class Mlp final : public FeedForward {
+ public:
+  explicit Mlp(MlpWeights weights) : w_(std::move(weights)) {}
+  void forward(const float* x, float* y, int64_t rows, const std::string& trace_prefix,
+               const Tracer* tracer) const override;
+
+ private:
+  MlpWeights w_;
+};
+
+struct MoeWeights {
+  Linear router;                       // [num_experts, hidden]
+  std::vector<MlpWeights> experts;
+  std::unique_ptr<Mlp> shared_expert;  // null when absent
+  Linear shared_expert_gate;           // [1, hidden], used when shared_expert is set
+};
+
+struct MoeShape {
+  int64_t top_k = 0;
+  bool renormalize = true;  // norm_topk_prob (always on for Qwen3.5)
+};
+
+class Moe final : public FeedForward {
+ public:
+  Moe(MoeShape shape, MoeWeights weights) : s_(shape), w_(std::move(weights)) {}
+  void forward(const float* x, float* y, int64_t rows, const std::string& trace_prefix,
+               const Tracer* tracer) const override;
+
+ private:
+  MoeShape s_;
+  MoeWeights w_;
+};
+
+}  // namespace tern

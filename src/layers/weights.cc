@@ -1,0 +1,279 @@
+#include "layers/weights.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "core/formats.h"
+#include "core/nvfp4.h"
+#include "io/linear_weight.h"
+
+namespace tern {
+namespace {
+
+constexpr float kDummyStd = 0.02f;
+constexpr float kDummyActivationAmax = 8.0f;
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+uint64_t hash_name(const std::string& s, uint64_t seed) {
+  uint64_t h = seed ^ 0xCBF29CE484222325ull;
+  for (char c : s) h = (h ^ static_cast<uint8_t>(c)) * 0x100000001B3ull;
+  return h;
+}
+
+// Approximately N(0, 1) (Irwin-Hall of four uniforms), a pure function of (stream, index).
+float dummy_normal(uint64_t stream, int64_t index) {
+  const uint64_t r = splitmix64(stream + static_cast<uint64_t>(index) * 0xD1B54A32D192ED03ull);
+  float s = 0.0f;
+  for (int i = 0; i < 4; ++i) s += static_cast<float>((r >> (16 * i)) & 0xFFFF) / 65536.0f;
+  return (s - 2.0f) * 1.7320508f;
+}
+
+float dummy_uniform(uint64_t stream, int64_t index) {
+  return static_cast<float>(splitmix64(stream ^ static_cast<uint64_t>(index)) >> 40) / 16777216.0f;
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string shape_string(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+Expected<float> scalar_of(const TensorView& t) {
+  if (t.numel() != 1) return make_error("tensor '{}' must be a scalar", t.name);
+  if (t.dtype == DType::kF32) {
+    float v;
+    std::memcpy(&v, t.data.data(), sizeof(v));
+    return v;
+  }
+  uint16_t bits;
+  std::memcpy(&bits, t.data.data(), sizeof(bits));
+  if (t.dtype == DType::kBF16) return bf16_to_float(bits);
+  if (t.dtype == DType::kF16) return fp16_to_float(bits);
+  return make_error("tensor '{}' must be F32, BF16 or F16, found {}", t.name, dtype_name(t.dtype));
+}
+
+}  // namespace
+
+Expected<std::unique_ptr<WeightStore>> WeightStore::open_checkpoint(const std::filesystem::path& dir) {
+  auto set = SafetensorsSet::open_dir(dir);
+  if (!set) return tl::unexpected(set.error());
+  std::unique_ptr<WeightStore> store(new WeightStore());
+  store->checkpoint_.emplace(std::move(*set));
+  store->text_prefix_ = "model.";
+  for (const TensorView* t : store->checkpoint_->tensors()) {
+    if (t->name.starts_with("model.language_model.")) store->text_prefix_ = "model.language_model.";
+  }
+  return store;
+}
+
+const TensorView* WeightStore::find(const std::string& name) const {
+  if (checkpoint_) return checkpoint_->find(name);
+  auto it = owned_views_.find(name);
+  return it == owned_views_.end() ? nullptr : &it->second;
+}
+
+const void* WeightStore::aligned_data(const TensorView& t) {
+  const size_t align = dtype_size(t.dtype);
+  if (reinterpret_cast<uintptr_t>(t.data.data()) % align == 0) return t.data.data();
+  owned_bytes_.emplace_back(t.data.begin(), t.data.end());
+  return owned_bytes_.back().data();
+}
+
+Expected<CpuMatrix> WeightStore::matrix_of(const TensorView& t, int64_t rows, int64_t cols, int64_t row_offset) {
+  CpuMatrix m{.rows = rows, .cols = cols};
+  switch (t.dtype) {
+    case DType::kBF16: m.format = CpuWeightFormat::kBf16; break;
+    case DType::kF16: m.format = CpuWeightFormat::kF16; break;
+    case DType::kF32: m.format = CpuWeightFormat::kF32; break;
+    default: return make_error("tensor '{}': {} is not a dense float matrix", t.name, dtype_name(t.dtype));
+  }
+  m.data = static_cast<const std::byte*>(aligned_data(t)) + row_offset * cols * dtype_size(t.dtype);
+  return m;
+}
+
+Expected<Linear> WeightStore::linear(const std::string& module, int64_t out, int64_t in, bool quantize_input) {
+  LinearWeight lw;
+  if (checkpoint_) {
+    auto resolved = linear_weight_resolve(*checkpoint_, module, out, in);
+    if (!resolved) return tl::unexpected(resolved.error());
+    lw = *resolved;
+  } else {
+    lw.weight = find(module + ".weight");
+    if (lw.weight == nullptr) return make_error("tensor '{}.weight' is missing", module);
+    lw.format = lw.weight->dtype == DType::kU8 ? WeightFormat::kNvfp4 : WeightFormat::kBf16;
+    lw.weight_scale = find(module + ".weight_scale");
+    lw.weight_scale_2 = find(module + ".weight_scale_2");
+    lw.input_scale = find(module + ".input_scale");
+  }
+  Linear linear;
+  if (lw.format == WeightFormat::kNvfp4) {
+    TERN_ASSIGN_OR_RETURN(const float global_scale, scalar_of(*lw.weight_scale_2));
+    CpuMatrix m{CpuWeightFormat::kNvfp4, out, in, lw.weight->data.data(),
+                reinterpret_cast<const uint8_t*>(lw.weight_scale->data.data()), global_scale};
+    linear = Linear(module, m);
+    if (quantize_input) {
+      if (lw.input_scale == nullptr) return make_error("'{}': W4A4 needs '{}.input_scale'", module, module);
+      TERN_ASSIGN_OR_RETURN(const float input_scale, scalar_of(*lw.input_scale));
+      linear.set_input_quantization(input_scale);
+    }
+  } else {
+    TERN_ASSIGN_OR_RETURN(CpuMatrix m, matrix_of(*lw.weight, out, in, 0));
+    linear = Linear(module, m);
+  }
+  if (lw.bias != nullptr) {
+    TERN_ASSIGN_OR_RETURN(std::vector<float> bias, vector(lw.bias->name, {out}));
+    linear.set_bias(std::move(bias));
+  }
+  return linear;
+}
+
+Expected<std::vector<float>> WeightStore::vector(const std::string& name, const std::vector<int64_t>& shape) {
+  const TensorView* t = find(name);
+  if (t == nullptr) return make_error("tensor '{}' {} is missing", name, shape_string(shape));
+  if (t->shape != shape && !(shape.size() == 1 && t->numel() == shape[0])) {
+    return make_error("tensor '{}' must have shape {}, found {}", name, shape_string(shape), shape_string(t->shape));
+  }
+  TERN_ASSIGN_OR_RETURN(CpuMatrix m, matrix_of(*t, 1, t->numel(), 0));
+  std::vector<float> v(static_cast<size_t>(t->numel()));
+  cpu_matrix_row(m, 0, v.data());
+  return v;
+}
+
+Expected<CpuMatrix> WeightStore::dense_matrix(const std::string& name, int64_t rows, int64_t cols) {
+  const TensorView* t = find(name);
+  if (t == nullptr) return make_error("tensor '{}' [{}, {}] is missing", name, rows, cols);
+  if (t->shape != std::vector<int64_t>{rows, cols}) {
+    return make_error("tensor '{}' must have shape [{}, {}], found {}", name, rows, cols, shape_string(t->shape));
+  }
+  return matrix_of(*t, rows, cols, 0);
+}
+
+Expected<std::vector<MlpWeights>> WeightStore::experts(const ExpertGroupSpec& g, bool quantize_input) {
+  const int64_t e = g.num_experts, h = g.hidden, i = g.intermediate;
+  std::vector<MlpWeights> out;
+  const TensorView* gate_up = find(g.prefix + ".gate_up_proj");
+  if (gate_up != nullptr) {  // fused: gate_up [E, 2I, H] (rows [0, I) gate), down [E, H, I]
+    const TensorView* down = find(g.prefix + ".down_proj");
+    if (gate_up->shape != std::vector<int64_t>{e, 2 * i, h}) {
+      return make_error("tensor '{}' must have shape [{}, {}, {}], found {}", gate_up->name, e, 2 * i, h,
+                        shape_string(gate_up->shape));
+    }
+    if (down == nullptr || down->shape != std::vector<int64_t>{e, h, i}) {
+      return make_error("tensor '{}.down_proj' must exist with shape [{}, {}, {}]", g.prefix, e, h, i);
+    }
+    for (int64_t x = 0; x < e; ++x) {
+      TERN_ASSIGN_OR_RETURN(CpuMatrix gm, matrix_of(*gate_up, i, h, x * 2 * i));
+      TERN_ASSIGN_OR_RETURN(CpuMatrix um, matrix_of(*gate_up, i, h, x * 2 * i + i));
+      TERN_ASSIGN_OR_RETURN(CpuMatrix dm, matrix_of(*down, h, i, x * h));
+      const std::string name = fmt::format("{}.{}", g.prefix, x);
+      out.push_back({Linear(name + ".gate_proj", gm), Linear(name + ".up_proj", um), Linear(name + ".down_proj", dm)});
+    }
+    return out;
+  }
+  for (int64_t x = 0; x < e; ++x) {
+    const std::string name = fmt::format("{}.{}", g.prefix, x);
+    TERN_ASSIGN_OR_RETURN(Linear gate, linear(name + ".gate_proj", i, h, quantize_input));
+    TERN_ASSIGN_OR_RETURN(Linear up, linear(name + ".up_proj", i, h, quantize_input));
+    TERN_ASSIGN_OR_RETURN(Linear down, linear(name + ".down_proj", h, i, quantize_input));
+    out.push_back({std::move(gate), std::move(up), std::move(down)});
+  }
+  return out;
+}
+
+void WeightStore::add_owned(std::string name, DType dtype, std::vector<int64_t> shape, std::vector<std::byte> bytes) {
+  owned_bytes_.push_back(std::move(bytes));
+  const auto& b = owned_bytes_.back();
+  owned_views_[name] = TensorView{name, dtype, std::move(shape), {b.data(), b.size()}, nullptr};
+}
+
+void WeightStore::add_dummy_linear(const std::string& module, int64_t out, int64_t in, bool nvfp4, uint64_t seed) {
+  const uint64_t stream = hash_name(module, seed);
+  const int64_t n = out * in;
+  if (!nvfp4) {
+    std::vector<std::byte> bytes(static_cast<size_t>(n) * 2);
+    auto* w = reinterpret_cast<uint16_t*>(bytes.data());
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < n; ++k) w[k] = float_to_bf16(kDummyStd * dummy_normal(stream, k));
+    add_owned(module + ".weight", DType::kBF16, {out, in}, std::move(bytes));
+    return;
+  }
+  std::vector<float> w(static_cast<size_t>(n));
+#pragma omp parallel for schedule(static)
+  for (int64_t k = 0; k < n; ++k) w[k] = kDummyStd * dummy_normal(stream, k);
+  float amax = 0.0f;
+  for (float v : w) amax = std::max(amax, std::abs(v));
+  const float global = nvfp4_global_scale_from_amax(amax);
+  std::vector<std::byte> packed(static_cast<size_t>(n / 2)), scales(static_cast<size_t>(n / 16));
+  constexpr int64_t kRows = 64;
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t r0 = 0; r0 < out; r0 += kRows) {
+    const int64_t rows = std::min(kRows, out - r0);
+    const Nvfp4Matrix q = nvfp4_quantize_weight(std::span(w).subspan(r0 * in, rows * in), rows, in, global);
+    std::memcpy(&packed[r0 * in / 2], q.packed.data(), q.packed.size());
+    std::memcpy(&scales[r0 * in / 16], q.block_scales.data(), q.block_scales.size());
+  }
+  auto scalar = [](float v) {
+    std::vector<std::byte> b(4);
+    std::memcpy(b.data(), &v, 4);
+    return b;
+  };
+  add_owned(module + ".weight", DType::kU8, {out, in / 2}, std::move(packed));
+  add_owned(module + ".weight_scale", DType::kF8E4M3, {out, in / 16}, std::move(scales));
+  add_owned(module + ".weight_scale_2", DType::kF32, {}, scalar(global));
+  add_owned(module + ".input_scale", DType::kF32, {}, scalar(nvfp4_global_scale_from_amax(kDummyActivationAmax)));
+}
+
+std::unique_ptr<WeightStore> WeightStore::make_dummy(const ModelConfig& config, const WeightSchema& schema,
+                                                     const std::optional<QuantConfig>& quant, uint64_t seed) {
+  std::unique_ptr<WeightStore> store(new WeightStore());
+  store->text_prefix_ = schema.text_prefix;
+  const bool zero_centred = config.architecture == Architecture::kQwen35Moe ||
+                            config.architecture == Architecture::kQwen3Next;
+  for (const ParamSpec& p : schema.params) {
+    const uint64_t stream = hash_name(p.name, seed);
+    const int64_t n = numel_of(p.shape);
+    std::vector<std::byte> bytes(static_cast<size_t>(n) * 2);
+    auto* w = reinterpret_cast<uint16_t*>(bytes.data());
+    const bool is_norm = p.name.ends_with("norm.weight");
+    const bool gated_norm = p.name.ends_with("linear_attn.norm.weight");
+#pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < n; ++k) {
+      float v = kDummyStd * dummy_normal(stream, k);
+      if (is_norm) v = (zero_centred && !gated_norm) ? 0.0f : 1.0f;
+      if (p.name.ends_with("A_log")) v = std::log(0.1f + 1.9f * dummy_uniform(stream, k));
+      if (p.name.ends_with("dt_bias")) v = 1.0f;
+      if (p.name.ends_with("conv1d.weight")) v = 0.2f * dummy_normal(stream, k);
+      w[k] = float_to_bf16(v);
+    }
+    store->add_owned(p.name, DType::kBF16, p.shape, std::move(bytes));
+  }
+  const bool nvfp4_config = quant && quant->quant_algo.find("NVFP4") != std::string::npos;
+  auto quantized = [&](const std::string& module) { return nvfp4_config && !quant->is_excluded(module); };
+  for (const LinearSpec& l : schema.linears) {
+    if (l.role == LinearRole::kLmHead && schema.tied_embeddings) continue;
+    store->add_dummy_linear(l.module, l.out_features, l.in_features, quantized(l.module), seed);
+  }
+  for (const ExpertGroupSpec& g : schema.expert_groups) {
+    for (int64_t x = 0; x < g.num_experts; ++x) {
+      for (auto [name, out, in] : {std::tuple{"gate_proj", g.intermediate, g.hidden},
+                                   {"up_proj", g.intermediate, g.hidden}, {"down_proj", g.hidden, g.intermediate}}) {
+        const std::string module = fmt::format("{}.{}.{}", g.prefix, x, name);
+        store->add_dummy_linear(module, out, in, quantized(module), seed);
+      }
+    }
+  }
+  return store;
+}
+
+}  // namespace tern

@@ -1,0 +1,60 @@
+// Where a model's weights come from: a checkpoint (mmapped safetensors, used in place; NVFP4 stays packed) or
+// random dummy tensors generated from the weight schema alone (`--load-format dummy`), laid out as a checkpoint
+// would store them (BF16, or ModelOpt NVFP4 for the linears a quantization config does not exclude).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "io/model_config.h"
+#include "io/quant_config.h"
+#include "io/safetensors.h"
+#include "layers/linear.h"
+#include "layers/moe.h"
+#include "models/weight_schema.h"
+
+namespace tern {
+
+class WeightStore {
+ public:
+  static Expected<std::unique_ptr<WeightStore>> open_checkpoint(const std::filesystem::path& dir);
+  // Deterministic in `seed`; activation input_scale of dummy NVFP4 linears is set for inputs of amax ~8.
+  static std::unique_ptr<WeightStore> make_dummy(const ModelConfig& config, const WeightSchema& schema,
+                                                 const std::optional<QuantConfig>& quant, uint64_t seed);
+
+  // Prefix of the text model in this store's names ("model." or "model.language_model.").
+  const std::string& text_prefix() const { return text_prefix_; }
+  bool contains(const std::string& name) const { return find(name) != nullptr; }
+
+  // `<module>.weight` (+ NVFP4 scales, + bias) as a Linear. quantize_input applies to NVFP4 layers only.
+  Expected<Linear> linear(const std::string& module, int64_t out, int64_t in, bool quantize_input);
+  // A float parameter of the given shape, copied to fp32.
+  Expected<std::vector<float>> vector(const std::string& name, const std::vector<int64_t>& shape);
+  // A dense [rows, cols] matrix used in place (embeddings).
+  Expected<CpuMatrix> dense_matrix(const std::string& name, int64_t rows, int64_t cols);
+  // The routed experts of one MoE layer, fused (gate_up_proj / down_proj) or one module per expert.
+  Expected<std::vector<MlpWeights>> experts(const ExpertGroupSpec& group, bool quantize_input);
+
+ private:
+  WeightStore() = default;
+  const TensorView* find(const std::string& name) const;
+  // The tensor's data if aligned for its element type, else an aligned copy owned by the store.
+  const void* aligned_data(const TensorView& t);
+  Expected<CpuMatrix> matrix_of(const TensorView& t, int64_t rows, int64_t cols, int64_t row_offset);
+  void add_owned(std::string name, DType dtype, std::vector<int64_t> shape, std::vector<std::byte> bytes);
+  void add_dummy_linear(const std::string& module, int64_t out, int64_t in, bool nvfp4, uint64_t seed);
+
+  std::optional<SafetensorsSet> checkpoint_;
+  std::map<std::string, TensorView> owned_views_;
+  std::deque<std::vector<std::byte>> owned_bytes_;
+  std::string text_prefix_;
+};
+
+}  // namespace tern

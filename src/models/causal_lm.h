@@ -1,0 +1,80 @@
+// A decoder-only language model on the CPU: embeddings, decoder layers (norm -> mixer -> residual, norm -> feed-forward
+// -> residual), final norm, lm_head. The architecture files (qwen3.cc, qwen3_moe.cc, qwen3_5_moe.cc) build one from a
+// config and a WeightStore; model_load picks the right one.
+//
+//   TERN_ASSIGN_OR_RETURN(auto model, model_load("/models/qwen3", {}));
+//   SequenceCache seq = model->new_sequence();
+//   std::vector<SequenceInput> batch{{&seq, prompt_ids}};
+//   TERN_ASSIGN_OR_RETURN(auto logits, model->forward(batch, LogitsFor::kLastToken));  // [1, vocab]
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "core/error.h"
+#include "io/model_config.h"
+#include "layers/blocks.h"
+#include "layers/linear.h"
+#include "layers/norms.h"
+#include "layers/weights.h"
+
+namespace tern {
+
+struct DecoderLayer {
+  RmsNorm input_norm, post_attention_norm;
+  std::unique_ptr<Mixer> mixer;
+  std::unique_ptr<FeedForward> ffn;
+};
+
+struct SequenceInput {
+  SequenceCache* cache = nullptr;
+  std::span<const int32_t> tokens;  // appended after what the cache holds
+};
+
+enum class LogitsFor { kAllTokens, kLastToken };
+
+class CausalLm {
+ public:
+  CausalLm(ModelConfig config, std::unique_ptr<WeightStore> weights) : config_(std::move(config)),
+                                                                      weights_(std::move(weights)) {}
+
+  const ModelConfig& config() const { return config_; }
+  SequenceCache new_sequence() const;
+
+  // Runs the tokens of every sequence (each extends its cache) and returns logits [rows, vocab]: one row per token
+  // in batch order (kAllTokens) or one per sequence (kLastToken). Errors on an out-of-range token id.
+  Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which,
+                                       const Tracer* tracer = nullptr) const;
+
+  // Set by the architecture builders.
+  CpuMatrix embed_tokens;
+  std::vector<DecoderLayer> layers;
+  RmsNorm final_norm;
+  Linear lm_head;
+  std::vector<std::string> notices;  // worth telling the user once (e.g. skipped vision weights)
+
+ private:
+  ModelConfig config_;
+  std::unique_ptr<WeightStore> weights_;  // owns the memory the views above point into
+};
+
+enum class LoadFormat { kAuto, kDummy };
+
+struct ModelLoadOptions {
+  LoadFormat load_format = LoadFormat::kAuto;
+  bool nvfp4_quantize_activations = false;  // W4A4 instead of W4A16
+  uint64_t dummy_seed = 0;
+};
+
+Expected<std::unique_ptr<CausalLm>> model_load(const std::filesystem::path& dir, const ModelLoadOptions& options);
+
+// Architecture builders (one file each). `quantize_input`: W4A4 for NVFP4 linears.
+Expected<void> qwen3_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema, bool quantize_input);
+Expected<void> qwen3_moe_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema, bool quantize_input);
+Expected<void> qwen3_5_moe_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
+                                 bool quantize_input);
+
+}  // namespace tern

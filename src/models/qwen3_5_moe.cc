@@ -1,0 +1,71 @@
+// Qwen3.5-MoE text model (and Qwen3-Next, which differs only in its fused GDN projections and its optional dense
+// layers): zero-centred RMSNorms, Gated DeltaNet on "linear_attention" layers, gated attention with partial NeoX RoPE
+// on "full_attention" layers, softmax top-k MoE (always renormalised for Qwen3.5) plus a sigmoid-gated shared expert.
+// shared model-specs.md section 2.
+#include "layers/gated_deltanet.h"
+#include "models/builders.h"
+
+namespace tern {
+namespace {
+
+Expected<std::unique_ptr<Mixer>> build_gated_deltanet(const ModelConfig& c, WeightStore& w, const WeightSchema& schema,
+                                                      int64_t layer) {
+  const bool next = c.architecture == Architecture::kQwen3Next;
+  const int64_t h = c.hidden_size, hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kernel = c.linear_conv_kernel_dim;
+  const int64_t key_width = hk * dk, value_width = hv * dv, channels = 2 * key_width + value_width;
+  auto name = [&](std::string_view rest) { return layer_tensor(schema, layer, rest); };
+  GatedDeltaNetWeights g;
+  // The GDN projections stay BF16 in every known NVFP4 export; W4A4 would apply only to NVFP4 layers anyway.
+  if (next) {
+    TERN_ASSIGN_OR_RETURN(g.in_proj_qkvz, w.linear(name("linear_attn.in_proj_qkvz"), 2 * key_width + 2 * value_width,
+                                                   h, false));
+    TERN_ASSIGN_OR_RETURN(g.in_proj_ba, w.linear(name("linear_attn.in_proj_ba"), 2 * hv, h, false));
+  } else {
+    TERN_ASSIGN_OR_RETURN(g.in_proj_qkv, w.linear(name("linear_attn.in_proj_qkv"), channels, h, false));
+    TERN_ASSIGN_OR_RETURN(g.in_proj_z, w.linear(name("linear_attn.in_proj_z"), value_width, h, false));
+    TERN_ASSIGN_OR_RETURN(g.in_proj_b, w.linear(name("linear_attn.in_proj_b"), hv, h, false));
+    TERN_ASSIGN_OR_RETURN(g.in_proj_a, w.linear(name("linear_attn.in_proj_a"), hv, h, false));
+  }
+  TERN_ASSIGN_OR_RETURN(g.out_proj, w.linear(name("linear_attn.out_proj"), h, value_width, false));
+  TERN_ASSIGN_OR_RETURN(g.conv_weight, w.vector(name("linear_attn.conv1d.weight"), {channels, 1, kernel}));
+  TERN_ASSIGN_OR_RETURN(g.a_log, w.vector(name("linear_attn.A_log"), {hv}));
+  TERN_ASSIGN_OR_RETURN(g.dt_bias, w.vector(name("linear_attn.dt_bias"), {hv}));
+  TERN_ASSIGN_OR_RETURN(g.norm_weight, w.vector(name("linear_attn.norm.weight"), {dv}));
+  GatedDeltaNetShape shape{.n_key_heads = hk, .n_value_heads = hv, .key_dim = dk, .value_dim = dv,
+                           .conv_kernel = kernel, .norm_eps = static_cast<float>(c.rms_norm_eps),
+                           .fused_per_key_head = next};
+  return std::make_unique<GatedDeltaNet>(shape, std::move(g));
+}
+
+}  // namespace
+
+Expected<void> qwen3_5_moe_build(CausalLm& model, WeightStore& w, const WeightSchema& schema, bool quantize_input) {
+  const ModelConfig& c = model.config();
+  const bool next = c.architecture == Architecture::kQwen3Next;
+  TERN_TRY(build_embeddings_and_head(model, w, schema, true, quantize_input));
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    DecoderLayer layer;
+    TERN_ASSIGN_OR_RETURN(layer.input_norm, build_norm(w, layer_tensor(schema, i, "input_layernorm.weight"),
+                                                       c.hidden_size, c.rms_norm_eps, true));
+    TERN_ASSIGN_OR_RETURN(layer.post_attention_norm,
+                          build_norm(w, layer_tensor(schema, i, "post_attention_layernorm.weight"), c.hidden_size,
+                                     c.rms_norm_eps, true));
+    if (c.layer_types[static_cast<size_t>(i)] == LayerType::kLinearAttention) {
+      TERN_ASSIGN_OR_RETURN(layer.mixer, build_gated_deltanet(c, w, schema, i));
+    } else {
+      TERN_ASSIGN_OR_RETURN(layer.mixer, build_attention(c, w, schema, i, true, quantize_input));
+    }
+    if (c.is_moe_layer(i)) {
+      TERN_ASSIGN_OR_RETURN(layer.ffn, build_moe(c, w, schema, i, next ? c.norm_topk_prob : true, quantize_input));
+    } else {
+      TERN_ASSIGN_OR_RETURN(MlpWeights mlp, build_mlp_weights(w, layer_tensor(schema, i, "mlp"), c.hidden_size,
+                                                              c.intermediate_size, quantize_input));
+      layer.ffn = std::make_unique<Mlp>(std::move(mlp));
+    }
+    model.layers.push_back(std::move(layer));
+  }
+  return {};
+}
+
+}  // namespace tern
