@@ -47,6 +47,22 @@ def check_generate(tern, model, prompt, continuation, extra):
         assert step[0]["id"] == chosen and step[0]["logprob"] <= 0 and step[0]["logprob"] >= step[1]["logprob"]
 
 
+def check_sampling_and_stop(tern, model, prompt, continuation, extra):
+    ids_arg = ",".join(map(str, prompt))
+    base = [tern, "generate", "--model", model, "--prompt-ids", ids_arg, "--json"] + extra
+    # A stop token id ends generation right after that token, with finish_reason "stop".
+    cut = next(i for i in range(1, len(continuation)) if continuation[i] not in continuation[:i])
+    got = run(base + ["--max-tokens", "24", "--temperature", "0", "--stop-token-ids", str(continuation[cut])])
+    assert got["ids"] == continuation[:cut + 1], f"stop id: {got['ids']} != {continuation[:cut + 1]}"
+    assert got["finish_reason"] == "stop"
+    # Seeded sampling is reproducible; another seed gives another sample (deterministic: same binary, same input).
+    sample = base + ["--max-tokens", "24", "--temperature", "1.0", "--top-k", "50"]
+    first = run(sample + ["--seed", "7"])["ids"]
+    assert first == run(sample + ["--seed", "7"])["ids"], "same seed, different output"
+    assert first != run(sample + ["--seed", "8"])["ids"], "different seeds gave the same 24 tokens"
+    assert first != continuation, "temperature 1 reproduced the greedy output exactly"
+
+
 def main():
     tern, model, reference = sys.argv[1], sys.argv[2], sys.argv[3]
     extra = sys.argv[4:]
@@ -55,6 +71,7 @@ def main():
     for p, prompt in enumerate(ref["prompts"]):
         check_score(tern, model, prompt, ref["teacher_forced"][p]["positions"], extra)
         check_generate(tern, model, prompt, ref["greedy"][p]["continuation"], extra)
+    check_sampling_and_stop(tern, model, ref["prompts"][0], ref["greedy"][0]["continuation"], extra)
     print(f"{model} {reference} {' '.join(extra)}: ok")
 
 
