@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/generate_command.h"
+#include "cli/doctor_command.h"
 #include "cli/info_command.h"
 #include "cli/score_command.h"
 #include "cli/template_command.h"
@@ -11,6 +12,7 @@ int main(int argc, char** argv) {
   CLI::App app{"tern: serves large language models from their Hugging Face checkpoints"};
   app.require_subcommand(1);
   tern::register_info_command(app);
+  tern::register_doctor_command(app);
   tern::register_tokenize_commands(app);
   tern::register_template_command(app);
   tern::register_generate_command(app);

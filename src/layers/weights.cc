@@ -70,10 +70,7 @@ Expected<std::unique_ptr<WeightStore>> WeightStore::open_checkpoint(const std::f
   if (!set) return tl::unexpected(set.error());
   std::unique_ptr<WeightStore> store(new WeightStore());
   store->checkpoint_.emplace(std::move(*set));
-  store->text_prefix_ = "model.";
-  for (const TensorView* t : store->checkpoint_->tensors()) {
-    if (t->name.starts_with("model.language_model.")) store->text_prefix_ = "model.language_model.";
-  }
+  store->text_prefix_ = weight_schema_text_prefix(*store->checkpoint_);
   return store;
 }
 

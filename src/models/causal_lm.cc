@@ -68,8 +68,8 @@ Expected<std::unique_ptr<WeightStore>> open_weights(const std::filesystem::path&
                                                     const ModelLoadOptions& options) {
   if (options.load_format == LoadFormat::kAuto) return WeightStore::open_checkpoint(dir);
   TERN_ASSIGN_OR_RETURN(std::optional<QuantConfig> quant, quant_config_load(dir));
-  const std::string prefix = config.has_vision ? "model.language_model." : "model.";
-  return WeightStore::make_dummy(config, weight_schema_build(config, prefix), quant, options.dummy_seed);
+  return WeightStore::make_dummy(config, weight_schema_build(config, weight_schema_default_text_prefix(config)), quant,
+                                 options.dummy_seed);
 }
 
 }  // namespace

@@ -16,13 +16,6 @@ std::string shape_string(const std::vector<int64_t>& shape) { return fmt::format
 
 bool is_float_dtype(DType d) { return d == DType::kBF16 || d == DType::kF16 || d == DType::kF32; }
 
-std::string text_prefix_of(const SafetensorsSet& tensors) {
-  for (const TensorView* t : tensors.tensors()) {
-    if (t->name.starts_with("model.language_model.")) return "model.language_model.";
-  }
-  return "model.";
-}
-
 // Matches the checkpoint's tensors against the schema, accumulating counts and problems in `info`.
 class Matcher {
  public:
@@ -168,7 +161,7 @@ Expected<ModelInfo> model_info_inspect(const std::filesystem::path& model_dir) {
   TERN_ASSIGN_OR_RETURN(SafetensorsSet tensors, SafetensorsSet::open_dir(model_dir));
   info.num_files = static_cast<int64_t>(tensors.num_files());
   info.num_tensors = static_cast<int64_t>(tensors.tensors().size());
-  info.text_prefix = text_prefix_of(tensors);
+  info.text_prefix = weight_schema_text_prefix(tensors);
   count_layers(info);
 
   const WeightSchema schema = weight_schema_build(info.config, info.text_prefix);

@@ -156,6 +156,17 @@ class SchemaBuilder {
 
 }  // namespace
 
+std::string weight_schema_text_prefix(const SafetensorsSet& tensors) {
+  for (const TensorView* t : tensors.tensors()) {
+    if (t->name.starts_with("model.language_model.")) return "model.language_model.";
+  }
+  return "model.";
+}
+
+std::string weight_schema_default_text_prefix(const ModelConfig& config) {
+  return config.has_vision ? "model.language_model." : "model.";
+}
+
 WeightSchema weight_schema_build(const ModelConfig& config, std::string_view text_prefix) {
   return SchemaBuilder(config, text_prefix).build();
 }

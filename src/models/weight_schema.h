@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "io/model_config.h"
+#include "io/safetensors.h"
 
 namespace tern {
 
@@ -52,5 +53,11 @@ struct WeightSchema {
 // text_prefix is where the checkpoint keeps the text model ("model." for *ForCausalLM, "model.language_model." for
 // the multimodal *ForConditionalGeneration layout).
 WeightSchema weight_schema_build(const ModelConfig& config, std::string_view text_prefix);
+
+// Where a checkpoint keeps its text model: "model.language_model." when any tensor lives there, else "model.".
+std::string weight_schema_text_prefix(const SafetensorsSet& tensors);
+// Where a checkpoint of this config would keep it (for weights made from the config alone): the multimodal
+// layout for configs with a vision tower.
+std::string weight_schema_default_text_prefix(const ModelConfig& config);
 
 }  // namespace tern
