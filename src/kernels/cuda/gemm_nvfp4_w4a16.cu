@@ -6,11 +6,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
 
-#include "kernels/cuda/gemm_nvfp4_w4a16.h"
+#include "kernels/cuda/gemm_nvfp4_w4a16_launch.h"
 
 namespace tern {
 namespace {
@@ -356,9 +353,11 @@ __device__ __forceinline__ void prefill_store_y(const PrefillParams& p, int m0, 
 }
 
 // e2m1 bf16 patterns of magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+// Packed four to a 64-bit word so the table stays in registers.
 __device__ __forceinline__ uint32_t e2m1_bf16_bits(uint32_t code) {
-  constexpr uint16_t kMagnitude[8] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0};
-  return kMagnitude[code & 7] | ((code & 8) << 12);
+  constexpr uint64_t kLow = 0x3FC03F803F000000ull, kHigh = 0x40C0408040404000ull;  // magnitudes 0..3, 4..7
+  const uint64_t table = (code & 4) ? kHigh : kLow;
+  return static_cast<uint32_t>((table >> (16 * (code & 3))) & 0xFFFF) | ((code & 8) << 12);
 }
 
 template <int kBm, int kStages>
@@ -404,31 +403,6 @@ __global__ void __launch_bounds__(kPrefillThreads) nvfp4_prefill_kernel(PrefillP
 
 bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
-Expected<void> nvfp4_validate(const GemmNvfp4W4a16Args& a, Nvfp4GemmVariant variant) {
-  const Nvfp4WeightView& w = a.w;
-  if (a.m < 0 || w.n <= 0 || w.k <= 0) {
-    return make_error("gemm_nvfp4_w4a16: bad shape m={} n={} k={}", a.m, w.n, w.k);
-  }
-  constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max() / 2;
-  if (a.m > kMaxDim || w.n > kMaxDim || w.k > kMaxDim) {
-    return make_error("gemm_nvfp4_w4a16: dimension too large (m={} n={} k={})", a.m, w.n, w.k);
-  }
-  if (w.k % 16 != 0) return make_error("gemm_nvfp4_w4a16: k={} is not a multiple of the NVFP4 block (16)", w.k);
-  if (a.x == nullptr || a.y == nullptr || w.packed == nullptr || w.scales == nullptr) {
-    return make_error("gemm_nvfp4_w4a16: null pointer (x, y, weight or weight_scale)");
-  }
-  if (!is_aligned(a.x, 16)) return make_error("gemm_nvfp4_w4a16: x is not 16-byte aligned");
-  if (!is_aligned(w.packed, 8)) return make_error("gemm_nvfp4_w4a16: packed weight is not 8-byte aligned");
-  if (!is_aligned(a.y, 4)) return make_error("gemm_nvfp4_w4a16: y is not 4-byte aligned");
-  if (!std::isfinite(w.global_scale)) {
-    return make_error("gemm_nvfp4_w4a16: weight_scale_2 is not finite ({})", w.global_scale);
-  }
-  if (variant == Nvfp4GemmVariant::kDecode && a.m > kNvfp4DecodeMaxM) {
-    return make_error("gemm_nvfp4_w4a16: the decode kernel takes m <= {}, got m={}", kNvfp4DecodeMaxM, a.m);
-  }
-  return {};
-}
-
 // Warps per decode block. A block owns only 16 rows, so small-n weights give few blocks; we aim for at least 16
 // resident warps per SM (each lane keeps kDecodeUnroll x 32 bytes of weight in flight, ~32 KiB per SM, which is
 // what Little's law asks of HBM3e at ~1 us latency) by splitting K over more warps when blocks are scarce, but
@@ -463,7 +437,9 @@ void decode_launch_tiles(const DecodeParams& p, int warps, bool vec16, cudaStrea
   }
 }
 
-void decode_launch(const DeviceContext& ctx, const GemmNvfp4W4a16Args& a) {
+}  // namespace
+
+void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Args& a) {
   const DecodeParams p{.x = a.x,
                        .packed = a.w.packed,
                        .scales = a.w.scales,
@@ -482,6 +458,8 @@ void decode_launch(const DeviceContext& ctx, const GemmNvfp4W4a16Args& a) {
   }
 }
 
+namespace {
+
 template <int kBm, int kStages>
 void prefill_launch_tiles(const PrefillParams& p, cudaStream_t stream) {
   constexpr size_t kSmem = prefill_smem_bytes(kBm, kStages);
@@ -497,7 +475,9 @@ void prefill_launch_tiles(const PrefillParams& p, cudaStream_t stream) {
 // when 128-row tiles would leave SMs idle (fewer tiles than SMs) 64-row tiles double the block count. Stages:
 // as many x buffers (up to 4) as fit twice in one SM's shared memory, so two blocks overlap one another's
 // barriers, and at least within the per-block opt-in limit.
-void prefill_launch(const DeviceContext& ctx, const GemmNvfp4W4a16Args& a) {
+}  // namespace
+
+void nvfp4_w4a16_launch_prefill(const DeviceContext& ctx, const GemmNvfp4W4a16Args& a) {
   const DeviceProps& props = ctx.props();
   const PrefillParams p{.x = a.x,
                         .packed = a.w.packed,
@@ -515,7 +495,6 @@ void prefill_launch(const DeviceContext& ctx, const GemmNvfp4W4a16Args& a) {
     return bytes <= props.shared_mem_per_block_optin && 2 * bytes <= props.shared_mem_per_sm;
   };
   const int stages = fits(4) ? 4 : fits(3) ? 3 : 2;
-  TERN_CHECK(prefill_smem_bytes(bm, stages) <= props.shared_mem_per_block_optin, "prefill tile does not fit");
   if (bm == 128) {
     if (stages == 4) return prefill_launch_tiles<128, 4>(p, ctx.stream());
     if (stages == 3) return prefill_launch_tiles<128, 3>(p, ctx.stream());
@@ -524,21 +503,6 @@ void prefill_launch(const DeviceContext& ctx, const GemmNvfp4W4a16Args& a) {
   if (stages == 4) return prefill_launch_tiles<64, 4>(p, ctx.stream());
   if (stages == 3) return prefill_launch_tiles<64, 3>(p, ctx.stream());
   return prefill_launch_tiles<64, 2>(p, ctx.stream());
-}
-
-}  // namespace
-
-Expected<void> gemm_nvfp4_w4a16(const DeviceContext& ctx, const GemmNvfp4W4a16Args& args, Nvfp4GemmVariant variant) {
-  TERN_TRY(nvfp4_validate(args, variant));
-  if (args.m == 0) return {};
-  const bool decode = variant == Nvfp4GemmVariant::kDecode ||
-                      (variant == Nvfp4GemmVariant::kAuto && args.m <= kNvfp4DecodeMaxM);
-  if (decode) {
-    decode_launch(ctx, args);
-  } else {
-    prefill_launch(ctx, args);
-  }
-  return {};
 }
 
 }  // namespace tern

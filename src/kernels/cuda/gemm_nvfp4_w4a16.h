@@ -10,33 +10,9 @@
 #include <cstdint>
 
 #include "core/error.h"
-#include "kernels/cuda/device.h"
+#include "kernels/cuda/gemm_nvfp4_w4a16_launch.h"
 
 namespace tern {
-
-// A device-resident NVFP4 weight [n, k] (k a multiple of 16).
-struct Nvfp4WeightView {
-  const uint8_t* packed = nullptr;  // [n, k/2] two e2m1 codes per byte, even k in the low nibble
-  const uint8_t* scales = nullptr;  // [n, k/16] e4m3fn block scales, row-major, not swizzled
-  float global_scale = 0.0f;        // weight_scale_2
-  int64_t n = 0;
-  int64_t k = 0;
-};
-
-struct GemmNvfp4W4a16Args {
-  const uint16_t* x = nullptr;  // [m, k] bf16, row-major
-  Nvfp4WeightView w;
-  uint16_t* y = nullptr;  // [m, n] bf16, row-major
-  int64_t m = 0;
-};
-
-enum class Nvfp4GemmVariant {
-  kAuto,     // decode for m <= kNvfp4DecodeMaxM, prefill above
-  kDecode,   // m <= kNvfp4DecodeMaxM only
-  kPrefill,  // any m
-};
-
-inline constexpr int64_t kNvfp4DecodeMaxM = 16;
 
 // Queues the product on ctx.stream(). Any n >= 1 works; k must be a multiple of 16 (the NVFP4 block). Errors name
 // the bad argument: shape, null or misaligned pointer (x 16 bytes, packed 8, y 4), a non-finite global scale, or

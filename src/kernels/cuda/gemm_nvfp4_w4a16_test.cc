@@ -99,6 +99,19 @@ TEST(GemmNvfp4W4a16, EdgeShapesBothKernels) {
   }
 }
 
+// Small enough for compute-sanitizer (memcheck, racecheck, initcheck): both kernels, every kind of edge.
+TEST(GemmNvfp4W4a16, SmallShapes) {
+  DeviceContext ctx;
+  std::mt19937 rng(1005);
+  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{1001, 784}, {130, 1040}, {3, 16}}) {
+    const TestWeight w = make_weight(n, k, rng);
+    for (int64_t m : {1, 7, 16, 17, 100}) {
+      if (m <= kNvfp4DecodeMaxM) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng);
+      run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng);
+    }
+  }
+}
+
 // Every decode batch size, on a weight whose k needs the 8-byte load path and one with the 16-byte path.
 TEST(GemmNvfp4W4a16, DecodeEveryM) {
   DeviceContext ctx;
