@@ -56,7 +56,12 @@ __device__ __forceinline__ uint16_t float_to_bf16_bits(float v) { return __bfloa
 constexpr int kDecodeShift = 10;
 constexpr int kDecodeRows = 16;      // rows of W per block (mma M)
 constexpr int kDecodeStepK = 128;    // k per warp step: 4 lanes x 32
-constexpr int kDecodeUnroll = 2;     // steps whose loads are issued before any is used
+// Steps whose loads a warp issues before using any: 4 (128 bytes of weight per lane in flight) when one token
+// tile's x fits beside them in 128 registers, 2 with two token tiles.
+template <int kTokenTiles>
+__host__ __device__ constexpr int decode_unroll() {
+  return kTokenTiles == 1 ? 4 : 2;
+}
 
 struct DecodeParams {
   const uint16_t* x;       // [m, k]
@@ -191,10 +196,11 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps) nvfp4_decode_kernel(
   const int n0 = blockIdx.x * kDecodeRows;
   const int n_steps = (p.k + kDecodeStepK - 1) / kDecodeStepK;
   float acc[kTokenTiles][4] = {};
-  for (int s = warp; s < n_steps; s += kWarps * kDecodeUnroll) {
-    DecodeChunk<kTokenTiles> chunks[kDecodeUnroll];
+  constexpr int kUnroll = decode_unroll<kTokenTiles>();
+  for (int s = warp; s < n_steps; s += kWarps * kUnroll) {
+    DecodeChunk<kTokenTiles> chunks[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kDecodeUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int step = s + u * kWarps;
       if (step < n_steps) {
         decode_load_chunk<kTokenTiles, kVec16>(p, n0, step, chunks[u]);
@@ -203,7 +209,7 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps) nvfp4_decode_kernel(
       }
     }
 #pragma unroll
-    for (int u = 0; u < kDecodeUnroll; ++u) decode_mma_chunk<kTokenTiles>(chunks[u], acc);
+    for (int u = 0; u < kUnroll; ++u) decode_mma_chunk<kTokenTiles>(chunks[u], acc);
   }
   decode_reduce_store<kWarps, kTokenTiles>(p, n0, acc, red);
 }
@@ -403,17 +409,17 @@ __global__ void __launch_bounds__(kPrefillThreads) nvfp4_prefill_kernel(PrefillP
 
 bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
-// Warps per decode block. A block owns only 16 rows, so small-n weights give few blocks; we aim for at least 16
-// resident warps per SM (each lane keeps kDecodeUnroll x 32 bytes of weight in flight, ~32 KiB per SM, which is
-// what Little's law asks of HBM3e at ~1 us latency) by splitting K over more warps when blocks are scarce, but
-// not more warps than there are 128-k steps.
-int decode_choose_warps(const DeviceProps& props, int64_t n, int64_t k) {
+// Warps per decode block. A block owns only 16 rows, so small-n weights give few blocks. We aim for about 16
+// resident warps per SM, each lane keeping `unroll` x 32 bytes of weight in flight (~64 KiB per SM, what Little's
+// law asks of HBM3e at ~1.5 us loaded latency), by splitting K over more warps when blocks are scarce, but never
+// so many warps that one has fewer than `unroll` 128-k steps.
+int decode_choose_warps(const DeviceProps& props, int64_t n, int64_t k, int unroll) {
   const int64_t blocks = (n + kDecodeRows - 1) / kDecodeRows;
   const int64_t steps = (k + kDecodeStepK - 1) / kDecodeStepK;
   int warps = 16;
   if (blocks >= 2LL * props.num_sms) warps = 8;
   if (blocks >= 4LL * props.num_sms) warps = 4;
-  while (warps > 4 && warps > steps) warps /= 2;
+  while (warps > 4 && static_cast<int64_t>(warps) * unroll > steps) warps /= 2;
   return warps;
 }
 
@@ -450,8 +456,10 @@ void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Arg
                        .k = static_cast<int>(a.w.k)};
   // 16-byte weight loads need 16-byte aligned rows (k % 32) and base; the paired scale load needs 2-byte rows.
   const bool vec16 = a.w.k % 32 == 0 && is_aligned(a.w.packed, 16) && is_aligned(a.w.scales, 2);
-  const int warps = decode_choose_warps(ctx.props(), a.w.n, a.w.k);
-  if (a.m <= 8) {
+  const int token_tiles = a.m <= 8 ? 1 : 2;
+  const int unroll = token_tiles == 1 ? decode_unroll<1>() : decode_unroll<2>();
+  const int warps = decode_choose_warps(ctx.props(), a.w.n, a.w.k, unroll);
+  if (token_tiles == 1) {
     decode_launch_tiles<1>(p, warps, vec16, ctx.stream());
   } else {
     decode_launch_tiles<2>(p, warps, vec16, ctx.stream());

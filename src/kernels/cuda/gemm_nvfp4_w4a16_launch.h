@@ -26,12 +26,13 @@ struct GemmNvfp4W4a16Args {
 };
 
 enum class Nvfp4GemmVariant {
-  kAuto,     // decode for m <= kNvfp4DecodeMaxM, prefill above
+  kAuto,     // decode for m <= kNvfp4DecodeMaxM, decode per 16-row slice up to kNvfp4SlicedDecodeMaxM, then prefill
   kDecode,   // m <= kNvfp4DecodeMaxM only
   kPrefill,  // any m
 };
 
 inline constexpr int64_t kNvfp4DecodeMaxM = 16;
+inline constexpr int64_t kNvfp4SlicedDecodeMaxM = 64;
 
 // Unchecked launches on ctx.stream(), for arguments gemm_nvfp4_w4a16() has validated (m >= 1).
 void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Args& args);

@@ -96,6 +96,7 @@ TEST(GemmNvfp4W4a16, EdgeShapesBothKernels) {
       if (m <= kNvfp4DecodeMaxM) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng);
       run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng);
     }
+    run_and_check(ctx, w, 37, Nvfp4GemmVariant::kAuto, rng);  // decode over 16-row slices, last one partial
   }
 }
 
@@ -130,7 +131,7 @@ TEST(GemmNvfp4W4a16, ModelSizes) {
                                                            {1024, 4096}, {4096, 1024},  {2048, 6144}};
   for (size_t i = 0; i < shapes.size(); ++i) {
     const TestWeight w = make_weight(shapes[i].first, shapes[i].second, rng);
-    for (int64_t m : {1, 7, 16}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kAuto, rng);
+    for (int64_t m : {1, 7, 16, 64}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kAuto, rng);
     if (i % 3 == 0) run_and_check(ctx, w, 257, Nvfp4GemmVariant::kAuto, rng);
   }
 }
@@ -153,6 +154,7 @@ TEST(GemmNvfp4W4a16, RejectsBadArguments) {
   std::mt19937 rng(1004);
   const TestWeight w = make_weight(64, 64, rng);
   DeviceBuffer dx(64 * 64 * 2 + 16), dy(64 * 64 * 2 + 16);
+  TERN_CUDA_CHECK(cudaMemset(dx.data(), 0x3F, dx.size_bytes()));  // finite bf16 values: the good call reads x
   const GemmNvfp4W4a16Args good{.x = dx.as<uint16_t>(), .w = view_of(w), .y = dy.as<uint16_t>(), .m = 16};
   ASSERT_TRUE(gemm_nvfp4_w4a16(ctx, good).has_value());
   auto expect_error = [&](GemmNvfp4W4a16Args a, Nvfp4GemmVariant v, const std::string& needle) {
