@@ -56,13 +56,7 @@ __device__ __forceinline__ uint16_t float_to_bf16_bits(float v) { return __bfloa
 constexpr int kDecodeShift = 10;
 constexpr int kDecodeRows = 16;      // rows of W per block (mma M)
 constexpr int kDecodeStepK = 128;    // k per warp step: 4 lanes x 32
-// Steps per batch. A warp keeps two batches: one computing while the next one's loads are in flight, so the
-// weight stream never stops for the dequantization and mma work (an unpipelined batch of 4 measured slower than
-// one of 2: while a warp computes, nothing of its own is in flight). Two token tiles double x's registers.
-template <int kTokenTiles>
-__host__ __device__ constexpr int decode_unroll() {
-  return kTokenTiles == 1 ? 2 : 1;
-}
+constexpr int kDecodeUnroll = 2;     // steps whose loads are issued before any is used
 
 struct DecodeParams {
   const uint16_t* x;       // [m, k]
@@ -197,31 +191,19 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps) nvfp4_decode_kernel(
   const int n0 = blockIdx.x * kDecodeRows;
   const int n_steps = (p.k + kDecodeStepK - 1) / kDecodeStepK;
   float acc[kTokenTiles][4] = {};
-  constexpr int kUnroll = decode_unroll<kTokenTiles>();
-  const int stride = kWarps * kUnroll;  // steps between a warp's consecutive batches
-  auto load_batch = [&](DecodeChunk<kTokenTiles> (&batch)[kUnroll], int first) {
+  for (int s = warp; s < n_steps; s += kWarps * kDecodeUnroll) {
+    DecodeChunk<kTokenTiles> chunks[kDecodeUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int step = first + u * kWarps;
+    for (int u = 0; u < kDecodeUnroll; ++u) {
+      const int step = s + u * kWarps;
       if (step < n_steps) {
-        decode_load_chunk<kTokenTiles, kVec16>(p, n0, step, batch[u]);
+        decode_load_chunk<kTokenTiles, kVec16>(p, n0, step, chunks[u]);
       } else {
-        batch[u] = {};  // all-zero weights: contributes nothing
+        chunks[u] = {};  // all-zero weights: contributes nothing
       }
     }
-  };
-  auto mma_batch = [&](const DecodeChunk<kTokenTiles> (&batch)[kUnroll]) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) decode_mma_chunk<kTokenTiles>(batch[u], acc);
-  };
-  DecodeChunk<kTokenTiles> a[kUnroll], b[kUnroll];
-  load_batch(a, warp);
-  for (int s = warp; s < n_steps; s += 2 * stride) {  // a holds batch s here
-    load_batch(b, s + stride);
-    mma_batch(a);
-    if (s + stride >= n_steps) break;
-    load_batch(a, s + 2 * stride);
-    mma_batch(b);
+    for (int u = 0; u < kDecodeUnroll; ++u) decode_mma_chunk<kTokenTiles>(chunks[u], acc);
   }
   decode_reduce_store<kWarps, kTokenTiles>(p, n0, acc, red);
 }
@@ -421,17 +403,17 @@ __global__ void __launch_bounds__(kPrefillThreads) nvfp4_prefill_kernel(PrefillP
 
 bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
-// Warps per decode block. A block owns only 16 rows, so small-n weights give few blocks. We aim for about 16
-// resident warps per SM, each lane keeping `unroll` x 32 bytes of weight in flight (~64 KiB per SM, what Little's
-// law asks of HBM3e at ~1.5 us loaded latency), by splitting K over more warps when blocks are scarce, but never
-// so many warps that one has fewer than `unroll` 128-k steps.
-int decode_choose_warps(const DeviceProps& props, int64_t n, int64_t k, int unroll) {
+// Warps per decode block. A block owns only 16 rows, so small-n weights give few blocks; we aim for at least 16
+// resident warps per SM (each lane keeps kDecodeUnroll x 32 bytes of weight in flight, ~32 KiB per SM, which is
+// what Little's law asks of HBM3e at ~1 us latency) by splitting K over more warps when blocks are scarce, but
+// not more warps than there are 128-k steps.
+int decode_choose_warps(const DeviceProps& props, int64_t n, int64_t k) {
   const int64_t blocks = (n + kDecodeRows - 1) / kDecodeRows;
   const int64_t steps = (k + kDecodeStepK - 1) / kDecodeStepK;
   int warps = 16;
   if (blocks >= 2LL * props.num_sms) warps = 8;
   if (blocks >= 4LL * props.num_sms) warps = 4;
-  while (warps > 4 && static_cast<int64_t>(warps) * unroll > steps) warps /= 2;
+  while (warps > 4 && warps > steps) warps /= 2;
   return warps;
 }
 
@@ -468,10 +450,8 @@ void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Arg
                        .k = static_cast<int>(a.w.k)};
   // 16-byte weight loads need 16-byte aligned rows (k % 32) and base; the paired scale load needs 2-byte rows.
   const bool vec16 = a.w.k % 32 == 0 && is_aligned(a.w.packed, 16) && is_aligned(a.w.scales, 2);
-  const int token_tiles = a.m <= 8 ? 1 : 2;
-  const int unroll = token_tiles == 1 ? decode_unroll<1>() : decode_unroll<2>();
-  const int warps = decode_choose_warps(ctx.props(), a.w.n, a.w.k, unroll);
-  if (token_tiles == 1) {
+  const int warps = decode_choose_warps(ctx.props(), a.w.n, a.w.k);
+  if (a.m <= 8) {
     decode_launch_tiles<1>(p, warps, vec16, ctx.stream());
   } else {
     decode_launch_tiles<2>(p, warps, vec16, ctx.stream());
