@@ -1,0 +1,98 @@
+// Per-device context for the CUDA path: what the device is (DeviceProps, read once and handed to every launcher
+// that sizes tiles), the stream work is queued on, the cuBLASLt handle with its workspace, and an owning device
+// buffer. No globals: whoever runs a model on a GPU owns one DeviceContext per device.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "kernels/cuda/cuda_check.h"
+
+// cuBLASLt calls fail fast like CUDA calls (a failure means a broken device, a bug, or an unsupported shape the
+// launcher should have rejected first).
+#define TERN_CUBLAS_CHECK(call)                                                                            \
+  do {                                                                                                     \
+    const cublasStatus_t tern_cublas_status_ = (call);                                                     \
+    if (tern_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                                                    \
+      std::fprintf(stderr, "%s:%d: cuBLAS call failed: %s: %s\n", __FILE__, __LINE__, #call,               \
+                   cublasLtGetStatusName(tern_cublas_status_));                                            \
+      std::abort();                                                                                        \
+    }                                                                                                      \
+  } while (0)
+
+namespace tern {
+
+struct DeviceProps {
+  int device = 0;
+  std::string name;
+  int cc_major = 0;
+  int cc_minor = 0;
+  int num_sms = 0;
+  size_t shared_mem_per_block = 0;        // default limit of one block (48 KiB)
+  size_t shared_mem_per_block_optin = 0;  // what a block may get after cudaFuncSetAttribute
+  size_t shared_mem_per_sm = 0;
+  int regs_per_sm = 0;
+  int regs_per_block = 0;
+  int max_threads_per_sm = 0;
+  int l2_bytes = 0;
+  size_t global_mem_bytes = 0;
+  int memory_bus_bits = 0;
+  int memory_clock_khz = 0;  // 0 where the runtime no longer reports it
+  int sm_clock_khz = 0;
+};
+
+// Reads the properties of `device` (cudaGetDeviceProperties plus the attributes CUDA 13 dropped from it).
+DeviceProps device_query_props(int device);
+
+// Owning device allocation; move-only. Size 0 owns nothing.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* data() const { return ptr_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t size_bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// One device's stream, cuBLASLt handle and cuBLASLt workspace. Selects the device on construction.
+class DeviceContext {
+ public:
+  static constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;  // cuBLASLt's recommendation for Hopper
+
+  explicit DeviceContext(int device = 0);
+  ~DeviceContext();
+  DeviceContext(const DeviceContext&) = delete;
+  DeviceContext& operator=(const DeviceContext&) = delete;
+
+  const DeviceProps& props() const { return props_; }
+  cudaStream_t stream() const { return stream_; }
+  cublasLtHandle_t cublaslt() const { return cublaslt_; }
+  void* cublas_workspace() const { return workspace_.data(); }
+  size_t cublas_workspace_bytes() const { return workspace_.size_bytes(); }
+  void synchronize() const { TERN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+ private:
+  DeviceProps props_;
+  cudaStream_t stream_ = nullptr;
+  cublasLtHandle_t cublaslt_ = nullptr;
+  DeviceBuffer workspace_;
+};
+
+}  // namespace tern

@@ -1,0 +1,71 @@
+#include "kernels/cuda/gemm_bf16.h"
+
+#include <limits>
+
+namespace tern {
+namespace {
+
+bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+Expected<void> gemm_bf16_validate(const GemmBf16Args& a) {
+  if (a.m < 0 || a.n <= 0 || a.k <= 0) return make_error("gemm_bf16: bad shape m={} n={} k={}", a.m, a.n, a.k);
+  constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
+  if (a.m > kMaxDim || a.n > kMaxDim || a.k > kMaxDim) {
+    return make_error("gemm_bf16: dimension over 2^31-1 (m={} n={} k={})", a.m, a.n, a.k);
+  }
+  if (a.k % 8 != 0) return make_error("gemm_bf16: k={} is not a multiple of 8 (16-byte rows of x and W)", a.k);
+  if (a.n % 8 != 0) return make_error("gemm_bf16: n={} is not a multiple of 8 (16-byte rows of y)", a.n);
+  if (a.x == nullptr || a.w == nullptr || a.y == nullptr) return make_error("gemm_bf16: null pointer (x, w or y)");
+  if (!is_aligned16(a.x)) return make_error("gemm_bf16: x is not 16-byte aligned");
+  if (!is_aligned16(a.w)) return make_error("gemm_bf16: w is not 16-byte aligned");
+  if (!is_aligned16(a.y)) return make_error("gemm_bf16: y is not 16-byte aligned");
+  return {};
+}
+
+// RAII for the cuBLASLt descriptors of one call.
+struct LtDescs {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~LtDescs() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+}  // namespace
+
+Expected<void> gemm_bf16(const DeviceContext& ctx, const GemmBf16Args& args) {
+  TERN_TRY(gemm_bf16_validate(args));
+  if (args.m == 0) return {};
+  // cuBLASLt is column-major: row-major y[M,N] is column-major y^T[N,M] = W[N,K] · x^T[K,M]. Row-major W[N,K] is
+  // column-major [K,N] (ld K) used transposed; row-major x[M,K] is column-major [K,M] (ld K) used as is.
+  const auto m = static_cast<uint64_t>(args.m), n = static_cast<uint64_t>(args.n), k = static_cast<uint64_t>(args.k);
+  LtDescs desc;
+  TERN_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t trans = CUBLAS_OP_T, no_trans = CUBLAS_OP_N;
+  TERN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)));
+  TERN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &no_trans, sizeof(no_trans)));
+  TERN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_16BF, k, n, static_cast<int64_t>(k)));
+  TERN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_16BF, k, m, static_cast<int64_t>(k)));
+  TERN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.d, CUDA_R_16BF, n, m, static_cast<int64_t>(n)));
+  TERN_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
+  const size_t workspace = ctx.cublas_workspace_bytes();
+  TERN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                         &workspace, sizeof(workspace)));
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int n_found = 0;
+  TERN_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.cublaslt(), desc.op, desc.a, desc.b, desc.d, desc.d,
+                                                   desc.pref, 1, &heuristic, &n_found));
+  if (n_found == 0) return make_error("gemm_bf16: cuBLASLt has no algorithm for m={} n={} k={}", m, n, k);
+  const float alpha = 1.0f, beta = 0.0f;
+  TERN_CUBLAS_CHECK(cublasLtMatmul(ctx.cublaslt(), desc.op, &alpha, args.w, desc.a, args.x, desc.b, &beta, args.y,
+                                   desc.d, args.y, desc.d, &heuristic.algo, ctx.cublas_workspace(), workspace,
+                                   ctx.stream()));
+  return {};
+}
+
+}  // namespace tern

@@ -1,0 +1,71 @@
+// cuBLASLt BF16 GEMM against an fp64 CPU product of the same bf16 inputs. Tolerance and poisoning:
+// gemm_test_util.h. Label: gpu.
+#include "kernels/cuda/gemm_bf16.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/gemm_test_util.h"
+
+namespace tern {
+namespace {
+
+void run_and_check(const DeviceContext& ctx, int64_t m, int64_t n, int64_t k, std::mt19937& rng) {
+  const auto x = gemm_test::random_bf16(static_cast<size_t>(m * k), rng);
+  const auto w = gemm_test::random_bf16(static_cast<size_t>(n * k), rng);
+  DeviceBuffer dx(x.size() * 2), dw(w.size() * 2), dy(static_cast<size_t>(m * n) * 2);
+  TERN_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  TERN_CUDA_CHECK(cudaMemcpy(dw.data(), w.data(), w.size() * 2, cudaMemcpyHostToDevice));
+  TERN_CUDA_CHECK(cudaMemset(dy.data(), 0xFF, dy.size_bytes()));
+  const auto status = gemm_bf16(
+      ctx, GemmBf16Args{.x = dx.as<uint16_t>(), .w = dw.as<uint16_t>(), .y = dy.as<uint16_t>(), .m = m, .n = n, .k = k});
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  std::vector<uint16_t> y(static_cast<size_t>(m * n));
+  TERN_CUDA_CHECK(cudaMemcpy(y.data(), dy.data(), y.size() * 2, cudaMemcpyDeviceToHost));
+  const auto ref = gemm_test::reference_gemm(gemm_test::bf16_to_floats(x), gemm_test::bf16_to_floats(w), m, n, k);
+  gemm_test::check_gemm(y, ref, m, n,
+                        "bf16 m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k));
+}
+
+TEST(GemmBf16, MatchesReference) {
+  DeviceContext ctx;
+  std::mt19937 rng(2001);
+  for (int64_t m : {1, 3, 7, 16, 17, 100, 257}) run_and_check(ctx, m, 1000, 1032, rng);
+  run_and_check(ctx, 1, 4096, 4096, rng);
+  run_and_check(ctx, 16, 12288, 4096, rng);
+  run_and_check(ctx, 257, 2048, 6144, rng);
+}
+
+TEST(GemmBf16, RejectsBadArguments) {
+  DeviceContext ctx;
+  DeviceBuffer buf(1 << 20);
+  const GemmBf16Args good{.x = buf.as<uint16_t>(), .w = buf.as<uint16_t>(), .y = buf.as<uint16_t>(), .m = 4, .n = 64,
+                          .k = 64};
+  auto expect_error = [&](GemmBf16Args a, const std::string& needle) {
+    const auto r = gemm_bf16(ctx, a);
+    ASSERT_FALSE(r.has_value()) << needle;
+    EXPECT_NE(r.error().message.find(needle), std::string::npos) << r.error().message;
+  };
+  auto a = good;
+  a.n = 1001;
+  expect_error(a, "n=1001 is not a multiple of 8");
+  a = good;
+  a.k = 60;
+  expect_error(a, "k=60 is not a multiple of 8");
+  a = good;
+  a.w = nullptr;
+  expect_error(a, "null pointer");
+  a = good;
+  a.x = buf.as<uint16_t>() + 1;
+  expect_error(a, "x is not 16-byte aligned");
+  a = good;
+  a.k = 0;
+  expect_error(a, "bad shape");
+}
+
+}  // namespace
+}  // namespace tern

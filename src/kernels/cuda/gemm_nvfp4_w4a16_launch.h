@@ -1,0 +1,41 @@
+// The NVFP4 W4A16 kernels' argument structs and their unchecked launchers. The .cu side cannot include
+// core/error.h (nvcc rejects fmt's consteval format strings), so validation lives in gemm_nvfp4_w4a16.cc and
+// callers use gemm_nvfp4_w4a16() from gemm_nvfp4_w4a16.h.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/device.h"
+
+namespace tern {
+
+// A device-resident NVFP4 weight [n, k] (k a multiple of 16).
+struct Nvfp4WeightView {
+  const uint8_t* packed = nullptr;  // [n, k/2] two e2m1 codes per byte, even k in the low nibble
+  const uint8_t* scales = nullptr;  // [n, k/16] e4m3fn block scales, row-major, not swizzled
+  float global_scale = 0.0f;        // weight_scale_2
+  int64_t n = 0;
+  int64_t k = 0;
+};
+
+struct GemmNvfp4W4a16Args {
+  const uint16_t* x = nullptr;  // [m, k] bf16, row-major
+  Nvfp4WeightView w;
+  uint16_t* y = nullptr;  // [m, n] bf16, row-major
+  int64_t m = 0;
+};
+
+enum class Nvfp4GemmVariant {
+  kAuto,     // decode for m <= kNvfp4DecodeMaxM, decode per 16-row slice up to kNvfp4SlicedDecodeMaxM, then prefill
+  kDecode,   // m <= kNvfp4DecodeMaxM only
+  kPrefill,  // any m
+};
+
+inline constexpr int64_t kNvfp4DecodeMaxM = 16;
+inline constexpr int64_t kNvfp4SlicedDecodeMaxM = 64;
+
+// Unchecked launches on ctx.stream(), for arguments gemm_nvfp4_w4a16() has validated (m >= 1).
+void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Args& args);
+void nvfp4_w4a16_launch_prefill(const DeviceContext& ctx, const GemmNvfp4W4a16Args& args);
+
+}  // namespace tern
