@@ -13,6 +13,10 @@
 #include "models/weight_schema.h"
 #include "ops/gemm_op.h"
 #include "ops/registry.h"
+#if TERN_HAVE_CUDA
+#include "kernels/cuda/device.h"
+#include "ops/gemm_cuda.h"
+#endif
 
 namespace tern {
 namespace {
@@ -20,6 +24,7 @@ namespace {
 struct DoctorOptions {
   std::string model_dir;
   std::string selftest = "full";
+  std::string device = "auto";
   bool json = false;
 };
 
@@ -117,7 +122,26 @@ int run_doctor(const DoctorOptions& o) {
     fmt::print(stderr, "tern doctor: {}\n", ok.error().message);
     return 2;
   }
-  const DeviceDescription device = cpu_device_describe();
+  std::vector<DeviceDescription> devices = {cpu_device_describe()};
+#if TERN_HAVE_CUDA
+  for (const DeviceDescription& d : cuda_devices_describe()) devices.push_back(d);
+  if (devices.size() > 1 && o.device != "cpu") {
+    if (auto ok = gemm_register_cuda(registry, std::make_shared<DeviceContext>(0)); !ok) {
+      fmt::print(stderr, "tern doctor: {}\n", ok.error().message);
+      return 2;
+    }
+  }
+#endif
+  if (o.device != "auto" && o.device != "cpu" && o.device != "cuda") {
+    fmt::print(stderr, "tern doctor: unknown --device '{}' (auto, cpu or cuda)\n", o.device);
+    return 2;
+  }
+  if (o.device == "cuda" && devices.size() < 2) {
+    fmt::print(stderr, "tern doctor: --device cuda, but no CUDA device is available to this binary\n");
+    return 2;
+  }
+  // The device that would serve: the first GPU unless the CPU is asked for.
+  const DeviceDescription device = (o.device != "cpu" && devices.size() > 1) ? devices[1] : devices[0];
   const std::vector<int64_t> batch_sizes = {1, 8};
   std::vector<Selection> selections;
   for (const auto& [op, shapes] : {std::pair{"gemm_bf16", &gemms.bf16}, std::pair{"gemm_nvfp4", &gemms.nvfp4}}) {
@@ -138,7 +162,9 @@ int run_doctor(const DoctorOptions& o) {
                      : fmt::format("NOT OK: {} op(s) have no verified implementation on this machine", n_missing);
   if (o.json) {
     nlohmann::ordered_json j;
-    j["devices"] = {device_json(device)};
+    j["devices"] = nlohmann::ordered_json::array();
+    for (const DeviceDescription& d : devices) j["devices"].push_back(device_json(d));
+    j["selftest_device"] = device.name;
     j["binary"] = {{"cuda", TERN_DOCTOR_CUDA_ARCHS[0] != '\0'}, {"cuda_architectures", TERN_DOCTOR_CUDA_ARCHS}};
     j["model"] = o.model_dir.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(o.model_dir);
     j["ops"] = nlohmann::ordered_json::array();
@@ -146,11 +172,20 @@ int run_doctor(const DoctorOptions& o) {
     j["verdict"] = verdict;
     fmt::print("{}\n", j.dump(2));
   } else {
-    fmt::print("devices\n  {} ({} threads)\n", device.name, device.sm_count);
+    fmt::print("devices\n");
+    for (const DeviceDescription& d : devices) {
+      if (d.backend == Backend::kCpu) {
+        fmt::print("  {} ({} threads)\n", d.name, d.sm_count);
+      } else {
+        fmt::print("  {}: {}, {} SMs, {} KiB shared memory per block (opt-in), {:.1f} GiB\n", d.name, d.arch(),
+                   d.sm_count, d.smem_per_block_optin / 1024, d.memory_bytes / double(int64_t{1} << 30));
+      }
+    }
     fmt::print("binary\n  CUDA kernels: {}\n", TERN_DOCTOR_CUDA_ARCHS[0] != '\0'
                                                      ? fmt::format("built for {}", TERN_DOCTOR_CUDA_ARCHS)
                                                      : std::string("not built (CPU-only binary)"));
-    fmt::print("ops{}\n", o.model_dir.empty() ? "" : fmt::format(" (shapes of {}, batch sizes 1 and 8)", o.model_dir));
+    fmt::print("ops on {}{}\n", device.name,
+               o.model_dir.empty() ? "" : fmt::format(" (shapes of {}, batch sizes 1 and 8)", o.model_dir));
     for (const Selection& s : selections) print_selection(s);
     fmt::print("verdict\n  {}\n", verdict);
   }
@@ -164,6 +199,7 @@ void register_doctor_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("doctor", "Check which kernels are verified on this machine, and why");
   cmd->add_option("--model", o->model_dir, "Self-test on this model's shapes (checkpoint or config-only directory)");
   cmd->add_option("--selftest", o->selftest, "fast (one case per op) or full (every shape)");
+  cmd->add_option("--device", o->device, "auto (the first GPU if any), cpu or cuda");
   cmd->add_flag("--json", o->json, "Print one JSON object");
   cmd->callback([o] { throw CLI::RuntimeError(run_doctor(*o)); });
 }

@@ -1,0 +1,152 @@
+#include "ops/gemm_cuda.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <bit>
+#include <sstream>
+
+#include "core/formats.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/gemm_bf16.h"
+#include "kernels/cuda/gemm_nvfp4_w4a16.h"
+#include "ops/gemm_op.h"
+
+namespace tern {
+namespace {
+
+DeviceDescription describe(const DeviceProps& p) {
+  return DeviceDescription{.backend = Backend::kCuda,
+                           .name = p.name,
+                           .cc_major = p.cc_major,
+                           .cc_minor = p.cc_minor,
+                           .sm_count = p.num_sms,
+                           .smem_per_block_optin = static_cast<int64_t>(p.shared_mem_per_block_optin),
+                           .smem_per_sm = static_cast<int64_t>(p.shared_mem_per_sm),
+                           .regs_per_block = p.regs_per_block,
+                           .regs_per_sm = p.regs_per_sm,
+                           .l2_bytes = p.l2_bytes,
+                           .memory_bytes = static_cast<int64_t>(p.global_mem_bytes)};
+}
+
+std::string cuda_only(const DeviceDescription& d) {
+  if (d.backend != Backend::kCuda) return "runs on CUDA devices only";
+  return binary_can_run(cuda_binary_image(), d);
+}
+
+// bf16 output: rounding is half an ulp of each element (2^-9 relative); the accumulation order of tensor cores
+// adds a little. 2^-8 of the largest output bounds both and still rejects a wrong scale of 1%.
+constexpr Tolerance kBf16OutputTolerance{.rel = 1.0 / 256, .abs = 0.0};
+
+}  // namespace
+
+GemmDeviceInputs gemm_upload(const GemmInputs& in, cudaStream_t stream) {
+  auto upload = [stream](const auto& host) {
+    DeviceBuffer b(std::max<size_t>(host.size() * sizeof(host[0]), 16));
+    TERN_CUDA_CHECK(cudaMemcpyAsync(b.data(), host.data(), host.size() * sizeof(host[0]), cudaMemcpyHostToDevice,
+                                    stream));
+    return b;
+  };
+  return GemmDeviceInputs{.x = upload(in.x_bf16), .w_bf16 = upload(in.w_bf16), .w_packed = upload(in.w_packed),
+                          .w_scales = upload(in.w_scales)};
+}
+
+Expected<RunOutput> cuda_run_timed(const DeviceContext& ctx, int64_t m, int64_t n,
+                                   const std::function<Expected<void>(uint16_t* y)>& launch) {
+  constexpr int kTimedRuns = 5;
+  const size_t count = static_cast<size_t>(m * n);
+  DeviceBuffer y(std::max<size_t>(count * 2, 16));
+  cudaEvent_t start, stop;
+  TERN_CUDA_CHECK(cudaEventCreate(&start));
+  TERN_CUDA_CHECK(cudaEventCreate(&stop));
+  float best_ms = 1e30f;
+  Expected<void> status;
+  const std::vector<uint16_t> poison(count, kPoisonBf16Bits);
+  for (int run = 0; run <= kTimedRuns && status; ++run) {
+    TERN_CUDA_CHECK(cudaMemcpyAsync(y.data(), poison.data(), count * 2, cudaMemcpyHostToDevice, ctx.stream()));
+    TERN_CUDA_CHECK(cudaEventRecord(start, ctx.stream()));
+    status = launch(y.as<uint16_t>());
+    TERN_CUDA_CHECK(cudaEventRecord(stop, ctx.stream()));
+    if (cudaError_t e = cudaStreamSynchronize(ctx.stream()); e != cudaSuccess) {
+      status = make_error("kernel failed: {} ({})", cudaGetErrorName(e), cudaGetErrorString(e));
+    }
+    float ms = 0.0f;
+    if (status && run > 0 && cudaEventElapsedTime(&ms, start, stop) == cudaSuccess) best_ms = std::min(best_ms, ms);
+  }
+  TERN_CUDA_CHECK(cudaEventDestroy(start));
+  TERN_CUDA_CHECK(cudaEventDestroy(stop));
+  if (!status) return tl::unexpected(status.error());
+  std::vector<uint16_t> host(count);
+  TERN_CUDA_CHECK(cudaMemcpy(host.data(), y.data(), count * 2, cudaMemcpyDeviceToHost));
+  RunOutput out{.values = std::vector<float>(count), .seconds = best_ms * 1e-3};
+  for (size_t i = 0; i < count; ++i) {
+    out.values[i] = host[i] == kPoisonBf16Bits ? std::bit_cast<float>(kPoisonF32Bits) : bf16_to_float(host[i]);
+  }
+  return out;
+}
+
+std::vector<DeviceDescription> cuda_devices_describe() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no device: clear the sticky error
+    return {};
+  }
+  std::vector<DeviceDescription> out;
+  for (int i = 0; i < count; ++i) out.push_back(describe(device_query_props(i)));
+  return out;
+}
+
+BinaryImage cuda_binary_image() {
+  BinaryImage image;
+  std::stringstream archs(TERN_OPS_CUDA_ARCHS);  // CMAKE_CUDA_ARCHITECTURES with commas, e.g. "90a,100a,120a"
+  for (std::string arch; std::getline(archs, arch, ',');) {
+    if (arch.empty()) continue;
+    const bool virtual_only = arch.ends_with("-virtual"), real_only = arch.ends_with("-real");
+    const std::string base = arch.substr(0, arch.find('-'));
+    if (!virtual_only) image.sass.push_back("sm_" + base);
+    if (!real_only) image.ptx.push_back("compute_" + base);
+  }
+  return image;
+}
+
+Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceContext> context) {
+  TERN_TRY(registry.add(Implementation{
+      .op = "gemm_bf16",
+      .name = "cublaslt",
+      .backend = Backend::kCuda,
+      .priority = 10,
+      .tolerance = kBf16OutputTolerance,
+      .unsupported_reason = [](const DeviceDescription& d, const SelfTestCase&) { return cuda_only(d); },
+      .run = [context](const OpInputs& base) -> Expected<RunOutput> {
+        const auto& in = static_cast<const GemmInputs&>(base);
+        const GemmDeviceInputs d = gemm_upload(in, context->stream());
+        return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
+          return gemm_bf16(*context, {.x = d.x.as<uint16_t>(), .w = d.w_bf16.as<uint16_t>(), .y = y, .m = in.m,
+                                      .n = in.n, .k = in.k});
+        });
+      },
+  }));
+  TERN_TRY(registry.add(Implementation{
+      .op = "gemm_nvfp4",
+      .name = "w4a16",
+      .backend = Backend::kCuda,
+      .priority = 10,
+      .tolerance = kBf16OutputTolerance,
+      .unsupported_reason = [](const DeviceDescription& d, const SelfTestCase&) -> std::string {
+        if (std::string why = cuda_only(d); !why.empty()) return why;
+        return arch_features(d.cc_major, d.cc_minor).mma_bf16 ? "" : "needs bf16 mma.sync (sm_80 or later targets)";
+      },
+      .run = [context](const OpInputs& base) -> Expected<RunOutput> {
+        const auto& in = static_cast<const GemmInputs&>(base);
+        const GemmDeviceInputs d = gemm_upload(in, context->stream());
+        const Nvfp4WeightView w{.packed = d.w_packed.as<uint8_t>(), .scales = d.w_scales.as<uint8_t>(),
+                                .global_scale = in.w_global_scale, .n = in.n, .k = in.k};
+        return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
+          return gemm_nvfp4_w4a16(*context, {.x = d.x.as<uint16_t>(), .w = w, .y = y, .m = in.m});
+        });
+      },
+  }));
+  return {};
+}
+
+}  // namespace tern

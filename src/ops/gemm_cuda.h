@@ -1,0 +1,41 @@
+// The CUDA implementations of the GEMM ops (built only with CUDA): "cublaslt" for gemm_bf16 and "w4a16" for
+// gemm_nvfp4, run through the same harness and verdicts as the CPU ones.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cuda/device.h"
+#include "ops/device.h"
+#include "ops/registry.h"
+
+namespace tern {
+
+struct GemmInputs;
+
+// The CUDA devices present (empty when there is no driver or no GPU).
+std::vector<DeviceDescription> cuda_devices_describe();
+
+// What this binary holds: the CUDA architectures it was compiled for (machine code and PTX for each).
+BinaryImage cuda_binary_image();
+
+// A GEMM case's inputs on the device (bf16 activations; the weight in whichever form the case has).
+struct GemmDeviceInputs {
+  DeviceBuffer x, w_bf16, w_packed, w_scales;
+};
+GemmDeviceInputs gemm_upload(const GemmInputs& inputs, cudaStream_t stream);
+
+// Runs `launch` (which writes a bf16 [m, n] output) once to warm up and then several times on ctx's stream; returns
+// the last output widened to float and the fastest time. The output is poisoned before every run, so elements a
+// launch skips keep the poison pattern; a launch error or a failed kernel is an error.
+Expected<RunOutput> cuda_run_timed(const DeviceContext& ctx, int64_t m, int64_t n,
+                                   const std::function<Expected<void>(uint16_t* y)>& launch);
+
+// Registers the implementations; they run on `context`'s device and stream.
+Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceContext> context);
+
+}  // namespace tern

@@ -1,0 +1,135 @@
+// The GEMM ops on the GPU through the registry (label gpu): the real implementations pass their self-test on
+// model-sized shapes, and a test-only registration of broken variants — each one fault class — is rejected.
+#include "ops/gemm_cuda.h"
+
+#include <gtest/gtest.h>
+
+#include "kernels/cuda/gemm_bf16.h"
+#include "kernels/cuda/gemm_nvfp4_w4a16.h"
+#include "ops/gemm_op.h"
+
+namespace tern {
+namespace {
+
+struct Fault {
+  std::string name;
+  std::string expected_reason;
+  // Launches a deliberately wrong NVFP4 GEMM.
+  std::function<Expected<void>(const DeviceContext&, const GemmInputs&, const GemmDeviceInputs&, uint16_t*)> launch;
+};
+
+Nvfp4WeightView view_of(const GemmInputs& in, const GemmDeviceInputs& d) {
+  return {.packed = d.w_packed.as<uint8_t>(), .scales = d.w_scales.as<uint8_t>(), .global_scale = in.w_global_scale,
+          .n = in.n, .k = in.k};
+}
+
+std::vector<Fault> nvfp4_faults() {
+  auto gemm = [](const DeviceContext& ctx, const GemmInputs&, const GemmDeviceInputs& d, uint16_t* y,
+                 Nvfp4WeightView w, int64_t m) {
+    return gemm_nvfp4_w4a16(ctx, {.x = d.x.as<uint16_t>(), .w = w, .y = y, .m = m});
+  };
+  return {
+      {"all-zeros", "all zeros",
+       [=](auto& ctx, auto& in, auto& d, uint16_t* y) {
+         Nvfp4WeightView w = view_of(in, d);
+         w.global_scale = 0.0f;
+         return gemm(ctx, in, d, y, w, in.m);
+       }},
+      {"wrong-scale", "exceeds the tolerance",
+       [=](auto& ctx, auto& in, auto& d, uint16_t* y) {
+         Nvfp4WeightView w = view_of(in, d);
+         w.global_scale *= 1.03f;
+         return gemm(ctx, in, d, y, w, in.m);
+       }},
+      {"shifted-block-scales", "exceeds the tolerance",
+       [=](auto& ctx, auto& in, auto& d, uint16_t* y) {
+         // Every block reads its neighbour's scale (the last wraps to the first).
+         std::vector<uint8_t> shifted(in.w_scales.size());
+         for (size_t i = 0; i < shifted.size(); ++i) shifted[i] = in.w_scales[(i + 1) % shifted.size()];
+         auto scales = std::make_shared<DeviceBuffer>(shifted.size());
+         TERN_CUDA_CHECK(cudaMemcpy(scales->data(), shifted.data(), shifted.size(), cudaMemcpyHostToDevice));
+         Nvfp4WeightView w = view_of(in, d);
+         w.scales = scales->template as<uint8_t>();
+         auto status = gemm(ctx, in, d, y, w, in.m);
+         TERN_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));  // keep the buffer alive until the kernel is done
+         return status;
+       }},
+      {"skips-the-last-row", "never written",
+       [=](auto& ctx, auto& in, auto& d, uint16_t* y) { return gemm(ctx, in, d, y, view_of(in, d), in.m - 1); }},
+      {"nan-global-scale", "global",
+       [=](auto& ctx, auto& in, auto& d, uint16_t* y) {
+         Nvfp4WeightView w = view_of(in, d);
+         w.global_scale = NAN;
+         return gemm(ctx, in, d, y, w, in.m);
+       }},
+  };
+}
+
+class CudaGemmOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    devices_ = cuda_devices_describe();
+    ASSERT_FALSE(devices_.empty()) << "no CUDA device";
+    context_ = std::make_shared<DeviceContext>(0);
+    ASSERT_TRUE(gemm_register_cpu(registry_).has_value());
+    ASSERT_TRUE(gemm_register_cuda(registry_, context_).has_value());
+  }
+  std::vector<DeviceDescription> devices_;
+  std::shared_ptr<DeviceContext> context_;
+  Registry registry_;
+};
+
+TEST_F(CudaGemmOps, RealImplementationsPassOnModelShapes) {
+  // Qwen3.5-35B-A3B-like projections and expert sizes at decode and prefill batch sizes.
+  const auto cases = gemm_selftest_cases({{4096, 2048}, {2048, 4096}, {1024, 2048}, {2048, 512}}, {1, 8, 200});
+  auto nvfp4 = registry_select(registry_, "gemm_nvfp4", devices_[0], cases, {});
+  ASSERT_TRUE(nvfp4.has_value()) << nvfp4.error().message;
+  EXPECT_EQ(nvfp4->chosen, "w4a16") << nvfp4->candidates.front().reason;
+  auto bf16 = registry_select(registry_, "gemm_bf16", devices_[0], cases, {});
+  ASSERT_TRUE(bf16.has_value()) << bf16.error().message;
+  EXPECT_EQ(bf16->chosen, "cublaslt") << bf16->candidates.front().reason;
+  for (const Selection* s : {&*nvfp4, &*bf16}) {
+    for (const auto& c : s->candidates) {
+      if (c.name == "cpu") {
+        EXPECT_EQ(c.status, CandidateStatus::kUnsupported);
+      }
+    }
+  }
+}
+
+TEST_F(CudaGemmOps, InjectedFaultsAreRejectedOnTheGpu) {
+  for (const Fault& f : nvfp4_faults()) {
+    ASSERT_TRUE(registry_
+                    .add(Implementation{
+                        .op = "gemm_nvfp4",
+                        .name = f.name,
+                        .backend = Backend::kCuda,
+                        .priority = 100,
+                        .tolerance = {.rel = 1.0 / 256},
+                        .run = [this, launch = f.launch](const OpInputs& base) -> Expected<RunOutput> {
+                          const auto& in = static_cast<const GemmInputs&>(base);
+                          const GemmDeviceInputs d = gemm_upload(in, context_->stream());
+                          return cuda_run_timed(*context_, in.m, in.n,
+                                                [&](uint16_t* y) { return launch(*context_, in, d, y); });
+                        },
+                    })
+                    .has_value());
+  }
+  const auto cases = gemm_selftest_cases({{1000, 1024}}, {1, 40});
+  auto s = registry_select(registry_, "gemm_nvfp4", devices_[0], cases, {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_EQ(s->chosen, "w4a16");
+  for (const Fault& f : nvfp4_faults()) {
+    bool found = false;
+    for (const auto& c : s->candidates) {
+      if (c.name != f.name) continue;
+      found = true;
+      EXPECT_EQ(c.status, CandidateStatus::kFailed) << f.name;
+      EXPECT_NE(c.reason.find(f.expected_reason), std::string::npos) << f.name << ": " << c.reason;
+    }
+    EXPECT_TRUE(found) << f.name;
+  }
+}
+
+}  // namespace
+}  // namespace tern
