@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <chrono>
-#include <random>
 
 #include "core/formats.h"
 #include "core/nvfp4.h"
@@ -22,22 +21,34 @@ Expected<std::unique_ptr<OpInputs>> make_gemm_inputs(const SelfTestCase& c, uint
   in->k = c.dims[2];
   in->nvfp4 = nvfp4;
   if (nvfp4 && in->k % kNvfp4BlockSize != 0) return make_error("gemm_nvfp4 case '{}': K must be a multiple of 16", c.label);
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  auto bf16_value = [&](float scale) { return float_to_bf16(scale * normal(rng) + 1e-3f); };
+  // Inputs of real model sizes run to hundreds of millions of elements (an lm_head), so values come from a
+  // counter-based hash, in parallel: fresh for every seed, non-zero, symmetric, the same whatever the thread count.
+  auto value = [seed](uint64_t stream, int64_t i, float scale) {
+    uint64_t z = (seed ^ (stream << 56)) + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * 0x1p-24f;  // [0, 1)
+    return float_to_bf16(scale * (2.0f * u - 1.0f) + (z & 1 ? 1e-3f : -1e-3f));
+  };
+  in->x_bf16.resize(static_cast<size_t>(in->m * in->k));
+  in->x.resize(in->x_bf16.size());
   for (int64_t i = 0; i < in->m * in->k; ++i) {
-    in->x_bf16.push_back(bf16_value(1.0f));
-    in->x.push_back(bf16_to_float(in->x_bf16.back()));
+    in->x_bf16[i] = value(1, i, 2.0f);
+    in->x[i] = bf16_to_float(in->x_bf16[i]);
   }
   std::vector<float> w(static_cast<size_t>(in->n * in->k));
-  for (float& v : w) v = bf16_to_float(bf16_value(0.05f));
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < in->n * in->k; ++i) w[i] = bf16_to_float(value(2, i, 0.1f));
   if (nvfp4) {
     Nvfp4Matrix q = nvfp4_quantize_weight(w, in->n, in->k);
     in->w_packed = std::move(q.packed);
     in->w_scales = std::move(q.block_scales);
     in->w_global_scale = q.global_scale;
   } else {
-    for (float v : w) in->w_bf16.push_back(float_to_bf16(v));
+    in->w_bf16.resize(w.size());
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < in->n * in->k; ++i) in->w_bf16[i] = float_to_bf16(w[i]);
   }
   return in;
 }
@@ -58,9 +69,10 @@ CpuMatrix cpu_matrix_of(const GemmInputs& in) {
 
 std::vector<float> gemm_reference(const OpInputs& base) {
   const auto& in = static_cast<const GemmInputs&>(base);
-  std::vector<float> w_row(static_cast<size_t>(in.k));
   std::vector<float> y(static_cast<size_t>(in.m * in.n));
+#pragma omp parallel for schedule(dynamic, 64)
   for (int64_t j = 0; j < in.n; ++j) {
+    std::vector<float> w_row(static_cast<size_t>(in.k));
     if (in.nvfp4) {
       nvfp4_dequantize_row(in.w_packed.data() + j * in.k / 2, in.w_scales.data() + j * in.k / kNvfp4BlockSize,
                            in.w_global_scale, in.k, w_row.data());
