@@ -56,7 +56,7 @@ std::vector<Fault> nvfp4_faults() {
        }},
       {"skips-the-last-row", "never written",
        [=](auto& ctx, auto& in, auto& d, uint16_t* y) { return gemm(ctx, in, d, y, view_of(in, d), in.m - 1); }},
-      {"nan-global-scale", "global",
+      {"nan-global-scale", "weight_scale_2 is not finite",
        [=](auto& ctx, auto& in, auto& d, uint16_t* y) {
          Nvfp4WeightView w = view_of(in, d);
          w.global_scale = NAN;

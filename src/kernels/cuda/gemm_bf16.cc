@@ -14,7 +14,6 @@ Expected<void> gemm_bf16_validate(const GemmBf16Args& a) {
     return make_error("gemm_bf16: dimension over 2^31-1 (m={} n={} k={})", a.m, a.n, a.k);
   }
   if (a.k % 8 != 0) return make_error("gemm_bf16: k={} is not a multiple of 8 (16-byte rows of x and W)", a.k);
-  if (a.n % 8 != 0) return make_error("gemm_bf16: n={} is not a multiple of 8 (16-byte rows of y)", a.n);
   if (a.x == nullptr || a.w == nullptr || a.y == nullptr) return make_error("gemm_bf16: null pointer (x, w or y)");
   if (!is_aligned16(a.x)) return make_error("gemm_bf16: x is not 16-byte aligned");
   if (!is_aligned16(a.w)) return make_error("gemm_bf16: w is not 16-byte aligned");
@@ -56,6 +55,14 @@ Expected<void> gemm_bf16(const DeviceContext& ctx, const GemmBf16Args& args) {
   const size_t workspace = ctx.cublas_workspace_bytes();
   TERN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                          &workspace, sizeof(workspace)));
+  // Outputs with a row length that is not a multiple of 8 (a [1, H] gate, a vocabulary of odd size) have rows that
+  // are only 2-byte aligned: say so, and cuBLASLt picks an algorithm that copes instead of one that would fault.
+  if (n % 8 != 0) {
+    const uint32_t two_bytes = 2;
+    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+      TERN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &two_bytes, sizeof(two_bytes)));
+    }
+  }
   cublasLtMatmulHeuristicResult_t heuristic{};
   int n_found = 0;
   TERN_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.cublaslt(), desc.op, desc.a, desc.b, desc.d, desc.d,

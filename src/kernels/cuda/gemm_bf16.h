@@ -20,7 +20,7 @@ struct GemmBf16Args {
 };
 
 // Queues the product on ctx.stream(). Errors name the bad argument: non-positive sizes, null or unaligned pointers
-// (16 bytes), k or n not a multiple of 8 (rows must be 16-byte aligned for cuBLASLt's fast kernels), or no
+// (16 bytes), k not a multiple of 8 (rows of x and W must be 16-byte aligned for cuBLASLt's fast kernels), or no
 // cuBLASLt algorithm for the shape. m == 0 is a no-op.
 Expected<void> gemm_bf16(const DeviceContext& ctx, const GemmBf16Args& args);
 
