@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 
 #include <chrono>
+#include <functional>
 #include <thread>
 
 #include "server/openai_response.h"
@@ -36,18 +37,24 @@ const char* error_type(int status) {
 
 // What a streaming response needs after the handler returned; the count of open streams follows its lifetime.
 struct StreamState {
-  StreamState(std::shared_ptr<RequestStream> s, ResponseContext ctx, bool usage, std::atomic<int64_t>& active)
-      : stream(std::move(s)), builder(std::move(ctx)), include_usage(usage), active_streams(active) {
+  StreamState(std::shared_ptr<RequestStream> s, ResponseContext ctx, bool usage, std::atomic<int64_t>& active,
+              std::function<void()> on_abandoned)
+      : stream(std::move(s)), builder(std::move(ctx)), include_usage(usage), active_streams(active),
+        on_abandoned(std::move(on_abandoned)) {
     ++active_streams;
   }
   ~StreamState() {
-    if (!builder.finished()) stream->cancel();
+    if (!builder.finished()) {  // the client went away before the end
+      stream->cancel();
+      on_abandoned();
+    }
     --active_streams;
   }
   std::shared_ptr<RequestStream> stream;
   ResponseBuilder builder;
   bool include_usage;
   std::atomic<int64_t>& active_streams;
+  std::function<void()> on_abandoned;
 };
 
 HttpServer::HttpServer(ServerConfig config, Engine& engine, EngineMetrics& metrics, std::optional<Tokenizer> tokenizer,
@@ -192,7 +199,8 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
     res.set_content(dump(builder.final_response()), "application/json");
     return;
   }
-  auto state = std::make_shared<StreamState>(*stream, std::move(ctx), r.include_usage, active_streams_);
+  auto state = std::make_shared<StreamState>(*stream, std::move(ctx), r.include_usage, active_streams_,
+                                             [this] { count_outcome("abort"); });
   res.set_chunked_content_provider("text/event-stream", [this, state](size_t, httplib::DataSink& sink) {
     auto write = [&](const std::string& data) { return sink.write(data.data(), data.size()); };
     for (;;) {
