@@ -5,6 +5,7 @@
 #include "cli/doctor_command.h"
 #include "cli/info_command.h"
 #include "cli/score_command.h"
+#include "cli/serve_command.h"
 #include "cli/template_command.h"
 #include "cli/tokenize_command.h"
 
@@ -17,6 +18,7 @@ int main(int argc, char** argv) {
   tern::register_template_command(app);
   tern::register_generate_command(app);
   tern::register_score_command(app);
+  tern::register_serve_command(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

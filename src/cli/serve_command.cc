@@ -1,0 +1,173 @@
+#include "cli/serve_command.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "cli/model_options.h"
+#include "runtime/engine.h"
+#include "server/http_server.h"
+
+#ifndef TERN_DEMO_MODEL_DIR
+#define TERN_DEMO_MODEL_DIR ""
+#endif
+
+namespace tern {
+namespace {
+
+struct ServeOptions {
+  ModelCliOptions model;
+  ServerConfig server;
+  int32_t max_running = 64;
+  int32_t max_queued = 256;
+  int64_t max_total_tokens = 0;  // 0: enough for max_running full contexts, at most 1M
+  int64_t context_length = 0;    // 0: the model's max_position_embeddings
+  int64_t chunked_prefill = 2048;
+  std::string reasoning_parser = "auto";
+  std::string tool_parser = "auto";
+};
+
+std::atomic<int> g_signal{0};
+extern "C" void serve_on_signal(int sig) { g_signal.store(sig); }
+
+std::string read_text(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+ToolFormat pick_tool_format(const ServeOptions& o, const ModelConfig& config, const std::optional<Tokenizer>& tok) {
+  if (o.tool_parser != "auto") return *tool_format_from_name(o.tool_parser);
+  std::string source = read_text(std::filesystem::path(o.model.model_dir) / "chat_template.jinja");
+  if (tok && tok->chat_template()) source += *tok->chat_template();
+  ToolFormat detected = tool_format_detect(source);
+  if (detected != ToolFormat::kNone) return detected;
+  if (config.model_type.starts_with("glm")) return ToolFormat::kGlm45;
+  if (config.model_type.starts_with("qwen3_5")) return ToolFormat::kQwen3Xml;
+  return config.model_type.starts_with("qwen") ? ToolFormat::kQwen3Json : ToolFormat::kNone;
+}
+
+int fail(const std::string& message) {
+  spdlog::error("tern serve: {}", message);
+  return 2;
+}
+
+Expected<EngineConfig> engine_config(ServeOptions& o, const ModelConfig& config) {
+  if (o.context_length <= 0) o.context_length = config.max_position_embeddings > 0 ? config.max_position_embeddings : 4096;
+  if (o.max_total_tokens <= 0) o.max_total_tokens = std::min<int64_t>(o.context_length * o.max_running, 1 << 20);
+  if (o.max_total_tokens < o.context_length) {
+    return make_error("--max-total-tokens ({}) must hold at least one full context (--context-length {})",
+                      o.max_total_tokens, o.context_length);
+  }
+  if (o.max_running < 1 || o.max_queued < 0 || o.chunked_prefill < 1) {
+    return make_error("--max-running-requests and --chunked-prefill-size must be >= 1, --max-queued-requests >= 0");
+  }
+  constexpr int32_t kBlock = 16;
+  EngineConfig e;
+  e.context_length = o.context_length;
+  e.scheduler = {.max_running = o.max_running, .max_waiting = o.max_queued, .token_budget = o.chunked_prefill,
+                 .block_size = kBlock,
+                 .num_blocks = static_cast<int32_t>(KvBlockAllocator::blocks_for_tokens(o.max_total_tokens, kBlock))};
+  return e;
+}
+
+int run_serve(ServeOptions& o) {
+  std::signal(SIGPIPE, SIG_IGN);
+  if (o.model.model_dir.empty()) {
+    o.model.model_dir = TERN_DEMO_MODEL_DIR;
+    spdlog::info("no --model given: serving the bundled demo checkpoint {} (a tiny test model; its output is not "
+                 "meaningful)", o.model.model_dir);
+  }
+  const std::filesystem::path dir = o.model.model_dir;
+  std::optional<Tokenizer> tokenizer;
+  std::optional<ChatTemplateSet> templates;
+  if (std::filesystem::exists(dir / "tokenizer.json")) {
+    spdlog::info("loading the tokenizer from {}", (dir / "tokenizer.json").string());
+    auto tok = Tokenizer::load(dir);
+    if (!tok) return fail(tok.error().message);
+    tokenizer.emplace(std::move(*tok));
+    auto t = chat_templates_load_model(dir);
+    if (t) {
+      templates.emplace(std::move(*t));
+    } else {
+      spdlog::warn("no chat template ({}): /v1/chat/completions will answer 400", t.error().message);
+    }
+  } else {
+    spdlog::warn("{} has no tokenizer.json: only /v1/completions with token-id prompts will work", dir.string());
+  }
+  spdlog::info("loading weights from {} (load format {})", dir.string(), o.model.load_format);
+  const auto start = std::chrono::steady_clock::now();
+  auto model = load_model_from_options(o.model);
+  if (!model) return fail(model.error().message);
+  spdlog::info("weights loaded in {:.2f} s", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  const ModelConfig config = (*model)->config();
+  auto econfig = engine_config(o, config);
+  if (!econfig) return fail(econfig.error().message);
+  if (o.server.served_model_name.empty()) o.server.served_model_name = dir.filename().string();
+  o.server.context_length = o.context_length;
+  o.server.reasoning = o.reasoning_parser != "none";
+  o.server.tool_format = pick_tool_format(o, config, tokenizer);
+  o.server.num_threads = std::min(1024, o.max_running + o.max_queued + 16);
+  spdlog::info("context {} tokens, KV capacity {} tokens in {} blocks, {} running / {} queued requests at most",
+               o.context_length, o.max_total_tokens, econfig->scheduler.num_blocks, o.max_running, o.max_queued);
+  EngineMetrics metrics;
+  Engine engine(std::move(*model), tokenizer, *econfig, metrics);
+  HttpServer server(o.server, engine, metrics, tokenizer, templates);
+  std::signal(SIGTERM, serve_on_signal);
+  std::signal(SIGINT, serve_on_signal);
+  std::atomic<bool> done{false};
+  std::thread watcher([&] {
+    while (!done && g_signal.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (g_signal.load() != 0) {
+      spdlog::info("signal {} received", g_signal.load());
+      server.stop();
+    }
+  });
+  auto ran = server.run();
+  done = true;
+  watcher.join();
+  engine.shutdown();
+  if (!ran) return fail(ran.error().message);
+  spdlog::info("stopped");
+  return 0;
+}
+
+}  // namespace
+
+void register_serve_command(CLI::App& app) {
+  auto o = std::make_shared<ServeOptions>();
+  CLI::App* cmd = app.add_subcommand("serve", "Serve a model over an OpenAI-compatible HTTP API");
+  cmd->add_option("--model,--model-path", o->model.model_dir, "Checkpoint directory (default: the bundled demo)");
+  cmd->add_option("--host", o->server.host, "Address to listen on");
+  cmd->add_option("--port", o->server.port, "Port (0: any free port, printed in the log)");
+  cmd->add_option("--device", o->model.device, "Where to run the model")->check(CLI::IsMember({"auto", "cpu"}));
+  cmd->add_option("--served-model-name", o->server.served_model_name, "Model name in the API (default: directory name)");
+  cmd->add_option("--max-running-requests", o->max_running, "Most requests in the running batch");
+  cmd->add_option("--max-queued-requests", o->max_queued, "Most requests waiting; more get 503");
+  cmd->add_option("--max-total-tokens", o->max_total_tokens, "KV-cache capacity in tokens over all requests");
+  cmd->add_option("--context-length", o->context_length, "Most tokens per request, prompt and output");
+  cmd->add_option("--chunked-prefill-size", o->chunked_prefill, "Most tokens per forward step");
+  cmd->add_option("--api-key", o->server.api_key, "Require 'Authorization: Bearer KEY'");
+  cmd->add_option("--max-body-bytes", o->server.max_body_bytes, "Largest request body (bigger: 413)");
+  cmd->add_option("--reasoning-parser", o->reasoning_parser, "Split <think> reasoning from the answer")
+      ->check(CLI::IsMember({"auto", "qwen3", "glm45", "none"}));
+  cmd->add_option("--tool-call-parser", o->tool_parser, "Tool-call format of the model's output")
+      ->check(CLI::IsMember({"auto", "qwen3", "qwen3_coder", "glm45", "none"}));
+  cmd->add_option("--load-format", o->model.load_format, "auto: the checkpoint's weights; dummy: random weights")
+      ->check(CLI::IsMember({"auto", "dummy"}));
+  cmd->add_option("--dummy-seed", o->model.dummy_seed, "Seed of --load-format dummy weights");
+  cmd->callback([o] {
+    if (o->model.device == "auto") o->model.device = "cpu";
+    throw CLI::RuntimeError(run_serve(*o));
+  });
+}
+
+}  // namespace tern

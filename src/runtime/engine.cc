@@ -1,0 +1,225 @@
+#include "runtime/engine.h"
+
+#include <spdlog/spdlog.h>
+
+namespace tern {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<TokenEvent> RequestStream::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mutex_);
+  ready_.wait_for(lock, timeout, [&] { return !events_.empty(); });
+  std::vector<TokenEvent> out(std::make_move_iterator(events_.begin()), std::make_move_iterator(events_.end()));
+  events_.clear();
+  return out;
+}
+
+void RequestStream::cancel() {
+  std::lock_guard lock(mutex_);
+  cancelled_ = true;
+}
+
+bool RequestStream::cancelled() const {
+  std::lock_guard lock(mutex_);
+  return cancelled_;
+}
+
+void RequestStream::push(TokenEvent event) {
+  {
+    std::lock_guard lock(mutex_);
+    events_.push_back(std::move(event));
+  }
+  ready_.notify_all();
+}
+
+struct Engine::Active {
+  uint64_t id = 0;
+  std::shared_ptr<RequestStream> stream;
+  GenerationRequest request;
+  std::vector<int32_t> tokens;  // prompt + output
+  Sampler sampler;
+  StopChecker stop;
+  std::optional<IncrementalDetokenizer> detokenizer;
+  SequenceCache cache;
+  Clock::time_point arrival, last_token;
+  bool has_token = false;
+
+  Active(GenerationRequest r, const StopCriteria& criteria)
+      : request(std::move(r)), tokens(request.prompt), sampler(request.sampling), stop(criteria) {}
+  std::span<const int32_t> output() const {
+    return std::span(tokens).subspan(request.prompt.size());
+  }
+};
+
+Engine::Engine(std::unique_ptr<CausalLm> model, std::optional<Tokenizer> tokenizer, const EngineConfig& config,
+               EngineMetrics& metrics)
+    : model_(std::move(model)), tokenizer_(std::move(tokenizer)), config_(config), metrics_(metrics),
+      scheduler_(config.scheduler) {
+  metrics_.kv_blocks_total = scheduler_.blocks().num_total();
+  thread_ = std::thread([this] { run(); });
+}
+
+Engine::~Engine() { shutdown(); }
+
+Expected<std::shared_ptr<RequestStream>> Engine::submit(GenerationRequest request) {
+  StopCriteria criteria = request.stop;
+  if (!request.ignore_eos) {
+    for (int64_t id : model_->config().eos_token_ids) criteria.stop_token_ids.push_back(static_cast<int32_t>(id));
+  }
+  auto active = std::make_unique<Active>(std::move(request), criteria);
+  active->stream = std::make_shared<RequestStream>(static_cast<int64_t>(active->tokens.size()));
+  active->arrival = Clock::now();
+  if (tokenizer_) active->detokenizer.emplace(*tokenizer_, active->request.skip_special_tokens);
+  std::shared_ptr<RequestStream> stream = active->stream;
+  {
+    std::lock_guard lock(inbox_mutex_);
+    if (stopping_) return make_error("the server is shutting down");
+    if (static_cast<int64_t>(inbox_.size()) + num_waiting_snapshot_ >= config_.scheduler.max_waiting) {
+      return make_error("the request queue is full ({} waiting)", config_.scheduler.max_waiting);
+    }
+    active->id = next_id_++;
+    inbox_.push_back(std::move(active));
+    metrics_.num_waiting = static_cast<int64_t>(inbox_.size()) + num_waiting_snapshot_;
+  }
+  inbox_ready_.notify_one();
+  return stream;
+}
+
+void Engine::shutdown() {
+  {
+    std::lock_guard lock(inbox_mutex_);
+    stopping_ = true;
+  }
+  inbox_ready_.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Engine::run() {
+  for (;;) {
+    {
+      std::unique_lock lock(inbox_mutex_);
+      if (active_.empty() && !stopping_) {
+        inbox_ready_.wait_for(lock, std::chrono::milliseconds(50), [&] { return stopping_ || !inbox_.empty(); });
+      }
+      if (stopping_) break;
+    }
+    admit_new();
+    sweep_cancelled();
+    if (!active_.empty()) step();
+    publish_gauges();
+  }
+  admit_new();
+  std::vector<uint64_t> ids;
+  for (const auto& [id, a] : active_) ids.push_back(id);
+  for (uint64_t id : ids) finish(id, "abort");
+  publish_gauges();
+}
+
+void Engine::admit_new() {
+  std::vector<std::unique_ptr<Active>> fresh;
+  {
+    std::lock_guard lock(inbox_mutex_);
+    fresh.swap(inbox_);
+  }
+  for (auto& a : fresh) {
+    a->cache = model_->new_sequence();
+    const uint64_t id = a->id;
+    if (!scheduler_.add(id, static_cast<int64_t>(a->tokens.size()))) {
+      a->stream->push({.finished = true, .finish_reason = "error", .error = "the request queue is full"});
+      continue;
+    }
+    metrics_.prompt_tokens += a->request.prompt.size();
+    active_[id] = std::move(a);
+  }
+}
+
+void Engine::sweep_cancelled() {
+  std::vector<uint64_t> gone;
+  for (const auto& [id, a] : active_) {
+    if (a->stream->cancelled()) gone.push_back(id);
+  }
+  for (uint64_t id : gone) finish(id, "abort");
+}
+
+void Engine::step() {
+  const StepPlan plan = scheduler_.schedule();
+  for (uint64_t id : plan.preempted) {
+    active_.at(id)->cache = model_->new_sequence();
+    ++metrics_.preemptions;
+  }
+  if (plan.items.empty()) return;
+  std::vector<SequenceInput> batch;
+  batch.reserve(plan.items.size());
+  for (const StepItem& item : plan.items) {
+    Active& a = *active_.at(item.id);
+    batch.push_back({&a.cache, std::span<const int32_t>(a.tokens).subspan(static_cast<size_t>(item.begin),
+                                                                         static_cast<size_t>(item.count))});
+  }
+  auto logits = model_->forward(batch, LogitsFor::kLastToken);
+  if (!logits) {
+    spdlog::error("forward step failed: {}", logits.error().message);
+    for (const StepItem& item : plan.items) finish(item.id, "error", logits.error().message);
+    return;
+  }
+  const size_t vocab = logits->size() / plan.items.size();
+  for (size_t i = 0; i < plan.items.size(); ++i) {
+    if (!plan.items[i].samples) continue;
+    sample_item(*active_.at(plan.items[i].id), std::span<const float>(*logits).subspan(i * vocab, vocab));
+  }
+}
+
+void Engine::sample_item(Active& a, std::span<const float> logits) {
+  auto token = a.sampler.sample(logits, a.request.prompt, a.output());
+  if (!token) {
+    ++metrics_.nan_aborts;
+    spdlog::warn("request {} ended: {}", a.id, token.error().message);
+    finish(a.id, "error", token.error().message);
+    return;
+  }
+  const auto now = Clock::now();
+  if (a.has_token) {
+    metrics_.inter_token.observe(std::chrono::duration<double>(now - a.last_token).count());
+  } else {
+    metrics_.ttft.observe(std::chrono::duration<double>(now - a.arrival).count());
+  }
+  a.has_token = true;
+  a.last_token = now;
+  ++metrics_.generation_tokens;
+  a.tokens.push_back(token->id);
+  scheduler_.append_token(a.id);
+  StopUpdate update = a.stop.feed(token->id, a.detokenizer ? a.detokenizer->push(token->id) : std::string());
+  TokenEvent event{.token_id = token->id, .logprob = token->logprob, .top_logprobs = std::move(token->top_logprobs),
+                   .text = std::move(update.text)};
+  const bool at_context_end = static_cast<int64_t>(a.tokens.size()) >= config_.context_length;
+  a.stream->push(std::move(event));
+  if (update.finished) {
+    finish(a.id, update.finish_reason);
+  } else if (at_context_end) {
+    finish(a.id, "length");
+  }
+}
+
+void Engine::finish(uint64_t id, std::string_view reason, std::string error) {
+  auto it = active_.find(id);
+  if (it == active_.end()) return;
+  Active& a = *it->second;
+  std::string tail;
+  if (!a.stop.finished()) {
+    // The detokenizer's own tail is at most a replacement character for an incomplete UTF-8 sequence.
+    tail = a.stop.flush() + (a.detokenizer ? a.detokenizer->finish() : std::string());
+  }
+  a.stream->push({.text = std::move(tail), .finished = true, .finish_reason = std::string(reason),
+                  .error = std::move(error)});
+  scheduler_.remove(id);
+  active_.erase(it);
+}
+
+void Engine::publish_gauges() {
+  metrics_.num_running = scheduler_.num_running();
+  metrics_.kv_blocks_used = scheduler_.blocks().num_used();
+  std::lock_guard lock(inbox_mutex_);
+  num_waiting_snapshot_ = scheduler_.num_waiting();
+  metrics_.num_waiting = static_cast<int64_t>(inbox_.size()) + num_waiting_snapshot_;
+}
+
+}  // namespace tern

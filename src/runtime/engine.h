@@ -1,0 +1,115 @@
+// The engine thread: owns the model (CausalLm::forward is not thread-safe), runs continuous batching through the
+// Scheduler, samples, detokenizes and stop-checks, and hands each request's tokens to its RequestStream. Other
+// threads (HTTP handlers) only submit requests and wait on their streams; they never run the model.
+//
+//   Engine engine(std::move(model), tokenizer, config, metrics);
+//   TERN_ASSIGN_OR_RETURN(auto stream, engine.submit(std::move(request)));   // error: queue full / shutting down
+//   while (!done) for (TokenEvent& e : stream->wait(100ms)) { ...; done = e.finished; }
+//   stream->cancel();                                                         // the client went away
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "models/causal_lm.h"
+#include "runtime/engine_metrics.h"
+#include "runtime/sampler.h"
+#include "runtime/scheduler.h"
+#include "runtime/stop.h"
+#include "tokenizer/detokenizer.h"
+#include "tokenizer/tokenizer.h"
+
+namespace tern {
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  StopCriteria stop;  // the engine adds the model's EOS ids
+  bool skip_special_tokens = true;
+  bool ignore_eos = false;  // keep generating past the model's EOS (benchmarks, tests)
+};
+
+struct TokenEvent {
+  int32_t token_id = -1;  // -1: no token (a final event alone)
+  float logprob = 0.0f;
+  std::vector<std::pair<int32_t, float>> top_logprobs;
+  std::string text;  // text the client may see now (after stop-string hold-back)
+  bool finished = false;
+  std::string finish_reason;  // "stop", "length", "error" (with `error`) or "abort"
+  std::string error;
+};
+
+class RequestStream {
+ public:
+  explicit RequestStream(int64_t num_prompt_tokens) : num_prompt_tokens_(num_prompt_tokens) {}
+  // Events queued so far, waiting up to `timeout` for the first one.
+  std::vector<TokenEvent> wait(std::chrono::milliseconds timeout);
+  void cancel();
+  bool cancelled() const;
+  int64_t num_prompt_tokens() const { return num_prompt_tokens_; }
+  void push(TokenEvent event);
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<TokenEvent> events_;
+  bool cancelled_ = false;
+  int64_t num_prompt_tokens_;
+};
+
+struct EngineConfig {
+  SchedulerConfig scheduler;
+  int64_t context_length = 4096;
+};
+
+class Engine {
+ public:
+  Engine(std::unique_ptr<CausalLm> model, std::optional<Tokenizer> tokenizer, const EngineConfig& config,
+         EngineMetrics& metrics);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  Expected<std::shared_ptr<RequestStream>> submit(GenerationRequest request);
+  // Ends every request with finish_reason "abort" and stops the thread; later submits fail.
+  void shutdown();
+
+  const ModelConfig& model_config() const { return model_->config(); }
+
+ private:
+  struct Active;
+  void run();
+  void admit_new();
+  void sweep_cancelled();
+  void step();
+  void sample_item(Active& a, std::span<const float> logits);
+  void finish(uint64_t id, std::string_view reason, std::string error = {});
+  void publish_gauges();
+
+  std::unique_ptr<CausalLm> model_;
+  std::optional<Tokenizer> tokenizer_;
+  EngineConfig config_;
+  EngineMetrics& metrics_;
+  Scheduler scheduler_;
+  std::map<uint64_t, std::unique_ptr<Active>> active_;
+
+  std::mutex inbox_mutex_;
+  std::condition_variable inbox_ready_;
+  std::vector<std::unique_ptr<Active>> inbox_;
+  int32_t num_waiting_snapshot_ = 0;  // scheduler's queue length after the last step (guarded by inbox_mutex_)
+  bool stopping_ = false;
+  uint64_t next_id_ = 1;
+  std::thread thread_;
+};
+
+}  // namespace tern

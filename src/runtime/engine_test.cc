@@ -1,0 +1,127 @@
+#include "runtime/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace tern {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::unique_ptr<CausalLm> load_fixture() {
+  auto model = model_load(std::string(TERN_FIXTURES_DIR) + "/qwen3", {});
+  EXPECT_TRUE(model) << (model ? "" : model.error().message);
+  return model ? std::move(*model) : nullptr;
+}
+
+struct Result {
+  std::vector<int32_t> ids;
+  std::string finish_reason;
+};
+
+Result drain(RequestStream& stream) {
+  Result r;
+  for (int spins = 0; spins < 600; ++spins) {
+    for (TokenEvent& e : stream.wait(100ms)) {
+      if (e.token_id >= 0) r.ids.push_back(e.token_id);
+      if (e.finished) {
+        r.finish_reason = e.finish_reason;
+        return r;
+      }
+    }
+  }
+  ADD_FAILURE() << "no final event";
+  return r;
+}
+
+GenerationRequest greedy(std::vector<int32_t> prompt, int32_t max_tokens) {
+  GenerationRequest r;
+  r.prompt = std::move(prompt);
+  r.sampling.temperature = 0.0f;
+  r.stop.max_tokens = max_tokens;
+  return r;
+}
+
+// The reference is the plain one-sequence loop of `tern generate` (one forward per token, no scheduler).
+std::vector<int32_t> generate_alone(const CausalLm& model, std::vector<int32_t> prompt, int32_t max_tokens) {
+  SequenceCache seq = model.new_sequence();
+  Sampler sampler(greedy({}, 1).sampling);
+  std::vector<int32_t> out, next = prompt;
+  while (static_cast<int32_t>(out.size()) < max_tokens) {
+    const std::vector<SequenceInput> batch{{&seq, next}};
+    auto logits = model.forward(batch, LogitsFor::kLastToken);
+    EXPECT_TRUE(logits);
+    auto t = sampler.sample(*logits, prompt, out);
+    EXPECT_TRUE(t);
+    out.push_back(t->id);
+    next = {t->id};
+    if (t->id == 511) break;  // the fixture's EOS
+  }
+  return out;
+}
+
+TEST(Engine, ConcurrentGreedyRequestsMatchTheSingleSequenceLoop) {
+  auto reference_model = load_fixture();
+  ASSERT_TRUE(reference_model);
+  EngineMetrics metrics;
+  // Small budget and KV capacity: prefills are chunked, mixed with decodes, and some sequences get preempted.
+  EngineConfig config{.scheduler = {.max_running = 6, .max_waiting = 64, .token_budget = 24, .block_size = 4,
+                                    .num_blocks = 40},
+                      .context_length = 256};
+  Engine engine(load_fixture(), std::nullopt, config, metrics);
+  std::mt19937 rng(7);
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 12; ++i) {
+    std::vector<int32_t> p(5 + rng() % 40);
+    for (int32_t& t : p) t = static_cast<int32_t>(rng() % 500);
+    prompts.push_back(p);
+    auto s = engine.submit(greedy(p, 12));
+    ASSERT_TRUE(s);
+    streams.push_back(*s);
+  }
+  for (size_t i = 0; i < streams.size(); ++i) {
+    Result r = drain(*streams[i]);
+    EXPECT_EQ(r.ids, generate_alone(*reference_model, prompts[i], 12)) << "request " << i;
+    EXPECT_TRUE(r.finish_reason == "length" || r.finish_reason == "stop");
+  }
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(metrics.kv_blocks_used.load(), 0);
+  EXPECT_EQ(metrics.num_running.load(), 0);
+  EXPECT_GT(metrics.generation_tokens.load(), 12u);
+}
+
+TEST(Engine, CancelFreesTheSequenceAndShutdownAbortsTheRest) {
+  EngineMetrics metrics;
+  EngineConfig config{.scheduler = {.max_running = 2, .max_waiting = 2, .token_budget = 64, .block_size = 16,
+                                    .num_blocks = 64},
+                      .context_length = 256};
+  Engine engine(load_fixture(), std::nullopt, config, metrics);
+  auto a = engine.submit(greedy({1, 2, 3}, 200));
+  ASSERT_TRUE(a);
+  (*a)->cancel();
+  EXPECT_EQ(drain(**a).finish_reason, "abort");
+  auto b = engine.submit(greedy({4, 5, 6}, 240));
+  ASSERT_TRUE(b);
+  engine.shutdown();
+  EXPECT_EQ(drain(**b).finish_reason, "abort");
+  EXPECT_FALSE(engine.submit(greedy({1}, 1)));
+  EXPECT_EQ(metrics.kv_blocks_used.load(), 0);
+}
+
+TEST(Engine, ContextLengthEndsGenerationWithLength) {
+  EngineMetrics metrics;
+  EngineConfig config{.scheduler = {}, .context_length = 10};
+  Engine engine(load_fixture(), std::nullopt, config, metrics);
+  auto s = engine.submit(greedy({1, 2, 3, 4, 5, 6, 7, 8}, 100));
+  ASSERT_TRUE(s);
+  Result r = drain(**s);
+  EXPECT_LE(r.ids.size(), 2u);
+  if (r.ids.size() == 2u) {
+    EXPECT_EQ(r.finish_reason, "length");
+  }
+}
+
+}  // namespace
+}  // namespace tern

@@ -1,0 +1,77 @@
+// Continuous batching: which tokens of which sequences go into the next forward step.
+//
+// Every step spends at most `token_budget` tokens. Running sequences come first, in admission order: a decode
+// costs one token, an unfinished prefill takes the next chunk that fits the budget. Then waiting sequences are
+// admitted in arrival order while there is budget, a free running slot and KV blocks for their first chunk.
+// When a running sequence needs a block and none is free, the most recently admitted sequence is preempted: its
+// blocks are freed, its cache must be dropped, and it goes back to the front of the queue to be recomputed
+// (prompt and output so far) later.
+//
+//   Scheduler s(config);
+//   s.add(id, prompt_len);                  // false: the queue is full
+//   StepPlan plan = s.schedule();           // run plan.items; drop the caches of plan.preempted
+//   s.append_token(id);                     // after sampling a token for an item with `samples`
+//   s.remove(id);                           // finished or cancelled
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <vector>
+
+#include "runtime/kv_block_allocator.h"
+
+namespace tern {
+
+struct SchedulerConfig {
+  int32_t max_running = 64;
+  int32_t max_waiting = 256;
+  int64_t token_budget = 2048;  // tokens per step (the chunked-prefill size)
+  int32_t block_size = 16;
+  int32_t num_blocks = 4096;
+};
+
+struct StepItem {
+  uint64_t id = 0;
+  int64_t begin = 0;  // first token (index into prompt + output) to run
+  int64_t count = 0;
+  bool samples = false;  // the chunk reaches the last known token, so its logits give the next token
+};
+
+struct StepPlan {
+  std::vector<StepItem> items;
+  std::vector<uint64_t> preempted;  // their caches must be reset before running `items`
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(const SchedulerConfig& config);
+
+  bool add(uint64_t id, int64_t num_tokens);
+  void remove(uint64_t id);
+  void append_token(uint64_t id);
+  StepPlan schedule();
+
+  int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
+  int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
+  const KvBlockAllocator& blocks() const { return blocks_; }
+  bool contains(uint64_t id) const { return seqs_.contains(id); }
+
+ private:
+  struct Seq {
+    int64_t num_tokens = 0;    // prompt + output tokens known so far
+    int64_t num_computed = 0;  // tokens in the cache (or planned into it)
+    std::vector<int32_t> blocks;
+  };
+  bool reserve(Seq& seq, int64_t num_cached);
+  void preempt(uint64_t id, StepPlan& plan);
+  bool schedule_running(uint64_t id, int64_t& budget, StepPlan& plan);
+
+  SchedulerConfig config_;
+  KvBlockAllocator blocks_;
+  std::map<uint64_t, Seq> seqs_;
+  std::vector<uint64_t> running_;  // admission order
+  std::deque<uint64_t> waiting_;
+};
+
+}  // namespace tern

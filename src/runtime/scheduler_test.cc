@@ -1,0 +1,112 @@
+#include "runtime/scheduler.h"
+
+#include <gtest/gtest.h>
+
+namespace tern {
+namespace {
+
+SchedulerConfig small_config() {
+  return {.max_running = 2, .max_waiting = 3, .token_budget = 8, .block_size = 4, .num_blocks = 6};
+}
+
+TEST(Scheduler, ChunksPrefillUnderTheTokenBudget) {
+  Scheduler s(small_config());
+  ASSERT_TRUE(s.add(1, 13));
+  StepPlan p = s.schedule();
+  ASSERT_EQ(p.items.size(), 1u);
+  EXPECT_EQ(p.items[0].begin, 0);
+  EXPECT_EQ(p.items[0].count, 8);
+  EXPECT_FALSE(p.items[0].samples);
+  p = s.schedule();
+  ASSERT_EQ(p.items.size(), 1u);
+  EXPECT_EQ(p.items[0].begin, 8);
+  EXPECT_EQ(p.items[0].count, 5);
+  EXPECT_TRUE(p.items[0].samples);
+  EXPECT_EQ(s.blocks().num_used(), 4);  // ceil(13 / 4)
+  s.append_token(1);
+  p = s.schedule();
+  ASSERT_EQ(p.items.size(), 1u);
+  EXPECT_EQ(p.items[0].begin, 13);
+  EXPECT_EQ(p.items[0].count, 1);
+  EXPECT_TRUE(p.items[0].samples);
+  s.remove(1);
+  EXPECT_EQ(s.blocks().num_used(), 0);
+  EXPECT_EQ(s.num_running(), 0);
+}
+
+TEST(Scheduler, MixesDecodesWithAPrefillChunkAndCapsRunning) {
+  Scheduler s(small_config());
+  ASSERT_TRUE(s.add(1, 3));
+  ASSERT_TRUE(s.add(2, 10));
+  ASSERT_TRUE(s.add(3, 2));
+  StepPlan p = s.schedule();
+  ASSERT_EQ(p.items.size(), 2u);  // seq 1 whole (3), seq 2 the rest of the budget (5); seq 3 over max_running
+  EXPECT_EQ(p.items[0].count, 3);
+  EXPECT_EQ(p.items[1].id, 2u);
+  EXPECT_EQ(p.items[1].count, 5);
+  EXPECT_EQ(s.num_waiting(), 1);
+  s.append_token(1);
+  p = s.schedule();
+  ASSERT_EQ(p.items.size(), 2u);
+  EXPECT_EQ(p.items[0].count, 1);  // decode
+  EXPECT_EQ(p.items[1].begin, 5);
+  EXPECT_EQ(p.items[1].count, 5);
+  EXPECT_TRUE(p.items[1].samples);
+}
+
+TEST(Scheduler, BoundedQueueRefusesExtraRequests) {
+  Scheduler s(small_config());
+  EXPECT_TRUE(s.add(1, 1));
+  EXPECT_TRUE(s.add(2, 1));
+  EXPECT_TRUE(s.add(3, 1));
+  EXPECT_FALSE(s.add(4, 1));
+  s.remove(2);
+  EXPECT_TRUE(s.add(4, 1));
+}
+
+TEST(Scheduler, PreemptsTheLatestAdmissionWhenBlocksRunOut) {
+  Scheduler s(small_config());  // 6 blocks of 4 tokens
+  ASSERT_TRUE(s.add(1, 8));       // 2 blocks
+  ASSERT_TRUE(s.add(2, 16));      // 4 blocks, over two steps
+  s.schedule();                  // 1: 8 tokens
+  s.append_token(1);             // 9 tokens: needs a third block on its next step
+  StepPlan p = s.schedule();     // 1 decode (3 blocks), 2 gets 7 tokens (2 blocks)
+  ASSERT_EQ(p.items.size(), 2u);
+  EXPECT_EQ(s.blocks().num_used(), 5);
+  p = s.schedule();  // 2 wants 9 more tokens (16 total, 4 blocks): only 1 free -> 2 itself is preempted
+  EXPECT_EQ(p.preempted, std::vector<uint64_t>{2});
+  EXPECT_EQ(s.num_waiting(), 1);
+  EXPECT_EQ(s.blocks().num_used(), 3);
+  s.remove(1);
+  p = s.schedule();  // recomputed from the start
+  ASSERT_EQ(p.items.size(), 1u);
+  EXPECT_EQ(p.items[0].id, 2u);
+  EXPECT_EQ(p.items[0].begin, 0);
+  EXPECT_EQ(p.items[0].count, 8);
+  s.remove(2);
+  EXPECT_EQ(s.blocks().num_used(), 0);
+}
+
+TEST(Scheduler, AdmissionWaitsForFreeBlocks) {
+  SchedulerConfig c = small_config();
+  c.num_blocks = 4;
+  Scheduler s(c);
+  ASSERT_TRUE(s.add(1, 8));  // 2 blocks
+  ASSERT_TRUE(s.add(2, 8));
+  s.schedule();  // 1: 8 tokens, 2 blocks; the budget is spent
+  s.append_token(1);
+  StepPlan p = s.schedule();  // 1 decodes into a third block; 2's first 7 tokens need 2 blocks, 1 is free
+  ASSERT_EQ(p.items.size(), 1u);
+  EXPECT_EQ(p.items[0].id, 1u);
+  EXPECT_EQ(s.num_waiting(), 1);
+  EXPECT_EQ(s.blocks().num_used(), 3);
+  s.remove(1);
+  p = s.schedule();
+  ASSERT_EQ(p.items.size(), 1u);
+  EXPECT_EQ(p.items[0].id, 2u);
+  s.remove(2);
+  EXPECT_EQ(s.blocks().num_used(), 0);
+}
+
+}  // namespace
+}  // namespace tern

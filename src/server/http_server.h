@@ -1,0 +1,72 @@
+// The HTTP front end (cpp-httplib, thread per connection): OpenAI routes, auth, metrics, graceful stop. Handler
+// threads turn requests into GenerationRequests, submit them to the Engine and relay its events; they never run
+// the model.
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "core/error.h"
+#include "runtime/engine.h"
+#include "server/openai_request.h"
+#include "server/tool_parser.h"
+#include "template/model_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace httplib {
+class Server;
+struct Request;
+struct Response;
+}  // namespace httplib
+
+namespace tern {
+
+struct ServerConfig {
+  std::string host = "127.0.0.1";
+  int port = 30000;
+  std::string served_model_name;
+  std::string api_key;  // empty: no auth
+  size_t max_body_bytes = 4 << 20;
+  int64_t context_length = 4096;
+  bool reasoning = true;  // split <think> blocks
+  ToolFormat tool_format = ToolFormat::kNone;
+  int num_threads = 64;
+};
+
+class HttpServer {
+ public:
+  HttpServer(ServerConfig config, Engine& engine, EngineMetrics& metrics, std::optional<Tokenizer> tokenizer,
+             std::optional<ChatTemplateSet> templates);
+  ~HttpServer();
+
+  // Binds, logs the address, and serves until stop(). `on_listening` runs once the socket accepts connections.
+  Expected<void> run();
+  // Refuses new requests, ends the engine's requests (streams get their final chunk), then closes the server.
+  void stop();
+
+ private:
+  void install_routes();
+  void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
+  void send_error(httplib::Response& res, const ApiError& error);
+  std::string render_metrics() const;
+  void count_outcome(const std::string& outcome);
+  tl::expected<std::vector<int32_t>, ApiError> prompt_tokens(const ApiRequest& r, bool& starts_in_reasoning) const;
+
+  ServerConfig config_;
+  Engine& engine_;
+  EngineMetrics& metrics_;
+  std::optional<Tokenizer> tokenizer_;
+  std::optional<ChatTemplateSet> templates_;
+  std::unique_ptr<httplib::Server> server_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int64_t> active_streams_{0};
+  std::atomic<uint64_t> next_request_{1};
+  mutable std::mutex outcomes_mutex_;
+  std::map<std::string, uint64_t> outcomes_;
+};
+
+}  // namespace tern

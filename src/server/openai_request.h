@@ -1,0 +1,58 @@
+// OpenAI request bodies (/v1/chat/completions, /v1/completions) checked and turned into what the engine needs.
+// Every problem is an ApiError with the HTTP status and an OpenAI-style body naming the parameter.
+#pragma once
+
+#include <tl/expected.hpp>
+
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/sampler.h"
+#include "runtime/stop.h"
+
+namespace tern {
+
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;  // empty: null
+  std::string code;   // empty: null
+};
+
+std::string api_error_body(const ApiError& error);
+
+struct ApiRequest {
+  bool chat = true;
+  std::string model;
+  // chat: what the chat template sees (messages, tools, chat_template_kwargs flattened in).
+  nlohmann::ordered_json template_request;
+  nlohmann::ordered_json tools = nlohmann::ordered_json::array();
+  bool tools_enabled = false;  // tools given and tool_choice is not "none"
+  bool separate_reasoning = true;
+  // completions: the prompt as token ids, or as text.
+  std::optional<std::vector<int32_t>> prompt_ids;
+  std::optional<std::string> prompt_text;
+  bool echo = false;
+  SamplingParams sampling;
+  std::vector<std::string> stop_strings;
+  std::vector<int32_t> stop_token_ids;
+  std::optional<int32_t> max_tokens;
+  bool ignore_eos = false;
+  bool skip_special_tokens = true;
+  bool stream = false;
+  bool include_usage = false;
+  bool logprobs = false;  // chat: logprobs; completions: logprobs given (>= 0)
+};
+
+// `body`: the raw request body. `chat` selects the endpoint's schema.
+tl::expected<ApiRequest, ApiError> api_request_parse(std::string_view body, bool chat);
+
+// Checks the prompt length and max_tokens against the context; fills max_tokens when absent (the rest of the
+// context, as vLLM does).
+tl::expected<int32_t, ApiError> api_request_max_tokens(const ApiRequest& request, int64_t prompt_tokens,
+                                                      int64_t context_length);
+
+}  // namespace tern

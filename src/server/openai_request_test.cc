@@ -1,0 +1,109 @@
+#include "server/openai_request.h"
+
+#include <gtest/gtest.h>
+
+namespace tern {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+ApiError error_of(const std::string& body, bool chat = true) {
+  auto r = api_request_parse(body, chat);
+  EXPECT_FALSE(r) << body;
+  return r ? ApiError{} : r.error();
+}
+
+TEST(ApiRequest, ChatWithPartsToolsAndSampling) {
+  auto r = api_request_parse(R"({"model": "m", "messages": [{"role": "system", "content": "Be brief."},
+      {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
+      "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 7, "stop": "END", "max_completion_tokens": 9,
+      "logprobs": true, "top_logprobs": 3, "stream": true, "stream_options": {"include_usage": true},
+      "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+      "chat_template_kwargs": {"enable_thinking": false}})", true);
+  ASSERT_TRUE(r) << r.error().message;
+  EXPECT_EQ(r->template_request["messages"][1]["content"], "Hi there");
+  EXPECT_EQ(r->template_request["enable_thinking"], false);
+  EXPECT_TRUE(r->tools_enabled);
+  EXPECT_FLOAT_EQ(r->sampling.temperature, 0.5f);
+  EXPECT_EQ(r->sampling.top_k, 40);
+  EXPECT_EQ(r->sampling.seed, 7u);
+  EXPECT_EQ(r->sampling.logprobs, 3);
+  EXPECT_EQ(r->stop_strings, std::vector<std::string>{"END"});
+  EXPECT_EQ(r->max_tokens, 9);
+  EXPECT_TRUE(r->stream && r->include_usage && r->logprobs);
+}
+
+TEST(ApiRequest, CompletionPromptForms) {
+  auto ids = api_request_parse(R"({"model": "m", "prompt": [1, 2, 3], "echo": true})", false);
+  ASSERT_TRUE(ids);
+  EXPECT_EQ(*ids->prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_TRUE(ids->echo);
+  auto text = api_request_parse(R"({"model": "m", "prompt": ["hello"], "logprobs": 2})", false);
+  ASSERT_TRUE(text);
+  EXPECT_EQ(*text->prompt_text, "hello");
+  EXPECT_EQ(text->sampling.logprobs, 2);
+}
+
+TEST(ApiRequest, ErrorsNameTheParameter) {
+  struct Case {
+    std::string body;
+    std::string param;
+    bool chat = true;
+  };
+  const std::vector<Case> cases{
+      {"{", ""},
+      {"[1]", ""},
+      {R"({"messages": [{"role": "user", "content": "x"}]})", "model"},
+      {R"({"model": 3, "messages": []})", "model"},
+      {R"({"model": "m"})", "messages"},
+      {R"({"model": "m", "messages": []})", "messages"},
+      {R"({"model": "m", "messages": [{"role": "wizard", "content": "x"}]})", "messages[0].role"},
+      {R"({"model": "m", "messages": [{"role": "user"}]})", "messages[0].content"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
+       "messages[0].content[0]"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2})", "n"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"})", "temperature"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3})", "temperature"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0})", "max_tokens"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5})", "max_tokens"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": [1]})", "stop"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", "top_logprobs"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}})", "stream_options"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": {}})", "tools"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "always"})", "tool_choice"},
+      {R"({"model": "m", "prompt": ""})", "prompt", false},
+      {R"({"model": "m", "prompt": [1, -2]})", "prompt", false},
+      {R"({"model": "m", "prompt": ["a", "b"]})", "prompt", false},
+      {R"({"model": "m", "prompt": [1], "logprobs": 50})", "logprobs", false},
+  };
+  for (const Case& c : cases) {
+    ApiError e = error_of(c.body, c.chat);
+    EXPECT_EQ(e.status, 400) << c.body;
+    EXPECT_EQ(e.param, c.param) << c.body << " -> " << e.message;
+    EXPECT_FALSE(e.message.empty());
+  }
+  EXPECT_NE(error_of(R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0})").message.find(
+                "top_p"),
+            std::string::npos);
+}
+
+TEST(ApiRequest, ContextLimits) {
+  ApiRequest r;
+  r.max_tokens = 10;
+  EXPECT_EQ(api_request_max_tokens(r, 20, 30).value(), 10);
+  EXPECT_EQ(api_request_max_tokens(r, 21, 30).error().code, "context_length_exceeded");
+  EXPECT_EQ(api_request_max_tokens(r, 30, 30).error().param, "messages");
+  r.max_tokens.reset();
+  EXPECT_EQ(api_request_max_tokens(r, 20, 30).value(), 10);
+}
+
+TEST(ApiError, BodyHasTheOpenAiShape) {
+  Json j = Json::parse(api_error_body({404, "no such model", "invalid_request_error", "model", "model_not_found"}));
+  EXPECT_EQ(j["error"]["message"], "no such model");
+  EXPECT_EQ(j["error"]["param"], "model");
+  EXPECT_EQ(j["error"]["code"], "model_not_found");
+  EXPECT_TRUE(Json::parse(api_error_body({400, "x"}))["error"]["param"].is_null());
+}
+
+}  // namespace
+}  // namespace tern

@@ -1,0 +1,58 @@
+// Turns a request's TokenEvents into OpenAI response objects: streamed chunks as the tokens arrive, and the whole
+// response at the end. Chat output goes through the reasoning and tool-call parsers when they are enabled.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/engine.h"
+#include "server/reasoning_parser.h"
+#include "server/tool_parser.h"
+#include "tokenizer/tokenizer.h"
+
+namespace tern {
+
+struct ResponseContext {
+  bool chat = true;
+  std::string id, model;
+  int64_t created = 0;
+  int64_t num_prompt_tokens = 0;
+  bool logprobs = false;
+  const Tokenizer* tokenizer = nullptr;  // for the tokens' text in logprobs
+  std::optional<ReasoningParser> reasoning;
+  std::optional<ToolCallParser> tools;
+  std::string echo_text;  // completions with echo: the prompt, sent first
+};
+
+class ResponseBuilder {
+ public:
+  explicit ResponseBuilder(ResponseContext context);
+
+  // Stream chunks (JSON objects) this event produces; the first call also yields the role chunk.
+  std::vector<nlohmann::ordered_json> on_event(const TokenEvent& event);
+  nlohmann::ordered_json usage_chunk() const;
+  nlohmann::ordered_json final_response() const;  // the non-streaming body
+  bool finished() const { return !finish_reason_.empty(); }
+  const std::string& finish_reason() const { return finish_reason_; }
+  int64_t num_completion_tokens() const { return num_tokens_; }
+
+ private:
+  nlohmann::ordered_json chunk(nlohmann::ordered_json delta_or_text, nlohmann::ordered_json logprobs,
+                               nlohmann::ordered_json finish_reason) const;
+  nlohmann::ordered_json token_logprobs(const TokenEvent& event);
+  nlohmann::ordered_json usage() const;
+  void route_text(const std::string& text, bool final, nlohmann::ordered_json& delta);
+
+  ResponseContext ctx_;
+  bool started_ = false;
+  int64_t num_tokens_ = 0;
+  std::string content_, reasoning_;
+  nlohmann::ordered_json tool_calls_ = nlohmann::ordered_json::array();
+  nlohmann::ordered_json logprobs_ = nlohmann::ordered_json::array();      // chat: content entries
+  nlohmann::ordered_json completion_lp_ = nlohmann::ordered_json::object();  // completions: the four arrays
+  std::string finish_reason_, error_;
+};
+
+}  // namespace tern

