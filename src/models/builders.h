@@ -23,6 +23,12 @@ Expected<std::unique_ptr<Mixer>> build_attention(const ModelConfig& c, WeightSto
                                                  int64_t layer, bool gated, bool quantize_input);
 Expected<MlpWeights> build_mlp_weights(WeightStore& w, const std::string& prefix, int64_t hidden,
                                        int64_t intermediate, bool quantize_input);
+// The input and post-attention norms of a decoder layer.
+Expected<void> build_layer_norms(const ModelConfig& c, WeightStore& w, const WeightSchema& schema, int64_t layer,
+                                 bool zero_centred, DecoderLayer& out);
+// The dense MLP of a decoder layer (`mlp.{gate,up,down}_proj`, intermediate_size wide).
+Expected<std::unique_ptr<FeedForward>> build_dense_mlp(const ModelConfig& c, WeightStore& w, const WeightSchema& schema,
+                                                       int64_t layer, bool quantize_input);
 // Routed experts of `layer` (+ the shared expert when the config has one).
 Expected<std::unique_ptr<FeedForward>> build_moe(const ModelConfig& c, WeightStore& w, const WeightSchema& schema,
                                                  int64_t layer, bool renormalize, bool quantize_input);

@@ -56,20 +56,31 @@ Expected<MlpWeights> build_mlp_weights(WeightStore& w, const std::string& prefix
   return m;
 }
 
+Expected<void> build_layer_norms(const ModelConfig& c, WeightStore& w, const WeightSchema& schema, int64_t layer,
+                                 bool zero_centred, DecoderLayer& out) {
+  TERN_ASSIGN_OR_RETURN(out.input_norm, build_norm(w, layer_tensor(schema, layer, "input_layernorm.weight"),
+                                                   c.hidden_size, c.rms_norm_eps, zero_centred));
+  TERN_ASSIGN_OR_RETURN(out.post_attention_norm,
+                        build_norm(w, layer_tensor(schema, layer, "post_attention_layernorm.weight"), c.hidden_size,
+                                   c.rms_norm_eps, zero_centred));
+  return {};
+}
+
+Expected<std::unique_ptr<FeedForward>> build_dense_mlp(const ModelConfig& c, WeightStore& w, const WeightSchema& schema,
+                                                       int64_t layer, bool quantize_input) {
+  TERN_ASSIGN_OR_RETURN(MlpWeights mlp, build_mlp_weights(w, layer_tensor(schema, layer, "mlp"), c.hidden_size,
+                                                          c.intermediate_size, quantize_input));
+  return std::make_unique<Mlp>(std::move(mlp));
+}
+
 Expected<void> qwen3_build(CausalLm& model, WeightStore& w, const WeightSchema& schema, bool quantize_input) {
   const ModelConfig& c = model.config();
   TERN_TRY(build_embeddings_and_head(model, w, schema, false, quantize_input));
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     DecoderLayer layer;
-    TERN_ASSIGN_OR_RETURN(layer.input_norm, build_norm(w, layer_tensor(schema, i, "input_layernorm.weight"),
-                                                       c.hidden_size, c.rms_norm_eps, false));
-    TERN_ASSIGN_OR_RETURN(layer.post_attention_norm,
-                          build_norm(w, layer_tensor(schema, i, "post_attention_layernorm.weight"), c.hidden_size,
-                                     c.rms_norm_eps, false));
+    TERN_TRY(build_layer_norms(c, w, schema, i, /*zero_centred=*/false, layer));
     TERN_ASSIGN_OR_RETURN(layer.mixer, build_attention(c, w, schema, i, false, quantize_input));
-    TERN_ASSIGN_OR_RETURN(MlpWeights mlp, build_mlp_weights(w, layer_tensor(schema, i, "mlp"), c.hidden_size,
-                                                            c.intermediate_size, quantize_input));
-    layer.ffn = std::make_unique<Mlp>(std::move(mlp));
+    TERN_ASSIGN_OR_RETURN(layer.ffn, build_dense_mlp(c, w, schema, i, quantize_input));
     model.layers.push_back(std::move(layer));
   }
   return {};

@@ -34,18 +34,12 @@ Expected<void> qwen3_moe_build(CausalLm& model, WeightStore& w, const WeightSche
   TERN_TRY(build_embeddings_and_head(model, w, schema, false, quantize_input));
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     DecoderLayer layer;
-    TERN_ASSIGN_OR_RETURN(layer.input_norm, build_norm(w, layer_tensor(schema, i, "input_layernorm.weight"),
-                                                       c.hidden_size, c.rms_norm_eps, false));
-    TERN_ASSIGN_OR_RETURN(layer.post_attention_norm,
-                          build_norm(w, layer_tensor(schema, i, "post_attention_layernorm.weight"), c.hidden_size,
-                                     c.rms_norm_eps, false));
+    TERN_TRY(build_layer_norms(c, w, schema, i, /*zero_centred=*/false, layer));
     TERN_ASSIGN_OR_RETURN(layer.mixer, build_attention(c, w, schema, i, false, quantize_input));
     if (c.is_moe_layer(i)) {
       TERN_ASSIGN_OR_RETURN(layer.ffn, build_moe(c, w, schema, i, c.norm_topk_prob, quantize_input));
     } else {
-      TERN_ASSIGN_OR_RETURN(MlpWeights mlp, build_mlp_weights(w, layer_tensor(schema, i, "mlp"), c.hidden_size,
-                                                              c.intermediate_size, quantize_input));
-      layer.ffn = std::make_unique<Mlp>(std::move(mlp));
+      TERN_ASSIGN_OR_RETURN(layer.ffn, build_dense_mlp(c, w, schema, i, quantize_input));
     }
     model.layers.push_back(std::move(layer));
   }
