@@ -1,0 +1,242 @@
+// The elementwise ops on the GPU through the registry (label gpu): the CUDA implementations pass their self-test
+// on ragged shapes, deliberately broken launches (each one fault class) are rejected, bad arguments and bad ids
+// are errors, in-place calls match out-of-place ones, and a timing table reports achieved bandwidth.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include <fmt/format.h>
+
+#include "core/formats.h"
+#include "kernels/cuda/elementwise.h"
+#include "ops/elementwise_cuda.h"
+#include "ops/gemm_cuda.h"
+
+namespace tern {
+namespace {
+
+constexpr int64_t kTokens[] = {1, 7, 33, 1000};
+
+class CudaElementwiseOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    devices_ = cuda_devices_describe();
+    ASSERT_FALSE(devices_.empty()) << "no CUDA device";
+    context_ = std::make_shared<DeviceContext>(0);
+    ASSERT_TRUE(elementwise_register_cpu(registry_).has_value());
+    ASSERT_TRUE(elementwise_register_cuda(registry_, context_).has_value());
+  }
+  void expect_chosen(const std::string& op, const std::vector<SelfTestCase>& cases) {
+    auto s = registry_select(registry_, op, devices_[0], cases, {});
+    ASSERT_TRUE(s.has_value()) << s.error().message;
+    EXPECT_EQ(s->chosen, "cuda") << op << ": " << s->candidates.front().reason;
+    for (const auto& c : s->candidates) {
+      if (c.name == "cuda") std::printf("%-12s cuda: %zu cases, max error %.3g (bound %.3g)\n", op.c_str(),
+                                        cases.size(), c.max_error, c.bound);
+    }
+  }
+  template <class Inputs>
+  std::unique_ptr<Inputs> inputs(const std::string& op, const SelfTestCase& c, uint64_t seed = 7) {
+    auto in = registry_.harness(op)->make_inputs(c, seed);
+    EXPECT_TRUE(in.has_value());
+    return std::unique_ptr<Inputs>(static_cast<Inputs*>(in->release()));
+  }
+  std::vector<DeviceDescription> devices_;
+  std::shared_ptr<DeviceContext> context_;
+  Registry registry_;
+};
+
+TEST_F(CudaElementwiseOps, RmsNormPassesOnRaggedShapes) {
+  std::vector<SelfTestCase> cases;
+  for (int64_t t : kTokens) {
+    cases.push_back(rms_norm_case(t, 1, 64, RmsNormForm::kPlain, false));
+    cases.push_back(rms_norm_case(t, 1, 2048, RmsNormForm::kZeroCentred, true));
+    cases.push_back(rms_norm_case(t, 1, 4096, RmsNormForm::kPlain, true));
+    cases.push_back(rms_norm_case(t, 1, 4096, RmsNormForm::kZeroCentred, false));
+    for (int64_t hd : {64, 128, 256}) cases.push_back(rms_norm_case(t, 16, hd, RmsNormForm::kZeroCentred, false));
+    cases.push_back(rms_norm_case(t, 8, 128, RmsNormForm::kGated, false));
+  }
+  cases.push_back(rms_norm_case(7, 1, 16384, RmsNormForm::kZeroCentred, true));  // 8 chunks per thread
+  cases.push_back(rms_norm_case(3, 1, 5120, RmsNormForm::kPlain, false));        // a partly filled last pass
+  expect_chosen("rms_norm", cases);
+}
+
+TEST_F(CudaElementwiseOps, RopePassesOnRaggedShapes) {
+  std::vector<SelfTestCase> cases;
+  for (int64_t t : kTokens) {
+    cases.push_back(rope_case(t, 8, 64, 64, false, 10000));
+    cases.push_back(rope_case(t, 8, 128, 128, false, 1000000));
+    cases.push_back(rope_case(t, 4, 256, 64, false, 10000000));  // Qwen3.5 partial rotary
+    cases.push_back(rope_case(t, 8, 64, 64, true, 10000));       // interleaved (GLM, DeepSeek)
+    cases.push_back(rope_case(t, 3, 192, 64, true, 10000));      // interleaved, partial
+  }
+  expect_chosen("rope", cases);
+}
+
+TEST_F(CudaElementwiseOps, SiluMulEmbeddingAndAddPassOnRaggedShapes) {
+  std::vector<SelfTestCase> silu, embed, add;
+  for (int64_t t : kTokens) {
+    for (int64_t h : {64, 2048, 4096}) {
+      silu.push_back(silu_mul_case(t, h));
+      add.push_back(residual_add_case(t, h));
+    }
+    embed.push_back(embedding_case(t, 1000, 64));
+    embed.push_back(embedding_case(t, 3000, 2048));
+  }
+  expect_chosen("silu_mul", silu);
+  expect_chosen("embedding", embed);
+  expect_chosen("residual_add", add);
+}
+
+struct Fault {
+  std::string op, name, expected_reason;
+  std::function<Expected<RunOutput>(const DeviceContext&, const OpInputs&)> run;
+};
+
+template <class Inputs, class Args>
+std::function<Expected<RunOutput>(const DeviceContext&, const OpInputs&)> tweaked(
+    Expected<RunOutput> (*runner)(const DeviceContext&, const Inputs&, const ArgsTweak<Args>&), ArgsTweak<Args> t) {
+  return [runner, t](const DeviceContext& ctx, const OpInputs& in) { return runner(ctx, static_cast<const Inputs&>(in), t); };
+}
+
+std::vector<Fault> gpu_faults() {
+  return {
+      {"rms_norm", "no-1+w", "exceeds the tolerance",
+       tweaked<RmsNormInputs, RmsNormArgs>(rms_norm_cuda_run, [](RmsNormArgs& a) { a.zero_centred = false; })},
+      {"rms_norm", "last-row-skipped", "never written",
+       tweaked<RmsNormInputs, RmsNormArgs>(rms_norm_cuda_run, [](RmsNormArgs& a) { a.rows -= 1; })},
+      {"rms_norm", "wrong-eps", "exceeds the tolerance",
+       tweaked<RmsNormInputs, RmsNormArgs>(rms_norm_cuda_run, [](RmsNormArgs& a) { a.eps = 0.3f; })},
+      {"rope", "wrong-half", "exceeds the tolerance",
+       tweaked<RopeInputs, RopeArgs>(rope_cuda_run, [](RopeArgs& a) { a.interleaved = !a.interleaved; })},
+      {"rope", "rotary-dim-halved", "exceeds the tolerance",
+       tweaked<RopeInputs, RopeArgs>(rope_cuda_run, [](RopeArgs& a) { a.rotary_dim /= 2; })},
+      {"rope", "last-token-skipped", "never written",
+       tweaked<RopeInputs, RopeArgs>(rope_cuda_run, [](RopeArgs& a) { a.tokens -= 1; })},
+      {"silu_mul", "last-row-skipped", "never written",
+       tweaked<SiluMulInputs, SiluMulArgs>(silu_mul_cuda_run, [](SiluMulArgs& a) { a.rows -= 1; })},
+      {"silu_mul", "wrong-split", "exceeds the tolerance",
+       tweaked<SiluMulInputs, SiluMulArgs>(silu_mul_cuda_run, [](SiluMulArgs& a) { a.inter /= 2; a.rows *= 2; })},
+      {"embedding", "vocab-one-short", "outside the vocabulary",
+       tweaked<EmbeddingInputs, EmbeddingArgs>(embedding_cuda_run, [](EmbeddingArgs& a) { a.vocab -= 1; })},
+  };
+}
+
+TEST_F(CudaElementwiseOps, InjectedFaultsAreRejectedOnTheGpu) {
+  for (const Fault& f : gpu_faults()) {
+    ASSERT_TRUE(registry_
+                    .add(Implementation{.op = f.op, .name = f.name, .backend = Backend::kCuda, .priority = 100,
+                                        .tolerance = kBf16ElementwiseTolerance,
+                                        .run = [this, run = f.run](const OpInputs& in) { return run(*context_, in); }})
+                    .has_value());
+  }
+  const std::vector<std::pair<std::string, SelfTestCase>> cases = {
+      {"rms_norm", rms_norm_case(33, 1, 2048, RmsNormForm::kZeroCentred, true)},
+      {"rope", rope_case(33, 4, 256, 64, false, 10000000)},
+      {"silu_mul", silu_mul_case(33, 2048)},
+      {"embedding", embedding_case(33, 1000, 64)},
+  };
+  for (const auto& [op, c] : cases) {
+    auto s = registry_select(registry_, op, devices_[0], std::span(&c, 1), {});
+    ASSERT_TRUE(s.has_value()) << s.error().message;
+    EXPECT_EQ(s->chosen, "cuda") << op;
+    for (const Fault& f : gpu_faults()) {
+      if (f.op != op) continue;
+      const auto it = std::find_if(s->candidates.begin(), s->candidates.end(), [&](auto& k) { return k.name == f.name; });
+      ASSERT_NE(it, s->candidates.end()) << f.name;
+      EXPECT_EQ(it->status, CandidateStatus::kFailed) << f.name;
+      EXPECT_NE(it->reason.find(f.expected_reason), std::string::npos) << f.name << ": " << it->reason;
+    }
+  }
+}
+
+TEST_F(CudaElementwiseOps, BadIdsAndBadArgumentsAreErrors) {
+  auto in = inputs<EmbeddingInputs>("embedding", embedding_case(9, 100, 64));
+  in->ids[5] = -3;
+  in->ids[7] = 100;
+  auto out = embedding_cuda_run(*context_, *in);
+  ASSERT_FALSE(out.has_value());
+  EXPECT_NE(out.error().message.find("token 5 has id -3 outside the vocabulary [0, 100)"), std::string::npos)
+      << out.error().message;
+
+  DeviceBuffer buf(4096);
+  const uint16_t* p = buf.as<uint16_t>();
+  auto norm = rms_norm(*context_, {.x = p + 1, .weight = p, .y = buf.as<uint16_t>(), .rows = 1, .dim = 64});
+  ASSERT_FALSE(norm.has_value());
+  EXPECT_NE(norm.error().message.find("x is not 16-byte aligned"), std::string::npos) << norm.error().message;
+  norm = rms_norm(*context_, {.x = p, .weight = p, .y = buf.as<uint16_t>(), .rows = 1, .dim = 60});
+  ASSERT_FALSE(norm.has_value());
+  EXPECT_NE(norm.error().message.find("dim=60 must be a positive multiple of 8"), std::string::npos);
+  auto r = rope(*context_, {.x = p, .y = buf.as<uint16_t>(), .positions = buf.as<int32_t>(), .inv_freq = buf.as<float>(),
+                            .tokens = 1, .n_heads = 1, .head_dim = 64, .rotary_dim = 128});
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message.find("rotary_dim=128 must be positive, even and at most head_dim=64"), std::string::npos);
+}
+
+// In place (y == x, h_out == residual) must give the bits of the out-of-place call.
+TEST_F(CudaElementwiseOps, InPlaceMatchesOutOfPlace) {
+  auto in = inputs<RmsNormInputs>("rms_norm", rms_norm_case(33, 1, 2048, RmsNormForm::kZeroCentred, true));
+  auto expected = rms_norm_cuda_run(*context_, *in);
+  ASSERT_TRUE(expected.has_value());
+  const size_t n = in->x.size();
+  DeviceBuffer x(n * 2), res(n * 2), w(in->weight.size() * 2);
+  TERN_CUDA_CHECK(cudaMemcpy(x.data(), in->x.data(), n * 2, cudaMemcpyHostToDevice));
+  TERN_CUDA_CHECK(cudaMemcpy(res.data(), in->residual_in.data(), n * 2, cudaMemcpyHostToDevice));
+  TERN_CUDA_CHECK(cudaMemcpy(w.data(), in->weight.data(), in->weight.size() * 2, cudaMemcpyHostToDevice));
+  ASSERT_TRUE(rms_norm(*context_, {.x = x.as<uint16_t>(), .residual = res.as<uint16_t>(), .h_out = res.as<uint16_t>(),
+                                   .weight = w.as<uint16_t>(), .y = x.as<uint16_t>(), .rows = in->rows,
+                                   .dim = in->dim, .eps = in->eps, .zero_centred = true})
+                  .has_value());
+  std::vector<uint16_t> h(n), y(n);
+  TERN_CUDA_CHECK(cudaMemcpy(h.data(), res.data(), n * 2, cudaMemcpyDeviceToHost));
+  TERN_CUDA_CHECK(cudaMemcpy(y.data(), x.data(), n * 2, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(bf16_to_float(h[i]), expected->values[i]) << "h " << i;
+    ASSERT_EQ(bf16_to_float(y[i]), expected->values[n + i]) << "y " << i;
+  }
+}
+
+// Achieved bandwidth at a decode-like and a prefill-like size, next to a device-to-device copy.
+TEST_F(CudaElementwiseOps, Bandwidth) {
+  const size_t copy_bytes = size_t{512} << 20;
+  DeviceBuffer src(copy_bytes), dst(copy_bytes);
+  cudaEvent_t e0, e1;
+  TERN_CUDA_CHECK(cudaEventCreate(&e0));
+  TERN_CUDA_CHECK(cudaEventCreate(&e1));
+  float best = 1e30f;
+  for (int i = 0; i < 5; ++i) {
+    TERN_CUDA_CHECK(cudaEventRecord(e0, context_->stream()));
+    TERN_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), copy_bytes, cudaMemcpyDeviceToDevice, context_->stream()));
+    TERN_CUDA_CHECK(cudaEventRecord(e1, context_->stream()));
+    TERN_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    TERN_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    best = std::min(best, ms);
+  }
+  std::printf("%-34s %9.1f us %8.1f GB/s\n", "device copy 512 MiB", best * 1e3, 2.0 * copy_bytes / (best * 1e-3) / 1e9);
+  auto report = [](const std::string& what, double bytes, const Expected<RunOutput>& out) {
+    ASSERT_TRUE(out.has_value()) << out.error().message;
+    std::printf("%-34s %9.1f us %8.1f GB/s\n", what.c_str(), out->seconds * 1e6, bytes / out->seconds / 1e9);
+  };
+  for (int64_t t : {int64_t{32}, int64_t{4096}}) {
+    const int64_t h = 4096, inter = 8192, heads = 32, hd = 128;
+    auto norm = inputs<RmsNormInputs>("rms_norm", rms_norm_case(t, 1, h, RmsNormForm::kZeroCentred, true));
+    report(fmt::format("rms_norm+residual T={} H={}", t, h), 8.0 * t * h, rms_norm_cuda_run(*context_, *norm));
+    auto qk = inputs<RmsNormInputs>("rms_norm", rms_norm_case(t, heads, hd, RmsNormForm::kZeroCentred, false));
+    report(fmt::format("q_norm T={} 32x128", t), 4.0 * t * heads * hd, rms_norm_cuda_run(*context_, *qk));
+    auto ro = inputs<RopeInputs>("rope", rope_case(t, heads, hd, hd, false, 1000000));
+    report(fmt::format("rope T={} 32x128", t), 4.0 * t * heads * hd, rope_cuda_run(*context_, *ro));
+    auto sm = inputs<SiluMulInputs>("silu_mul", silu_mul_case(t, inter));
+    report(fmt::format("silu_mul T={} I={}", t, inter), 6.0 * t * inter, silu_mul_cuda_run(*context_, *sm));
+    auto em = inputs<EmbeddingInputs>("embedding", embedding_case(t, 32000, h));
+    report(fmt::format("embedding T={} H={}", t, h), 4.0 * t * h, embedding_cuda_run(*context_, *em));
+    auto ad = inputs<ResidualAddInputs>("residual_add", residual_add_case(t, h));
+    report(fmt::format("residual_add T={} H={}", t, h), 6.0 * t * h, residual_add_cuda_run(*context_, *ad));
+  }
+  TERN_CUDA_CHECK(cudaEventDestroy(e0));
+  TERN_CUDA_CHECK(cudaEventDestroy(e1));
+}
+
+}  // namespace
+}  // namespace tern
