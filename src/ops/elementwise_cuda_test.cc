@@ -181,13 +181,16 @@ TEST_F(CudaElementwiseOps, InPlaceMatchesOutOfPlace) {
   ASSERT_TRUE(expected.has_value());
   const size_t n = in->x.size();
   DeviceBuffer x(n * 2), res(n * 2), w(in->weight.size() * 2);
-  TERN_CUDA_CHECK(cudaMemcpy(x.data(), in->x.data(), n * 2, cudaMemcpyHostToDevice));
-  TERN_CUDA_CHECK(cudaMemcpy(res.data(), in->residual_in.data(), n * 2, cudaMemcpyHostToDevice));
-  TERN_CUDA_CHECK(cudaMemcpy(w.data(), in->weight.data(), in->weight.size() * 2, cudaMemcpyHostToDevice));
+  // The context's stream does not order with the legacy default stream: copy and wait on it explicitly.
+  const cudaStream_t stream = context_->stream();
+  TERN_CUDA_CHECK(cudaMemcpyAsync(x.data(), in->x.data(), n * 2, cudaMemcpyHostToDevice, stream));
+  TERN_CUDA_CHECK(cudaMemcpyAsync(res.data(), in->residual_in.data(), n * 2, cudaMemcpyHostToDevice, stream));
+  TERN_CUDA_CHECK(cudaMemcpyAsync(w.data(), in->weight.data(), in->weight.size() * 2, cudaMemcpyHostToDevice, stream));
   ASSERT_TRUE(rms_norm(*context_, {.x = x.as<uint16_t>(), .residual = res.as<uint16_t>(), .h_out = res.as<uint16_t>(),
                                    .weight = w.as<uint16_t>(), .y = x.as<uint16_t>(), .rows = in->rows,
                                    .dim = in->dim, .eps = in->eps, .zero_centred = true})
                   .has_value());
+  context_->synchronize();
   std::vector<uint16_t> h(n), y(n);
   TERN_CUDA_CHECK(cudaMemcpy(h.data(), res.data(), n * 2, cudaMemcpyDeviceToHost));
   TERN_CUDA_CHECK(cudaMemcpy(y.data(), x.data(), n * 2, cudaMemcpyDeviceToHost));
