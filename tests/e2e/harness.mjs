@@ -19,7 +19,13 @@ export const QWEN3 = { vocab: 151936, imEnd: 151645, endOfText: 151643, think: 1
                        toolCall: 151657, toolCallEnd: 151658 };
 
 // Token ids of `text` under the real Qwen3 tokenizer, through `tern tokenize` (no special tokens added).
+const tokenized = new Map();
 export function tokenize(text) {
+  if (!tokenized.has(text)) tokenized.set(text, runTokenize(text));
+  return tokenized.get(text);
+}
+
+function runTokenize(text) {
   const out = execFileSync(bin, ['tokenize', '--tokenizer', path.join(qwen3TokenizerDir, 'tokenizer.json'), '--text',
                                  text], { encoding: 'utf8' });
   return out.trim().split(/[\s,]+/).filter((s) => s.length).map(Number);
