@@ -1,8 +1,9 @@
 // End to end: a request whose logits go non-finite ends alone with finish_reason "error" and a message, while the
 // requests batched with it, and those that reuse its KV blocks afterwards, get exactly their normal output.
 // The model is a steerable checkpoint (harness.mjs) written by this test: from the prompt's last token "\n" it
-// greedily spells ANSWER, so a normal request's output is known without running the model; one token's embedding
-// row is NaN, so any prompt holding that token poisons its own attention and logits. Run: TERN_BIN=... node --test
+// greedily spells ANSWER, so a normal request's output is known without running the model; the embedding row of
+// the token " poison" is NaN, so any prompt holding it poisons its own attention and logits.
+// Run: TERN_BIN=... node --test tests/e2e/nan_guard.test.mjs
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
@@ -10,13 +11,17 @@ import { QWEN3, steerableQwen3, tokenize, startServer, stopServer, metrics, wait
 
 const KEY = 'sk-nan-test';
 const MODEL = 'nan-guard';
-const PIECES = ['<think>', 'Some thought.', '</think>', 'The answer!'];
+const REASONING = 'Some thought.';
+const CONTENT = 'The answer!';
+const PIECES = ['<think>', REASONING, '</think>', CONTENT];
 const ANSWER = PIECES.join('');
-const POISON = 50000;
-let server, modelDir, start, chain;
+let server, modelDir, start, chain, POISON;
 
 before(async () => {
   start = tokenize('<|im_start|>assistant\n').at(-1);
+  const poison = tokenize(' poison');
+  assert.equal(poison.length, 1);
+  POISON = poison[0];
   chain = [start, ...PIECES.flatMap((p) => tokenize(p)), QWEN3.imEnd];
   modelDir = steerableQwen3([chain], { poison: [POISON] });
   // A small prefill budget so prompts are split into chunks and mixed with other requests' decodes.
@@ -35,7 +40,7 @@ function prompt(length, { poisonAt = -1 } = {}) {
   const ids = [];
   while (ids.length < length - 1) {
     const id = 1000 + Math.floor(rand() * 40000);
-    if (!chain.includes(id)) ids.push(id);
+    if (!chain.includes(id) && id !== POISON) ids.push(id);
   }
   if (poisonAt >= 0) ids[poisonAt] = POISON;
   return [...ids, start];
@@ -76,7 +81,7 @@ test('a non-streamed request with a NaN embedding ends with finish_reason "error
   assert.equal(m['tern_requests_total{outcome="error"}'] - before['tern_requests_total{outcome="error"}'], 1);
 });
 
-test('poisoned requests end alone while concurrent streams, and later ones on reused KV blocks, are exact', async () => {
+test('poisoned requests end alone; concurrent streams, and later ones on reused KV blocks, are exact', async () => {
   const before = await metrics(server);
   const normal = Array.from({ length: 8 }, (_, i) => prompt(6 + 5 * i));
   const poisoned = [prompt(30, { poisonAt: 0 }), prompt(20, { poisonAt: 17 }), prompt(45, { poisonAt: 30 })];
@@ -118,4 +123,44 @@ test('poisoned requests end alone while concurrent streams, and later ones on re
   const end = await waitIdle(server);
   assert.equal(end.tern_nan_aborts_total, m.tern_nan_aborts_total);
   assert.equal(end.tern_kv_blocks_used, 0);
+});
+
+test('chat: a poisoned prompt fails alone, streamed and not, while chat streams beside it are exact', async () => {
+  const before = await metrics(server);
+  const chat = (text) => ({ model: MODEL, messages: [{ role: 'user', content: text }], max_tokens: 40,
+                            temperature: 0 });
+  const streamChat = async (text) => {
+    const out = { content: '', reasoning: '', finish: null, error: null };
+    try {
+      for await (const c of await server.client.chat.completions.create({ ...chat(text), stream: true })) {
+        out.content += c.choices[0]?.delta.content ?? '';
+        out.reasoning += c.choices[0]?.delta.reasoning_content ?? '';
+        out.finish = c.choices[0]?.finish_reason ?? out.finish;
+      }
+    } catch (e) {
+      out.error = e;
+    }
+    return out;
+  };
+  const [good, bad, whole] = await Promise.all([
+    Promise.all(['Tell me something.', 'What is two plus two?', 'Hello!'].map(streamChat)),
+    streamChat('Do not drink the poison, please.'),
+    server.client.chat.completions.create(chat('Is this poison?')),
+  ]);
+  for (const g of good) {
+    assert.equal(g.error, null, String(g.error));
+    assert.equal(g.reasoning, REASONING);
+    assert.equal(g.content, CONTENT);
+    assert.equal(g.finish, 'stop');
+  }
+  assert.equal(bad.content + bad.reasoning, '');
+  assert.equal(bad.finish, 'error');
+  assert.match(String(bad.error?.message), /NaN/);
+  assert.equal(whole.choices[0].finish_reason, 'error');
+  assert.equal(whole.usage.completion_tokens, 0);
+  assert.match(whole.error?.message ?? '', /NaN/);
+  const m = await waitIdle(server);
+  assert.equal(m.tern_nan_aborts_total - before.tern_nan_aborts_total, 2);
+  assert.equal(m['tern_requests_total{outcome="error"}'] - before['tern_requests_total{outcome="error"}'], 2);
+  assert.equal(m['tern_requests_total{outcome="stop"}'] - before['tern_requests_total{outcome="stop"}'], 3);
 });

@@ -35,7 +35,7 @@ after(async () => {
   if (modelDir) fs.rmSync(modelDir, { recursive: true, force: true });
 });
 
-const chat = (extra = {}) => ({ model: MODEL, messages: [{ role: 'user', content: 'Hi! What is the weather in Paris?' }],
+const chat = (extra = {}) => ({ model: MODEL, messages: [{ role: 'user', content: 'Hi! Weather in Paris?' }],
                                 max_tokens: 64, temperature: 0, ...extra });
 const noThinking = { chat_template_kwargs: { enable_thinking: false } };
 
