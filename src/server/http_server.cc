@@ -214,6 +214,10 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
       if (state->builder.finished()) {
         count_outcome(state->builder.finish_reason());
         if (state->include_usage) write("data: " + dump(state->builder.usage_chunk()) + "\n\n");
+        // The final chunk only says "error"; the reason follows as an OpenAI error event (clients raise it).
+        if (!state->builder.error().empty()) {
+          write("data: " + api_error_body({500, state->builder.error(), "server_error"}) + "\n\n");
+        }
         write("data: [DONE]\n\n");
         sink.done();
         return true;

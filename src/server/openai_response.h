@@ -36,6 +36,7 @@ class ResponseBuilder {
   nlohmann::ordered_json final_response() const;  // the non-streaming body
   bool finished() const { return !finish_reason_.empty(); }
   const std::string& finish_reason() const { return finish_reason_; }
+  const std::string& error() const { return error_; }  // why the request failed (finish_reason "error")
   int64_t num_completion_tokens() const { return num_tokens_; }
 
  private:

