@@ -95,6 +95,59 @@ TEST(CpuMatmul, Nvfp4MatchesDequantizedReference) {
   for (int64_t j = 0; j < k; ++j) ASSERT_EQ(row[j], wd[7 * k + j]);
 }
 
+// Shapes that exercise every path of the NVFP4 matmul: whole 128-column groups plus leftover 16-column blocks,
+// x-row counts 1..11 (one and two passes of up to 8 rows), weight-row counts that leave a partial tile.
+TEST(CpuMatmul, Nvfp4WideShapesMatchDequantizedReference) {
+  const int64_t n = 23, k = 3 * 128 + 48;
+  const auto wf = random_vector(n * k, 31, 0.05f);
+  const Nvfp4Matrix q = nvfp4_quantize_weight(wf, n, k);
+  const std::vector<float> wd = nvfp4_dequantize(q);
+  const CpuMatrix w{CpuWeightFormat::kNvfp4, n, k, q.packed.data(), q.block_scales.data(), q.global_scale};
+  for (int64_t m : {1, 2, 3, 5, 8, 11}) {
+    const auto x = random_vector(m * k, 32 + static_cast<uint32_t>(m));
+    std::vector<float> y(m * n);
+    cpu_matmul(x.data(), m, w, y.data());
+    expect_close(y, naive_matmul(x, m, wd, n, k), 1e-5);
+  }
+}
+
+// Scales that are negative, subnormal or NaN in e4m3 decode as the reference decodes them.
+TEST(CpuMatmul, Nvfp4UnusualScalesMatchDequantizedReference) {
+  const int64_t n = 4, k = 256;
+  const auto wf = random_vector(n * k, 41, 0.1f);
+  Nvfp4Matrix q = nvfp4_quantize_weight(wf, n, k);
+  q.block_scales[1] = 0x83;   // negative subnormal: -3 * 2^-9
+  q.block_scales[2] = 0x05;   // subnormal
+  q.block_scales[17] = 0xB8;  // -1.0
+  q.block_scales[40] = 0x7F;  // NaN: only row 2 becomes NaN
+  const std::vector<float> wd = nvfp4_dequantize(q);
+  const auto x = random_vector(k, 42);
+  std::vector<float> y(n);
+  cpu_matmul(x.data(), 1, {CpuWeightFormat::kNvfp4, n, k, q.packed.data(), q.block_scales.data(), q.global_scale},
+             y.data());
+  ASSERT_TRUE(std::isnan(y[2]));
+  std::vector<double> want = naive_matmul(x, 1, wd, n, k);
+  y.erase(y.begin() + 2);
+  want.erase(want.begin() + 2);
+  expect_close(y, want, 1e-5);
+}
+
+TEST(CpuMatmul, Nvfp4RowResultIndependentOfBatch) {
+  const int64_t m = 19, n = 37, k = 2 * 128 + 32;
+  const auto x = random_vector(m * k, 51);
+  const auto wf = random_vector(n * k, 52, 0.1f);
+  const Nvfp4Matrix q = nvfp4_quantize_weight(wf, n, k);
+  const CpuMatrix w{CpuWeightFormat::kNvfp4, n, k, q.packed.data(), q.block_scales.data(), q.global_scale};
+  std::vector<float> all(m * n);
+  cpu_matmul(x.data(), m, w, all.data());
+  for (int64_t i0 = 0; i0 < m; i0 += 4) {  // batches of 1..4 rows starting anywhere
+    const int64_t rows = std::min<int64_t>(1 + i0 % 4, m - i0);
+    std::vector<float> part(rows * n);
+    cpu_matmul(x.data() + i0 * k, rows, w, part.data());
+    for (int64_t i = 0; i < rows * n; ++i) ASSERT_EQ(part[i], all[i0 * n + i]) << "row " << i0 + i / n;
+  }
+}
+
 TEST(CpuMatmul, PortableNvfp4DotMatchesDequantizedReference) {
   const int64_t k = 256;
   const auto x = random_vector(k, 21);
