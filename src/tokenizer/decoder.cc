@@ -211,14 +211,7 @@ Expected<std::unique_ptr<Decoder>> metaspace_from_json(const nlohmann::json& jso
 }
 
 Expected<std::unique_ptr<Decoder>> sequence_from_json(const nlohmann::json& json) {
-  const auto it = json.find("decoders");
-  if (it == json.end() || !it->is_array()) return make_error("Sequence decoder needs a 'decoders' list");
-  std::vector<std::unique_ptr<Decoder>> steps;
-  for (size_t i = 0; i < it->size(); ++i) {
-    auto step = decoder_from_json((*it)[i]);
-    if (!step) return wrap_error(step.error(), fmt::format("decoders[{}]", i));
-    if (*step) steps.push_back(std::move(*step));
-  }
+  TERN_ASSIGN_OR_RETURN(auto steps, json_component_list<Decoder>(json, "decoders", "decoder", decoder_from_json));
   return std::make_unique<SequenceDecoder>(std::move(steps));
 }
 

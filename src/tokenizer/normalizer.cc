@@ -108,14 +108,7 @@ Expected<std::unique_ptr<Normalizer>> replace_from_json(const nlohmann::json& js
 }
 
 Expected<std::unique_ptr<Normalizer>> sequence_from_json(const nlohmann::json& json) {
-  const auto it = json.find("normalizers");
-  if (it == json.end() || !it->is_array()) return make_error("Sequence normalizer needs a 'normalizers' list");
-  std::vector<std::unique_ptr<Normalizer>> steps;
-  for (size_t i = 0; i < it->size(); ++i) {
-    auto step = normalizer_from_json((*it)[i]);
-    if (!step) return wrap_error(step.error(), fmt::format("normalizers[{}]", i));
-    if (*step) steps.push_back(std::move(*step));
-  }
+  TERN_ASSIGN_OR_RETURN(auto steps, json_component_list<Normalizer>(json, "normalizers", "normalizer", normalizer_from_json));
   return std::make_unique<SequenceNormalizer>(std::move(steps));
 }
 

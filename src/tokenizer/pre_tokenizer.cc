@@ -259,14 +259,7 @@ Expected<std::unique_ptr<PreTokenizer>> metaspace_from_json(const nlohmann::json
 }
 
 Expected<std::unique_ptr<PreTokenizer>> sequence_from_json(const nlohmann::json& json) {
-  const auto it = json.find("pretokenizers");
-  if (it == json.end() || !it->is_array()) return make_error("Sequence pre-tokenizer needs a 'pretokenizers' list");
-  std::vector<std::unique_ptr<PreTokenizer>> steps;
-  for (size_t i = 0; i < it->size(); ++i) {
-    auto step = pre_tokenizer_from_json((*it)[i]);
-    if (!step) return wrap_error(step.error(), fmt::format("pretokenizers[{}]", i));
-    if (*step) steps.push_back(std::move(*step));
-  }
+  TERN_ASSIGN_OR_RETURN(auto steps, json_component_list<PreTokenizer>(json, "pretokenizers", "pre-tokenizer", pre_tokenizer_from_json));
   return std::make_unique<SequencePreTokenizer>(std::move(steps));
 }
 
