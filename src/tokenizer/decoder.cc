@@ -98,24 +98,7 @@ class ReplaceDecoder final : public Decoder {
   ReplaceDecoder(std::optional<Regex> regex, std::string literal, std::string content)
       : regex_(std::move(regex)), literal_(std::move(literal)), content_(std::move(content)) {}
   void decode_chain(std::vector<std::string>& tokens) const override {
-    for (auto& token : tokens) {
-      std::string out;
-      size_t last = 0;
-      auto on_match = [&](size_t start, size_t end) {
-        out.append(token, last, start - last);
-        out.append(content_);
-        last = end;
-      };
-      if (regex_) {
-        regex_->find_all(token, on_match);
-      } else if (!literal_.empty()) {
-        for (size_t pos = token.find(literal_); pos != std::string::npos; pos = token.find(literal_, last)) {
-          on_match(pos, pos + literal_.size());
-        }
-      }
-      out.append(token, last, std::string::npos);
-      token.swap(out);
-    }
+    for (auto& token : tokens) token = replace_matches(token, regex_, literal_, content_);
   }
 
  private:

@@ -58,26 +58,7 @@ class ReplaceNormalizer final : public Normalizer {
  public:
   ReplaceNormalizer(std::optional<Regex> regex, std::string literal, std::string content)
       : regex_(std::move(regex)), literal_(std::move(literal)), content_(std::move(content)) {}
-  void normalize(std::string& text) const override {
-    std::string out;
-    size_t last = 0;
-    auto on_match = [&](size_t start, size_t end) {
-      out.append(text, last, start - last);
-      out.append(content_);
-      last = end;
-    };
-    if (regex_) {
-      regex_->find_all(text, on_match);
-    } else if (!literal_.empty()) {
-      for (size_t pos = text.find(literal_); pos != std::string::npos; pos = text.find(literal_, pos)) {
-        on_match(pos, pos + literal_.size());
-        pos += literal_.size();
-      }
-    }
-    if (last == 0 && out.empty()) return;
-    out.append(text, last, std::string::npos);
-    text = std::move(out);
-  }
+  void normalize(std::string& text) const override { text = replace_matches(text, regex_, literal_, content_); }
 
  private:
   std::optional<Regex> regex_;

@@ -113,4 +113,24 @@ size_t Regex::utf8_step(std::string_view text, size_t pos) {
   return utf8_sequence_length(static_cast<unsigned char>(text[pos]));
 }
 
+std::string replace_matches(std::string_view text, const std::optional<Regex>& regex, std::string_view literal,
+                            std::string_view content) {
+  std::string out;
+  size_t last = 0;
+  auto on_match = [&](size_t start, size_t end) {
+    out.append(text, last, start - last);
+    out.append(content);
+    last = end;
+  };
+  if (regex) {
+    regex->find_all(text, on_match);
+  } else if (!literal.empty()) {
+    for (size_t pos = text.find(literal); pos != std::string_view::npos; pos = text.find(literal, last)) {
+      on_match(pos, pos + literal.size());
+    }
+  }
+  out.append(text, last, std::string_view::npos);
+  return out;
+}
+
 }  // namespace tern

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -41,5 +42,10 @@ class Regex {
   std::shared_ptr<const Code> code_;
   std::string pattern_;
 };
+
+// The Replace component of normalizers and decoders: every match of `regex` (or, without one, every occurrence of a
+// non-empty `literal`) in `text` replaced by `content`.
+std::string replace_matches(std::string_view text, const std::optional<Regex>& regex, std::string_view literal,
+                            std::string_view content);
 
 }  // namespace tern
