@@ -637,7 +637,10 @@ TEST(ModelConfigErrors, DenseAndIndexerLayouts) {
 class ModelConfigLoad : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::filesystem::path(TERN_BINARY_DIR) / "model_config_load_test";
+    // One directory per test: ctest runs the tests of this fixture in parallel processes.
+    dir_ = std::filesystem::path(TERN_BINARY_DIR) /
+           ("model_config_load_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
   }
   void write(const std::string& text) { std::ofstream(dir_ / "config.json") << text; }
