@@ -61,7 +61,9 @@ int run_generate(const GenerateOptions& o) {
   auto prompt = prompt_tokens(o, tokenizer);
   if (!prompt) return fail(prompt.error().message);
   if (prompt->empty()) return fail("the prompt is empty");
-  auto model = load_model_from_options(o.model);
+  const int64_t total = static_cast<int64_t>(prompt->size()) + std::max<int64_t>(o.stop.max_tokens, 1);
+  auto model = load_model_from_options(o.model, DeviceModelOptions{.max_batch_tokens = static_cast<int64_t>(prompt->size()),
+                                                                   .max_sequences = 1, .kv_cache_tokens = total});
   if (!model) return fail(model.error().message);
   if (auto valid = sampling_params_validate(o.sampling); !valid) return fail(valid.error().message);
   StopCriteria stop = o.stop;

@@ -13,12 +13,19 @@ void add_model_options(CLI::App& cmd, ModelCliOptions& o) {
   cmd.add_option("--nvfp4-activations", o.nvfp4_activations,
                  "NVFP4 layers: dequantize (W4A16, activations stay fp32) or quantize (W4A4, with input_scale)")
       ->check(CLI::IsMember({"dequantize", "quantize"}));
-  cmd.add_option("--device", o.device, "Where to run (cpu)")->check(CLI::IsMember({"cpu"}));
+  cmd.add_option("--device", o.device, "Where to run: cuda, cpu, or auto (cuda when this build has it and a GPU is "
+                 "present)")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  cmd.add_option("--cuda-device", o.cuda_device, "CUDA device ordinal for --device cuda");
   cmd.add_option("--dummy-seed", o.dummy_seed, "Seed of --load-format dummy weights");
 }
 
-Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOptions& o) {
+Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOptions& o,
+                                                            const DeviceModelOptions& sizes) {
   ModelLoadOptions options;
+  const bool cuda = o.device == "cuda" || (o.device == "auto" && model_cuda_device_count() > 0);
+  options.device = cuda ? ModelDevice::kCuda : ModelDevice::kCpu;
+  options.device_options = sizes;
+  options.device_options.device = o.cuda_device;
   options.load_format = o.load_format == "dummy" ? LoadFormat::kDummy : LoadFormat::kAuto;
   options.nvfp4_quantize_activations = o.nvfp4_activations == "quantize";
   options.dummy_seed = o.dummy_seed;

@@ -17,12 +17,15 @@ struct ModelCliOptions {
   std::string model_dir;
   std::string load_format = "auto";           // auto | dummy
   std::string nvfp4_activations = "dequantize";  // dequantize (W4A16) | quantize (W4A4)
-  std::string device = "cpu";
+  std::string device = "auto";  // auto | cpu | cuda
+  int cuda_device = 0;
   uint64_t dummy_seed = 0;
 };
 
 void add_model_options(CLI::App& cmd, ModelCliOptions& options);
-Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOptions& options);
+// `sizes`: what a device backend allocates (rows per step, sequences, KV tokens); the CPU ignores them.
+Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOptions& options,
+                                                            const DeviceModelOptions& sizes);
 
 // "1,2,3" -> {1, 2, 3}; an error names the bad item.
 Expected<std::vector<int32_t>> parse_id_list(const std::string& text);

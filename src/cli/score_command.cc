@@ -22,7 +22,9 @@ struct ScoreOptions {
 int run_score(const ScoreOptions& o) {
   auto ids = parse_id_list(o.prompt_ids);
   if (!ids) return fmt::print(stderr, "tern score: {}\n", ids.error().message), 2;
-  auto model = load_model_from_options(o.model);
+  const int64_t n = std::max<int64_t>(static_cast<int64_t>(ids->size()), 1);
+  auto model = load_model_from_options(o.model, DeviceModelOptions{.max_batch_tokens = n, .max_sequences = 1,
+                                                                   .kv_cache_tokens = n});
   if (!model) return fmt::print(stderr, "tern score: {}\n", model.error().message), 2;
   SequenceCache seq = (*model)->new_sequence();
   const std::vector<SequenceInput> batch{{&seq, *ids}};

@@ -105,12 +105,19 @@ int run_serve(ServeOptions& o) {
   }
   spdlog::info("loading weights from {} (load format {})", dir.string(), o.model.load_format);
   const auto start = std::chrono::steady_clock::now();
-  auto model = load_model_from_options(o.model);
+  auto model_config = model_config_load(dir);
+  if (!model_config) return fail(model_config.error().message);
+  auto econfig = engine_config(o, *model_config);
+  if (!econfig) return fail(econfig.error().message);
+  // A step holds at most the prefill chunk plus one decode row per running request.
+  const DeviceModelOptions sizes{.max_batch_tokens = o.chunked_prefill + o.max_running,
+                                 .max_sequences = o.max_running,
+                                 .kv_cache_tokens = o.max_total_tokens};
+  auto model = load_model_from_options(o.model, sizes);
   if (!model) return fail(model.error().message);
   spdlog::info("weights loaded in {:.2f} s", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  if (const ForwardBackend* backend = (*model)->backend()) spdlog::info("running on {}", backend->describe());
   const ModelConfig config = (*model)->config();
-  auto econfig = engine_config(o, config);
-  if (!econfig) return fail(econfig.error().message);
   if (o.server.served_model_name.empty()) o.server.served_model_name = dir.filename().string();
   o.server.context_length = o.context_length;
   o.server.reasoning = o.reasoning_parser != "none";

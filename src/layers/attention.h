@@ -28,6 +28,10 @@ class Attention final : public Mixer {
       : shape_(shape), w_(std::move(weights)), rope_(std::move(rope)) {}
   void forward(const float* x, float* y, const Batch& batch, int64_t layer, const Tracer* tracer) const override;
 
+  const AttentionShape& shape() const { return shape_; }
+  const AttentionWeights& weights() const { return w_; }
+  const Rope& rope() const { return rope_; }
+
  private:
   void attend_sequence(const BatchSlice& seq, LayerCache& cache, float* q, const float* k, const float* v,
                        float* out) const;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <functional>
+#include <memory>
 #include <string_view>
 #include <vector>
 
@@ -20,8 +21,15 @@ struct LayerCache {
   std::vector<float> recurrent_state;      // [n_value_heads, key_dim, value_dim]
 };
 
+// What a sequence holds on a device when the model runs there (KV blocks, state slots); released with the
+// sequence.
+struct DeviceSequenceState {
+  virtual ~DeviceSequenceState() = default;
+};
+
 struct SequenceCache {
   std::vector<LayerCache> layers;
+  std::shared_ptr<DeviceSequenceState> device;  // set when the model runs on a device
   int64_t length = 0;  // tokens already processed
 };
 

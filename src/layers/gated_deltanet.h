@@ -33,6 +33,9 @@ class GatedDeltaNet final : public Mixer {
   GatedDeltaNet(GatedDeltaNetShape shape, GatedDeltaNetWeights weights) : s_(shape), w_(std::move(weights)) {}
   void forward(const float* x, float* y, const Batch& batch, int64_t layer, const Tracer* tracer) const override;
 
+  const GatedDeltaNetShape& shape() const { return s_; }
+  const GatedDeltaNetWeights& weights() const { return w_; }
+
  private:
   int64_t conv_channels() const { return 2 * s_.n_key_heads * s_.key_dim + s_.n_value_heads * s_.value_dim; }
   // qkv [m, conv_channels], z [m, Vd], b and a [m, Hv] from x.

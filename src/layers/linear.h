@@ -29,6 +29,8 @@ class Linear {
   int64_t in_features() const { return matrix_.cols; }
   const CpuMatrix& matrix() const { return matrix_; }
   const std::string& name() const { return name_; }
+  const std::vector<float>& bias() const { return bias_; }
+  bool quantizes_input() const { return quantize_input_; }
 
  private:
   std::string name_;

@@ -23,6 +23,8 @@ class Mlp final : public FeedForward {
   void forward(const float* x, float* y, int64_t rows, const std::string& trace_prefix,
                const Tracer* tracer) const override;
 
+  const MlpWeights& weights() const { return w_; }
+
  private:
   MlpWeights w_;
 };
@@ -44,6 +46,9 @@ class Moe final : public FeedForward {
   Moe(MoeShape shape, MoeWeights weights) : s_(shape), w_(std::move(weights)) {}
   void forward(const float* x, float* y, int64_t rows, const std::string& trace_prefix,
                const Tracer* tracer) const override;
+
+  const MoeShape& shape() const { return s_; }
+  const MoeWeights& weights() const { return w_; }
 
  private:
   MoeShape s_;

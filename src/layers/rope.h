@@ -17,6 +17,9 @@ class Rope {
   // x [n_heads, head_dim] of one token at `position`, rotated in place.
   void apply(float* x, int64_t n_heads, int64_t head_dim, int64_t position) const;
 
+  int64_t rotary_dim() const { return rotary_dim_; }
+  const std::vector<float>& inv_freq() const { return inv_freq_; }  // [rotary_dim / 2]
+
  private:
   int64_t rotary_dim_ = 0;
   std::vector<float> inv_freq_;

@@ -4,16 +4,27 @@
 
 #include "models/weight_schema.h"
 
+#if TERN_MODELS_CUDA
+#include "models/gpu/gpu_model.h"
+#endif
+
 namespace tern {
 
 SequenceCache CausalLm::new_sequence() const {
   SequenceCache cache;
   cache.layers.resize(layers.size());
+  if (backend_) cache.device = backend_->new_sequence();
   return cache;
 }
 
 Expected<std::vector<float>> CausalLm::forward(std::span<const SequenceInput> batch, LogitsFor which,
                                                const Tracer* tracer) const {
+  if (backend_) {
+    if (tracer != nullptr) return make_error("tracing intermediates is available on the CPU only");
+    TERN_ASSIGN_OR_RETURN(std::vector<float> logits, backend_->forward(batch, which));
+    for (const SequenceInput& in : batch) in.cache->length += static_cast<int64_t>(in.tokens.size());
+    return logits;
+  }
   const int64_t hidden = config_.hidden_size, vocab = lm_head.out_features();
   Batch b;
   for (const SequenceInput& in : batch) {
@@ -93,7 +104,24 @@ Expected<std::unique_ptr<CausalLm>> model_load(const std::filesystem::path& dir,
                         architecture_name(config.architecture));
   }
   if (!built) return wrap_error(built.error(), dir.string());
+  if (options.device == ModelDevice::kCuda) {
+#if TERN_MODELS_CUDA
+    auto backend = gpu_backend_create(*model, options.device_options);
+    if (!backend) return wrap_error(backend.error(), dir.string());
+    model->set_backend(std::move(*backend));
+#else
+    return make_error("this tern was built without CUDA: --device cuda is not available");
+#endif
+  }
   return model;
+}
+
+int model_cuda_device_count() {
+#if TERN_MODELS_CUDA
+  return gpu_device_count();
+#else
+  return 0;
+#endif
 }
 
 }  // namespace tern

@@ -36,6 +36,15 @@ struct SequenceInput {
 
 enum class LogitsFor { kAllTokens, kLastToken };
 
+// Runs the forward pass on a device instead of the CPU (models/gpu); CausalLm::forward hands every call to it.
+class ForwardBackend {
+ public:
+  virtual ~ForwardBackend() = default;
+  virtual std::shared_ptr<DeviceSequenceState> new_sequence() = 0;
+  virtual Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which) = 0;
+  virtual std::string describe() const = 0;  // one line: device and what it holds
+};
+
 class CausalLm {
  public:
   CausalLm(ModelConfig config, std::unique_ptr<WeightStore> weights) : config_(std::move(config)),
@@ -43,6 +52,11 @@ class CausalLm {
 
   const ModelConfig& config() const { return config_; }
   SequenceCache new_sequence() const;
+
+  // From now on forward() runs there (set by model_load for a device; the host weights stay mapped, since the
+  // backend may read them). Null for the CPU.
+  void set_backend(std::unique_ptr<ForwardBackend> backend) { backend_ = std::move(backend); }
+  const ForwardBackend* backend() const { return backend_.get(); }
 
   // Runs the tokens of every sequence (each extends its cache) and returns logits [rows, vocab]: one row per token
   // in batch order (kAllTokens) or one per sequence (kLastToken). Errors on an out-of-range token id.
@@ -59,15 +73,31 @@ class CausalLm {
  private:
   ModelConfig config_;
   std::unique_ptr<WeightStore> weights_;  // owns the memory the views above point into
+  std::unique_ptr<ForwardBackend> backend_;
 };
 
 enum class LoadFormat { kAuto, kDummy };
+enum class ModelDevice { kCpu, kCuda };
+
+// Sizes of what a device backend allocates up front.
+struct DeviceModelOptions {
+  int device = 0;                    // CUDA ordinal
+  int64_t max_batch_tokens = 8192;   // rows of one forward call
+  int64_t max_sequences = 64;        // sequences alive at once (Gated DeltaNet state slots)
+  int64_t kv_cache_tokens = 0;       // 0: sized from free device memory
+  int64_t kv_block_size = 16;
+};
 
 struct ModelLoadOptions {
   LoadFormat load_format = LoadFormat::kAuto;
   bool nvfp4_quantize_activations = false;  // W4A4 instead of W4A16
   uint64_t dummy_seed = 0;
+  ModelDevice device = ModelDevice::kCpu;
+  DeviceModelOptions device_options;
 };
+
+// CUDA devices this binary can run the model on (0 when built without CUDA or when none is present).
+int model_cuda_device_count();
 
 Expected<std::unique_ptr<CausalLm>> model_load(const std::filesystem::path& dir, const ModelLoadOptions& options);
 

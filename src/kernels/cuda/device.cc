@@ -32,6 +32,19 @@ DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {
   if (bytes > 0) TERN_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
 }
 
+bool DeviceBuffer::try_allocate(size_t bytes, DeviceBuffer& out) {
+  out = DeviceBuffer();
+  if (bytes == 0) return true;
+  void* ptr = nullptr;
+  if (cudaMalloc(&ptr, bytes) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky-free allocation error
+    return false;
+  }
+  out.ptr_ = ptr;
+  out.bytes_ = bytes;
+  return true;
+}
+
 DeviceBuffer::~DeviceBuffer() {
   if (ptr_ != nullptr) TERN_CUDA_CHECK(cudaFree(ptr_));
 }

@@ -54,6 +54,9 @@ class DeviceBuffer {
   DeviceBuffer() = default;
   explicit DeviceBuffer(size_t bytes);
   ~DeviceBuffer();
+  // Like the constructor, but an allocation the device cannot satisfy returns false (and leaves `out` empty)
+  // instead of aborting: for sizes that depend on user input (a model's weights, a KV cache).
+  static bool try_allocate(size_t bytes, DeviceBuffer& out);
   DeviceBuffer(DeviceBuffer&& other) noexcept;
   DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
   DeviceBuffer(const DeviceBuffer&) = delete;

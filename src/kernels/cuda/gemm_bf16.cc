@@ -17,7 +17,8 @@ Expected<void> gemm_bf16_validate(const GemmBf16Args& a) {
   if (a.x == nullptr || a.w == nullptr || a.y == nullptr) return make_error("gemm_bf16: null pointer (x, w or y)");
   if (!is_aligned16(a.x)) return make_error("gemm_bf16: x is not 16-byte aligned");
   if (!is_aligned16(a.w)) return make_error("gemm_bf16: w is not 16-byte aligned");
-  if (!is_aligned16(a.y)) return make_error("gemm_bf16: y is not 16-byte aligned");
+  if (reinterpret_cast<uintptr_t>(a.y) % 2 != 0) return make_error("gemm_bf16: y is not 2-byte aligned");
+  if (a.ldy != 0 && a.ldy < a.n) return make_error("gemm_bf16: ldy={} is less than n={}", a.ldy, a.n);
   return {};
 }
 
@@ -50,14 +51,16 @@ Expected<void> gemm_bf16(const DeviceContext& ctx, const GemmBf16Args& args) {
   TERN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &no_trans, sizeof(no_trans)));
   TERN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_16BF, k, n, static_cast<int64_t>(k)));
   TERN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_16BF, k, m, static_cast<int64_t>(k)));
-  TERN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.d, CUDA_R_16BF, n, m, static_cast<int64_t>(n)));
+  const int64_t ldy = args.ldy > 0 ? args.ldy : args.n;
+  TERN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.d, CUDA_R_16BF, n, m, ldy));
   TERN_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
   const size_t workspace = ctx.cublas_workspace_bytes();
   TERN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                          &workspace, sizeof(workspace)));
-  // Outputs with a row length that is not a multiple of 8 (a [1, H] gate, a vocabulary of odd size) have rows that
-  // are only 2-byte aligned: say so, and cuBLASLt picks an algorithm that copes instead of one that would fault.
-  if (n % 8 != 0) {
+  // Outputs whose rows are not all 16-byte aligned (a [1, H] gate, a vocabulary of odd size, a column slice of a
+  // wider output) are only 2-byte aligned: say so, and cuBLASLt picks an algorithm that copes instead of one that
+  // would fault.
+  if (ldy % 8 != 0 || !is_aligned16(args.y)) {
     const uint32_t two_bytes = 2;
     for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
       TERN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &two_bytes, sizeof(two_bytes)));

@@ -13,22 +13,26 @@
 namespace tern {
 namespace {
 
-void run_and_check(const DeviceContext& ctx, int64_t m, int64_t n, int64_t k, std::mt19937& rng) {
+// `pad` > 0 writes into columns [pad, pad + n) of a [m, n + 2 pad] output (ldy), checking the rest stays untouched.
+void run_and_check(const DeviceContext& ctx, int64_t m, int64_t n, int64_t k, std::mt19937& rng, int64_t pad = 0) {
   const auto x = gemm_test::random_bf16(static_cast<size_t>(m * k), rng);
   const auto w = gemm_test::random_bf16(static_cast<size_t>(n * k), rng);
-  DeviceBuffer dx(x.size() * 2), dw(w.size() * 2), dy(static_cast<size_t>(m * n) * 2);
+  const int64_t ldy = n + 2 * pad;
+  DeviceBuffer dx(x.size() * 2), dw(w.size() * 2), dy(static_cast<size_t>(m * ldy) * 2);
   TERN_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size() * 2, cudaMemcpyHostToDevice));
   TERN_CUDA_CHECK(cudaMemcpy(dw.data(), w.data(), w.size() * 2, cudaMemcpyHostToDevice));
   TERN_CUDA_CHECK(cudaMemset(dy.data(), 0xFF, dy.size_bytes()));
-  const auto status = gemm_bf16(
-      ctx, GemmBf16Args{.x = dx.as<uint16_t>(), .w = dw.as<uint16_t>(), .y = dy.as<uint16_t>(), .m = m, .n = n, .k = k});
+  const auto status = gemm_bf16(ctx, GemmBf16Args{.x = dx.as<uint16_t>(), .w = dw.as<uint16_t>(),
+                                                  .y = dy.as<uint16_t>() + pad, .m = m, .n = n, .k = k,
+                                                  .ldy = pad > 0 ? ldy : 0});
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
-  std::vector<uint16_t> y(static_cast<size_t>(m * n));
+  std::vector<uint16_t> y(static_cast<size_t>(m * ldy));
   TERN_CUDA_CHECK(cudaMemcpy(y.data(), dy.data(), y.size() * 2, cudaMemcpyDeviceToHost));
   const auto ref = gemm_test::reference_gemm(gemm_test::bf16_to_floats(x), gemm_test::bf16_to_floats(w), m, n, k);
-  gemm_test::check_gemm(y, ref, m, n,
-                        "bf16 m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k));
+  const std::string what = "bf16 m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                           (pad > 0 ? " ldy=" + std::to_string(ldy) : "");
+  gemm_test::check_gemm(gemm_test::strided_columns(y, m, n, ldy, pad, what), ref, m, n, what);
 }
 
 TEST(GemmBf16, MatchesReference) {
@@ -41,6 +45,10 @@ TEST(GemmBf16, MatchesReference) {
   // Output rows that are not 16-byte aligned: a one-column gate and odd widths.
   for (int64_t n : {1, 3, 1001}) {
     for (int64_t m : {1, 8, 33}) run_and_check(ctx, m, n, 2048, rng);
+  }
+  // A column slice of a wider output (fused projections write their parts side by side).
+  for (int64_t pad : {3, 8}) {
+    for (int64_t m : {1, 17, 300}) run_and_check(ctx, m, 512, 1024, rng, pad);
   }
 }
 

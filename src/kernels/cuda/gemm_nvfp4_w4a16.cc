@@ -26,6 +26,7 @@ Expected<void> nvfp4_validate(const GemmNvfp4W4a16Args& a, Nvfp4GemmVariant vari
   if (!is_aligned(a.x, 16)) return make_error("gemm_nvfp4_w4a16: x is not 16-byte aligned");
   if (!is_aligned(w.packed, 8)) return make_error("gemm_nvfp4_w4a16: packed weight is not 8-byte aligned");
   if (!is_aligned(a.y, 4)) return make_error("gemm_nvfp4_w4a16: y is not 4-byte aligned");
+  if (a.ldy != 0 && a.ldy < w.n) return make_error("gemm_nvfp4_w4a16: ldy={} is less than n={}", a.ldy, w.n);
   if (!std::isfinite(w.global_scale)) {
     return make_error("gemm_nvfp4_w4a16: weight_scale_2 is not finite ({})", w.global_scale);
   }
@@ -52,7 +53,7 @@ Expected<void> gemm_nvfp4_w4a16(const DeviceContext& ctx, const GemmNvfp4W4a16Ar
     for (int64_t m0 = 0; m0 < args.m; m0 += kNvfp4DecodeMaxM) {
       GemmNvfp4W4a16Args slice = args;
       slice.x = args.x + m0 * args.w.k;
-      slice.y = args.y + m0 * args.w.n;
+      slice.y = args.y + m0 * (args.ldy > 0 ? args.ldy : args.w.n);
       slice.m = std::min(kNvfp4DecodeMaxM, args.m - m0);
       nvfp4_w4a16_launch_decode(ctx, slice);
     }

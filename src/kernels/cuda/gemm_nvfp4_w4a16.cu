@@ -62,9 +62,10 @@ struct DecodeParams {
   const uint16_t* x;       // [m, k]
   const uint8_t* packed;   // [n, k/2]
   const uint8_t* scales;   // [n, k/16]
-  uint16_t* y;             // [m, n]
+  uint16_t* y;             // [m, ldy], columns [0, n) written
   float out_scale;         // global_scale * 2^kDecodeShift
   int m, n, k;
+  int64_t ldy;
 };
 
 template <int kTokenTiles>
@@ -179,7 +180,7 @@ __device__ __forceinline__ void decode_reduce_store(const DecodeParams& p, int n
     const int tt = idx / 128, l = (idx / 4) % 32, e = idx % 4;
     const int row = n0 + l / 4 + 8 * (e / 2);
     const int token = tt * 8 + 2 * (l % 4) + e % 2;
-    if (row < p.n && token < p.m) p.y[static_cast<int64_t>(token) * p.n + row] = float_to_bf16_bits(sum * p.out_scale);
+    if (row < p.n && token < p.m) p.y[static_cast<int64_t>(token) * p.ldy + row] = float_to_bf16_bits(sum * p.out_scale);
   }
 }
 
@@ -225,9 +226,10 @@ struct PrefillParams {
   const uint16_t* x;
   const uint8_t* packed;
   const uint8_t* scales;
-  uint16_t* y;
+  uint16_t* y;      // [m, ldy]
   float out_scale;  // global_scale
   int m, n, k;
+  int64_t ldy;
 };
 
 constexpr size_t prefill_smem_bytes(int bm, int stages) {
@@ -328,7 +330,7 @@ template <int kBm>
 __device__ __forceinline__ void prefill_store_y(const PrefillParams& p, int m0, int n0,
                                                 const float (&acc)[kBm / 32][4][4]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const bool pairs = p.n % 2 == 0;  // then (col, col + 1) is a 4-byte aligned bf16 pair
+  const bool pairs = p.n % 2 == 0 && p.ldy % 2 == 0;  // then (col, col + 1) is a 4-byte aligned bf16 pair
 #pragma unroll
   for (int mi = 0; mi < kBm / 32; ++mi) {
 #pragma unroll
@@ -338,7 +340,7 @@ __device__ __forceinline__ void prefill_store_y(const PrefillParams& p, int m0, 
         const int row = m0 + (warp / 4) * (kBm / 2) + mi * 16 + g + 8 * h;
         const int col = n0 + (warp % 4) * 32 + ni * 8 + 2 * t;
         if (row >= p.m || col >= p.n) continue;
-        uint16_t* dst = p.y + static_cast<int64_t>(row) * p.n + col;
+        uint16_t* dst = p.y + static_cast<int64_t>(row) * p.ldy + col;
         const uint16_t v0 = float_to_bf16_bits(acc[mi][ni][2 * h] * p.out_scale);
         const uint16_t v1 = float_to_bf16_bits(acc[mi][ni][2 * h + 1] * p.out_scale);
         if (pairs) {
@@ -447,7 +449,8 @@ void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Arg
                        .out_scale = a.w.global_scale * static_cast<float>(1 << kDecodeShift),
                        .m = static_cast<int>(a.m),
                        .n = static_cast<int>(a.w.n),
-                       .k = static_cast<int>(a.w.k)};
+                       .k = static_cast<int>(a.w.k),
+                       .ldy = a.ldy > 0 ? a.ldy : a.w.n};
   // 16-byte weight loads need 16-byte aligned rows (k % 32) and base; the paired scale load needs 2-byte rows.
   const bool vec16 = a.w.k % 32 == 0 && is_aligned(a.w.packed, 16) && is_aligned(a.w.scales, 2);
   const int warps = decode_choose_warps(ctx.props(), a.w.n, a.w.k);
@@ -486,7 +489,8 @@ void nvfp4_w4a16_launch_prefill(const DeviceContext& ctx, const GemmNvfp4W4a16Ar
                         .out_scale = a.w.global_scale,
                         .m = static_cast<int>(a.m),
                         .n = static_cast<int>(a.w.n),
-                        .k = static_cast<int>(a.w.k)};
+                        .k = static_cast<int>(a.w.k),
+                       .ldy = a.ldy > 0 ? a.ldy : a.w.n};
   const int64_t n_tiles = (a.w.n + kPrefillBn - 1) / kPrefillBn;
   const bool big = ((a.m + 127) / 128) * n_tiles >= props.num_sms;
   const int bm = big ? 128 : 64;

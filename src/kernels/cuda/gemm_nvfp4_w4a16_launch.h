@@ -21,8 +21,9 @@ struct Nvfp4WeightView {
 struct GemmNvfp4W4a16Args {
   const uint16_t* x = nullptr;  // [m, k] bf16, row-major
   Nvfp4WeightView w;
-  uint16_t* y = nullptr;  // [m, n] bf16, row-major
+  uint16_t* y = nullptr;  // [m, ldy] bf16, row-major; columns [0, n) are written
   int64_t m = 0;
+  int64_t ldy = 0;        // row stride of y in elements; 0 means n
 };
 
 enum class Nvfp4GemmVariant {

@@ -62,22 +62,26 @@ const char* variant_name(Nvfp4GemmVariant v) {
 }
 
 // Runs y = x · W^T for fresh random x of m rows and checks every element. Returns y for callers that compare runs.
+// `pad` > 0 writes into columns [pad, pad + n) of a [m, n + 2 pad] output (ldy), checking the rest stays untouched.
 std::vector<uint16_t> run_and_check(const DeviceContext& ctx, const TestWeight& w, int64_t m,
-                                    Nvfp4GemmVariant variant, std::mt19937& rng) {
-  const int64_t n = w.q.rows, k = w.q.cols;
+                                    Nvfp4GemmVariant variant, std::mt19937& rng, int64_t pad = 0) {
+  const int64_t n = w.q.rows, k = w.q.cols, ldy = n + 2 * pad;
   const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(m * k), rng);
-  DeviceBuffer dx(x.size() * 2), dy(static_cast<size_t>(m * n) * 2);
+  DeviceBuffer dx(x.size() * 2), dy(static_cast<size_t>(m * ldy) * 2);
   TERN_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size() * 2, cudaMemcpyHostToDevice));
   TERN_CUDA_CHECK(cudaMemset(dy.data(), 0xFF, dy.size_bytes()));
-  const GemmNvfp4W4a16Args args{.x = dx.as<uint16_t>(), .w = view_of(w), .y = dy.as<uint16_t>(), .m = m};
+  const GemmNvfp4W4a16Args args{
+      .x = dx.as<uint16_t>(), .w = view_of(w), .y = dy.as<uint16_t>() + pad, .m = m, .ldy = pad > 0 ? ldy : 0};
   const auto status = gemm_nvfp4_w4a16(ctx, args, variant);
   EXPECT_TRUE(status.has_value()) << (status ? "" : status.error().message);
   ctx.synchronize();
-  std::vector<uint16_t> y(static_cast<size_t>(m * n), kPoison);
-  TERN_CUDA_CHECK(cudaMemcpy(y.data(), dy.data(), y.size() * 2, cudaMemcpyDeviceToHost));
+  std::vector<uint16_t> full(static_cast<size_t>(m * ldy), kPoison);
+  TERN_CUDA_CHECK(cudaMemcpy(full.data(), dy.data(), full.size() * 2, cudaMemcpyDeviceToHost));
   const auto ref = gemm_test::reference_gemm(gemm_test::bf16_to_floats(x), w.dequant, m, n, k);
   const std::string what = std::string(variant_name(variant)) + " m=" + std::to_string(m) +
-                           " n=" + std::to_string(n) + " k=" + std::to_string(k);
+                           " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                           (pad > 0 ? " ldy=" + std::to_string(ldy) : "");
+  std::vector<uint16_t> y = gemm_test::strided_columns(full, m, n, ldy, pad, what);
   gemm_test::check_gemm(y, ref, m, n, what);
   return y;
 }
@@ -97,6 +101,18 @@ TEST(GemmNvfp4W4a16, EdgeShapesBothKernels) {
       run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng);
     }
     run_and_check(ctx, w, 37, Nvfp4GemmVariant::kAuto, rng);  // decode over 16-row slices, last one partial
+  }
+}
+
+// A column slice of a wider output (fused projections write their parts side by side), odd and even n.
+TEST(GemmNvfp4W4a16, StridedOutput) {
+  DeviceContext ctx;
+  std::mt19937 rng(1007);
+  for (int64_t n : {512, 333}) {
+    const TestWeight w = make_weight(n, 1024, rng);
+    for (int64_t m : {1, 9}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng, 2);
+    for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng, 2);
+    run_and_check(ctx, w, 40, Nvfp4GemmVariant::kAuto, rng, 2);
   }
 }
 

@@ -105,4 +105,24 @@ inline int64_t check_gemm(const std::vector<uint16_t>& y, const Reference& ref, 
   return bad;
 }
 
+// A strided output y [m, ldy] written at columns [offset, offset + n): returns those columns as [m, n] and counts
+// (as failures) elements outside them that are no longer the poison pattern.
+inline std::vector<uint16_t> strided_columns(const std::vector<uint16_t>& y, int64_t m, int64_t n, int64_t ldy,
+                                             int64_t offset, const std::string& what) {
+  std::vector<uint16_t> out(static_cast<size_t>(m * n));
+  int64_t touched = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < ldy; ++j) {
+      const uint16_t v = y[static_cast<size_t>(i * ldy + j)];
+      if (j >= offset && j < offset + n) {
+        out[static_cast<size_t>(i * n + j - offset)] = v;
+      } else if (v != kPoison) {
+        ++touched;
+      }
+    }
+  }
+  EXPECT_EQ(touched, 0) << what << ": elements outside the output columns were written";
+  return out;
+}
+
 }  // namespace tern::gemm_test

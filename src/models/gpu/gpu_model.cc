@@ -1,0 +1,757 @@
+#include "models/gpu/gpu_model.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+
+#include "core/formats.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/moe.h"
+#include "layers/attention.h"
+#include "layers/gated_deltanet.h"
+#include "layers/moe.h"
+#include "models/gpu/gpu_weights.h"
+
+namespace tern {
+namespace {
+
+// ---- Cache bookkeeping: KV blocks and Gated DeltaNet state slots, shared with the sequences holding them. ----
+
+struct CachePool {
+  std::vector<int32_t> free_blocks;  // a stack: the most recently freed block is reused first
+  std::vector<int32_t> free_slots;
+};
+
+class GpuSequence final : public DeviceSequenceState {
+ public:
+  explicit GpuSequence(std::shared_ptr<CachePool> pool) : pool_(std::move(pool)) {}
+  ~GpuSequence() override {
+    pool_->free_blocks.insert(pool_->free_blocks.end(), blocks.rbegin(), blocks.rend());
+    if (slot >= 0) pool_->free_slots.push_back(slot);
+  }
+  GpuSequence(const GpuSequence&) = delete;
+  GpuSequence& operator=(const GpuSequence&) = delete;
+
+  std::vector<int32_t> blocks;
+  int32_t slot = -1;
+
+ private:
+  std::shared_ptr<CachePool> pool_;
+};
+
+// ---- Layers as the device runs them. ----
+
+struct GpuNorm {
+  const uint16_t* weight = nullptr;
+  float eps = 1e-6f;
+  bool zero_centred = false;
+};
+
+struct GpuAttention {
+  AttentionShape shape;
+  DeviceProjection qkv;  // [q_proj | k_proj | v_proj]
+  DeviceMatrix o_proj;
+  GpuNorm q_norm, k_norm;
+  const float* inv_freq = nullptr;
+  int64_t rotary_dim = 0;
+  PagedKvCache cache{};
+};
+
+struct GpuGdn {
+  GatedDeltaNetShape shape;
+  DeviceProjection qkv, z, ba;  // in_proj_qkv; in_proj_z; [in_proj_b | in_proj_a]
+  DeviceMatrix out_proj;
+  const float* conv_weight = nullptr;
+  const float* a_log = nullptr;
+  const float* dt_bias = nullptr;
+  const uint16_t* norm_weight = nullptr;
+  uint16_t* conv_state = nullptr;  // [slots, C, K-1]
+  float* state = nullptr;          // [slots, Hv, dk, dv]
+  int64_t channels() const { return 2 * shape.n_key_heads * shape.key_dim + shape.n_value_heads * shape.value_dim; }
+};
+
+struct GpuMlp {
+  DeviceProjection gate_up;
+  DeviceMatrix down;
+  int64_t inter = 0;
+};
+
+struct GpuMoe {
+  MoeShape shape;
+  int64_t n_experts = 0;
+  DeviceProjection router;  // [router | shared_expert_gate]
+  DeviceExperts experts;
+  std::optional<GpuMlp> shared;
+};
+
+struct GpuLayer {
+  GpuNorm input_norm, post_norm;
+  std::optional<GpuAttention> attention;
+  std::optional<GpuGdn> gdn;
+  std::optional<GpuMlp> mlp;
+  std::optional<GpuMoe> moe;
+};
+
+// Per-step metadata, host side, laid out as one int32 array copied to the device in one transfer.
+struct StepPlan {
+  int64_t tokens = 0, n_seqs = 0, max_query_len = 0, max_seq_len = 0, max_blocks = 0;
+  std::vector<int32_t> ids, positions, slot_mapping, query_start, seq_lens, block_tables, state_slot, seq_past,
+      last_rows;
+};
+
+// Scratch arena: every activation buffer of a step, sized once for max_batch_tokens rows.
+class Arena {
+ public:
+  Expected<void> reserve(size_t bytes) {
+    if (!DeviceBuffer::try_allocate(bytes, buffer_)) {
+      return make_error("out of device memory for {} bytes of activation buffers", bytes);
+    }
+    return {};
+  }
+  // Carves `count` elements of T, 256-byte aligned.
+  template <class T>
+  T* take(int64_t count) {
+    const size_t bytes = (static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T) + 255) / 256 * 256;
+    T* p = reinterpret_cast<T*>(static_cast<char*>(buffer_.data()) + used_);
+    used_ += bytes;
+    return p;
+  }
+  static size_t aligned(size_t bytes) { return (std::max<size_t>(bytes, 1) + 255) / 256 * 256; }
+
+ private:
+  DeviceBuffer buffer_;
+  size_t used_ = 0;
+};
+
+class GpuBackend final : public ForwardBackend {
+ public:
+  GpuBackend(const CausalLm& model, const DeviceModelOptions& options)
+      : options_(options), ctx_(options.device), weights_(ctx_.stream()), pool_(std::make_shared<CachePool>()) {
+    config_hidden_ = model.config().hidden_size;
+  }
+
+  Expected<void> build(const CausalLm& model);
+  std::shared_ptr<DeviceSequenceState> new_sequence() override { return std::make_shared<GpuSequence>(pool_); }
+  Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which) override;
+  std::string describe() const override {
+    return fmt::format("cuda:{} {} ({:.2f} GiB of weights, KV cache {} tokens in blocks of {})", options_.device,
+                       ctx_.props().name, static_cast<double>(weights_.bytes()) / (1 << 30), kv_blocks_ * options_.kv_block_size,
+                       options_.kv_block_size);
+  }
+
+ private:
+  Expected<GpuNorm> norm(const RmsNorm& n) {
+    TERN_ASSIGN_OR_RETURN(const uint16_t* w, weights_.vector_bf16(n.weight));
+    return GpuNorm{w, n.eps, n.zero_centred};
+  }
+  Expected<GpuAttention> build_attention(const Attention& a);
+  Expected<GpuGdn> build_gdn(const GatedDeltaNet& g);
+  Expected<GpuMlp> build_mlp(const MlpWeights& w);
+  Expected<GpuMoe> build_moe(const Moe& m, const std::string& name);
+  Expected<void> allocate_caches();
+  Expected<void> allocate_activations();
+
+  Expected<StepPlan> plan_step(std::span<const SequenceInput> batch);
+  void upload_plan(const StepPlan& plan);
+  Expected<void> run_attention(const GpuAttention& a, const StepPlan& plan);
+  Expected<void> run_gdn(const GpuGdn& g, const StepPlan& plan);
+  Expected<void> run_mlp(const GpuMlp& m, const uint16_t* x, int64_t rows, uint16_t* y);
+  Expected<void> run_moe(const GpuMoe& m, int64_t tokens);
+  Expected<void> rms_norm_rows(const GpuNorm& n, uint16_t* x, const uint16_t* residual, int64_t rows, uint16_t* y);
+
+  DeviceModelOptions options_;
+  DeviceContext ctx_;
+  DeviceWeights weights_;
+  std::shared_ptr<CachePool> pool_;
+  int64_t config_hidden_ = 0;
+  int64_t vocab_ = 0;
+
+  DeviceMatrix embed_, lm_head_;
+  GpuNorm final_norm_;
+  std::vector<GpuLayer> layers_;
+
+  int64_t kv_blocks_ = 0;
+  std::vector<DeviceBuffer> cache_buffers_;
+  bool has_gdn_ = false;
+
+  // Activations (bf16 unless said), all [max_batch_tokens, ...].
+  Arena arena_;
+  uint16_t *x_ = nullptr, *normed_ = nullptr, *out_ = nullptr, *proj_ = nullptr, *q_ = nullptr, *gate_ = nullptr,
+           *attn_ = nullptr, *aux_ = nullptr, *aux2_ = nullptr, *conv_ = nullptr, *act_ = nullptr;
+  uint16_t *router_ = nullptr, *expert_gate_up_ = nullptr, *expert_act_ = nullptr, *expert_out_ = nullptr,
+           *shared_out_ = nullptr, *last_ = nullptr;
+  int32_t *topk_ids_ = nullptr, *expert_offsets_ = nullptr, *sorted_pairs_ = nullptr, *pair_row_ = nullptr;
+  float* topk_weights_ = nullptr;
+  unsigned long long* bad_id_ = nullptr;  // the embedding kernel's report (ids are checked on the host first)
+  void* attention_workspace_ = nullptr;
+  size_t attention_workspace_bytes_ = 0;
+  void* moe_workspace_ = nullptr;
+  size_t moe_workspace_bytes_ = 0;
+  int64_t max_top_k_ = 0;
+  DeviceBuffer logits_;                // [rows, vocab] bf16, grown on demand
+  DeviceBuffer meta_buffer_;
+  int32_t* meta_ = nullptr;            // device copy of the step plan
+  int32_t* meta_host_ = nullptr;       // pinned staging
+  size_t meta_capacity_ = 0;           // int32 elements
+  std::vector<uint16_t> logits_host_;  // bf16 staging of the logits
+  // Device pointers into meta_ for the current step.
+  const int32_t *d_ids_ = nullptr, *d_positions_ = nullptr, *d_slot_mapping_ = nullptr, *d_query_start_ = nullptr,
+                *d_seq_lens_ = nullptr, *d_block_tables_ = nullptr, *d_state_slot_ = nullptr, *d_seq_past_ = nullptr,
+                *d_last_rows_ = nullptr;
+
+ public:
+  ~GpuBackend() override {
+    if (meta_host_ != nullptr) cudaFreeHost(meta_host_);
+  }
+};
+
+// ---- Building ----
+
+Expected<GpuAttention> GpuBackend::build_attention(const Attention& a) {
+  GpuAttention g;
+  g.shape = a.shape();
+  const AttentionWeights& w = a.weights();
+  const Linear* parts[] = {&w.q_proj, &w.k_proj, &w.v_proj};
+  TERN_ASSIGN_OR_RETURN(g.qkv, weights_.projection(parts));
+  TERN_ASSIGN_OR_RETURN(g.o_proj, weights_.matrix(w.o_proj));
+  if (w.q_norm.weight.empty() || w.k_norm.weight.empty()) {
+    return make_error("{}: attention without q/k norms is not supported on CUDA yet", w.q_proj.name());
+  }
+  TERN_ASSIGN_OR_RETURN(g.q_norm, norm(w.q_norm));
+  TERN_ASSIGN_OR_RETURN(g.k_norm, norm(w.k_norm));
+  g.rotary_dim = a.rope().rotary_dim();
+  TERN_ASSIGN_OR_RETURN(g.inv_freq, weights_.vector_f32(a.rope().inv_freq()));
+  return g;
+}
+
+Expected<GpuGdn> GpuBackend::build_gdn(const GatedDeltaNet& gdn) {
+  GpuGdn g;
+  g.shape = gdn.shape();
+  const GatedDeltaNetWeights& w = gdn.weights();
+  if (g.shape.fused_per_key_head) {
+    return make_error("{}: the Qwen3-Next fused GDN projections are not supported on CUDA yet", w.out_proj.name());
+  }
+  const Linear* qkv[] = {&w.in_proj_qkv};
+  const Linear* z[] = {&w.in_proj_z};
+  const Linear* ba[] = {&w.in_proj_b, &w.in_proj_a};
+  TERN_ASSIGN_OR_RETURN(g.qkv, weights_.projection(qkv));
+  TERN_ASSIGN_OR_RETURN(g.z, weights_.projection(z));
+  TERN_ASSIGN_OR_RETURN(g.ba, weights_.projection(ba));
+  TERN_ASSIGN_OR_RETURN(g.out_proj, weights_.matrix(w.out_proj));
+  TERN_ASSIGN_OR_RETURN(g.conv_weight, weights_.vector_f32(w.conv_weight));
+  TERN_ASSIGN_OR_RETURN(g.a_log, weights_.vector_f32(w.a_log));
+  TERN_ASSIGN_OR_RETURN(g.dt_bias, weights_.vector_f32(w.dt_bias));
+  TERN_ASSIGN_OR_RETURN(g.norm_weight, weights_.vector_bf16(w.norm_weight));
+  return g;
+}
+
+Expected<GpuMlp> GpuBackend::build_mlp(const MlpWeights& w) {
+  GpuMlp m;
+  const Linear* parts[] = {&w.gate_proj, &w.up_proj};
+  TERN_ASSIGN_OR_RETURN(m.gate_up, weights_.projection(parts));
+  TERN_ASSIGN_OR_RETURN(m.down, weights_.matrix(w.down_proj));
+  m.inter = w.gate_proj.out_features();
+  return m;
+}
+
+Expected<GpuMoe> GpuBackend::build_moe(const Moe& moe, const std::string& name) {
+  GpuMoe m;
+  m.shape = moe.shape();
+  const MoeWeights& w = moe.weights();
+  m.n_experts = w.router.out_features();
+  std::vector<const Linear*> router{&w.router};
+  if (w.shared_expert) router.push_back(&w.shared_expert_gate);
+  TERN_ASSIGN_OR_RETURN(m.router, weights_.projection(router));
+  TERN_ASSIGN_OR_RETURN(m.experts, weights_.experts(w.experts, name + ".experts"));
+  if (w.shared_expert) TERN_ASSIGN_OR_RETURN(m.shared, build_mlp(w.shared_expert->weights()));
+  max_top_k_ = std::max(max_top_k_, m.shape.top_k);
+  return m;
+}
+
+Expected<void> GpuBackend::build(const CausalLm& model) {
+  vocab_ = model.lm_head.out_features();
+  TERN_ASSIGN_OR_RETURN(embed_, weights_.matrix(model.embed_tokens, "embed_tokens"));
+  if (embed_.nvfp4) return make_error("embed_tokens: NVFP4 embeddings are not supported");
+  TERN_ASSIGN_OR_RETURN(lm_head_, weights_.matrix(model.lm_head));
+  TERN_ASSIGN_OR_RETURN(final_norm_, norm(model.final_norm));
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    const DecoderLayer& host = model.layers[i];
+    const std::string name = fmt::format("layers.{}", i);
+    GpuLayer layer;
+    TERN_ASSIGN_OR_RETURN(layer.input_norm, norm(host.input_norm));
+    TERN_ASSIGN_OR_RETURN(layer.post_norm, norm(host.post_attention_norm));
+    if (const auto* a = dynamic_cast<const Attention*>(host.mixer.get())) {
+      TERN_ASSIGN_OR_RETURN(layer.attention, build_attention(*a));
+    } else if (const auto* g = dynamic_cast<const GatedDeltaNet*>(host.mixer.get())) {
+      TERN_ASSIGN_OR_RETURN(layer.gdn, build_gdn(*g));
+      has_gdn_ = true;
+    } else {
+      return make_error("{}: this token mixer is not supported on CUDA yet", name);
+    }
+    if (const auto* m = dynamic_cast<const Mlp*>(host.ffn.get())) {
+      TERN_ASSIGN_OR_RETURN(layer.mlp, build_mlp(m->weights()));
+    } else if (const auto* m = dynamic_cast<const Moe*>(host.ffn.get())) {
+      TERN_ASSIGN_OR_RETURN(layer.moe, build_moe(*m, name + ".mlp"));
+    } else {
+      return make_error("{}: this feed-forward block is not supported on CUDA yet", name);
+    }
+    layers_.push_back(std::move(layer));
+  }
+  TERN_TRY(allocate_activations());
+  TERN_TRY(allocate_caches());
+  for (int64_t s = options_.max_sequences - 1; s >= 0; --s) pool_->free_slots.push_back(static_cast<int32_t>(s));
+  return {};
+}
+
+Expected<void> GpuBackend::allocate_caches() {
+  const int64_t bs = options_.kv_block_size, slots = options_.max_sequences;
+  int64_t kv_bytes_per_token = 0;
+  for (GpuLayer& l : layers_) {
+    if (l.attention) kv_bytes_per_token += 2 * l.attention->shape.n_kv_heads * l.attention->shape.head_dim * 2;
+    if (!l.gdn) continue;
+    GpuGdn& g = *l.gdn;
+    const size_t conv = static_cast<size_t>(slots * g.channels() * (g.shape.conv_kernel - 1)) * 2;
+    const size_t state = static_cast<size_t>(slots * g.shape.n_value_heads * g.shape.key_dim * g.shape.value_dim) * 4;
+    DeviceBuffer c, s;
+    if (!DeviceBuffer::try_allocate(conv, c) || !DeviceBuffer::try_allocate(state, s)) {
+      return make_error("out of device memory for the Gated DeltaNet states of {} sequences ({} bytes per layer); "
+                        "lower --max-sequences", slots, conv + state);
+    }
+    g.conv_state = c.as<uint16_t>();
+    g.state = s.as<float>();
+    cache_buffers_.push_back(std::move(c));
+    cache_buffers_.push_back(std::move(s));
+  }
+  if (kv_bytes_per_token == 0) return {};
+  int64_t tokens = options_.kv_cache_tokens;
+  if (tokens <= 0) {
+    size_t free_bytes = 0, total = 0;
+    TERN_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+    // Half of what is free, so other processes and cuBLASLt keep room; at most max_sequences full 32k contexts.
+    tokens = std::min<int64_t>(static_cast<int64_t>(free_bytes / 2) / kv_bytes_per_token, slots * 32768);
+  }
+  kv_blocks_ = std::max<int64_t>(tokens / bs, 1);
+  for (GpuLayer& l : layers_) {
+    if (!l.attention) continue;
+    GpuAttention& a = *l.attention;
+    const size_t bytes = static_cast<size_t>(kv_blocks_ * bs * a.shape.n_kv_heads * a.shape.head_dim) * 2;
+    DeviceBuffer k, v;
+    if (!DeviceBuffer::try_allocate(bytes, k) || !DeviceBuffer::try_allocate(bytes, v)) {
+      return make_error("out of device memory for a KV cache of {} tokens; lower --kv-cache-tokens", kv_blocks_ * bs);
+    }
+    a.cache = PagedKvCache{.k = k.as<uint16_t>(), .v = v.as<uint16_t>(), .n_blocks = kv_blocks_, .block_size = bs,
+                           .n_kv_heads = a.shape.n_kv_heads, .head_dim = a.shape.head_dim};
+    cache_buffers_.push_back(std::move(k));
+    cache_buffers_.push_back(std::move(v));
+  }
+  for (int64_t b = kv_blocks_ - 1; b >= 0; --b) pool_->free_blocks.push_back(static_cast<int32_t>(b));
+  // The split-K workspace depends on the longest context the cache can hold.
+  for (const GpuLayer& l : layers_) {
+    if (!l.attention) continue;
+    attention_workspace_bytes_ = std::max(
+        attention_workspace_bytes_, paged_attention_workspace_bytes(ctx_.props(), options_.max_batch_tokens,
+                                                                    l.attention->shape.n_heads,
+                                                                    l.attention->shape.head_dim, kv_blocks_ * bs));
+  }
+  DeviceBuffer ws;
+  if (!DeviceBuffer::try_allocate(attention_workspace_bytes_, ws)) {
+    return make_error("out of device memory for the attention workspace ({} bytes)", attention_workspace_bytes_);
+  }
+  attention_workspace_ = ws.data();
+  cache_buffers_.push_back(std::move(ws));
+  return {};
+}
+
+Expected<void> GpuBackend::allocate_activations() {
+  const int64_t t = options_.max_batch_tokens, h = config_hidden_;
+  int64_t proj = 0, heads = 0, aux = 0, aux2 = 0, conv = 0, act = 0, router = 0, egu = 0, eact = 0;
+  for (const GpuLayer& l : layers_) {
+    if (l.attention) {
+      proj = std::max(proj, l.attention->qkv.width);
+      heads = std::max(heads, l.attention->shape.n_heads * l.attention->shape.head_dim);
+    }
+    if (l.gdn) {
+      proj = std::max(proj, l.gdn->qkv.width);
+      aux = std::max(aux, l.gdn->z.width);
+      aux2 = std::max(aux2, l.gdn->ba.width);
+      conv = std::max(conv, l.gdn->channels());
+    }
+    if (l.mlp) {
+      proj = std::max(proj, l.mlp->gate_up.width);
+      act = std::max(act, l.mlp->inter);
+    }
+    if (l.moe) {
+      router = std::max(router, l.moe->router.width);
+      egu = std::max(egu, l.moe->shape.top_k * 2 * l.moe->experts.inter);
+      eact = std::max(eact, l.moe->shape.top_k * l.moe->experts.inter);
+      if (l.moe->shared) {
+        proj = std::max(proj, l.moe->shared->gate_up.width);
+        act = std::max(act, l.moe->shared->inter);
+      }
+      moe_workspace_bytes_ = std::max(moe_workspace_bytes_,
+                                      moe_align_workspace_bytes(t, l.moe->shape.top_k, l.moe->n_experts));
+    }
+  }
+  const int64_t n_experts_max = [&] {
+    int64_t e = 0;
+    for (const GpuLayer& l : layers_) if (l.moe) e = std::max(e, l.moe->n_experts);
+    return e;
+  }();
+  const int64_t pairs = t * std::max<int64_t>(max_top_k_, 1);
+  const int64_t bf16_counts[] = {t * h, t * h, t * h, t * proj, t * heads, t * heads, t * heads, t * aux, t * aux2,
+                                 t * conv, t * act, t * router, t * egu, t * eact, pairs * h, t * h, t * h};
+  size_t bytes = Arena::aligned(moe_workspace_bytes_);
+  for (int64_t c : bf16_counts) bytes += Arena::aligned(static_cast<size_t>(c) * 2);
+  bytes += 4 * Arena::aligned(static_cast<size_t>(pairs) * 4) + Arena::aligned((n_experts_max + 1) * 4) +
+           Arena::aligned(8);
+  TERN_TRY(arena_.reserve(bytes));
+  x_ = arena_.take<uint16_t>(t * h);
+  normed_ = arena_.take<uint16_t>(t * h);
+  out_ = arena_.take<uint16_t>(t * h);
+  proj_ = arena_.take<uint16_t>(t * proj);
+  q_ = arena_.take<uint16_t>(t * heads);
+  gate_ = arena_.take<uint16_t>(t * heads);
+  attn_ = arena_.take<uint16_t>(t * heads);
+  aux_ = arena_.take<uint16_t>(t * aux);
+  aux2_ = arena_.take<uint16_t>(t * aux2);
+  conv_ = arena_.take<uint16_t>(t * conv);
+  act_ = arena_.take<uint16_t>(t * act);
+  router_ = arena_.take<uint16_t>(t * router);
+  expert_gate_up_ = arena_.take<uint16_t>(t * egu);
+  expert_act_ = arena_.take<uint16_t>(t * eact);
+  expert_out_ = arena_.take<uint16_t>(pairs * h);
+  shared_out_ = arena_.take<uint16_t>(t * h);
+  last_ = arena_.take<uint16_t>(t * h);
+  topk_ids_ = arena_.take<int32_t>(pairs);
+  topk_weights_ = arena_.take<float>(pairs);
+  sorted_pairs_ = arena_.take<int32_t>(pairs);
+  pair_row_ = arena_.take<int32_t>(pairs);
+  expert_offsets_ = arena_.take<int32_t>(n_experts_max + 1);
+  moe_workspace_ = arena_.take<char>(static_cast<int64_t>(moe_workspace_bytes_));
+  bad_id_ = arena_.take<unsigned long long>(1);
+  return {};
+}
+
+// ---- One step ----
+
+Expected<StepPlan> GpuBackend::plan_step(std::span<const SequenceInput> batch) {
+  StepPlan p;
+  p.n_seqs = static_cast<int64_t>(batch.size());
+  if (p.n_seqs > options_.max_sequences) {
+    return make_error("{} sequences in one step; this model was set up for at most {}", p.n_seqs,
+                      options_.max_sequences);
+  }
+  const int64_t bs = options_.kv_block_size;
+  for (const SequenceInput& in : batch) {
+    for (const int32_t id : in.tokens) {
+      if (id < 0 || id >= embed_.n) return make_error("token id {} is outside the vocabulary [0, {})", id, embed_.n);
+    }
+  }
+  p.query_start.push_back(0);
+  for (const SequenceInput& in : batch) {
+    auto* seq = dynamic_cast<GpuSequence*>(in.cache->device.get());
+    if (seq == nullptr) return make_error("a sequence was not created by this CUDA model (new_sequence())");
+    const int64_t past = in.cache->length, n = static_cast<int64_t>(in.tokens.size());
+    const int64_t need_blocks = (past + n + bs - 1) / bs;
+    while (static_cast<int64_t>(seq->blocks.size()) < need_blocks) {
+      if (pool_->free_blocks.empty()) {
+        return make_error("the KV cache is full ({} tokens); finish or cancel requests, or raise --kv-cache-tokens",
+                          kv_blocks_ * bs);
+      }
+      seq->blocks.push_back(pool_->free_blocks.back());
+      pool_->free_blocks.pop_back();
+    }
+    if (has_gdn_ && seq->slot < 0) {
+      if (pool_->free_slots.empty()) return make_error("no free state slot: {} sequences are alive", options_.max_sequences);
+      seq->slot = pool_->free_slots.back();
+      pool_->free_slots.pop_back();
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pos = past + i;
+      p.ids.push_back(in.tokens[i]);
+      p.positions.push_back(static_cast<int32_t>(pos));
+      p.slot_mapping.push_back(kv_blocks_ == 0 ? 0 : static_cast<int32_t>(seq->blocks[pos / bs] * bs + pos % bs));
+    }
+    p.tokens += n;
+    p.query_start.push_back(static_cast<int32_t>(p.tokens));
+    p.seq_lens.push_back(static_cast<int32_t>(past + n));
+    p.state_slot.push_back(seq->slot);
+    p.seq_past.push_back(static_cast<int32_t>(past));
+    p.last_rows.push_back(static_cast<int32_t>(std::max<int64_t>(p.tokens - 1, 0)));
+    p.max_query_len = std::max(p.max_query_len, n);
+    p.max_seq_len = std::max(p.max_seq_len, past + n);
+    p.max_blocks = std::max(p.max_blocks, need_blocks);
+  }
+  if (p.tokens > options_.max_batch_tokens) {
+    return make_error("{} tokens in one step; this model was set up for at most {} (--max-batch-tokens)", p.tokens,
+                      options_.max_batch_tokens);
+  }
+  p.max_blocks = std::max<int64_t>(p.max_blocks, 1);
+  p.block_tables.assign(static_cast<size_t>(p.n_seqs * p.max_blocks), 0);
+  for (int64_t s = 0; s < p.n_seqs; ++s) {
+    const auto& blocks = static_cast<GpuSequence*>(batch[s].cache->device.get())->blocks;
+    std::copy(blocks.begin(), blocks.end(), p.block_tables.begin() + s * p.max_blocks);
+  }
+  return p;
+}
+
+void GpuBackend::upload_plan(const StepPlan& p) {
+  const std::vector<int32_t>* parts[] = {&p.ids, &p.positions, &p.slot_mapping, &p.query_start, &p.seq_lens,
+                                         &p.block_tables, &p.state_slot, &p.seq_past, &p.last_rows};
+  const int32_t** targets[] = {&d_ids_, &d_positions_, &d_slot_mapping_, &d_query_start_, &d_seq_lens_,
+                               &d_block_tables_, &d_state_slot_, &d_seq_past_, &d_last_rows_};
+  size_t total = 0;
+  for (const auto* v : parts) total += (v->size() + 3) / 4 * 4;  // 16-byte aligned parts
+  if (total > meta_capacity_) {
+    if (meta_host_ != nullptr) TERN_CUDA_CHECK(cudaFreeHost(meta_host_));
+    meta_capacity_ = std::max(total, 2 * meta_capacity_);
+    TERN_CUDA_CHECK(cudaMallocHost(&meta_host_, meta_capacity_ * 4));
+    meta_buffer_ = DeviceBuffer(meta_capacity_ * 4);  // the previous step has finished (forward synchronizes)
+    meta_ = meta_buffer_.as<int32_t>();
+  }
+  size_t offset = 0;
+  for (size_t i = 0; i < std::size(parts); ++i) {
+    std::copy(parts[i]->begin(), parts[i]->end(), meta_host_ + offset);
+    *targets[i] = meta_ + offset;
+    offset += (parts[i]->size() + 3) / 4 * 4;
+  }
+  TERN_CUDA_CHECK(cudaMemcpyAsync(meta_, meta_host_, total * 4, cudaMemcpyHostToDevice, ctx_.stream()));
+}
+
+Expected<void> GpuBackend::rms_norm_rows(const GpuNorm& n, uint16_t* x, const uint16_t* residual, int64_t rows,
+                                         uint16_t* y) {
+  return rms_norm(ctx_, RmsNormArgs{.x = x,
+                                    .residual = residual,
+                                    .h_out = residual != nullptr ? x : nullptr,
+                                    .weight = n.weight,
+                                    .y = y,
+                                    .rows = rows,
+                                    .dim = config_hidden_,
+                                    .eps = n.eps,
+                                    .zero_centred = n.zero_centred});
+}
+
+Expected<void> GpuBackend::run_attention(const GpuAttention& a, const StepPlan& plan) {
+  const AttentionShape& s = a.shape;
+  const int64_t t = plan.tokens, q_width = s.n_heads * s.head_dim * (s.gated ? 2 : 1), kv_width = s.n_kv_heads * s.head_dim;
+  TERN_TRY(a.qkv.forward(ctx_, normed_, t, proj_));
+  const AttentionPrepareArgs prep{.q_proj = proj_,
+                                  .q_proj_stride = a.qkv.width,
+                                  .k = proj_ + q_width,
+                                  .v = proj_ + q_width + kv_width,
+                                  .kv_stride = a.qkv.width,
+                                  .q_norm_weight = a.q_norm.weight,
+                                  .k_norm_weight = a.k_norm.weight,
+                                  .eps = a.q_norm.eps,
+                                  .zero_centred = a.q_norm.zero_centred,
+                                  .positions = d_positions_,
+                                  .inv_freq = a.inv_freq,
+                                  .rotary_dim = a.rotary_dim,
+                                  .slot_mapping = d_slot_mapping_,
+                                  .q_out = q_,
+                                  .gate_out = s.gated ? gate_ : nullptr,
+                                  .cache = a.cache,
+                                  .tokens = t,
+                                  .n_heads = s.n_heads,
+                                  .n_kv_heads = s.n_kv_heads,
+                                  .head_dim = s.head_dim,
+                                  .gated = s.gated};
+  TERN_TRY(attention_prepare(ctx_, prep));
+  const PagedAttentionArgs args{.q = q_,
+                                .gate = s.gated ? gate_ : nullptr,
+                                .out = attn_,
+                                .cache = a.cache,
+                                .block_tables = d_block_tables_,
+                                .max_blocks_per_seq = plan.max_blocks,
+                                .query_start = d_query_start_,
+                                .seq_lens = d_seq_lens_,
+                                .n_seqs = plan.n_seqs,
+                                .tokens = t,
+                                .n_heads = s.n_heads,
+                                .max_query_len = plan.max_query_len,
+                                .max_seq_len = plan.max_seq_len,
+                                .scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim)),
+                                .workspace = attention_workspace_,
+                                .workspace_bytes = attention_workspace_bytes_};
+  TERN_TRY(paged_attention(ctx_, args));
+  return device_matrix_forward(ctx_, a.o_proj, attn_, t, out_, config_hidden_);
+}
+
+Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const StepPlan& plan) {
+  const GatedDeltaNetShape& s = g.shape;
+  const int64_t t = plan.tokens, c = g.channels(), hv = s.n_value_heads;
+  TERN_TRY(g.qkv.forward(ctx_, normed_, t, proj_));
+  TERN_TRY(g.z.forward(ctx_, normed_, t, aux_));
+  TERN_TRY(g.ba.forward(ctx_, normed_, t, aux2_));
+  const GdnSequences seqs{.query_start = d_query_start_,
+                          .state_slot = d_state_slot_,
+                          .seq_past = d_seq_past_,
+                          .n_seqs = plan.n_seqs,
+                          .tokens = t,
+                          .max_query_len = plan.max_query_len};
+  TERN_TRY(gdn_conv1d(ctx_, GdnConvArgs{.x = proj_,
+                                        .x_stride = g.qkv.width,
+                                        .weight = g.conv_weight,
+                                        .conv_state = g.conv_state,
+                                        .y = conv_,
+                                        .seqs = seqs,
+                                        .channels = c,
+                                        .kernel = s.conv_kernel}));
+  TERN_TRY(gdn_delta_rule(ctx_, GdnDeltaRuleArgs{.qkv = conv_,
+                                                 .qkv_stride = c,
+                                                 .a = aux2_ + hv,
+                                                 .b = aux2_,
+                                                 .ab_stride = g.ba.width,
+                                                 .a_log = g.a_log,
+                                                 .dt_bias = g.dt_bias,
+                                                 .state = g.state,
+                                                 .out = attn_,
+                                                 .seqs = seqs,
+                                                 .n_key_heads = s.n_key_heads,
+                                                 .n_value_heads = hv,
+                                                 .key_dim = s.key_dim,
+                                                 .value_dim = s.value_dim}));
+  TERN_TRY(rms_norm(ctx_, RmsNormArgs{.x = attn_,
+                                      .gate = aux_,
+                                      .weight = g.norm_weight,
+                                      .y = attn_,
+                                      .rows = t * hv,
+                                      .dim = s.value_dim,
+                                      .eps = s.norm_eps}));
+  return device_matrix_forward(ctx_, g.out_proj, attn_, t, out_, config_hidden_);
+}
+
+Expected<void> GpuBackend::run_mlp(const GpuMlp& m, const uint16_t* x, int64_t rows, uint16_t* y) {
+  TERN_TRY(m.gate_up.forward(ctx_, x, rows, proj_));
+  TERN_TRY(silu_mul(ctx_, SiluMulArgs{.gate_up = proj_, .y = act_, .rows = rows, .inter = m.inter}));
+  return device_matrix_forward(ctx_, m.down, act_, rows, y, config_hidden_);
+}
+
+Expected<void> GpuBackend::run_moe(const GpuMoe& m, int64_t tokens) {
+  const int64_t k = m.shape.top_k, e = m.n_experts, inter = m.experts.inter, h = config_hidden_, rows = tokens * k;
+  TERN_TRY(m.router.forward(ctx_, normed_, tokens, router_));
+  TERN_TRY(moe_route(ctx_, MoeRouteArgs{.logits = router_,
+                                        .logits_stride = m.router.width,
+                                        .topk_ids = topk_ids_,
+                                        .topk_weights = topk_weights_,
+                                        .tokens = tokens,
+                                        .n_experts = e,
+                                        .top_k = k,
+                                        .renormalize = m.shape.renormalize}));
+  TERN_TRY(moe_align(ctx_, MoeAlignArgs{.topk_ids = topk_ids_,
+                                        .tokens = tokens,
+                                        .top_k = k,
+                                        .n_experts = e,
+                                        .expert_offsets = expert_offsets_,
+                                        .sorted_pairs = sorted_pairs_,
+                                        .pair_row = pair_row_,
+                                        .workspace = moe_workspace_,
+                                        .workspace_bytes = moe_workspace_bytes_}));
+  auto grouped = [&](const MoeExpertWeights& w, const uint16_t* x, int64_t ldx, bool gather, uint16_t* y,
+                     int64_t ldy) {
+    return moe_gemm(ctx_, MoeGemmArgs{.x = x,
+                                      .ldx = ldx,
+                                      .sorted_pairs = sorted_pairs_,
+                                      .top_k = k,
+                                      .gather = gather,
+                                      .expert_offsets = expert_offsets_,
+                                      .w = w,
+                                      .y = y,
+                                      .ldy = ldy,
+                                      .rows = rows});
+  };
+  if (m.experts.nvfp4) {
+    TERN_TRY(grouped(m.experts.gate, normed_, h, true, expert_gate_up_, 2 * inter));
+    TERN_TRY(grouped(m.experts.up, normed_, h, true, expert_gate_up_ + inter, 2 * inter));
+  } else {
+    TERN_TRY(grouped(m.experts.gate_up, normed_, h, true, expert_gate_up_, 2 * inter));
+  }
+  TERN_TRY(silu_mul(ctx_, SiluMulArgs{.gate_up = expert_gate_up_, .y = expert_act_, .rows = rows, .inter = inter}));
+  TERN_TRY(grouped(m.experts.down, expert_act_, inter, false, expert_out_, h));
+  if (m.shared) TERN_TRY(run_mlp(*m.shared, normed_, tokens, shared_out_));
+  return moe_combine(ctx_, MoeCombineArgs{.expert_out = expert_out_,
+                                          .pair_row = pair_row_,
+                                          .topk_ids = topk_ids_,
+                                          .topk_weights = topk_weights_,
+                                          .shared_out = m.shared ? shared_out_ : nullptr,
+                                          .shared_gate = m.shared ? router_ + e : nullptr,
+                                          .shared_gate_stride = m.router.width,
+                                          .y = out_,
+                                          .tokens = tokens,
+                                          .top_k = k,
+                                          .hidden = h});
+}
+
+Expected<std::vector<float>> GpuBackend::forward(std::span<const SequenceInput> batch, LogitsFor which) {
+  TERN_ASSIGN_OR_RETURN(StepPlan plan, plan_step(batch));
+  if (plan.tokens == 0) return std::vector<float>{};
+  upload_plan(plan);
+  const int64_t t = plan.tokens, h = config_hidden_;
+  TERN_TRY(embedding_lookup(ctx_, EmbeddingArgs{.ids = d_ids_, .table = embed_.bf16, .y = x_,
+                                                .bad = bad_id_, .tokens = t, .vocab = embed_.n, .hidden = h}));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const GpuLayer& l = layers_[i];
+    TERN_TRY(rms_norm_rows(l.input_norm, x_, i == 0 ? nullptr : out_, t, normed_));
+    if (l.attention) TERN_TRY(run_attention(*l.attention, plan));
+    if (l.gdn) TERN_TRY(run_gdn(*l.gdn, plan));
+    TERN_TRY(rms_norm_rows(l.post_norm, x_, out_, t, normed_));
+    if (l.mlp) TERN_TRY(run_mlp(*l.mlp, normed_, t, out_));
+    if (l.moe) TERN_TRY(run_moe(*l.moe, t));
+  }
+  TERN_TRY(rms_norm_rows(final_norm_, x_, out_, t, normed_));
+  const uint16_t* rows = normed_;
+  int64_t n = t;
+  if (which == LogitsFor::kLastToken) {
+    // The embedding gather picks each sequence's last row out of the normed activations.
+    TERN_TRY(embedding_lookup(ctx_, EmbeddingArgs{.ids = d_last_rows_, .table = normed_, .y = last_, .bad = bad_id_,
+                                                  .tokens = plan.n_seqs, .vocab = t, .hidden = h}));
+    rows = last_;
+    n = plan.n_seqs;
+  }
+  const size_t logit_bytes = static_cast<size_t>(n * vocab_) * 2;
+  if (logits_.size_bytes() < logit_bytes && !DeviceBuffer::try_allocate(logit_bytes, logits_)) {
+    return make_error("out of device memory for {} rows of logits", n);
+  }
+  TERN_TRY(device_matrix_forward(ctx_, lm_head_, rows, n, logits_.as<uint16_t>(), vocab_));
+  logits_host_.resize(static_cast<size_t>(n * vocab_));
+  TERN_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), logit_bytes, cudaMemcpyDeviceToHost,
+                                  ctx_.stream()));
+  const cudaError_t status = cudaStreamSynchronize(ctx_.stream());
+  if (status != cudaSuccess) return make_error("CUDA error in the forward step: {}", cudaGetErrorString(status));
+  std::vector<float> logits(logits_host_.size());
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = bf16_to_float(logits_host_[i]);
+  return logits;
+}
+
+}  // namespace
+
+int gpu_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+Expected<std::unique_ptr<ForwardBackend>> gpu_backend_create(const CausalLm& model, const DeviceModelOptions& options) {
+  const int n_devices = gpu_device_count();
+  if (n_devices == 0) return make_error("--device cuda: no CUDA device is available");
+  if (options.device < 0 || options.device >= n_devices) {
+    return make_error("--device cuda: device {} does not exist ({} present)", options.device, n_devices);
+  }
+  if (options.max_batch_tokens < 1 || options.max_sequences < 1 || options.kv_block_size < 8 ||
+      (options.kv_block_size & (options.kv_block_size - 1)) != 0) {
+    return make_error("bad device options: max_batch_tokens {} and max_sequences {} must be >= 1, kv_block_size {} a "
+                      "power of two >= 8", options.max_batch_tokens, options.max_sequences, options.kv_block_size);
+  }
+  auto backend = std::make_unique<GpuBackend>(model, options);
+  TERN_TRY(backend->build(model));
+  return std::unique_ptr<ForwardBackend>(std::move(backend));
+}
+
+}  // namespace tern

@@ -1,0 +1,205 @@
+// The CUDA model path against transformers (label gpu): every fixture's reference.json (tests/fixtures/README.md)
+// holds the top-16 teacher-forced logits per position and a 24-token greedy continuation, computed in fp32. The
+// CUDA path keeps activations in bf16 between kernels (fp32 inside them), as a bf16 deployment does, so logits
+// carry the rounding of bf16 activations through every layer: each rounding moves a value by up to 2^-9 of itself,
+// and a few dozen of them (norm outputs, projections, attention/GDN outputs, residual adds, expert outputs) add up,
+// partly amplified by the sharp attention of the fixtures. The bound is 2^-6 of the largest reference logit at that
+// position (16x the CPU path's fp32 bound); a wrong kernel (a missed head, a wrong expert, a skipped norm) moves
+// logits by a sizeable fraction of their range. Greedy continuations must match exactly.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+
+#include "models/causal_lm.h"
+
+namespace tern {
+namespace {
+
+constexpr double kBf16LogitTolerance = 1.0 / 64;
+
+struct Case {
+  std::string fixture;
+  std::string reference;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.fixture << "/" << c.reference; }
+
+std::string case_name(const testing::TestParamInfo<Case>& info) { return info.param.fixture; }
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << path;
+  return nlohmann::json::parse(in);
+}
+
+std::unique_ptr<CausalLm> load_cuda(const std::string& fixture, DeviceModelOptions sizes = {}) {
+  ModelLoadOptions options;
+  options.device = ModelDevice::kCuda;
+  options.device_options = sizes;
+  if (sizes.kv_cache_tokens == 0) options.device_options.kv_cache_tokens = 4096;
+  options.device_options.max_batch_tokens = std::min<int64_t>(options.device_options.max_batch_tokens, 1024);
+  auto model = model_load(std::string(TERN_FIXTURES_DIR) + "/" + fixture, options);
+  EXPECT_TRUE(model.has_value()) << (model ? "" : model.error().message);
+  return model ? std::move(*model) : nullptr;
+}
+
+int32_t argmax(const float* row, int64_t n) { return static_cast<int32_t>(std::max_element(row, row + n) - row); }
+
+class GpuModelReference : public testing::TestWithParam<Case> {};
+
+TEST_P(GpuModelReference, TeacherForcedLogitsMatchTransformers) {
+  const Case& c = GetParam();
+  auto model = load_cuda(c.fixture);
+  ASSERT_TRUE(model);
+  const auto ref = read_json(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture + "/" + c.reference);
+  const int64_t vocab = model->config().vocab_size;
+  double worst = 0.0;
+  for (size_t p = 0; p < ref["prompts"].size(); ++p) {
+    const auto prompt = ref["prompts"][p].get<std::vector<int32_t>>();
+    SequenceCache seq = model->new_sequence();
+    const std::vector<SequenceInput> batch{{&seq, prompt}};
+    auto logits = model->forward(batch, LogitsFor::kAllTokens);
+    ASSERT_TRUE(logits.has_value()) << logits.error().message;
+    ASSERT_EQ(logits->size(), prompt.size() * vocab);
+    const auto& positions = ref["teacher_forced"][p]["positions"];
+    for (size_t t = 0; t < prompt.size(); ++t) {
+      const auto ids = positions[t]["ids"].get<std::vector<int32_t>>();
+      const auto want = positions[t]["logits"].get<std::vector<double>>();
+      const float* row = &(*logits)[t * vocab];
+      for (int64_t v = 0; v < vocab; ++v) ASSERT_TRUE(std::isfinite(row[v])) << "position " << t << " id " << v;
+      double max_ref = 0.0;
+      for (double v : want) max_ref = std::max(max_ref, std::abs(v));
+      for (size_t j = 0; j < ids.size(); ++j) {
+        const double err = std::abs(row[ids[j]] - want[j]) / max_ref;
+        worst = std::max(worst, err);
+        EXPECT_LE(err, kBf16LogitTolerance) << "prompt " << p << " position " << t << " id " << ids[j] << " ours "
+                                            << row[ids[j]] << " reference " << want[j];
+      }
+      // Whatever we rank first is within tolerance of the reference's best.
+      EXPECT_GE(row[argmax(row, vocab)], want[0] - kBf16LogitTolerance * max_ref) << "position " << t;
+    }
+  }
+  std::cout << c.fixture << ": max |logit - reference| / max |reference logit| = " << worst << "\n";
+}
+
+TEST_P(GpuModelReference, GreedyContinuationMatchesTransformers) {
+  const Case& c = GetParam();
+  auto model = load_cuda(c.fixture);
+  ASSERT_TRUE(model);
+  const auto ref = read_json(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture + "/" + c.reference);
+  const int64_t vocab = model->config().vocab_size;
+  for (size_t p = 0; p < ref["prompts"].size(); ++p) {
+    const auto prompt = ref["prompts"][p].get<std::vector<int32_t>>();
+    const auto want = ref["greedy"][p]["continuation"].get<std::vector<int32_t>>();
+    SequenceCache seq = model->new_sequence();
+    std::vector<int32_t> next = prompt, got;
+    while (got.size() < want.size()) {
+      const std::vector<SequenceInput> batch{{&seq, next}};
+      auto logits = model->forward(batch, LogitsFor::kLastToken);
+      ASSERT_TRUE(logits.has_value()) << logits.error().message;
+      got.push_back(argmax(logits->data(), vocab));
+      next = {got.back()};
+    }
+    EXPECT_EQ(got, want) << "prompt " << p;
+  }
+}
+
+// Decode steps from the cache (KV blocks, GDN states) give the logits of one pass over the whole sequence, and
+// sequences batched together (prefill and decode rows of different lengths) give their solo results, within the
+// bf16 bound (kernels may pick other tiles for other row counts, so equality is not bitwise).
+TEST_P(GpuModelReference, CachedAndBatchedStepsMatchOnePass) {
+  auto model = load_cuda(GetParam().fixture);
+  ASSERT_TRUE(model);
+  const int64_t vocab = model->config().vocab_size;
+  const std::vector<std::vector<int32_t>> seqs{{17, 300, 42, 99, 5, 250, 123, 7, 411, 64, 8, 199, 33, 21, 480, 6, 77,
+                                                91, 102, 3},
+                                               {400, 5, 60, 7, 80, 9, 100},
+                                               {250, 11}};
+  // Reference: each sequence alone in one pass.
+  std::vector<std::vector<float>> whole;
+  for (const auto& s : seqs) {
+    SequenceCache cache = model->new_sequence();
+    const std::vector<SequenceInput> batch{{&cache, s}};
+    auto logits = model->forward(batch, LogitsFor::kAllTokens);
+    ASSERT_TRUE(logits.has_value()) << logits.error().message;
+    whole.push_back(*logits);
+  }
+  // All three together: a prefill of the first 2 tokens of each, then one token per step (shorter ones finish).
+  std::vector<SequenceCache> caches;
+  for (size_t i = 0; i < seqs.size(); ++i) caches.push_back(model->new_sequence());
+  std::vector<size_t> done(seqs.size(), 0);
+  while (true) {
+    std::vector<SequenceInput> batch;
+    std::vector<size_t> who;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (done[i] == seqs[i].size()) continue;
+      const size_t n = done[i] == 0 ? 2 : 1;
+      batch.push_back({&caches[i], std::span(seqs[i]).subspan(done[i], n)});
+      who.push_back(i);
+    }
+    if (batch.empty()) break;
+    auto logits = model->forward(batch, LogitsFor::kLastToken);
+    ASSERT_TRUE(logits.has_value()) << logits.error().message;
+    for (size_t b = 0; b < who.size(); ++b) {
+      const size_t i = who[b];
+      done[i] += batch[b].tokens.size();
+      const float* got = &(*logits)[b * vocab];
+      const float* want = &whole[i][(done[i] - 1) * vocab];
+      float max_abs = 0.0f;
+      for (int64_t v = 0; v < vocab; ++v) max_abs = std::max(max_abs, std::abs(want[v]));
+      for (int64_t v = 0; v < vocab; ++v) {
+        ASSERT_TRUE(std::isfinite(got[v]));
+        ASSERT_NEAR(got[v], want[v], kBf16LogitTolerance * max_abs) << "sequence " << i << " token " << done[i] - 1;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, GpuModelReference,
+                         testing::Values(Case{"qwen3", "reference.json"}, Case{"qwen3_moe", "reference.json"},
+                                         Case{"qwen3_5_moe", "reference.json"},
+                                         Case{"qwen3_5_moe_fused", "reference.json"},
+                                         Case{"qwen3_5_moe_nvfp4", "reference_w4a16.json"}),
+                         case_name);
+
+// Impossible requests are errors that name what ran out; the model keeps working after them.
+TEST(GpuModel, FullCacheAndBadIdsAreErrors) {
+  auto model = load_cuda("qwen3", DeviceModelOptions{.max_batch_tokens = 64, .max_sequences = 2, .kv_cache_tokens = 32});
+  ASSERT_TRUE(model);
+  SequenceCache a = model->new_sequence();
+  const std::vector<int32_t> long_prompt(40, 7);
+  const std::vector<SequenceInput> too_long{{&a, long_prompt}};
+  auto r = model->forward(too_long, LogitsFor::kLastToken);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message.find("KV cache is full"), std::string::npos) << r.error().message;
+  SequenceCache b = model->new_sequence();
+  const std::vector<int32_t> bad{5, 512};
+  const std::vector<SequenceInput> bad_batch{{&b, bad}};
+  r = model->forward(bad_batch, LogitsFor::kLastToken);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message.find("token id 512"), std::string::npos) << r.error().message;
+  a = model->new_sequence();  // releases the blocks the failed step took
+  const std::vector<int32_t> ok{5, 6, 7};
+  const std::vector<SequenceInput> good{{&a, ok}};
+  r = model->forward(good, LogitsFor::kLastToken);
+  ASSERT_TRUE(r.has_value()) << r.error().message;
+  for (float v : *r) ASSERT_TRUE(std::isfinite(v));
+}
+
+TEST(GpuModel, W4a4IsRefusedWithAReason) {
+  ModelLoadOptions options;
+  options.device = ModelDevice::kCuda;
+  options.nvfp4_quantize_activations = true;
+  options.device_options.kv_cache_tokens = 1024;
+  auto model = model_load(std::string(TERN_FIXTURES_DIR) + "/qwen3_5_moe_nvfp4", options);
+  ASSERT_FALSE(model.has_value());
+  EXPECT_NE(model.error().message.find("W4A4"), std::string::npos) << model.error().message;
+}
+
+}  // namespace
+}  // namespace tern

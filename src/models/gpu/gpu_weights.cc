@@ -1,0 +1,225 @@
+#include "models/gpu/gpu_weights.h"
+
+#include <cstring>
+
+#include "core/formats.h"
+#include "kernels/cuda/gemm_bf16.h"
+#include "kernels/cuda/gemm_nvfp4_w4a16.h"
+
+namespace tern {
+namespace {
+
+// The rows of a dense host matrix as bf16: in place for BF16, converted (into `scratch`) otherwise.
+const uint16_t* host_bf16(const CpuMatrix& m, std::vector<uint16_t>& scratch) {
+  if (m.format == CpuWeightFormat::kBf16) return static_cast<const uint16_t*>(m.data);
+  scratch.resize(static_cast<size_t>(m.rows * m.cols));
+  for (size_t i = 0; i < scratch.size(); ++i) {
+    const float v = m.format == CpuWeightFormat::kF32 ? static_cast<const float*>(m.data)[i]
+                                                      : fp16_to_float(static_cast<const uint16_t*>(m.data)[i]);
+    scratch[i] = float_to_bf16(v);
+  }
+  return scratch.data();
+}
+
+bool is_nvfp4(const Linear& l) { return l.matrix().format == CpuWeightFormat::kNvfp4; }
+
+}  // namespace
+
+Expected<void*> DeviceWeights::allocate(size_t bytes, const std::string& what) {
+  DeviceBuffer buffer;
+  if (!DeviceBuffer::try_allocate(bytes, buffer)) {
+    return make_error("out of device memory uploading {} ({} bytes; {} bytes of weights uploaded before it)", what,
+                      bytes, bytes_);
+  }
+  bytes_ += bytes;
+  buffers_.push_back(std::move(buffer));
+  return buffers_.back().data();
+}
+
+Expected<void*> DeviceWeights::upload(const void* host, size_t bytes, const std::string& what) {
+  TERN_ASSIGN_OR_RETURN(void* dst, allocate(bytes, what));
+  TERN_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream_));
+  TERN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host data may be a temporary
+  return dst;
+}
+
+Expected<DeviceMatrix> DeviceWeights::matrix(const CpuMatrix& m, const std::string& name) {
+  if (auto it = uploaded_.find(m.data); it != uploaded_.end() && it->second.n == m.rows && it->second.k == m.cols) {
+    return it->second;
+  }
+  DeviceMatrix d{.nvfp4 = m.format == CpuWeightFormat::kNvfp4, .n = m.rows, .k = m.cols};
+  if (d.nvfp4) {
+    TERN_ASSIGN_OR_RETURN(void* packed, upload(m.data, static_cast<size_t>(m.rows * m.cols / 2), name));
+    TERN_ASSIGN_OR_RETURN(void* scales, upload(m.block_scales, static_cast<size_t>(m.rows * m.cols / 16), name));
+    d.packed = static_cast<const uint8_t*>(packed);
+    d.scales = static_cast<const uint8_t*>(scales);
+    d.global_scale = m.global_scale;
+  } else {
+    std::vector<uint16_t> scratch;
+    const uint16_t* rows = host_bf16(m, scratch);
+    TERN_ASSIGN_OR_RETURN(void* data, upload(rows, static_cast<size_t>(m.rows * m.cols) * 2, name));
+    d.bf16 = static_cast<const uint16_t*>(data);
+  }
+  uploaded_[m.data] = d;
+  return d;
+}
+
+Expected<DeviceMatrix> DeviceWeights::matrix(const Linear& linear) {
+  if (!linear.bias().empty()) return make_error("{}: linear layers with a bias are not supported on CUDA yet", linear.name());
+  if (linear.quantizes_input()) {
+    return make_error("{}: NVFP4 with quantized activations (W4A4) is not supported on CUDA yet; use W4A16",
+                      linear.name());
+  }
+  return matrix(linear.matrix(), linear.name());
+}
+
+Expected<DeviceMatrix> DeviceWeights::concat_bf16(std::span<const Linear* const> linears) {
+  if (linears.size() == 1) return matrix(*linears[0]);
+  int64_t rows = 0;
+  for (const Linear* l : linears) rows += l->out_features();
+  const int64_t k = linears[0]->in_features();
+  TERN_ASSIGN_OR_RETURN(void* dst, allocate(static_cast<size_t>(rows * k) * 2, linears[0]->name()));
+  auto* out = static_cast<uint16_t*>(dst);
+  for (const Linear* l : linears) {
+    if (!l->bias().empty()) return make_error("{}: linear layers with a bias are not supported on CUDA yet", l->name());
+    std::vector<uint16_t> scratch;
+    const uint16_t* src = host_bf16(l->matrix(), scratch);
+    const size_t bytes = static_cast<size_t>(l->out_features() * k) * 2;
+    TERN_CUDA_CHECK(cudaMemcpyAsync(out, src, bytes, cudaMemcpyHostToDevice, stream_));
+    TERN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    out += l->out_features() * k;
+  }
+  return DeviceMatrix{.nvfp4 = false, .n = rows, .k = k, .bf16 = static_cast<const uint16_t*>(dst)};
+}
+
+Expected<DeviceProjection> DeviceWeights::projection(std::span<const Linear* const> linears) {
+  DeviceProjection p;
+  p.in_features = linears.front()->in_features();
+  size_t i = 0;
+  while (i < linears.size()) {
+    if (linears[i]->in_features() != p.in_features) {
+      return make_error("{}: in_features {} differs from {} of the layers it is fused with", linears[i]->name(),
+                        linears[i]->in_features(), p.in_features);
+    }
+    size_t j = i + 1;  // [i, j): a run of BF16 parts, or one NVFP4 part
+    if (!is_nvfp4(*linears[i])) {
+      while (j < linears.size() && !is_nvfp4(*linears[j])) ++j;
+    }
+    TERN_ASSIGN_OR_RETURN(DeviceMatrix m, is_nvfp4(*linears[i]) ? matrix(*linears[i]) : concat_bf16(linears.subspan(i, j - i)));
+    p.offsets.push_back(p.width);
+    p.width += m.n;
+    p.parts.push_back(m);
+    i = j;
+  }
+  return p;
+}
+
+Expected<MoeExpertWeights> DeviceWeights::expert_stack(const std::vector<MlpWeights>& experts, int part,
+                                                       const std::string& name) {
+  // part 0: gate|up fused (BF16), 1: gate, 2: up, 3: down.
+  auto pick = [&](const MlpWeights& w) -> const Linear& {
+    return part == 1 || part == 0 ? w.gate_proj : part == 2 ? w.up_proj : w.down_proj;
+  };
+  const Linear& first = pick(experts[0]);
+  const int64_t e_count = static_cast<int64_t>(experts.size()), k = first.in_features();
+  const int64_t n = part == 0 ? 2 * first.out_features() : first.out_features();
+  MoeExpertWeights w{};
+  w.n_experts = e_count;
+  w.n = n;
+  w.k = k;
+  if (is_nvfp4(first)) {
+    w.format = MoeWeightFormat::kNvfp4;
+    w.packed_expert_stride = n * k / 2;
+    w.scales_expert_stride = n * k / 16;
+    TERN_ASSIGN_OR_RETURN(void* packed, allocate(static_cast<size_t>(e_count * w.packed_expert_stride), name));
+    TERN_ASSIGN_OR_RETURN(void* scales, allocate(static_cast<size_t>(e_count * w.scales_expert_stride), name));
+    std::vector<float> globals(static_cast<size_t>(e_count));
+    for (int64_t e = 0; e < e_count; ++e) {
+      const CpuMatrix& m = pick(experts[e]).matrix();
+      if (m.format != CpuWeightFormat::kNvfp4 || m.rows != n || m.cols != k) {
+        return make_error("{}: expert {} differs in format or shape from expert 0", name, e);
+      }
+      TERN_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(packed) + e * w.packed_expert_stride, m.data,
+                                      w.packed_expert_stride, cudaMemcpyHostToDevice, stream_));
+      TERN_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(scales) + e * w.scales_expert_stride, m.block_scales,
+                                      w.scales_expert_stride, cudaMemcpyHostToDevice, stream_));
+      globals[e] = m.global_scale;
+    }
+    TERN_ASSIGN_OR_RETURN(const float* g, vector_f32(globals));
+    w.packed = static_cast<const uint8_t*>(packed);
+    w.scales = static_cast<const uint8_t*>(scales);
+    w.global_scales = g;
+    return w;
+  }
+  w.format = MoeWeightFormat::kBf16;
+  w.bf16_expert_stride = n * k;
+  TERN_ASSIGN_OR_RETURN(void* data, allocate(static_cast<size_t>(e_count * n * k) * 2, name));
+  auto* out = static_cast<uint16_t*>(data);
+  for (int64_t e = 0; e < e_count; ++e) {
+    const std::vector<const Linear*> parts =
+        part == 0 ? std::vector<const Linear*>{&experts[e].gate_proj, &experts[e].up_proj}
+                  : std::vector<const Linear*>{&pick(experts[e])};
+    for (const Linear* l : parts) {
+      if (is_nvfp4(*l) || l->in_features() != k) return make_error("{}: expert {} differs in format or shape", name, e);
+      std::vector<uint16_t> scratch;
+      const uint16_t* src = host_bf16(l->matrix(), scratch);
+      const size_t bytes = static_cast<size_t>(l->out_features() * k) * 2;
+      TERN_CUDA_CHECK(cudaMemcpyAsync(out, src, bytes, cudaMemcpyHostToDevice, stream_));
+      TERN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      out += l->out_features() * k;
+    }
+  }
+  w.bf16 = static_cast<const uint16_t*>(data);
+  return w;
+}
+
+Expected<DeviceExperts> DeviceWeights::experts(const std::vector<MlpWeights>& experts, const std::string& name) {
+  if (experts.empty()) return make_error("{}: no experts", name);
+  DeviceExperts d;
+  d.n_experts = static_cast<int64_t>(experts.size());
+  d.inter = experts[0].gate_proj.out_features();
+  d.hidden = experts[0].gate_proj.in_features();
+  d.nvfp4 = is_nvfp4(experts[0].gate_proj);
+  if (d.nvfp4) {
+    TERN_ASSIGN_OR_RETURN(d.gate, expert_stack(experts, 1, name + ".gate_proj"));
+    TERN_ASSIGN_OR_RETURN(d.up, expert_stack(experts, 2, name + ".up_proj"));
+  } else {
+    TERN_ASSIGN_OR_RETURN(d.gate_up, expert_stack(experts, 0, name + ".gate_up_proj"));
+  }
+  TERN_ASSIGN_OR_RETURN(d.down, expert_stack(experts, 3, name + ".down_proj"));
+  TERN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return d;
+}
+
+Expected<const uint16_t*> DeviceWeights::vector_bf16(const std::vector<float>& values) {
+  std::vector<uint16_t> bits(values.size());
+  for (size_t i = 0; i < values.size(); ++i) bits[i] = float_to_bf16(values[i]);
+  TERN_ASSIGN_OR_RETURN(void* d, upload(bits.data(), bits.size() * 2, "a norm weight"));
+  return static_cast<const uint16_t*>(d);
+}
+
+Expected<const float*> DeviceWeights::vector_f32(const std::vector<float>& values) {
+  TERN_ASSIGN_OR_RETURN(void* d, upload(values.data(), values.size() * 4, "a parameter vector"));
+  return static_cast<const float*>(d);
+}
+
+Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatrix& w, const uint16_t* x, int64_t m,
+                                     uint16_t* y, int64_t ldy) {
+  if (w.nvfp4) {
+    const GemmNvfp4W4a16Args args{
+        .x = x,
+        .w = Nvfp4WeightView{.packed = w.packed, .scales = w.scales, .global_scale = w.global_scale, .n = w.n, .k = w.k},
+        .y = y,
+        .m = m,
+        .ldy = ldy};
+    return gemm_nvfp4_w4a16(ctx, args);
+  }
+  return gemm_bf16(ctx, GemmBf16Args{.x = x, .w = w.bf16, .y = y, .m = m, .n = w.n, .k = w.k, .ldy = ldy});
+}
+
+Expected<void> DeviceProjection::forward(const DeviceContext& ctx, const uint16_t* x, int64_t m, uint16_t* y) const {
+  for (size_t i = 0; i < parts.size(); ++i) TERN_TRY(device_matrix_forward(ctx, parts[i], x, m, y + offsets[i], width));
+  return {};
+}
+
+}  // namespace tern

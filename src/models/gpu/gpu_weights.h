@@ -1,0 +1,81 @@
+// A model's weights on a CUDA device, uploaded once from the host model (whose views point into the mapped
+// checkpoint). BF16 stays BF16 and NVFP4 stays packed; fp32/fp16 matrices are rounded to BF16 (the activations'
+// format). A matrix the host model uses twice (tied embeddings and lm_head) is uploaded once.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/moe.h"
+#include "layers/linear.h"
+
+namespace tern {
+
+// One weight matrix [n, k] on the device.
+struct DeviceMatrix {
+  bool nvfp4 = false;
+  int64_t n = 0, k = 0;
+  const uint16_t* bf16 = nullptr;    // [n, k]
+  const uint8_t* packed = nullptr;   // NVFP4 [n, k/2]
+  const uint8_t* scales = nullptr;   // NVFP4 e4m3 [n, k/16]
+  float global_scale = 1.0f;
+};
+
+// y[:, offset .. offset + n) = x . W^T for y with row stride ldy (BF16 through cuBLASLt, NVFP4 through W4A16).
+Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatrix& w, const uint16_t* x, int64_t m,
+                                     uint16_t* y, int64_t ldy);
+
+// Several linears over the same input computed as one output [m, width] with their outputs side by side (q|k|v,
+// gate|up, router|shared-expert gate). Adjacent BF16 parts are one matrix on the device, so one GEMM.
+struct DeviceProjection {
+  std::vector<DeviceMatrix> parts;
+  std::vector<int64_t> offsets;  // column of each part in the output
+  int64_t width = 0;
+  int64_t in_features = 0;
+
+  Expected<void> forward(const DeviceContext& ctx, const uint16_t* x, int64_t m, uint16_t* y) const;
+};
+
+// The routed experts of one MoE layer: gate|up as one [2I, H] matrix per expert when BF16 (one grouped GEMM),
+// separate gate and up when NVFP4 (each has its own weight_scale_2 per expert); down [H, I].
+struct DeviceExperts {
+  int64_t n_experts = 0, inter = 0, hidden = 0;
+  bool nvfp4 = false;
+  MoeExpertWeights gate_up;  // BF16: n = 2I
+  MoeExpertWeights gate, up; // NVFP4: n = I each
+  MoeExpertWeights down;
+};
+
+class DeviceWeights {
+ public:
+  explicit DeviceWeights(cudaStream_t stream) : stream_(stream) {}
+
+  Expected<DeviceMatrix> matrix(const Linear& linear);
+  Expected<DeviceMatrix> matrix(const CpuMatrix& m, const std::string& name);
+  Expected<DeviceProjection> projection(std::span<const Linear* const> linears);
+  Expected<DeviceExperts> experts(const std::vector<MlpWeights>& experts, const std::string& name);
+  // A norm weight or other vector, as bf16 (exact for weights that came from bf16) or fp32.
+  Expected<const uint16_t*> vector_bf16(const std::vector<float>& values);
+  Expected<const float*> vector_f32(const std::vector<float>& values);
+
+  size_t bytes() const { return bytes_; }
+
+ private:
+  Expected<void*> allocate(size_t bytes, const std::string& what);
+  Expected<void*> upload(const void* host, size_t bytes, const std::string& what);
+  Expected<DeviceMatrix> concat_bf16(std::span<const Linear* const> linears);
+  Expected<MoeExpertWeights> expert_stack(const std::vector<MlpWeights>& experts, int part, const std::string& name);
+
+  cudaStream_t stream_;
+  std::deque<DeviceBuffer> buffers_;
+  std::map<const void*, DeviceMatrix> uploaded_;  // by host data pointer
+  size_t bytes_ = 0;
+};
+
+}  // namespace tern
