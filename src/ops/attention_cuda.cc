@@ -87,28 +87,31 @@ Expected<RunOutput> attention_cuda_run(const DeviceContext& ctx, const Attention
   const DeviceBuffer k_pool = upload(host.k_pool, stream), v_pool = upload(host.v_pool, stream);
   const DeviceBuffer tables = upload(host.tables, stream), starts = upload(host.query_start, stream);
   const DeviceBuffer lens = upload(host.seq_lens, stream);
-  const size_t ws_bytes = paged_attention_workspace_bytes(ctx.props(), in.tokens(), in.n_heads, in.head_dim,
-                                                          host.max_seq);
+  const size_t ws_bytes =
+      paged_attention_workspace_bytes(ctx.props(), in.tokens(), in.n_heads, in.head_dim, host.max_seq);
   const DeviceBuffer workspace(std::max<size_t>(ws_bytes, 16));
   return cuda_run_timed(ctx, in.tokens(), in.n_heads * in.head_dim, [&](uint16_t* out) {
-    PagedAttentionArgs a{
-        .q = q.as<uint16_t>(),
-        .gate = in.gated ? gate.as<uint16_t>() : nullptr,
-        .out = out,
-        .cache = {.k = k_pool.as<uint16_t>(), .v = v_pool.as<uint16_t>(), .n_blocks = host.n_blocks,
-                  .block_size = kAttentionCaseBlockSize, .n_kv_heads = in.n_kv_heads, .head_dim = in.head_dim},
-        .block_tables = tables.as<int32_t>(),
-        .max_blocks_per_seq = host.max_blocks,
-        .query_start = starts.as<int32_t>(),
-        .seq_lens = lens.as<int32_t>(),
-        .n_seqs = in.n_seqs,
-        .tokens = in.tokens(),
-        .n_heads = in.n_heads,
-        .max_query_len = in.query_len,
-        .max_seq_len = host.max_seq,
-        .scale = in.scale,
-        .workspace = workspace.data(),
-        .workspace_bytes = ws_bytes};
+    PagedAttentionArgs a{.q = q.as<uint16_t>(),
+                         .gate = in.gated ? gate.as<uint16_t>() : nullptr,
+                         .out = out,
+                         .cache = {.k = k_pool.as<uint16_t>(),
+                                   .v = v_pool.as<uint16_t>(),
+                                   .n_blocks = host.n_blocks,
+                                   .block_size = kAttentionCaseBlockSize,
+                                   .n_kv_heads = in.n_kv_heads,
+                                   .head_dim = in.head_dim},
+                         .block_tables = tables.as<int32_t>(),
+                         .max_blocks_per_seq = host.max_blocks,
+                         .query_start = starts.as<int32_t>(),
+                         .seq_lens = lens.as<int32_t>(),
+                         .n_seqs = in.n_seqs,
+                         .tokens = in.tokens(),
+                         .n_heads = in.n_heads,
+                         .max_query_len = in.query_len,
+                         .max_seq_len = host.max_seq,
+                         .scale = in.scale,
+                         .workspace = workspace.data(),
+                         .workspace_bytes = ws_bytes};
     if (tweak) tweak(a);
     return paged_attention(ctx, a, variant);
   });
@@ -122,12 +125,12 @@ Expected<void> attention_register_cuda(Registry& registry, std::shared_ptr<Devic
         .backend = Backend::kCuda,
         .priority = 10,
         .tolerance = tolerance,
-        .unsupported_reason = [variant](const DeviceDescription& d, const SelfTestCase& c) {
-          return attention_unsupported(d, c, variant);
-        },
-        .run = [context, variant](const OpInputs& b) {
-          return attention_cuda_run(*context, static_cast<const AttentionInputs&>(b), variant);
-        }});
+        .unsupported_reason = [variant](const DeviceDescription& d,
+                                        const SelfTestCase& c) { return attention_unsupported(d, c, variant); },
+        .run =
+            [context, variant](const OpInputs& b) {
+              return attention_cuda_run(*context, static_cast<const AttentionInputs&>(b), variant);
+            }});
   };
   TERN_TRY(add("cuda-decode", AttentionVariant::kDecode, kAttentionDecodeTolerance));
   TERN_TRY(add("cuda-prefill", AttentionVariant::kPrefill, kAttentionPrefillTolerance));

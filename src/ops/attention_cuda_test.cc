@@ -31,8 +31,8 @@ class CudaAttentionOps : public ::testing::Test {
     for (const auto& c : s->candidates) {
       if (c.name == "cpu") continue;
       EXPECT_EQ(c.status, CandidateStatus::kPassed) << c.name << ": " << c.reason;
-      std::printf("%-13s %zu cases, max error %.3g (bound %.3g), %.1f us\n", c.name.c_str(), cases.size(),
-                  c.max_error, c.bound, c.seconds * 1e6);
+      std::printf("%-13s %zu cases, max error %.3g (bound %.3g), %.1f us\n", c.name.c_str(), cases.size(), c.max_error,
+                  c.bound, c.seconds * 1e6);
     }
   }
   std::unique_ptr<AttentionInputs> inputs(const SelfTestCase& c, uint64_t seed = 7) {
@@ -50,10 +50,10 @@ TEST_F(CudaAttentionOps, BothVariantsPassOnRaggedShapes) {
     std::vector<SelfTestCase> cases;
     for (int64_t group : {1, 2, 8}) {
       const bool gated = group == 2;
-      cases.push_back(attention_case(4, 1, 100, 2 * group, 2, hd, gated));   // decode, ragged pasts
+      cases.push_back(attention_case(4, 1, 100, 2 * group, 2, hd, gated));    // decode, ragged pasts
       cases.push_back(attention_case(2, 3, 1000, 2 * group, 2, hd, !gated));  // speculative-style few queries
-      cases.push_back(attention_case(3, 70, 10, 2 * group, 2, hd, gated));   // prefill chunks past one tile
-      cases.push_back(attention_case(1, 200, 0, 2 * group, 2, hd, !gated));  // a fresh prompt
+      cases.push_back(attention_case(3, 70, 10, 2 * group, 2, hd, gated));    // prefill chunks past one tile
+      cases.push_back(attention_case(1, 200, 0, 2 * group, 2, hd, !gated));   // a fresh prompt
     }
     SCOPED_TRACE(fmt::format("head_dim {}", hd));
     expect_both_pass(cases);
@@ -107,12 +107,17 @@ TEST_F(CudaAttentionOps, InjectedFaultsAreRejectedOnTheGpu) {
     const Tolerance tolerance =
         f.variant == AttentionVariant::kDecode ? kAttentionDecodeTolerance : kAttentionPrefillTolerance;
     ASSERT_TRUE(registry_
-                    .add(Implementation{.op = "attention", .name = f.name, .backend = Backend::kCuda, .priority = 100,
+                    .add(Implementation{.op = "attention",
+                                        .name = f.name,
+                                        .backend = Backend::kCuda,
+                                        .priority = 100,
                                         .tolerance = tolerance,
-                                        .run = [this, f](const OpInputs& in) {
-                                          return attention_cuda_run(*context_, static_cast<const AttentionInputs&>(in),
-                                                                    f.variant, f.tweak);
-                                        }})
+                                        .run =
+                                            [this, f](const OpInputs& in) {
+                                              return attention_cuda_run(*context_,
+                                                                        static_cast<const AttentionInputs&>(in),
+                                                                        f.variant, f.tweak);
+                                            }})
                     .has_value());
   }
   for (const bool decode_case : {false, true}) {
@@ -126,10 +131,12 @@ TEST_F(CudaAttentionOps, InjectedFaultsAreRejectedOnTheGpu) {
     }
     for (const Fault& f : faults) {
       if ((f.decode_case_only && !decode_case) || (f.prefill_case_only && decode_case)) continue;
-      const auto it = std::find_if(s->candidates.begin(), s->candidates.end(), [&](auto& k) { return k.name == f.name; });
+      const auto it =
+          std::find_if(s->candidates.begin(), s->candidates.end(), [&](auto& k) { return k.name == f.name; });
       ASSERT_NE(it, s->candidates.end()) << f.name;
       EXPECT_EQ(it->status, CandidateStatus::kFailed) << c.label << " " << f.name;
-      EXPECT_NE(it->reason.find(f.expected_reason), std::string::npos) << c.label << " " << f.name << ": " << it->reason;
+      EXPECT_NE(it->reason.find(f.expected_reason), std::string::npos)
+          << c.label << " " << f.name << ": " << it->reason;
     }
   }
 }

@@ -70,7 +70,8 @@ std::vector<float> attention_reference(const OpInputs& base) {
         for (int64_t j = 0; j < n_keys; ++j) {
           const int64_t k_off = ((kv0 + j) * in.n_kv_heads + kvh) * hd;
           double dot = 0.0;
-          for (int64_t e = 0; e < hd; ++e) dot += double(bf16_to_float(in.q[q_off + e])) * bf16_to_float(in.k[k_off + e]);
+          for (int64_t e = 0; e < hd; ++e)
+            dot += double(bf16_to_float(in.q[q_off + e])) * bf16_to_float(in.k[k_off + e]);
           scores[j] = dot * double(in.scale);
           big = std::max(big, scores[j]);
         }
@@ -103,13 +104,18 @@ Expected<RunOutput> attention_cpu(const OpInputs& base) {
   poison_f32(out.values);
   const auto start = std::chrono::steady_clock::now();
   for (int64_t s = 0; s < in.n_seqs; ++s) {
-    const CpuAttentionShape shape{.n_queries = in.query_len, .past = in.seq_past(s), .n_heads = in.n_heads,
-                                  .n_kv_heads = in.n_kv_heads, .head_dim = in.head_dim, .scale = in.scale};
+    const CpuAttentionShape shape{.n_queries = in.query_len,
+                                  .past = in.seq_past(s),
+                                  .n_heads = in.n_heads,
+                                  .n_kv_heads = in.n_kv_heads,
+                                  .head_dim = in.head_dim,
+                                  .scale = in.scale};
     const int64_t t0 = s * in.query_len, kv0 = in.cache_begin(s);
     cpu_attention_causal(shape, &q[t0 * width], &k[kv0 * kv_width], &v[kv0 * kv_width], &out.values[t0 * width]);
   }
   if (in.gated) {  // as layers/attention.cc
-    for (size_t i = 0; i < out.values.size(); ++i) out.values[i] *= 1.0f / (1.0f + std::exp(-bf16_to_float(in.gate[i])));
+    for (size_t i = 0; i < out.values.size(); ++i)
+      out.values[i] *= 1.0f / (1.0f + std::exp(-bf16_to_float(in.gate[i])));
   }
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return out;
@@ -123,7 +129,8 @@ int64_t AttentionInputs::cache_begin(int64_t s) const {
 }
 
 Expected<void> attention_register_cpu(Registry& r) {
-  TERN_TRY(r.add_harness(OpHarness{.op = "attention", .make_inputs = attention_make, .reference = attention_reference}));
+  TERN_TRY(
+      r.add_harness(OpHarness{.op = "attention", .make_inputs = attention_make, .reference = attention_reference}));
   // fp32 against fp64: scores, exponentials and sums over up to ~32k keys stay within ~1e-6 of the output's scale
   // (measured ~1e-7); 1e-5 leaves margin and still rejects a wrong scale, mask or head mapping by orders of magnitude.
   constexpr Tolerance kFp32{.rel = 1e-5, .abs = 0.0};

@@ -22,9 +22,9 @@ inline constexpr int64_t kAttentionCasePastStep = 7;  // sequence i holds past +
 struct AttentionInputs : OpInputs {
   int64_t n_seqs = 0, query_len = 0, past = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
   bool gated = false;
-  float scale = 1.0f;              // 1 / sqrt(head_dim)
-  std::vector<uint16_t> q, gate;   // [tokens, n_heads, head_dim] bf16 (gate only when gated)
-  std::vector<uint16_t> k, v;      // the sequences' caches one after another: [sum of seq_len, n_kv_heads, head_dim]
+  float scale = 1.0f;             // 1 / sqrt(head_dim)
+  std::vector<uint16_t> q, gate;  // [tokens, n_heads, head_dim] bf16 (gate only when gated)
+  std::vector<uint16_t> k, v;     // the sequences' caches one after another: [sum of seq_len, n_kv_heads, head_dim]
 
   int64_t tokens() const { return n_seqs * query_len; }
   int64_t seq_past(int64_t s) const { return past + kAttentionCasePastStep * s; }

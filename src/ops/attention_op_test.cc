@@ -107,7 +107,8 @@ std::vector<CpuFault> cpu_faults() {
 TEST(AttentionOp, InjectedFaultsAreRejected) {
   Registry r;
   ASSERT_TRUE(attention_register_cpu(r).has_value());
-  for (const CpuFault& f : cpu_faults()) ASSERT_TRUE(r.add(broken(r, f.name, f.corrupt_inputs, f.corrupt_out)).has_value());
+  for (const CpuFault& f : cpu_faults())
+    ASSERT_TRUE(r.add(broken(r, f.name, f.corrupt_inputs, f.corrupt_out)).has_value());
   const SelfTestCase c = attention_case(2, 3, 5, 4, 2, 32, true);
   auto s = registry_select(r, "attention", cpu_device_describe(), std::span(&c, 1), {});
   ASSERT_TRUE(s.has_value()) << s.error().message;

@@ -10,7 +10,9 @@ namespace {
 constexpr int64_t kMaxCount = std::numeric_limits<int32_t>::max();
 constexpr int64_t kMaxGridYz = 65535;
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
 
 Expected<void> check_pointer(const char* kernel, const char* name, const void* ptr) {
   if (ptr == nullptr) return make_error("{}: {} is null", kernel, name);
@@ -64,8 +66,8 @@ Expected<void> prepare_validate(const AttentionPrepareArgs& a) {
   TERN_TRY(check_head_dim(k, "head_dim", a.head_dim));
   TERN_TRY(check_heads(k, a.n_heads, a.n_kv_heads));
   if (a.cache.head_dim != a.head_dim || a.cache.n_kv_heads != a.n_kv_heads) {
-    return make_error("{}: cache is [.., {} kv heads, {}] but the tokens have {} kv heads of {}", k,
-                      a.cache.n_kv_heads, a.cache.head_dim, a.n_kv_heads, a.head_dim);
+    return make_error("{}: cache is [.., {} kv heads, {}] but the tokens have {} kv heads of {}", k, a.cache.n_kv_heads,
+                      a.cache.head_dim, a.n_kv_heads, a.head_dim);
   }
   TERN_TRY(check_cache(k, a.cache));
   if (a.tokens < 0 || a.tokens > kMaxCount) return make_error("{}: tokens={} out of range", k, a.tokens);
@@ -73,7 +75,8 @@ Expected<void> prepare_validate(const AttentionPrepareArgs& a) {
   if (a.q_proj_stride < q_width) {
     return make_error("{}: q_proj_stride={} is below the row's {} values", k, a.q_proj_stride, q_width);
   }
-  if (a.kv_stride < kv_width) return make_error("{}: kv_stride={} is below the row's {} values", k, a.kv_stride, kv_width);
+  if (a.kv_stride < kv_width)
+    return make_error("{}: kv_stride={} is below the row's {} values", k, a.kv_stride, kv_width);
   if (a.rotary_dim < 0 || a.rotary_dim % 2 != 0 || a.rotary_dim > a.head_dim) {
     return make_error("{}: rotary_dim={} must be even and in [0, head_dim={}]", k, a.rotary_dim, a.head_dim);
   }
@@ -96,7 +99,8 @@ Expected<void> attention_validate(const PagedAttentionArgs& a) {
   TERN_TRY(check_cache(k, a.cache));
   TERN_TRY(check_heads(k, a.n_heads, a.cache.n_kv_heads));
   if (a.tokens < 0 || a.tokens > kMaxCount) return make_error("{}: tokens={} out of range", k, a.tokens);
-  if (a.n_seqs < 0 || a.n_seqs > kMaxGridYz) return make_error("{}: n_seqs={} out of range [0, {}]", k, a.n_seqs, kMaxGridYz);
+  if (a.n_seqs < 0 || a.n_seqs > kMaxGridYz)
+    return make_error("{}: n_seqs={} out of range [0, {}]", k, a.n_seqs, kMaxGridYz);
   if (a.tokens == 0 || a.n_seqs == 0) return {};
   if (a.max_query_len < 1 || a.max_query_len > a.tokens) {
     return make_error("{}: max_query_len={} must be in [1, tokens={}]", k, a.max_query_len, a.tokens);
@@ -110,7 +114,8 @@ Expected<void> attention_validate(const PagedAttentionArgs& a) {
     return make_error("{}: max_blocks_per_seq={} must hold max_seq_len={} in blocks of {} (at least {})", k,
                       a.max_blocks_per_seq, a.max_seq_len, a.cache.block_size, blocks_needed);
   }
-  if (!(a.scale > 0.0f) || !std::isfinite(a.scale)) return make_error("{}: scale={} must be positive and finite", k, a.scale);
+  if (!(a.scale > 0.0f) || !std::isfinite(a.scale))
+    return make_error("{}: scale={} must be positive and finite", k, a.scale);
   TERN_TRY(check_vec_pointer(k, "q", a.q));
   TERN_TRY(check_vec_pointer(k, "out", a.out));
   if (a.gate != nullptr) TERN_TRY(check_vec_pointer(k, "gate", a.gate));
@@ -149,7 +154,8 @@ Expected<void> paged_attention(const DeviceContext& ctx, const PagedAttentionArg
   TERN_TRY(attention_validate(args));
   if (args.tokens == 0 || args.n_seqs == 0) return {};
   if (variant == AttentionVariant::kAuto) {
-    variant = args.max_query_len <= kAttentionDecodeMaxQueryLen ? AttentionVariant::kDecode : AttentionVariant::kPrefill;
+    variant =
+        args.max_query_len <= kAttentionDecodeMaxQueryLen ? AttentionVariant::kDecode : AttentionVariant::kPrefill;
   }
   if (variant == AttentionVariant::kDecode) {
     TERN_TRY(decode_check_workspace(ctx, args));
@@ -158,9 +164,10 @@ Expected<void> paged_attention(const DeviceContext& ctx, const PagedAttentionArg
   }
   const AttentionPrefillTiles tiles = attention_prefill_tiles(ctx.props(), args.cache.head_dim);
   if (tiles.stages == 0) {
-    return make_error("paged_attention: the prefill tiles of head_dim {} do not fit this device's {} bytes of shared "
-                      "memory per block",
-                      args.cache.head_dim, ctx.props().shared_mem_per_block_optin);
+    return make_error(
+        "paged_attention: the prefill tiles of head_dim {} do not fit this device's {} bytes of shared "
+        "memory per block",
+        args.cache.head_dim, ctx.props().shared_mem_per_block_optin);
   }
   paged_attention_prefill_launch(ctx, args);
   return {};

@@ -18,8 +18,12 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxGroup = 16;
 static_assert(kMaxGroup == kAttentionMaxGroup);
 
-__device__ __forceinline__ float bf16_to_f32(uint16_t bits) { return __uint_as_float(uint32_t{bits} << 16); }
-__device__ __forceinline__ uint16_t f32_to_bf16(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ float bf16_to_f32(uint16_t bits) {
+  return __uint_as_float(uint32_t{bits} << 16);
+}
+__device__ __forceinline__ uint16_t f32_to_bf16(float v) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
 
 __device__ __forceinline__ void unpack_bf16x8(const uint4 raw, float (&v)[8]) {
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -31,7 +35,9 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4 raw, float (&v)[8]) {
 }
 
 // As layers/attention.cc: 1 / (1 + exp(-x)) with the accurate expf.
-__device__ __forceinline__ float sigmoid_f32(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_f32(float x) {
+  return 1.0f / (1.0f + expf(-x));
+}
 
 // The cache slot of key j of a sequence whose block table row is `table`.
 __device__ __forceinline__ int64_t key_slot(const int32_t* table, int j, int log2_bs) {
@@ -147,13 +153,13 @@ __global__ void __launch_bounds__(kPrepareThreads) attention_prepare_kernel(cons
 //   stage 4: the slices' sums are added; one split writes `out`, several write partials for the reduce kernel.
 
 constexpr int kDecodeThreads = 128;
-constexpr int kDecodeChunk = 128;    // keys scored per pass, one per thread
-constexpr int kHeadsPerThread = 4;   // heads one thread accumulates in stage 3
+constexpr int kDecodeChunk = 128;          // keys scored per pass, one per thread
+constexpr int kHeadsPerThread = 4;         // heads one thread accumulates in stage 3
 constexpr int kDecodeReduceFloats = 4096;  // slices x G x head_dim <= 1024 * G / ceil(G / 4) <= 4096
 
 struct DecodeParams {
   PagedAttentionArgs a;
-  int group;         // query heads per kv head
+  int group;  // query heads per kv head
   int log2_bs;
   int n_splits;
   int split_len;     // keys per split
@@ -174,8 +180,8 @@ __device__ __forceinline__ void decode_scores(const DecodeParams& p, const float
       if (g >= p.group) break;
       const float4 qa = *reinterpret_cast<const float4*>(&q_s[g][ch * 8]);
       const float4 qb = *reinterpret_cast<const float4*>(&q_s[g][ch * 8 + 4]);
-      score[g] += qa.x * k[0] + qa.y * k[1] + qa.z * k[2] + qa.w * k[3] + qb.x * k[4] + qb.y * k[5] + qb.z * k[6] +
-                  qb.w * k[7];
+      score[g] +=
+          qa.x * k[0] + qa.y * k[1] + qa.z * k[2] + qa.w * k[3] + qb.x * k[4] + qb.y * k[5] + qb.z * k[6] + qb.w * k[7];
     }
   }
 }
@@ -367,10 +373,11 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 __device__ __forceinline__ void cp_async_16_zfill(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
@@ -401,11 +408,11 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 
 // Where the tile of a block sits in its sequence.
 struct PrefillTile {
-  int q0;       // first query row of the sequence
-  int row0;     // first row of the tile within the sequence
-  int n_q;      // the sequence's query rows
-  int pos0;     // position of the tile's row 0
-  int n_keys;   // keys the tile's last valid row attends
+  int q0;      // first query row of the sequence
+  int row0;    // first row of the tile within the sequence
+  int n_q;     // the sequence's query rows
+  int pos0;    // position of the tile's row 0
+  int n_keys;  // keys the tile's last valid row attends
   int64_t table_row;
 };
 
@@ -470,9 +477,8 @@ __device__ __forceinline__ void prefill_pv(const float (&s)[kKvTile / 8][4], con
 // Causal mask and the online softmax update of one K/V tile. A thread holds rows lane/4 (r = 0) and lane/4 + 8
 // (r = 1) of its warp's 16, columns 2 * (lane % 4) + {0, 1} of each 8-key group; a row's four lanes are a quad.
 template <int kHeadDim, int kKvTile>
-__device__ __forceinline__ void prefill_softmax(float (&s)[kKvTile / 8][4], float (&o)[kHeadDim / 8][4],
-                                                float (&m)[2], float (&l)[2], const int (&qpos)[2], int key0,
-                                                float scale_log2) {
+__device__ __forceinline__ void prefill_softmax(float (&s)[kKvTile / 8][4], float (&o)[kHeadDim / 8][4], float (&m)[2],
+                                                float (&l)[2], const int (&qpos)[2], int key0, float scale_log2) {
   const int lane = threadIdx.x % 32;
   float mx[2] = {m[0], m[1]};
 #pragma unroll
@@ -514,8 +520,8 @@ template <int kHeadDim, int kKvTile, int kStages>
 __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const PrefillParams p) {
   constexpr int kLd = kHeadDim + 8, kRows = 16 * kPrefillWarps, kChunks = kHeadDim / 8;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t* q_s = smem;                  // [kRows][kLd]
-  uint16_t* kv_s = smem + kRows * kLd;   // per stage: K [kKvTile][kLd], then V [kKvTile][kLd]
+  uint16_t* q_s = smem;                 // [kRows][kLd]
+  uint16_t* kv_s = smem + kRows * kLd;  // per stage: K [kKvTile][kLd], then V [kKvTile][kLd]
   const PagedAttentionArgs& a = p.a;
   const int h = blockIdx.y, seq = blockIdx.z, kvh = h / p.group;
   PrefillTile tile;
@@ -593,7 +599,9 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
 
 // K/V tile keys: 64 keep S at 32 fp32 registers next to O's head_dim / 2 up to head_dim 128; head_dim 256 holds
 // 128 registers of O, so its tiles shrink to 32 keys to stay under 255 registers without spills.
-constexpr int prefill_kv_tile(int head_dim) { return head_dim <= 128 ? 64 : 32; }
+constexpr int prefill_kv_tile(int head_dim) {
+  return head_dim <= 128 ? 64 : 32;
+}
 
 size_t prefill_smem_bytes(int head_dim, int stages) {
   const size_t row_bytes = static_cast<size_t>(head_dim + 8) * 2;
@@ -641,10 +649,18 @@ void decode_launch_hd(const DeviceContext& ctx, const DecodeParams& p) {
 
 void attention_prepare_launch(const DeviceContext& ctx, const AttentionPrepareArgs& args) {
   switch (args.head_dim) {
-    case 32: prepare_launch_hd<32>(ctx, args); break;
-    case 64: prepare_launch_hd<64>(ctx, args); break;
-    case 128: prepare_launch_hd<128>(ctx, args); break;
-    default: prepare_launch_hd<256>(ctx, args); break;
+    case 32:
+      prepare_launch_hd<32>(ctx, args);
+      break;
+    case 64:
+      prepare_launch_hd<64>(ctx, args);
+      break;
+    case 128:
+      prepare_launch_hd<128>(ctx, args);
+      break;
+    default:
+      prepare_launch_hd<256>(ctx, args);
+      break;
   }
   TERN_CUDA_CHECK_LAUNCH();
 }
@@ -667,10 +683,18 @@ void paged_attention_decode_launch(const DeviceContext& ctx, const PagedAttentio
                                     (rows * static_cast<size_t>(args.cache.head_dim) * 4 + 255) / 256 * 256);
   }
   switch (args.cache.head_dim) {
-    case 32: decode_launch_hd<32>(ctx, p); break;
-    case 64: decode_launch_hd<64>(ctx, p); break;
-    case 128: decode_launch_hd<128>(ctx, p); break;
-    default: decode_launch_hd<256>(ctx, p); break;
+    case 32:
+      decode_launch_hd<32>(ctx, p);
+      break;
+    case 64:
+      decode_launch_hd<64>(ctx, p);
+      break;
+    case 128:
+      decode_launch_hd<128>(ctx, p);
+      break;
+    default:
+      decode_launch_hd<256>(ctx, p);
+      break;
   }
   TERN_CUDA_CHECK_LAUNCH();
 }
@@ -695,10 +719,18 @@ void paged_attention_prefill_launch(const DeviceContext& ctx, const PagedAttenti
                         .scale_log2 = args.scale * kLog2e};
   const AttentionPrefillTiles tiles = attention_prefill_tiles(ctx.props(), args.cache.head_dim);
   switch (args.cache.head_dim) {
-    case 32: prefill_launch_hd<32>(ctx, p, tiles); break;
-    case 64: prefill_launch_hd<64>(ctx, p, tiles); break;
-    case 128: prefill_launch_hd<128>(ctx, p, tiles); break;
-    default: prefill_launch_hd<256>(ctx, p, tiles); break;
+    case 32:
+      prefill_launch_hd<32>(ctx, p, tiles);
+      break;
+    case 64:
+      prefill_launch_hd<64>(ctx, p, tiles);
+      break;
+    case 128:
+      prefill_launch_hd<128>(ctx, p, tiles);
+      break;
+    default:
+      prefill_launch_hd<256>(ctx, p, tiles);
+      break;
   }
   TERN_CUDA_CHECK_LAUNCH();
 }

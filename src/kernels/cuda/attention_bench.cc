@@ -64,8 +64,12 @@ Pool make_pool(const HeadConfig& h, int64_t tokens, int64_t block_size) {
   p.v = DeviceBuffer(bytes);
   TERN_CUDA_CHECK(cudaMemset(p.k.data(), 0x3C, bytes));
   TERN_CUDA_CHECK(cudaMemset(p.v.data(), 0x3C, bytes));
-  p.cache = {.k = p.k.as<uint16_t>(), .v = p.v.as<uint16_t>(), .n_blocks = tokens / block_size,
-             .block_size = block_size, .n_kv_heads = h.n_kv_heads, .head_dim = h.head_dim};
+  p.cache = {.k = p.k.as<uint16_t>(),
+             .v = p.v.as<uint16_t>(),
+             .n_blocks = tokens / block_size,
+             .block_size = block_size,
+             .n_kv_heads = h.n_kv_heads,
+             .head_dim = h.head_dim};
   return p;
 }
 
@@ -108,11 +112,20 @@ double time_attention(const DeviceContext& ctx, const Pool& pool, const HeadConf
   DeviceBuffer ws(std::max<size_t>(ws_bytes, 16));
   return time_ms(ctx, [&](int i) {
     const BatchMeta& m = metas[i % n_regions];
-    const PagedAttentionArgs a{.q = q.as<uint16_t>(), .out = out.as<uint16_t>(), .cache = pool.cache,
-                               .block_tables = m.tables.as<int32_t>(), .max_blocks_per_seq = m.max_blocks,
-                               .query_start = m.starts.as<int32_t>(), .seq_lens = m.lens.as<int32_t>(),
-                               .n_seqs = n_seqs, .tokens = tokens, .n_heads = h.n_heads, .max_query_len = n_q,
-                               .max_seq_len = seq_len, .scale = 0.08f, .workspace = ws.data(),
+    const PagedAttentionArgs a{.q = q.as<uint16_t>(),
+                               .out = out.as<uint16_t>(),
+                               .cache = pool.cache,
+                               .block_tables = m.tables.as<int32_t>(),
+                               .max_blocks_per_seq = m.max_blocks,
+                               .query_start = m.starts.as<int32_t>(),
+                               .seq_lens = m.lens.as<int32_t>(),
+                               .n_seqs = n_seqs,
+                               .tokens = tokens,
+                               .n_heads = h.n_heads,
+                               .max_query_len = n_q,
+                               .max_seq_len = seq_len,
+                               .scale = 0.08f,
+                               .workspace = ws.data(),
                                .workspace_bytes = ws_bytes};
     if (auto r = paged_attention(ctx, a, variant); !r) {
       std::fprintf(stderr, "%s\n", r.error().message.c_str());

@@ -64,10 +64,10 @@ struct AttentionPrepareArgs {
 // seq_lens[s] <= max_seq_len, n_q(s) <= max_query_len, and block_tables[s] lists ceil(seq_lens[s] / block_size)
 // valid block ids; the kernels never read table entries past max_blocks_per_seq.
 struct PagedAttentionArgs {
-  const uint16_t* q = nullptr;     // [tokens, n_heads, head_dim]
-  const uint16_t* gate = nullptr;  // optional [tokens, n_heads, head_dim]: out *= sigmoid(gate)
-  uint16_t* out = nullptr;         // [tokens, n_heads, head_dim]
-  PagedKvCache cache;              // read only here
+  const uint16_t* q = nullptr;            // [tokens, n_heads, head_dim]
+  const uint16_t* gate = nullptr;         // optional [tokens, n_heads, head_dim]: out *= sigmoid(gate)
+  uint16_t* out = nullptr;                // [tokens, n_heads, head_dim]
+  PagedKvCache cache;                     // read only here
   const int32_t* block_tables = nullptr;  // [n_seqs, max_blocks_per_seq]
   int64_t max_blocks_per_seq = 0;
   const int32_t* query_start = nullptr;  // [n_seqs + 1]

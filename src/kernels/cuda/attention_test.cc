@@ -54,7 +54,8 @@ std::vector<float> widen(const uint16_t* p, size_t n) {
 template <class T>
 DeviceBuffer upload(const std::vector<T>& host) {
   DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 16));
-  if (!host.empty()) TERN_CUDA_CHECK(cudaMemcpy(b.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  if (!host.empty())
+    TERN_CUDA_CHECK(cudaMemcpy(b.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
   return b;
 }
 
@@ -74,8 +75,8 @@ struct Shape {
   int64_t n_heads, n_kv_heads, head_dim, block_size;
   bool gated;
   std::string label() const {
-    std::string s = fmt::format("heads {}/{} hd {} bs {}{} seqs", n_heads, n_kv_heads, head_dim, block_size,
-                                gated ? " gated" : "");
+    std::string s =
+        fmt::format("heads {}/{} hd {} bs {}{} seqs", n_heads, n_kv_heads, head_dim, block_size, gated ? " gated" : "");
     for (const Seq& q : seqs) s += fmt::format(" {}+{}", q.past, q.n_q);
     return s;
   }
@@ -138,8 +139,11 @@ std::vector<float> reference(const Batch& b) {
     const int64_t q0 = b.query_start[i];
     const std::vector<float> q = widen(&b.q[q0 * width], static_cast<size_t>(s.seqs[i].n_q * width));
     const std::vector<float> k = widen(b.k[i].data(), b.k[i].size()), v = widen(b.v[i].data(), b.v[i].size());
-    const CpuAttentionShape cs{.n_queries = s.seqs[i].n_q, .past = s.seqs[i].past, .n_heads = s.n_heads,
-                               .n_kv_heads = s.n_kv_heads, .head_dim = s.head_dim,
+    const CpuAttentionShape cs{.n_queries = s.seqs[i].n_q,
+                               .past = s.seqs[i].past,
+                               .n_heads = s.n_heads,
+                               .n_kv_heads = s.n_kv_heads,
+                               .head_dim = s.head_dim,
                                .scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim))};
     cpu_attention_causal(cs, q.data(), k.data(), v.data(), &out[q0 * width]);
   }
@@ -164,19 +168,29 @@ class CudaAttention : public ::testing::Test {
     const DeviceBuffer tables = upload(b.tables), starts = upload(b.query_start), lens = upload(b.seq_lens);
     const size_t n_out = static_cast<size_t>(b.tokens * s.n_heads * s.head_dim);
     DeviceBuffer out = upload(std::vector<uint16_t>(n_out, kPoison));
-    const size_t ws_bytes =
-        paged_attention_workspace_bytes(ctx_->props(), b.tokens, s.n_heads, s.head_dim, b.max_seq);
+    const size_t ws_bytes = paged_attention_workspace_bytes(ctx_->props(), b.tokens, s.n_heads, s.head_dim, b.max_seq);
     DeviceBuffer ws(std::max<size_t>(ws_bytes, 16));
-    const PagedAttentionArgs a{
-        .q = q.as<uint16_t>(), .gate = s.gated ? gate.as<uint16_t>() : nullptr, .out = out.as<uint16_t>(),
-        .cache = {.k = kp.as<uint16_t>(), .v = vp.as<uint16_t>(), .n_blocks = b.n_blocks,
-                  .block_size = s.block_size, .n_kv_heads = s.n_kv_heads, .head_dim = s.head_dim},
-        .block_tables = tables.as<int32_t>(), .max_blocks_per_seq = b.max_blocks,
-        .query_start = starts.as<int32_t>(), .seq_lens = lens.as<int32_t>(),
-        .n_seqs = static_cast<int64_t>(s.seqs.size()), .tokens = b.tokens, .n_heads = s.n_heads,
-        .max_query_len = b.max_q, .max_seq_len = b.max_seq,
-        .scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim)), .workspace = ws.data(),
-        .workspace_bytes = ws_bytes};
+    const PagedAttentionArgs a{.q = q.as<uint16_t>(),
+                               .gate = s.gated ? gate.as<uint16_t>() : nullptr,
+                               .out = out.as<uint16_t>(),
+                               .cache = {.k = kp.as<uint16_t>(),
+                                         .v = vp.as<uint16_t>(),
+                                         .n_blocks = b.n_blocks,
+                                         .block_size = s.block_size,
+                                         .n_kv_heads = s.n_kv_heads,
+                                         .head_dim = s.head_dim},
+                               .block_tables = tables.as<int32_t>(),
+                               .max_blocks_per_seq = b.max_blocks,
+                               .query_start = starts.as<int32_t>(),
+                               .seq_lens = lens.as<int32_t>(),
+                               .n_seqs = static_cast<int64_t>(s.seqs.size()),
+                               .tokens = b.tokens,
+                               .n_heads = s.n_heads,
+                               .max_query_len = b.max_q,
+                               .max_seq_len = b.max_seq,
+                               .scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim)),
+                               .workspace = ws.data(),
+                               .workspace_bytes = ws_bytes};
     TERN_TRY(paged_attention(*ctx_, a, variant));
     if (cudaError_t e = cudaStreamSynchronize(ctx_->stream()); e != cudaSuccess) {
       return make_error("kernel failed: {}", cudaGetErrorString(e));
@@ -274,14 +288,14 @@ struct PrepareShape {
 
 TEST_F(CudaAttention, PrepareMatchesCpuLayers) {
   const PrepareShape shapes[] = {
-      {7, 4, 2, 64, 64, true, false, false},   {33, 8, 2, 256, 64, true, true, true},  // Qwen3.5: partial, (1+w)
+      {7, 4, 2, 64, 64, true, false, false},    {33, 8, 2, 256, 64, true, true, true},  // Qwen3.5: partial, (1+w)
       {5, 2, 1, 128, 128, false, false, false}, {9, 6, 3, 32, 16, true, false, true},
-      {1, 16, 1, 128, 0, true, true, false},   // no RoPE
+      {1, 16, 1, 128, 0, true, true, false},  // no RoPE
   };
   uint32_t seed = 700;
   for (const PrepareShape& s : shapes) {
-    SCOPED_TRACE(fmt::format("T={} heads {}/{} hd {} rot {} norm {} zc {} gated {}", s.tokens, s.n_heads,
-                             s.n_kv_heads, s.head_dim, s.rotary_dim, s.norm, s.zero_centred, s.gated));
+    SCOPED_TRACE(fmt::format("T={} heads {}/{} hd {} rot {} norm {} zc {} gated {}", s.tokens, s.n_heads, s.n_kv_heads,
+                             s.head_dim, s.rotary_dim, s.norm, s.zero_centred, s.gated));
     std::mt19937 rng(++seed);
     const int64_t hd = s.head_dim, qw = s.n_heads * hd * (s.gated ? 2 : 1), kvw = s.n_kv_heads * hd;
     const int64_t stride = qw + 2 * kvw + 8;  // a fused qkv projection output with a padded row
@@ -305,17 +319,35 @@ TEST_F(CudaAttention, PrepareMatchesCpuLayers) {
     const DeviceBuffer d_pos = upload(positions), d_slots = upload(slots), d_freq = upload(inv_freq);
     DeviceBuffer q_out = upload(std::vector<uint16_t>(s.tokens * s.n_heads * hd, kPoison));
     DeviceBuffer gate_out = upload(std::vector<uint16_t>(s.tokens * s.n_heads * hd, kPoison));
-    DeviceBuffer kc = upload(std::vector<uint16_t>(n_slots * kvw, kPoison)), vc = upload(std::vector<uint16_t>(n_slots * kvw, kPoison));
+    DeviceBuffer kc = upload(std::vector<uint16_t>(n_slots * kvw, kPoison)),
+                 vc = upload(std::vector<uint16_t>(n_slots * kvw, kPoison));
     const uint16_t* base = d_qkv.as<uint16_t>();
-    const AttentionPrepareArgs a{
-        .q_proj = base, .q_proj_stride = stride, .k = base + qw, .v = base + qw + kvw, .kv_stride = stride,
-        .q_norm_weight = s.norm ? d_qw.as<uint16_t>() : nullptr, .k_norm_weight = s.norm ? d_kw.as<uint16_t>() : nullptr,
-        .eps = 1e-6f, .zero_centred = s.zero_centred, .positions = d_pos.as<int32_t>(), .inv_freq = d_freq.as<float>(),
-        .rotary_dim = s.rotary_dim, .slot_mapping = d_slots.as<int32_t>(), .q_out = q_out.as<uint16_t>(),
-        .gate_out = s.gated ? gate_out.as<uint16_t>() : nullptr,
-        .cache = {.k = kc.as<uint16_t>(), .v = vc.as<uint16_t>(), .n_blocks = n_blocks, .block_size = bs,
-                  .n_kv_heads = s.n_kv_heads, .head_dim = hd},
-        .tokens = s.tokens, .n_heads = s.n_heads, .n_kv_heads = s.n_kv_heads, .head_dim = hd, .gated = s.gated};
+    const AttentionPrepareArgs a{.q_proj = base,
+                                 .q_proj_stride = stride,
+                                 .k = base + qw,
+                                 .v = base + qw + kvw,
+                                 .kv_stride = stride,
+                                 .q_norm_weight = s.norm ? d_qw.as<uint16_t>() : nullptr,
+                                 .k_norm_weight = s.norm ? d_kw.as<uint16_t>() : nullptr,
+                                 .eps = 1e-6f,
+                                 .zero_centred = s.zero_centred,
+                                 .positions = d_pos.as<int32_t>(),
+                                 .inv_freq = d_freq.as<float>(),
+                                 .rotary_dim = s.rotary_dim,
+                                 .slot_mapping = d_slots.as<int32_t>(),
+                                 .q_out = q_out.as<uint16_t>(),
+                                 .gate_out = s.gated ? gate_out.as<uint16_t>() : nullptr,
+                                 .cache = {.k = kc.as<uint16_t>(),
+                                           .v = vc.as<uint16_t>(),
+                                           .n_blocks = n_blocks,
+                                           .block_size = bs,
+                                           .n_kv_heads = s.n_kv_heads,
+                                           .head_dim = hd},
+                                 .tokens = s.tokens,
+                                 .n_heads = s.n_heads,
+                                 .n_kv_heads = s.n_kv_heads,
+                                 .head_dim = hd,
+                                 .gated = s.gated};
     ASSERT_TRUE(attention_prepare(*ctx_, a).has_value());
     ctx_->synchronize();
     const auto got_q = download<uint16_t>(q_out, s.tokens * s.n_heads * hd);
@@ -383,9 +415,20 @@ TEST_F(CudaAttention, BadArgumentsAreErrors) {
   auto* p = buf.as<uint16_t>();
   auto* i32 = buf.as<int32_t>();
   const PagedKvCache cache{.k = p, .v = p, .n_blocks = 4, .block_size = 16, .n_kv_heads = 2, .head_dim = 64};
-  const PagedAttentionArgs good{.q = p, .out = p, .cache = cache, .block_tables = i32, .max_blocks_per_seq = 4,
-                                .query_start = i32, .seq_lens = i32, .n_seqs = 1, .tokens = 1, .n_heads = 4,
-                                .max_query_len = 1, .max_seq_len = 64, .scale = 0.125f, .workspace = buf.data(),
+  const PagedAttentionArgs good{.q = p,
+                                .out = p,
+                                .cache = cache,
+                                .block_tables = i32,
+                                .max_blocks_per_seq = 4,
+                                .query_start = i32,
+                                .seq_lens = i32,
+                                .n_seqs = 1,
+                                .tokens = 1,
+                                .n_heads = 4,
+                                .max_query_len = 1,
+                                .max_seq_len = 64,
+                                .scale = 0.125f,
+                                .workspace = buf.data(),
                                 .workspace_bytes = buf.size_bytes()};
   auto expect_error = [&](PagedAttentionArgs a, const std::string& text) {
     auto r = paged_attention(*ctx_, a);
@@ -417,13 +460,34 @@ TEST_F(CudaAttention, BadArgumentsAreErrors) {
   a.scale = 0.0f;
   expect_error(a, "scale=0 must be positive");
 
-  const AttentionPrepareArgs prep{.q_proj = p, .q_proj_stride = 256, .k = p, .v = p, .kv_stride = 128,
-                                  .positions = i32, .inv_freq = buf.as<float>(), .rotary_dim = 64,
-                                  .slot_mapping = i32, .q_out = p, .cache = cache, .tokens = 1, .n_heads = 4,
-                                  .n_kv_heads = 2, .head_dim = 64};
-  EXPECT_TRUE(attention_prepare(*ctx_, {.q_proj = p, .q_proj_stride = 256, .k = p, .v = p, .kv_stride = 128,
-                                        .rotary_dim = 0, .slot_mapping = i32, .q_out = p, .cache = cache,
-                                        .tokens = 0, .n_heads = 4, .n_kv_heads = 2, .head_dim = 64})
+  const AttentionPrepareArgs prep{.q_proj = p,
+                                  .q_proj_stride = 256,
+                                  .k = p,
+                                  .v = p,
+                                  .kv_stride = 128,
+                                  .positions = i32,
+                                  .inv_freq = buf.as<float>(),
+                                  .rotary_dim = 64,
+                                  .slot_mapping = i32,
+                                  .q_out = p,
+                                  .cache = cache,
+                                  .tokens = 1,
+                                  .n_heads = 4,
+                                  .n_kv_heads = 2,
+                                  .head_dim = 64};
+  EXPECT_TRUE(attention_prepare(*ctx_, {.q_proj = p,
+                                        .q_proj_stride = 256,
+                                        .k = p,
+                                        .v = p,
+                                        .kv_stride = 128,
+                                        .rotary_dim = 0,
+                                        .slot_mapping = i32,
+                                        .q_out = p,
+                                        .cache = cache,
+                                        .tokens = 0,
+                                        .n_heads = 4,
+                                        .n_kv_heads = 2,
+                                        .head_dim = 64})
                   .has_value());
   auto expect_prep_error = [&](AttentionPrepareArgs b, const std::string& text) {
     auto r = attention_prepare(*ctx_, b);
