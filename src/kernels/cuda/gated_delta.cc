@@ -26,7 +26,7 @@ Expected<void> conv_validate(const GdnConvArgs& a) {
   if (a.kernel < kGdnMinConvKernel || a.kernel > kGdnMaxConvKernel) {
     return make_error("{}: kernel={} must be in [{}, {}]", k, a.kernel, kGdnMinConvKernel, kGdnMaxConvKernel);
   }
-  if (a.channels <= 0 || a.channels > kMaxCount / kGdnMaxConvKernel) {
+  if (a.channels <= 0 || a.channels > kGdnMaxConvChannels) {
     return make_error("{}: channels={} out of range", k, a.channels);
   }
   if (a.x_stride < a.channels) return make_error("{}: x_stride={} is less than channels={}", k, a.x_stride, a.channels);

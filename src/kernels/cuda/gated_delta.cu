@@ -502,7 +502,7 @@ __global__ void __launch_bounds__(kChunkThreads) gdn_chunked_kernel(const GdnDel
 
 template <int kDk, int kChunk>
 void chunked_launch(const DeviceContext& ctx, const GdnDeltaRuleArgs& args, dim3 grid) {
-  const int bytes = ChunkLayout<kDk, kChunk>::kFloats * 4;
+  const int bytes = static_cast<int>(gdn_chunked_smem_bytes(kDk, kChunk));
   TERN_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunked_kernel<kDk, kChunk>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   gdn_chunked_kernel<kDk, kChunk><<<grid, kChunkThreads, bytes, ctx.stream()>>>(args);
@@ -528,8 +528,13 @@ int conv_lanes(int64_t max_query_len) {
 bool gdn_head_dim_supported(int64_t dim) { return dim == 32 || dim == 64 || dim == 128; }
 
 int64_t gdn_chunked_smem_bytes(int64_t key_dim, int64_t chunk) {
-  // ChunkLayout's sum: q and k rows (padded), the state slice, A (padded), delta (padded), gamma, beta, weights.
-  return 4 * (2 * chunk * (key_dim + 4) + key_dim * kGdnValueSlice + chunk * (chunk + 4) + chunk * kVLd + 3 * chunk);
+  auto bytes = [](auto layout) { return int64_t{decltype(layout)::kFloats} * 4; };
+  const bool long_chunk = chunk == 64;
+  switch (key_dim) {
+    case 32: return long_chunk ? bytes(ChunkLayout<32, 64>{}) : bytes(ChunkLayout<32, 32>{});
+    case 64: return long_chunk ? bytes(ChunkLayout<64, 64>{}) : bytes(ChunkLayout<64, 32>{});
+    default: return long_chunk ? bytes(ChunkLayout<128, 64>{}) : bytes(ChunkLayout<128, 32>{});
+  }
 }
 
 int64_t gdn_chunked_chunk_len(const DeviceProps& props, int64_t key_dim) {

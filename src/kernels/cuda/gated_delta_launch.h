@@ -69,12 +69,13 @@ enum class GdnVariant {
 // Limits the kernels are built for (the launchers reject anything else).
 inline constexpr int64_t kGdnMinConvKernel = 2;
 inline constexpr int64_t kGdnMaxConvKernel = 8;
+inline constexpr int64_t kGdnMaxConvChannels = int64_t{1} << 20;  // channel tiles stay within the grid's y limit
 inline constexpr int64_t kGdnRecurrentMaxQueryLen = 16;  // kAuto: at most this many rows per sequence -> recurrent
 inline constexpr int64_t kGdnValueSlice = 32;            // value columns per block; dv must be a multiple
 bool gdn_head_dim_supported(int64_t dim);                // 32, 64 or 128
 
-// Shared memory of the chunked kernel for a key_dim and chunk length, and the chunk length it uses on this
-// device (64 where it fits, else 32; 0 if neither fits).
+// Shared memory of the chunked kernel for a supported key_dim and a chunk of 32 or 64 rows, and the chunk length
+// it uses on this device (64 where it fits, else 32; 0 if neither fits).
 int64_t gdn_chunked_smem_bytes(int64_t key_dim, int64_t chunk);
 int64_t gdn_chunked_chunk_len(const DeviceProps& props, int64_t key_dim);
 
