@@ -1,0 +1,67 @@
+// The Gated DeltaNet ops of the model path in the registry (shared model-specs.md section 2.4), bf16 activations:
+//   gdn_conv        dims {n_seqs, max_query_len, channels, kernel}: causal depthwise conv1d + SiLU over a ragged
+//                   batch, continuing from and updating each sequence's conv state.
+//                   Output: [y (tokens x channels) | conv state of every slot after the call (n_slots x channels x
+//                   (kernel-1))].
+//   gdn_delta_rule  dims {n_seqs, max_query_len, n_key_heads, n_value_heads, key_dim, value_dim}: l2norm of q/k, q
+//                   scale, g and beta from a/b, and the recurrence over a ragged batch, from and into the state.
+//                   Output: [out (tokens x Hv x dv) | state of every slot after the call (n_slots x Hv x dk x dv)].
+// The batch (gdn_batch_make): sequence 0 has max_query_len rows, the others 1..max_query_len drawn from the seed;
+// odd sequences continue (seq_past > 0, a random state in their slot), even ones are new (their slot holds NaN,
+// which must be ignored); slots are assigned in reverse and slot 0 belongs to no sequence, so it must come back
+// unchanged. Harnesses draw fresh, non-zero, bf16-exact inputs of realistic scale from the seed and compute the
+// reference in fp64 from the spec formulas; the CPU implementations ("cpu") run kernels/cpu/gated_delta.h with the
+// fp32 preparation of layers/gated_deltanet.cc.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/error.h"
+#include "ops/registry.h"
+
+namespace tern {
+
+struct GdnBatch {
+  std::vector<int32_t> query_start;  // [n_seqs + 1]
+  std::vector<int32_t> state_slot;   // [n_seqs]
+  std::vector<int32_t> seq_past;     // [n_seqs]
+  int64_t n_seqs = 0, tokens = 0, max_query_len = 0, n_slots = 0;
+};
+GdnBatch gdn_batch_make(int64_t n_seqs, int64_t max_query_len, uint64_t seed);
+
+struct GdnConvInputs : OpInputs {
+  GdnBatch batch;
+  int64_t channels = 0, kernel = 0, x_stride = 0;
+  std::vector<uint16_t> x;           // [tokens, x_stride] bf16 (columns past `channels` are padding)
+  std::vector<float> weight;         // [channels, kernel]
+  std::vector<uint16_t> conv_state;  // [n_slots, channels, kernel - 1] bf16, before the call
+};
+
+struct GdnDeltaRuleInputs : OpInputs {
+  GdnBatch batch;
+  int64_t n_key_heads = 0, n_value_heads = 0, key_dim = 0, value_dim = 0;
+  int64_t qkv_stride = 0, ab_stride = 0;
+  std::vector<uint16_t> qkv;            // [tokens, qkv_stride] bf16: q | k | v | padding
+  std::vector<uint16_t> a, b;           // [tokens, ab_stride] bf16
+  std::vector<float> a_log, dt_bias;    // [n_value_heads]
+  std::vector<float> state;             // [n_slots, Hv, dk, dv], before the call
+  int64_t width() const { return 2 * n_key_heads * key_dim + n_value_heads * value_dim; }
+};
+
+// The CPU path's results in the op's output layout (used by the "cpu" implementations and the GPU kernel tests).
+std::vector<float> gdn_conv_cpu(const GdnConvInputs& in);
+std::vector<float> gdn_delta_rule_cpu(const GdnDeltaRuleInputs& in);
+
+// Adds the harnesses of both ops and their CPU implementations ("cpu").
+Expected<void> gdn_register_cpu(Registry& registry);
+
+SelfTestCase gdn_conv_case(int64_t n_seqs, int64_t max_query_len, int64_t channels, int64_t kernel);
+SelfTestCase gdn_delta_rule_case(int64_t n_seqs, int64_t max_query_len, int64_t n_key_heads, int64_t n_value_heads,
+                                 int64_t key_dim, int64_t value_dim);
+
+// bf16 outputs next to fp32 states in one vector, judged against max|ref| of the whole vector (see gdn_op.cc).
+inline constexpr Tolerance kGdnConvBf16Tolerance{.rel = 1.0 / 256 + 1.0 / 65536, .abs = 0.0};
+inline constexpr Tolerance kGdnDeltaRuleBf16Tolerance{.rel = 1.0 / 256 + 1.0 / 1024, .abs = 0.0};
+
+}  // namespace tern
