@@ -1,6 +1,7 @@
 // Argument checks of the paged attention kernels; the kernels are in attention.cu.
 #include "kernels/cuda/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -140,8 +141,14 @@ Expected<void> decode_check_workspace(const DeviceContext& ctx, const PagedAtten
 
 size_t paged_attention_workspace_bytes(const DeviceProps& props, int64_t tokens, int64_t n_heads, int64_t head_dim,
                                        int64_t max_seq_len) {
-  const int64_t n_splits = attention_decode_splits(props.num_sms, tokens, 1, max_seq_len);
-  return attention_decode_workspace_bytes(n_splits, tokens, n_heads, head_dim);
+  // Fewer tokens get more splits, so the need is not monotone in the token count: take the largest over every count
+  // up to `tokens` (a bound on the product splits * tokens keeps it small: about 2 * SMs + tokens rows).
+  size_t most = 0;
+  for (int64_t t = 1; t <= tokens; ++t) {
+    const int64_t n_splits = attention_decode_splits(props.num_sms, t, 1, max_seq_len);
+    most = std::max(most, attention_decode_workspace_bytes(n_splits, t, n_heads, head_dim));
+  }
+  return most;
 }
 
 Expected<void> attention_prepare(const DeviceContext& ctx, const AttentionPrepareArgs& args) {

@@ -16,7 +16,8 @@
 
 namespace tern {
 
-// The split-K workspace paged_attention needs for any n_kv_heads and any variant with these bounds (0: none).
+// The split-K workspace paged_attention needs for any n_kv_heads, any variant and any token count up to `tokens`
+// with these bounds (0: none).
 size_t paged_attention_workspace_bytes(const DeviceProps& props, int64_t tokens, int64_t n_heads, int64_t head_dim,
                                        int64_t max_seq_len);
 

@@ -349,11 +349,13 @@ Expected<void> GpuBackend::allocate_caches() {
     cache_buffers_.push_back(std::move(v));
   }
   for (int64_t b = kv_blocks_ - 1; b >= 0; --b) pool_->free_blocks.push_back(static_cast<int32_t>(b));
-  // The split-K workspace depends on the longest context the cache can hold.
+  // The split-K workspace (decode variant only, which kAuto picks for at most kAttentionDecodeMaxQueryLen rows per
+  // sequence) depends on the rows of a step and the longest context the cache can hold.
+  const int64_t decode_rows = std::min(options_.max_batch_tokens, kAttentionDecodeMaxQueryLen * options_.max_sequences);
   for (const GpuLayer& l : layers_) {
     if (!l.attention) continue;
     attention_workspace_bytes_ = std::max(
-        attention_workspace_bytes_, paged_attention_workspace_bytes(ctx_.props(), options_.max_batch_tokens,
+        attention_workspace_bytes_, paged_attention_workspace_bytes(ctx_.props(), decode_rows,
                                                                     l.attention->shape.n_heads,
                                                                     l.attention->shape.head_dim, kv_blocks_ * bs));
   }
