@@ -237,13 +237,13 @@ struct ExpertWeights {
   }
 };
 
-// N(0, 1) * row_scale per row; NVFP4 rows also get a factor 2^U(-6, 6) so block scales cover a wide e4m3 range.
-// Each expert of an NVFP4 projection has its own global scale (ModelOpt's per-expert weight_scale_2).
+// N(0, 1) * row_scale per row; NVFP4 rows also get a factor 2^U(-spread, spread) so block scales cover a wide e4m3
+// range. Each expert of an NVFP4 projection has its own global scale (ModelOpt's per-expert weight_scale_2).
 ExpertWeights make_expert_weights(MoeWeightFormat format, int64_t n_experts, int64_t n, int64_t k, float row_scale,
-                                  std::mt19937& rng) {
+                                  std::mt19937& rng, float spread = 6.0f) {
   ExpertWeights w{.format = format, .n_experts = n_experts, .n = n, .k = k};
   std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::uniform_real_distribution<float> row_exp(-6.0f, 6.0f);
+  std::uniform_real_distribution<float> row_exp(-spread, spread);
   for (int64_t e = 0; e < n_experts; ++e) {
     std::vector<float> m(static_cast<size_t>(n * k));
     for (int64_t r = 0; r < n; ++r) {
@@ -401,8 +401,10 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
   const std::vector<uint16_t> router = make_router(s, rng);
   // gate/up and down scaled by 1/sqrt(fan-in) keep every intermediate O(1). NVFP4 gate_up is quantized per expert
   // as one [2I, H] matrix: gate and up share weight_scale_2, as ModelOpt exports them.
-  const ExpertWeights gate_up = make_expert_weights(format, e_count, 2 * inter, h, 1.0f / std::sqrt(float(h)), rng);
-  const ExpertWeights down = make_expert_weights(format, e_count, h, inter, 1.0f / std::sqrt(float(inter)), rng);
+  // (NVFP4 rows spread over 2^+-1 only: the block's intermediates stay O(1), as a trained model's do.)
+  const ExpertWeights gate_up =
+      make_expert_weights(format, e_count, 2 * inter, h, 1.0f / std::sqrt(float(h)), rng, 1.0f);
+  const ExpertWeights down = make_expert_weights(format, e_count, h, inter, 1.0f / std::sqrt(float(inter)), rng, 1.0f);
   const int64_t si = std::max<int64_t>(s.shared_inter, 8);
   const ExpertWeights shared_gu = make_expert_weights(MoeWeightFormat::kBf16, 1, 2 * si, h, 1.0f / std::sqrt(float(h)), rng);
   const ExpertWeights shared_down = make_expert_weights(MoeWeightFormat::kBf16, 1, h, si, 1.0f / std::sqrt(float(si)), rng);
