@@ -1,0 +1,254 @@
+// Argument checks and dispatch of the MoE kernels; the kernels are in moe_route.cu (route, align, combine) and
+// moe_gemm.cu (the grouped expert GEMM).
+#include "kernels/cuda/moe.h"
+
+#include <limits>
+
+#include "kernels/cuda/elementwise.h"
+
+namespace tern {
+namespace {
+
+// Row counts (tokens * top_k) and element offsets inside one row stay within int32 in the kernels.
+constexpr int64_t kMaxRows = std::numeric_limits<int32_t>::max() / 2;
+constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max() / 2;
+
+bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+Expected<void> check_ptr(const char* kernel, const char* name, const void* ptr, uintptr_t align = 1) {
+  if (ptr == nullptr) return make_error("{}: {} is null", kernel, name);
+  if (!is_aligned(ptr, align)) return make_error("{}: {} is not {}-byte aligned", kernel, name, align);
+  return {};
+}
+
+// tokens, n_experts and top_k as every MoE kernel takes them.
+Expected<void> check_routing_shape(const char* kernel, int64_t tokens, int64_t n_experts, int64_t top_k) {
+  if (n_experts < 1 || n_experts > kMoeMaxExperts) {
+    return make_error("{}: n_experts={} must be in [1, {}]", kernel, n_experts, kMoeMaxExperts);
+  }
+  if (top_k < 1 || top_k > kMoeMaxTopK || top_k > n_experts) {
+    return make_error("{}: top_k={} must be in [1, min(n_experts={}, {})]", kernel, top_k, n_experts, kMoeMaxTopK);
+  }
+  if (tokens < 0 || tokens > kMaxRows / top_k) {
+    return make_error("{}: tokens={} out of range for top_k={}", kernel, tokens, top_k);
+  }
+  return {};
+}
+
+Expected<void> route_validate(const MoeRouteArgs& a) {
+  constexpr const char* k = "moe_route";
+  TERN_TRY(check_routing_shape(k, a.tokens, a.n_experts, a.top_k));
+  if (a.logits_stride < a.n_experts || a.logits_stride > kMaxDim) {
+    return make_error("{}: logits_stride={} must be at least n_experts={}", k, a.logits_stride, a.n_experts);
+  }
+  TERN_TRY(check_ptr(k, "logits", a.logits, 2));
+  TERN_TRY(check_ptr(k, "topk_ids", a.topk_ids, 4));
+  return check_ptr(k, "topk_weights", a.topk_weights, 4);
+}
+
+Expected<void> align_validate(const MoeAlignArgs& a) {
+  constexpr const char* k = "moe_align";
+  TERN_TRY(check_routing_shape(k, a.tokens, a.n_experts, a.top_k));
+  TERN_TRY(check_ptr(k, "topk_ids", a.topk_ids, 4));
+  TERN_TRY(check_ptr(k, "expert_offsets", a.expert_offsets, 4));
+  TERN_TRY(check_ptr(k, "sorted_pairs", a.sorted_pairs, 4));
+  TERN_TRY(check_ptr(k, "pair_row", a.pair_row, 4));
+  const size_t needed = moe_align_workspace_bytes(a.tokens, a.top_k, a.n_experts);
+  if (a.workspace_bytes < needed || (needed > 0 && a.workspace == nullptr)) {
+    return make_error("{}: workspace of {} bytes at {} is smaller than the {} bytes needed", k, a.workspace_bytes,
+                      a.workspace, needed);
+  }
+  return {};
+}
+
+Expected<void> weights_validate(const char* k, const MoeExpertWeights& w) {
+  if (w.n < 1 || w.n > kMaxDim) return make_error("{}: n={} out of range", k, w.n);
+  if (w.k < 16 || w.k % 16 != 0 || w.k > kMaxDim) {
+    return make_error("{}: k={} must be a positive multiple of 16", k, w.k);
+  }
+  if (w.format == MoeWeightFormat::kBf16) {
+    TERN_TRY(check_ptr(k, "bf16 weight", w.bf16, 16));
+    if (w.bf16_expert_stride < w.n * w.k || w.bf16_expert_stride % 8 != 0) {
+      return make_error("{}: bf16_expert_stride={} must be a multiple of 8 and at least n*k={}", k,
+                        w.bf16_expert_stride, w.n * w.k);
+    }
+    return {};
+  }
+  if (w.format != MoeWeightFormat::kNvfp4) return make_error("{}: unknown weight format", k);
+  TERN_TRY(check_ptr(k, "packed weight", w.packed, 8));
+  TERN_TRY(check_ptr(k, "weight scales", w.scales, 1));
+  TERN_TRY(check_ptr(k, "global_scales", w.global_scales, 4));
+  if (w.packed_expert_stride < w.n * w.k / 2 || w.packed_expert_stride % 8 != 0) {
+    return make_error("{}: packed_expert_stride={} must be a multiple of 8 and at least n*k/2={}", k,
+                      w.packed_expert_stride, w.n * w.k / 2);
+  }
+  if (w.scales_expert_stride < w.n * w.k / 16) {
+    return make_error("{}: scales_expert_stride={} must be at least n*k/16={}", k, w.scales_expert_stride,
+                      w.n * w.k / 16);
+  }
+  return {};
+}
+
+Expected<void> gemm_validate(const MoeGemmArgs& a) {
+  constexpr const char* k = "moe_gemm";
+  const MoeExpertWeights& w = a.w;
+  if (w.n_experts < 1 || w.n_experts > kMoeMaxExperts) {
+    return make_error("{}: n_experts={} must be in [1, {}]", k, w.n_experts, kMoeMaxExperts);
+  }
+  TERN_TRY(weights_validate(k, w));
+  if (a.rows < 0 || a.rows > kMaxRows) return make_error("{}: rows={} out of range", k, a.rows);
+  if (a.top_k < 1 || a.top_k > kMoeMaxTopK) return make_error("{}: top_k={} out of range", k, a.top_k);
+  TERN_TRY(check_ptr(k, "x", a.x, 16));
+  if (a.ldx < w.k || a.ldx % 8 != 0 || a.ldx > kMaxDim) {
+    return make_error("{}: ldx={} must be a multiple of 8 and at least k={}", k, a.ldx, w.k);
+  }
+  TERN_TRY(check_ptr(k, "y", a.y, 4));
+  if (a.ldy < w.n || a.ldy > kMaxDim) return make_error("{}: ldy={} must be at least n={}", k, a.ldy, w.n);
+  TERN_TRY(check_ptr(k, "expert_offsets", a.expert_offsets, 4));
+  if (a.gather) TERN_TRY(check_ptr(k, "sorted_pairs (needed to gather)", a.sorted_pairs, 4));
+  return {};
+}
+
+// The pieces of moe_forward's workspace, each 256-byte aligned.
+struct ForwardLayout {
+  size_t ids, weights, offsets, sorted_pairs, pair_row, gate_up, act, expert_out, align, total;
+};
+
+ForwardLayout forward_layout(int64_t tokens, int64_t top_k, int64_t n_experts, int64_t inter, int64_t hidden) {
+  const auto rows = static_cast<size_t>(tokens * top_k);
+  size_t at = 0;
+  auto take = [&at](size_t bytes) {
+    const size_t here = at;
+    at += (bytes + 255) / 256 * 256;
+    return here;
+  };
+  ForwardLayout l{};
+  l.ids = take(rows * 4);
+  l.weights = take(rows * 4);
+  l.offsets = take(static_cast<size_t>(n_experts + 1) * 4);
+  l.sorted_pairs = take(rows * 4);
+  l.pair_row = take(rows * 4);
+  l.gate_up = take(rows * static_cast<size_t>(2 * inter) * 2);
+  l.act = take(rows * static_cast<size_t>(inter) * 2);
+  l.expert_out = take(rows * static_cast<size_t>(hidden) * 2);
+  l.align = take(moe_align_workspace_bytes(tokens, top_k, n_experts));
+  l.total = at;
+  return l;
+}
+
+Expected<void> forward_validate(const MoeForwardArgs& a) {
+  constexpr const char* k = "moe_forward";
+  TERN_TRY(check_routing_shape(k, a.tokens, a.n_experts, a.top_k));
+  if (a.inter < 8 || a.inter % 8 != 0) return make_error("{}: inter={} must be a positive multiple of 8", k, a.inter);
+  if (a.gate_up.n_experts != a.n_experts || a.gate_up.n != 2 * a.inter || a.gate_up.k != a.hidden) {
+    return make_error("{}: gate_up weights are [{}][{}][{}], want [{}][{}][{}]", k, a.gate_up.n_experts, a.gate_up.n,
+                      a.gate_up.k, a.n_experts, 2 * a.inter, a.hidden);
+  }
+  if (a.down.n_experts != a.n_experts || a.down.n != a.hidden || a.down.k != a.inter) {
+    return make_error("{}: down weights are [{}][{}][{}], want [{}][{}][{}]", k, a.down.n_experts, a.down.n, a.down.k,
+                      a.n_experts, a.hidden, a.inter);
+  }
+  const size_t needed = moe_forward_workspace_bytes(a.tokens, a.top_k, a.n_experts, a.inter, a.hidden);
+  if (a.workspace_bytes < needed) {
+    return make_error("{}: workspace of {} bytes is smaller than the {} bytes needed", k, a.workspace_bytes, needed);
+  }
+  return check_ptr(k, "workspace", a.workspace, 256);
+}
+
+Expected<void> combine_validate(const MoeCombineArgs& a) {
+  constexpr const char* k = "moe_combine";
+  if (a.top_k < 1 || a.top_k > kMoeMaxTopK) return make_error("{}: top_k={} out of range", k, a.top_k);
+  if (a.tokens < 0 || a.tokens > kMaxRows / a.top_k) return make_error("{}: tokens={} out of range", k, a.tokens);
+  if (a.hidden < 8 || a.hidden % 8 != 0 || a.hidden > kMaxDim) {
+    return make_error("{}: hidden={} must be a positive multiple of 8", k, a.hidden);
+  }
+  TERN_TRY(check_ptr(k, "expert_out", a.expert_out, 16));
+  TERN_TRY(check_ptr(k, "pair_row", a.pair_row, 4));
+  TERN_TRY(check_ptr(k, "topk_ids", a.topk_ids, 4));
+  TERN_TRY(check_ptr(k, "topk_weights", a.topk_weights, 4));
+  TERN_TRY(check_ptr(k, "y", a.y, 16));
+  if (a.shared_out != nullptr || a.shared_gate != nullptr) {
+    TERN_TRY(check_ptr(k, "shared_out", a.shared_out, 16));
+    TERN_TRY(check_ptr(k, "shared_gate (needed with shared_out)", a.shared_gate, 2));
+    if (a.shared_gate_stride < 1 || a.shared_gate_stride > kMaxDim) {
+      return make_error("{}: shared_gate_stride={} must be positive", k, a.shared_gate_stride);
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+size_t moe_align_workspace_bytes(int64_t, int64_t, int64_t) { return 0; }
+
+Expected<void> moe_route(const DeviceContext& ctx, const MoeRouteArgs& args) {
+  TERN_TRY(route_validate(args));
+  if (args.tokens > 0) moe_route_launch(ctx, args);
+  return {};
+}
+
+Expected<void> moe_align(const DeviceContext& ctx, const MoeAlignArgs& args) {
+  TERN_TRY(align_validate(args));
+  // With no tokens the offsets are still written (all zero), so a following GEMM sees empty experts.
+  moe_align_launch(ctx, args);
+  return {};
+}
+
+Expected<void> moe_gemm(const DeviceContext& ctx, const MoeGemmArgs& args, MoeGemmVariant variant) {
+  TERN_TRY(gemm_validate(args));
+  if (args.rows == 0) return {};
+  const bool decode = variant == MoeGemmVariant::kDecode ||
+                      (variant == MoeGemmVariant::kAuto && args.rows <= kMoeDecodeMaxTokens * args.top_k);
+  if (decode) {
+    moe_gemm_launch_decode(ctx, args);
+  } else {
+    moe_gemm_launch_prefill(ctx, args);
+  }
+  return {};
+}
+
+Expected<void> moe_combine(const DeviceContext& ctx, const MoeCombineArgs& args) {
+  TERN_TRY(combine_validate(args));
+  if (args.tokens > 0) moe_combine_launch(ctx, args);
+  return {};
+}
+
+size_t moe_forward_workspace_bytes(int64_t tokens, int64_t top_k, int64_t n_experts, int64_t inter, int64_t hidden) {
+  return forward_layout(tokens, top_k, n_experts, inter, hidden).total;
+}
+
+// Every step is a checked launch, so a bad weight view or buffer is reported by the step that would use it.
+Expected<void> moe_forward(const DeviceContext& ctx, const MoeForwardArgs& a) {
+  TERN_TRY(forward_validate(a));
+  if (a.tokens == 0) return {};
+  const ForwardLayout l = forward_layout(a.tokens, a.top_k, a.n_experts, a.inter, a.hidden);
+  auto* base = static_cast<unsigned char*>(a.workspace);
+  auto* ids = reinterpret_cast<int32_t*>(base + l.ids);
+  auto* weights = reinterpret_cast<float*>(base + l.weights);
+  auto* offsets = reinterpret_cast<int32_t*>(base + l.offsets);
+  auto* sorted_pairs = reinterpret_cast<int32_t*>(base + l.sorted_pairs);
+  auto* pair_row = reinterpret_cast<int32_t*>(base + l.pair_row);
+  auto* gate_up = reinterpret_cast<uint16_t*>(base + l.gate_up);
+  auto* act = reinterpret_cast<uint16_t*>(base + l.act);
+  auto* expert_out = reinterpret_cast<uint16_t*>(base + l.expert_out);
+  const int64_t rows = a.tokens * a.top_k;
+  TERN_TRY(moe_route(ctx, {.logits = a.router_logits, .logits_stride = a.logits_stride, .topk_ids = ids,
+                           .topk_weights = weights, .tokens = a.tokens, .n_experts = a.n_experts, .top_k = a.top_k,
+                           .renormalize = a.renormalize}));
+  TERN_TRY(moe_align(ctx, {.topk_ids = ids, .tokens = a.tokens, .top_k = a.top_k, .n_experts = a.n_experts,
+                           .expert_offsets = offsets, .sorted_pairs = sorted_pairs, .pair_row = pair_row,
+                           .workspace = base + l.align, .workspace_bytes = l.total - l.align}));
+  TERN_TRY(moe_gemm(ctx, {.x = a.x, .ldx = a.hidden, .sorted_pairs = sorted_pairs, .top_k = a.top_k, .gather = true,
+                          .expert_offsets = offsets, .w = a.gate_up, .y = gate_up, .ldy = 2 * a.inter, .rows = rows},
+                    a.variant));
+  TERN_TRY(silu_mul(ctx, {.gate_up = gate_up, .y = act, .rows = rows, .inter = a.inter}));
+  TERN_TRY(moe_gemm(ctx, {.x = act, .ldx = a.inter, .sorted_pairs = sorted_pairs, .top_k = a.top_k, .gather = false,
+                          .expert_offsets = offsets, .w = a.down, .y = expert_out, .ldy = a.hidden, .rows = rows},
+                    a.variant));
+  return moe_combine(ctx, {.expert_out = expert_out, .pair_row = pair_row, .topk_ids = ids, .topk_weights = weights,
+                           .shared_out = a.shared_out, .shared_gate = a.shared_gate,
+                           .shared_gate_stride = a.shared_gate_stride, .y = a.y, .tokens = a.tokens,
+                           .top_k = a.top_k, .hidden = a.hidden});
+}
+
+}  // namespace tern

@@ -1,0 +1,121 @@
+// Argument structs and unchecked launchers of the sparse Mixture-of-Experts kernels (shared model-specs.md section
+// 2.6; CPU semantics in layers/moe.h). Activations are bf16 (uint16_t bit patterns), the math inside fp32. The .cu
+// side cannot include core/error.h (nvcc rejects fmt's consteval format strings), so validation lives in moe.cc and
+// callers use moe.h.
+//
+// One MoE block on the GPU, with the router GEMM, the SwiGLU activation and the shared expert done by the dense
+// kernels (gemm_bf16 / gemm_nvfp4_w4a16, silu_mul):
+//   logits [T, E]        = x . router^T                      gemm_bf16
+//   topk ids, weights    = moe_route(logits)                 softmax (fp32), top-k, optional renormalisation
+//   offsets, permutation = moe_align(ids)                    counting sort of the T*k (token, j) pairs by expert
+//   gate_up [T*k, 2I]    = moe_gemm(x gathered, W_gate_up)   one launch for all experts
+//   act [T*k, I]         = silu_mul(gate_up)
+//   expert_out [T*k, H]  = moe_gemm(act, W_down)
+//   y [T, H]             = moe_combine(expert_out, weights)  + sigmoid(shared_gate) * shared_out
+// Nothing here synchronises with the host: the host knows tokens, top_k and n_experts, never the per-expert counts,
+// so every launch is sized for the worst case and blocks find their work in expert_offsets on the device.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/device.h"
+
+namespace tern {
+
+// Limits the kernels are built for (the launchers reject anything beyond them).
+inline constexpr int64_t kMoeMaxExperts = 512;  // the align kernel keeps per-warp counts of every expert in smem
+inline constexpr int64_t kMoeMaxTopK = 32;      // the route kernel keeps one selection per lane of a warp
+
+// Softmax (fp32) over each row's logits, top-k with ties to the lower expert index (torch.topk, layers/moe.cc),
+// optional renormalisation of the k probabilities to sum 1. The weights stay fp32, as layers/moe.cc keeps them.
+// A NaN probability ranks below every number, so the ids are always k distinct experts in range.
+struct MoeRouteArgs {
+  const uint16_t* logits = nullptr;  // [tokens, logits_stride] bf16, the first n_experts columns are used
+  int64_t logits_stride = 0;         // elements between rows, >= n_experts
+  int32_t* topk_ids = nullptr;       // [tokens, top_k], in descending probability order
+  float* topk_weights = nullptr;     // [tokens, top_k]
+  int64_t tokens = 0, n_experts = 0, top_k = 0;
+  bool renormalize = true;
+};
+
+// Counting sort of the tokens*top_k (token, j) pairs by expert, stable in pair order (pair index t*top_k + j), so
+// an expert's rows are its tokens in ascending order. An id outside [0, n_experts) lands in a bucket after the
+// last expert: expert_offsets[n_experts] counts the valid pairs, and the rows past it belong to no expert (no
+// GEMM writes them); the pipeline's own route kernel never produces such ids.
+struct MoeAlignArgs {
+  const int32_t* topk_ids = nullptr;  // [tokens, top_k]
+  int64_t tokens = 0, top_k = 0, n_experts = 0;
+  int32_t* expert_offsets = nullptr;  // [n_experts + 1]: permuted rows of expert e are [off[e], off[e+1])
+  int32_t* sorted_pairs = nullptr;    // [tokens*top_k]: pair index (t*top_k + j) at each permuted row
+  int32_t* pair_row = nullptr;        // [tokens*top_k]: permuted row of each pair (the inverse)
+  void* workspace = nullptr;          // from moe_align_workspace_bytes() (the single-block kernel needs none)
+  size_t workspace_bytes = 0;
+};
+
+// One projection of all experts: bf16 [n_experts][n][k] at bf16_expert_stride elements apart, or NVFP4 (ModelOpt
+// layout) packed e2m1 [n_experts][n][k/2] and e4m3 block scales [n_experts][n][k/16] at their expert strides (bytes)
+// with one fp32 weight_scale_2 per expert in global_scales (device memory).
+enum class MoeWeightFormat { kBf16, kNvfp4 };
+
+struct MoeExpertWeights {
+  MoeWeightFormat format = MoeWeightFormat::kBf16;
+  int64_t n_experts = 0, n = 0, k = 0;
+  const uint16_t* bf16 = nullptr;
+  int64_t bf16_expert_stride = 0;
+  const uint8_t* packed = nullptr;
+  int64_t packed_expert_stride = 0;
+  const uint8_t* scales = nullptr;
+  int64_t scales_expert_stride = 0;
+  const float* global_scales = nullptr;  // [n_experts]
+};
+
+// Grouped GEMM over all experts in one launch: for each permuted row r of expert e,
+// y[r, 0..n) = x[src(r)] . W_e^T, src(r) = sorted_pairs[r] / top_k when gather (x holds token rows), else r (x holds
+// permuted rows already, as the down projection's input does). Rows past expert_offsets[n_experts] are not written.
+struct MoeGemmArgs {
+  const uint16_t* x = nullptr;  // [tokens or rows, ldx] bf16
+  int64_t ldx = 0;
+  const int32_t* sorted_pairs = nullptr;  // needed when gather
+  int64_t top_k = 1;
+  bool gather = false;
+  const int32_t* expert_offsets = nullptr;  // [n_experts + 1]
+  MoeExpertWeights w;
+  uint16_t* y = nullptr;  // [rows, ldy] bf16: columns [0, n) of each row are written (gate and up can share one
+  int64_t ldy = 0;        // [rows, 2I] buffer, the up launch writing at y + I)
+  int64_t rows = 0;       // tokens * top_k
+};
+
+// y[t] = sum_j topk_weights[t,j] * expert_out[pair_row[t*top_k+j]] summed in fp32 in ascending expert index order
+// (as layers/moe.cc adds experts), then + sigmoid(shared_gate[t]) * shared_out[t] when shared_out is set; one bf16
+// rounding per output. Every pair must have a valid expert (the rows of out-of-range ids hold nothing).
+struct MoeCombineArgs {
+  const uint16_t* expert_out = nullptr;  // [tokens*top_k, hidden] bf16, permuted rows
+  const int32_t* pair_row = nullptr;     // [tokens*top_k]
+  const int32_t* topk_ids = nullptr;     // [tokens, top_k]: only the summation order is taken from them
+  const float* topk_weights = nullptr;   // [tokens, top_k]
+  const uint16_t* shared_out = nullptr;  // optional [tokens, hidden] bf16
+  const uint16_t* shared_gate = nullptr; // [tokens] bf16 at shared_gate_stride elements apart, with shared_out
+  int64_t shared_gate_stride = 1;
+  uint16_t* y = nullptr;                 // [tokens, hidden] bf16
+  int64_t tokens = 0, top_k = 0, hidden = 0;
+};
+
+enum class MoeGemmVariant {
+  kAuto,     // decode while tokens (= rows / top_k) <= kMoeDecodeMaxTokens, else prefill
+  kDecode,   // weight streaming: any row count (an expert's rows are taken 16 at a time), best for few rows
+  kPrefill,  // tensor-core tiles over each expert's rows
+};
+
+// Up to here each expert has at most this many rows (a token picks an expert once), so decode reads each active
+// expert's weight about once per 16 rows while prefill's 64-row tiles would be mostly padding.
+inline constexpr int64_t kMoeDecodeMaxTokens = 64;
+
+// Unchecked launches on ctx.stream() for arguments the checked launchers have validated (counts >= 1).
+void moe_route_launch(const DeviceContext& ctx, const MoeRouteArgs& args);
+void moe_align_launch(const DeviceContext& ctx, const MoeAlignArgs& args);
+void moe_combine_launch(const DeviceContext& ctx, const MoeCombineArgs& args);
+void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& args);
+void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& args);
+
+}  // namespace tern

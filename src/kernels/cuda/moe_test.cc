@@ -1,0 +1,546 @@
+// The MoE kernels against the CPU (label gpu): routing against an fp64 softmax/top-k with torch.topk's tie rule,
+// the alignment against a host counting sort (exactly), the grouped GEMM against an fp64 product per permuted row
+// (gemm_test_util.h's tolerance), and the whole block against layers/moe.h Moe::forward on the same weights. Every
+// output buffer is poisoned first (0xFF bytes: -1 ids, NaN values), so an unwritten element fails.
+#include "kernels/cuda/moe.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/formats.h"
+#include "core/nvfp4.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemm_bf16.h"
+#include "kernels/cuda/gemm_test_util.h"
+#include "layers/moe.h"
+
+namespace tern {
+namespace {
+
+template <class T>
+DeviceBuffer upload(const std::vector<T>& host) {
+  DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 256));
+  if (!host.empty()) TERN_CUDA_CHECK(cudaMemcpy(b.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return b;
+}
+
+DeviceBuffer poisoned(size_t bytes) {
+  DeviceBuffer b(std::max<size_t>(bytes, 256));
+  TERN_CUDA_CHECK(cudaMemset(b.data(), 0xFF, b.size_bytes()));
+  return b;
+}
+
+template <class T>
+std::vector<T> download(const DeviceBuffer& b, size_t count) {
+  std::vector<T> host(count);
+  TERN_CUDA_CHECK(cudaMemcpy(host.data(), b.data(), count * sizeof(T), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host references
+
+struct HostRouting {
+  std::vector<int32_t> ids;   // [tokens, top_k]
+  std::vector<double> weights;
+};
+
+// softmax in fp64, top-k by (probability desc, index asc), optional renormalisation (layers/moe.cc's rules).
+HostRouting route_reference(const std::vector<uint16_t>& logits, int64_t stride, int64_t tokens, int64_t n_experts,
+                            int64_t top_k, bool renormalize) {
+  HostRouting r{std::vector<int32_t>(static_cast<size_t>(tokens * top_k)),
+                std::vector<double>(static_cast<size_t>(tokens * top_k))};
+  std::vector<double> p(static_cast<size_t>(n_experts));
+  std::vector<int32_t> order(static_cast<size_t>(n_experts));
+  for (int64_t t = 0; t < tokens; ++t) {
+    double mx = -INFINITY, sum = 0.0;
+    for (int64_t e = 0; e < n_experts; ++e) mx = std::max<double>(mx, bf16_to_float(logits[t * stride + e]));
+    for (int64_t e = 0; e < n_experts; ++e) sum += (p[e] = std::exp(bf16_to_float(logits[t * stride + e]) - mx));
+    for (double& v : p) v /= sum;
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
+    double top_sum = 0.0;
+    for (int64_t j = 0; j < top_k; ++j) top_sum += p[order[j]];
+    for (int64_t j = 0; j < top_k; ++j) {
+      r.ids[t * top_k + j] = order[j];
+      r.weights[t * top_k + j] = renormalize ? p[order[j]] / top_sum : p[order[j]];
+    }
+  }
+  return r;
+}
+
+struct HostAlign {
+  std::vector<int32_t> offsets, sorted_pairs, pair_row;
+};
+
+// A stable counting sort of the pairs by id; out-of-range ids go to a last bucket.
+HostAlign align_reference(const std::vector<int32_t>& ids, int64_t n_experts) {
+  auto bucket = [&](int32_t id) { return id >= 0 && id < n_experts ? id : static_cast<int32_t>(n_experts); };
+  HostAlign a{std::vector<int32_t>(static_cast<size_t>(n_experts + 2), 0), std::vector<int32_t>(ids.size()),
+              std::vector<int32_t>(ids.size())};
+  for (int32_t id : ids) ++a.offsets[bucket(id) + 1];
+  for (int64_t e = 0; e <= n_experts; ++e) a.offsets[e + 1] += a.offsets[e];
+  std::vector<int32_t> next(a.offsets.begin(), a.offsets.end() - 1);
+  for (size_t pair = 0; pair < ids.size(); ++pair) {
+    const int32_t row = next[bucket(ids[pair])]++;
+    a.sorted_pairs[row] = static_cast<int32_t>(pair);
+    a.pair_row[pair] = row;
+  }
+  a.offsets.pop_back();  // [n_experts + 1]
+  return a;
+}
+
+// k distinct experts per token. skew: expert `hot` is every token's first choice and only the lower half of the
+// experts is ever picked, so some experts are empty and one takes a row of every token.
+std::vector<int32_t> random_ids(int64_t tokens, int64_t top_k, int64_t n_experts, bool skew, std::mt19937& rng) {
+  std::vector<int32_t> ids;
+  const int64_t pool = skew ? std::max(top_k, n_experts / 2) : n_experts;
+  const int32_t hot = static_cast<int32_t>(pool / 3);
+  std::vector<int32_t> experts(static_cast<size_t>(pool));
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::iota(experts.begin(), experts.end(), 0);
+    std::shuffle(experts.begin(), experts.end(), rng);
+    if (skew) std::iter_swap(experts.begin(), std::find(experts.begin(), experts.end(), hot));
+    ids.insert(ids.end(), experts.begin(), experts.begin() + top_k);
+  }
+  return ids;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Route
+
+struct RouteCase {
+  int64_t tokens, n_experts, top_k;
+  bool renormalize, coarse;  // coarse: logits on a grid of quarters, so many probabilities tie exactly
+};
+
+void check_route(const DeviceContext& ctx, const RouteCase& c, std::mt19937& rng) {
+  const int64_t stride = c.n_experts + 3;
+  std::normal_distribution<float> dist(0.0f, 2.0f);
+  std::vector<uint16_t> logits(static_cast<size_t>(c.tokens * stride));
+  for (int64_t i = 0; i < c.tokens * stride; ++i) {
+    const float v = dist(rng);
+    // The padding columns would win every selection if they were read.
+    logits[i] = i % stride >= c.n_experts ? float_to_bf16(100.0f)
+                                          : float_to_bf16(c.coarse ? std::round(v * 2.0f) / 4.0f : v);
+  }
+  const DeviceBuffer d_logits = upload(logits);
+  const size_t pairs = static_cast<size_t>(c.tokens * c.top_k);
+  const DeviceBuffer ids = poisoned(pairs * 4), weights = poisoned(pairs * 4);
+  ASSERT_TRUE(moe_route(ctx, {.logits = d_logits.as<uint16_t>(), .logits_stride = stride, .topk_ids = ids.as<int32_t>(),
+                              .topk_weights = weights.as<float>(), .tokens = c.tokens, .n_experts = c.n_experts,
+                              .top_k = c.top_k, .renormalize = c.renormalize})
+                  .has_value());
+  ctx.synchronize();
+  const auto got_ids = download<int32_t>(ids, pairs);
+  const auto got_w = download<float>(weights, pairs);
+  const HostRouting want = route_reference(logits, stride, c.tokens, c.n_experts, c.top_k, c.renormalize);
+  int bad = 0;
+  for (size_t i = 0; i < pairs && bad < 5; ++i) {
+    // fp32 softmax against fp64: a 512-term sum, expf and two divisions stay within a few 2^-24 relative.
+    const bool ok = got_ids[i] == want.ids[i] && std::fabs(got_w[i] - want.weights[i]) <= 4e-6 * want.weights[i];
+    if (!ok) {
+      ++bad;
+      ADD_FAILURE() << "T=" << c.tokens << " E=" << c.n_experts << " k=" << c.top_k << " pair " << i << ": got ("
+                    << got_ids[i] << ", " << got_w[i] << "), want (" << want.ids[i] << ", " << want.weights[i] << ")";
+    }
+  }
+}
+
+TEST(MoeRoute, MatchesSoftmaxTopK) {
+  DeviceContext ctx;
+  std::mt19937 rng(2001);
+  const RouteCase cases[] = {{1, 8, 2, true, false},     {37, 8, 2, false, true},     {1000, 256, 8, true, false},
+                             {1000, 256, 8, true, true}, {3, 512, 10, true, false},   {37, 512, 10, false, true},
+                             {37, 64, 1, false, false},  {37, 64, 1, true, true},     {5, 40, 32, true, true},
+                             {1000, 128, 4, false, true}};
+  for (const RouteCase& c : cases) check_route(ctx, c, rng);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Align
+
+void check_align(const DeviceContext& ctx, const std::vector<int32_t>& ids, int64_t tokens, int64_t top_k,
+                 int64_t n_experts) {
+  const size_t pairs = ids.size();
+  const DeviceBuffer d_ids = upload(ids);
+  const DeviceBuffer offsets = poisoned(static_cast<size_t>(n_experts + 1) * 4);
+  const DeviceBuffer sorted = poisoned(pairs * 4), pair_row = poisoned(pairs * 4);
+  const size_t ws_bytes = moe_align_workspace_bytes(tokens, top_k, n_experts);
+  const DeviceBuffer ws = poisoned(ws_bytes);
+  ASSERT_TRUE(moe_align(ctx, {.topk_ids = d_ids.as<int32_t>(), .tokens = tokens, .top_k = top_k,
+                              .n_experts = n_experts, .expert_offsets = offsets.as<int32_t>(),
+                              .sorted_pairs = sorted.as<int32_t>(), .pair_row = pair_row.as<int32_t>(),
+                              .workspace = ws.data(), .workspace_bytes = ws_bytes})
+                  .has_value());
+  ctx.synchronize();
+  const HostAlign want = align_reference(ids, n_experts);
+  const std::string what = "T=" + std::to_string(tokens) + " k=" + std::to_string(top_k) + " E=" +
+                           std::to_string(n_experts);
+  EXPECT_EQ(download<int32_t>(offsets, static_cast<size_t>(n_experts + 1)), want.offsets) << what;
+  EXPECT_EQ(download<int32_t>(sorted, pairs), want.sorted_pairs) << what;
+  EXPECT_EQ(download<int32_t>(pair_row, pairs), want.pair_row) << what;
+}
+
+TEST(MoeAlign, StableCountingSortByExpert) {
+  DeviceContext ctx;
+  std::mt19937 rng(2002);
+  struct Case {
+    int64_t tokens, top_k, n_experts;
+    bool skew;
+  };
+  const Case cases[] = {{1, 2, 8, false},     {3, 8, 256, false},      {37, 8, 256, true},    {1000, 8, 256, false},
+                        {1000, 8, 256, true}, {1000, 10, 512, false},  {8192, 10, 512, true}, {8192, 8, 256, false},
+                        {37, 1, 64, false},   {1, 32, 512, false},     {100, 1, 1, false}};
+  for (const Case& c : cases) {
+    check_align(ctx, random_ids(c.tokens, c.top_k, c.n_experts, c.skew, rng), c.tokens, c.top_k, c.n_experts);
+  }
+  check_align(ctx, {}, 0, 4, 16);  // no tokens: all-zero offsets
+}
+
+// Out-of-range ids (bad input) stay memory-safe: they fill the rows after the last expert, in pair order.
+TEST(MoeAlign, OutOfRangeIdsGoAfterTheLastExpert) {
+  DeviceContext ctx;
+  std::mt19937 rng(2003);
+  std::vector<int32_t> ids = random_ids(37, 4, 64, false, rng);
+  ids[5] = -1;
+  ids[17] = 64;
+  ids[100] = 1 << 30;
+  check_align(ctx, ids, 37, 4, 64);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Grouped GEMM
+
+// All experts' weights of one projection [E][n][k] on the host (the reference's dequantized view) and the device.
+struct ExpertWeights {
+  MoeWeightFormat format;
+  int64_t n_experts, n, k;
+  std::vector<float> dequant;               // [E][n][k]
+  std::vector<uint16_t> bf16;               // [E][n][k]
+  std::vector<uint8_t> packed, scales;      // NVFP4 [E][n][k/2], [E][n][k/16]
+  std::vector<float> global_scales;         // [E]
+  DeviceBuffer d_bf16, d_packed, d_scales, d_global;
+
+  MoeExpertWeights view() const {
+    return {.format = format, .n_experts = n_experts, .n = n, .k = k, .bf16 = d_bf16.as<uint16_t>(),
+            .bf16_expert_stride = n * k, .packed = d_packed.as<uint8_t>(), .packed_expert_stride = n * k / 2,
+            .scales = d_scales.as<uint8_t>(), .scales_expert_stride = n * k / 16,
+            .global_scales = d_global.as<float>()};
+  }
+};
+
+// N(0, 1) * row_scale per row; NVFP4 rows also get a factor 2^U(-spread, spread) so block scales cover a wide e4m3
+// range. Each expert of an NVFP4 projection has its own global scale (ModelOpt's per-expert weight_scale_2).
+ExpertWeights make_expert_weights(MoeWeightFormat format, int64_t n_experts, int64_t n, int64_t k, float row_scale,
+                                  std::mt19937& rng, float spread = 6.0f) {
+  ExpertWeights w{.format = format, .n_experts = n_experts, .n = n, .k = k};
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::uniform_real_distribution<float> row_exp(-spread, spread);
+  for (int64_t e = 0; e < n_experts; ++e) {
+    std::vector<float> m(static_cast<size_t>(n * k));
+    for (int64_t r = 0; r < n; ++r) {
+      const float s = format == MoeWeightFormat::kNvfp4 ? row_scale * std::exp2(row_exp(rng)) : row_scale;
+      for (int64_t c = 0; c < k; ++c) m[r * k + c] = bf16_to_float(float_to_bf16(dist(rng) * s));
+    }
+    if (format == MoeWeightFormat::kBf16) {
+      for (float v : m) w.bf16.push_back(float_to_bf16(v));
+      w.dequant.insert(w.dequant.end(), m.begin(), m.end());
+    } else {
+      const Nvfp4Matrix q = nvfp4_quantize_weight(m, n, k);
+      const std::vector<float> dq = nvfp4_dequantize(q);
+      w.packed.insert(w.packed.end(), q.packed.begin(), q.packed.end());
+      w.scales.insert(w.scales.end(), q.block_scales.begin(), q.block_scales.end());
+      w.global_scales.push_back(q.global_scale);
+      w.dequant.insert(w.dequant.end(), dq.begin(), dq.end());
+    }
+  }
+  w.d_bf16 = upload(w.bf16);
+  w.d_packed = upload(w.packed);
+  w.d_scales = upload(w.scales);
+  w.d_global = upload(w.global_scales);
+  return w;
+}
+
+const char* variant_name(MoeGemmVariant v) {
+  return v == MoeGemmVariant::kDecode ? "decode" : v == MoeGemmVariant::kPrefill ? "prefill" : "auto";
+}
+
+struct GemmCase {
+  int64_t tokens, top_k;
+  bool gather, skew;
+  int64_t col0 = 0, ldy_extra = 0;  // write columns [col0, col0 + n) of rows ldy = col0 + n + ldy_extra wide
+};
+
+// Runs one grouped GEMM on host-made routing and checks every written element and that the rest of y is untouched.
+void check_gemm(const DeviceContext& ctx, const ExpertWeights& w, const GemmCase& c, MoeGemmVariant variant,
+                std::mt19937& rng) {
+  const int64_t rows = c.tokens * c.top_k, n = w.n, k = w.k, ldx = k + 8;
+  const HostAlign al = align_reference(random_ids(c.tokens, c.top_k, w.n_experts, c.skew, rng), w.n_experts);
+  const int64_t x_rows = c.gather ? c.tokens : rows;
+  const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(x_rows * ldx), rng);
+  const DeviceBuffer d_x = upload(x), d_off = upload(al.offsets), d_sorted = upload(al.sorted_pairs);
+  const int64_t ldy = c.col0 + n + c.ldy_extra;
+  const DeviceBuffer d_y = poisoned(static_cast<size_t>(rows * ldy) * 2);
+  const MoeGemmArgs args{.x = d_x.as<uint16_t>(), .ldx = ldx, .sorted_pairs = d_sorted.as<int32_t>(),
+                         .top_k = c.top_k, .gather = c.gather, .expert_offsets = d_off.as<int32_t>(), .w = w.view(),
+                         .y = d_y.as<uint16_t>() + c.col0, .ldy = ldy, .rows = rows};
+  const auto status = moe_gemm(ctx, args, variant);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const auto y = download<uint16_t>(d_y, static_cast<size_t>(rows * ldy));
+  // Reference per permuted row, and the written block gathered into [rows, n] for gemm_test::check_gemm.
+  gemm_test::Reference ref{std::vector<double>(static_cast<size_t>(rows * n)),
+                           std::vector<double>(static_cast<size_t>(rows * n))};
+  std::vector<uint16_t> got(static_cast<size_t>(rows * n));
+  int64_t untouched_bad = 0;
+  for (int64_t e = 0; e < w.n_experts; ++e) {
+    for (int64_t r = al.offsets[e]; r < al.offsets[e + 1]; ++r) {
+      const int64_t src = c.gather ? al.sorted_pairs[r] / c.top_k : r;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* wr = &w.dequant[static_cast<size_t>((e * n + j) * k)];
+        double s = 0, a = 0;
+        for (int64_t q = 0; q < k; ++q) {
+          const double p = static_cast<double>(bf16_to_float(x[src * ldx + q])) * wr[q];
+          s += p;
+          a += std::fabs(p);
+        }
+        ref.y[r * n + j] = s;
+        ref.abs[r * n + j] = a;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < ldy; ++j) {
+      const uint16_t v = y[r * ldy + j];
+      if (j >= c.col0 && j < c.col0 + n) {
+        got[r * n + j - c.col0] = v;
+      } else if (v != gemm_test::kPoison) {
+        ++untouched_bad;
+      }
+    }
+  }
+  EXPECT_EQ(untouched_bad, 0) << "columns outside [col0, col0 + n) were written";
+  const std::string what = std::string(w.format == MoeWeightFormat::kNvfp4 ? "nvfp4 " : "bf16 ") +
+                           variant_name(variant) + " E=" + std::to_string(w.n_experts) + " n=" + std::to_string(n) +
+                           " k=" + std::to_string(k) + " T=" + std::to_string(c.tokens) +
+                           " top" + std::to_string(c.top_k) + (c.skew ? " skewed" : "");
+  gemm_test::check_gemm(got, ref, rows, n, what);
+}
+
+void check_gemm_shapes(MoeWeightFormat format) {
+  DeviceContext ctx;
+  std::mt19937 rng(format == MoeWeightFormat::kBf16 ? 2004 : 2005);
+  const MoeGemmVariant variants[] = {MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill, MoeGemmVariant::kAuto};
+  struct Shape {
+    int64_t n_experts, n, k, top_k;
+  };
+  // The test fixture; n odd and k off every tile (k % 32 != 0 takes NVFP4's 8-byte loads); a 35B-like gate_up.
+  for (const Shape& s : {Shape{8, 32, 64, 2}, Shape{64, 271, 784, 8}, Shape{256, 1024, 2048, 8}}) {
+    const ExpertWeights w = make_expert_weights(format, s.n_experts, s.n, s.k, 1.0f, rng);
+    for (int64_t tokens : {1, 3, 37, 1000}) {
+      if (s.n_experts == 256 && tokens == 1000) continue;  // the host reference would take minutes
+      for (MoeGemmVariant v : variants) check_gemm(ctx, w, {tokens, s.top_k, true, false}, v, rng);
+    }
+  }
+  // Ragged loads (half the experts empty, one in every token), ungathered input, and a column window of a wider y.
+  const ExpertWeights w = make_expert_weights(format, 16, 130, 256, 1.0f, rng);
+  for (MoeGemmVariant v : variants) {
+    check_gemm(ctx, w, {1000, 4, true, true}, v, rng);
+    check_gemm(ctx, w, {37, 4, false, true, 0, 6}, v, rng);
+    check_gemm(ctx, w, {300, 2, true, false, 130, 0}, v, rng);  // the up half of a [rows, 2n] buffer
+  }
+}
+
+TEST(MoeGemm, Bf16BothVariants) { check_gemm_shapes(MoeWeightFormat::kBf16); }
+TEST(MoeGemm, Nvfp4BothVariants) { check_gemm_shapes(MoeWeightFormat::kNvfp4); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// The whole block against layers/moe.h
+
+struct BlockShape {
+  int64_t hidden, inter, n_experts, top_k, shared_inter;  // shared_inter 0: no shared expert
+};
+
+// Router rows are one-hot (a power of two at one column), so x . router^T is exact in bf16 on both sides and the
+// GPU (bf16 logits, as transformers computes them) picks the CPU's experts (fp32 logits); the last expert repeats
+// expert 1's row, an exact tie that both must give to expert 1. Row E is the shared expert gate, also one-hot so
+// its sigmoid sees the same input on both sides.
+std::vector<uint16_t> make_router(const BlockShape& s, std::mt19937& rng) {
+  const int64_t h = s.hidden, rows = s.n_experts + 1;
+  std::vector<uint16_t> r(static_cast<size_t>(rows * h), float_to_bf16(0.0f));
+  std::uniform_int_distribution<int> col(0, static_cast<int>(h - 1)), exp2(-1, 1);
+  for (int64_t e = 0; e < rows; ++e) r[e * h + col(rng)] = float_to_bf16(std::ldexp(1.0f, exp2(rng)));
+  if (s.n_experts > 2) std::copy_n(&r[1 * h], h, &r[(s.n_experts - 1) * h]);
+  return r;
+}
+
+CpuMatrix cpu_view(const ExpertWeights& w, int64_t e, int64_t row0, int64_t rows) {
+  CpuMatrix m{.rows = rows, .cols = w.k};
+  if (w.format == MoeWeightFormat::kBf16) {
+    m.format = CpuWeightFormat::kBf16;
+    m.data = &w.bf16[static_cast<size_t>((e * w.n + row0) * w.k)];
+  } else {
+    m.format = CpuWeightFormat::kNvfp4;
+    m.data = &w.packed[static_cast<size_t>((e * w.n + row0) * w.k / 2)];
+    m.block_scales = &w.scales[static_cast<size_t>((e * w.n + row0) * w.k / 16)];
+    m.global_scale = w.global_scales[e];
+  }
+  return m;
+}
+
+void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat format, std::mt19937& rng) {
+  const int64_t h = s.hidden, inter = s.inter, e_count = s.n_experts;
+  const std::vector<uint16_t> router = make_router(s, rng);
+  // gate/up and down scaled by 1/sqrt(fan-in) keep every intermediate O(1). NVFP4 gate_up is quantized per expert
+  // as one [2I, H] matrix: gate and up share weight_scale_2, as ModelOpt exports them.
+  // (NVFP4 rows spread over 2^+-1 only: the block's intermediates stay O(1), as a trained model's do.)
+  const ExpertWeights gate_up =
+      make_expert_weights(format, e_count, 2 * inter, h, 1.0f / std::sqrt(float(h)), rng, 1.0f);
+  const ExpertWeights down = make_expert_weights(format, e_count, h, inter, 1.0f / std::sqrt(float(inter)), rng, 1.0f);
+  const int64_t si = std::max<int64_t>(s.shared_inter, 8);
+  const ExpertWeights shared_gu = make_expert_weights(MoeWeightFormat::kBf16, 1, 2 * si, h, 1.0f / std::sqrt(float(h)), rng);
+  const ExpertWeights shared_down = make_expert_weights(MoeWeightFormat::kBf16, 1, h, si, 1.0f / std::sqrt(float(si)), rng);
+
+  MoeWeights cpu_w{.router = Linear("router", {.format = CpuWeightFormat::kBf16, .rows = e_count, .cols = h,
+                                               .data = router.data()})};
+  for (int64_t e = 0; e < e_count; ++e) {
+    cpu_w.experts.push_back({Linear("gate", cpu_view(gate_up, e, 0, inter)), Linear("up", cpu_view(gate_up, e, inter, inter)),
+                             Linear("down", cpu_view(down, e, 0, h))});
+  }
+  if (s.shared_inter > 0) {
+    cpu_w.shared_expert = std::make_unique<Mlp>(MlpWeights{Linear("sg", cpu_view(shared_gu, 0, 0, si)),
+                                                           Linear("su", cpu_view(shared_gu, 0, si, si)),
+                                                           Linear("sd", cpu_view(shared_down, 0, 0, h))});
+    cpu_w.shared_expert_gate = Linear("gate", {.format = CpuWeightFormat::kBf16, .rows = 1, .cols = h,
+                                               .data = &router[static_cast<size_t>(e_count * h)]});
+  }
+  const Moe cpu(MoeShape{.top_k = s.top_k, .renormalize = true}, std::move(cpu_w));
+  const DeviceBuffer d_router = upload(router);
+
+  for (int64_t tokens : {1, 3, 37, 1000}) {
+    const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(tokens * h), rng);
+    const std::vector<float> xf = gemm_test::bf16_to_floats(x);
+    std::vector<float> want(static_cast<size_t>(tokens * h));
+    cpu.forward(xf.data(), want.data(), tokens, "", nullptr);
+
+    // GPU: router (+ shared gate column) and shared expert with the dense kernels, then the routed part.
+    const DeviceBuffer d_x = upload(x);
+    const DeviceBuffer logits = poisoned(static_cast<size_t>(tokens * (e_count + 1)) * 2);
+    ASSERT_TRUE(gemm_bf16(ctx, {.x = d_x.as<uint16_t>(), .w = d_router.as<uint16_t>(), .y = logits.as<uint16_t>(),
+                                .m = tokens, .n = e_count + 1, .k = h}).has_value());
+    const DeviceBuffer s_gu = poisoned(static_cast<size_t>(tokens * 2 * si) * 2);
+    const DeviceBuffer s_act = poisoned(static_cast<size_t>(tokens * si) * 2);
+    const DeviceBuffer s_out = poisoned(static_cast<size_t>(tokens * h) * 2);
+    if (s.shared_inter > 0) {
+      ASSERT_TRUE(gemm_bf16(ctx, {.x = d_x.as<uint16_t>(), .w = shared_gu.d_bf16.as<uint16_t>(),
+                                  .y = s_gu.as<uint16_t>(), .m = tokens, .n = 2 * si, .k = h}).has_value());
+      ASSERT_TRUE(silu_mul(ctx, {.gate_up = s_gu.as<uint16_t>(), .y = s_act.as<uint16_t>(), .rows = tokens,
+                                 .inter = si}).has_value());
+      ASSERT_TRUE(gemm_bf16(ctx, {.x = s_act.as<uint16_t>(), .w = shared_down.d_bf16.as<uint16_t>(),
+                                  .y = s_out.as<uint16_t>(), .m = tokens, .n = h, .k = si}).has_value());
+    }
+    const size_t ws_bytes = moe_forward_workspace_bytes(tokens, s.top_k, e_count, inter, h);
+    const DeviceBuffer ws = poisoned(ws_bytes), d_y = poisoned(static_cast<size_t>(tokens * h) * 2);
+    const bool shared = s.shared_inter > 0;
+    const auto status = moe_forward(
+        ctx, {.x = d_x.as<uint16_t>(), .router_logits = logits.as<uint16_t>(), .logits_stride = e_count + 1,
+              .tokens = tokens, .hidden = h, .inter = inter, .n_experts = e_count, .top_k = s.top_k,
+              .gate_up = gate_up.view(), .down = down.view(), .shared_out = shared ? s_out.as<uint16_t>() : nullptr,
+              .shared_gate = shared ? logits.as<uint16_t>() + e_count : nullptr, .shared_gate_stride = e_count + 1,
+              .y = d_y.as<uint16_t>(), .workspace = ws.data(), .workspace_bytes = ws_bytes});
+    ASSERT_TRUE(status.has_value()) << status.error().message;
+    ctx.synchronize();
+    const auto got = download<uint16_t>(d_y, static_cast<size_t>(tokens * h));
+
+    // Tolerance per token row: 2^-6 of the row's largest |y|. The GPU rounds gate/up, the activation, each expert's
+    // output and the shared expert's to bf16 (2^-9 relative each, random in sign), so a row's error is about
+    // 2^-8.7 of its rms and its largest error about 2^-8.5 of its largest value; a dropped or misweighted expert
+    // (>= 1/top_k of the row) or a missing shared expert is several times the bound.
+    int bad = 0;
+    double worst = 0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      double row_max = 0;
+      for (int64_t d = 0; d < h; ++d) row_max = std::max(row_max, std::fabs(double(want[t * h + d])));
+      const double allowed = 0x1p-6 * row_max;
+      for (int64_t d = 0; d < h; ++d) {
+        const double g = bf16_to_float(got[t * h + d]), err = std::fabs(g - want[t * h + d]);
+        if (std::isfinite(g)) worst = std::max(worst, err / allowed);
+        if ((!std::isfinite(g) || err > allowed) && ++bad <= 5) {
+          ADD_FAILURE() << "y[" << t << "," << d << "] = " << g << ", Moe::forward " << want[t * h + d]
+                        << " (allowed " << allowed << ")";
+        }
+      }
+    }
+    std::printf("block %s H=%ld I=%ld E=%ld top%ld shared=%ld T=%ld: max error / allowed = %.3f\n",
+                format == MoeWeightFormat::kNvfp4 ? "nvfp4" : "bf16", long(h), long(inter), long(e_count),
+                long(s.top_k), long(s.shared_inter), long(tokens), worst);
+    EXPECT_EQ(bad, 0) << tokens << " tokens";
+  }
+}
+
+TEST(MoeBlock, MatchesCpuMoeForward) {
+  DeviceContext ctx;
+  std::mt19937 rng(2006);
+  // The test fixture, a 35B-like block (256 experts, top-8) and a 397B-like one (512 experts, top-10), smaller
+  // hidden sizes so the CPU reference stays fast.
+  const BlockShape shapes[] = {{64, 32, 8, 2, 32}, {512, 128, 256, 8, 128}, {256, 64, 512, 10, 0}};
+  for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
+    for (const BlockShape& s : shapes) check_block(ctx, s, f, rng);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Bad arguments
+
+template <class F>
+void expect_error(F&& call, const std::string& text) {
+  const Expected<void> r = call();
+  ASSERT_FALSE(r.has_value()) << "expected an error containing '" << text << "'";
+  EXPECT_NE(r.error().message.find(text), std::string::npos) << r.error().message;
+}
+
+TEST(MoeKernels, BadArgumentsAreErrors) {
+  DeviceContext ctx;
+  DeviceBuffer buf(1 << 16);
+  const auto* u16 = buf.as<uint16_t>();
+  auto* i32 = buf.as<int32_t>();
+  const MoeRouteArgs route{.logits = u16, .logits_stride = 8, .topk_ids = i32, .topk_weights = buf.as<float>(),
+                           .tokens = 1, .n_experts = 8, .top_k = 2};
+  expect_error([&] { auto a = route; a.top_k = 9; return moe_route(ctx, a); }, "top_k=9 must be in [1, min(n_experts=8");
+  expect_error([&] { auto a = route; a.n_experts = 513; a.logits_stride = 513; return moe_route(ctx, a); },
+               "n_experts=513 must be in [1, 512]");
+  expect_error([&] { auto a = route; a.logits_stride = 7; return moe_route(ctx, a); }, "logits_stride=7");
+  expect_error([&] { auto a = route; a.topk_ids = nullptr; return moe_route(ctx, a); }, "topk_ids is null");
+
+  const MoeExpertWeights w{.format = MoeWeightFormat::kBf16, .n_experts = 4, .n = 16, .k = 64, .bf16 = u16,
+                           .bf16_expert_stride = 16 * 64};
+  const MoeGemmArgs gemm{.x = u16, .ldx = 64, .sorted_pairs = i32, .top_k = 2, .gather = true, .expert_offsets = i32,
+                         .w = w, .y = buf.as<uint16_t>(), .ldy = 16, .rows = 4};
+  expect_error([&] { auto a = gemm; a.w.k = 40; return moe_gemm(ctx, a); }, "k=40 must be a positive multiple of 16");
+  expect_error([&] { auto a = gemm; a.x = u16 + 1; return moe_gemm(ctx, a); }, "x is not 16-byte aligned");
+  expect_error([&] { auto a = gemm; a.ldx = 56; return moe_gemm(ctx, a); }, "ldx=56 must be a multiple of 8");
+  expect_error([&] { auto a = gemm; a.sorted_pairs = nullptr; return moe_gemm(ctx, a); }, "sorted_pairs (needed to gather)");
+  expect_error([&] { auto a = gemm; a.w.bf16_expert_stride = 100; return moe_gemm(ctx, a); }, "bf16_expert_stride=100");
+  expect_error([&] { auto a = gemm; a.w.format = MoeWeightFormat::kNvfp4; return moe_gemm(ctx, a); },
+               "packed weight is null");
+
+  const MoeCombineArgs comb{.expert_out = u16, .pair_row = i32, .topk_ids = i32, .topk_weights = buf.as<float>(),
+                            .y = buf.as<uint16_t>(), .tokens = 1, .top_k = 2, .hidden = 64};
+  expect_error([&] { auto a = comb; a.hidden = 12; return moe_combine(ctx, a); }, "hidden=12 must be a positive multiple of 8");
+  expect_error([&] { auto a = comb; a.shared_out = u16; return moe_combine(ctx, a); }, "shared_gate (needed with shared_out)");
+  expect_error([&] {
+    return moe_align(ctx, {.topk_ids = i32, .tokens = 1, .top_k = 2, .n_experts = 0, .expert_offsets = i32,
+                           .sorted_pairs = i32, .pair_row = i32});
+  }, "n_experts=0");
+}
+
+}  // namespace
+}  // namespace tern

@@ -1,0 +1,125 @@
+#include "ops/moe_cuda.h"
+
+#include <algorithm>
+
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemm_bf16.h"
+#include "ops/gemm_cuda.h"
+
+namespace tern {
+namespace {
+
+template <class T>
+DeviceBuffer upload(const std::vector<T>& host, cudaStream_t stream) {
+  DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 256));
+  if (!host.empty()) {
+    TERN_CUDA_CHECK(cudaMemcpyAsync(b.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
+  }
+  return b;
+}
+
+// Intermediate buffers start as 0xFF bytes (NaN activations, -1 indices), so a step that skips work shows.
+DeviceBuffer poisoned(size_t bytes, cudaStream_t stream) {
+  DeviceBuffer b(std::max<size_t>(bytes, 256));
+  TERN_CUDA_CHECK(cudaMemsetAsync(b.data(), 0xFF, b.size_bytes(), stream));
+  return b;
+}
+
+struct MoeDeviceInputs {
+  DeviceBuffer x, router, gate_up, gate_up_scales, gate_up_global, down, down_scales, down_global;
+  DeviceBuffer shared_gate_up, shared_down, logits, shared_gu_out, shared_act, shared_out, workspace;
+  size_t workspace_bytes = 0;
+};
+
+MoeDeviceInputs moe_upload(const MoeInputs& in, cudaStream_t s) {
+  const auto t = static_cast<size_t>(in.tokens), h = static_cast<size_t>(in.hidden), i = static_cast<size_t>(in.inter);
+  MoeDeviceInputs d{.x = upload(in.x, s), .router = upload(in.router, s)};
+  d.gate_up = in.nvfp4 ? upload(in.gate_up_packed, s) : upload(in.gate_up_bf16, s);
+  d.down = in.nvfp4 ? upload(in.down_packed, s) : upload(in.down_bf16, s);
+  d.gate_up_scales = upload(in.gate_up_scales, s);
+  d.down_scales = upload(in.down_scales, s);
+  d.gate_up_global = upload(in.gate_up_global, s);
+  d.down_global = upload(in.down_global, s);
+  d.shared_gate_up = upload(in.shared_gate_up, s);
+  d.shared_down = upload(in.shared_down, s);
+  d.logits = poisoned(t * static_cast<size_t>(in.n_experts + 1) * 2, s);
+  d.shared_gu_out = poisoned(t * 2 * i * 2, s);
+  d.shared_act = poisoned(t * i * 2, s);
+  d.shared_out = poisoned(t * h * 2, s);
+  d.workspace_bytes = moe_forward_workspace_bytes(in.tokens, in.top_k, in.n_experts, in.inter, in.hidden);
+  d.workspace = poisoned(d.workspace_bytes, s);
+  return d;
+}
+
+// One projection of every expert as the grouped GEMM reads it.
+MoeExpertWeights expert_view(const MoeInputs& in, const DeviceBuffer& w, const DeviceBuffer& scales,
+                             const DeviceBuffer& global, int64_t n, int64_t k) {
+  MoeExpertWeights v{.format = in.nvfp4 ? MoeWeightFormat::kNvfp4 : MoeWeightFormat::kBf16,
+                     .n_experts = in.n_experts, .n = n, .k = k};
+  if (in.nvfp4) {
+    v.packed = w.as<uint8_t>();
+    v.packed_expert_stride = n * k / 2;
+    v.scales = scales.as<uint8_t>();
+    v.scales_expert_stride = n * k / 16;
+    v.global_scales = global.as<float>();
+  } else {
+    v.bf16 = w.as<uint16_t>();
+    v.bf16_expert_stride = n * k;
+  }
+  return v;
+}
+
+// The dense layers around the routed experts: router logits (+ the shared gate column) and the shared expert.
+Expected<void> moe_dense_layers(const DeviceContext& ctx, const MoeInputs& in, const MoeDeviceInputs& d) {
+  const uint16_t* x = d.x.as<uint16_t>();
+  TERN_TRY(gemm_bf16(ctx, {.x = x, .w = d.router.as<uint16_t>(), .y = d.logits.as<uint16_t>(), .m = in.tokens,
+                           .n = in.n_experts + 1, .k = in.hidden}));
+  if (!in.shared) return {};
+  TERN_TRY(gemm_bf16(ctx, {.x = x, .w = d.shared_gate_up.as<uint16_t>(), .y = d.shared_gu_out.as<uint16_t>(),
+                           .m = in.tokens, .n = 2 * in.inter, .k = in.hidden}));
+  TERN_TRY(silu_mul(ctx, {.gate_up = d.shared_gu_out.as<uint16_t>(), .y = d.shared_act.as<uint16_t>(),
+                          .rows = in.tokens, .inter = in.inter}));
+  return gemm_bf16(ctx, {.x = d.shared_act.as<uint16_t>(), .w = d.shared_down.as<uint16_t>(),
+                         .y = d.shared_out.as<uint16_t>(), .m = in.tokens, .n = in.hidden, .k = in.inter});
+}
+
+std::string cuda_only(const DeviceDescription& d, const SelfTestCase&) {
+  if (d.backend != Backend::kCuda) return "runs on CUDA devices only";
+  if (std::string why = binary_can_run(cuda_binary_image(), d); !why.empty()) return why;
+  return arch_features(d.cc_major, d.cc_minor).mma_bf16 ? "" : "needs bf16 mma.sync (sm_80 or later targets)";
+}
+
+}  // namespace
+
+Expected<RunOutput> moe_cuda_run(const DeviceContext& ctx, const MoeInputs& in, const ArgsTweak<MoeForwardArgs>& tweak,
+                                 MoeGemmVariant variant) {
+  const MoeDeviceInputs d = moe_upload(in, ctx.stream());
+  const int64_t e = in.n_experts;
+  return cuda_run_timed(ctx, in.tokens, in.hidden, [&](uint16_t* y) -> Expected<void> {
+    TERN_TRY(moe_dense_layers(ctx, in, d));
+    MoeForwardArgs a{.x = d.x.as<uint16_t>(), .router_logits = d.logits.as<uint16_t>(), .logits_stride = e + 1,
+                     .tokens = in.tokens, .hidden = in.hidden, .inter = in.inter, .n_experts = e, .top_k = in.top_k,
+                     .renormalize = true,
+                     .gate_up = expert_view(in, d.gate_up, d.gate_up_scales, d.gate_up_global, 2 * in.inter, in.hidden),
+                     .down = expert_view(in, d.down, d.down_scales, d.down_global, in.hidden, in.inter),
+                     .shared_out = in.shared ? d.shared_out.as<uint16_t>() : nullptr,
+                     .shared_gate = in.shared ? d.logits.as<uint16_t>() + e : nullptr, .shared_gate_stride = e + 1,
+                     .y = y, .workspace = d.workspace.data(), .workspace_bytes = d.workspace_bytes, .variant = variant};
+    if (tweak) tweak(a);
+    return moe_forward(ctx, a);
+  });
+}
+
+Expected<void> moe_register_cuda(Registry& registry, std::shared_ptr<DeviceContext> context) {
+  return registry.add(Implementation{
+      .op = "moe",
+      .name = "cuda",
+      .backend = Backend::kCuda,
+      .priority = 10,
+      .tolerance = kMoeCudaTolerance,
+      .unsupported_reason = cuda_only,
+      .run = [context](const OpInputs& b) { return moe_cuda_run(*context, static_cast<const MoeInputs&>(b)); },
+  });
+}
+
+}  // namespace tern

@@ -1,0 +1,138 @@
+// The moe op on the GPU through the registry (label gpu): the CUDA implementation passes its self-test against the
+// fp64 reference on the test fixture's shape and on 35B- and 397B-like expert counts, in bf16 and NVFP4, with each
+// grouped-GEMM variant forced; deliberately broken launches (each one fault class) are rejected; and a timing line
+// per case is printed.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "ops/gemm_cuda.h"
+#include "ops/moe_cuda.h"
+
+namespace tern {
+namespace {
+
+class CudaMoeOp : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    devices_ = cuda_devices_describe();
+    ASSERT_FALSE(devices_.empty()) << "no CUDA device";
+    context_ = std::make_shared<DeviceContext>(0);
+    ASSERT_TRUE(moe_register_cpu(registry_).has_value());
+    ASSERT_TRUE(moe_register_cuda(registry_, context_).has_value());
+  }
+  void expect_chosen(const std::vector<SelfTestCase>& cases) {
+    auto s = registry_select(registry_, "moe", devices_[0], cases, {});
+    ASSERT_TRUE(s.has_value()) << s.error().message;
+    EXPECT_EQ(s->chosen, "cuda") << s->candidates.front().reason;
+    for (const auto& c : s->candidates) {
+      std::printf("moe %-6s %-11s %zu cases, max error %.3g (bound %.3g) %s\n", c.name.c_str(),
+                  std::string(candidate_status_name(c.status)).c_str(), cases.size(), c.max_error, c.bound,
+                  c.reason.c_str());
+    }
+  }
+  std::vector<DeviceDescription> devices_;
+  std::shared_ptr<DeviceContext> context_;
+  Registry registry_;
+};
+
+TEST_F(CudaMoeOp, PassesOnFixtureAndModelLikeShapes) {
+  std::vector<SelfTestCase> cases;
+  for (const bool nvfp4 : {false, true}) {
+    for (int64_t t : {1, 3, 37, 1000}) {
+      cases.push_back(moe_case(t, 64, 32, 8, 2, nvfp4, true));      // the test fixture
+      cases.push_back(moe_case(t, 512, 128, 256, 8, nvfp4, true));  // 35B-like expert count and top-k
+    }
+    cases.push_back(moe_case(37, 256, 64, 512, 10, nvfp4, false));  // 397B-like
+    cases.push_back(moe_case(37, 2048, 512, 16, 8, nvfp4, true));   // 35B hidden and expert width
+    cases.push_back(moe_case(200, 128, 32, 16, 1, nvfp4, false));   // top-1
+  }
+  expect_chosen(cases);
+}
+
+// Both grouped-GEMM variants on the same cases, whichever kAuto would pick.
+TEST_F(CudaMoeOp, BothGemmVariantsPass) {
+  for (const MoeGemmVariant v : {MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill}) {
+    const std::string name = v == MoeGemmVariant::kDecode ? "cuda-decode" : "cuda-prefill";
+    ASSERT_TRUE(registry_
+                    .add(Implementation{.op = "moe", .name = name, .backend = Backend::kCuda, .priority = 20,
+                                        .tolerance = kMoeCudaTolerance,
+                                        .run = [this, v](const OpInputs& in) {
+                                          return moe_cuda_run(*context_, static_cast<const MoeInputs&>(in), {}, v);
+                                        }})
+                    .has_value());
+  }
+  std::vector<SelfTestCase> cases;
+  for (const bool nvfp4 : {false, true}) {
+    for (int64_t t : {1, 37, 300}) cases.push_back(moe_case(t, 256, 64, 64, 8, nvfp4, true));
+  }
+  auto s = registry_select(registry_, "moe", devices_[0], cases, {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  for (const auto& c : s->candidates) {
+    if (c.name == "cpu") continue;
+    EXPECT_EQ(c.status, CandidateStatus::kPassed) << c.name << ": " << c.reason;
+  }
+}
+
+struct Fault {
+  std::string name, expected_reason;
+  ArgsTweak<MoeForwardArgs> tweak;
+};
+
+std::vector<Fault> gpu_faults() {
+  return {
+      {"no-renormalize", "exceeds the tolerance", [](MoeForwardArgs& a) { a.renormalize = false; }},
+      {"last-token-skipped", "never written", [](MoeForwardArgs& a) { a.tokens -= 1; }},
+      {"shared-expert-dropped", "exceeds the tolerance",
+       [](MoeForwardArgs& a) {
+         a.shared_out = nullptr;
+         a.shared_gate = nullptr;
+       }},
+      // Logits read one column to the right: every token routed to its neighbours' experts.
+      {"router-shifted", "exceeds the tolerance", [](MoeForwardArgs& a) { a.router_logits += 1; }},
+      // The down projection's weight_scale_2 used for gate/up.
+      {"wrong-global-scale", "exceeds the tolerance",
+       [](MoeForwardArgs& a) { a.gate_up.global_scales = a.down.global_scales; }},
+  };
+}
+
+TEST_F(CudaMoeOp, InjectedFaultsAreRejectedOnTheGpu) {
+  for (const Fault& f : gpu_faults()) {
+    ASSERT_TRUE(registry_
+                    .add(Implementation{.op = "moe", .name = f.name, .backend = Backend::kCuda, .priority = 100,
+                                        .tolerance = kMoeCudaTolerance,
+                                        .run = [this, t = f.tweak](const OpInputs& in) {
+                                          return moe_cuda_run(*context_, static_cast<const MoeInputs&>(in), t);
+                                        }})
+                    .has_value());
+  }
+  for (const int64_t tokens : {3, 100}) {  // decode and prefill GEMMs
+    const SelfTestCase c = moe_case(tokens, 256, 64, 32, 4, true, true);
+    auto s = registry_select(registry_, "moe", devices_[0], std::span(&c, 1), {});
+    ASSERT_TRUE(s.has_value()) << s.error().message;
+    EXPECT_EQ(s->chosen, "cuda");
+    for (const Fault& f : gpu_faults()) {
+      const auto it = std::find_if(s->candidates.begin(), s->candidates.end(), [&](auto& k) { return k.name == f.name; });
+      ASSERT_NE(it, s->candidates.end()) << f.name;
+      EXPECT_EQ(it->status, CandidateStatus::kFailed) << f.name;
+      EXPECT_NE(it->reason.find(f.expected_reason), std::string::npos) << f.name << ": " << it->reason;
+    }
+  }
+}
+
+TEST_F(CudaMoeOp, BadArgumentsAreErrors) {
+  auto in = registry_.harness("moe")->make_inputs(moe_case(3, 64, 32, 8, 2, false, true), 5);
+  ASSERT_TRUE(in.has_value());
+  const auto& moe_in = static_cast<const MoeInputs&>(**in);
+  auto out = moe_cuda_run(*context_, moe_in, [](MoeForwardArgs& a) { a.workspace_bytes -= 1; });
+  ASSERT_FALSE(out.has_value());
+  EXPECT_NE(out.error().message.find("moe_forward: workspace of"), std::string::npos) << out.error().message;
+  out = moe_cuda_run(*context_, moe_in, [](MoeForwardArgs& a) { a.down.k = 16; });
+  ASSERT_FALSE(out.has_value());
+  EXPECT_NE(out.error().message.find("down weights are [8][64][16], want [8][64][32]"), std::string::npos)
+      << out.error().message;
+}
+
+}  // namespace
+}  // namespace tern

@@ -1,0 +1,253 @@
+#include "ops/moe_op.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+
+#include "core/formats.h"
+#include "core/nvfp4.h"
+
+namespace tern {
+namespace {
+
+// Counter-based random bits: fresh for every seed and stream, the same whatever the order of generation.
+uint64_t hash_bits(uint64_t seed, uint64_t stream, int64_t i) {
+  uint64_t z = (seed ^ (stream << 56)) + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// scale * uniform(-1, 1), nudged away from zero, rounded to bf16; as floats.
+std::vector<float> random_values(uint64_t seed, uint64_t stream, int64_t n, float scale) {
+  std::vector<float> out(static_cast<size_t>(n));
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t z = hash_bits(seed, stream, i);
+    const float u = static_cast<float>(z >> 40) * 0x1p-24f;
+    out[i] = bf16_to_float(float_to_bf16(scale * (2.0f * u - 1.0f) + (z & 1 ? 1e-3f : -1e-3f)));
+  }
+  return out;
+}
+
+std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]);
+  return out;
+}
+
+// One projection of every expert ([E][rows][cols]) into the inputs' bf16 or NVFP4 vectors.
+void store_experts(const MoeInputs& in, const std::vector<float>& w, int64_t rows, int64_t cols,
+                   std::vector<uint16_t>& bf16, std::vector<uint8_t>& packed, std::vector<uint8_t>& scales,
+                   std::vector<float>& global) {
+  if (!in.nvfp4) {
+    bf16 = to_bf16(w);
+    return;
+  }
+  const size_t per_expert = static_cast<size_t>(rows * cols);
+  for (int64_t e = 0; e < in.n_experts; ++e) {
+    const Nvfp4Matrix q = nvfp4_quantize_weight(std::span(w).subspan(e * per_expert, per_expert), rows, cols);
+    packed.insert(packed.end(), q.packed.begin(), q.packed.end());
+    scales.insert(scales.end(), q.block_scales.begin(), q.block_scales.end());
+    global.push_back(q.global_scale);
+  }
+}
+
+// One-hot rows with 2^{-1, 0, 1} at a random column; the last expert copies expert 1 (an exact tie).
+std::vector<uint16_t> make_router(uint64_t seed, int64_t n_experts, int64_t hidden) {
+  std::vector<uint16_t> r(static_cast<size_t>((n_experts + 1) * hidden), float_to_bf16(0.0f));
+  for (int64_t e = 0; e <= n_experts; ++e) {
+    const uint64_t z = hash_bits(seed, 9, e);
+    r[e * hidden + static_cast<int64_t>(z % static_cast<uint64_t>(hidden))] =
+        float_to_bf16(std::ldexp(1.0f, static_cast<int>((z >> 32) % 3) - 1));
+  }
+  if (n_experts > 2) std::copy_n(&r[1 * hidden], hidden, &r[(n_experts - 1) * hidden]);
+  return r;
+}
+
+Expected<std::unique_ptr<OpInputs>> moe_make(const SelfTestCase& c, uint64_t seed) {
+  const char* layout = "{tokens, hidden, inter, n_experts, top_k, format, shared}";
+  if (c.dims.size() != 7) return make_error("moe case '{}' needs dims {}", c.label, layout);
+  const auto& d = c.dims;
+  if (d[0] < 0 || d[1] < 16 || d[1] % 16 || d[2] < 16 || d[2] % 16 || d[3] < 1 || d[4] < 1 || d[4] > d[3] ||
+      d[5] < 0 || d[5] > 1 || d[6] < 0 || d[6] > 1) {
+    return make_error("moe case '{}': bad dims (hidden and inter multiples of 16, 1 <= top_k <= n_experts)", c.label);
+  }
+  auto in = std::make_unique<MoeInputs>();
+  in->tokens = d[0], in->hidden = d[1], in->inter = d[2], in->n_experts = d[3], in->top_k = d[4];
+  in->nvfp4 = d[5] == 1, in->shared = d[6] == 1;
+  const int64_t h = in->hidden, i = in->inter, e = in->n_experts;
+  in->x = to_bf16(random_values(seed, 1, in->tokens * h, 2.0f));
+  in->router = make_router(seed, e, h);
+  // Uniform weights of variance 1 / fan-in keep every intermediate O(1).
+  const float gu_scale = std::sqrt(3.0f / static_cast<float>(h)), down_scale = std::sqrt(3.0f / static_cast<float>(i));
+  store_experts(*in, random_values(seed, 2, e * 2 * i * h, gu_scale), 2 * i, h, in->gate_up_bf16, in->gate_up_packed,
+                in->gate_up_scales, in->gate_up_global);
+  store_experts(*in, random_values(seed, 3, e * h * i, down_scale), h, i, in->down_bf16, in->down_packed,
+                in->down_scales, in->down_global);
+  if (in->shared) {
+    in->shared_gate_up = to_bf16(random_values(seed, 4, 2 * i * h, gu_scale));
+    in->shared_down = to_bf16(random_values(seed, 5, h * i, down_scale));
+  }
+  return in;
+}
+
+// Row `row` of projection [E][rows][cols] of expert e, as floats (NVFP4 dequantized as core/nvfp4 does).
+void expert_row(const MoeInputs& in, bool gate_up, int64_t e, int64_t row, float* out) {
+  const int64_t rows = gate_up ? 2 * in.inter : in.hidden, cols = gate_up ? in.hidden : in.inter;
+  const int64_t r = e * rows + row;
+  if (!in.nvfp4) {
+    const std::vector<uint16_t>& w = gate_up ? in.gate_up_bf16 : in.down_bf16;
+    for (int64_t k = 0; k < cols; ++k) out[k] = bf16_to_float(w[r * cols + k]);
+    return;
+  }
+  const std::vector<uint8_t>& packed = gate_up ? in.gate_up_packed : in.down_packed;
+  const std::vector<uint8_t>& scales = gate_up ? in.gate_up_scales : in.down_scales;
+  const float global = (gate_up ? in.gate_up_global : in.down_global)[e];
+  nvfp4_dequantize_row(&packed[r * cols / 2], &scales[r * cols / kNvfp4BlockSize], global, cols, out);
+}
+
+// fp64 SwiGLU: out[hidden] = down . (silu(gate . x) * (up . x)), weights [2I, H] (gate rows first) and [H, I].
+void swiglu_f64(const std::vector<double>& x, const float* gate_up, const float* down, int64_t hidden, int64_t inter,
+                std::vector<double>& out) {
+  std::vector<double> act(static_cast<size_t>(inter));
+  for (int64_t i = 0; i < inter; ++i) {
+    double g = 0.0, u = 0.0;
+    for (int64_t k = 0; k < hidden; ++k) {
+      g += x[k] * gate_up[i * hidden + k];
+      u += x[k] * gate_up[(inter + i) * hidden + k];
+    }
+    act[i] = g / (1.0 + std::exp(-g)) * u;
+  }
+  for (int64_t d = 0; d < hidden; ++d) {
+    double s = 0.0;
+    for (int64_t i = 0; i < inter; ++i) s += act[i] * down[d * inter + i];
+    out[d] = s;
+  }
+}
+
+std::vector<float> moe_reference(const OpInputs& base) {
+  const auto& in = static_cast<const MoeInputs&>(base);
+  const int64_t h = in.hidden, inter = in.inter, n_e = in.n_experts, k = in.top_k;
+  // Every expert dequantized once: [E][2I][H] and [E][H][I].
+  std::vector<float> gate_up(static_cast<size_t>(n_e * 2 * inter * h)), down(static_cast<size_t>(n_e * h * inter));
+#pragma omp parallel for schedule(static)
+  for (int64_t e = 0; e < n_e; ++e) {
+    for (int64_t r = 0; r < 2 * inter; ++r) expert_row(in, true, e, r, &gate_up[(e * 2 * inter + r) * h]);
+    for (int64_t r = 0; r < h; ++r) expert_row(in, false, e, r, &down[(e * h + r) * inter]);
+  }
+  std::vector<float> shared_gu(in.shared_gate_up.size()), shared_down(in.shared_down.size());
+  for (size_t i = 0; i < shared_gu.size(); ++i) shared_gu[i] = bf16_to_float(in.shared_gate_up[i]);
+  for (size_t i = 0; i < shared_down.size(); ++i) shared_down[i] = bf16_to_float(in.shared_down[i]);
+  std::vector<float> y(static_cast<size_t>(in.tokens * h));
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t t = 0; t < in.tokens; ++t) {
+    std::vector<double> x(static_cast<size_t>(h)), logits(static_cast<size_t>(n_e + 1)), out(static_cast<size_t>(h));
+    std::vector<double> acc(static_cast<size_t>(h), 0.0);
+    for (int64_t j = 0; j < h; ++j) x[j] = bf16_to_float(in.x[t * h + j]);
+    for (int64_t e = 0; e <= n_e; ++e) {
+      for (int64_t j = 0; j < h; ++j) logits[e] += x[j] * bf16_to_float(in.router[e * h + j]);
+    }
+    const double mx = *std::max_element(logits.begin(), logits.begin() + n_e);
+    std::vector<double> p(static_cast<size_t>(n_e));
+    for (int64_t e = 0; e < n_e; ++e) p[e] = std::exp(logits[e] - mx);
+    std::vector<int32_t> order(static_cast<size_t>(n_e));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });  // ties: lower
+    double top_sum = 0.0;
+    for (int64_t j = 0; j < k; ++j) top_sum += p[order[j]];
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = order[j];
+      swiglu_f64(x, &gate_up[e * 2 * inter * h], &down[e * h * inter], h, inter, out);
+      for (int64_t d = 0; d < h; ++d) acc[d] += p[e] / top_sum * out[d];
+    }
+    if (in.shared) {
+      swiglu_f64(x, shared_gu.data(), shared_down.data(), h, inter, out);
+      const double g = 1.0 / (1.0 + std::exp(-logits[n_e]));
+      for (int64_t d = 0; d < h; ++d) acc[d] += g * out[d];
+    }
+    for (int64_t d = 0; d < h; ++d) y[t * h + d] = static_cast<float>(acc[d]);
+  }
+  return y;
+}
+
+CpuMatrix expert_matrix(const MoeInputs& in, bool gate_up, int64_t e, int64_t row0, int64_t rows) {
+  const int64_t all_rows = gate_up ? 2 * in.inter : in.hidden, cols = gate_up ? in.hidden : in.inter;
+  const int64_t r = e * all_rows + row0;
+  CpuMatrix m{.rows = rows, .cols = cols};
+  if (!in.nvfp4) {
+    m.format = CpuWeightFormat::kBf16;
+    m.data = &(gate_up ? in.gate_up_bf16 : in.down_bf16)[r * cols];
+    return m;
+  }
+  m.format = CpuWeightFormat::kNvfp4;
+  m.data = &(gate_up ? in.gate_up_packed : in.down_packed)[r * cols / 2];
+  m.block_scales = &(gate_up ? in.gate_up_scales : in.down_scales)[r * cols / kNvfp4BlockSize];
+  m.global_scale = (gate_up ? in.gate_up_global : in.down_global)[e];
+  return m;
+}
+
+CpuMatrix bf16_matrix(const uint16_t* data, int64_t rows, int64_t cols) {
+  return CpuMatrix{.format = CpuWeightFormat::kBf16, .rows = rows, .cols = cols, .data = data};
+}
+
+Expected<RunOutput> moe_cpu(const OpInputs& base) {
+  const auto& in = static_cast<const MoeInputs&>(base);
+  const std::unique_ptr<Moe> layer = moe_cpu_layer(in);
+  std::vector<float> x(in.x.size());
+  for (size_t i = 0; i < x.size(); ++i) x[i] = bf16_to_float(in.x[i]);
+  RunOutput out{.values = std::vector<float>(static_cast<size_t>(in.tokens * in.hidden))};
+  poison_f32(out.values);
+  const auto start = std::chrono::steady_clock::now();
+  layer->forward(x.data(), out.values.data(), in.tokens, "", nullptr);
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<Moe> moe_cpu_layer(const MoeInputs& in) {
+  const int64_t h = in.hidden, inter = in.inter;
+  MoeWeights w{.router = Linear("router", bf16_matrix(in.router.data(), in.n_experts, h))};
+  for (int64_t e = 0; e < in.n_experts; ++e) {
+    w.experts.push_back(MlpWeights{Linear("gate_proj", expert_matrix(in, true, e, 0, inter)),
+                                   Linear("up_proj", expert_matrix(in, true, e, inter, inter)),
+                                   Linear("down_proj", expert_matrix(in, false, e, 0, h))});
+  }
+  if (in.shared) {
+    w.shared_expert = std::make_unique<Mlp>(
+        MlpWeights{Linear("shared_gate_proj", bf16_matrix(in.shared_gate_up.data(), inter, h)),
+                   Linear("shared_up_proj", bf16_matrix(in.shared_gate_up.data() + inter * h, inter, h)),
+                   Linear("shared_down_proj", bf16_matrix(in.shared_down.data(), h, inter))});
+    w.shared_expert_gate = Linear("shared_expert_gate", bf16_matrix(in.router.data() + in.n_experts * h, 1, h));
+  }
+  return std::make_unique<Moe>(MoeShape{.top_k = in.top_k, .renormalize = true}, std::move(w));
+}
+
+Expected<void> moe_register_cpu(Registry& registry) {
+  TERN_TRY(registry.add_harness(OpHarness{.op = "moe", .make_inputs = moe_make, .reference = moe_reference}));
+  // fp32 against fp64 through two chained dot products (hidden, then inter terms) and a k-term sum: a few 1e-7 of
+  // the output's scale; 1e-5 leaves margin and still rejects a missing expert or gate by orders of magnitude.
+  return registry.add(Implementation{
+      .op = "moe",
+      .name = "cpu",
+      .backend = Backend::kCpu,
+      .tolerance = {.rel = 1e-5, .abs = 0.0},
+      .unsupported_reason = [](const DeviceDescription& d, const SelfTestCase&) -> std::string {
+        return d.backend == Backend::kCpu ? "" : "runs on the CPU backend only";
+      },
+      .run = moe_cpu,
+  });
+}
+
+SelfTestCase moe_case(int64_t tokens, int64_t hidden, int64_t inter, int64_t n_experts, int64_t top_k, bool nvfp4,
+                      bool shared) {
+  return {fmt::format("T={} H={} I={} E={} top{} {}{}", tokens, hidden, inter, n_experts, top_k,
+                      nvfp4 ? "nvfp4" : "bf16", shared ? " +shared" : ""),
+          {tokens, hidden, inter, n_experts, top_k, nvfp4 ? 1 : 0, shared ? 1 : 0}};
+}
+
+}  // namespace tern

@@ -1,0 +1,46 @@
+// The sparse Mixture-of-Experts block in the registry (shared model-specs.md section 2.6, layers/moe.h):
+//   moe  dims {tokens, hidden, inter, n_experts, top_k, format, shared}: softmax router, top-k renormalised,
+//        SwiGLU experts of width `inter` with weights in `format` (0 bf16, 1 NVFP4 as ModelOpt exports them, W4A16
+//        semantics), plus with shared = 1 a bf16 shared expert of width `inter` scaled by sigmoid(its gate).
+//        Output y [tokens, hidden].
+// The harness draws fresh, non-zero, bf16-exact activations and weights from the seed. Router rows (and the shared
+// expert gate) are one-hot with a power-of-two value, so the logits are exact in every format: a GPU that rounds
+// them to bf16 (as transformers does) selects the experts the fp32 CPU layer selects, and the comparison measures
+// the experts' arithmetic rather than near-ties of the router. The last expert repeats expert 1's router row, an
+// exact tie every implementation must give to expert 1. The reference is computed in fp64 from the spec formula;
+// the CPU implementation ("cpu") runs layers/moe.h Moe::forward in fp32.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/error.h"
+#include "layers/moe.h"
+#include "ops/registry.h"
+
+namespace tern {
+
+struct MoeInputs : OpInputs {
+  int64_t tokens = 0, hidden = 0, inter = 0, n_experts = 0, top_k = 0;
+  bool nvfp4 = false, shared = false;
+  std::vector<uint16_t> x;       // [tokens, hidden] bf16
+  std::vector<uint16_t> router;  // [n_experts + 1, hidden] bf16; row n_experts is the shared expert gate
+  // Routed experts, bf16 or NVFP4. gate_up [E][2 * inter][hidden]: gate rows first, then up (NVFP4: one
+  // weight_scale_2 per expert for both, as ModelOpt exports them); down [E][hidden][inter].
+  std::vector<uint16_t> gate_up_bf16, down_bf16;
+  std::vector<uint8_t> gate_up_packed, gate_up_scales, down_packed, down_scales;
+  std::vector<float> gate_up_global, down_global;  // [E]
+  std::vector<uint16_t> shared_gate_up, shared_down;  // bf16 [2 * inter, hidden], [hidden, inter] (with shared)
+};
+
+// Adds the harness and the CPU implementation ("cpu").
+Expected<void> moe_register_cpu(Registry& registry);
+
+SelfTestCase moe_case(int64_t tokens, int64_t hidden, int64_t inter, int64_t n_experts, int64_t top_k, bool nvfp4,
+                      bool shared);
+
+// The CPU layer over the inputs' weights (it points into `inputs`, which must outlive it).
+std::unique_ptr<Moe> moe_cpu_layer(const MoeInputs& inputs);
+
+}  // namespace tern

@@ -1,0 +1,111 @@
+// The moe harness and its CPU implementation through the registry: the CPU layer passes its self-test against the
+// fp64 reference on both weight formats, the reference agrees with a block worked out by hand, and broken
+// implementations (one expert too few, a scaled output, an unwritten element) are rejected.
+#include "ops/moe_op.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/formats.h"
+
+namespace tern {
+namespace {
+
+std::vector<SelfTestCase> small_cases() {
+  return {moe_case(1, 64, 32, 8, 2, false, true),   moe_case(3, 64, 32, 8, 2, true, true),
+          moe_case(37, 64, 32, 8, 2, false, false), moe_case(5, 128, 64, 64, 8, true, false),
+          moe_case(4, 64, 32, 32, 32, false, true), moe_case(9, 32, 16, 16, 1, true, true)};
+}
+
+TEST(MoeOp, CpuImplementationPassesItsSelfTest) {
+  Registry r;
+  ASSERT_TRUE(moe_register_cpu(r).has_value());
+  auto s = registry_select(r, "moe", cpu_device_describe(), small_cases(), {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_EQ(s->chosen, "cpu") << s->candidates.front().reason;
+}
+
+TEST(MoeOp, BadCasesAreErrors) {
+  Registry r;
+  ASSERT_TRUE(moe_register_cpu(r).has_value());
+  EXPECT_FALSE(r.harness("moe")->make_inputs({"short", {1, 64, 32}}, 1).has_value());
+  EXPECT_FALSE(r.harness("moe")->make_inputs(moe_case(1, 64, 32, 4, 5, false, false), 1).has_value());  // top_k > E
+  EXPECT_FALSE(r.harness("moe")->make_inputs(moe_case(1, 40, 32, 4, 2, false, false), 1).has_value());  // hidden % 16
+}
+
+// One token, two experts, top-1, identity-like weights: gate = up = down = I (hidden = inter = 16), so the routed
+// output is silu(x) * x; the router picks expert 1 (x[1] = 2 > x[0] = 1) with weight 1 after renormalisation; the
+// shared expert uses the same identities and is scaled by sigmoid(x[2]).
+TEST(MoeOp, ReferenceMatchesHandComputedBlock) {
+  MoeInputs in;
+  in.tokens = 1, in.hidden = 16, in.inter = 16, in.n_experts = 2, in.top_k = 1, in.shared = true;
+  const int64_t h = 16;
+  for (int64_t j = 0; j < h; ++j) in.x.push_back(float_to_bf16(j == 0 ? 1.0f : j == 1 ? 2.0f : 0.25f * float(j) - 2.0f));
+  in.router.assign(3 * h, float_to_bf16(0.0f));
+  in.router[0 * h + 0] = in.router[1 * h + 1] = in.router[2 * h + 2] = float_to_bf16(1.0f);
+  auto identity = [h](int64_t blocks) {
+    std::vector<uint16_t> m(static_cast<size_t>(blocks * h * h), float_to_bf16(0.0f));
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t i = 0; i < h; ++i) m[(b * h + i) * h + i] = float_to_bf16(1.0f);
+    return m;
+  };
+  in.gate_up_bf16 = identity(4);  // 2 experts x [gate; up]
+  in.down_bf16 = identity(2);
+  // Expert 0 (not chosen) gets a down projection of 100 x I: any leak of it shows.
+  for (int64_t i = 0; i < h; ++i) in.down_bf16[i * h + i] = float_to_bf16(100.0f);
+  in.shared_gate_up = identity(2);
+  in.shared_down = identity(1);
+  Registry r;
+  ASSERT_TRUE(moe_register_cpu(r).has_value());
+  const std::vector<float> y = r.harness("moe")->reference(in);
+  const double gate = 1.0 / (1.0 + std::exp(-double(bf16_to_float(in.x[2]))));
+  for (int64_t j = 0; j < h; ++j) {
+    const double x = bf16_to_float(in.x[j]);
+    const double silu_x_x = x / (1.0 + std::exp(-x)) * x;
+    EXPECT_NEAR(y[j], silu_x_x * (1.0 + gate), 1e-6 * (1.0 + std::fabs(silu_x_x))) << j;
+  }
+  // The CPU layer agrees on the same inputs.
+  auto out = r.implementations("moe").front()->run(in);
+  ASSERT_TRUE(out.has_value());
+  for (int64_t j = 0; j < h; ++j) EXPECT_NEAR(out->values[j], y[j], 1e-5 * (1.0 + std::fabs(y[j]))) << j;
+}
+
+Implementation broken(const Registry& r, std::string name, std::function<void(MoeInputs&)> corrupt_inputs,
+                      std::function<void(std::vector<float>&)> corrupt_out) {
+  const Implementation* cpu = r.implementations("moe").front();
+  return Implementation{
+      .op = "moe",
+      .name = std::move(name),
+      .priority = 10,
+      .tolerance = cpu->tolerance,
+      .run = [run = cpu->run, corrupt_inputs, corrupt_out](const OpInputs& base) -> Expected<RunOutput> {
+        MoeInputs copy = static_cast<const MoeInputs&>(base);
+        if (corrupt_inputs) corrupt_inputs(copy);
+        auto out = run(copy);
+        if (out && corrupt_out) corrupt_out(out->values);
+        return out;
+      }};
+}
+
+TEST(MoeOp, BrokenImplementationsAreRejected) {
+  Registry r;
+  ASSERT_TRUE(moe_register_cpu(r).has_value());
+  ASSERT_TRUE(r.add(broken(r, "one-expert-short", [](MoeInputs& in) { in.top_k -= 1; }, {})).has_value());
+  ASSERT_TRUE(r.add(broken(r, "no-shared", [](MoeInputs& in) { in.shared = false; }, {})).has_value());
+  ASSERT_TRUE(r.add(broken(r, "scaled", {}, [](std::vector<float>& y) { for (float& v : y) v *= 1.001f; })).has_value());
+  ASSERT_TRUE(r.add(broken(r, "unwritten", {}, [](std::vector<float>& y) { poison_f32(std::span(y).last(1)); })).has_value());
+  const SelfTestCase c = moe_case(7, 64, 32, 8, 2, true, true);
+  auto s = registry_select(r, "moe", cpu_device_describe(), std::span(&c, 1), {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_EQ(s->chosen, "cpu");
+  for (const auto& cand : s->candidates) {
+    if (cand.name == "cpu") continue;
+    EXPECT_EQ(cand.status, CandidateStatus::kFailed) << cand.name;
+    const char* want = cand.name == "unwritten" ? "never written" : "exceeds the tolerance";
+    EXPECT_NE(cand.reason.find(want), std::string::npos) << cand.name << ": " << cand.reason;
+  }
+}
+
+}  // namespace
+}  // namespace tern
