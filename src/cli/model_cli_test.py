@@ -3,10 +3,11 @@
 (tests/fixtures/README.md): per prompt, the top-K teacher-forced logits within 1e-3 * max |reference logit| with
 the same ids wherever the reference gaps exceed that, and the 24-token greedy continuation exactly.
 
-usage: model_cli_test.py TERN FIXTURE_DIR REFERENCE_JSON [--logit-tolerance X] [extra tern flags...]
+usage: model_cli_test.py TERN FIXTURE_DIR REFERENCE_JSON [--bf16-noise FILE] [extra tern flags...]
 
---logit-tolerance replaces the 1e-3 (the fp32 CPU path's bound) with X, for paths with bf16 activations (the
-CUDA path: 2^-6, as src/models/gpu/gpu_model_test.cc explains).
+--bf16-noise, for paths with bf16 activations (the CUDA path): the logit bound is the deviation transformers itself
+shows in bf16 (FILE, written by tools/device/bf16_noise.py) instead of 1e-3, and greedy continuations must equal the
+reference only where transformers-bf16 reproduced them (src/models/gpu/gpu_model_test.cc explains why).
 """
 import json
 import subprocess
@@ -19,6 +20,7 @@ def run(cmd):
 
 
 LOGIT_TOLERANCE = 1e-3
+GREEDY_MUST_MATCH = None  # per prompt; None: every prompt
 
 
 def check_score(tern, model, prompt, positions, extra):
@@ -40,22 +42,30 @@ def check_score(tern, model, prompt, positions, extra):
                 assert ov - kth <= tol, f"position {t}: id {oid} only in our top-K"
 
 
-def check_generate(tern, model, prompt, continuation, extra):
+def greedy_must_match(p):
+    return GREEDY_MUST_MATCH is None or GREEDY_MUST_MATCH[p]
+
+
+def check_generate(tern, model, prompt, continuation, extra, must_match):
     ids_arg = ",".join(map(str, prompt))
     got = run([tern, "generate", "--model", model, "--prompt-ids", ids_arg, "--max-tokens", str(len(continuation)),
                "--temperature", "0", "--json", "--logprobs", "2"] + extra)
     assert got["prompt_ids"] == prompt
-    assert got["ids"] == continuation, f"greedy {got['ids']} != reference {continuation}"
+    assert len(got["ids"]) == len(continuation)
+    if must_match:
+        assert got["ids"] == continuation, f"greedy {got['ids']} != reference {continuation}"
     assert got["text"] == "", "fixtures have no tokenizer: text must be empty"
     assert got["finish_reason"] == "length"
     assert len(got["logprobs"]) == len(continuation)
-    for step, chosen in zip(got["logprobs"], continuation):
+    for step, chosen in zip(got["logprobs"], got["ids"]):
         assert step[0]["id"] == chosen and step[0]["logprob"] <= 0 and step[0]["logprob"] >= step[1]["logprob"]
 
 
 def check_sampling_and_stop(tern, model, prompt, continuation, extra):
     ids_arg = ",".join(map(str, prompt))
     base = [tern, "generate", "--model", model, "--prompt-ids", ids_arg, "--json"] + extra
+    if not greedy_must_match(0):  # the stop-id check then works on this path's own greedy continuation
+        continuation = run(base + ["--max-tokens", str(len(continuation)), "--temperature", "0"])["ids"]
     # A stop token id ends generation right after that token, with finish_reason "stop".
     cut = next(i for i in range(1, len(continuation)) if continuation[i] not in continuation[:i])
     got = run(base + ["--max-tokens", "24", "--temperature", "0", "--stop-token-ids", str(continuation[cut])])
@@ -70,17 +80,20 @@ def check_sampling_and_stop(tern, model, prompt, continuation, extra):
 
 
 def main():
-    global LOGIT_TOLERANCE
+    global LOGIT_TOLERANCE, GREEDY_MUST_MATCH
     tern, model, reference = sys.argv[1], sys.argv[2], sys.argv[3]
     extra = sys.argv[4:]
-    if extra[:1] == ["--logit-tolerance"]:
-        LOGIT_TOLERANCE = float(extra[1])
+    if extra[:1] == ["--bf16-noise"]:
+        with open(extra[1]) as f:
+            noise = json.load(f)
+        LOGIT_TOLERANCE = noise["max_rel_logit_error"]
+        GREEDY_MUST_MATCH = noise["greedy_equal_per_prompt"]
         extra = extra[2:]
     with open(f"{model}/{reference}") as f:
         ref = json.load(f)
     for p, prompt in enumerate(ref["prompts"]):
         check_score(tern, model, prompt, ref["teacher_forced"][p]["positions"], extra)
-        check_generate(tern, model, prompt, ref["greedy"][p]["continuation"], extra)
+        check_generate(tern, model, prompt, ref["greedy"][p]["continuation"], extra, greedy_must_match(p))
     check_sampling_and_stop(tern, model, ref["prompts"][0], ref["greedy"][0]["continuation"], extra)
     print(f"{model} {reference} {' '.join(extra)}: ok")
 

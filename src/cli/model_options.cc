@@ -5,6 +5,54 @@
 #include <charconv>
 
 namespace tern {
+namespace {
+
+// The variant a device kernel family runs with: the one forced, else the only one that passed, else both (auto).
+std::string variant_of(const Selection& s, const std::string& a, const std::string& b) {
+  if (s.forced) return s.chosen;
+  bool a_ok = false, b_ok = false;
+  for (const CandidateReport& c : s.candidates) {
+    a_ok = a_ok || (c.name == a && c.status != CandidateStatus::kFailed);
+    b_ok = b_ok || (c.name == b && c.status != CandidateStatus::kFailed);
+  }
+  return a_ok && b_ok ? "auto" : a_ok ? a : b;
+}
+
+Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceModelOptions& device) {
+  const std::string mode_name = o.selftest == "auto" ? (cuda ? "fast" : "off") : o.selftest;
+  TERN_ASSIGN_OR_RETURN(SelftestMode mode, selftest_mode_parse(mode_name));
+  const auto forced = o.backends.forced();
+  bool any_forced = false;
+  for (const auto& [op, name] : forced) any_forced = any_forced || name != "auto";
+  if (mode == SelftestMode::kOff) {
+    if (cuda) {
+      fmt::print(stderr, "warning: --selftest off: the GPU kernels are NOT verified on this device before serving; wrong output or "
+                   "NaN from an unsupported kernel will not be caught at start-up (run `tern doctor` to check)\n");
+    }
+    if (!any_forced) return {};
+  }
+  TERN_ASSIGN_OR_RETURN(ModelSelftestReport r, model_selftest_run(o.model_dir, {.mode = mode == SelftestMode::kOff
+                                                                                            ? SelftestMode::kFast
+                                                                                            : mode,
+                                                                                .device = cuda ? "cuda" : "cpu",
+                                                                                .forced = forced}));
+  // stderr: stdout carries the commands' results (JSON).
+  fmt::print(stderr, "self-test on {}: {} ops in {:.2f} s: {}\n", r.device.name, r.selections.size(), r.seconds,
+             r.verdict);
+  for (const Selection& s : r.selections) {
+    if (s.chosen.empty()) {
+      std::string why;
+      for (const CandidateReport& c : s.candidates) why += fmt::format("; {}: {}", c.name, c.reason);
+      return make_error("self-test: no implementation of '{}' passed on {}{}", s.op, r.device.name, why);
+    }
+    if (s.op == "attention") device.attention_variant = variant_of(s, "cuda-decode", "cuda-prefill");
+    if (s.op == "gdn_delta_rule") device.gdn_variant = variant_of(s, "cuda-recurrent", "cuda-chunked");
+  }
+  if (!r.notes.empty()) return make_error("self-test: {}", r.notes.front());
+  return {};
+}
+
+}  // namespace
 
 void add_model_options(CLI::App& cmd, ModelCliOptions& o) {
   cmd.add_option("--model", o.model_dir, "Checkpoint directory (config.json + safetensors)")->required();
@@ -17,6 +65,17 @@ void add_model_options(CLI::App& cmd, ModelCliOptions& o) {
                  "present)")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   cmd.add_option("--cuda-device", o.cuda_device, "CUDA device ordinal for --device cuda");
   cmd.add_option("--dummy-seed", o.dummy_seed, "Seed of --load-format dummy weights");
+  cmd.add_option("--selftest", o.selftest, "Start-up self-test of every kernel on the model's shapes: fast, full, off, or "
+                 "auto (fast on a GPU, off on the CPU)")->check(CLI::IsMember({"auto", "off", "fast", "full"}));
+  add_backend_options(cmd, o.backends);
+}
+
+void add_backend_options(CLI::App& cmd, BackendFlags& b) {
+  cmd.add_option("--attention-backend", b.attention, "auto, or an implementation of `attention` (tern doctor lists them)");
+  cmd.add_option("--moe-backend", b.moe, "auto, or an implementation of `moe`");
+  cmd.add_option("--gemm-backend", b.gemm, "auto, or an implementation of `gemm_bf16`");
+  cmd.add_option("--fp4-gemm-backend", b.fp4_gemm, "auto, or an implementation of `gemm_nvfp4`");
+  cmd.add_option("--gdn-backend", b.gdn, "auto, or an implementation of `gdn_delta_rule`");
 }
 
 Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOptions& o,
@@ -26,6 +85,7 @@ Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOption
   options.device = cuda ? ModelDevice::kCuda : ModelDevice::kCpu;
   options.device_options = sizes;
   options.device_options.device = o.cuda_device;
+  TERN_TRY(selftest_before_load(o, cuda, options.device_options));
   options.load_format = o.load_format == "dummy" ? LoadFormat::kDummy : LoadFormat::kAuto;
   options.nvfp4_quantize_activations = o.nvfp4_activations == "quantize";
   options.dummy_seed = o.dummy_seed;

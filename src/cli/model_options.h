@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/model_selftest.h"
 #include "core/error.h"
 #include "models/causal_lm.h"
 
@@ -20,9 +21,14 @@ struct ModelCliOptions {
   std::string device = "auto";  // auto | cpu | cuda
   int cuda_device = 0;
   uint64_t dummy_seed = 0;
+  std::string selftest = "auto";  // auto (fast on a GPU, off on the CPU) | off | fast | full
+  BackendFlags backends;
 };
 
 void add_model_options(CLI::App& cmd, ModelCliOptions& options);
+void add_backend_options(CLI::App& cmd, BackendFlags& backends);
+// Runs the start-up self-test (--selftest) of the device that will run the model, then loads it there. Refuses to
+// load when an op the model needs has no verified implementation, or a forced backend fails its self-test.
 // `sizes`: what a device backend allocates (rows per step, sequences, KV tokens); the CPU ignores them.
 Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOptions& options,
                                                             const DeviceModelOptions& sizes);

@@ -20,8 +20,7 @@ SequenceCache CausalLm::new_sequence() const {
 Expected<std::vector<float>> CausalLm::forward(std::span<const SequenceInput> batch, LogitsFor which,
                                                const Tracer* tracer) const {
   if (backend_) {
-    if (tracer != nullptr) return make_error("tracing intermediates is available on the CPU only");
-    TERN_ASSIGN_OR_RETURN(std::vector<float> logits, backend_->forward(batch, which));
+    TERN_ASSIGN_OR_RETURN(std::vector<float> logits, backend_->forward(batch, which, tracer));
     for (const SequenceInput& in : batch) in.cache->length += static_cast<int64_t>(in.tokens.size());
     return logits;
   }

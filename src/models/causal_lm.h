@@ -41,7 +41,10 @@ class ForwardBackend {
  public:
   virtual ~ForwardBackend() = default;
   virtual std::shared_ptr<DeviceSequenceState> new_sequence() = 0;
-  virtual Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which) = 0;
+  // `tracer` (optional) receives the intermediates the CPU path names ("layers.N.mixer_out", "layers.N.ffn_out",
+  // "layers.N.gdn_core", "layers.N.router_logits", "final_norm"), widened to fp32; it synchronizes after each.
+  virtual Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which,
+                                               const Tracer* tracer) = 0;
   virtual std::string describe() const = 0;  // one line: device and what it holds
 };
 
@@ -86,6 +89,10 @@ struct DeviceModelOptions {
   int64_t max_sequences = 64;        // sequences alive at once (Gated DeltaNet state slots)
   int64_t kv_cache_tokens = 0;       // 0: sized from free device memory
   int64_t kv_block_size = 16;
+  // Kernel variants the start-up self-test verified (or the user forced): "auto" lets each call pick by its shape;
+  // "cuda-decode" / "cuda-prefill" and "cuda-recurrent" / "cuda-chunked" pin one.
+  std::string attention_variant = "auto";
+  std::string gdn_variant = "auto";
 };
 
 struct ModelLoadOptions {

@@ -140,9 +140,15 @@ Expected<void> forward_validate(const MoeForwardArgs& a) {
   constexpr const char* k = "moe_forward";
   TERN_TRY(check_routing_shape(k, a.tokens, a.n_experts, a.top_k));
   if (a.inter < 8 || a.inter % 8 != 0) return make_error("{}: inter={} must be a positive multiple of 8", k, a.inter);
-  if (a.gate_up.n_experts != a.n_experts || a.gate_up.n != 2 * a.inter || a.gate_up.k != a.hidden) {
-    return make_error("{}: gate_up weights are [{}][{}][{}], want [{}][{}][{}]", k, a.gate_up.n_experts, a.gate_up.n,
-                      a.gate_up.k, a.n_experts, 2 * a.inter, a.hidden);
+  const bool split = a.up.n != 0;
+  const int64_t gate_n = split ? a.inter : 2 * a.inter;
+  if (a.gate_up.n_experts != a.n_experts || a.gate_up.n != gate_n || a.gate_up.k != a.hidden) {
+    return make_error("{}: {} weights are [{}][{}][{}], want [{}][{}][{}]", k, split ? "gate" : "gate_up",
+                      a.gate_up.n_experts, a.gate_up.n, a.gate_up.k, a.n_experts, gate_n, a.hidden);
+  }
+  if (split && (a.up.n_experts != a.n_experts || a.up.n != a.inter || a.up.k != a.hidden)) {
+    return make_error("{}: up weights are [{}][{}][{}], want [{}][{}][{}]", k, a.up.n_experts, a.up.n, a.up.k,
+                      a.n_experts, a.inter, a.hidden);
   }
   if (a.down.n_experts != a.n_experts || a.down.n != a.hidden || a.down.k != a.inter) {
     return make_error("{}: down weights are [{}][{}][{}], want [{}][{}][{}]", k, a.down.n_experts, a.down.n, a.down.k,
@@ -241,6 +247,12 @@ Expected<void> moe_forward(const DeviceContext& ctx, const MoeForwardArgs& a) {
   TERN_TRY(moe_gemm(ctx, {.x = a.x, .ldx = a.hidden, .sorted_pairs = sorted_pairs, .top_k = a.top_k, .gather = true,
                           .expert_offsets = offsets, .w = a.gate_up, .y = gate_up, .ldy = 2 * a.inter, .rows = rows},
                     a.variant));
+  if (a.up.n != 0) {
+    TERN_TRY(moe_gemm(ctx, {.x = a.x, .ldx = a.hidden, .sorted_pairs = sorted_pairs, .top_k = a.top_k,
+                            .gather = true, .expert_offsets = offsets, .w = a.up, .y = gate_up + a.inter,
+                            .ldy = 2 * a.inter, .rows = rows},
+                      a.variant));
+  }
   TERN_TRY(silu_mul(ctx, {.gate_up = gate_up, .y = act, .rows = rows, .inter = a.inter}));
   TERN_TRY(moe_gemm(ctx, {.x = act, .ldx = a.inter, .sorted_pairs = sorted_pairs, .top_k = a.top_k, .gather = false,
                           .expert_offsets = offsets, .w = a.down, .y = expert_out, .ldy = a.hidden, .rows = rows},

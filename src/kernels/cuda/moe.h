@@ -35,6 +35,8 @@ struct MoeForwardArgs {
   int64_t tokens = 0, hidden = 0, inter = 0, n_experts = 0, top_k = 0;
   bool renormalize = true;
   MoeExpertWeights gate_up;  // n = 2 * inter (gate rows first, then up; NVFP4: one global scale per expert), k = hidden
+  MoeExpertWeights up;       // optional (n = 0: gate_up is fused): then gate_up holds the gate (n = inter) and this the
+                             // up projection, for NVFP4 checkpoints whose gate and up have their own global scales
   MoeExpertWeights down;     // n = hidden, k = inter
   const uint16_t* shared_out = nullptr;   // optional [tokens, hidden] bf16
   const uint16_t* shared_gate = nullptr;  // [tokens] at shared_gate_stride, with shared_out

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <optional>
 
 #include "core/formats.h"
@@ -136,7 +137,8 @@ class GpuBackend final : public ForwardBackend {
 
   Expected<void> build(const CausalLm& model);
   std::shared_ptr<DeviceSequenceState> new_sequence() override { return std::make_shared<GpuSequence>(pool_); }
-  Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which) override;
+  Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which,
+                                       const Tracer* tracer) override;
   std::string describe() const override {
     return fmt::format("cuda:{} {} ({:.2f} GiB of weights, KV cache {} tokens in blocks of {})", options_.device,
                        ctx_.props().name, static_cast<double>(weights_.bytes()) / (1 << 30), kv_blocks_ * options_.kv_block_size,
@@ -158,10 +160,13 @@ class GpuBackend final : public ForwardBackend {
   Expected<StepPlan> plan_step(std::span<const SequenceInput> batch);
   void upload_plan(const StepPlan& plan);
   Expected<void> run_attention(const GpuAttention& a, const StepPlan& plan);
-  Expected<void> run_gdn(const GpuGdn& g, const StepPlan& plan);
+  Expected<void> run_gdn(const GpuGdn& g, const StepPlan& plan, const std::function<Expected<void>()>& after_core);
   Expected<void> run_mlp(const GpuMlp& m, const uint16_t* x, int64_t rows, uint16_t* y);
   Expected<void> run_moe(const GpuMoe& m, int64_t tokens);
   Expected<void> rms_norm_rows(const GpuNorm& n, uint16_t* x, const uint16_t* residual, int64_t rows, uint16_t* y);
+  // Waits for the stream and hands rows x cols of a bf16 matrix with row stride ld to the tracer as fp32.
+  Expected<void> trace(const Tracer* tracer, const std::string& name, const uint16_t* data, int64_t rows, int64_t cols,
+                       int64_t ld);
 
   DeviceModelOptions options_;
   DeviceContext ctx_;
@@ -175,6 +180,8 @@ class GpuBackend final : public ForwardBackend {
   std::vector<GpuLayer> layers_;
 
   int64_t kv_blocks_ = 0;
+  AttentionVariant attention_variant_ = AttentionVariant::kAuto;
+  GdnVariant gdn_variant_ = GdnVariant::kAuto;
   std::vector<DeviceBuffer> cache_buffers_;
   bool has_gdn_ = false;
 
@@ -182,16 +189,12 @@ class GpuBackend final : public ForwardBackend {
   Arena arena_;
   uint16_t *x_ = nullptr, *normed_ = nullptr, *out_ = nullptr, *proj_ = nullptr, *q_ = nullptr, *gate_ = nullptr,
            *attn_ = nullptr, *aux_ = nullptr, *aux2_ = nullptr, *conv_ = nullptr, *act_ = nullptr;
-  uint16_t *router_ = nullptr, *expert_gate_up_ = nullptr, *expert_act_ = nullptr, *expert_out_ = nullptr,
-           *shared_out_ = nullptr, *last_ = nullptr;
-  int32_t *topk_ids_ = nullptr, *expert_offsets_ = nullptr, *sorted_pairs_ = nullptr, *pair_row_ = nullptr;
-  float* topk_weights_ = nullptr;
+  uint16_t *router_ = nullptr, *shared_out_ = nullptr, *last_ = nullptr;
   unsigned long long* bad_id_ = nullptr;  // the embedding kernel's report (ids are checked on the host first)
   void* attention_workspace_ = nullptr;
   size_t attention_workspace_bytes_ = 0;
   void* moe_workspace_ = nullptr;
   size_t moe_workspace_bytes_ = 0;
-  int64_t max_top_k_ = 0;
   DeviceBuffer logits_;                // [rows, vocab] bf16, grown on demand
   DeviceBuffer meta_buffer_;
   int32_t* meta_ = nullptr;            // device copy of the step plan
@@ -267,12 +270,27 @@ Expected<GpuMoe> GpuBackend::build_moe(const Moe& moe, const std::string& name) 
   if (w.shared_expert) router.push_back(&w.shared_expert_gate);
   TERN_ASSIGN_OR_RETURN(m.router, weights_.projection(router));
   TERN_ASSIGN_OR_RETURN(m.experts, weights_.experts(w.experts, name + ".experts"));
-  if (w.shared_expert) TERN_ASSIGN_OR_RETURN(m.shared, build_mlp(w.shared_expert->weights()));
-  max_top_k_ = std::max(max_top_k_, m.shape.top_k);
+  if (w.shared_expert) {
+    TERN_ASSIGN_OR_RETURN(m.shared, build_mlp(w.shared_expert->weights()));
+  }
   return m;
 }
 
 Expected<void> GpuBackend::build(const CausalLm& model) {
+  const std::string& av = options_.attention_variant;
+  const std::string& gv = options_.gdn_variant;
+  if (av != "auto" && av != "cuda-decode" && av != "cuda-prefill") {
+    return make_error("attention variant '{}' is not one the CUDA model runs (auto, cuda-decode, cuda-prefill)", av);
+  }
+  if (gv != "auto" && gv != "cuda-recurrent" && gv != "cuda-chunked") {
+    return make_error("GDN variant '{}' is not one the CUDA model runs (auto, cuda-recurrent, cuda-chunked)", gv);
+  }
+  attention_variant_ = av == "cuda-decode"    ? AttentionVariant::kDecode
+                       : av == "cuda-prefill" ? AttentionVariant::kPrefill
+                                              : AttentionVariant::kAuto;
+  gdn_variant_ = gv == "cuda-recurrent" ? GdnVariant::kRecurrent
+                 : gv == "cuda-chunked" ? GdnVariant::kChunked
+                                        : GdnVariant::kAuto;
   vocab_ = model.lm_head.out_features();
   TERN_ASSIGN_OR_RETURN(embed_, weights_.matrix(model.embed_tokens, "embed_tokens"));
   if (embed_.nvfp4) return make_error("embed_tokens: NVFP4 embeddings are not supported");
@@ -334,7 +352,7 @@ Expected<void> GpuBackend::allocate_caches() {
     // Half of what is free, so other processes and cuBLASLt keep room; at most max_sequences full 32k contexts.
     tokens = std::min<int64_t>(static_cast<int64_t>(free_bytes / 2) / kv_bytes_per_token, slots * 32768);
   }
-  kv_blocks_ = std::max<int64_t>(tokens / bs, 1);
+  kv_blocks_ = std::max<int64_t>((tokens + bs - 1) / bs, 1);
   for (GpuLayer& l : layers_) {
     if (!l.attention) continue;
     GpuAttention& a = *l.attention;
@@ -351,7 +369,10 @@ Expected<void> GpuBackend::allocate_caches() {
   for (int64_t b = kv_blocks_ - 1; b >= 0; --b) pool_->free_blocks.push_back(static_cast<int32_t>(b));
   // The split-K workspace (decode variant only, which kAuto picks for at most kAttentionDecodeMaxQueryLen rows per
   // sequence) depends on the rows of a step and the longest context the cache can hold.
-  const int64_t decode_rows = std::min(options_.max_batch_tokens, kAttentionDecodeMaxQueryLen * options_.max_sequences);
+  const int64_t decode_rows = attention_variant_ == AttentionVariant::kDecode
+                                  ? options_.max_batch_tokens
+                                  : std::min(options_.max_batch_tokens,
+                                             kAttentionDecodeMaxQueryLen * options_.max_sequences);
   for (const GpuLayer& l : layers_) {
     if (!l.attention) continue;
     attention_workspace_bytes_ = std::max(
@@ -370,7 +391,7 @@ Expected<void> GpuBackend::allocate_caches() {
 
 Expected<void> GpuBackend::allocate_activations() {
   const int64_t t = options_.max_batch_tokens, h = config_hidden_;
-  int64_t proj = 0, heads = 0, aux = 0, aux2 = 0, conv = 0, act = 0, router = 0, egu = 0, eact = 0;
+  int64_t proj = 0, heads = 0, aux = 0, aux2 = 0, conv = 0, act = 0, router = 0;
   for (const GpuLayer& l : layers_) {
     if (l.attention) {
       proj = std::max(proj, l.attention->qkv.width);
@@ -381,6 +402,7 @@ Expected<void> GpuBackend::allocate_activations() {
       aux = std::max(aux, l.gdn->z.width);
       aux2 = std::max(aux2, l.gdn->ba.width);
       conv = std::max(conv, l.gdn->channels());
+      heads = std::max(heads, l.gdn->shape.n_value_heads * l.gdn->shape.value_dim);  // the GDN core lands in attn_
     }
     if (l.mlp) {
       proj = std::max(proj, l.mlp->gate_up.width);
@@ -388,28 +410,19 @@ Expected<void> GpuBackend::allocate_activations() {
     }
     if (l.moe) {
       router = std::max(router, l.moe->router.width);
-      egu = std::max(egu, l.moe->shape.top_k * 2 * l.moe->experts.inter);
-      eact = std::max(eact, l.moe->shape.top_k * l.moe->experts.inter);
       if (l.moe->shared) {
         proj = std::max(proj, l.moe->shared->gate_up.width);
         act = std::max(act, l.moe->shared->inter);
       }
       moe_workspace_bytes_ = std::max(moe_workspace_bytes_,
-                                      moe_align_workspace_bytes(t, l.moe->shape.top_k, l.moe->n_experts));
+                                      moe_forward_workspace_bytes(t, l.moe->shape.top_k, l.moe->n_experts,
+                                                                  l.moe->experts.inter, h));
     }
   }
-  const int64_t n_experts_max = [&] {
-    int64_t e = 0;
-    for (const GpuLayer& l : layers_) if (l.moe) e = std::max(e, l.moe->n_experts);
-    return e;
-  }();
-  const int64_t pairs = t * std::max<int64_t>(max_top_k_, 1);
   const int64_t bf16_counts[] = {t * h, t * h, t * h, t * proj, t * heads, t * heads, t * heads, t * aux, t * aux2,
-                                 t * conv, t * act, t * router, t * egu, t * eact, pairs * h, t * h, t * h};
-  size_t bytes = Arena::aligned(moe_workspace_bytes_);
+                                 t * conv, t * act, t * router, t * h, t * h};
+  size_t bytes = Arena::aligned(moe_workspace_bytes_) + Arena::aligned(8);
   for (int64_t c : bf16_counts) bytes += Arena::aligned(static_cast<size_t>(c) * 2);
-  bytes += 4 * Arena::aligned(static_cast<size_t>(pairs) * 4) + Arena::aligned((n_experts_max + 1) * 4) +
-           Arena::aligned(8);
   TERN_TRY(arena_.reserve(bytes));
   x_ = arena_.take<uint16_t>(t * h);
   normed_ = arena_.take<uint16_t>(t * h);
@@ -423,16 +436,8 @@ Expected<void> GpuBackend::allocate_activations() {
   conv_ = arena_.take<uint16_t>(t * conv);
   act_ = arena_.take<uint16_t>(t * act);
   router_ = arena_.take<uint16_t>(t * router);
-  expert_gate_up_ = arena_.take<uint16_t>(t * egu);
-  expert_act_ = arena_.take<uint16_t>(t * eact);
-  expert_out_ = arena_.take<uint16_t>(pairs * h);
   shared_out_ = arena_.take<uint16_t>(t * h);
   last_ = arena_.take<uint16_t>(t * h);
-  topk_ids_ = arena_.take<int32_t>(pairs);
-  topk_weights_ = arena_.take<float>(pairs);
-  sorted_pairs_ = arena_.take<int32_t>(pairs);
-  pair_row_ = arena_.take<int32_t>(pairs);
-  expert_offsets_ = arena_.take<int32_t>(n_experts_max + 1);
   moe_workspace_ = arena_.take<char>(static_cast<int64_t>(moe_workspace_bytes_));
   bad_id_ = arena_.take<unsigned long long>(1);
   return {};
@@ -579,11 +584,12 @@ Expected<void> GpuBackend::run_attention(const GpuAttention& a, const StepPlan& 
                                 .scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim)),
                                 .workspace = attention_workspace_,
                                 .workspace_bytes = attention_workspace_bytes_};
-  TERN_TRY(paged_attention(ctx_, args));
+  TERN_TRY(paged_attention(ctx_, args, attention_variant_));
   return device_matrix_forward(ctx_, a.o_proj, attn_, t, out_, config_hidden_);
 }
 
-Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const StepPlan& plan) {
+Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const StepPlan& plan,
+                                   const std::function<Expected<void>()>& after_core) {
   const GatedDeltaNetShape& s = g.shape;
   const int64_t t = plan.tokens, c = g.channels(), hv = s.n_value_heads;
   TERN_TRY(g.qkv.forward(ctx_, normed_, t, proj_));
@@ -616,7 +622,9 @@ Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const StepPlan& plan) {
                                                  .n_key_heads = s.n_key_heads,
                                                  .n_value_heads = hv,
                                                  .key_dim = s.key_dim,
-                                                 .value_dim = s.value_dim}));
+                                                 .value_dim = s.value_dim},
+                          gdn_variant_));
+  if (after_core) TERN_TRY(after_core());
   TERN_TRY(rms_norm(ctx_, RmsNormArgs{.x = attn_,
                                       .gate = aux_,
                                       .weight = g.norm_weight,
@@ -634,61 +642,46 @@ Expected<void> GpuBackend::run_mlp(const GpuMlp& m, const uint16_t* x, int64_t r
 }
 
 Expected<void> GpuBackend::run_moe(const GpuMoe& m, int64_t tokens) {
-  const int64_t k = m.shape.top_k, e = m.n_experts, inter = m.experts.inter, h = config_hidden_, rows = tokens * k;
   TERN_TRY(m.router.forward(ctx_, normed_, tokens, router_));
-  TERN_TRY(moe_route(ctx_, MoeRouteArgs{.logits = router_,
-                                        .logits_stride = m.router.width,
-                                        .topk_ids = topk_ids_,
-                                        .topk_weights = topk_weights_,
-                                        .tokens = tokens,
-                                        .n_experts = e,
-                                        .top_k = k,
-                                        .renormalize = m.shape.renormalize}));
-  TERN_TRY(moe_align(ctx_, MoeAlignArgs{.topk_ids = topk_ids_,
-                                        .tokens = tokens,
-                                        .top_k = k,
-                                        .n_experts = e,
-                                        .expert_offsets = expert_offsets_,
-                                        .sorted_pairs = sorted_pairs_,
-                                        .pair_row = pair_row_,
-                                        .workspace = moe_workspace_,
-                                        .workspace_bytes = moe_workspace_bytes_}));
-  auto grouped = [&](const MoeExpertWeights& w, const uint16_t* x, int64_t ldx, bool gather, uint16_t* y,
-                     int64_t ldy) {
-    return moe_gemm(ctx_, MoeGemmArgs{.x = x,
-                                      .ldx = ldx,
-                                      .sorted_pairs = sorted_pairs_,
-                                      .top_k = k,
-                                      .gather = gather,
-                                      .expert_offsets = expert_offsets_,
-                                      .w = w,
-                                      .y = y,
-                                      .ldy = ldy,
-                                      .rows = rows});
-  };
-  if (m.experts.nvfp4) {
-    TERN_TRY(grouped(m.experts.gate, normed_, h, true, expert_gate_up_, 2 * inter));
-    TERN_TRY(grouped(m.experts.up, normed_, h, true, expert_gate_up_ + inter, 2 * inter));
-  } else {
-    TERN_TRY(grouped(m.experts.gate_up, normed_, h, true, expert_gate_up_, 2 * inter));
-  }
-  TERN_TRY(silu_mul(ctx_, SiluMulArgs{.gate_up = expert_gate_up_, .y = expert_act_, .rows = rows, .inter = inter}));
-  TERN_TRY(grouped(m.experts.down, expert_act_, inter, false, expert_out_, h));
   if (m.shared) TERN_TRY(run_mlp(*m.shared, normed_, tokens, shared_out_));
-  return moe_combine(ctx_, MoeCombineArgs{.expert_out = expert_out_,
-                                          .pair_row = pair_row_,
-                                          .topk_ids = topk_ids_,
-                                          .topk_weights = topk_weights_,
+  const DeviceExperts& e = m.experts;
+  return moe_forward(ctx_, MoeForwardArgs{.x = normed_,
+                                          .router_logits = router_,
+                                          .logits_stride = m.router.width,
+                                          .tokens = tokens,
+                                          .hidden = config_hidden_,
+                                          .inter = e.inter,
+                                          .n_experts = m.n_experts,
+                                          .top_k = m.shape.top_k,
+                                          .renormalize = m.shape.renormalize,
+                                          .gate_up = e.nvfp4 ? e.gate : e.gate_up,
+                                          .up = e.nvfp4 ? e.up : MoeExpertWeights{},
+                                          .down = e.down,
                                           .shared_out = m.shared ? shared_out_ : nullptr,
-                                          .shared_gate = m.shared ? router_ + e : nullptr,
+                                          .shared_gate = m.shared ? router_ + m.n_experts : nullptr,
                                           .shared_gate_stride = m.router.width,
                                           .y = out_,
-                                          .tokens = tokens,
-                                          .top_k = k,
-                                          .hidden = h});
+                                          .workspace = moe_workspace_,
+                                          .workspace_bytes = moe_workspace_bytes_});
 }
 
-Expected<std::vector<float>> GpuBackend::forward(std::span<const SequenceInput> batch, LogitsFor which) {
+Expected<void> GpuBackend::trace(const Tracer* tracer, const std::string& name, const uint16_t* data, int64_t rows,
+                                 int64_t cols, int64_t ld) {
+  if (tracer == nullptr) return {};
+  std::vector<uint16_t> bits(static_cast<size_t>(rows * ld));
+  TERN_CUDA_CHECK(cudaMemcpyAsync(bits.data(), data, bits.size() * 2, cudaMemcpyDeviceToHost, ctx_.stream()));
+  const cudaError_t status = cudaStreamSynchronize(ctx_.stream());
+  if (status != cudaSuccess) return make_error("CUDA error before {}: {}", name, cudaGetErrorString(status));
+  std::vector<float> values(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) values[r * cols + c] = bf16_to_float(bits[r * ld + c]);
+  }
+  (*tracer)(name, values.data(), rows, cols);
+  return {};
+}
+
+Expected<std::vector<float>> GpuBackend::forward(std::span<const SequenceInput> batch, LogitsFor which,
+                                                 const Tracer* tracer) {
   TERN_ASSIGN_OR_RETURN(StepPlan plan, plan_step(batch));
   if (plan.tokens == 0) return std::vector<float>{};
   upload_plan(plan);
@@ -698,11 +691,22 @@ Expected<std::vector<float>> GpuBackend::forward(std::span<const SequenceInput> 
   for (size_t i = 0; i < layers_.size(); ++i) {
     const GpuLayer& l = layers_[i];
     TERN_TRY(rms_norm_rows(l.input_norm, x_, i == 0 ? nullptr : out_, t, normed_));
+    const int64_t li = static_cast<int64_t>(i);
     if (l.attention) TERN_TRY(run_attention(*l.attention, plan));
-    if (l.gdn) TERN_TRY(run_gdn(*l.gdn, plan));
+    if (l.gdn) {
+      TERN_TRY(run_gdn(*l.gdn, plan, tracer ? [&] {
+        return trace(tracer, trace_name(li, "gdn_core"), attn_, t, l.gdn->shape.n_value_heads * l.gdn->shape.value_dim,
+                     l.gdn->shape.n_value_heads * l.gdn->shape.value_dim);
+      } : std::function<Expected<void>()>{}));
+    }
+    TERN_TRY(trace(tracer, trace_name(li, "mixer_out"), out_, t, h, h));
     TERN_TRY(rms_norm_rows(l.post_norm, x_, out_, t, normed_));
     if (l.mlp) TERN_TRY(run_mlp(*l.mlp, normed_, t, out_));
-    if (l.moe) TERN_TRY(run_moe(*l.moe, t));
+    if (l.moe) {
+      TERN_TRY(run_moe(*l.moe, t));
+      TERN_TRY(trace(tracer, trace_name(li, "router_logits"), router_, t, l.moe->n_experts, l.moe->router.width));
+    }
+    TERN_TRY(trace(tracer, trace_name(li, "ffn_out"), out_, t, h, h));
   }
   TERN_TRY(rms_norm_rows(final_norm_, x_, out_, t, normed_));
   const uint16_t* rows = normed_;
@@ -714,6 +718,7 @@ Expected<std::vector<float>> GpuBackend::forward(std::span<const SequenceInput> 
     rows = last_;
     n = plan.n_seqs;
   }
+  TERN_TRY(trace(tracer, "final_norm", rows, n, h, h));
   const size_t logit_bytes = static_cast<size_t>(n * vocab_) * 2;
   if (logits_.size_bytes() < logit_bytes && !DeviceBuffer::try_allocate(logit_bytes, logits_)) {
     return make_error("out of device memory for {} rows of logits", n);

@@ -14,6 +14,7 @@
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/moe.h"
 #include "layers/linear.h"
+#include "layers/moe.h"
 
 namespace tern {
 

@@ -1,0 +1,45 @@
+// The start-up self-test of a model's ops: every registered implementation of every op the model needs (GEMMs in
+// the model's weight formats, norms, RoPE, SiLU-and-mul, embedding, attention, Gated DeltaNet, MoE) runs on the
+// device that would serve, on the model's real shapes at the batch sizes the engine runs, and is verified against
+// its reference (ops/registry.h). `tern doctor` prints the result; `tern serve` and `tern generate` run it before
+// loading weights and refuse to start when an op has no verified implementation or a forced backend fails.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "ops/device.h"
+#include "ops/registry.h"
+
+namespace tern {
+
+struct ModelSelftestOptions {
+  SelftestMode mode = SelftestMode::kFast;
+  std::string device = "auto";                // auto (the first GPU if any) | cpu | cuda
+  std::map<std::string, std::string> forced;  // op -> implementation name ("auto" entries are ignored)
+  std::vector<int64_t> batch_sizes = {1, 8};
+};
+
+struct ModelSelftestReport {
+  std::vector<DeviceDescription> devices;  // every device seen (the CPU first)
+  DeviceDescription device;                // the one the ops were tested on
+  std::vector<Selection> selections;       // one per op the model needs
+  std::vector<std::string> notes;          // ops the model needs that no implementation covers yet
+  int n_missing = 0;                       // ops without a verified implementation
+  double seconds = 0.0;                    // wall time of the whole self-test
+  std::string verdict;
+};
+
+// `model_dir` empty: generic shapes (a 4096 x 4096 GEMM). Errors: an unreadable model, a bad --device, an unknown
+// forced implementation, or a forced implementation that fails (the message says which and why).
+Expected<ModelSelftestReport> model_selftest_run(const std::string& model_dir, const ModelSelftestOptions& options);
+
+// The backend flags shared by serve, generate and doctor, as op -> implementation name.
+struct BackendFlags {
+  std::string attention = "auto", moe = "auto", gemm = "auto", fp4_gemm = "auto", gdn = "auto";
+  std::map<std::string, std::string> forced() const;
+};
+
+}  // namespace tern
