@@ -121,7 +121,8 @@ std::vector<CpuFault> cpu_faults() {
        },
        nullptr},
       {"silu_mul", "tail-skipped", "never written", nullptr, skip_tail},
-      {"embedding", "row-off-by-one", "exceeds the tolerance",
+      // Rows no token looks up are NaN in the harness, so reading the neighbouring row yields NaN.
+      {"embedding", "row-off-by-one", "non-finite",
        [](OpInputs& b) {
          auto& in = static_cast<EmbeddingInputs&>(b);
          for (auto& id : in.ids) id = static_cast<int32_t>((id + 1) % in.vocab);

@@ -90,7 +90,8 @@ std::vector<Fault> gpu_faults() {
          a.shared_gate = nullptr;
        }},
       // Logits read one column to the right: every token routed to its neighbours' experts.
-      {"router-shifted", "exceeds the tolerance", [](MoeForwardArgs& a) { a.router_logits += 1; }},
+      // Shifted logits route tokens to experts the harness left NaN (only routed experts get weights).
+      {"router-shifted", "non-finite", [](MoeForwardArgs& a) { a.router_logits += 1; }},
       // The down projection's weight_scale_2 used for gate/up.
       {"wrong-global-scale", "exceeds the tolerance",
        [](MoeForwardArgs& a) { a.gate_up.global_scales = a.down.global_scales; }},

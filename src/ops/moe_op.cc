@@ -13,6 +13,9 @@
 namespace tern {
 namespace {
 
+constexpr uint16_t kBf16Nan = 0x7FC0;
+constexpr uint8_t kE4m3Nan = 0x7F;
+
 // Counter-based random bits: fresh for every seed and stream, the same whatever the order of generation.
 uint64_t hash_bits(uint64_t seed, uint64_t stream, int64_t i) {
   uint64_t z = (seed ^ (stream << 56)) + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
@@ -39,21 +42,53 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
   return out;
 }
 
-// One projection of every expert ([E][rows][cols]) into the inputs' bf16 or NVFP4 vectors.
-void store_experts(const MoeInputs& in, const std::vector<float>& w, int64_t rows, int64_t cols,
-                   std::vector<uint16_t>& bf16, std::vector<uint8_t>& packed, std::vector<uint8_t>& scales,
-                   std::vector<float>& global) {
-  if (!in.nvfp4) {
-    bf16 = to_bf16(w);
-    return;
+// One projection of every expert ([E][rows][cols]) into the inputs' bf16 or NVFP4 vectors. Experts the routing
+// selects get random weights (stream `stream`, scale `scale`); every other expert is NaN (bf16 NaN, or NaN e4m3
+// block scales), so an implementation that reads an expert it was not routed to cannot pass, and a real-size case
+// (hundreds of experts) costs only the experts a few tokens reach.
+void store_experts(const MoeInputs& in, const std::vector<bool>& used, uint64_t seed, uint64_t stream, float scale,
+                   int64_t rows, int64_t cols, std::vector<uint16_t>& bf16, std::vector<uint8_t>& packed,
+                   std::vector<uint8_t>& scales, std::vector<float>& global) {
+  const int64_t per_expert = rows * cols;
+  if (in.nvfp4) {
+    packed.assign(static_cast<size_t>(in.n_experts * per_expert / 2), 0);
+    scales.assign(static_cast<size_t>(in.n_experts * per_expert / kNvfp4BlockSize), kE4m3Nan);
+    global.assign(static_cast<size_t>(in.n_experts), 1.0f);
+  } else {
+    bf16.assign(static_cast<size_t>(in.n_experts * per_expert), kBf16Nan);
   }
-  const size_t per_expert = static_cast<size_t>(rows * cols);
   for (int64_t e = 0; e < in.n_experts; ++e) {
-    const Nvfp4Matrix q = nvfp4_quantize_weight(std::span(w).subspan(e * per_expert, per_expert), rows, cols);
-    packed.insert(packed.end(), q.packed.begin(), q.packed.end());
-    scales.insert(scales.end(), q.block_scales.begin(), q.block_scales.end());
-    global.push_back(q.global_scale);
+    if (!used[e]) continue;
+    const std::vector<float> w = random_values(seed ^ static_cast<uint64_t>(e) << 20, stream, per_expert, scale);
+    if (!in.nvfp4) {
+      for (int64_t i = 0; i < per_expert; ++i) bf16[e * per_expert + i] = float_to_bf16(w[i]);
+      continue;
+    }
+    const Nvfp4Matrix q = nvfp4_quantize_weight(w, rows, cols);
+    std::copy(q.packed.begin(), q.packed.end(), packed.begin() + e * per_expert / 2);
+    std::copy(q.block_scales.begin(), q.block_scales.end(), scales.begin() + e * per_expert / kNvfp4BlockSize);
+    global[e] = q.global_scale;
   }
+}
+
+// The experts the tokens route to: softmax top-k of the router logits as the reference computes them (the one-hot
+// router makes every logit exact in bf16, so an implementation selects the same experts).
+std::vector<bool> routed_experts(const MoeInputs& in) {
+  const int64_t h = in.hidden, n_e = in.n_experts;
+  std::vector<bool> used(static_cast<size_t>(n_e), false);
+  std::vector<double> logits(static_cast<size_t>(n_e));
+  std::vector<int32_t> order(static_cast<size_t>(n_e));
+  for (int64_t t = 0; t < in.tokens; ++t) {
+    for (int64_t e = 0; e < n_e; ++e) {
+      double s = 0.0;
+      for (int64_t j = 0; j < h; ++j) s += bf16_to_float(in.x[t * h + j]) * bf16_to_float(in.router[e * h + j]);
+      logits[e] = s;
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+    for (int64_t j = 0; j < in.top_k; ++j) used[order[j]] = true;
+  }
+  return used;
 }
 
 // One-hot rows with 2^{-1, 0, 1} at a random column; the last expert copies expert 1 (an exact tie).
@@ -84,10 +119,11 @@ Expected<std::unique_ptr<OpInputs>> moe_make(const SelfTestCase& c, uint64_t see
   in->router = make_router(seed, e, h);
   // Uniform weights of variance 1 / fan-in keep every intermediate O(1).
   const float gu_scale = std::sqrt(3.0f / static_cast<float>(h)), down_scale = std::sqrt(3.0f / static_cast<float>(i));
-  store_experts(*in, random_values(seed, 2, e * 2 * i * h, gu_scale), 2 * i, h, in->gate_up_bf16, in->gate_up_packed,
-                in->gate_up_scales, in->gate_up_global);
-  store_experts(*in, random_values(seed, 3, e * h * i, down_scale), h, i, in->down_bf16, in->down_packed,
-                in->down_scales, in->down_global);
+  const std::vector<bool> used = routed_experts(*in);
+  store_experts(*in, used, seed, 2, gu_scale, 2 * i, h, in->gate_up_bf16, in->gate_up_packed, in->gate_up_scales,
+                in->gate_up_global);
+  store_experts(*in, used, seed, 3, down_scale, h, i, in->down_bf16, in->down_packed, in->down_scales,
+                in->down_global);
   if (in->shared) {
     in->shared_gate_up = to_bf16(random_values(seed, 4, 2 * i * h, gu_scale));
     in->shared_down = to_bf16(random_values(seed, 5, h * i, down_scale));
@@ -132,12 +168,22 @@ void swiglu_f64(const std::vector<double>& x, const float* gate_up, const float*
 std::vector<float> moe_reference(const OpInputs& base) {
   const auto& in = static_cast<const MoeInputs&>(base);
   const int64_t h = in.hidden, inter = in.inter, n_e = in.n_experts, k = in.top_k;
-  // Every expert dequantized once: [E][2I][H] and [E][H][I].
-  std::vector<float> gate_up(static_cast<size_t>(n_e * 2 * inter * h)), down(static_cast<size_t>(n_e * h * inter));
-#pragma omp parallel for schedule(static)
+  // Every routed expert dequantized once, packed by its slot: [slots][2I][H] and [slots][H][I] (the others are
+  // never read).
+  const std::vector<bool> used = routed_experts(in);
+  std::vector<int64_t> slot(static_cast<size_t>(n_e), -1), expert_of;
   for (int64_t e = 0; e < n_e; ++e) {
-    for (int64_t r = 0; r < 2 * inter; ++r) expert_row(in, true, e, r, &gate_up[(e * 2 * inter + r) * h]);
-    for (int64_t r = 0; r < h; ++r) expert_row(in, false, e, r, &down[(e * h + r) * inter]);
+    if (used[e]) {
+      slot[e] = static_cast<int64_t>(expert_of.size());
+      expert_of.push_back(e);
+    }
+  }
+  const auto n_used = static_cast<int64_t>(expert_of.size());
+  std::vector<float> gate_up(static_cast<size_t>(n_used * 2 * inter * h)), down(static_cast<size_t>(n_used * h * inter));
+#pragma omp parallel for schedule(static)
+  for (int64_t u = 0; u < n_used; ++u) {
+    for (int64_t r = 0; r < 2 * inter; ++r) expert_row(in, true, expert_of[u], r, &gate_up[(u * 2 * inter + r) * h]);
+    for (int64_t r = 0; r < h; ++r) expert_row(in, false, expert_of[u], r, &down[(u * h + r) * inter]);
   }
   std::vector<float> shared_gu(in.shared_gate_up.size()), shared_down(in.shared_down.size());
   for (size_t i = 0; i < shared_gu.size(); ++i) shared_gu[i] = bf16_to_float(in.shared_gate_up[i]);
@@ -160,9 +206,9 @@ std::vector<float> moe_reference(const OpInputs& base) {
     double top_sum = 0.0;
     for (int64_t j = 0; j < k; ++j) top_sum += p[order[j]];
     for (int64_t j = 0; j < k; ++j) {
-      const int64_t e = order[j];
-      swiglu_f64(x, &gate_up[e * 2 * inter * h], &down[e * h * inter], h, inter, out);
-      for (int64_t d = 0; d < h; ++d) acc[d] += p[e] / top_sum * out[d];
+      const int64_t u = slot[order[j]];
+      swiglu_f64(x, &gate_up[u * 2 * inter * h], &down[u * h * inter], h, inter, out);
+      for (int64_t d = 0; d < h; ++d) acc[d] += p[order[j]] / top_sum * out[d];
     }
     if (in.shared) {
       swiglu_f64(x, shared_gu.data(), shared_down.data(), h, inter, out);
