@@ -10,6 +10,9 @@
 #include "cli/model_options.h"
 #include "cli/model_selftest.h"
 #include "ops/registry.h"
+#if TERN_HAVE_CUDA
+#include "ops/cuda_modules.h"
+#endif
 
 namespace tern {
 namespace {
@@ -67,12 +70,26 @@ int run_doctor(const DoctorOptions& o) {
   const auto& selections = report->selections;
   const int n_missing = report->n_missing;
   const std::string& verdict = report->verdict;
+  // What the binary holds for the first GPU, module by module (cudaFuncGetAttributes).
+  struct Module {
+    std::string module;
+    bool runs;
+    std::string detail;
+  };
+  std::vector<Module> modules;
+#if TERN_HAVE_CUDA
+  for (const CudaModuleReport& m : cuda_modules_describe()) modules.push_back({m.module, m.runs, m.detail});
+#endif
   if (o.json) {
     nlohmann::ordered_json j;
     j["devices"] = nlohmann::ordered_json::array();
     for (const DeviceDescription& d : devices) j["devices"].push_back(device_json(d));
     j["selftest_device"] = device.name;
-    j["binary"] = {{"cuda", TERN_DOCTOR_CUDA_ARCHS[0] != '\0'}, {"cuda_architectures", TERN_DOCTOR_CUDA_ARCHS}};
+    j["binary"] = {{"cuda", TERN_DOCTOR_CUDA_ARCHS[0] != '\0'}, {"cuda_architectures", TERN_DOCTOR_CUDA_ARCHS},
+                   {"modules", nlohmann::ordered_json::array()}};
+    for (const auto& [module, runs, detail] : modules) {
+      j["binary"]["modules"].push_back({{"module", module}, {"runs", runs}, {"detail", detail}});
+    }
     j["model"] = o.model_dir.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(o.model_dir);
     j["ops"] = nlohmann::ordered_json::array();
     for (const Selection& s : selections) j["ops"].push_back(selection_json(s));
@@ -93,6 +110,7 @@ int run_doctor(const DoctorOptions& o) {
     fmt::print("binary\n  CUDA kernels: {}\n", TERN_DOCTOR_CUDA_ARCHS[0] != '\0'
                                                      ? fmt::format("built for {}", TERN_DOCTOR_CUDA_ARCHS)
                                                      : std::string("not built (CPU-only binary)"));
+    for (const auto& [module, runs, detail] : modules) fmt::print("  {:<18} {}\n", module, detail);
     fmt::print("ops on {}{}\n", device.name,
                o.model_dir.empty() ? "" : fmt::format(" (shapes of {}, batch sizes 1 and 8)", o.model_dir));
     for (const Selection& s : selections) print_selection(s);

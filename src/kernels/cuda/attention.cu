@@ -6,6 +6,7 @@
 // prefill:  flash attention on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulation) over 64-row query tiles
 //           of one head, K/V tiles gathered from the paged cache with cp.async, online softmax in the log2 domain.
 #include <cuda_bf16.h>
+#include "kernels/cuda/module_attributes.h"
 
 #include <algorithm>
 
@@ -733,6 +734,11 @@ void paged_attention_prefill_launch(const DeviceContext& ctx, const PagedAttenti
       break;
   }
   TERN_CUDA_CHECK_LAUNCH();
+}
+
+// What the driver loaded of this module for the current device (module_attributes.h).
+cudaError_t attention_module_attributes(cudaFuncAttributes* out) {
+  return cudaFuncGetAttributes(out, paged_decode_reduce_kernel<128>);
 }
 
 }  // namespace tern

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "kernels/cuda/cuda_check.h"
@@ -90,6 +91,10 @@ class DeviceContext {
   void* cublas_workspace() const { return workspace_.data(); }
   size_t cublas_workspace_bytes() const { return workspace_.size_bytes(); }
   void synchronize() const { TERN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+  // Per-shape cuBLASLt plans of gemm_bf16 (type-erased; gemm_bf16.cc owns the type). A context is used by one
+  // thread at a time, like its stream.
+  mutable std::shared_ptr<void> gemm_plans;
 
  private:
   DeviceProps props_;

@@ -1,6 +1,7 @@
 // Elementwise kernels of the GPU model path; contracts in elementwise_launch.h. All are memory-bound: the vectorised
 // ones move 16 bytes (8 bf16) per access and do their math in fp32, rounding to bf16 once per output.
 #include <cuda_bf16.h>
+#include "kernels/cuda/module_attributes.h"
 
 #include <algorithm>
 
@@ -259,6 +260,11 @@ void embedding_launch(const DeviceContext& ctx, const EmbeddingArgs& args) {
 void residual_add_launch(const DeviceContext& ctx, const ResidualAddArgs& args) {
   residual_add_kernel<<<grid_for(ctx, args.n / kVec, kStreamThreads), kStreamThreads, 0, ctx.stream()>>>(args);
   TERN_CUDA_CHECK_LAUNCH();
+}
+
+// What the driver loaded of this module for the current device (module_attributes.h).
+cudaError_t elementwise_module_attributes(cudaFuncAttributes* out) {
+  return cudaFuncGetAttributes(out, silu_mul_kernel);
 }
 
 }  // namespace tern

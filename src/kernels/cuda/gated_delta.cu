@@ -9,6 +9,7 @@
 // holding dk/4 rows of its column in registers, and the warps never wait for each other: per token a warp
 // normalises q and k into its own shared-memory buffer, reduces S^T k and S^T q with two shuffles, and moves on.
 #include <cuda_bf16.h>
+#include "kernels/cuda/module_attributes.h"
 
 #include <algorithm>
 
@@ -584,6 +585,11 @@ void gdn_delta_rule_launch_chunked(const DeviceContext& ctx, const GdnDeltaRuleA
     chunked_dispatch<32>(ctx, args, grid);
   }
   TERN_CUDA_CHECK_LAUNCH();
+}
+
+// What the driver loaded of this module for the current device (module_attributes.h).
+cudaError_t gated_delta_module_attributes(cudaFuncAttributes* out) {
+  return cudaFuncGetAttributes(out, gdn_conv1d_kernel<4>);
 }
 
 }  // namespace tern

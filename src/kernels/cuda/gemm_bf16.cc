@@ -1,6 +1,9 @@
 #include "kernels/cuda/gemm_bf16.h"
 
+#include <array>
 #include <limits>
+#include <map>
+#include <memory>
 
 namespace tern {
 namespace {
@@ -22,7 +25,7 @@ Expected<void> gemm_bf16_validate(const GemmBf16Args& a) {
   return {};
 }
 
-// RAII for the cuBLASLt descriptors of one call.
+// RAII for the cuBLASLt descriptors of one shape.
 struct LtDescs {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
@@ -36,15 +39,24 @@ struct LtDescs {
   }
 };
 
-}  // namespace
+// The descriptors and the algorithm cuBLASLt chose for one shape. Building them costs tens of microseconds, more
+// than a small decode GEMM itself, so each context keeps them per shape (a model has a few dozen shapes).
+struct Bf16Plan {
+  LtDescs desc;
+  cublasLtMatmulAlgo_t algo{};
+};
 
-Expected<void> gemm_bf16(const DeviceContext& ctx, const GemmBf16Args& args) {
-  TERN_TRY(gemm_bf16_validate(args));
-  if (args.m == 0) return {};
+using PlanKey = std::array<int64_t, 5>;  // m, n, k, ldy, y 16-byte aligned
+struct Bf16PlanCache {
+  std::map<PlanKey, std::unique_ptr<Bf16Plan>> plans;
+};
+
+Expected<std::unique_ptr<Bf16Plan>> plan_create(const DeviceContext& ctx, const GemmBf16Args& args) {
   // cuBLASLt is column-major: row-major y[M,N] is column-major y^T[N,M] = W[N,K] · x^T[K,M]. Row-major W[N,K] is
   // column-major [K,N] (ld K) used transposed; row-major x[M,K] is column-major [K,M] (ld K) used as is.
   const auto m = static_cast<uint64_t>(args.m), n = static_cast<uint64_t>(args.n), k = static_cast<uint64_t>(args.k);
-  LtDescs desc;
+  auto plan = std::make_unique<Bf16Plan>();
+  LtDescs& desc = plan->desc;
   TERN_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t trans = CUBLAS_OP_T, no_trans = CUBLAS_OP_N;
   TERN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)));
@@ -71,10 +83,28 @@ Expected<void> gemm_bf16(const DeviceContext& ctx, const GemmBf16Args& args) {
   TERN_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.cublaslt(), desc.op, desc.a, desc.b, desc.d, desc.d,
                                                    desc.pref, 1, &heuristic, &n_found));
   if (n_found == 0) return make_error("gemm_bf16: cuBLASLt has no algorithm for m={} n={} k={}", m, n, k);
+  plan->algo = heuristic.algo;
+  return plan;
+}
+
+}  // namespace
+
+Expected<void> gemm_bf16(const DeviceContext& ctx, const GemmBf16Args& args) {
+  TERN_TRY(gemm_bf16_validate(args));
+  if (args.m == 0) return {};
+  if (!ctx.gemm_plans) ctx.gemm_plans = std::make_shared<Bf16PlanCache>();
+  auto& plans = static_cast<Bf16PlanCache*>(ctx.gemm_plans.get())->plans;
+  const PlanKey key{args.m, args.n, args.k, args.ldy > 0 ? args.ldy : args.n, is_aligned16(args.y) ? 1 : 0};
+  auto it = plans.find(key);
+  if (it == plans.end()) {
+    TERN_ASSIGN_OR_RETURN(std::unique_ptr<Bf16Plan> plan, plan_create(ctx, args));
+    it = plans.emplace(key, std::move(plan)).first;
+  }
+  const Bf16Plan& p = *it->second;
   const float alpha = 1.0f, beta = 0.0f;
-  TERN_CUBLAS_CHECK(cublasLtMatmul(ctx.cublaslt(), desc.op, &alpha, args.w, desc.a, args.x, desc.b, &beta, args.y,
-                                   desc.d, args.y, desc.d, &heuristic.algo, ctx.cublas_workspace(), workspace,
-                                   ctx.stream()));
+  TERN_CUBLAS_CHECK(cublasLtMatmul(ctx.cublaslt(), p.desc.op, &alpha, args.w, p.desc.a, args.x, p.desc.b, &beta,
+                                   args.y, p.desc.d, args.y, p.desc.d, &p.algo, ctx.cublas_workspace(),
+                                   ctx.cublas_workspace_bytes(), ctx.stream()));
   return {};
 }
 

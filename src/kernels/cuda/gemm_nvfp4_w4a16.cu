@@ -3,6 +3,7 @@
 // Both kernels use mma.sync.m16n8k16 (bf16 in, fp32 accumulate); the dequantisation, the mma and the weight-load
 // schemes they share with the grouped MoE GEMM are in nvfp4_device.cuh.
 #include "kernels/cuda/gemm_nvfp4_w4a16_launch.h"
+#include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/nvfp4_device.cuh"
 
 namespace tern {
@@ -298,6 +299,11 @@ void nvfp4_w4a16_launch_prefill(const DeviceContext& ctx, const GemmNvfp4W4a16Ar
   if (stages == 4) return prefill_launch_tiles<64, 4>(p, ctx.stream());
   if (stages == 3) return prefill_launch_tiles<64, 3>(p, ctx.stream());
   return prefill_launch_tiles<64, 2>(p, ctx.stream());
+}
+
+// What the driver loaded of this module for the current device (module_attributes.h).
+cudaError_t gemm_nvfp4_module_attributes(cudaFuncAttributes* out) {
+  return cudaFuncGetAttributes(out, nvfp4_prefill_kernel<128, 2>);
 }
 
 }  // namespace tern

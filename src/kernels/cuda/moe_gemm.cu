@@ -10,6 +10,7 @@
 //            dequantised as in the dense prefill kernel), mma.sync m16n8k16 with fp32 accumulation.
 // NVFP4 semantics are W4A16 (model-specs.md 1.5): exact bf16 weight factors, weight_scale_2 applied to the fp32 sum.
 #include <algorithm>
+#include "kernels/cuda/module_attributes.h"
 #include <type_traits>
 
 #include "kernels/cuda/moe_launch.h"
@@ -511,6 +512,11 @@ void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& a) {
   const GemmParams p = make_params(a);
   if (a.rows >= 128 * a.w.n_experts) return prefill_launch_format<128>(p, a, ctx.props(), ctx.stream());
   prefill_launch_format<64>(p, a, ctx.props(), ctx.stream());
+}
+
+// What the driver loaded of this module for the current device (module_attributes.h).
+cudaError_t moe_gemm_module_attributes(cudaFuncAttributes* out) {
+  return cudaFuncGetAttributes(out, moe_prefill_kernel<true, 128, 2>);
 }
 
 }  // namespace tern

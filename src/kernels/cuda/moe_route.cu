@@ -1,6 +1,7 @@
 // The small MoE kernels: routing (softmax + top-k), the alignment of pairs by expert, and the weighted combine of
 // the expert outputs. Contracts in moe_launch.h; the grouped expert GEMM is in moe_gemm.cu.
 #include <cuda_bf16.h>
+#include "kernels/cuda/module_attributes.h"
 
 #include <algorithm>
 
@@ -256,6 +257,11 @@ void moe_combine_launch(const DeviceContext& ctx, const MoeCombineArgs& a) {
   const dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(slices));
   moe_combine_kernel<<<grid, kCombineThreads, 0, ctx.stream()>>>(a);
   TERN_CUDA_CHECK_LAUNCH();
+}
+
+// What the driver loaded of this module for the current device (module_attributes.h).
+cudaError_t moe_route_module_attributes(cudaFuncAttributes* out) {
+  return cudaFuncGetAttributes(out, moe_route_kernel);
 }
 
 }  // namespace tern

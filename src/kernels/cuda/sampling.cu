@@ -4,6 +4,7 @@
 // order-preserving integer key, counted or weighted by the fixed-point mass, and searches in id order (the top_p
 // boundary among equal weights, the draw itself, the lowest ids of a logprob tie) from per-chunk sums.
 #include <cuda_runtime.h>
+#include "kernels/cuda/module_attributes.h"
 
 #include <cmath>
 #include <cstdint>
@@ -661,6 +662,11 @@ void sample_rows_launch(const DeviceContext& ctx, const SampleArgs& args) {
       cudaFuncSetAttribute(sample_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   sample_rows_kernel<<<static_cast<unsigned>(args.rows), kThreads, shared, ctx.stream()>>>(p);
   TERN_CUDA_CHECK_LAUNCH();
+}
+
+// What the driver loaded of this module for the current device (module_attributes.h).
+cudaError_t sampling_module_attributes(cudaFuncAttributes* out) {
+  return cudaFuncGetAttributes(out, sample_rows_kernel);
 }
 
 }  // namespace tern

@@ -1,0 +1,19 @@
+// What this binary holds for the current device, module by module: cudaFuncGetAttributes on one kernel of each
+// kernel file reports whether the driver found machine code (binaryVersion, e.g. 90 for sm_90) or compilable PTX
+// (ptxVersion) for the device, or neither (cudaErrorNoKernelImageForDevice / cudaErrorInvalidDeviceFunction).
+// `tern doctor` prints it next to the architectures the build was configured for.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace tern {
+
+cudaError_t attention_module_attributes(cudaFuncAttributes* out);
+cudaError_t elementwise_module_attributes(cudaFuncAttributes* out);
+cudaError_t gated_delta_module_attributes(cudaFuncAttributes* out);
+cudaError_t moe_route_module_attributes(cudaFuncAttributes* out);
+cudaError_t moe_gemm_module_attributes(cudaFuncAttributes* out);
+cudaError_t sampling_module_attributes(cudaFuncAttributes* out);
+cudaError_t gemm_nvfp4_module_attributes(cudaFuncAttributes* out);
+
+}  // namespace tern
