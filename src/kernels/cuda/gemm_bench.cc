@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/formats.h"
+#include "kernels/cuda/bench_timing.h"
 #include "kernels/cuda/gemm_bf16.h"
 #include "kernels/cuda/gemm_nvfp4_w4a16.h"
 
@@ -24,35 +25,9 @@ void bench_copy_launch(const void* src, void* dst, size_t bytes, int num_sms, cu
 namespace {
 
 constexpr size_t kRotateBytes = size_t{512} << 20;  // > 8x the H200's 50 MiB L2
-constexpr int kReplays = 7;
 
-// Median milliseconds per call of `launch(i)`, i the rotation slot, over a graph of n_calls calls.
 double time_ms(const DeviceContext& ctx, int n_slots, const std::function<void(int)>& launch) {
-  const int n_calls = std::max(n_slots, 20);
-  cudaGraph_t graph;
-  TERN_CUDA_CHECK(cudaStreamBeginCapture(ctx.stream(), cudaStreamCaptureModeRelaxed));
-  for (int i = 0; i < n_calls; ++i) launch(i % n_slots);
-  TERN_CUDA_CHECK(cudaStreamEndCapture(ctx.stream(), &graph));
-  cudaGraphExec_t exec;
-  TERN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  TERN_CUDA_CHECK(cudaEventCreate(&start));
-  TERN_CUDA_CHECK(cudaEventCreate(&stop));
-  TERN_CUDA_CHECK(cudaGraphLaunch(exec, ctx.stream()));  // warm-up
-  std::vector<float> ms(kReplays);
-  for (auto& t : ms) {
-    TERN_CUDA_CHECK(cudaEventRecord(start, ctx.stream()));
-    TERN_CUDA_CHECK(cudaGraphLaunch(exec, ctx.stream()));
-    TERN_CUDA_CHECK(cudaEventRecord(stop, ctx.stream()));
-    TERN_CUDA_CHECK(cudaEventSynchronize(stop));
-    TERN_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-  }
-  TERN_CUDA_CHECK(cudaEventDestroy(start));
-  TERN_CUDA_CHECK(cudaEventDestroy(stop));
-  TERN_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  TERN_CUDA_CHECK(cudaGraphDestroy(graph));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2] / n_calls;
+  return bench_time_ms(ctx, n_slots, std::max(n_slots, 20), launch);
 }
 
 // Bytes read plus written by a large device-to-device copy, per second: through a copy kernel (the ceiling) and
