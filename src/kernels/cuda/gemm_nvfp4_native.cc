@@ -100,7 +100,8 @@ struct LtDescs {
 // as is (B, "N"). Each operand's scales are tiled over its non-K dimension: N for A, M for B.
 Expected<void> describe(const DeviceContext& ctx, const GemmNvfp4NativeArgs& args, const uint8_t* x_scales,
                         LtDescs& desc) {
-  const auto m = static_cast<uint64_t>(args.m), n = static_cast<uint64_t>(args.w.n), k = static_cast<uint64_t>(args.w.k);
+  const auto m = static_cast<uint64_t>(args.m), n = static_cast<uint64_t>(args.w.n),
+             k = static_cast<uint64_t>(args.w.k);
   TERN_TRY(lt_ok(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate"));
   TERN_TRY(set_desc(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T, "TRANSA"));
   TERN_TRY(set_desc(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N, "TRANSB"));
@@ -125,8 +126,8 @@ Expected<cublasLtMatmulAlgo_t> pick_algorithm(const DeviceContext& ctx, const Ge
                                               const LtDescs& desc) {
   cublasLtMatmulHeuristicResult_t heuristic{};
   int n_found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(ctx.cublaslt(), desc.op, desc.a, desc.b, desc.d,
-                                                                desc.d, desc.pref, 1, &heuristic, &n_found);
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(ctx.cublaslt(), desc.op, desc.a, desc.b, desc.d, desc.d,
+                                                               desc.pref, 1, &heuristic, &n_found);
   if (status == CUBLAS_STATUS_SUCCESS && n_found > 0) return heuristic.algo;
   const DeviceProps& p = ctx.props();
   return make_error("{}: cuBLASLt has no block-scaled FP4 algorithm for m={} n={} k={} on {} (sm_{}{}{}): {}", kName,
@@ -144,7 +145,11 @@ size_t gemm_nvfp4_native_workspace_bytes(int64_t m, int64_t k) {
 
 bool nvfp4_native_supported(const DeviceProps& props) {
   switch (props.cc_major * 10 + props.cc_minor) {
-    case 100: case 101: case 103: case 120: case 121:
+    case 100:
+    case 101:
+    case 103:
+    case 120:
+    case 121:
       return true;
     default:
       return false;  // sm_90 and older have no FP4 MMA; unknown future GPUs are not assumed to
@@ -169,10 +174,10 @@ Expected<void> gemm_nvfp4_native(const DeviceContext& ctx, const GemmNvfp4Native
   TERN_ASSIGN_OR_RETURN(const cublasLtMatmulAlgo_t algo, pick_algorithm(ctx, args, desc));
   // Both per-tensor scales go into alpha: cuBLASLt's VEC16 scale modes carry only the e4m3 block scales.
   const float alpha = args.w.global_scale * args.input_scale, beta = 0.0f;
-  return lt_ok(cublasLtMatmul(ctx.cublaslt(), desc.op, &alpha, args.w.packed, desc.a, x_packed, desc.b, &beta, args.y,
-                              desc.d, args.y, desc.d, &algo, ctx.cublas_workspace(), ctx.cublas_workspace_bytes(),
-                              ctx.stream()),
-               "cublasLtMatmul");
+  return lt_ok(
+      cublasLtMatmul(ctx.cublaslt(), desc.op, &alpha, args.w.packed, desc.a, x_packed, desc.b, &beta, args.y, desc.d,
+                     args.y, desc.d, &algo, ctx.cublas_workspace(), ctx.cublas_workspace_bytes(), ctx.stream()),
+      "cublasLtMatmul");
 }
 
 }  // namespace tern

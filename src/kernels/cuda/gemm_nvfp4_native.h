@@ -34,14 +34,14 @@ struct Nvfp4NativeWeightView {
 };
 
 struct GemmNvfp4NativeArgs {
-  const uint16_t* x = nullptr;                // [m, k] bf16, row-major
+  const uint16_t* x = nullptr;  // [m, k] bf16, row-major
   Nvfp4NativeWeightView w;
   float input_scale = 0.0f;                   // the layer's input_scale (host copy, for alpha)
   const float* input_scale_device = nullptr;  // the same value in device memory (read by the quantizer)
   uint16_t* y = nullptr;                      // [m, ldy] bf16, row-major; columns [0, n) are written
   int64_t m = 0;
-  int64_t ldy = 0;                            // row stride of y in elements; 0 means n
-  void* workspace = nullptr;                  // gemm_nvfp4_native_workspace_bytes(m, k) bytes, 16-byte aligned
+  int64_t ldy = 0;            // row stride of y in elements; 0 means n
+  void* workspace = nullptr;  // gemm_nvfp4_native_workspace_bytes(m, k) bytes, 16-byte aligned
   size_t workspace_bytes = 0;
 };
 

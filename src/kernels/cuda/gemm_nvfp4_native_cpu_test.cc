@@ -38,9 +38,9 @@ TEST(Nvfp4ScaleLayout, DocumentedExample) {
 TEST(Nvfp4ScaleLayout, MatchesTheDocumentedFormula) {
   std::mt19937 rng(4242);
   std::uniform_int_distribution<int> code(1, 0x7E);  // non-zero finite e4m3, so zero padding is told apart
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 16},    {1, 64},    {5, 48},   {31, 80},  {127, 112},
-                                                           {128, 64},  {129, 16},  {200, 96}, {256, 128}, {300, 1040},
-                                                           {1000, 4096}};
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 16},    {1, 64},     {5, 48},     {31, 80},
+                                                           {127, 112}, {128, 64},   {129, 16},   {200, 96},
+                                                           {256, 128}, {300, 1040}, {1000, 4096}};
   for (const auto& [rows, k] : shapes) {
     const int64_t n_blocks = k / 16;
     std::vector<uint8_t> scales(static_cast<size_t>(rows * n_blocks));
@@ -91,8 +91,8 @@ TEST(Nvfp4NativeSupport, ExactArchitecturesWithFp4TensorCores) {
     p.cc_minor = minor;
     return p;
   };
-  EXPECT_FALSE(nvfp4_native_supported(props(9, 0)));   // H100 / H200
-  EXPECT_FALSE(nvfp4_native_supported(props(8, 9)));   // RTX 4090
+  EXPECT_FALSE(nvfp4_native_supported(props(9, 0)));  // H100 / H200
+  EXPECT_FALSE(nvfp4_native_supported(props(8, 9)));  // RTX 4090
   EXPECT_FALSE(nvfp4_native_supported(props(8, 0)));
   EXPECT_TRUE(nvfp4_native_supported(props(10, 0)));   // B200
   EXPECT_TRUE(nvfp4_native_supported(props(12, 0)));   // RTX PRO 6000 Blackwell

@@ -120,7 +120,7 @@ TEST(GemmNvfp4Native, MatchesTheW4a4Reference) {
   if (!nvfp4_native_supported(ctx.props())) GTEST_SKIP() << ctx.props().name << " has no FP4 tensor cores";
   std::mt19937 rng(2101);
   // n not a multiple of 128 (ragged scale tiles), k/16 not a multiple of 4 (padded scale columns), model sizes.
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{8, 32},     {136, 96},    {1000, 1024},
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{8, 32},      {136, 96},    {1000, 1024},
                                                            {1000, 4128}, {4096, 4096}, {2048, 6144}};
   for (const auto& [n, k] : shapes) {
     const NativeWeight w = make_weight(n, k, rng);

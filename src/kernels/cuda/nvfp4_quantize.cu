@@ -18,12 +18,12 @@ constexpr float kE2m1Max = 6.0f;
 constexpr float kE4m3Max = 448.0f;
 
 struct QuantizeParams {
-  const uint16_t* x;          // [m, k]
-  const float* input_scale;   // device scalar
-  uint8_t* packed;            // [m, k/2]
-  uint8_t* scales;            // row-major [m, k/16] or tiled
+  const uint16_t* x;         // [m, k]
+  const float* input_scale;  // device scalar
+  uint8_t* packed;           // [m, k/2]
+  uint8_t* scales;           // row-major [m, k/16] or tiled
   int64_t m, k;
-  int64_t rows, cols;         // the scale layout's rows and block columns (padded when tiled)
+  int64_t rows, cols;  // the scale layout's rows and block columns (padded when tiled)
   bool tiled;
 };
 

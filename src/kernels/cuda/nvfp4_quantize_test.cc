@@ -34,13 +34,26 @@ void fill_row(int kind, std::vector<uint16_t>& row, std::mt19937& rng) {
     if (i % 16 == 0) block_scale = std::exp2(exponent(rng));
     float v = normal(rng);
     switch (kind) {
-      case 0: v = 0.0f; break;                                         // all zeros
-      case 1: v = (i / 16) % 3 == 1 ? 0.0f : v * 3.0f; break;          // every third block zero
-      case 2: v *= 0x1p100f; break;                                    // huge
-      case 3: v *= 0x1p-128f; break;                                   // tiny, many bf16 subnormals
-      case 4: v *= block_scale; break;                                 // a different range per block
-      case 5: v *= (i % 16 == 5) ? 1000.0f : 1.0f; break;              // one outlier per block
-      default: break;                                                  // N(0, 1)
+      case 0:
+        v = 0.0f;
+        break;  // all zeros
+      case 1:
+        v = (i / 16) % 3 == 1 ? 0.0f : v * 3.0f;
+        break;  // every third block zero
+      case 2:
+        v *= 0x1p100f;
+        break;  // huge
+      case 3:
+        v *= 0x1p-128f;
+        break;  // tiny, many bf16 subnormals
+      case 4:
+        v *= block_scale;
+        break;  // a different range per block
+      case 5:
+        v *= (i % 16 == 5) ? 1000.0f : 1.0f;
+        break;  // one outlier per block
+      default:
+        break;  // N(0, 1)
     }
     row[static_cast<size_t>(i)] = float_to_bf16(v);
   }
@@ -62,7 +75,8 @@ struct Quantized {
 };
 
 Quantized reference_quantize(const std::vector<uint16_t>& x, int64_t m, int64_t k, float input_scale) {
-  Quantized q{std::vector<uint8_t>(static_cast<size_t>(m * k / 2)), std::vector<uint8_t>(static_cast<size_t>(m * k / 16))};
+  Quantized q{std::vector<uint8_t>(static_cast<size_t>(m * k / 2)),
+              std::vector<uint8_t>(static_cast<size_t>(m * k / 16))};
   std::vector<float> row(static_cast<size_t>(k));
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t i = 0; i < k; ++i) row[static_cast<size_t>(i)] = bf16_to_float(x[static_cast<size_t>(r * k + i)]);
@@ -83,8 +97,8 @@ DeviceBuffer poisoned(size_t bytes, uint8_t poison) {
 std::vector<uint8_t> download(const DeviceBuffer& b, size_t bytes, uint8_t poison, const std::string& what) {
   std::vector<uint8_t> all(b.size_bytes());
   TERN_CUDA_CHECK(cudaMemcpy(all.data(), b.data(), all.size(), cudaMemcpyDeviceToHost));
-  const auto past_end = std::count_if(all.begin() + static_cast<int64_t>(bytes), all.end(),
-                                      [poison](uint8_t v) { return v != poison; });
+  const auto past_end =
+      std::count_if(all.begin() + static_cast<int64_t>(bytes), all.end(), [poison](uint8_t v) { return v != poison; });
   EXPECT_EQ(past_end, 0) << what << ": bytes written past the end";
   all.resize(bytes);
   return all;
@@ -104,8 +118,8 @@ int64_t compare(const std::vector<uint8_t>& got, const std::vector<uint8_t>& wan
   return bad;
 }
 
-void run_and_compare(const DeviceContext& ctx, const std::vector<uint16_t>& x, int64_t m, int64_t k,
-                     float input_scale, Nvfp4ScaleLayout layout) {
+void run_and_compare(const DeviceContext& ctx, const std::vector<uint16_t>& x, int64_t m, int64_t k, float input_scale,
+                     Nvfp4ScaleLayout layout) {
   const Quantized ref = reference_quantize(x, m, k, input_scale);
   const bool tiled = layout == Nvfp4ScaleLayout::kTiled128x4;
   const std::vector<uint8_t> want_scales = tiled ? nvfp4_scales_to_tiled(ref.scales, m, k) : ref.scales;
@@ -113,9 +127,9 @@ void run_and_compare(const DeviceContext& ctx, const std::vector<uint16_t>& x, i
   TERN_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size() * 2, cudaMemcpyHostToDevice));
   TERN_CUDA_CHECK(cudaMemcpy(dscale.data(), &input_scale, sizeof(float), cudaMemcpyHostToDevice));
   for (const uint8_t poison : {uint8_t{0xA5}, uint8_t{0x5A}}) {
-    const std::string what = "m=" + std::to_string(m) + " k=" + std::to_string(k) + " input_scale=" +
-                             std::to_string(input_scale) + (tiled ? " tiled" : " row-major") + " poison " +
-                             std::to_string(poison);
+    const std::string what = "m=" + std::to_string(m) + " k=" + std::to_string(k) +
+                             " input_scale=" + std::to_string(input_scale) + (tiled ? " tiled" : " row-major") +
+                             " poison " + std::to_string(poison);
     DeviceBuffer packed = poisoned(ref.packed.size(), poison), scales = poisoned(want_scales.size(), poison);
     const auto status = nvfp4_quantize_activations(ctx, {.x = dx.as<uint16_t>(),
                                                          .input_scale = dscale.as<float>(),
