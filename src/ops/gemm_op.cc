@@ -9,18 +9,16 @@
 #include "kernels/cpu/matmul.h"
 
 namespace tern {
-namespace {
 
-Expected<std::unique_ptr<OpInputs>> make_gemm_inputs(const SelfTestCase& c, uint64_t seed, bool nvfp4) {
+Expected<void> gemm_fill_inputs(const SelfTestCase& c, uint64_t seed, bool nvfp4, GemmInputs& in) {
   if (c.dims.size() != 3 || c.dims[0] <= 0 || c.dims[1] <= 0 || c.dims[2] <= 0) {
     return make_error("gemm case '{}' needs dims {{M, N, K}} > 0", c.label);
   }
-  auto in = std::make_unique<GemmInputs>();
-  in->m = c.dims[0];
-  in->n = c.dims[1];
-  in->k = c.dims[2];
-  in->nvfp4 = nvfp4;
-  if (nvfp4 && in->k % kNvfp4BlockSize != 0) return make_error("gemm_nvfp4 case '{}': K must be a multiple of 16", c.label);
+  in.m = c.dims[0];
+  in.n = c.dims[1];
+  in.k = c.dims[2];
+  in.nvfp4 = nvfp4;
+  if (nvfp4 && in.k % kNvfp4BlockSize != 0) return make_error("NVFP4 gemm case '{}': K must be a multiple of 16", c.label);
   // Inputs of real model sizes run to hundreds of millions of elements (an lm_head), so values come from a
   // counter-based hash, in parallel: fresh for every seed, non-zero, symmetric, the same whatever the thread count.
   auto value = [seed](uint64_t stream, int64_t i, float scale) {
@@ -31,25 +29,33 @@ Expected<std::unique_ptr<OpInputs>> make_gemm_inputs(const SelfTestCase& c, uint
     const float u = static_cast<float>(z >> 40) * 0x1p-24f;  // [0, 1)
     return float_to_bf16(scale * (2.0f * u - 1.0f) + (z & 1 ? 1e-3f : -1e-3f));
   };
-  in->x_bf16.resize(static_cast<size_t>(in->m * in->k));
-  in->x.resize(in->x_bf16.size());
-  for (int64_t i = 0; i < in->m * in->k; ++i) {
-    in->x_bf16[i] = value(1, i, 2.0f);
-    in->x[i] = bf16_to_float(in->x_bf16[i]);
+  in.x_bf16.resize(static_cast<size_t>(in.m * in.k));
+  in.x.resize(in.x_bf16.size());
+  for (int64_t i = 0; i < in.m * in.k; ++i) {
+    in.x_bf16[i] = value(1, i, 2.0f);
+    in.x[i] = bf16_to_float(in.x_bf16[i]);
   }
-  std::vector<float> w(static_cast<size_t>(in->n * in->k));
+  std::vector<float> w(static_cast<size_t>(in.n * in.k));
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < in->n * in->k; ++i) w[i] = bf16_to_float(value(2, i, 0.1f));
+  for (int64_t i = 0; i < in.n * in.k; ++i) w[i] = bf16_to_float(value(2, i, 0.1f));
   if (nvfp4) {
-    Nvfp4Matrix q = nvfp4_quantize_weight(w, in->n, in->k);
-    in->w_packed = std::move(q.packed);
-    in->w_scales = std::move(q.block_scales);
-    in->w_global_scale = q.global_scale;
+    Nvfp4Matrix q = nvfp4_quantize_weight(w, in.n, in.k);
+    in.w_packed = std::move(q.packed);
+    in.w_scales = std::move(q.block_scales);
+    in.w_global_scale = q.global_scale;
   } else {
-    in->w_bf16.resize(w.size());
+    in.w_bf16.resize(w.size());
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < in->n * in->k; ++i) in->w_bf16[i] = float_to_bf16(w[i]);
+    for (int64_t i = 0; i < in.n * in.k; ++i) in.w_bf16[i] = float_to_bf16(w[i]);
   }
+  return {};
+}
+
+namespace {
+
+Expected<std::unique_ptr<OpInputs>> make_gemm_inputs(const SelfTestCase& c, uint64_t seed, bool nvfp4) {
+  auto in = std::make_unique<GemmInputs>();
+  TERN_TRY(gemm_fill_inputs(c, seed, nvfp4, *in));
   return in;
 }
 

@@ -24,6 +24,9 @@ struct GemmInputs : OpInputs {
   float w_global_scale = 1.0f;
 };
 
+// Fills `inputs` for a case {M, N, K} from `seed` (NVFP4 weights when `nvfp4`); shared with the W4A4 harness.
+Expected<void> gemm_fill_inputs(const SelfTestCase& c, uint64_t seed, bool nvfp4, GemmInputs& inputs);
+
 // Adds the two harnesses and the CPU implementations ("cpu") to the registry.
 Expected<void> gemm_register_cpu(Registry& registry);
 
