@@ -155,7 +155,12 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--model,--model-path", o->model.model_dir, "Checkpoint directory (default: the bundled demo)");
   cmd->add_option("--host", o->server.host, "Address to listen on");
   cmd->add_option("--port", o->server.port, "Port (0: any free port, printed in the log)");
-  cmd->add_option("--device", o->model.device, "Where to run the model")->check(CLI::IsMember({"auto", "cpu"}));
+  cmd->add_option("--device", o->model.device, "Where to run the model: cuda, cpu, or auto (cuda when this build has "
+                 "it and a GPU is present)")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  cmd->add_option("--cuda-device", o->model.cuda_device, "CUDA device ordinal for --device cuda");
+  cmd->add_option("--selftest", o->model.selftest, "Start-up self-test of every kernel on the model's shapes: fast, "
+                  "full, off, or auto (fast on a GPU, off on the CPU)")->check(CLI::IsMember({"auto", "off", "fast", "full"}));
+  add_backend_options(*cmd, o->model.backends);
   cmd->add_option("--served-model-name", o->server.served_model_name, "Model name in the API (default: directory name)");
   cmd->add_option("--max-running-requests", o->max_running, "Most requests in the running batch");
   cmd->add_option("--max-queued-requests", o->max_queued, "Most requests waiting; more get 503");
@@ -171,10 +176,7 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--load-format", o->model.load_format, "auto: the checkpoint's weights; dummy: random weights")
       ->check(CLI::IsMember({"auto", "dummy"}));
   cmd->add_option("--dummy-seed", o->model.dummy_seed, "Seed of --load-format dummy weights");
-  cmd->callback([o] {
-    if (o->model.device == "auto") o->model.device = "cpu";
-    throw CLI::RuntimeError(run_serve(*o));
-  });
+  cmd->callback([o] { throw CLI::RuntimeError(run_serve(*o)); });
 }
 
 }  // namespace tern
