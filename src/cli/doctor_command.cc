@@ -10,9 +10,7 @@
 #include "cli/model_options.h"
 #include "cli/model_selftest.h"
 #include "ops/registry.h"
-#if TERN_HAVE_CUDA
 #include "ops/cuda_modules.h"
-#endif
 
 namespace tern {
 namespace {
@@ -71,14 +69,9 @@ int run_doctor(const DoctorOptions& o) {
   const int n_missing = report->n_missing;
   const std::string& verdict = report->verdict;
   // What the binary holds for the first GPU, module by module (cudaFuncGetAttributes).
-  struct Module {
-    std::string module;
-    bool runs;
-    std::string detail;
-  };
-  std::vector<Module> modules;
+  std::vector<CudaModuleReport> modules;
 #if TERN_HAVE_CUDA
-  for (const CudaModuleReport& m : cuda_modules_describe()) modules.push_back({m.module, m.runs, m.detail});
+  modules = cuda_modules_describe();
 #endif
   if (o.json) {
     nlohmann::ordered_json j;

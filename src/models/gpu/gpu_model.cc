@@ -419,25 +419,15 @@ Expected<void> GpuBackend::allocate_activations() {
                                                                   l.moe->experts.inter, h));
     }
   }
-  const int64_t bf16_counts[] = {t * h, t * h, t * h, t * proj, t * heads, t * heads, t * heads, t * aux, t * aux2,
-                                 t * conv, t * act, t * router, t * h, t * h};
+  // Every bf16 buffer with its element count, once: sized first, then carved in this order.
+  const std::pair<uint16_t**, int64_t> buffers[] = {
+      {&x_, t * h},       {&normed_, t * h},    {&out_, t * h},     {&proj_, t * proj},     {&q_, t * heads},
+      {&gate_, t * heads}, {&attn_, t * heads},  {&aux_, t * aux},   {&aux2_, t * aux2},    {&conv_, t * conv},
+      {&act_, t * act},    {&router_, t * router}, {&shared_out_, t * h}, {&last_, t * h}};
   size_t bytes = Arena::aligned(moe_workspace_bytes_) + Arena::aligned(8);
-  for (int64_t c : bf16_counts) bytes += Arena::aligned(static_cast<size_t>(c) * 2);
+  for (const auto& [ptr, count] : buffers) bytes += Arena::aligned(static_cast<size_t>(count) * 2);
   TERN_TRY(arena_.reserve(bytes));
-  x_ = arena_.take<uint16_t>(t * h);
-  normed_ = arena_.take<uint16_t>(t * h);
-  out_ = arena_.take<uint16_t>(t * h);
-  proj_ = arena_.take<uint16_t>(t * proj);
-  q_ = arena_.take<uint16_t>(t * heads);
-  gate_ = arena_.take<uint16_t>(t * heads);
-  attn_ = arena_.take<uint16_t>(t * heads);
-  aux_ = arena_.take<uint16_t>(t * aux);
-  aux2_ = arena_.take<uint16_t>(t * aux2);
-  conv_ = arena_.take<uint16_t>(t * conv);
-  act_ = arena_.take<uint16_t>(t * act);
-  router_ = arena_.take<uint16_t>(t * router);
-  shared_out_ = arena_.take<uint16_t>(t * h);
-  last_ = arena_.take<uint16_t>(t * h);
+  for (const auto& [ptr, count] : buffers) *ptr = arena_.take<uint16_t>(count);
   moe_workspace_ = arena_.take<char>(static_cast<int64_t>(moe_workspace_bytes_));
   bad_id_ = arena_.take<unsigned long long>(1);
   return {};
