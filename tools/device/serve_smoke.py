@@ -37,8 +37,8 @@ def wait_healthy(seconds):
 def main():
     tern, model = sys.argv[1], sys.argv[2]
     name = os.path.basename(model.rstrip("/"))
-    proc = subprocess.Popen([tern, "serve", "--model", model, "--device", "cuda", "--port", str(PORT),
-                             "--max-running-requests", "8"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = [tern, "serve", "--model", model, "--device", "cuda", "--port", str(PORT), "--max-running-requests", "8"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_healthy(60)
         one = post({"model": name, "prompt": [11, 22, 33, 44], "max_tokens": 8, "temperature": 0})
