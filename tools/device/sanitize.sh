@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# compute-sanitizer over the small cases of every CUDA kernel's test, on a GPU machine, from a directory holding
+# the test binaries (and the shared libraries a bare CUDA image lacks, as gemm_check.sh bundles them). memcheck and
+# racecheck for every kernel file, synccheck where warps synchronise partially; one line per run with the tool's
+# summary. Exit status: the number of runs with findings or failures. Logs go to $OUT (or ./sanitize-out).
+#
+# usage: tools/device/sanitize.sh BIN_DIR [TOOL...]      (default tools: memcheck racecheck)
+set -uo pipefail
+bin=$(cd "${1:?usage: sanitize.sh BIN_DIR [TOOL...]}" && pwd)
+shift
+tools=("$@")
+[[ ${#tools[@]} -eq 0 ]] && tools=(memcheck racecheck)
+cublas=$(find /usr/local/cuda*/ /usr/lib /opt -name 'libcublasLt.so.13*' 2>/dev/null | head -1)
+export LD_LIBRARY_PATH="$bin${cublas:+:$(dirname "$cublas")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+out=${OUT:-./sanitize-out}
+mkdir -p "$out"
+
+# binary : gtest filter (small shapes, so a run stays within a minute or two under the sanitizer)
+cases=(
+  "cuda_gemm_nvfp4_test:GemmNvfp4W4a16.SmallShapes:GemmNvfp4W4a16.RejectsBadArguments"
+  "cuda_gemm_bf16_test:*"
+  "ops_elementwise_cuda_test:*RmsNorm*:*Rope*:*SiluMul*:*Embedding*"
+  "cuda_attention_test:CudaAttention.DecodeMatchesCpuOnRaggedBatches:CudaAttention.PrefillMatchesCpuOnRaggedBatches:CudaAttention.PrepareMatchesCpuLayers"
+  "cuda_gdn_test:GdnKernels.DeltaRuleMatchesCpuOnRaggedBatches:GdnKernels.ConvMatchesCpuOnRaggedBatchesAndContinues"
+  "cuda_moe_test:MoeRoute.*:MoeAlign.*:MoeBlock.*"
+  "cuda_sampling_test:CudaSampling.GreedyMatchesCpuIncludingTies:CudaSampling.PenaltiesMatchCpu:CudaSampling.NonFiniteLogitsFailOnlyTheirRow"
+  "cuda_nvfp4_quantize_test:*"
+)
+failed=0
+for tool in "${tools[@]}"; do
+  for c in "${cases[@]}"; do
+    test=${c%%:*} filter=${c#*:}
+    [[ -x "$bin/$test" ]] || { echo "$tool $test: not in $bin"; failed=$((failed + 1)); continue; }
+    log="$out/${tool}_$test.log"
+    timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 99 "$bin/$test" --gtest_filter="$filter" > "$log" 2>&1
+    rc=$?
+    summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY" "$log" | tail -1)
+    echo "$tool $test: exit $rc ${summary:-(no summary: see $log)}"
+    [[ $rc -eq 0 ]] || failed=$((failed + 1))
+  done
+done
+exit "$failed"
