@@ -12,15 +12,6 @@ namespace {
 
 constexpr uint16_t kNanBf16 = 0x7FC0;  // unused cache slots
 
-template <class T>
-DeviceBuffer upload(const std::vector<T>& host, cudaStream_t stream) {
-  DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 16));
-  if (!host.empty()) {
-    TERN_CUDA_CHECK(cudaMemcpyAsync(b.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
-  }
-  return b;
-}
-
 // The case's caches in a paged pool: each sequence's blocks drawn from a shuffled pool (with spare blocks), the
 // table entries past a sequence's blocks -1.
 struct PagedHost {
@@ -83,10 +74,10 @@ Expected<RunOutput> attention_cuda_run(const DeviceContext& ctx, const Attention
                                        const ArgsTweak<PagedAttentionArgs>& tweak) {
   const PagedHost host = page_inputs(in);
   const cudaStream_t stream = ctx.stream();
-  const DeviceBuffer q = upload(in.q, stream), gate = upload(in.gate, stream);
-  const DeviceBuffer k_pool = upload(host.k_pool, stream), v_pool = upload(host.v_pool, stream);
-  const DeviceBuffer tables = upload(host.tables, stream), starts = upload(host.query_start, stream);
-  const DeviceBuffer lens = upload(host.seq_lens, stream);
+  const DeviceBuffer q = cuda_upload(in.q, stream), gate = cuda_upload(in.gate, stream);
+  const DeviceBuffer k_pool = cuda_upload(host.k_pool, stream), v_pool = cuda_upload(host.v_pool, stream);
+  const DeviceBuffer tables = cuda_upload(host.tables, stream), starts = cuda_upload(host.query_start, stream);
+  const DeviceBuffer lens = cuda_upload(host.seq_lens, stream);
   const size_t ws_bytes =
       paged_attention_workspace_bytes(ctx.props(), in.tokens(), in.n_heads, in.head_dim, host.max_seq);
   const DeviceBuffer workspace(std::max<size_t>(ws_bytes, 16));

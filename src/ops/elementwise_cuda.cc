@@ -8,31 +8,17 @@
 namespace tern {
 namespace {
 
-template <class T>
-DeviceBuffer upload(const std::vector<T>& host, cudaStream_t stream) {
-  DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 16));
-  if (!host.empty()) {
-    TERN_CUDA_CHECK(cudaMemcpyAsync(b.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
-  }
-  return b;
-}
-
 template <class Args>
 void apply(const ArgsTweak<Args>& tweak, Args& args) {
   if (tweak) tweak(args);
-}
-
-std::string cuda_only(const DeviceDescription& d, const SelfTestCase&) {
-  if (d.backend != Backend::kCuda) return "runs on CUDA devices only";
-  return binary_can_run(cuda_binary_image(), d);
 }
 
 }  // namespace
 
 Expected<RunOutput> rms_norm_cuda_run(const DeviceContext& ctx, const RmsNormInputs& in,
                                       const ArgsTweak<RmsNormArgs>& tweak) {
-  const DeviceBuffer x = upload(in.x, ctx.stream()), r = upload(in.residual_in, ctx.stream());
-  const DeviceBuffer z = upload(in.gate, ctx.stream()), w = upload(in.weight, ctx.stream());
+  const DeviceBuffer x = cuda_upload(in.x, ctx.stream()), r = cuda_upload(in.residual_in, ctx.stream());
+  const DeviceBuffer z = cuda_upload(in.gate, ctx.stream()), w = cuda_upload(in.weight, ctx.stream());
   const int64_t n = in.rows * in.dim;
   return cuda_run_timed(ctx, in.residual ? 2 * in.rows : in.rows, in.dim, [&](uint16_t* out) {
     RmsNormArgs a{.x = x.as<uint16_t>(),
@@ -51,8 +37,8 @@ Expected<RunOutput> rms_norm_cuda_run(const DeviceContext& ctx, const RmsNormInp
 }
 
 Expected<RunOutput> rope_cuda_run(const DeviceContext& ctx, const RopeInputs& in, const ArgsTweak<RopeArgs>& tweak) {
-  const DeviceBuffer x = upload(in.x, ctx.stream()), pos = upload(in.positions, ctx.stream());
-  const DeviceBuffer inv_freq = upload(rope_inv_freq(in.rotary_dim, in.theta), ctx.stream());
+  const DeviceBuffer x = cuda_upload(in.x, ctx.stream()), pos = cuda_upload(in.positions, ctx.stream());
+  const DeviceBuffer inv_freq = cuda_upload(rope_inv_freq(in.rotary_dim, in.theta), ctx.stream());
   return cuda_run_timed(ctx, in.tokens * in.n_heads, in.head_dim, [&](uint16_t* out) {
     RopeArgs a{.x = x.as<uint16_t>(), .y = out, .positions = pos.as<int32_t>(), .inv_freq = inv_freq.as<float>(),
                .tokens = in.tokens, .n_heads = in.n_heads, .head_dim = in.head_dim, .rotary_dim = in.rotary_dim,
@@ -64,7 +50,7 @@ Expected<RunOutput> rope_cuda_run(const DeviceContext& ctx, const RopeInputs& in
 
 Expected<RunOutput> silu_mul_cuda_run(const DeviceContext& ctx, const SiluMulInputs& in,
                                       const ArgsTweak<SiluMulArgs>& tweak) {
-  const DeviceBuffer gate_up = upload(in.gate_up, ctx.stream());
+  const DeviceBuffer gate_up = cuda_upload(in.gate_up, ctx.stream());
   return cuda_run_timed(ctx, in.rows, in.inter, [&](uint16_t* out) {
     SiluMulArgs a{.gate_up = gate_up.as<uint16_t>(), .y = out, .rows = in.rows, .inter = in.inter};
     apply(tweak, a);
@@ -74,7 +60,7 @@ Expected<RunOutput> silu_mul_cuda_run(const DeviceContext& ctx, const SiluMulInp
 
 Expected<RunOutput> embedding_cuda_run(const DeviceContext& ctx, const EmbeddingInputs& in,
                                        const ArgsTweak<EmbeddingArgs>& tweak) {
-  const DeviceBuffer ids = upload(in.ids, ctx.stream()), table = upload(in.table, ctx.stream());
+  const DeviceBuffer ids = cuda_upload(in.ids, ctx.stream()), table = cuda_upload(in.table, ctx.stream());
   const DeviceBuffer bad(sizeof(unsigned long long));
   EmbeddingArgs a{.ids = ids.as<int32_t>(), .table = table.as<uint16_t>(), .bad = bad.as<unsigned long long>(),
                   .tokens = in.tokens, .vocab = in.vocab, .hidden = in.hidden};
@@ -90,7 +76,7 @@ Expected<RunOutput> embedding_cuda_run(const DeviceContext& ctx, const Embedding
 
 Expected<RunOutput> residual_add_cuda_run(const DeviceContext& ctx, const ResidualAddInputs& in,
                                           const ArgsTweak<ResidualAddArgs>& tweak) {
-  const DeviceBuffer a_dev = upload(in.a, ctx.stream()), b_dev = upload(in.b, ctx.stream());
+  const DeviceBuffer a_dev = cuda_upload(in.a, ctx.stream()), b_dev = cuda_upload(in.b, ctx.stream());
   return cuda_run_timed(ctx, 1, in.n, [&](uint16_t* out) {
     ResidualAddArgs a{.a = a_dev.as<uint16_t>(), .b = b_dev.as<uint16_t>(), .y = out, .n = in.n};
     apply(tweak, a);
@@ -102,7 +88,7 @@ Expected<void> elementwise_register_cuda(Registry& registry, std::shared_ptr<Dev
   auto add = [&](const char* op, std::function<Expected<RunOutput>(const OpInputs&)> run,
                  Tolerance tolerance = kBf16ElementwiseTolerance) {
     return registry.add(Implementation{.op = op, .name = "cuda", .backend = Backend::kCuda, .priority = 10,
-                                       .tolerance = tolerance, .unsupported_reason = cuda_only,
+                                       .tolerance = tolerance, .unsupported_reason = cuda_unsupported_reason,
                                        .run = std::move(run)});
   };
   TERN_TRY(add("rms_norm", [context](const OpInputs& b) {

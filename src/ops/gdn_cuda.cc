@@ -11,22 +11,14 @@
 namespace tern {
 namespace {
 
-template <class T>
-DeviceBuffer upload(const std::vector<T>& host, cudaStream_t stream) {
-  DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 16));
-  if (!host.empty()) {
-    TERN_CUDA_CHECK(cudaMemcpyAsync(b.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
-  }
-  return b;
-}
-
 struct DeviceBatch {
   DeviceBuffer query_start, state_slot, seq_past;
   GdnSequences seqs;
 };
 
 DeviceBatch batch_upload(const GdnBatch& b, cudaStream_t stream) {
-  DeviceBatch d{upload(b.query_start, stream), upload(b.state_slot, stream), upload(b.seq_past, stream), {}};
+  DeviceBatch d{cuda_upload(b.query_start, stream), cuda_upload(b.state_slot, stream),
+                cuda_upload(b.seq_past, stream), {}};
   d.seqs = GdnSequences{.query_start = d.query_start.as<int32_t>(), .state_slot = d.state_slot.as<int32_t>(),
                         .seq_past = d.seq_past.as<int32_t>(), .n_seqs = b.n_seqs, .tokens = b.tokens,
                         .max_query_len = b.max_query_len};
@@ -82,16 +74,11 @@ Expected<RunOutput> run_timed_in_place(const DeviceContext& ctx, int64_t out_cou
   return result;
 }
 
-std::string cuda_only(const DeviceDescription& d, const SelfTestCase&) {
-  if (d.backend != Backend::kCuda) return "runs on CUDA devices only";
-  return binary_can_run(cuda_binary_image(), d);
-}
-
 }  // namespace
 
 Expected<RunOutput> gdn_conv_cuda_run(const DeviceContext& ctx, const GdnConvInputs& in,
                                       const GdnArgsTweak<GdnConvArgs>& tweak) {
-  const DeviceBuffer x = upload(in.x, ctx.stream()), w = upload(in.weight, ctx.stream());
+  const DeviceBuffer x = cuda_upload(in.x, ctx.stream()), w = cuda_upload(in.weight, ctx.stream());
   const DeviceBatch batch = batch_upload(in.batch, ctx.stream());
   return run_timed_in_place<uint16_t>(ctx, in.batch.tokens * in.channels, in.conv_state,
                                       [&](uint16_t* y, uint16_t* state) {
@@ -106,8 +93,9 @@ Expected<RunOutput> gdn_conv_cuda_run(const DeviceContext& ctx, const GdnConvInp
 
 Expected<RunOutput> gdn_delta_rule_cuda_run(const DeviceContext& ctx, const GdnDeltaRuleInputs& in, GdnVariant variant,
                                             const GdnArgsTweak<GdnDeltaRuleArgs>& tweak) {
-  const DeviceBuffer qkv = upload(in.qkv, ctx.stream()), a = upload(in.a, ctx.stream()), b = upload(in.b, ctx.stream());
-  const DeviceBuffer a_log = upload(in.a_log, ctx.stream()), dt_bias = upload(in.dt_bias, ctx.stream());
+  const DeviceBuffer qkv = cuda_upload(in.qkv, ctx.stream()), a = cuda_upload(in.a, ctx.stream()),
+                    b = cuda_upload(in.b, ctx.stream());
+  const DeviceBuffer a_log = cuda_upload(in.a_log, ctx.stream()), dt_bias = cuda_upload(in.dt_bias, ctx.stream());
   const DeviceBatch batch = batch_upload(in.batch, ctx.stream());
   const int64_t out_count = in.batch.tokens * in.n_value_heads * in.value_dim;
   return run_timed_in_place<float>(ctx, out_count, in.state, [&](uint16_t* out, float* state) {
@@ -124,13 +112,13 @@ Expected<RunOutput> gdn_delta_rule_cuda_run(const DeviceContext& ctx, const GdnD
 Expected<void> gdn_register_cuda(Registry& registry, std::shared_ptr<DeviceContext> context) {
   TERN_TRY(registry.add(Implementation{
       .op = "gdn_conv", .name = "cuda", .backend = Backend::kCuda, .priority = 10,
-      .tolerance = kGdnConvBf16Tolerance, .unsupported_reason = cuda_only,
+      .tolerance = kGdnConvBf16Tolerance, .unsupported_reason = cuda_unsupported_reason,
       .run = [context](const OpInputs& b) {
         return gdn_conv_cuda_run(*context, static_cast<const GdnConvInputs&>(b));
       }}));
   TERN_TRY(registry.add(Implementation{
       .op = "gdn_delta_rule", .name = "cuda-recurrent", .backend = Backend::kCuda, .priority = 10,
-      .tolerance = kGdnDeltaRuleBf16Tolerance, .unsupported_reason = cuda_only,
+      .tolerance = kGdnDeltaRuleBf16Tolerance, .unsupported_reason = cuda_unsupported_reason,
       .run = [context](const OpInputs& b) {
         return gdn_delta_rule_cuda_run(*context, static_cast<const GdnDeltaRuleInputs&>(b), GdnVariant::kRecurrent);
       }}));
@@ -138,7 +126,7 @@ Expected<void> gdn_register_cuda(Registry& registry, std::shared_ptr<DeviceConte
       .op = "gdn_delta_rule", .name = "cuda-chunked", .backend = Backend::kCuda, .priority = 11,
       .tolerance = kGdnDeltaRuleBf16Tolerance,
       .unsupported_reason = [](const DeviceDescription& d, const SelfTestCase& c) -> std::string {
-        if (std::string why = cuda_only(d, c); !why.empty()) return why;
+        if (std::string why = cuda_unsupported_reason(d); !why.empty()) return why;
         const int64_t key_dim = c.dims.size() == 6 ? c.dims[4] : 0;
         DeviceProps props;
         props.shared_mem_per_block_optin = static_cast<size_t>(d.smem_per_block_optin);

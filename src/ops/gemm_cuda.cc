@@ -29,26 +29,20 @@ DeviceDescription describe(const DeviceProps& p) {
                            .memory_bytes = static_cast<int64_t>(p.global_mem_bytes)};
 }
 
-std::string cuda_only(const DeviceDescription& d) {
-  if (d.backend != Backend::kCuda) return "runs on CUDA devices only";
-  return binary_can_run(cuda_binary_image(), d);
-}
-
 // bf16 output: rounding is half an ulp of each element (2^-9 relative); the accumulation order of tensor cores
 // adds a little. 2^-8 of the largest output bounds both and still rejects a wrong scale of 1%.
 constexpr Tolerance kBf16OutputTolerance{.rel = 1.0 / 256, .abs = 0.0};
 
 }  // namespace
 
+std::string cuda_unsupported_reason(const DeviceDescription& d, const SelfTestCase&) {
+  if (d.backend != Backend::kCuda) return "runs on CUDA devices only";
+  return binary_can_run(cuda_binary_image(), d);
+}
+
 GemmDeviceInputs gemm_upload(const GemmInputs& in, cudaStream_t stream) {
-  auto upload = [stream](const auto& host) {
-    DeviceBuffer b(std::max<size_t>(host.size() * sizeof(host[0]), 16));
-    TERN_CUDA_CHECK(cudaMemcpyAsync(b.data(), host.data(), host.size() * sizeof(host[0]), cudaMemcpyHostToDevice,
-                                    stream));
-    return b;
-  };
-  return GemmDeviceInputs{.x = upload(in.x_bf16), .w_bf16 = upload(in.w_bf16), .w_packed = upload(in.w_packed),
-                          .w_scales = upload(in.w_scales)};
+  return GemmDeviceInputs{.x = cuda_upload(in.x_bf16, stream), .w_bf16 = cuda_upload(in.w_bf16, stream),
+                          .w_packed = cuda_upload(in.w_packed, stream), .w_scales = cuda_upload(in.w_scales, stream)};
 }
 
 Expected<RunOutput> cuda_run_timed(const DeviceContext& ctx, int64_t m, int64_t n,
@@ -116,7 +110,7 @@ Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceCont
       .backend = Backend::kCuda,
       .priority = 10,
       .tolerance = kBf16OutputTolerance,
-      .unsupported_reason = [](const DeviceDescription& d, const SelfTestCase&) { return cuda_only(d); },
+      .unsupported_reason = cuda_unsupported_reason,
       .run = [context](const OpInputs& base) -> Expected<RunOutput> {
         const auto& in = static_cast<const GemmInputs&>(base);
         const GemmDeviceInputs d = gemm_upload(in, context->stream());
@@ -133,7 +127,7 @@ Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceCont
       .priority = 10,
       .tolerance = kBf16OutputTolerance,
       .unsupported_reason = [](const DeviceDescription& d, const SelfTestCase&) -> std::string {
-        if (std::string why = cuda_only(d); !why.empty()) return why;
+        if (std::string why = cuda_unsupported_reason(d); !why.empty()) return why;
         return arch_features(d.cc_major, d.cc_minor).mma_bf16 ? "" : "needs bf16 mma.sync (sm_80 or later targets)";
       },
       .run = [context](const OpInputs& base) -> Expected<RunOutput> {

@@ -4,7 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <functional>
+#include <string>
 #include <memory>
 #include <vector>
 
@@ -22,6 +24,22 @@ std::vector<DeviceDescription> cuda_devices_describe();
 
 // What this binary holds: the CUDA architectures it was compiled for (machine code and PTX for each).
 BinaryImage cuda_binary_image();
+
+// "" when an implementation compiled into this binary can run on `device`: a CUDA device this binary holds code
+// for; else the reason, whatever the case. The CUDA implementations of every op start their requirement check with
+// it (its signature is that of Implementation::unsupported_reason).
+std::string cuda_unsupported_reason(const DeviceDescription& device, const SelfTestCase& any_case = {});
+
+// A host vector in a new device buffer (at least 16 bytes, so an empty input still has a valid pointer), queued on
+// `stream`; the caller synchronizes before the host vector goes away.
+template <class T>
+DeviceBuffer cuda_upload(const std::vector<T>& host, cudaStream_t stream) {
+  DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 16));
+  if (!host.empty()) {
+    TERN_CUDA_CHECK(cudaMemcpyAsync(b.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
+  }
+  return b;
+}
 
 // A GEMM case's inputs on the device (bf16 activations; the weight in whichever form the case has).
 struct GemmDeviceInputs {

@@ -9,15 +9,6 @@
 namespace tern {
 namespace {
 
-template <class T>
-DeviceBuffer upload(const std::vector<T>& host, cudaStream_t stream) {
-  DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 256));
-  if (!host.empty()) {
-    TERN_CUDA_CHECK(cudaMemcpyAsync(b.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
-  }
-  return b;
-}
-
 // Intermediate buffers start as 0xFF bytes (NaN activations, -1 indices), so a step that skips work shows.
 DeviceBuffer poisoned(size_t bytes, cudaStream_t stream) {
   DeviceBuffer b(std::max<size_t>(bytes, 256));
@@ -33,15 +24,15 @@ struct MoeDeviceInputs {
 
 MoeDeviceInputs moe_upload(const MoeInputs& in, cudaStream_t s) {
   const auto t = static_cast<size_t>(in.tokens), h = static_cast<size_t>(in.hidden), i = static_cast<size_t>(in.inter);
-  MoeDeviceInputs d{.x = upload(in.x, s), .router = upload(in.router, s)};
-  d.gate_up = in.nvfp4 ? upload(in.gate_up_packed, s) : upload(in.gate_up_bf16, s);
-  d.down = in.nvfp4 ? upload(in.down_packed, s) : upload(in.down_bf16, s);
-  d.gate_up_scales = upload(in.gate_up_scales, s);
-  d.down_scales = upload(in.down_scales, s);
-  d.gate_up_global = upload(in.gate_up_global, s);
-  d.down_global = upload(in.down_global, s);
-  d.shared_gate_up = upload(in.shared_gate_up, s);
-  d.shared_down = upload(in.shared_down, s);
+  MoeDeviceInputs d{.x = cuda_upload(in.x, s), .router = cuda_upload(in.router, s)};
+  d.gate_up = in.nvfp4 ? cuda_upload(in.gate_up_packed, s) : cuda_upload(in.gate_up_bf16, s);
+  d.down = in.nvfp4 ? cuda_upload(in.down_packed, s) : cuda_upload(in.down_bf16, s);
+  d.gate_up_scales = cuda_upload(in.gate_up_scales, s);
+  d.down_scales = cuda_upload(in.down_scales, s);
+  d.gate_up_global = cuda_upload(in.gate_up_global, s);
+  d.down_global = cuda_upload(in.down_global, s);
+  d.shared_gate_up = cuda_upload(in.shared_gate_up, s);
+  d.shared_down = cuda_upload(in.shared_down, s);
   d.logits = poisoned(t * static_cast<size_t>(in.n_experts + 1) * 2, s);
   d.shared_gu_out = poisoned(t * 2 * i * 2, s);
   d.shared_act = poisoned(t * i * 2, s);
@@ -84,8 +75,7 @@ Expected<void> moe_dense_layers(const DeviceContext& ctx, const MoeInputs& in, c
 }
 
 std::string cuda_only(const DeviceDescription& d, const SelfTestCase&) {
-  if (d.backend != Backend::kCuda) return "runs on CUDA devices only";
-  if (std::string why = binary_can_run(cuda_binary_image(), d); !why.empty()) return why;
+  if (std::string why = cuda_unsupported_reason(d); !why.empty()) return why;
   return arch_features(d.cc_major, d.cc_minor).mma_bf16 ? "" : "needs bf16 mma.sync (sm_80 or later targets)";
 }
 
