@@ -32,13 +32,7 @@ struct NativeWeight {
 };
 
 NativeWeight make_weight(int64_t n, int64_t k, std::mt19937& rng) {
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::uniform_real_distribution<float> row_exp(-6.0f, 6.0f);
-  std::vector<float> w(static_cast<size_t>(n * k));
-  for (int64_t r = 0; r < n; ++r) {
-    const float row_scale = std::exp2(row_exp(rng));
-    for (int64_t c = 0; c < k; ++c) w[static_cast<size_t>(r * k + c)] = dist(rng) * row_scale;
-  }
+  const std::vector<float> w = gemm_test::random_row_scaled(n, k, rng);
   NativeWeight t;
   t.q = nvfp4_quantize_weight(w, n, k);
   t.dequant = nvfp4_dequantize(t.q);

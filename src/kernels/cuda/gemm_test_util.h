@@ -37,6 +37,19 @@ inline std::vector<uint16_t> random_bf16(size_t count, std::mt19937& rng) {
   return out;
 }
 
+// A weight [n, k] of N(0, 1) values scaled per row by 2^U(-6, 6): quantized to NVFP4, its block scales cover a
+// wide e4m3 range (subnormal scales included) and the global scale is not a round number.
+inline std::vector<float> random_row_scaled(int64_t n, int64_t k, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::uniform_real_distribution<float> row_exp(-6.0f, 6.0f);
+  std::vector<float> w(static_cast<size_t>(n * k));
+  for (int64_t r = 0; r < n; ++r) {
+    const float row_scale = std::exp2(row_exp(rng));
+    for (int64_t c = 0; c < k; ++c) w[static_cast<size_t>(r * k + c)] = dist(rng) * row_scale;
+  }
+  return w;
+}
+
 inline std::vector<float> bf16_to_floats(const std::vector<uint16_t>& in) {
   std::vector<float> out(in.size());
   for (size_t i = 0; i < in.size(); ++i) out[i] = bf16_to_float(in[i]);
