@@ -252,6 +252,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
           p_s[g][lane + 32 * i] = v[i];
         }
         for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
+        __syncwarp();  // every lane has read m_s[g] before lane 0 replaces it
         if (lane == 0) {
           const float corr = exp2f(m_old - m_new);  // 0 while m_old is -inf
           corr_s[g] = corr;

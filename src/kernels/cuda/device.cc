@@ -45,6 +45,12 @@ bool DeviceBuffer::try_allocate(size_t bytes, DeviceBuffer& out) {
   return true;
 }
 
+void DeviceBuffer::fill(uint8_t byte) const {
+  if (bytes_ == 0) return;
+  TERN_CUDA_CHECK(cudaMemset(ptr_, byte, bytes_));
+  TERN_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 DeviceBuffer::~DeviceBuffer() {
   if (ptr_ != nullptr) TERN_CUDA_CHECK(cudaFree(ptr_));
 }

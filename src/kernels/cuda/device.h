@@ -69,6 +69,10 @@ class DeviceBuffer {
     return static_cast<T*>(ptr_);
   }
   size_t size_bytes() const { return bytes_; }
+  // Sets every byte to `byte` and waits for it: a plain cudaMemset of device memory is asynchronous and runs on the
+  // legacy default stream, which a DeviceContext's non-blocking stream does not wait for, so a kernel queued next
+  // could otherwise run before the fill (a poisoned output that the kernel wrote, overwritten afterwards).
+  void fill(uint8_t byte) const;
 
  private:
   void* ptr_ = nullptr;

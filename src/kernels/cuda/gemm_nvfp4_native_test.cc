@@ -97,7 +97,7 @@ void run_and_check(const DeviceContext& ctx, const NativeWeight& w, int64_t m, s
   const int64_t n = w.q.rows, k = w.q.cols, ldy = n + 2 * pad;
   const NativeActivations a = make_activations(m, k, rng);
   DeviceBuffer dy(static_cast<size_t>(m * ldy) * 2);
-  TERN_CUDA_CHECK(cudaMemset(dy.data(), 0xFF, dy.size_bytes()));
+  dy.fill(0xFF);
   const auto status = gemm_nvfp4_native(ctx, args_of(w, a, dy.as<uint16_t>() + pad, m, pad > 0 ? ldy : 0));
   const std::string what = "native m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
                            (pad > 0 ? " ldy=" + std::to_string(ldy) : "");
@@ -139,7 +139,7 @@ TEST(GemmNvfp4Native, DeviceWithoutFp4TensorCoresGetsAClearError) {
   const int64_t m = 16;
   const NativeActivations a = make_activations(m, 512, rng);
   DeviceBuffer dy(static_cast<size_t>(m * 256) * 2);
-  TERN_CUDA_CHECK(cudaMemset(dy.data(), 0xFF, dy.size_bytes()));
+  dy.fill(0xFF);
   const auto status = gemm_nvfp4_native(ctx, args_of(w, a, dy.as<uint16_t>(), m, 0));
   ctx.synchronize();
   ASSERT_FALSE(status.has_value()) << "cuBLASLt ran a block-scaled FP4 GEMM on " << ctx.props().name;

@@ -63,7 +63,7 @@ std::vector<uint16_t> run_and_check(const DeviceContext& ctx, const TestWeight& 
   const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(m * k), rng);
   DeviceBuffer dx(x.size() * 2), dy(static_cast<size_t>(m * ldy) * 2);
   TERN_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-  TERN_CUDA_CHECK(cudaMemset(dy.data(), 0xFF, dy.size_bytes()));
+  dy.fill(0xFF);
   const GemmNvfp4W4a16Args args{
       .x = dx.as<uint16_t>(), .w = view_of(w), .y = dy.as<uint16_t>() + pad, .m = m, .ldy = pad > 0 ? ldy : 0};
   const auto status = gemm_nvfp4_w4a16(ctx, args, variant);
@@ -164,7 +164,7 @@ TEST(GemmNvfp4W4a16, RejectsBadArguments) {
   std::mt19937 rng(1004);
   const TestWeight w = make_weight(64, 64, rng);
   DeviceBuffer dx(64 * 64 * 2 + 16), dy(64 * 64 * 2 + 16);
-  TERN_CUDA_CHECK(cudaMemset(dx.data(), 0x3F, dx.size_bytes()));  // finite bf16 values: the good call reads x
+  dx.fill(0x3F);  // finite bf16 values: the good call reads x
   const GemmNvfp4W4a16Args good{.x = dx.as<uint16_t>(), .w = view_of(w), .y = dy.as<uint16_t>(), .m = 16};
   ASSERT_TRUE(gemm_nvfp4_w4a16(ctx, good).has_value());
   auto expect_error = [&](GemmNvfp4W4a16Args a, Nvfp4GemmVariant v, const std::string& needle) {

@@ -33,7 +33,7 @@ DeviceBuffer upload(const std::vector<T>& host) {
 
 DeviceBuffer poisoned(size_t bytes) {
   DeviceBuffer b(std::max<size_t>(bytes, 256));
-  TERN_CUDA_CHECK(cudaMemset(b.data(), 0xFF, b.size_bytes()));
+  b.fill(0xFF);
   return b;
 }
 

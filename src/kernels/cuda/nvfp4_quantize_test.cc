@@ -89,7 +89,7 @@ Quantized reference_quantize(const std::vector<uint16_t>& x, int64_t m, int64_t 
 // Uploads one poisoned buffer of `bytes` plus guard bytes.
 DeviceBuffer poisoned(size_t bytes, uint8_t poison) {
   DeviceBuffer b(bytes + kGuard);
-  TERN_CUDA_CHECK(cudaMemset(b.data(), poison, b.size_bytes()));
+  b.fill(poison);
   return b;
 }
 
@@ -185,7 +185,7 @@ TEST(Nvfp4Quantize, RejectsBadArguments) {
   DeviceContext ctx;
   DeviceBuffer x(64 * 64 * 2 + 16), scale(16), packed(64 * 32 + 16), scales(16384);
   const float one = 1.0f;
-  TERN_CUDA_CHECK(cudaMemset(x.data(), 0x3F, x.size_bytes()));
+  x.fill(0x3F);
   TERN_CUDA_CHECK(cudaMemcpy(scale.data(), &one, sizeof(one), cudaMemcpyHostToDevice));
   const Nvfp4QuantizeArgs good{.x = x.as<uint16_t>(),
                                .input_scale = scale.as<float>(),

@@ -95,9 +95,9 @@ std::vector<RowOut> run_gpu(const DeviceContext& ctx, const Batch& b, const std:
   TERN_CUDA_CHECK(cudaMemcpy(d_rows.data(), host_rows.data(), d_rows.size_bytes(), cudaMemcpyHostToDevice));
   TERN_CUDA_CHECK(cudaMemcpy(d_ids.data(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
   for (const DeviceBuffer* out : {&d_id, &d_lp, &d_top_ids, &d_top_lp, &d_status}) {
-    TERN_CUDA_CHECK(cudaMemset(out->data(), 0x7B, out->size_bytes()));  // poison: id 0x7B7B7B7B, logprob 1.3e36
+    out->fill(0x7B);  // poison: id 0x7B7B7B7B, logprob 1.3e36
   }
-  TERN_CUDA_CHECK(cudaMemset(d_ws.data(), 0xA5, d_ws.size_bytes()));
+  d_ws.fill(0xA5);
   const SampleArgs args{.logits = d_logits.as<uint16_t>(), .logits_stride = b.stride,
                         .rows_params = d_rows.as<SamplingRow>(), .penalty_ids = d_ids.as<int32_t>(), .rows = rows,
                         .vocab = b.vocab, .out_id = d_id.as<int32_t>(), .out_logprob = d_lp.as<float>(),
