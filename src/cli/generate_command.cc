@@ -82,9 +82,10 @@ int run_generate(const GenerateOptions& o) {
   auto first_token = start;
   while (!stop_checker.finished()) {
     const std::vector<SequenceInput> batch{{&seq, next}};
-    auto logits = (*model)->forward(batch, LogitsFor::kLastToken);
-    if (!logits) return fail(logits.error().message);
-    auto token = sampler.sample(*logits, *prompt, output);
+    const std::vector<SampleRow> rows{{&sampler, *prompt, output}};
+    auto step = (*model)->forward_sample(batch, rows);
+    if (!step) return fail(step.error().message);
+    Expected<SampledToken>& token = (*step)[0];
     if (!token) return fail(token.error().message);
     if (output.empty()) first_token = std::chrono::steady_clock::now();
     output.push_back(token->id);

@@ -22,6 +22,7 @@ struct ModelCliOptions {
   int cuda_device = 0;
   uint64_t dummy_seed = 0;
   std::string selftest = "auto";  // auto (fast on a GPU, off on the CPU) | off | fast | full
+  bool enforce_eager = false;     // no CUDA graphs for decode steps
   BackendFlags backends;
 };
 

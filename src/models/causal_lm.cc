@@ -17,6 +17,31 @@ SequenceCache CausalLm::new_sequence() const {
   return cache;
 }
 
+Expected<SampleResults> CausalLm::forward_sample(std::span<const SequenceInput> batch,
+                                                std::span<const SampleRow> rows) const {
+  if (rows.size() != batch.size()) {
+    return make_error("forward_sample: {} sampling rows for {} sequences", rows.size(), batch.size());
+  }
+  if (backend_) {
+    TERN_ASSIGN_OR_RETURN(SampleResults results, backend_->forward_sample(batch, rows));
+    for (const SequenceInput& in : batch) in.cache->length += static_cast<int64_t>(in.tokens.size());
+    return results;
+  }
+  TERN_ASSIGN_OR_RETURN(const std::vector<float> logits, forward(batch, LogitsFor::kLastToken));
+  const size_t vocab = batch.empty() ? 0 : logits.size() / batch.size();
+  SampleResults results;
+  results.reserve(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i].sampler == nullptr) {
+      results.emplace_back(SampledToken{});
+      continue;
+    }
+    results.push_back(rows[i].sampler->sample(std::span<const float>(logits).subspan(i * vocab, vocab),
+                                              rows[i].prompt_ids, rows[i].output_ids));
+  }
+  return results;
+}
+
 Expected<std::vector<float>> CausalLm::forward(std::span<const SequenceInput> batch, LogitsFor which,
                                                const Tracer* tracer) const {
   if (backend_) {

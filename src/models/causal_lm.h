@@ -20,6 +20,7 @@
 #include "layers/linear.h"
 #include "layers/norms.h"
 #include "layers/weights.h"
+#include "runtime/sampler.h"
 
 namespace tern {
 
@@ -36,6 +37,16 @@ struct SequenceInput {
 
 enum class LogitsFor { kAllTokens, kLastToken };
 
+// How one sequence of a step picks its next token: its own Sampler (parameters and random stream) and the ids its
+// penalties read. A null sampler: the sequence is mid-prompt and samples nothing this step.
+struct SampleRow {
+  Sampler* sampler = nullptr;
+  std::span<const int32_t> prompt_ids, output_ids;
+};
+// Per sequence of the step: the token, or why this sequence could not sample (a non-finite logit, a penalty id
+// outside the vocabulary); an entry for a null sampler holds an unused token.
+using SampleResults = std::vector<Expected<SampledToken>>;
+
 // Runs the forward pass on a device instead of the CPU (models/gpu); CausalLm::forward hands every call to it.
 class ForwardBackend {
  public:
@@ -45,6 +56,10 @@ class ForwardBackend {
   // "layers.N.gdn_core", "layers.N.router_logits", "final_norm"), widened to fp32; it synchronizes after each.
   virtual Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which,
                                                const Tracer* tracer) = 0;
+  // forward(kLastToken) with each sequence's token sampled on the device: only ids and logprobs come back. The
+  // same tokens as the Sampler on forward's logits, up to the last-ulp differences runtime/sampler.h bounds.
+  virtual Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch,
+                                                 std::span<const SampleRow> rows) = 0;
   virtual std::string describe() const = 0;  // one line: device and what it holds
 };
 
@@ -65,6 +80,10 @@ class CausalLm {
   // in batch order (kAllTokens) or one per sequence (kLastToken). Errors on an out-of-range token id.
   Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which,
                                        const Tracer* tracer = nullptr) const;
+  // One step that ends in a token per sequence (rows.size() == batch.size()): sampled where the logits are (on the
+  // device backend's GPU; on the CPU through each row's Sampler). An error fails the whole step; a row's own
+  // failure (non-finite logits) is in its entry.
+  Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch, std::span<const SampleRow> rows) const;
 
   // Set by the architecture builders.
   CpuMatrix embed_tokens;
@@ -93,6 +112,9 @@ struct DeviceModelOptions {
   // "cuda-decode" / "cuda-prefill" and "cuda-recurrent" / "cuda-chunked" pin one.
   std::string attention_variant = "auto";
   std::string gdn_variant = "auto";
+  // Decode steps (one token per sequence) replayed as CUDA graphs, one per batch size and context bucket, instead
+  // of ~10 launches per layer from the host. Off: every step launched eagerly (--enforce-eager).
+  bool cuda_graphs = true;
 };
 
 struct ModelLoadOptions {

@@ -155,21 +155,25 @@ void Engine::step() {
     batch.push_back({&a.cache, std::span<const int32_t>(a.tokens).subspan(static_cast<size_t>(item.begin),
                                                                          static_cast<size_t>(item.count))});
   }
-  auto logits = model_->forward(batch, LogitsFor::kLastToken);
-  if (!logits) {
-    spdlog::error("forward step failed: {}", logits.error().message);
-    for (const StepItem& item : plan.items) finish(item.id, "error", logits.error().message);
+  std::vector<SampleRow> rows;
+  rows.reserve(plan.items.size());
+  for (const StepItem& item : plan.items) {
+    Active& a = *active_.at(item.id);
+    rows.push_back(item.samples ? SampleRow{&a.sampler, a.request.prompt, a.output()} : SampleRow{});
+  }
+  auto sampled = model_->forward_sample(batch, rows);
+  if (!sampled) {
+    spdlog::error("forward step failed: {}", sampled.error().message);
+    for (const StepItem& item : plan.items) finish(item.id, "error", sampled.error().message);
     return;
   }
-  const size_t vocab = logits->size() / plan.items.size();
   for (size_t i = 0; i < plan.items.size(); ++i) {
     if (!plan.items[i].samples) continue;
-    sample_item(*active_.at(plan.items[i].id), std::span<const float>(*logits).subspan(i * vocab, vocab));
+    take_token(*active_.at(plan.items[i].id), std::move((*sampled)[i]));
   }
 }
 
-void Engine::sample_item(Active& a, std::span<const float> logits) {
-  auto token = a.sampler.sample(logits, a.request.prompt, a.output());
+void Engine::take_token(Active& a, Expected<SampledToken> token) {
   if (!token) {
     ++metrics_.nan_aborts;
     spdlog::warn("request {} ended: {}", a.id, token.error().message);

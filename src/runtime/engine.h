@@ -92,7 +92,8 @@ class Engine {
   void admit_new();
   void sweep_cancelled();
   void step();
-  void sample_item(Active& a, std::span<const float> logits);
+  // Hands a sampled token (or the row's failure) to its request: stream, stop check, metrics.
+  void take_token(Active& a, Expected<SampledToken> token);
   void finish(uint64_t id, std::string_view reason, std::string error = {});
   void publish_gauges();
 

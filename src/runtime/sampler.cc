@@ -213,6 +213,10 @@ Sampler::Sampler(const SamplingParams& params)
   if (auto valid = sampling_params_validate(params_); !valid) invalid_ = valid.error();
 }
 
+double Sampler::next_draw() {
+  return params_.temperature < kSamplingGreedyTemperature ? 0.0 : rng_.next_unit();
+}
+
 Expected<SampledToken> Sampler::sample(std::span<const float> logits, std::span<const int32_t> prompt_ids,
                                        std::span<const int32_t> output_ids) {
   if (invalid_) return tl::unexpected<Error>(*invalid_);

@@ -80,6 +80,9 @@ class Sampler {
                                 std::span<const int32_t> output_ids);
 
   const SamplingParams& params() const { return params_; }
+  // For a device sampler that reproduces sample(): the uniform this step's random draw uses, taken from this
+  // Sampler's stream exactly as sample() would take it (one value), or 0 for a greedy step (none taken).
+  double next_draw();
 
  private:
   struct Candidate {

@@ -498,3 +498,21 @@ TEST(Sampler, LogprobsOfGreedyTokensAndTieOrder) {
 
 }  // namespace
 }  // namespace tern
+
+namespace tern {
+namespace {
+
+// A device sampler reproduces sample() from next_draw(): the first value of the seeded stream for a random step,
+// and the stream continues where sample() would continue it; a greedy step takes nothing.
+TEST(Sampler, NextDrawIsTheValueSampleWouldTake) {
+  SamplerRng stream(42);
+  const double first = stream.next_unit(), second = stream.next_unit();
+  Sampler random(SamplingParams{.temperature = 0.7f, .seed = 42});
+  EXPECT_EQ(random.next_draw(), first);
+  EXPECT_EQ(random.next_draw(), second);
+  Sampler greedy(SamplingParams{.temperature = 0.0f, .seed = 42});
+  EXPECT_EQ(greedy.next_draw(), 0.0);
+}
+
+}  // namespace
+}  // namespace tern

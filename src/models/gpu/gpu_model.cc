@@ -4,14 +4,18 @@
 
 #include <algorithm>
 #include <cmath>
+#include <bit>
 #include <functional>
+#include <map>
 #include <optional>
+#include <spdlog/spdlog.h>
 
 #include "core/formats.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/sampling.h"
 #include "layers/attention.h"
 #include "layers/gated_deltanet.h"
 #include "layers/moe.h"
@@ -97,8 +101,12 @@ struct GpuLayer {
   std::optional<GpuMoe> moe;
 };
 
-// Per-step metadata, host side, laid out as one int32 array copied to the device in one transfer.
+// Per-step metadata, host side, laid out as one int32 array copied to the device in one transfer. A decode step
+// (one token per sequence, logits of the last rows) rounds its block-table width up to a power of two and sizes
+// attention for that many blocks, so the kernels' launch shapes depend only on (n_seqs, max_blocks): the key under
+// which the step's CUDA graph is kept. Its outputs do not depend on whether a graph replays it.
 struct StepPlan {
+  bool decode = false;
   int64_t tokens = 0, n_seqs = 0, max_query_len = 0, max_seq_len = 0, max_blocks = 0;
   std::vector<int32_t> ids, positions, slot_mapping, query_start, seq_lens, block_tables, state_slot, seq_past,
       last_rows;
@@ -139,10 +147,14 @@ class GpuBackend final : public ForwardBackend {
   std::shared_ptr<DeviceSequenceState> new_sequence() override { return std::make_shared<GpuSequence>(pool_); }
   Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which,
                                        const Tracer* tracer) override;
+  Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch,
+                                         std::span<const SampleRow> rows) override;
   std::string describe() const override {
-    return fmt::format("cuda:{} {} ({:.2f} GiB of weights, KV cache {} tokens in blocks of {})", options_.device,
-                       ctx_.props().name, static_cast<double>(weights_.bytes()) / (1 << 30), kv_blocks_ * options_.kv_block_size,
-                       options_.kv_block_size);
+    const auto captured = std::count_if(graphs_.begin(), graphs_.end(), [](const auto& g) { return g.second.exec; });
+    return fmt::format("cuda:{} {} ({:.2f} GiB of weights, KV cache {} tokens in blocks of {}, {})", options_.device,
+                       ctx_.props().name, static_cast<double>(weights_.bytes()) / (1 << 30),
+                       kv_blocks_ * options_.kv_block_size, options_.kv_block_size,
+                       graphs_enabled_ ? fmt::format("{} decode graphs", captured) : std::string("eager decode"));
   }
 
  private:
@@ -157,8 +169,17 @@ class GpuBackend final : public ForwardBackend {
   Expected<void> allocate_caches();
   Expected<void> allocate_activations();
 
-  Expected<StepPlan> plan_step(std::span<const SequenceInput> batch);
+  Expected<StepPlan> plan_step(std::span<const SequenceInput> batch, bool decode);
   void upload_plan(const StepPlan& plan);
+  // Embedding to lm_head: logits of `which` rows into logits_ (rows returned), on the stream; no synchronisation.
+  Expected<int64_t> run_body(const StepPlan& plan, LogitsFor which, const Tracer* tracer);
+  // run_body through the decode step's CUDA graph: the first step of a shape runs eagerly (cuBLASLt plans, lazily
+  // loaded kernels), the second is captured, later ones replay it. A capture that fails turns graphs off, loudly.
+  Expected<int64_t> run_decode(const StepPlan& plan);
+  void drop_graphs();
+  Expected<void> allocate_sampling();
+  Expected<void> upload_sampling(std::span<const SampleRow> rows);
+  Expected<SampleResults> download_samples(std::span<const SampleRow> rows, int64_t n_logit_rows);
   Expected<void> run_attention(const GpuAttention& a, const StepPlan& plan);
   Expected<void> run_gdn(const GpuGdn& g, const StepPlan& plan, const std::function<Expected<void>()>& after_core);
   Expected<void> run_mlp(const GpuMlp& m, const uint16_t* x, int64_t rows, uint16_t* y);
@@ -195,20 +216,44 @@ class GpuBackend final : public ForwardBackend {
   size_t attention_workspace_bytes_ = 0;
   void* moe_workspace_ = nullptr;
   size_t moe_workspace_bytes_ = 0;
-  DeviceBuffer logits_;                // [rows, vocab] bf16, grown on demand
+  DeviceBuffer logits_;                // [rows, vocab] bf16: max_sequences rows, grown on demand (drops graphs)
   DeviceBuffer meta_buffer_;
   int32_t* meta_ = nullptr;            // device copy of the step plan
   int32_t* meta_host_ = nullptr;       // pinned staging
   size_t meta_capacity_ = 0;           // int32 elements
   std::vector<uint16_t> logits_host_;  // bf16 staging of the logits
   // Device pointers into meta_ for the current step.
+  // Decode graphs by (n_seqs, block-table width); they bake in every buffer address, so a reallocated meta_ or
+  // logits_ drops them all.
+  struct DecodeGraph {
+    bool warmed = false;
+    cudaGraphExec_t exec = nullptr;
+  };
+  std::map<std::pair<int64_t, int64_t>, DecodeGraph> graphs_;
+  bool graphs_enabled_ = true;
+  // Sampling on the device, sized for max_sequences rows: parameters in, ids / logprobs / top-20 / status out.
+  struct SamplingIo {
+    SamplingRow* rows = nullptr;
+    int32_t* ids = nullptr;
+    float* logprobs = nullptr;
+    int32_t* top_ids = nullptr;
+    float* top_logprobs = nullptr;
+    int32_t* status = nullptr;
+  };
+  DeviceBuffer sampling_device_, sampling_workspace_, penalty_ids_;
+  char* sampling_host_ = nullptr;  // pinned mirror of sampling_device_
+  size_t sampling_bytes_ = 0;
+  SamplingIo sampling_d_, sampling_h_;
+  std::vector<int32_t> penalty_host_;
   const int32_t *d_ids_ = nullptr, *d_positions_ = nullptr, *d_slot_mapping_ = nullptr, *d_query_start_ = nullptr,
                 *d_seq_lens_ = nullptr, *d_block_tables_ = nullptr, *d_state_slot_ = nullptr, *d_seq_past_ = nullptr,
                 *d_last_rows_ = nullptr;
 
  public:
   ~GpuBackend() override {
+    drop_graphs();
     if (meta_host_ != nullptr) cudaFreeHost(meta_host_);
+    if (sampling_host_ != nullptr) cudaFreeHost(sampling_host_);
   }
 };
 
@@ -319,8 +364,10 @@ Expected<void> GpuBackend::build(const CausalLm& model) {
     }
     layers_.push_back(std::move(layer));
   }
+  graphs_enabled_ = options_.cuda_graphs;
   TERN_TRY(allocate_activations());
   TERN_TRY(allocate_caches());
+  TERN_TRY(allocate_sampling());
   for (int64_t s = options_.max_sequences - 1; s >= 0; --s) pool_->free_slots.push_back(static_cast<int32_t>(s));
   return {};
 }
@@ -435,8 +482,9 @@ Expected<void> GpuBackend::allocate_activations() {
 
 // ---- One step ----
 
-Expected<StepPlan> GpuBackend::plan_step(std::span<const SequenceInput> batch) {
+Expected<StepPlan> GpuBackend::plan_step(std::span<const SequenceInput> batch, bool decode) {
   StepPlan p;
+  p.decode = decode;
   p.n_seqs = static_cast<int64_t>(batch.size());
   if (p.n_seqs > options_.max_sequences) {
     return make_error("{} sequences in one step; this model was set up for at most {}", p.n_seqs,
@@ -488,6 +536,10 @@ Expected<StepPlan> GpuBackend::plan_step(std::span<const SequenceInput> batch) {
                       options_.max_batch_tokens);
   }
   p.max_blocks = std::max<int64_t>(p.max_blocks, 1);
+  if (decode && kv_blocks_ > 0) {
+    p.max_blocks = std::min(std::bit_ceil(static_cast<uint64_t>(p.max_blocks)), static_cast<uint64_t>(kv_blocks_));
+    p.max_seq_len = p.max_blocks * bs;
+  }
   p.block_tables.assign(static_cast<size_t>(p.n_seqs * p.max_blocks), 0);
   for (int64_t s = 0; s < p.n_seqs; ++s) {
     const auto& blocks = static_cast<GpuSequence*>(batch[s].cache->device.get())->blocks;
@@ -504,6 +556,7 @@ void GpuBackend::upload_plan(const StepPlan& p) {
   size_t total = 0;
   for (const auto* v : parts) total += (v->size() + 3) / 4 * 4;  // 16-byte aligned parts
   if (total > meta_capacity_) {
+    drop_graphs();
     if (meta_host_ != nullptr) TERN_CUDA_CHECK(cudaFreeHost(meta_host_));
     meta_capacity_ = std::max(total, 2 * meta_capacity_);
     TERN_CUDA_CHECK(cudaMallocHost(&meta_host_, meta_capacity_ * 4));
@@ -670,11 +723,7 @@ Expected<void> GpuBackend::trace(const Tracer* tracer, const std::string& name, 
   return {};
 }
 
-Expected<std::vector<float>> GpuBackend::forward(std::span<const SequenceInput> batch, LogitsFor which,
-                                                 const Tracer* tracer) {
-  TERN_ASSIGN_OR_RETURN(StepPlan plan, plan_step(batch));
-  if (plan.tokens == 0) return std::vector<float>{};
-  upload_plan(plan);
+Expected<int64_t> GpuBackend::run_body(const StepPlan& plan, LogitsFor which, const Tracer* tracer) {
   const int64_t t = plan.tokens, h = config_hidden_;
   TERN_TRY(embedding_lookup(ctx_, EmbeddingArgs{.ids = d_ids_, .table = embed_.bf16, .y = x_,
                                                 .bad = bad_id_, .tokens = t, .vocab = embed_.n, .hidden = h}));
@@ -701,8 +750,9 @@ Expected<std::vector<float>> GpuBackend::forward(std::span<const SequenceInput> 
   TERN_TRY(rms_norm_rows(final_norm_, x_, out_, t, normed_));
   const uint16_t* rows = normed_;
   int64_t n = t;
-  if (which == LogitsFor::kLastToken) {
-    // The embedding gather picks each sequence's last row out of the normed activations.
+  if (which == LogitsFor::kLastToken && !plan.decode) {
+    // The embedding gather picks each sequence's last row out of the normed activations (a decode step's rows
+    // are its sequences already).
     TERN_TRY(embedding_lookup(ctx_, EmbeddingArgs{.ids = d_last_rows_, .table = normed_, .y = last_, .bad = bad_id_,
                                                   .tokens = plan.n_seqs, .vocab = t, .hidden = h}));
     rows = last_;
@@ -710,10 +760,58 @@ Expected<std::vector<float>> GpuBackend::forward(std::span<const SequenceInput> 
   }
   TERN_TRY(trace(tracer, "final_norm", rows, n, h, h));
   const size_t logit_bytes = static_cast<size_t>(n * vocab_) * 2;
-  if (logits_.size_bytes() < logit_bytes && !DeviceBuffer::try_allocate(logit_bytes, logits_)) {
-    return make_error("out of device memory for {} rows of logits", n);
+  if (logits_.size_bytes() < logit_bytes) {
+    drop_graphs();
+    if (!DeviceBuffer::try_allocate(logit_bytes, logits_)) return make_error("out of device memory for {} rows of logits", n);
   }
   TERN_TRY(device_matrix_forward(ctx_, lm_head_, rows, n, logits_.as<uint16_t>(), vocab_));
+  return n;
+}
+
+void GpuBackend::drop_graphs() {
+  for (auto& [key, g] : graphs_) {
+    if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
+  }
+  graphs_.clear();
+}
+
+Expected<int64_t> GpuBackend::run_decode(const StepPlan& plan) {
+  if (!graphs_enabled_) return run_body(plan, LogitsFor::kLastToken, nullptr);
+  DecodeGraph& g = graphs_[{plan.n_seqs, plan.max_blocks}];
+  if (g.exec == nullptr && !g.warmed) {
+    g.warmed = true;
+    return run_body(plan, LogitsFor::kLastToken, nullptr);
+  }
+  if (g.exec == nullptr) {
+    cudaGraph_t graph = nullptr;
+    TERN_CUDA_CHECK(cudaStreamBeginCapture(ctx_.stream(), cudaStreamCaptureModeThreadLocal));
+    const Expected<int64_t> body = run_body(plan, LogitsFor::kLastToken, nullptr);
+    const cudaError_t ended = cudaStreamEndCapture(ctx_.stream(), &graph);
+    cudaError_t made = ended;
+    if (body && ended == cudaSuccess) made = cudaGraphInstantiate(&g.exec, graph, 0);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (!body || made != cudaSuccess) {
+      (void)cudaGetLastError();
+      g.exec = nullptr;
+      graphs_enabled_ = false;
+      spdlog::warn("CUDA graph capture of a decode step ({} sequences) failed ({}); decode steps run eagerly from "
+                   "now on", plan.n_seqs, body ? cudaGetErrorString(made) : body.error().message);
+      return run_body(plan, LogitsFor::kLastToken, nullptr);
+    }
+  }
+  TERN_CUDA_CHECK(cudaGraphLaunch(g.exec, ctx_.stream()));
+  return plan.n_seqs;
+}
+
+Expected<std::vector<float>> GpuBackend::forward(std::span<const SequenceInput> batch, LogitsFor which,
+                                                 const Tracer* tracer) {
+  const bool decode = which == LogitsFor::kLastToken && tracer == nullptr &&
+                      std::all_of(batch.begin(), batch.end(), [](const SequenceInput& in) { return in.tokens.size() == 1; });
+  TERN_ASSIGN_OR_RETURN(StepPlan plan, plan_step(batch, decode));
+  if (plan.tokens == 0) return std::vector<float>{};
+  upload_plan(plan);
+  TERN_ASSIGN_OR_RETURN(const int64_t n, decode ? run_decode(plan) : run_body(plan, which, tracer));
+  const size_t logit_bytes = static_cast<size_t>(n * vocab_) * 2;
   logits_host_.resize(static_cast<size_t>(n * vocab_));
   TERN_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), logit_bytes, cudaMemcpyDeviceToHost,
                                   ctx_.stream()));
@@ -722,6 +820,153 @@ Expected<std::vector<float>> GpuBackend::forward(std::span<const SequenceInput> 
   std::vector<float> logits(logits_host_.size());
   for (size_t i = 0; i < logits.size(); ++i) logits[i] = bf16_to_float(logits_host_[i]);
   return logits;
+}
+
+// ---- Sampling on the device ----
+
+Expected<void> GpuBackend::allocate_sampling() {
+  const int64_t rows = options_.max_sequences;
+  const size_t parts[] = {static_cast<size_t>(rows) * sizeof(SamplingRow), static_cast<size_t>(rows) * 4,
+                          static_cast<size_t>(rows) * 4, static_cast<size_t>(rows * kSampleMaxTopLogprobs) * 4,
+                          static_cast<size_t>(rows * kSampleMaxTopLogprobs) * 4, static_cast<size_t>(rows) * 4};
+  for (const size_t p : parts) sampling_bytes_ += Arena::aligned(p);
+  const size_t ws = sampling_workspace_bytes(rows, vocab_);
+  const size_t logit_bytes = static_cast<size_t>(rows * vocab_) * 2;
+  if (!DeviceBuffer::try_allocate(sampling_bytes_, sampling_device_) ||
+      !DeviceBuffer::try_allocate(ws, sampling_workspace_) || !DeviceBuffer::try_allocate(logit_bytes, logits_)) {
+    return make_error("out of device memory for sampling {} sequences ({} bytes)", rows,
+                      sampling_bytes_ + ws + logit_bytes);
+  }
+  TERN_CUDA_CHECK(cudaMallocHost(&sampling_host_, sampling_bytes_));
+  for (auto [base, io] : {std::pair{static_cast<char*>(sampling_device_.data()), &sampling_d_},
+                          std::pair{sampling_host_, &sampling_h_}}) {
+    size_t offset = 0;
+    auto take = [&](size_t bytes) {
+      char* p = base + offset;
+      offset += Arena::aligned(bytes);
+      return p;
+    };
+    io->rows = reinterpret_cast<SamplingRow*>(take(parts[0]));
+    io->ids = reinterpret_cast<int32_t*>(take(parts[1]));
+    io->logprobs = reinterpret_cast<float*>(take(parts[2]));
+    io->top_ids = reinterpret_cast<int32_t*>(take(parts[3]));
+    io->top_logprobs = reinterpret_cast<float*>(take(parts[4]));
+    io->status = reinterpret_cast<int32_t*>(take(parts[5]));
+  }
+  return {};
+}
+
+// Each sequence's parameters and draw (a greedy row for one that samples nothing), and the ids the penalties read.
+Expected<void> GpuBackend::upload_sampling(std::span<const SampleRow> rows) {
+  penalty_host_.clear();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const SampleRow& r = rows[i];
+    if (r.sampler == nullptr) {
+      sampling_h_.rows[i] = sampling_row_make(SamplingParams{.temperature = 0.0f}, 0.0, 0, 0, 0);
+      continue;
+    }
+    const SamplingParams& params = r.sampler->params();
+    const int32_t begin = static_cast<int32_t>(penalty_host_.size());
+    const bool penalised = params.repetition_penalty != 1.0f || params.presence_penalty != 0.0f ||
+                           params.frequency_penalty != 0.0f;
+    if (penalised) {
+      penalty_host_.insert(penalty_host_.end(), r.prompt_ids.begin(), r.prompt_ids.end());
+    }
+    const int32_t prompt_end = static_cast<int32_t>(penalty_host_.size());
+    if (penalised) penalty_host_.insert(penalty_host_.end(), r.output_ids.begin(), r.output_ids.end());
+    sampling_h_.rows[i] = sampling_row_make(params, r.sampler->next_draw(), begin, prompt_end,
+                                            static_cast<int32_t>(penalty_host_.size()));
+  }
+  const size_t penalty_bytes = penalty_host_.size() * 4;
+  if (penalty_ids_.size_bytes() < penalty_bytes) {
+    TERN_CUDA_CHECK(cudaStreamSynchronize(ctx_.stream()));  // the previous step may still read the old buffer
+    if (!DeviceBuffer::try_allocate(std::max(penalty_bytes, 2 * penalty_ids_.size_bytes()), penalty_ids_)) {
+      return make_error("out of device memory for {} penalty ids", penalty_host_.size());
+    }
+  }
+  if (penalty_bytes > 0) {
+    TERN_CUDA_CHECK(cudaMemcpyAsync(penalty_ids_.data(), penalty_host_.data(), penalty_bytes, cudaMemcpyHostToDevice,
+                                    ctx_.stream()));
+  }
+  TERN_CUDA_CHECK(cudaMemcpyAsync(sampling_d_.rows, sampling_h_.rows, rows.size() * sizeof(SamplingRow),
+                                  cudaMemcpyHostToDevice, ctx_.stream()));
+  return {};
+}
+
+Expected<SampleResults> GpuBackend::download_samples(std::span<const SampleRow> rows, int64_t n_logit_rows) {
+  const size_t n = rows.size();
+  const std::pair<const void*, void*> parts[] = {
+      {sampling_d_.ids, sampling_h_.ids}, {sampling_d_.logprobs, sampling_h_.logprobs},
+      {sampling_d_.status, sampling_h_.status}, {sampling_d_.top_ids, sampling_h_.top_ids},
+      {sampling_d_.top_logprobs, sampling_h_.top_logprobs}};
+  for (size_t i = 0; i < std::size(parts); ++i) {
+    const size_t bytes = (i < 3 ? n : n * kSampleMaxTopLogprobs) * 4;
+    TERN_CUDA_CHECK(cudaMemcpyAsync(parts[i].second, parts[i].first, bytes, cudaMemcpyDeviceToHost, ctx_.stream()));
+  }
+  const cudaError_t status = cudaStreamSynchronize(ctx_.stream());
+  if (status != cudaSuccess) return make_error("CUDA error in the forward step: {}", cudaGetErrorString(status));
+  SampleResults results;
+  results.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (rows[i].sampler == nullptr) {
+      results.emplace_back(SampledToken{});
+      continue;
+    }
+    const int32_t row_status = sampling_h_.status[i];
+    if (row_status != kSampleStatusOk) {
+      // Name the bad logit as the CPU sampler would: download this row only.
+      std::vector<float> row;
+      if (row_status > 0 && static_cast<int64_t>(i) < n_logit_rows) {
+        std::vector<uint16_t> bits(static_cast<size_t>(vocab_));
+        TERN_CUDA_CHECK(cudaMemcpy(bits.data(), logits_.as<uint16_t>() + i * vocab_, bits.size() * 2,
+                                   cudaMemcpyDeviceToHost));
+        for (uint16_t b : bits) row.push_back(bf16_to_float(b));
+      }
+      const Expected<void> why = sampling_status_check(row_status, row.empty() ? nullptr : row.data(), vocab_);
+      if (why) {
+        results.push_back(make_error("sampling failed with status {}", row_status));
+      } else {
+        results.push_back(tl::unexpected<Error>(why.error()));
+      }
+      continue;
+    }
+    SampledToken token{.id = sampling_h_.ids[i], .logprob = sampling_h_.logprobs[i], .top_logprobs = {}};
+    const int32_t k = std::min(rows[i].sampler->params().logprobs, kSampleMaxTopLogprobs);
+    for (int32_t j = 0; j < k && j < vocab_; ++j) {
+      token.top_logprobs.emplace_back(sampling_h_.top_ids[i * kSampleMaxTopLogprobs + j],
+                                      sampling_h_.top_logprobs[i * kSampleMaxTopLogprobs + j]);
+    }
+    results.push_back(std::move(token));
+  }
+  return results;
+}
+
+Expected<SampleResults> GpuBackend::forward_sample(std::span<const SequenceInput> batch,
+                                                   std::span<const SampleRow> rows) {
+  for (const SampleRow& r : rows) {
+    if (r.sampler != nullptr) TERN_TRY(sampling_params_validate(r.sampler->params()));
+  }
+  const bool decode =
+      std::all_of(batch.begin(), batch.end(), [](const SequenceInput& in) { return in.tokens.size() == 1; });
+  TERN_ASSIGN_OR_RETURN(StepPlan plan, plan_step(batch, decode));
+  if (plan.tokens == 0) return make_error("forward_sample: the step has no tokens");
+  upload_plan(plan);
+  TERN_TRY(upload_sampling(rows));
+  TERN_ASSIGN_OR_RETURN(const int64_t n, decode ? run_decode(plan) : run_body(plan, LogitsFor::kLastToken, nullptr));
+  TERN_TRY(sample_rows(ctx_, SampleArgs{.logits = logits_.as<uint16_t>(),
+                                        .logits_stride = vocab_,
+                                        .rows_params = sampling_d_.rows,
+                                        .penalty_ids = penalty_host_.empty() ? nullptr : penalty_ids_.as<int32_t>(),
+                                        .rows = n,
+                                        .vocab = vocab_,
+                                        .out_id = sampling_d_.ids,
+                                        .out_logprob = sampling_d_.logprobs,
+                                        .out_top_ids = sampling_d_.top_ids,
+                                        .out_top_logprobs = sampling_d_.top_logprobs,
+                                        .out_status = sampling_d_.status,
+                                        .workspace = sampling_workspace_.data(),
+                                        .workspace_bytes = sampling_workspace_.size_bytes()}));
+  return download_samples(rows, n);
 }
 
 }  // namespace

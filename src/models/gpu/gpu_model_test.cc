@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <iostream>
 
 #include "models/causal_lm.h"
@@ -224,6 +225,115 @@ TEST_P(GpuModelReference, IntermediatesTrackTheCpuPath) {
     }
     std::printf("%-28s max |gpu - cpu| / max |cpu| = %.4f\n", name.c_str(), max_err / max_ref);
     EXPECT_LE(max_err, max_ref / 16) << name;
+  }
+}
+
+// Runs three sequences in lockstep: a prefill of each prompt together, then one token per step (the third leaves
+// after step 4, so a second batch size is captured). `step` gets the batch and returns the next token of each.
+void run_lockstep(CausalLm& model, const std::function<std::vector<int32_t>(std::span<const SequenceInput>)>& step) {
+  const std::vector<std::vector<int32_t>> prompts{{17, 300, 42, 99, 5, 250, 123}, {400, 5, 60}, {250, 11, 9, 480, 2}};
+  std::vector<SequenceCache> caches;
+  for (size_t i = 0; i < prompts.size(); ++i) caches.push_back(model.new_sequence());
+  std::vector<std::vector<int32_t>> next = prompts;
+  for (int s = 0; s < 10 && !testing::Test::HasFatalFailure(); ++s) {
+    std::vector<SequenceInput> batch;
+    for (size_t i = 0; i < (s < 5 ? prompts.size() : 2); ++i) batch.push_back({&caches[i], next[i]});
+    const std::vector<int32_t> tokens = step(batch);
+    for (size_t i = 0; i < tokens.size(); ++i) next[i] = {tokens[i]};
+  }
+}
+
+// A decode step replayed from its CUDA graph gives bit for bit the logits of the same step launched eagerly: the
+// graph must see each step's own tokens, positions and block tables (a stale or wrongly sized copy would change
+// the logits), through warm-up, capture and replays of two batch sizes.
+TEST_P(GpuModelReference, DecodeGraphsReplayTheEagerSteps) {
+  auto eager = load_cuda(GetParam().fixture, DeviceModelOptions{.cuda_graphs = false});
+  auto graphed = load_cuda(GetParam().fixture);
+  ASSERT_TRUE(eager && graphed);
+  const int64_t vocab = eager->config().vocab_size;
+  std::vector<std::vector<float>> eager_logits;
+  run_lockstep(*eager, [&](std::span<const SequenceInput> batch) {
+    auto logits = eager->forward(batch, LogitsFor::kLastToken);
+    EXPECT_TRUE(logits.has_value()) << logits.error().message;
+    eager_logits.push_back(logits ? *logits : std::vector<float>{});
+    std::vector<int32_t> tokens;
+    for (size_t i = 0; i < batch.size() && logits; ++i) tokens.push_back(argmax(&(*logits)[i * vocab], vocab));
+    return tokens;
+  });
+  size_t step = 0;
+  run_lockstep(*graphed, [&](std::span<const SequenceInput> batch) {
+    auto logits = graphed->forward(batch, LogitsFor::kLastToken);
+    EXPECT_TRUE(logits.has_value()) << logits.error().message;
+    std::vector<int32_t> tokens;
+    if (!logits) return tokens;
+    const std::vector<float>& want = eager_logits.at(step);
+    EXPECT_EQ(logits->size(), want.size()) << "step " << step;
+    int64_t differ = 0;
+    for (size_t i = 0; i < std::min(want.size(), logits->size()); ++i) {
+      EXPECT_TRUE(std::isfinite((*logits)[i]));
+      differ += (*logits)[i] != want[i];
+    }
+    EXPECT_EQ(differ, 0) << "step " << step << ": logits differing from the eager step";
+    for (size_t i = 0; i < batch.size(); ++i) tokens.push_back(argmax(&want[i * vocab], vocab));
+    ++step;
+    return tokens;
+  });
+  EXPECT_EQ(step, 10u);
+  // Batch sizes 3 and 2 both reached replay (each shape: one eager step, one capture, then replays).
+  const std::string described = graphed->backend()->describe();
+  EXPECT_NE(described.find(", 2 decode graphs"), std::string::npos) << described;
+  EXPECT_NE(eager->backend()->describe().find("eager decode"), std::string::npos);
+}
+
+// forward_sample samples on the GPU what the CPU Sampler samples from forward's logits of the same step: per row
+// the same id (greedy, and seeded random sampling with top_p and a repetition penalty), logprob and top logprobs.
+TEST_P(GpuModelReference, SamplingOnTheGpuPicksTheCpuSamplersTokens) {
+  auto model = load_cuda(GetParam().fixture);
+  ASSERT_TRUE(model);
+  const int64_t vocab = model->config().vocab_size;
+  const std::vector<SamplingParams> params{
+      {.temperature = 0.0f, .logprobs = 5},
+      {.temperature = 0.9f, .top_p = 0.95f, .repetition_penalty = 1.1f, .seed = 7},
+      {.temperature = 1.0f, .top_k = 20, .min_p = 0.02f, .seed = 11, .logprobs = 3}};
+  std::vector<Sampler> on_gpu, on_cpu;
+  for (const SamplingParams& p : params) {
+    on_gpu.emplace_back(p);
+    on_cpu.emplace_back(p);
+  }
+  const std::vector<int32_t> prompt{3, 1, 4};
+  std::vector<std::vector<int32_t>> outputs(params.size());
+  std::vector<SequenceCache> gpu_caches, cpu_caches;
+  std::vector<std::vector<int32_t>> next(params.size(), prompt);
+  for (size_t i = 0; i < params.size(); ++i) {
+    gpu_caches.push_back(model->new_sequence());
+    cpu_caches.push_back(model->new_sequence());
+  }
+  for (int step = 0; step < 12; ++step) {
+    std::vector<SequenceInput> gpu_batch, cpu_batch;
+    std::vector<SampleRow> rows;
+    for (size_t i = 0; i < params.size(); ++i) {
+      gpu_batch.push_back({&gpu_caches[i], next[i]});
+      cpu_batch.push_back({&cpu_caches[i], next[i]});
+      rows.push_back({&on_gpu[i], prompt, outputs[i]});
+    }
+    auto sampled = model->forward_sample(gpu_batch, rows);
+    ASSERT_TRUE(sampled.has_value()) << sampled.error().message;
+    auto logits = model->forward(cpu_batch, LogitsFor::kLastToken);
+    ASSERT_TRUE(logits.has_value()) << logits.error().message;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& got = (*sampled)[i];
+      auto want = on_cpu[i].sample(std::span<const float>(*logits).subspan(i * vocab, vocab), prompt, outputs[i]);
+      ASSERT_TRUE(got.has_value() && want.has_value()) << "step " << step << " row " << i;
+      ASSERT_EQ(got->id, want->id) << "step " << step << " row " << i;
+      EXPECT_NEAR(got->logprob, want->logprob, 1e-4 * (1 + std::abs(want->logprob))) << "step " << step;
+      ASSERT_EQ(got->top_logprobs.size(), want->top_logprobs.size());
+      for (size_t j = 0; j < want->top_logprobs.size(); ++j) {
+        EXPECT_EQ(got->top_logprobs[j].first, want->top_logprobs[j].first) << "step " << step << " rank " << j;
+        EXPECT_NEAR(got->top_logprobs[j].second, want->top_logprobs[j].second, 1e-4 * (1 + std::abs(want->logprob)));
+      }
+      outputs[i].push_back(got->id);
+      next[i] = {got->id};
+    }
   }
 }
 
