@@ -1,6 +1,7 @@
 // tern: one binary, one subcommand per job.
 #include <CLI/CLI.hpp>
 
+#include "cli/bench_command.h"
 #include "cli/generate_command.h"
 #include "cli/doctor_command.h"
 #include "cli/info_command.h"
@@ -19,6 +20,7 @@ int main(int argc, char** argv) {
   tern::register_generate_command(app);
   tern::register_score_command(app);
   tern::register_serve_command(app);
+  tern::register_bench_command(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

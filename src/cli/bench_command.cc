@@ -1,0 +1,242 @@
+#include "cli/bench_command.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+
+#include "cli/bench_traffic.h"
+#include "cli/model_options.h"
+#if TERN_HAVE_CUDA
+#include "kernels/cuda/roofline.h"
+#endif
+
+namespace tern {
+namespace {
+
+struct BenchOptions {
+  ModelCliOptions model;
+  std::vector<int64_t> prefill_lens{512, 4096};
+  std::vector<int64_t> batch_sizes{1, 8, 32, 128};
+  int64_t context = 1024;
+  int64_t steps = 32;
+  int64_t repeats = 3;
+  uint64_t seed = 1;
+  bool json = false;
+};
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+std::vector<int32_t> random_ids(int64_t n, int64_t vocab, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(vocab - 1));
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (int32_t& id : ids) id = pick(rng);
+  return ids;
+}
+
+// What the model is compared against: measured on the GPU that runs it; nothing on the CPU.
+std::optional<nlohmann::ordered_json> measure_roofline(const CausalLm& model, int device) {
+#if TERN_HAVE_CUDA
+  if (model.backend() == nullptr) return std::nullopt;
+  DeviceContext ctx(device);
+  auto r = roofline_measure(ctx);
+  if (!r) {
+    fmt::print(stderr, "tern bench: no hardware limits measured: {}\n", r.error().message);
+    return std::nullopt;
+  }
+  return nlohmann::ordered_json{{"copy_gbs", r->copy_gbs}, {"gemm_bf16_tflops", r->gemm_tflops}};
+#else
+  (void)model;
+  (void)device;
+  return std::nullopt;
+#endif
+}
+
+// One prompt of `length` tokens in a fresh sequence: median seconds over the repeats after one warm-up.
+Expected<double> time_prefill(CausalLm& model, int64_t length, int64_t repeats, std::mt19937_64& rng) {
+  std::vector<double> times;
+  for (int64_t r = 0; r <= repeats; ++r) {
+    const std::vector<int32_t> ids = random_ids(length, model.config().vocab_size, rng);
+    SequenceCache seq = model.new_sequence();
+    const std::vector<SequenceInput> batch{{&seq, ids}};
+    const auto start = Clock::now();
+    TERN_TRY(model.forward(batch, LogitsFor::kLastToken));
+    if (r > 0) times.push_back(seconds_since(start));
+  }
+  return median(times);
+}
+
+// `batch` sequences prefilled to `context` tokens, then greedy decode steps of one token each: the median step
+// time over o.steps steps after two untimed ones (for a CUDA graph: the eager warm-up and the capture).
+Expected<double> time_decode(CausalLm& model, int64_t batch, const BenchOptions& o, int64_t max_chunk,
+                             std::mt19937_64& rng) {
+  std::vector<SequenceCache> caches;
+  std::vector<std::vector<int32_t>> prompts, outputs(static_cast<size_t>(batch));
+  std::vector<Sampler> samplers(static_cast<size_t>(batch), Sampler(SamplingParams{.temperature = 0.0f}));
+  for (int64_t s = 0; s < batch; ++s) {
+    caches.push_back(model.new_sequence());
+    prompts.push_back(random_ids(o.context, model.config().vocab_size, rng));
+    for (int64_t done = 0; done < o.context; done += max_chunk) {
+      const int64_t n = std::min(max_chunk, o.context - done);
+      const std::vector<SequenceInput> chunk{{&caches.back(), std::span(prompts.back()).subspan(done, n)}};
+      TERN_TRY(model.forward(chunk, LogitsFor::kLastToken));
+    }
+  }
+  std::vector<int32_t> next = random_ids(batch, model.config().vocab_size, rng);
+  std::vector<double> times;
+  for (int64_t step = 0; step < o.steps + 2; ++step) {
+    std::vector<SequenceInput> inputs;
+    std::vector<SampleRow> rows;
+    for (int64_t s = 0; s < batch; ++s) {
+      inputs.push_back({&caches[s], std::span(next).subspan(s, 1)});
+      rows.push_back({&samplers[s], prompts[s], outputs[s]});
+    }
+    const auto start = Clock::now();
+    TERN_ASSIGN_OR_RETURN(SampleResults sampled, model.forward_sample(inputs, rows));
+    if (step >= 2) times.push_back(seconds_since(start));
+    for (int64_t s = 0; s < batch; ++s) {
+      if (!sampled[s]) return tl::unexpected<Error>(sampled[s].error());
+      outputs[s].push_back(sampled[s]->id);
+      next[s] = sampled[s]->id;
+    }
+  }
+  return median(times);
+}
+
+int fail(const std::string& message) {
+  fmt::print(stderr, "tern bench: {}\n", message);
+  return 2;
+}
+
+Expected<void> check_options(const BenchOptions& o) {
+  for (int64_t n : o.prefill_lens) {
+    if (n < 1) return make_error("--prefill {} is not a positive length", n);
+  }
+  for (int64_t b : o.batch_sizes) {
+    if (b < 1) return make_error("--batch {} is not a positive batch size", b);
+  }
+  if (o.context < 1 || o.steps < 1 || o.repeats < 1) {
+    return make_error("--context {}, --steps {} and --repeats {} must be positive", o.context, o.steps, o.repeats);
+  }
+  return {};
+}
+
+nlohmann::ordered_json prefill_row(const StepTraffic& t, int64_t length, double s,
+                                   const std::optional<nlohmann::ordered_json>& roof) {
+  const double tflops = prefill_flops(t, length) / s / 1e12;
+  nlohmann::ordered_json row{{"kind", "prefill"}, {"tokens", length}, {"ms", s * 1e3},
+                             {"tokens_per_s", static_cast<double>(length) / s}, {"tflops", tflops}};
+  row["pct_of_gemm"] = roof ? nlohmann::ordered_json(100 * tflops / (*roof)["gemm_bf16_tflops"].get<double>()) : nullptr;
+  return row;
+}
+
+nlohmann::ordered_json decode_row(const StepTraffic& t, int64_t batch, const BenchOptions& o, double s,
+                                  const std::optional<nlohmann::ordered_json>& roof) {
+  // The context grows by one per step: the timed steps average o.context + 2 + steps / 2 cached tokens.
+  const double context = static_cast<double>(o.context) + 2 + static_cast<double>(o.steps) / 2;
+  const double bytes = decode_step_bytes(t, batch, context), gbs = bytes / s / 1e9;
+  nlohmann::ordered_json row{{"kind", "decode"}, {"batch", batch}, {"context", o.context}, {"ms_per_step", s * 1e3},
+                             {"tokens_per_s", static_cast<double>(batch) / s}, {"bytes_per_step", bytes},
+                             {"gbs", gbs}};
+  row["pct_of_copy"] = roof ? nlohmann::ordered_json(100 * gbs / (*roof)["copy_gbs"].get<double>()) : nullptr;
+  return row;
+}
+
+std::string percent(const nlohmann::ordered_json& v) {
+  return v.is_null() ? std::string("-") : fmt::format("{:.1f}%", v.get<double>());
+}
+
+void print_table(const nlohmann::ordered_json& report) {
+  fmt::print("{}\nloaded in {:.1f} s (weights, caches and the start-up self-test)\n", report["device"].get<std::string>(),
+             report["load_s"].get<double>());
+  if (!report["roofline"].is_null()) {
+    fmt::print("limits measured now: copy {:.0f} GB/s (read + write), BF16 GEMM {:.0f} TFLOP/s\n",
+               report["roofline"]["copy_gbs"].get<double>(), report["roofline"]["gemm_bf16_tflops"].get<double>());
+  }
+  fmt::print("{:<8} {:>6} {:>8} {:>11} {:>12} {:>10} {:>9}\n", "kind", "batch", "tokens", "ms", "tokens/s",
+             "GB/s|TF/s", "of limit");
+  for (const auto& r : report["rows"]) {
+    if (r["kind"] == "prefill") {
+      fmt::print("{:<8} {:>6} {:>8} {:>11.2f} {:>12.0f} {:>10.1f} {:>9}\n", "prefill", 1, r["tokens"].get<int64_t>(),
+                 r["ms"].get<double>(), r["tokens_per_s"].get<double>(), r["tflops"].get<double>(),
+                 percent(r["pct_of_gemm"]));
+    } else {
+      fmt::print("{:<8} {:>6} {:>8} {:>11.3f} {:>12.1f} {:>10.0f} {:>9}\n", "decode", r["batch"].get<int64_t>(),
+                 r["context"].get<int64_t>(), r["ms_per_step"].get<double>(), r["tokens_per_s"].get<double>(),
+                 r["gbs"].get<double>(), percent(r["pct_of_copy"]));
+    }
+  }
+}
+
+int run_bench(const BenchOptions& o) {
+  if (auto ok = check_options(o); !ok) return fail(ok.error().message);
+  const int64_t max_prefill = *std::max_element(o.prefill_lens.begin(), o.prefill_lens.end());
+  const int64_t max_batch = *std::max_element(o.batch_sizes.begin(), o.batch_sizes.end());
+  const int64_t chunk = std::min<int64_t>(o.context, 4096);
+  const DeviceModelOptions sizes{
+      .max_batch_tokens = std::max({max_prefill, chunk, max_batch}),
+      .max_sequences = max_batch,
+      .kv_cache_tokens = std::max(max_batch * (o.context + o.steps + 16), max_prefill + 16)};
+  const auto load_start = Clock::now();
+  auto model = load_model_from_options(o.model, sizes);
+  if (!model) return fail(model.error().message);
+  const double load_s = seconds_since(load_start);
+  CausalLm& m = **model;
+  const StepTraffic traffic = step_traffic_of(m);
+  nlohmann::ordered_json report{{"model", o.model.model_dir},
+                                {"device", m.backend() ? m.backend()->describe() : std::string("cpu")},
+                                {"load_s", load_s}};
+  const auto roof = measure_roofline(m, o.model.cuda_device);
+  report["roofline"] = roof ? *roof : nlohmann::ordered_json(nullptr);
+  report["weights"] = {{"dense_bytes", traffic.dense_weight_bytes}, {"expert_bytes", traffic.expert_bytes},
+                       {"moe_layers", traffic.moe_layers}, {"experts", traffic.n_experts}, {"top_k", traffic.top_k}};
+  report["rows"] = nlohmann::ordered_json::array();
+  std::mt19937_64 rng(o.seed);
+  for (int64_t length : o.prefill_lens) {
+    auto s = time_prefill(m, length, o.repeats, rng);
+    if (!s) return fail(fmt::format("prefill of {} tokens: {}", length, s.error().message));
+    report["rows"].push_back(prefill_row(traffic, length, *s, roof));
+  }
+  for (int64_t batch : o.batch_sizes) {
+    auto s = time_decode(m, batch, o, chunk, rng);
+    if (!s) return fail(fmt::format("decode at batch {}: {}", batch, s.error().message));
+    report["rows"].push_back(decode_row(traffic, batch, o, *s, roof));
+  }
+  report["device"] = m.backend() ? m.backend()->describe() : std::string("cpu");  // now with its graphs
+  if (o.json) {
+    fmt::print("{}\n", report.dump(1));
+  } else {
+    print_table(report);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void register_bench_command(CLI::App& app) {
+  auto o = std::make_shared<BenchOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "bench", "Offline throughput: prefill and decode rows, each against the limit measured in the same run");
+  add_model_options(*cmd, o->model);
+  cmd->add_option("--prefill", o->prefill_lens, "Prompt lengths to time (one sequence each)")->delimiter(',');
+  cmd->add_option("--batch", o->batch_sizes, "Decode batch sizes")->delimiter(',');
+  cmd->add_option("--context", o->context, "Cached tokens per sequence before the timed decode steps");
+  cmd->add_option("--steps", o->steps, "Timed decode steps per batch size (after two untimed ones)");
+  cmd->add_option("--repeats", o->repeats, "Timed repeats of each prefill (after one untimed)");
+  cmd->add_option("--seed", o->seed, "Seed of the random prompt ids");
+  cmd->add_flag("--json", o->json, "Print one JSON object");
+  cmd->callback([o] { throw CLI::RuntimeError(run_bench(*o)); });
+}
+
+}  // namespace tern
