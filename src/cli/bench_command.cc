@@ -12,6 +12,8 @@
 #include "cli/bench_traffic.h"
 #include "cli/model_options.h"
 #if TERN_HAVE_CUDA
+#include <cuda_profiler_api.h>
+
 #include "kernels/cuda/roofline.h"
 #endif
 
@@ -27,7 +29,18 @@ struct BenchOptions {
   int64_t repeats = 3;
   uint64_t seed = 1;
   bool json = false;
+  bool profile_step = false;  // the last decode step of each batch size between cudaProfilerStart/Stop
 };
+
+// For `ncu --profile-from-start off` and `nsys --capture-range=cudaProfilerApi`: only the bracketed step is profiled.
+void profiler_bracket(bool on, bool start) {
+#if TERN_HAVE_CUDA
+  if (on) (void)(start ? cudaProfilerStart() : cudaProfilerStop());
+#else
+  (void)on;
+  (void)start;
+#endif
+}
 
 using Clock = std::chrono::steady_clock;
 
@@ -102,9 +115,12 @@ Expected<double> time_decode(CausalLm& model, int64_t batch, const BenchOptions&
       inputs.push_back({&caches[s], std::span(next).subspan(s, 1)});
       rows.push_back({&samplers[s], prompts[s], outputs[s]});
     }
+    const bool last = step == o.steps + 1;
+    profiler_bracket(o.profile_step && last, true);
     const auto start = Clock::now();
     TERN_ASSIGN_OR_RETURN(SampleResults sampled, model.forward_sample(inputs, rows));
     if (step >= 2) times.push_back(seconds_since(start));
+    profiler_bracket(o.profile_step && last, false);
     for (int64_t s = 0; s < batch; ++s) {
       if (!sampled[s]) return tl::unexpected<Error>(sampled[s].error());
       outputs[s].push_back(sampled[s]->id);
@@ -236,6 +252,8 @@ void register_bench_command(CLI::App& app) {
   cmd->add_option("--repeats", o->repeats, "Timed repeats of each prefill (after one untimed)");
   cmd->add_option("--seed", o->seed, "Seed of the random prompt ids");
   cmd->add_flag("--json", o->json, "Print one JSON object");
+  cmd->add_flag("--profile-step", o->profile_step,
+                "Bracket the last decode step of each batch size with cudaProfilerStart/Stop (for ncu / nsys)");
   cmd->callback([o] { throw CLI::RuntimeError(run_bench(*o)); });
 }
 

@@ -162,8 +162,7 @@ struct DecodeParams {
   PagedAttentionArgs a;
   int group;  // query heads per kv head
   int log2_bs;
-  int n_splits;
-  int split_len;     // keys per split
+  int n_splits;      // each query row's keys cut into this many equal ranges
   float scale_log2;  // scale * log2(e)
   float* partial;    // [tokens, n_heads, n_splits, head_dim] when n_splits > 1
   float* ml;         // [tokens, n_heads, n_splits, 2]: running max (log2 domain) and sum
@@ -201,7 +200,8 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   const int q0 = a.query_start[s], n_q = a.query_start[s + 1] - q0;
   const int position = a.seq_lens[s] - n_q + (t - q0);
   const int n_keys = min(position + 1, static_cast<int>(a.max_blocks_per_seq << p.log2_bs));
-  const int k_begin = split * p.split_len, k_end = min(n_keys, k_begin + p.split_len);
+  const int split_len = max((n_keys + p.n_splits - 1) / p.n_splits, static_cast<int>(kDecodeMinSplitKeys / 2));
+  const int k_begin = split * split_len, k_end = min(n_keys, k_begin + split_len);
   const int32_t* table = a.block_tables + int64_t{s} * a.max_blocks_per_seq;
   const int64_t head_row0 = int64_t{t} * a.n_heads + int64_t{kvh} * G;  // row of the group's first query head
 
@@ -673,11 +673,9 @@ void paged_attention_decode_launch(const DeviceContext& ctx, const PagedAttentio
                  .log2_bs = log2_int(args.cache.block_size),
                  .n_splits = static_cast<int>(attention_decode_splits(ctx.props().num_sms, args.tokens,
                                                                       args.cache.n_kv_heads, args.max_seq_len)),
-                 .split_len = 0,
                  .scale_log2 = args.scale * kLog2e,
                  .partial = nullptr,
                  .ml = nullptr};
-  p.split_len = static_cast<int>((args.max_seq_len + p.n_splits - 1) / p.n_splits);
   if (p.n_splits > 1) {
     const size_t rows = static_cast<size_t>(args.tokens * args.n_heads * p.n_splits);
     p.partial = static_cast<float*>(args.workspace);

@@ -92,9 +92,12 @@ inline constexpr int64_t kAttentionDecodeMaxQueryLen = 4;
 inline constexpr int64_t kAttentionMaxGroup = 16;  // query heads per kv head the decode kernel holds in shared memory
 
 // Decode split-K: how many key ranges each (token, kv head) is cut into. Enough blocks to fill every SM about twice,
-// but at least kDecodeMinSplitKeys keys per range so the partials' write and reduce stay small next to the keys.
-// It only grows as n_kv_heads shrinks, so n_kv_heads = 1 gives the workspace's upper bound.
-inline constexpr int64_t kDecodeMinSplitKeys = 256;
+// but at least kDecodeMinSplitKeys keys per range (at max_seq_len) so the partials' write and reduce stay small next
+// to the keys. Each query row cuts its own keys into n_splits equal ranges (of at least kDecodeMinSplitKeys / 2), so
+// the count depends on max_seq_len only as a cap: a decode step sized for a longer context (a CUDA graph's bucket)
+// still spreads a short sequence over every split. It only grows as n_kv_heads shrinks, so n_kv_heads = 1 gives
+// the workspace's upper bound.
+inline constexpr int64_t kDecodeMinSplitKeys = 64;
 inline int64_t attention_decode_splits(int num_sms, int64_t tokens, int64_t n_kv_heads, int64_t max_seq_len) {
   const int64_t base = tokens * n_kv_heads > 0 ? tokens * n_kv_heads : 1;
   const int64_t want = (2 * int64_t{num_sms} + base - 1) / base;
