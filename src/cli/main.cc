@@ -4,6 +4,7 @@
 #include "cli/generate_command.h"
 #include "cli/doctor_command.h"
 #include "cli/info_command.h"
+#include "cli/loadgen_command.h"
 #include "cli/score_command.h"
 #include "cli/serve_command.h"
 #include "cli/template_command.h"
@@ -19,6 +20,7 @@ int main(int argc, char** argv) {
   tern::register_generate_command(app);
   tern::register_score_command(app);
   tern::register_serve_command(app);
+  tern::register_loadgen_command(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }
