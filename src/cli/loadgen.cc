@@ -18,8 +18,8 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr size_t kMaxErrorBody = 4096;
 constexpr size_t kMaxErrorMessage = 300;
 
-// Short, frequent English words: each is a single token with its leading space in GPT-2, Llama, Qwen and GLM style
-// BPE vocabularies, so N of them make about N tokens on any of those servers.
+// Short, frequent English words, each a single token with its leading space in the Qwen3, Llama 3, DeepSeek-V3 and
+// gpt-oss vocabularies (checked with `tern tokenize`), so N of them make about N tokens on those servers.
 constexpr std::array<std::string_view, 128> kWords = {
     "the",   "of",     "and",   "to",     "in",    "is",    "that",  "for",   "it",    "as",    "was",   "with",
     "be",    "by",     "on",    "not",    "he",    "this",  "are",   "or",    "his",   "from",  "at",    "which",

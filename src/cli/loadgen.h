@@ -36,7 +36,7 @@ std::vector<int64_t> loadgen_draw_lengths(int64_t len, double range, int64_t cou
 std::vector<double> loadgen_arrival_times(int64_t count, double rate, double burstiness, uint64_t seed);
 
 // About `num_tokens` tokens of text: random words from a fixed list of common English words, each one token with
-// its leading space in the usual BPE vocabularies, so that any server tokenizes it to roughly that length.
+// its leading space in the usual BPE vocabularies, so that a server tokenizes it to about that length.
 std::string loadgen_text_prompt(int64_t num_tokens, std::mt19937_64& rng);
 // `num_tokens` random token ids below `vocab_size`, for servers without a tokenizer (dummy weights).
 std::vector<int32_t> loadgen_id_prompt(int64_t num_tokens, int32_t vocab_size, std::mt19937_64& rng);
