@@ -443,7 +443,10 @@ void decode_launch_split(const GemmParams& p, int split_k, int64_t slots, cudaSt
     case 2: return decode_launch_kernel<kIsNvfp4, kMTiles, 2, kTokenTiles, kVec16>(p, slots, stream);
     case 4: return decode_launch_kernel<kIsNvfp4, kMTiles, 4, kTokenTiles, kVec16>(p, slots, stream);
     case 8: return decode_launch_kernel<kIsNvfp4, kMTiles, 8, kTokenTiles, kVec16>(p, slots, stream);
-    default: return decode_launch_kernel<kIsNvfp4, kMTiles, kDecodeMaxSplitK, kTokenTiles, kVec16>(p, slots, stream);
+    case 16: return decode_launch_kernel<kIsNvfp4, kMTiles, 16, kTokenTiles, kVec16>(p, slots, stream);
+  }
+  if constexpr (kIsNvfp4 && decode_max_split_k(kMTiles, kTokenTiles) == 32) {
+    decode_launch_kernel<kIsNvfp4, kMTiles, 32, kTokenTiles, kVec16>(p, slots, stream);
   }
 }
 

@@ -93,21 +93,25 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
 // alone need ~70 cycles per KiB. decode_e2m1_pairs takes 9 logic ops and 4 integer multiply-adds (FMA pipe) per 8
 // weights, and the 32-row warp tile halves the x loads and permutes per weight. (2) Bytes in flight: HBM needs
 // ~32 KiB of loads in flight per SM (bandwidth x latency), and the matrices of a decode step are small (a few MB),
-// so the whole read should be in flight at once. A warp step is 2 KiB (kMTiles = 2), the kernels fit 64 registers
-// so 32 warps are resident per SM (64 KiB in flight), and the launchers split K over up to 16 warps per tile so
-// the grid fills those slots in one wave (decode_choose_shape). (3) Latency: a warp's first weight loads leave
+// so the whole read should be in flight at once. A warp step is 2 KiB (kMTiles = 2), the one-token-tile kernels
+// fit 64 registers so 32 warps are resident per SM (64 KiB in flight), and the launchers split K over up to 32
+// warps per tile so the grid fills those slots in one wave (decode_choose_shape). (3) Latency: a warp's first weight loads leave
 // before anything that depends on other loads (the MoE kernel's gathered x rows).
 //
 // Blocks: kSplitK warps share each tile's K (warp w of a block takes tile w / kSplitK and the steps w % kSplitK,
-// + kSplitK, ...); a block holds decode_block_tiles(kSplitK) tiles, 8 or 16 warps. The partial sums meet in shared
+// + kSplitK, ...); a block holds decode_block_tiles(kSplitK) tiles, 8, 16 or 32 warps. The partial sums meet in shared
 // memory and are added in a fixed order, so a run's bits do not depend on timing.
 
 constexpr int kDecodeShift = 10;
 constexpr int kDecodeStepK = 128;    // k per warp step: 4 lanes x 32
-constexpr int kDecodeMaxSplitK = 16;
+constexpr int kDecodeMaxSplitK = 32;  // 16-row tiles and one token tile only (decode_max_split_k)
 
 __host__ __device__ constexpr int decode_block_tiles(int split_k) { return split_k >= 8 ? 1 : 8 / split_k; }
 __host__ __device__ constexpr int decode_block_warps(int split_k) { return split_k * decode_block_tiles(split_k); }
+// A 32-warp split has 1024 threads and, with 32-row tiles or two token tiles, more reduction floats than fit.
+__host__ __device__ constexpr int decode_max_split_k(int m_tiles, int token_tiles) {
+  return m_tiles == 1 && token_tiles == 1 ? kDecodeMaxSplitK : kDecodeMaxSplitK / 2;
+}
 // Resident warps per SM the launch bounds ask for: with one token tile a lane fits in 64 registers; a second token
 // tile doubles x and the accumulators.
 __host__ __device__ constexpr int decode_warps_per_sm(int token_tiles) { return token_tiles == 1 ? 32 : 16; }
@@ -119,9 +123,9 @@ __host__ __device__ constexpr int decode_min_blocks(int split_k, int token_tiles
 
 // Tile height (kMTiles m16 tiles) and K split of a decode launch, for n rows, k, and `slots` independent weights
 // (MoE experts) side by side. Two m16 tiles per warp cost fewer instructions per weight, but when that leaves
-// fewer blocks than SMs (small n) one m16 tile per warp spreads the work over twice the SMs. K is split until the
-// warps fill the resident slots once (decode_warps_per_sm), over at most kDecodeMaxSplitK warps and no more warps
-// than steps.
+// fewer blocks than SMs (small n) one m16 tile per warp spreads the work over twice the SMs. K splits in two while
+// the warps still fit the resident slots once (decode_warps_per_sm): more warps, each with fewer steps, have more
+// of the read in flight at once; past one wave they would only queue. No more warps than steps.
 struct DecodeShape {
   int m_tiles, split_k;
 };
@@ -132,8 +136,9 @@ inline DecodeShape decode_choose_shape(int num_sms, int64_t n, int64_t k, int64_
   const int64_t steps = (k + kDecodeStepK - 1) / kDecodeStepK;
   auto shape = [&](int m_tiles, int64_t* blocks) {
     const int64_t tiles = (n + 16 * m_tiles - 1) / (16 * m_tiles);
+    const int max_split = decode_max_split_k(m_tiles, token_tiles);
     int split_k = 1;
-    while (split_k < kDecodeMaxSplitK && 2 * split_k <= steps && tiles * slots * split_k < target_warps) split_k *= 2;
+    while (split_k < max_split && 2 * split_k <= steps && tiles * slots * 2 * split_k <= target_warps) split_k *= 2;
     *blocks = (tiles + decode_block_tiles(split_k) - 1) / decode_block_tiles(split_k) * slots;
     return DecodeShape{m_tiles, split_k};
   };
