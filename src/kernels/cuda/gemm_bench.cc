@@ -1,6 +1,8 @@
 // GEMM timings on one GPU: NVFP4 W4A16 (decode and prefill) against cuBLASLt BF16 of the same shape, and the
 // device-to-device copy bandwidth of the same run as the memory ceiling. Plain main (not run by ctest):
-//   gemm_bench [--quick]
+//   gemm_bench [--quick | --decode]
+// --decode: only M = 1 and 8 on the dense decode shapes N in {2048, 4096, 6144} x K in {2048, 4096}. GB/s counts
+// the bytes that must move (packed weight + block scales + x + y).
 // Each timing is a CUDA graph of back-to-back launches that rotate over enough copies of the operands to exceed
 // the L2 several times, replayed after a warm-up; the median replay over the launch count is reported.
 #include <cuda_runtime.h>
@@ -145,7 +147,7 @@ void bench_shape(const DeviceContext& ctx, const Row& s, const HostWeights& hw, 
   std::fflush(stdout);
 }
 
-int bench_main(bool quick) {
+int bench_main(bool quick, bool decode_only) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB, smem/block opt-in %zu KiB, smem/SM %zu KiB, "
@@ -160,10 +162,14 @@ int bench_main(bool quick) {
               copy.kernel_gbs, copy.memcpy_gbs);
   std::printf("%6s %6s %6s | %-7s %9s %7s %6s %7s | %9s %7s %6s %7s | %6s\n", "M", "N", "K", "nvfp4", "us", "GB/s",
               "%copy", "TFLOP/s", "bf16 us", "GB/s", "%copy", "TFLOP/s", "speedup");
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{4096, 4096}, {12288, 4096}, {4096, 12288},
-                                                           {1024, 4096}, {4096, 1024},  {2048, 6144}};
-  const std::vector<int64_t> ms = quick ? std::vector<int64_t>{1, 16, 2048}
-                                        : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192};
+  const std::vector<std::pair<int64_t, int64_t>> shapes =
+      decode_only ? std::vector<std::pair<int64_t, int64_t>>{{2048, 2048}, {2048, 4096}, {4096, 2048},
+                                                             {4096, 4096}, {6144, 2048}, {6144, 4096}}
+                  : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {12288, 4096}, {4096, 12288},
+                                                             {1024, 4096}, {4096, 1024},  {2048, 6144}};
+  const std::vector<int64_t> ms = decode_only ? std::vector<int64_t>{1, 8}
+                                  : quick     ? std::vector<int64_t>{1, 16, 2048}
+                                              : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192};
   std::mt19937 rng(31337);
   for (const auto& [n, k] : shapes) {
     const HostWeights hw = make_host_weights(n, k, rng);
@@ -177,5 +183,6 @@ int bench_main(bool quick) {
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
-  return tern::bench_main(quick);
+  const bool decode_only = argc > 1 && std::strcmp(argv[1], "--decode") == 0;
+  return tern::bench_main(quick, decode_only);
 }

@@ -3,6 +3,7 @@
 // Both kernels use mma.sync.m16n8k16 (bf16 in, fp32 accumulate); the dequantisation, the mma and the weight-load
 // schemes they share with the grouped MoE GEMM are in nvfp4_device.cuh.
 #include "kernels/cuda/gemm_nvfp4_w4a16_launch.h"
+
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/nvfp4_device.cuh"
 
@@ -13,9 +14,8 @@ using namespace nvfp4_device;
 namespace {
 
 // ---------------------------------------------------------------------------------------------------------------
-// Decode kernel (M <= 16): the decode scheme of nvfp4_device.cuh over x [m, k] with m <= 16 tokens.
-
-constexpr int kDecodeUnroll = 2;     // steps whose loads are issued before any is used
+// Decode kernel (M <= 16): the decode scheme of nvfp4_device.cuh over x [m, k] with m <= 16 tokens. Block b holds
+// tiles b * kTiles .. of 16 * kMTiles weight rows, kSplitK warps per tile.
 
 struct DecodeParams {
   const uint16_t* x;       // [m, k]
@@ -27,71 +27,34 @@ struct DecodeParams {
   int64_t ldy;
 };
 
-template <int kTokenTiles, bool kVec16>
-__device__ __forceinline__ void decode_load_chunk(const DecodeParams& p, int n0, int step, DecodeChunk<kTokenTiles>& c) {
-  decode_load_w<kTokenTiles, kVec16>(p.packed, p.scales, p.n, p.k, n0, step, c);
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int k0 = step * kDecodeStepK + t * 32;
-  const int valid = min(32, p.k - k0);  // 32, 16 or <= 0 (k is a multiple of 16)
+template <int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
+__global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32, decode_min_blocks(kSplitK, kTokenTiles))
+    nvfp4_decode_kernel(const DecodeParams p) {
+  constexpr int kTiles = decode_block_tiles(kSplitK), kRows = 16 * kMTiles;
+  __shared__ __align__(16) float red[decode_red_floats<kSplitK, kMTiles, kTokenTiles>()];
+  const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4;
+  const int split = warp % kSplitK;
+  const int n0 = (blockIdx.x * kTiles + warp / kSplitK) * kRows;
+  float acc[kTokenTiles][kMTiles][4] = {};
+  if (n0 < p.n) {  // warp-uniform; a tile past n still takes part in the reduction's barriers
+    DecodeW<kMTiles> w;
+    decode_load_w<kMTiles, kVec16>(p.packed, p.scales, p.n, p.k, n0, split, w);
+    int64_t xoff[kTokenTiles];
 #pragma unroll
-  for (int tt = 0; tt < kTokenTiles; ++tt) {
-    const int token = tt * 8 + g;
-    const uint4* xp = reinterpret_cast<const uint4*>(p.x + static_cast<int64_t>(token) * p.k + k0);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      // 16-byte piece j holds k0 + 8j .. k0 + 8j + 7; valid is a multiple of 16, so pieces are whole.
-      const bool ok = token < p.m && 8 * j < valid;
-      c.x[tt][j] = ok ? __ldg(xp + j) : make_uint4(0, 0, 0, 0);
+    for (int tt = 0; tt < kTokenTiles; ++tt) {
+      const int token = tt * 8 + g;
+      xoff[tt] = token < p.m ? static_cast<int64_t>(token) * p.k : -1;
     }
+    auto weight = [&] { return DecodeWeightPtrs{p.packed, p.scales}; };
+    constexpr bool kPrefetch = decode_prefetch(kMTiles, kTokenTiles);
+    decode_k_loop<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, p.n, p.k, n0, p.x, xoff, split, kSplitK, w, acc);
   }
-}
-
-// Sums the warps' partial fragments through shared memory and writes y. Fragment element e of lane (g, t) in
-// token tile tt is row g + 8 * (e / 2), token tt * 8 + 2t + e % 2.
-template <int kWarps, int kTokenTiles>
-__device__ __forceinline__ void decode_reduce_store(const DecodeParams& p, int n0, const float (&acc)[kTokenTiles][4],
-                                                    float* red) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int tt = 0; tt < kTokenTiles; ++tt) {
-    *reinterpret_cast<float4*>(&red[((warp * kTokenTiles + tt) * 32 + lane) * 4]) =
-        make_float4(acc[tt][0], acc[tt][1], acc[tt][2], acc[tt][3]);
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < kTokenTiles * 128; idx += kWarps * 32) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += red[w * kTokenTiles * 128 + idx];
-    const int tt = idx / 128, l = (idx / 4) % 32, e = idx % 4;
-    const int row = n0 + l / 4 + 8 * (e / 2);
-    const int token = tt * 8 + 2 * (l % 4) + e % 2;
-    if (row < p.n && token < p.m) p.y[static_cast<int64_t>(token) * p.ldy + row] = float_to_bf16_bits(sum * p.out_scale);
-  }
-}
-
-// Register cap of 128 (min blocks) keeps 16 warps resident per SM, enough 16-byte loads in flight for HBM.
-template <int kWarps, int kTokenTiles, bool kVec16>
-__global__ void __launch_bounds__(kWarps * 32, 16 / kWarps) nvfp4_decode_kernel(DecodeParams p) {
-  __shared__ __align__(16) float red[kWarps * kTokenTiles * 128];
-  const int warp = threadIdx.x / 32;
-  const int n0 = blockIdx.x * kDecodeRows;
-  const int n_steps = (p.k + kDecodeStepK - 1) / kDecodeStepK;
-  float acc[kTokenTiles][4] = {};
-  for (int s = warp; s < n_steps; s += kWarps * kDecodeUnroll) {
-    DecodeChunk<kTokenTiles> chunks[kDecodeUnroll];
-#pragma unroll
-    for (int u = 0; u < kDecodeUnroll; ++u) {
-      const int step = s + u * kWarps;
-      if (step < n_steps) {
-        decode_load_chunk<kTokenTiles, kVec16>(p, n0, step, chunks[u]);
-      } else {
-        chunks[u] = {};  // all-zero weights: contributes nothing
-      }
+  decode_reduce_store<kSplitK, kMTiles, kTokenTiles>(acc, red, [&](int tile, int row, int token, float sum) {
+    const int col = (blockIdx.x * kTiles + tile) * kRows + row;
+    if (col < p.n && token < p.m) {
+      p.y[static_cast<int64_t>(token) * p.ldy + col] = float_to_bf16_bits(sum * p.out_scale);
     }
-#pragma unroll
-    for (int u = 0; u < kDecodeUnroll; ++u) decode_mma_chunk<kTokenTiles>(chunks[u], acc);
-  }
-  decode_reduce_store<kWarps, kTokenTiles>(p, n0, acc, red);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -197,38 +160,34 @@ __global__ void __launch_bounds__(kPrefillThreads) nvfp4_prefill_kernel(PrefillP
 
 bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
-// Warps per decode block. A block owns only 16 rows, so small-n weights give few blocks; we aim for at least 16
-// resident warps per SM (each lane keeps kDecodeUnroll x 32 bytes of weight in flight, ~32 KiB per SM, which is
-// what Little's law asks of HBM3e at ~1 us latency) by splitting K over more warps when blocks are scarce, but
-// not more warps than there are 128-k steps.
-int decode_choose_warps(const DeviceProps& props, int64_t n, int64_t k) {
-  const int64_t blocks = (n + kDecodeRows - 1) / kDecodeRows;
-  const int64_t steps = (k + kDecodeStepK - 1) / kDecodeStepK;
-  int warps = 16;
-  if (blocks >= 2LL * props.num_sms) warps = 8;
-  if (blocks >= 4LL * props.num_sms) warps = 4;
-  while (warps > 4 && warps > steps) warps /= 2;
-  return warps;
-}
-
-template <int kWarps, int kTokenTiles>
-void decode_launch_vec(const DecodeParams& p, bool vec16, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.n + kDecodeRows - 1) / kDecodeRows));
-  if (vec16) {
-    nvfp4_decode_kernel<kWarps, kTokenTiles, true><<<grid, kWarps * 32, 0, stream>>>(p);
-  } else {
-    nvfp4_decode_kernel<kWarps, kTokenTiles, false><<<grid, kWarps * 32, 0, stream>>>(p);
-  }
+template <int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
+void decode_launch_kernel(const DecodeParams& p, cudaStream_t stream) {
+  constexpr int kTileRows = 16 * kMTiles * decode_block_tiles(kSplitK);
+  const dim3 grid(static_cast<unsigned>((p.n + kTileRows - 1) / kTileRows));
+  nvfp4_decode_kernel<kMTiles, kSplitK, kTokenTiles, kVec16><<<grid, decode_block_warps(kSplitK) * 32, 0, stream>>>(p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
-template <int kTokenTiles>
-void decode_launch_tiles(const DecodeParams& p, int warps, bool vec16, cudaStream_t stream) {
-  switch (warps) {
-    case 4: return decode_launch_vec<4, kTokenTiles>(p, vec16, stream);
-    case 8: return decode_launch_vec<8, kTokenTiles>(p, vec16, stream);
-    default: return decode_launch_vec<16, kTokenTiles>(p, vec16, stream);
+template <int kMTiles, int kTokenTiles, bool kVec16>
+void decode_launch_split(const DecodeParams& p, int split_k, cudaStream_t stream) {
+  switch (split_k) {
+    case 1: return decode_launch_kernel<kMTiles, 1, kTokenTiles, kVec16>(p, stream);
+    case 2: return decode_launch_kernel<kMTiles, 2, kTokenTiles, kVec16>(p, stream);
+    case 4: return decode_launch_kernel<kMTiles, 4, kTokenTiles, kVec16>(p, stream);
+    case 8: return decode_launch_kernel<kMTiles, 8, kTokenTiles, kVec16>(p, stream);
+    case 16: return decode_launch_kernel<kMTiles, 16, kTokenTiles, kVec16>(p, stream);
   }
+  if constexpr (decode_max_split_k(kMTiles, kTokenTiles) == 32) {
+    decode_launch_kernel<kMTiles, 32, kTokenTiles, kVec16>(p, stream);
+  }
+}
+
+// Two m16 tiles per warp only with 16-byte loads: the byte-wise path serves odd k and is not worth the code.
+template <int kTokenTiles>
+void decode_launch_tiles(const DecodeParams& p, const DecodeShape& shape, bool vec16, cudaStream_t stream) {
+  if (!vec16) return decode_launch_split<1, kTokenTiles, false>(p, shape.split_k, stream);
+  if (shape.m_tiles == 2) return decode_launch_split<2, kTokenTiles, true>(p, shape.split_k, stream);
+  decode_launch_split<1, kTokenTiles, true>(p, shape.split_k, stream);
 }
 
 }  // namespace
@@ -243,14 +202,12 @@ void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Arg
                        .n = static_cast<int>(a.w.n),
                        .k = static_cast<int>(a.w.k),
                        .ldy = a.ldy > 0 ? a.ldy : a.w.n};
-  // 16-byte weight loads need 16-byte aligned rows (k % 32) and base; the paired scale load needs 2-byte rows.
+  // 16-byte weight loads need 16-byte aligned rows (k % 32) and base; the 2-byte scale loads 2-byte ones.
   const bool vec16 = a.w.k % 32 == 0 && is_aligned(a.w.packed, 16) && is_aligned(a.w.scales, 2);
-  const int warps = decode_choose_warps(ctx.props(), a.w.n, a.w.k);
-  if (a.m <= 8) {
-    decode_launch_tiles<1>(p, warps, vec16, ctx.stream());
-  } else {
-    decode_launch_tiles<2>(p, warps, vec16, ctx.stream());
-  }
+  const int token_tiles = a.m <= 8 ? 1 : 2;
+  const DecodeShape shape = decode_choose_shape(ctx.props().num_sms, a.w.n, a.w.k, 1, token_tiles, vec16);
+  if (token_tiles == 1) return decode_launch_tiles<1>(p, shape, vec16, ctx.stream());
+  decode_launch_tiles<2>(p, shape, vec16, ctx.stream());
 }
 
 namespace {

@@ -146,6 +146,24 @@ TEST(GemmNvfp4W4a16, ModelSizes) {
   }
 }
 
+// The decode sizes of the dense projections the decode kernel is tuned for (M = 1 and 8), and two shapes off every
+// tile and step size that take its 32-row warp tiles on a 132-SM GPU (one and two token tiles). The launch shape
+// (rows per warp, warps per tile) follows from n, k and the SM count, so together these reach both tile heights.
+TEST(GemmNvfp4W4a16, DecodeModelShapes) {
+  DeviceContext ctx;
+  std::mt19937 rng(1008);
+  for (int64_t n : {2048, 4096, 6144}) {
+    for (int64_t k : {2048, 4096}) {
+      const TestWeight w = make_weight(n, k, rng);
+      for (int64_t m : {1, 8}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng);
+    }
+  }
+  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{6000, 4128}, {12000, 1056}}) {
+    const TestWeight w = make_weight(n, k, rng);
+    for (int64_t m : {1, 9, 16}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng);
+  }
+}
+
 // The decode kernel's cross-warp sum has a fixed order: the same input gives the same bits every run.
 TEST(GemmNvfp4W4a16, RunsAreBitIdentical) {
   DeviceContext ctx;

@@ -1,8 +1,9 @@
 // MoE kernel timings on one GPU for Qwen3.5-35B-A3B's expert shapes (hidden 2048, 256 experts, top-8,
 // moe_intermediate 512), bf16 and NVFP4 experts. Plain main (not run by ctest):
-//   moe_bench [--quick]
-// Decode (tokens 1..64, both GEMM variants): the grouped gate_up (n = 1024, k = 2048) and down (n = 2048, k = 512) GEMMs, reported as
-// GB/s of the active experts' weight bytes against a device-to-device copy kernel's bandwidth (read + written).
+//   moe_bench [--quick | --decode]
+// Decode (tokens 1..64, both GEMM variants): the grouped gate_up (n = 1024, k = 2048) and down (n = 2048, k = 512)
+// GEMMs, reported as GB/s of the active experts' weight bytes (packed + block scales for NVFP4) against a
+// device-to-device copy kernel's bandwidth (read + written). --decode: only the decode kernel at T = 1 and 8.
 // Every timing rotates over 16 random routings so consecutive launches read different experts and the L2 stays
 // cold. Prefill (4096 tokens): TFLOP/s of the same GEMMs. Route, align and combine are timed at both sizes.
 // Each timing is a CUDA graph of back-to-back launches, replayed after a warm-up; the median replay is reported.
@@ -155,7 +156,7 @@ double copy_bandwidth(const DeviceContext& ctx) {
 }
 
 void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::vector<int64_t>& decode_tokens,
-                  double copy_gbs, std::mt19937& rng) {
+                  bool decode_only, double copy_gbs, std::mt19937& rng) {
   const char* name = format == MoeWeightFormat::kBf16 ? "bf16" : "nvfp4";
   const BenchWeights gate_up = make_weights(format, 2 * kInter, kHidden, rng);
   const BenchWeights down = make_weights(format, kHidden, kInter, rng);
@@ -169,6 +170,7 @@ void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::v
     for (const auto& [proj, w, gather] : {std::tuple{"gate_up", &gate_up, true}, std::tuple{"down", &down, false}}) {
       // Both variants, so kMoeDecodeMaxTokens can be checked against where they cross.
       for (const MoeGemmVariant v : {MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill}) {
+        if (decode_only && v != MoeGemmVariant::kDecode) continue;
         const GemmTiming t = time_gemm(ctx, *w, r, tokens, gather, v, x, y);
         const double gbs = t.bytes / (t.ms * 1e6);
         std::printf("%-6s %-7s T=%-5lld %-8s %6.1f active experts %9.2f us %7.0f GB/s %5.1f%% of copy\n", name,
@@ -177,6 +179,7 @@ void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::v
       }
     }
   }
+  if (decode_only) return;
   const int64_t tokens = 4096;
   const Routings r = make_routings(tokens, rng);
   for (const auto& [proj, w, gather] : {std::tuple{"gate_up", &gate_up, true}, std::tuple{"down", &down, false}}) {
@@ -219,7 +222,7 @@ void bench_small_kernels(const DeviceContext& ctx, std::mt19937& rng) {
   }
 }
 
-int bench_main(bool quick) {
+int bench_main(bool quick, bool decode_only) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB\n", p.name.c_str(), p.cc_major, p.cc_minor, p.num_sms,
@@ -228,12 +231,13 @@ int bench_main(bool quick) {
   std::printf("device-to-device copy kernel (bytes read + written): %.0f GB/s\n", copy_gbs);
   std::printf("shapes: hidden %lld, moe_intermediate %lld, %lld experts, top-%lld\n\n", static_cast<long long>(kHidden),
               static_cast<long long>(kInter), static_cast<long long>(kExperts), static_cast<long long>(kTopK));
-  const std::vector<int64_t> decode_tokens = quick ? std::vector<int64_t>{1, 16, 64}
-                                                   : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64};
+  const std::vector<int64_t> decode_tokens = decode_only ? std::vector<int64_t>{1, 8}
+                                            : quick       ? std::vector<int64_t>{1, 8, 16, 64}
+                                                          : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64};
   std::mt19937 rng(4242);
-  bench_format(ctx, MoeWeightFormat::kBf16, decode_tokens, copy_gbs, rng);
-  bench_format(ctx, MoeWeightFormat::kNvfp4, decode_tokens, copy_gbs, rng);
-  bench_small_kernels(ctx, rng);
+  bench_format(ctx, MoeWeightFormat::kBf16, decode_tokens, decode_only, copy_gbs, rng);
+  bench_format(ctx, MoeWeightFormat::kNvfp4, decode_tokens, decode_only, copy_gbs, rng);
+  if (!decode_only) bench_small_kernels(ctx, rng);
   return 0;
 }
 
@@ -242,5 +246,6 @@ int bench_main(bool quick) {
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
-  return tern::bench_main(quick);
+  const bool decode_only = argc > 1 && std::strcmp(argv[1], "--decode") == 0;
+  return tern::bench_main(quick, decode_only);
 }

@@ -1,9 +1,10 @@
 // The grouped expert GEMM of the MoE block (contract in moe_launch.h): every expert's rows times that expert's
 // weight, bf16 or NVFP4, in one launch, with no host synchronisation. Both variants size their grid for the worst
 // case and each block looks its work up in expert_offsets:
-//   decode:  grid (16-row weight tiles, active-expert slots). Slot s takes the s-th expert that has rows; slots
-//            past the active count exit at once. The weight streams once per 16 of the expert's rows with 16-byte
-//            loads straight into mma fragments (nvfp4_device.cuh's decode scheme; bf16 the same way, unconverted).
+//   decode:  grid (blocks of weight-row tiles, active-expert slots). Slot s takes the s-th expert that has rows;
+//            slots past the active count exit at once. The weight streams once per 8 (T > 8: 16) of the expert's
+//            rows with 16-byte loads straight into mma fragments, K split over the warps of a block
+//            (nvfp4_device.cuh's decode scheme and block layout; bf16 the same way, unconverted).
 //   prefill: grid (row tiles, 128-column weight tiles). The worst case needs ceil(rows / BM) + n_experts row tiles
 //            (every expert's last tile may be partial); tile i belongs to the expert whose tile range holds i.
 //            x rows are gathered through sorted_pairs by cp.async, W tiles go to shared memory as bf16 (NVFP4
@@ -51,21 +52,47 @@ __device__ __forceinline__ int64_t x_row_offset(const GemmParams& p, int r) {
   return static_cast<int64_t>(src) * p.ldx;
 }
 
-// The s-th expert (in index order) that has rows, or -1; the whole warp calls it and gets the same answer.
-__device__ int find_active_expert(const int32_t* off, int n_experts, int s) {
+struct ActiveExpert {
+  int expert;  // -1: fewer active experts than the slot
+  int row_begin, row_end;
+};
+
+// The s-th expert (in index order) that has rows; the whole warp calls it and gets the same answer. Each lane
+// reads the end offsets of experts lane, lane + 32, ... before any is used, so the lookup costs one memory round
+// trip rather than one per 32 experts, and the weight loads that depend on it leave that much sooner. The loops
+// have fixed trip counts (no early exit), so the offsets stay in registers.
+__device__ __noinline__ ActiveExpert find_active_expert(const int32_t* off, int n_experts, int s) {
+  constexpr int kGroups = kMoeMaxExperts / 32;
   const int lane = threadIdx.x % 32;
-  for (int base = 0; base < n_experts; base += 32) {
-    const int e = base + lane;
-    const bool active = e < n_experts && off[e + 1] > off[e];
-    const unsigned mask = __ballot_sync(kFullMask, active);
-    const int count = __popc(mask);
-    if (s < count) {
-      const unsigned hit = __ballot_sync(kFullMask, active && __popc(mask & ((1u << lane) - 1u)) == s);
-      return base + __ffs(hit) - 1;
-    }
-    s -= count;
+  int end[kGroups];
+#pragma unroll
+  for (int i = 0; i < kGroups; ++i) {
+    const int e = i * 32 + lane;
+    end[i] = e < n_experts ? __ldg(off + e + 1) : 0;
   }
-  return -1;
+  int group_begin = __ldg(off);  // where the group's first expert begins
+  int group = -1, rank = s, lane_begin = 0, lane_end = 0;
+  unsigned group_mask = 0;
+#pragma unroll
+  for (int i = 0; i < kGroups; ++i) {
+    const int up = __shfl_up_sync(kFullMask, end[i], 1);
+    const int begin = lane == 0 ? group_begin : up;
+    const bool active = i * 32 + lane < n_experts && end[i] > begin;
+    const unsigned mask = __ballot_sync(kFullMask, active);
+    if (group < 0 && rank < __popc(mask)) {  // warp-uniform
+      group = i;
+      group_mask = mask;
+      lane_begin = begin;
+      lane_end = end[i];
+    } else if (group < 0) {
+      rank -= __popc(mask);
+    }
+    group_begin = __shfl_sync(kFullMask, end[i], 31);
+  }
+  if (group < 0) return {-1, 0, 0};
+  const bool mine = (group_mask >> lane & 1u) != 0 && __popc(group_mask & ((1u << lane) - 1u)) == rank;
+  const int owner = __ffs(__ballot_sync(kFullMask, mine)) - 1;
+  return {group * 32 + owner, __shfl_sync(kFullMask, lane_begin, owner), __shfl_sync(kFullMask, lane_end, owner)};
 }
 
 struct TileWork {
@@ -101,13 +128,14 @@ __device__ TileWork find_row_tile(const int32_t* off, int n_experts, int tile, i
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Decode. A block owns 16 weight rows (mma M) of one expert and takes the expert's rows 8 * kTokenTiles at a time
-// (mma N); its warps split K. NVFP4 uses the dense decode scheme unchanged. For bf16, lane (g, t) loads 16
-// consecutive k (32 bytes) of weight rows g and g + 8 per 64-k warp step; mma q of the step feeds words 2q, 2q+1
-// of the row pair as the A slots (2t, 2t+1) and (2t+8, 2t+9), and x's words 2q, 2q+1 at the same k as B, which is
-// all the mma needs (it sums over its 16 k slots in any assignment).
+// Decode. A block takes decode_block_tiles(kSplitK) tiles of 16 * kMTiles weight rows of one expert, kSplitK warps
+// per tile splitting K, and the expert's rows 8 * kTokenTiles at a time (mma N). NVFP4 uses the dense decode
+// scheme of nvfp4_device.cuh unchanged, x gathered from the pass's rows. For bf16 (kMTiles = 1), lane (g, t) loads
+// 16 consecutive k (32 bytes) of weight rows g and g + 8 per 64-k warp step; mma q of the step feeds words 2q,
+// 2q+1 of the row pair as the A slots (2t, 2t+1) and (2t+8, 2t+9), and x's words 2q, 2q+1 at the same k as B,
+// which is all the mma needs (it sums over its 16 k slots in any assignment).
 
-constexpr int kDecodeUnroll = 2;   // steps whose loads are issued before any is used
+constexpr int kBf16DecodeUnroll = 2;  // bf16 steps whose loads are issued before any is used
 constexpr int kBf16DecodeStepK = 64;
 
 template <int kTokenTiles>
@@ -117,13 +145,7 @@ struct Bf16DecodeChunk {
 };
 
 __device__ __forceinline__ uint32_t word_of(const uint4 (&v)[2], int m) {  // bf16 pair m of 16 values
-  const uint4& h = v[m / 4];
-  switch (m % 4) {
-    case 0: return h.x;
-    case 1: return h.y;
-    case 2: return h.z;
-    default: return h.w;
-  }
+  return uint4_word(v[m / 4], m % 4);
 }
 
 template <int kTokenTiles>
@@ -149,7 +171,8 @@ __device__ __forceinline__ void bf16_decode_load(const GemmParams& p, const uint
 }
 
 template <int kTokenTiles>
-__device__ __forceinline__ void bf16_decode_mma(const Bf16DecodeChunk<kTokenTiles>& c, float (&acc)[kTokenTiles][4]) {
+__device__ __forceinline__ void bf16_decode_mma(const Bf16DecodeChunk<kTokenTiles>& c,
+                                                float (&acc)[kTokenTiles][1][4]) {
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const uint32_t a[4] = {word_of(c.w[0], 2 * q), word_of(c.w[1], 2 * q), word_of(c.w[0], 2 * q + 1),
@@ -157,110 +180,86 @@ __device__ __forceinline__ void bf16_decode_mma(const Bf16DecodeChunk<kTokenTile
 #pragma unroll
     for (int tt = 0; tt < kTokenTiles; ++tt) {
       const uint32_t b[2] = {word_of(c.x[tt], 2 * q), word_of(c.x[tt], 2 * q + 1)};
-      mma_bf16_16816(acc[tt], a, b);
+      mma_bf16_16816(acc[tt][0], a, b);
     }
   }
 }
 
-// The NVFP4 chunk: the dense kernel's weight load, x gathered from the tile's rows.
-template <int kTokenTiles, bool kVec16>
-__device__ __forceinline__ void nvfp4_decode_load(const GemmParams& p, const uint8_t* packed, const uint8_t* scales,
-                                                  int n0, int step, const int64_t (&xoff)[kTokenTiles],
-                                                  DecodeChunk<kTokenTiles>& c) {
-  decode_load_w<kTokenTiles, kVec16>(packed, scales, p.n, p.k, n0, step, c);
-  const int t = threadIdx.x % 4;
-  const int k0 = step * kDecodeStepK + t * 32;
-  const int valid = min(32, p.k - k0);  // 32, 16 or <= 0
+// The bf16 K loop of a warp: steps split, split + kSplitK, ..., kBf16DecodeUnroll at a time.
+template <int kSplitK, int kTokenTiles>
+__device__ __forceinline__ void bf16_decode_k_loop(const GemmParams& p, int e, int n0, int split,
+                                                   const int64_t (&xoff)[kTokenTiles],
+                                                   float (&acc)[kTokenTiles][1][4]) {
+  const uint16_t* w = p.wbf + e * p.wbf_stride;
+  const int n_steps = (p.k + kBf16DecodeStepK - 1) / kBf16DecodeStepK;
+  for (int s = split; s < n_steps; s += kSplitK * kBf16DecodeUnroll) {
+    Bf16DecodeChunk<kTokenTiles> chunks[kBf16DecodeUnroll];
 #pragma unroll
-  for (int tt = 0; tt < kTokenTiles; ++tt) {
-    const uint4* src = reinterpret_cast<const uint4*>(p.x + xoff[tt] + k0);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const bool ok = xoff[tt] >= 0 && 8 * j < valid;  // 16-byte piece j: k0 + 8j .. k0 + 8j + 7
-      c.x[tt][j] = ok ? __ldg(src + j) : make_uint4(0, 0, 0, 0);
+    for (int u = 0; u < kBf16DecodeUnroll; ++u) {
+      bf16_decode_load<kTokenTiles>(p, w, n0, s + u * kSplitK, xoff, chunks[u]);
     }
+#pragma unroll
+    for (int u = 0; u < kBf16DecodeUnroll; ++u) bf16_decode_mma<kTokenTiles>(chunks[u], acc);
   }
 }
 
-// The K loop of one pass: this warp's steps warp, warp + kWarps, ..., kDecodeUnroll at a time.
-template <bool kIsNvfp4, int kWarps, int kTokenTiles, bool kVec16>
-__device__ __forceinline__ void decode_k_loop(const GemmParams& p, int e, int n0, const int64_t (&xoff)[kTokenTiles],
-                                              float (&acc)[kTokenTiles][4]) {
-  const int warp = threadIdx.x / 32;
-  if constexpr (kIsNvfp4) {
-    const uint8_t* packed = p.packed + e * p.packed_stride;
-    const uint8_t* scales = p.scales + e * p.scales_stride;
-    const int n_steps = (p.k + kDecodeStepK - 1) / kDecodeStepK;
-    for (int s = warp; s < n_steps; s += kWarps * kDecodeUnroll) {
-      DecodeChunk<kTokenTiles> chunks[kDecodeUnroll];
+// Blocks per SM the launch bounds ask for. bf16 keeps the budget of 16 resident warps per SM (twice the bytes per
+// warp step of NVFP4). NVFP4 follows the dense kernel, except that 32-row tiles in blocks of several tiles (the
+// MoE kernel holds the expert's rows and pointers on top) need 3 blocks' budget of 85 registers to avoid spilling.
+__host__ __device__ constexpr int moe_decode_min_blocks(bool nvfp4, int m_tiles, int split_k, int token_tiles) {
+  if (!nvfp4) return 16 > decode_block_warps(split_k) ? 16 / decode_block_warps(split_k) : 1;
+  if (m_tiles == 2 && split_k < 8) return 3;
+  return decode_min_blocks(split_k, token_tiles);
+}
+
+template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
+__global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
+                                  moe_decode_min_blocks(kIsNvfp4, kMTiles, kSplitK, kTokenTiles))
+    moe_decode_kernel(const GemmParams p) {
+  static_assert(kIsNvfp4 || kMTiles == 1);
+  constexpr int kTiles = decode_block_tiles(kSplitK), kRows = 16 * kMTiles;
+  __shared__ __align__(16) float red[decode_red_floats<kSplitK, kMTiles, kTokenTiles>()];
+  const ActiveExpert ae = find_active_expert(p.offsets, p.n_experts, blockIdx.y);
+  if (ae.expert < 0) return;  // every warp found the same: the whole block leaves
+  const int e = ae.expert;
+  const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4;
+  const int split = warp % kSplitK;
+  const int n0 = (blockIdx.x * kTiles + warp / kSplitK) * kRows;
+  auto weight = [&] {
+    return DecodeWeightPtrs{p.packed + e * p.packed_stride, p.scales + e * p.scales_stride};
+  };
+  for (int r0 = ae.row_begin; r0 < ae.row_end; r0 += 8 * kTokenTiles) {
+    float acc[kTokenTiles][kMTiles][4] = {};
+    int64_t xoff[kTokenTiles];  // the x row of the lane's token in each token tile, -1: past the expert's rows
+    auto find_x_rows = [&] {
 #pragma unroll
-      for (int u = 0; u < kDecodeUnroll; ++u) {
-        const int step = s + u * kWarps;
-        if (step < n_steps) {
-          nvfp4_decode_load<kTokenTiles, kVec16>(p, packed, scales, n0, step, xoff, chunks[u]);
-        } else {
-          chunks[u] = {};  // all-zero weights: contributes nothing
-        }
+      for (int tt = 0; tt < kTokenTiles; ++tt) {
+        const int r = r0 + tt * 8 + g;
+        xoff[tt] = r < ae.row_end ? x_row_offset(p, r) : -1;
       }
-#pragma unroll
-      for (int u = 0; u < kDecodeUnroll; ++u) decode_mma_chunk<kTokenTiles>(chunks[u], acc);
+    };
+    if (n0 < p.n) {  // warp-uniform; a tile past n still takes part in the reduction's barriers
+      if constexpr (kIsNvfp4) {
+        // The first weight loads leave before the gathered row lookups, which they do not depend on.
+        DecodeW<kMTiles> w;
+        const DecodeWeightPtrs first = weight();
+        decode_load_w<kMTiles, kVec16>(first.packed, first.scales, p.n, p.k, n0, split, w);
+        find_x_rows();
+        constexpr bool kPrefetch = decode_prefetch(kMTiles, kTokenTiles);
+        decode_k_loop<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, p.n, p.k, n0, p.x, xoff, split, kSplitK, w, acc);
+      } else {
+        find_x_rows();
+        bf16_decode_k_loop<kSplitK, kTokenTiles>(p, e, n0, split, xoff, acc);
+      }
     }
-  } else {
-    const uint16_t* w = p.wbf + e * p.wbf_stride;
-    const int n_steps = (p.k + kBf16DecodeStepK - 1) / kBf16DecodeStepK;
-    for (int s = warp; s < n_steps; s += kWarps * kDecodeUnroll) {
-      Bf16DecodeChunk<kTokenTiles> chunks[kDecodeUnroll];
-#pragma unroll
-      for (int u = 0; u < kDecodeUnroll; ++u) bf16_decode_load<kTokenTiles>(p, w, n0, s + u * kWarps, xoff, chunks[u]);
-#pragma unroll
-      for (int u = 0; u < kDecodeUnroll; ++u) bf16_decode_mma<kTokenTiles>(chunks[u], acc);
-    }
-  }
-}
-
-// Sums the warps' fragments through shared memory and writes y. Fragment element i of lane (g, t) in token tile tt
-// is weight row g + 8 * (i / 2), tile row tt * 8 + 2t + i % 2.
-template <int kWarps, int kTokenTiles>
-__device__ __forceinline__ void decode_reduce_store(const GemmParams& p, int n0, int r0, int row_end, float out_scale,
-                                                    const float (&acc)[kTokenTiles][4], float* red) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int tt = 0; tt < kTokenTiles; ++tt) {
-    *reinterpret_cast<float4*>(&red[((warp * kTokenTiles + tt) * 32 + lane) * 4]) =
-        make_float4(acc[tt][0], acc[tt][1], acc[tt][2], acc[tt][3]);
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < kTokenTiles * 128; idx += kWarps * 32) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += red[w * kTokenTiles * 128 + idx];
-    const int tt = idx / 128, l = (idx / 4) % 32, i = idx % 4;
-    const int col = n0 + l / 4 + 8 * (i / 2);
-    const int row = r0 + tt * 8 + 2 * (l % 4) + i % 2;
-    if (col < p.n && row < row_end) p.y[static_cast<int64_t>(row) * p.ldy + col] = float_to_bf16_bits(sum * out_scale);
-  }
-  __syncthreads();  // red is rewritten by the next pass
-}
-
-template <bool kIsNvfp4, int kWarps, int kTokenTiles, bool kVec16>
-__global__ void __launch_bounds__(kWarps * 32, 16 / kWarps) moe_decode_kernel(const GemmParams p) {
-  __shared__ __align__(16) float red[kWarps * kTokenTiles * 128];
-  const int e = find_active_expert(p.offsets, p.n_experts, blockIdx.y);
-  if (e < 0) return;  // every warp found the same: the whole block leaves
-  const int row_begin = p.offsets[e], row_end = p.offsets[e + 1];
-  const int n0 = blockIdx.x * kDecodeRows;
-  const float out_scale = kIsNvfp4 ? p.global_scales[e] * static_cast<float>(1 << kDecodeShift) : 1.0f;
-  const int g = (threadIdx.x % 32) / 4;
-  for (int r0 = row_begin; r0 < row_end; r0 += 8 * kTokenTiles) {
-    int64_t xoff[kTokenTiles];  // -1: past the expert's rows
-#pragma unroll
-    for (int tt = 0; tt < kTokenTiles; ++tt) {
-      const int r = r0 + tt * 8 + g;
-      xoff[tt] = r < row_end ? x_row_offset(p, r) : -1;
-    }
-    float acc[kTokenTiles][4] = {};
-    decode_k_loop<kIsNvfp4, kWarps, kTokenTiles, kVec16>(p, e, n0, xoff, acc);
-    decode_reduce_store<kWarps, kTokenTiles>(p, n0, r0, row_end, out_scale, acc, red);
+    const float out_scale = kIsNvfp4 ? p.global_scales[e] * static_cast<float>(1 << kDecodeShift) : 1.0f;
+    decode_reduce_store<kSplitK, kMTiles, kTokenTiles>(acc, red, [&](int tile, int row, int token, float sum) {
+      const int col = (blockIdx.x * kTiles + tile) * kRows + row;
+      const int prow = r0 + token;
+      if (col < p.n && prow < ae.row_end) {
+        p.y[static_cast<int64_t>(prow) * p.ldy + col] = float_to_bf16_bits(sum * out_scale);
+      }
+    });
   }
 }
 
@@ -428,38 +427,61 @@ GemmParams make_params(const MoeGemmArgs& a) {
                     .y_pairs = w.n % 2 == 0 && a.ldy % 2 == 0 && is_aligned(a.y, 4)};
 }
 
-// Warps per decode block, as the dense decode kernel chooses them: at least ~16 resident warps per SM for enough
-// loads in flight, splitting K over more warps when blocks are scarce, never more warps than K steps. The active
-// experts are unknown on the host; min(n_experts, rows) bounds them.
-int decode_choose_warps(const DeviceProps& props, const MoeGemmArgs& a, int step_k) {
-  const int64_t slots = std::min(a.w.n_experts, a.rows);
-  const int64_t blocks = (a.w.n + kDecodeRows - 1) / kDecodeRows * slots;
-  const int64_t steps = (a.w.k + step_k - 1) / step_k;
-  int warps = 16;
-  if (blocks >= 2LL * props.num_sms) warps = 8;
-  if (blocks >= 4LL * props.num_sms) warps = 4;
-  while (warps > 4 && warps > steps) warps /= 2;
-  return warps;
-}
-
-template <bool kIsNvfp4, int kTokenTiles, bool kVec16>
-void decode_launch(const GemmParams& p, int warps, dim3 grid, cudaStream_t stream) {
-  switch (warps) {
-    case 4: moe_decode_kernel<kIsNvfp4, 4, kTokenTiles, kVec16><<<grid, 4 * 32, 0, stream>>>(p); break;
-    case 8: moe_decode_kernel<kIsNvfp4, 8, kTokenTiles, kVec16><<<grid, 8 * 32, 0, stream>>>(p); break;
-    default: moe_decode_kernel<kIsNvfp4, 16, kTokenTiles, kVec16><<<grid, 16 * 32, 0, stream>>>(p); break;
-  }
+template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
+void decode_launch_kernel(const GemmParams& p, int64_t slots, cudaStream_t stream) {
+  constexpr int kTileRows = 16 * kMTiles * decode_block_tiles(kSplitK);
+  const dim3 grid(static_cast<unsigned>((p.n + kTileRows - 1) / kTileRows), static_cast<unsigned>(slots));
+  moe_decode_kernel<kIsNvfp4, kMTiles, kSplitK, kTokenTiles, kVec16>
+      <<<grid, decode_block_warps(kSplitK) * 32, 0, stream>>>(p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
+template <bool kIsNvfp4, int kMTiles, int kTokenTiles, bool kVec16>
+void decode_launch_split(const GemmParams& p, int split_k, int64_t slots, cudaStream_t stream) {
+  switch (split_k) {
+    case 1: return decode_launch_kernel<kIsNvfp4, kMTiles, 1, kTokenTiles, kVec16>(p, slots, stream);
+    case 2: return decode_launch_kernel<kIsNvfp4, kMTiles, 2, kTokenTiles, kVec16>(p, slots, stream);
+    case 4: return decode_launch_kernel<kIsNvfp4, kMTiles, 4, kTokenTiles, kVec16>(p, slots, stream);
+    case 8: return decode_launch_kernel<kIsNvfp4, kMTiles, 8, kTokenTiles, kVec16>(p, slots, stream);
+    case 16: return decode_launch_kernel<kIsNvfp4, kMTiles, 16, kTokenTiles, kVec16>(p, slots, stream);
+  }
+  if constexpr (kIsNvfp4 && decode_max_split_k(kMTiles, kTokenTiles) == 32) {
+    decode_launch_kernel<kIsNvfp4, kMTiles, 32, kTokenTiles, kVec16>(p, slots, stream);
+  }
+}
+
+// bf16: K split over 4..16 warps per 16-row tile, more when tiles are scarce (at least ~16 resident warps per SM
+// for enough loads in flight), never more warps than 64-k steps.
+int bf16_decode_split(const DeviceProps& props, const MoeGemmArgs& a, int64_t slots) {
+  const int64_t tiles = (a.w.n + 15) / 16 * slots;
+  const int64_t steps = (a.w.k + kBf16DecodeStepK - 1) / kBf16DecodeStepK;
+  int split = 16;
+  if (tiles >= 2LL * props.num_sms) split = 8;
+  if (tiles >= 4LL * props.num_sms) split = 4;
+  while (split > 4 && split > steps) split /= 2;
+  return split;
+}
+
 template <int kTokenTiles>
-void decode_launch_format(const GemmParams& p, const MoeGemmArgs& a, int warps, dim3 grid, cudaStream_t stream) {
-  if (a.w.format == MoeWeightFormat::kBf16) return decode_launch<!kNvfp4, kTokenTiles, false>(p, warps, grid, stream);
-  // 16-byte weight loads need 16-byte aligned rows (k % 32) in every expert; the paired scale load 2-byte ones.
+void decode_launch_format(const GemmParams& p, const MoeGemmArgs& a, const DeviceProps& props, cudaStream_t stream) {
+  // The active experts are unknown on the host; min(n_experts, rows) bounds them.
+  const int64_t slots = std::min(a.w.n_experts, a.rows);
+  if (a.w.format == MoeWeightFormat::kBf16) {
+    return decode_launch_split<!kNvfp4, 1, kTokenTiles, false>(p, bf16_decode_split(props, a, slots), slots, stream);
+  }
+  // 16-byte weight loads need 16-byte aligned rows (k % 32) in every expert; the 2-byte scale loads 2-byte ones.
   const bool vec16 = a.w.k % 32 == 0 && is_aligned(a.w.packed, 16) && a.w.packed_expert_stride % 16 == 0 &&
                      is_aligned(a.w.scales, 2) && a.w.scales_expert_stride % 2 == 0;
-  if (vec16) return decode_launch<kNvfp4, kTokenTiles, true>(p, warps, grid, stream);
-  decode_launch<kNvfp4, kTokenTiles, false>(p, warps, grid, stream);
+  // Two m16 tiles per warp only with 16-byte loads (the byte-wise path serves odd k and is not worth the code) and
+  // one token tile (with two, the MoE kernel's 32-row tiles would spill).
+  constexpr bool kTwoMTilesOk = kTokenTiles == 1;
+  const DecodeShape shape =
+      decode_choose_shape(props.num_sms, a.w.n, a.w.k, slots, kTokenTiles, vec16 && kTwoMTilesOk);
+  if (!vec16) return decode_launch_split<kNvfp4, 1, kTokenTiles, false>(p, shape.split_k, slots, stream);
+  if constexpr (kTwoMTilesOk) {
+    if (shape.m_tiles == 2) return decode_launch_split<kNvfp4, 2, kTokenTiles, true>(p, shape.split_k, slots, stream);
+  }
+  decode_launch_split<kNvfp4, 1, kTokenTiles, true>(p, shape.split_k, slots, stream);
 }
 
 template <bool kIsNvfp4, int kBm, int kStages>
@@ -497,13 +519,9 @@ void prefill_launch_format(const GemmParams& p, const MoeGemmArgs& a, const Devi
 
 void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& a) {
   const GemmParams p = make_params(a);
-  const bool nvfp4 = a.w.format == MoeWeightFormat::kNvfp4;
-  const int warps = decode_choose_warps(ctx.props(), a, nvfp4 ? kDecodeStepK : kBf16DecodeStepK);
-  const dim3 grid(static_cast<unsigned>((a.w.n + kDecodeRows - 1) / kDecodeRows),
-                  static_cast<unsigned>(std::min(a.w.n_experts, a.rows)));
   // One 8-row tile per pass covers every expert while tokens <= 8 (a token picks an expert once).
-  if (a.rows <= 8 * a.top_k) return decode_launch_format<1>(p, a, warps, grid, ctx.stream());
-  decode_launch_format<2>(p, a, warps, grid, ctx.stream());
+  if (a.rows <= 8 * a.top_k) return decode_launch_format<1>(p, a, ctx.props(), ctx.stream());
+  decode_launch_format<2>(p, a, ctx.props(), ctx.stream());
 }
 
 // Row tiles of 128 halve the W dequantisation per output, but each expert's last tile is partial: while experts

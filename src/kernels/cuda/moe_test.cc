@@ -223,7 +223,7 @@ TEST(MoeAlign, OutOfRangeIdsGoAfterTheLastExpert) {
 struct ExpertWeights {
   MoeWeightFormat format;
   int64_t n_experts, n, k;
-  std::vector<float> dequant;               // [E][n][k]
+  std::vector<std::vector<float>> dequant;  // [E][n * k]; empty for an expert no case reads (make_routed_nvfp4)
   std::vector<uint16_t> bf16;               // [E][n][k]
   std::vector<uint8_t> packed, scales;      // NVFP4 [E][n][k/2], [E][n][k/16]
   std::vector<float> global_scales;         // [E]
@@ -252,19 +252,44 @@ ExpertWeights make_expert_weights(MoeWeightFormat format, int64_t n_experts, int
     }
     if (format == MoeWeightFormat::kBf16) {
       for (float v : m) w.bf16.push_back(float_to_bf16(v));
-      w.dequant.insert(w.dequant.end(), m.begin(), m.end());
+      w.dequant.push_back(std::move(m));
     } else {
       const Nvfp4Matrix q = nvfp4_quantize_weight(m, n, k);
-      const std::vector<float> dq = nvfp4_dequantize(q);
       w.packed.insert(w.packed.end(), q.packed.begin(), q.packed.end());
       w.scales.insert(w.scales.end(), q.block_scales.begin(), q.block_scales.end());
       w.global_scales.push_back(q.global_scale);
-      w.dequant.insert(w.dequant.end(), dq.begin(), dq.end());
+      w.dequant.push_back(nvfp4_dequantize(q));
     }
   }
   w.d_bf16 = upload(w.bf16);
   w.d_packed = upload(w.packed);
   w.d_scales = upload(w.scales);
+  w.d_global = upload(w.global_scales);
+  return w;
+}
+
+// NVFP4 experts of which only `used` carry weights (as make_expert_weights makes them, row spread 2^+-6); every
+// other expert has NaN block scales and a NaN global scale, so a kernel that reads a wrong expert writes NaN. Lets
+// the full 256-expert shapes run without quantizing and keeping all of them on the host.
+ExpertWeights make_routed_nvfp4(int64_t n_experts, int64_t n, int64_t k, const std::vector<int32_t>& used,
+                                std::mt19937& rng) {
+  ExpertWeights w{.format = MoeWeightFormat::kNvfp4, .n_experts = n_experts, .n = n, .k = k};
+  w.dequant.resize(static_cast<size_t>(n_experts));
+  w.global_scales.assign(static_cast<size_t>(n_experts), NAN);
+  const size_t packed_bytes = static_cast<size_t>(n * k / 2), scale_bytes = static_cast<size_t>(n * k / 16);
+  w.d_packed = DeviceBuffer(packed_bytes * n_experts);
+  w.d_scales = DeviceBuffer(scale_bytes * n_experts);
+  TERN_CUDA_CHECK(cudaMemset(w.d_packed.data(), 0x77, w.d_packed.size_bytes()));  // e2m1 6.0 everywhere
+  TERN_CUDA_CHECK(cudaMemset(w.d_scales.data(), 0xFF, w.d_scales.size_bytes()));  // e4m3 NaN
+  for (int32_t e : used) {
+    const Nvfp4Matrix q = nvfp4_quantize_weight(gemm_test::random_row_scaled(n, k, rng), n, k);
+    TERN_CUDA_CHECK(cudaMemcpy(w.d_packed.as<uint8_t>() + e * packed_bytes, q.packed.data(), packed_bytes,
+                               cudaMemcpyHostToDevice));
+    TERN_CUDA_CHECK(cudaMemcpy(w.d_scales.as<uint8_t>() + e * scale_bytes, q.block_scales.data(), scale_bytes,
+                               cudaMemcpyHostToDevice));
+    w.global_scales[e] = q.global_scale;
+    w.dequant[e] = nvfp4_dequantize(q);
+  }
   w.d_global = upload(w.global_scales);
   return w;
 }
@@ -279,11 +304,11 @@ struct GemmCase {
   int64_t col0 = 0, ldy_extra = 0;  // write columns [col0, col0 + n) of rows ldy = col0 + n + ldy_extra wide
 };
 
-// Runs one grouped GEMM on host-made routing and checks every written element and that the rest of y is untouched.
-void check_gemm(const DeviceContext& ctx, const ExpertWeights& w, const GemmCase& c, MoeGemmVariant variant,
-                std::mt19937& rng) {
+// Runs one grouped GEMM on the routing `ids` and checks every written element and that the rest of y is untouched.
+void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const GemmCase& c, MoeGemmVariant variant,
+                    const std::vector<int32_t>& ids, std::mt19937& rng) {
   const int64_t rows = c.tokens * c.top_k, n = w.n, k = w.k, ldx = k + 8;
-  const HostAlign al = align_reference(random_ids(c.tokens, c.top_k, w.n_experts, c.skew, rng), w.n_experts);
+  const HostAlign al = align_reference(ids, w.n_experts);
   const int64_t x_rows = c.gather ? c.tokens : rows;
   const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(x_rows * ldx), rng);
   const DeviceBuffer d_x = upload(x), d_off = upload(al.offsets), d_sorted = upload(al.sorted_pairs);
@@ -305,7 +330,7 @@ void check_gemm(const DeviceContext& ctx, const ExpertWeights& w, const GemmCase
     for (int64_t r = al.offsets[e]; r < al.offsets[e + 1]; ++r) {
       const int64_t src = c.gather ? al.sorted_pairs[r] / c.top_k : r;
       for (int64_t j = 0; j < n; ++j) {
-        const float* wr = &w.dequant[static_cast<size_t>((e * n + j) * k)];
+        const float* wr = &w.dequant[static_cast<size_t>(e)][static_cast<size_t>(j * k)];
         double s = 0, a = 0;
         for (int64_t q = 0; q < k; ++q) {
           const double p = static_cast<double>(bf16_to_float(x[src * ldx + q])) * wr[q];
@@ -335,6 +360,12 @@ void check_gemm(const DeviceContext& ctx, const ExpertWeights& w, const GemmCase
   gemm_test::check_gemm(got, ref, rows, n, what);
 }
 
+// The same on a fresh random routing (skew: see random_ids).
+void check_gemm(const DeviceContext& ctx, const ExpertWeights& w, const GemmCase& c, MoeGemmVariant variant,
+                std::mt19937& rng) {
+  check_gemm_ids(ctx, w, c, variant, random_ids(c.tokens, c.top_k, w.n_experts, c.skew, rng), rng);
+}
+
 void check_gemm_shapes(MoeWeightFormat format) {
   DeviceContext ctx;
   std::mt19937 rng(format == MoeWeightFormat::kBf16 ? 2004 : 2005);
@@ -361,6 +392,32 @@ void check_gemm_shapes(MoeWeightFormat format) {
 
 TEST(MoeGemm, Bf16BothVariants) { check_gemm_shapes(MoeWeightFormat::kBf16); }
 TEST(MoeGemm, Nvfp4BothVariants) { check_gemm_shapes(MoeWeightFormat::kNvfp4); }
+
+// Qwen3.5-35B-A3B's expert GEMMs at decode sizes (256 experts, top-8, hidden 2048, moe_intermediate 512): gate_up
+// [1024, 2048] on gathered token rows and down [2048, 512] on permuted rows, T = 1 and 8, through the decode kernel
+// and kAuto. Only the routed experts carry weights (make_routed_nvfp4). Then a ragged shape that takes the same
+// 32-row warp tiles on a 132-SM GPU: n and k off the tile and step sizes, experts with 0 rows.
+TEST(MoeGemm, Nvfp4DecodeModelShapes) {
+  DeviceContext ctx;
+  std::mt19937 rng(2007);
+  struct Shape {
+    int64_t n_experts, n, k, top_k;
+    bool gather;
+  };
+  for (const Shape& s : {Shape{256, 1024, 2048, 8, true}, Shape{256, 2048, 512, 8, false},
+                         Shape{64, 1000, 672, 8, true}}) {
+    for (int64_t tokens : {1, 8}) {
+      const std::vector<int32_t> ids = random_ids(tokens, s.top_k, s.n_experts, false, rng);
+      std::vector<int32_t> used(ids);
+      std::sort(used.begin(), used.end());
+      used.erase(std::unique(used.begin(), used.end()), used.end());
+      const ExpertWeights w = make_routed_nvfp4(s.n_experts, s.n, s.k, used, rng);
+      for (MoeGemmVariant v : {MoeGemmVariant::kDecode, MoeGemmVariant::kAuto}) {
+        check_gemm_ids(ctx, w, {tokens, s.top_k, s.gather, false}, v, ids, rng);
+      }
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // The whole block against layers/moe.h
