@@ -17,6 +17,7 @@
 #include "ops/gdn_op.h"
 #include "ops/gemm_op.h"
 #include "ops/moe_op.h"
+#include "ops/sampling_op.h"
 #if TERN_HAVE_CUDA
 #include "kernels/cuda/device.h"
 #include "ops/attention_cuda.h"
@@ -24,6 +25,7 @@
 #include "ops/gdn_cuda.h"
 #include "ops/gemm_cuda.h"
 #include "ops/moe_cuda.h"
+#include "ops/sampling_cuda.h"
 #endif
 
 namespace tern {
@@ -138,6 +140,7 @@ void add_model_cases(CaseTable& t, const ModelConfig& c, const ModelGemms& g, co
     notes.push_back("moe (sigmoid routing with groups): no implementation yet, so this model cannot be served");
   }
   const std::vector<std::pair<int64_t, int64_t>> bf16(g.bf16.begin(), g.bf16.end()), fp4(g.nvfp4.begin(), g.nvfp4.end());
+  for (int64_t rows : {1, 8}) add_case(t, "sampling", sampling_case(rows, c.vocab_size));
   if (!bf16.empty()) t.push_back({"gemm_bf16", gemm_selftest_cases(bf16, batches)});
   if (!fp4.empty()) t.push_back({"gemm_nvfp4", gemm_selftest_cases(fp4, batches)});
 }
@@ -148,6 +151,7 @@ Expected<void> register_all(Registry& registry, bool cuda) {
   TERN_TRY(attention_register_cpu(registry));
   TERN_TRY(gdn_register_cpu(registry));
   TERN_TRY(moe_register_cpu(registry));
+  TERN_TRY(sampling_register_cpu(registry));
 #if TERN_HAVE_CUDA
   if (cuda) {
     auto context = std::make_shared<DeviceContext>(0);
@@ -156,6 +160,7 @@ Expected<void> register_all(Registry& registry, bool cuda) {
     TERN_TRY(attention_register_cuda(registry, context));
     TERN_TRY(gdn_register_cuda(registry, context));
     TERN_TRY(moe_register_cuda(registry, context));
+    TERN_TRY(sampling_register_cuda(registry, context));
   }
 #else
   (void)cuda;

@@ -1,6 +1,7 @@
 // The attention op on the GPU through the registry (label gpu): both CUDA implementations pass their self-test
 // (against the harness's fp64 reference) on ragged batches of every head dim and GQA group, deliberately broken
-// launches (each one fault class) are rejected, and a timing table reports achieved KV bandwidth.
+// launches (each one fault class, all-zero outputs included) are rejected, and a timing table reports achieved KV
+// bandwidth.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 
 #include "kernels/cuda/attention.h"
 #include "ops/attention_cuda.h"
+#include "ops/cuda_fault_test_util.h"
 #include "ops/gemm_cuda.h"
 
 namespace tern {
@@ -77,7 +79,8 @@ struct Fault {
   ArgsTweak<PagedAttentionArgs> tweak;
 };
 
-std::vector<Fault> gpu_faults() {
+// `stream`: the context's, on which the all-zeros faults clear the output (cuda_fault_test_util.h).
+std::vector<Fault> gpu_faults(cudaStream_t stream) {
   std::vector<Fault> faults;
   for (const auto variant : {AttentionVariant::kDecode, AttentionVariant::kPrefill}) {
     const std::string v = variant == AttentionVariant::kDecode ? "decode:" : "prefill:";
@@ -98,11 +101,18 @@ std::vector<Fault> gpu_faults() {
                     [](PagedAttentionArgs& a) { a.max_seq_len /= 2; }});
   faults.push_back({"prefill:max-query-len-halved", "never written", AttentionVariant::kPrefill, false, true,
                     [](PagedAttentionArgs& a) { a.max_query_len /= 2; }});
+  for (const auto variant : {AttentionVariant::kDecode, AttentionVariant::kPrefill}) {
+    const std::string v = variant == AttentionVariant::kDecode ? "decode:" : "prefill:";
+    auto zero = std::make_shared<ZeroedOutputs>(stream);  // its scratch lives as long as the registered fault
+    faults.push_back({v + "all-zeros", "all zeros", variant, false, false, [zero](PagedAttentionArgs& a) {
+                        zero->redirect(a.out, static_cast<size_t>(a.tokens * a.n_heads * a.cache.head_dim));
+                      }});
+  }
   return faults;
 }
 
 TEST_F(CudaAttentionOps, InjectedFaultsAreRejectedOnTheGpu) {
-  const std::vector<Fault> faults = gpu_faults();
+  const std::vector<Fault> faults = gpu_faults(context_->stream());
   for (const Fault& f : faults) {
     const Tolerance tolerance =
         f.variant == AttentionVariant::kDecode ? kAttentionDecodeTolerance : kAttentionPrefillTolerance;

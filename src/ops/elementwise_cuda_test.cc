@@ -1,6 +1,7 @@
 // The elementwise ops on the GPU through the registry (label gpu): the CUDA implementations pass their self-test
-// on ragged shapes, deliberately broken launches (each one fault class) are rejected, bad arguments and bad ids
-// are errors, in-place calls match out-of-place ones, and a timing table reports achieved bandwidth.
+// on ragged shapes, deliberately broken launches (each one fault class, all-zero outputs for every op included) are
+// rejected, bad arguments and bad ids are errors, in-place calls match out-of-place ones, and a timing table reports
+// achieved bandwidth.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 
 #include "core/formats.h"
 #include "kernels/cuda/elementwise.h"
+#include "ops/cuda_fault_test_util.h"
 #include "ops/elementwise_cuda.h"
 #include "ops/gemm_cuda.h"
 
@@ -100,8 +102,40 @@ std::function<Expected<RunOutput>(const DeviceContext&, const OpInputs&)> tweake
   return [runner, t](const DeviceContext& ctx, const OpInputs& in) { return runner(ctx, static_cast<const Inputs&>(in), t); };
 }
 
+// The all-zeros class: the kernel runs on scratch copies of its outputs while the real ones are cleared.
+template <class Inputs, class Args>
+std::function<Expected<RunOutput>(const DeviceContext&, const OpInputs&)> zeroed(
+    Expected<RunOutput> (*runner)(const DeviceContext&, const Inputs&, const ArgsTweak<Args>&),
+    std::function<void(ZeroedOutputs&, Args&)> redirect) {
+  return [runner, redirect](const DeviceContext& ctx, const OpInputs& in) {
+    ZeroedOutputs zero(ctx.stream());
+    return runner(ctx, static_cast<const Inputs&>(in), [&](Args& a) { redirect(zero, a); });
+  };
+}
+
 std::vector<Fault> gpu_faults() {
   return {
+      {"rms_norm", "all-zeros", "all zeros",
+       zeroed<RmsNormInputs, RmsNormArgs>(rms_norm_cuda_run, [](ZeroedOutputs& z, RmsNormArgs& a) {
+         z.redirect(a.y, static_cast<size_t>(a.rows * a.dim));
+         if (a.h_out != nullptr) z.redirect(a.h_out, static_cast<size_t>(a.rows * a.dim));
+       })},
+      {"rope", "all-zeros", "all zeros",
+       zeroed<RopeInputs, RopeArgs>(rope_cuda_run, [](ZeroedOutputs& z, RopeArgs& a) {
+         z.redirect(a.y, static_cast<size_t>(a.tokens * a.n_heads * a.head_dim));
+       })},
+      {"silu_mul", "all-zeros", "all zeros",
+       zeroed<SiluMulInputs, SiluMulArgs>(silu_mul_cuda_run, [](ZeroedOutputs& z, SiluMulArgs& a) {
+         z.redirect(a.y, static_cast<size_t>(a.rows * a.inter));
+       })},
+      {"embedding", "all-zeros", "all zeros",
+       zeroed<EmbeddingInputs, EmbeddingArgs>(embedding_cuda_run, [](ZeroedOutputs& z, EmbeddingArgs& a) {
+         z.redirect(a.y, static_cast<size_t>(a.tokens * a.hidden));
+       })},
+      {"residual_add", "all-zeros", "all zeros",
+       zeroed<ResidualAddInputs, ResidualAddArgs>(residual_add_cuda_run, [](ZeroedOutputs& z, ResidualAddArgs& a) {
+         z.redirect(a.y, static_cast<size_t>(a.n));
+       })},
       {"rms_norm", "no-1+w", "exceeds the tolerance",
        tweaked<RmsNormInputs, RmsNormArgs>(rms_norm_cuda_run, [](RmsNormArgs& a) { a.zero_centred = false; })},
       {"rms_norm", "last-row-skipped", "never written",
@@ -136,6 +170,7 @@ TEST_F(CudaElementwiseOps, InjectedFaultsAreRejectedOnTheGpu) {
       {"rope", rope_case(33, 4, 256, 64, false, 10000000)},
       {"silu_mul", silu_mul_case(33, 2048)},
       {"embedding", embedding_case(33, 1000, 64)},
+      {"residual_add", residual_add_case(33, 2048)},
   };
   for (const auto& [op, c] : cases) {
     auto s = registry_select(registry_, op, devices_[0], std::span(&c, 1), {});

@@ -1,6 +1,7 @@
 // The Gated DeltaNet ops on the GPU through the registry (label gpu): the CUDA implementations pass their self-test
-// against the fp64 harness references on ragged batches, deliberately broken launches (each one fault class) are
-// rejected with the expected reason, and a timing table reports decode state bandwidth and prefill throughput.
+// against the fp64 harness references on ragged batches, deliberately broken launches (each one fault class, all-zero
+// outputs included) are rejected with the expected reason, and a timing table reports decode state bandwidth and
+// prefill throughput.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "kernels/cuda/gated_delta.h"
+#include "ops/cuda_fault_test_util.h"
 #include "ops/gdn_cuda.h"
 #include "ops/gemm_cuda.h"
 
@@ -98,6 +100,25 @@ std::vector<Fault> gpu_faults() {
        delta_fault(GdnVariant::kChunked, [](GdnDeltaRuleArgs& a) { a.a_log = a.dt_bias; })},
       {"gdn_delta_rule", "chunked-new-sequence-reads-its-slot", "non-finite",
        delta_fault(GdnVariant::kChunked, [=](GdnDeltaRuleArgs& a) { past_from_query_start(a.seqs); })},
+      // All zeros: the kernels run on scratch copies of their outputs and states while the real ones are cleared.
+      {"gdn_conv", "all-zeros", "all zeros",
+       [](const DeviceContext& ctx, const OpInputs& base) {
+         const auto& in = static_cast<const GdnConvInputs&>(base);
+         ZeroedOutputs zero(ctx.stream());
+         return gdn_conv_cuda_run(ctx, in, [&](GdnConvArgs& a) {
+           zero.redirect(a.y, static_cast<size_t>(in.batch.tokens * in.channels));
+           zero.redirect(a.conv_state, in.conv_state.size());
+         });
+       }},
+      {"gdn_delta_rule", "recurrent-all-zeros", "all zeros",
+       [](const DeviceContext& ctx, const OpInputs& base) {
+         const auto& in = static_cast<const GdnDeltaRuleInputs&>(base);
+         ZeroedOutputs zero(ctx.stream());
+         return gdn_delta_rule_cuda_run(ctx, in, GdnVariant::kRecurrent, [&](GdnDeltaRuleArgs& a) {
+           zero.redirect(a.out, static_cast<size_t>(in.batch.tokens * in.n_value_heads * in.value_dim));
+           zero.redirect(a.state, in.state.size());
+         });
+       }},
   };
 }
 

@@ -10,6 +10,7 @@
 
 #include "kernels/cuda/gemm_nvfp4_native.h"
 #include "kernels/cuda/nvfp4_scale_layout.h"
+#include "ops/cuda_fault_test_util.h"
 #include "ops/gemm_cuda.h"
 #include "ops/gemm_w4a4_op.h"
 
@@ -70,8 +71,9 @@ TEST_F(CudaGemmW4a4, SelectionOnThisDevice) {
   }
 }
 
-// A deliberately wrong native GEMM: the activation scale or the weight scale missing from alpha, or the weight's
-// scales handed over row-major instead of tiled. Each must fail its self-test where the native path runs.
+// A deliberately wrong native GEMM: the activation scale or the weight scale missing from alpha, the weight's
+// scales handed over row-major instead of tiled, or (fault 3) an output that comes back all zeros although the GEMM
+// ran (cuda_fault_test_util.h). Each must fail its self-test where the native path runs.
 Implementation broken_native(std::shared_ptr<DeviceContext> context, std::string name, int fault) {
   Implementation impl = gemm_w4a4_native_implementation(
       cuda_binary_image(), [context, fault](const OpInputs& base) -> Expected<RunOutput> {
@@ -83,7 +85,9 @@ Implementation broken_native(std::shared_ptr<DeviceContext> context, std::string
             workspace(gemm_nvfp4_native_workspace_bytes(in.m, in.k));
         TERN_CUDA_CHECK(cudaMemcpy(dscales.data(), scales.data(), scales.size(), cudaMemcpyHostToDevice));
         TERN_CUDA_CHECK(cudaMemcpy(dscale.data(), &in.input_scale, sizeof(float), cudaMemcpyHostToDevice));
+        ZeroedOutputs zero(context->stream());
         return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
+          if (fault == 3) zero.redirect(y, static_cast<size_t>(in.m * in.n));
           return gemm_nvfp4_native(*context, {.x = d.x.as<uint16_t>(),
                                               .w = {.packed = d.w_packed.as<uint8_t>(),
                                                     .scales_tiled = dscales.as<uint8_t>(),
@@ -107,20 +111,23 @@ TEST_F(CudaGemmW4a4, InjectedFaultsAreRejectedWhereTheNativePathRuns) {
   if (!has_fp4() || !binary_can_run(cuda_binary_image(), devices_[0]).empty()) {
     GTEST_SKIP() << devices_[0].name << " cannot run the native FP4 path";
   }
-  const std::vector<std::string> faults = {"alpha-without-input-scale", "alpha-without-weight-scale-2",
-                                           "row-major-weight-scales"};
+  const std::vector<std::pair<std::string, std::string>> faults = {
+      {"alpha-without-input-scale", "exceeds the tolerance"},
+      {"alpha-without-weight-scale-2", "exceeds the tolerance"},
+      {"row-major-weight-scales", "exceeds the tolerance"},
+      {"all-zeros", "all zeros"}};
   for (size_t f = 0; f < faults.size(); ++f) {
-    ASSERT_TRUE(registry_.add(broken_native(context_, faults[f], static_cast<int>(f))).has_value());
+    ASSERT_TRUE(registry_.add(broken_native(context_, faults[f].first, static_cast<int>(f))).has_value());
   }
   const auto cases = gemm_selftest_cases({{1024, 1024}}, {1, 40});
   auto s = registry_select(registry_, kOp, devices_[0], cases, {});
   ASSERT_TRUE(s.has_value()) << s.error().message;
   EXPECT_EQ(s->chosen, "fp4-native");
-  for (const std::string& f : faults) {
+  for (const auto& [f, why] : faults) {
     const CandidateReport* c = candidate(*s, f);
     ASSERT_NE(c, nullptr) << f;
     EXPECT_EQ(c->status, CandidateStatus::kFailed) << f;
-    EXPECT_NE(c->reason.find("exceeds the tolerance"), std::string::npos) << f << ": " << c->reason;
+    EXPECT_NE(c->reason.find(why), std::string::npos) << f << ": " << c->reason;
   }
 }
 

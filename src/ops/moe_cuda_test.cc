@@ -1,12 +1,13 @@
 // The moe op on the GPU through the registry (label gpu): the CUDA implementation passes its self-test against the
 // fp64 reference on the test fixture's shape and on 35B- and 397B-like expert counts, in bf16 and NVFP4, with each
-// grouped-GEMM variant forced; deliberately broken launches (each one fault class) are rejected; and a timing line
-// per case is printed.
+// grouped-GEMM variant forced; deliberately broken launches (each one fault class, all-zero outputs included) are
+// rejected; and a timing line per case is printed.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdio>
 
+#include "ops/cuda_fault_test_util.h"
 #include "ops/gemm_cuda.h"
 #include "ops/moe_cuda.h"
 
@@ -80,8 +81,12 @@ struct Fault {
   ArgsTweak<MoeForwardArgs> tweak;
 };
 
-std::vector<Fault> gpu_faults() {
+// `stream`: the context's, on which the all-zeros fault clears the output (cuda_fault_test_util.h).
+std::vector<Fault> gpu_faults(cudaStream_t stream) {
+  auto zero = std::make_shared<ZeroedOutputs>(stream);  // its scratch lives as long as the registered fault
   return {
+      {"all-zeros", "all zeros",
+       [zero](MoeForwardArgs& a) { zero->redirect(a.y, static_cast<size_t>(a.tokens * a.hidden)); }},
       {"no-renormalize", "exceeds the tolerance", [](MoeForwardArgs& a) { a.renormalize = false; }},
       {"last-token-skipped", "never written", [](MoeForwardArgs& a) { a.tokens -= 1; }},
       {"shared-expert-dropped", "exceeds the tolerance",
@@ -99,7 +104,7 @@ std::vector<Fault> gpu_faults() {
 }
 
 TEST_F(CudaMoeOp, InjectedFaultsAreRejectedOnTheGpu) {
-  for (const Fault& f : gpu_faults()) {
+  for (const Fault& f : gpu_faults(context_->stream())) {
     ASSERT_TRUE(registry_
                     .add(Implementation{.op = "moe", .name = f.name, .backend = Backend::kCuda, .priority = 100,
                                         .tolerance = kMoeCudaTolerance,
@@ -113,7 +118,7 @@ TEST_F(CudaMoeOp, InjectedFaultsAreRejectedOnTheGpu) {
     auto s = registry_select(registry_, "moe", devices_[0], std::span(&c, 1), {});
     ASSERT_TRUE(s.has_value()) << s.error().message;
     EXPECT_EQ(s->chosen, "cuda");
-    for (const Fault& f : gpu_faults()) {
+    for (const Fault& f : gpu_faults(context_->stream())) {
       const auto it = std::find_if(s->candidates.begin(), s->candidates.end(), [&](auto& k) { return k.name == f.name; });
       ASSERT_NE(it, s->candidates.end()) << f.name;
       EXPECT_EQ(it->status, CandidateStatus::kFailed) << f.name;
