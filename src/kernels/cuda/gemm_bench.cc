@@ -19,10 +19,9 @@
 #include "kernels/cuda/bench_timing.h"
 #include "kernels/cuda/gemm_bf16.h"
 #include "kernels/cuda/gemm_nvfp4_w4a16.h"
+#include "kernels/cuda/roofline.h"
 
 namespace tern {
-
-void bench_copy_launch(const void* src, void* dst, size_t bytes, int num_sms, cudaStream_t stream);  // .cu
 
 namespace {
 

@@ -22,10 +22,10 @@
 #include "core/formats.h"
 #include "kernels/cuda/bench_timing.h"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/roofline.h"
 
 namespace tern {
 
-void bench_copy_launch(const void* src, void* dst, size_t bytes, int num_sms, cudaStream_t stream);  // .cu
 
 namespace {
 

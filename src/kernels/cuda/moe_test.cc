@@ -279,8 +279,8 @@ ExpertWeights make_routed_nvfp4(int64_t n_experts, int64_t n, int64_t k, const s
   const size_t packed_bytes = static_cast<size_t>(n * k / 2), scale_bytes = static_cast<size_t>(n * k / 16);
   w.d_packed = DeviceBuffer(packed_bytes * n_experts);
   w.d_scales = DeviceBuffer(scale_bytes * n_experts);
-  TERN_CUDA_CHECK(cudaMemset(w.d_packed.data(), 0x77, w.d_packed.size_bytes()));  // e2m1 6.0 everywhere
-  TERN_CUDA_CHECK(cudaMemset(w.d_scales.data(), 0xFF, w.d_scales.size_bytes()));  // e4m3 NaN
+  w.d_packed.fill(0x77);  // e2m1 6.0 everywhere
+  w.d_scales.fill(0xFF);  // e4m3 NaN
   for (int32_t e : used) {
     const Nvfp4Matrix q = nvfp4_quantize_weight(gemm_test::random_row_scaled(n, k, rng), n, k);
     TERN_CUDA_CHECK(cudaMemcpy(w.d_packed.as<uint8_t>() + e * packed_bytes, q.packed.data(), packed_bytes,
