@@ -97,8 +97,8 @@ std::vector<Fault> gpu_faults(cudaStream_t stream) {
     faults.push_back({v + "gate-dropped", "exceeds the tolerance", variant, false, false,
                       [](PagedAttentionArgs& a) { a.gate = nullptr; }});
   }
-  faults.push_back({"decode:max-seq-len-halved", "exceeds the tolerance", AttentionVariant::kDecode, true, false,
-                    [](PagedAttentionArgs& a) { a.max_seq_len /= 2; }});
+  // (No max_seq_len fault for decode: each query row divides its own key count, read from seq_lens, among the
+  // splits, so a smaller max_seq_len only means fewer splits, not skipped keys.)
   faults.push_back({"prefill:max-query-len-halved", "never written", AttentionVariant::kPrefill, false, true,
                     [](PagedAttentionArgs& a) { a.max_query_len /= 2; }});
   for (const auto variant : {AttentionVariant::kDecode, AttentionVariant::kPrefill}) {

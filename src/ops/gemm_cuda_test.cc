@@ -47,7 +47,7 @@ std::vector<Fault> nvfp4_faults() {
          std::vector<uint8_t> shifted(in.w_scales.size());
          for (size_t i = 0; i < shifted.size(); ++i) shifted[i] = in.w_scales[(i + 1) % shifted.size()];
          auto scales = std::make_shared<DeviceBuffer>(shifted.size());
-         TERN_CUDA_CHECK(cudaMemcpy(scales->data(), shifted.data(), shifted.size(), cudaMemcpyHostToDevice));
+         scales->upload(shifted.data(), shifted.size());
          Nvfp4WeightView w = view_of(in, d);
          w.scales = scales->template as<uint8_t>();
          auto status = gemm(ctx, in, d, y, w, in.m);

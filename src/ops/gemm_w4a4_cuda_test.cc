@@ -83,8 +83,8 @@ Implementation broken_native(std::shared_ptr<DeviceContext> context, std::string
         scales.resize(static_cast<size_t>(nvfp4_tiled_scale_bytes(in.n, in.k)), 0);
         DeviceBuffer dscales(scales.size()), dscale(sizeof(float)),
             workspace(gemm_nvfp4_native_workspace_bytes(in.m, in.k));
-        TERN_CUDA_CHECK(cudaMemcpy(dscales.data(), scales.data(), scales.size(), cudaMemcpyHostToDevice));
-        TERN_CUDA_CHECK(cudaMemcpy(dscale.data(), &in.input_scale, sizeof(float), cudaMemcpyHostToDevice));
+        dscales.upload(scales.data(), scales.size());
+        dscale.upload(&in.input_scale, sizeof(float));
         ZeroedOutputs zero(context->stream());
         return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
           if (fault == 3) zero.redirect(y, static_cast<size_t>(in.m * in.n));

@@ -55,7 +55,7 @@ template <class T>
 DeviceBuffer upload(const std::vector<T>& host) {
   DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 16));
   if (!host.empty())
-    TERN_CUDA_CHECK(cudaMemcpy(b.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    b.upload(host.data(), host.size() * sizeof(T));
   return b;
 }
 

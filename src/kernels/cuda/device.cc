@@ -51,6 +51,12 @@ void DeviceBuffer::fill(uint8_t byte) const {
   TERN_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+void DeviceBuffer::upload(const void* host, size_t bytes) const {
+  if (bytes == 0) return;
+  TERN_CUDA_CHECK(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
+  TERN_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 DeviceBuffer::~DeviceBuffer() {
   if (ptr_ != nullptr) TERN_CUDA_CHECK(cudaFree(ptr_));
 }

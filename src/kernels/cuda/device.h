@@ -73,6 +73,9 @@ class DeviceBuffer {
   // legacy default stream, which a DeviceContext's non-blocking stream does not wait for, so a kernel queued next
   // could otherwise run before the fill (a poisoned output that the kernel wrote, overwritten afterwards).
   void fill(uint8_t byte) const;
+  // Copies `bytes` from host memory to the start of the buffer and waits for it, for the same reason: a cudaMemcpy
+  // from pageable memory may return before its DMA has landed, and a non-blocking stream does not wait for it.
+  void upload(const void* host, size_t bytes) const;
 
  private:
   void* ptr_ = nullptr;

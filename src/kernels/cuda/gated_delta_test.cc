@@ -38,7 +38,7 @@ constexpr int64_t kSpareRows = 3;  // poisoned rows after the batch's rows, whic
 template <class T>
 DeviceBuffer to_device(const std::vector<T>& host) {
   DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 16));
-  TERN_CUDA_CHECK(cudaMemcpy(b.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  b.upload(host.data(), host.size() * sizeof(T));
   return b;
 }
 

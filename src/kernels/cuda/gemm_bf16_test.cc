@@ -19,8 +19,8 @@ void run_and_check(const DeviceContext& ctx, int64_t m, int64_t n, int64_t k, st
   const auto w = gemm_test::random_bf16(static_cast<size_t>(n * k), rng);
   const int64_t ldy = n + 2 * pad;
   DeviceBuffer dx(x.size() * 2), dw(w.size() * 2), dy(static_cast<size_t>(m * ldy) * 2);
-  TERN_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-  TERN_CUDA_CHECK(cudaMemcpy(dw.data(), w.data(), w.size() * 2, cudaMemcpyHostToDevice));
+  dx.upload(x.data(), x.size() * 2);
+  dw.upload(w.data(), w.size() * 2);
   dy.fill(0xFF);
   const auto status = gemm_bf16(ctx, GemmBf16Args{.x = dx.as<uint16_t>(), .w = dw.as<uint16_t>(),
                                                   .y = dy.as<uint16_t>() + pad, .m = m, .n = n, .k = k,

@@ -39,8 +39,8 @@ NativeWeight make_weight(int64_t n, int64_t k, std::mt19937& rng) {
   const std::vector<uint8_t> tiled = nvfp4_scales_to_tiled(t.q.block_scales, n, k);
   t.packed = DeviceBuffer(t.q.packed.size());
   t.scales = DeviceBuffer(tiled.size());
-  TERN_CUDA_CHECK(cudaMemcpy(t.packed.data(), t.q.packed.data(), t.q.packed.size(), cudaMemcpyHostToDevice));
-  TERN_CUDA_CHECK(cudaMemcpy(t.scales.data(), tiled.data(), tiled.size(), cudaMemcpyHostToDevice));
+  t.packed.upload(t.q.packed.data(), t.q.packed.size());
+  t.scales.upload(tiled.data(), tiled.size());
   return t;
 }
 
@@ -68,8 +68,8 @@ NativeActivations make_activations(int64_t m, int64_t k, std::mt19937& rng) {
   a.dx = DeviceBuffer(a.x.size() * 2);
   a.dscale = DeviceBuffer(sizeof(float));
   a.workspace = DeviceBuffer(std::max<size_t>(gemm_nvfp4_native_workspace_bytes(m, k), 16));
-  TERN_CUDA_CHECK(cudaMemcpy(a.dx.data(), a.x.data(), a.x.size() * 2, cudaMemcpyHostToDevice));
-  TERN_CUDA_CHECK(cudaMemcpy(a.dscale.data(), &a.input_scale, sizeof(float), cudaMemcpyHostToDevice));
+  a.dx.upload(a.x.data(), a.x.size() * 2);
+  a.dscale.upload(&a.input_scale, sizeof(float));
   return a;
 }
 

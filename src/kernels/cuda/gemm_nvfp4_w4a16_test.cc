@@ -33,9 +33,8 @@ TestWeight make_weight(int64_t n, int64_t k, std::mt19937& rng) {
   t.dequant = nvfp4_dequantize(t.q);
   t.packed = DeviceBuffer(t.q.packed.size());
   t.scales = DeviceBuffer(t.q.block_scales.size());
-  TERN_CUDA_CHECK(cudaMemcpy(t.packed.data(), t.q.packed.data(), t.q.packed.size(), cudaMemcpyHostToDevice));
-  TERN_CUDA_CHECK(
-      cudaMemcpy(t.scales.data(), t.q.block_scales.data(), t.q.block_scales.size(), cudaMemcpyHostToDevice));
+  t.packed.upload(t.q.packed.data(), t.q.packed.size());
+  t.scales.upload(t.q.block_scales.data(), t.q.block_scales.size());
   return t;
 }
 
@@ -62,7 +61,7 @@ std::vector<uint16_t> run_and_check(const DeviceContext& ctx, const TestWeight& 
   const int64_t n = w.q.rows, k = w.q.cols, ldy = n + 2 * pad;
   const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(m * k), rng);
   DeviceBuffer dx(x.size() * 2), dy(static_cast<size_t>(m * ldy) * 2);
-  TERN_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  dx.upload(x.data(), x.size() * 2);
   dy.fill(0xFF);
   const GemmNvfp4W4a16Args args{
       .x = dx.as<uint16_t>(), .w = view_of(w), .y = dy.as<uint16_t>() + pad, .m = m, .ldy = pad > 0 ? ldy : 0};

@@ -27,7 +27,7 @@ namespace {
 template <class T>
 DeviceBuffer upload(const std::vector<T>& host) {
   DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 256));
-  if (!host.empty()) TERN_CUDA_CHECK(cudaMemcpy(b.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  if (!host.empty()) b.upload(host.data(), host.size() * sizeof(T));
   return b;
 }
 

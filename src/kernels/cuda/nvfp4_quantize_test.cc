@@ -124,8 +124,8 @@ void run_and_compare(const DeviceContext& ctx, const std::vector<uint16_t>& x, i
   const bool tiled = layout == Nvfp4ScaleLayout::kTiled128x4;
   const std::vector<uint8_t> want_scales = tiled ? nvfp4_scales_to_tiled(ref.scales, m, k) : ref.scales;
   DeviceBuffer dx(x.size() * 2), dscale(sizeof(float));
-  TERN_CUDA_CHECK(cudaMemcpy(dx.data(), x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-  TERN_CUDA_CHECK(cudaMemcpy(dscale.data(), &input_scale, sizeof(float), cudaMemcpyHostToDevice));
+  dx.upload(x.data(), x.size() * 2);
+  dscale.upload(&input_scale, sizeof(float));
   for (const uint8_t poison : {uint8_t{0xA5}, uint8_t{0x5A}}) {
     const std::string what = "m=" + std::to_string(m) + " k=" + std::to_string(k) +
                              " input_scale=" + std::to_string(input_scale) + (tiled ? " tiled" : " row-major") +
@@ -186,7 +186,7 @@ TEST(Nvfp4Quantize, RejectsBadArguments) {
   DeviceBuffer x(64 * 64 * 2 + 16), scale(16), packed(64 * 32 + 16), scales(16384);
   const float one = 1.0f;
   x.fill(0x3F);
-  TERN_CUDA_CHECK(cudaMemcpy(scale.data(), &one, sizeof(one), cudaMemcpyHostToDevice));
+  scale.upload(&one, sizeof(one));
   const Nvfp4QuantizeArgs good{.x = x.as<uint16_t>(),
                                .input_scale = scale.as<float>(),
                                .packed = packed.as<uint8_t>(),

@@ -91,9 +91,9 @@ std::vector<RowOut> run_gpu(const DeviceContext& ctx, const Batch& b, const std:
   DeviceBuffer d_logits(b.logits.size() * 2), d_rows(host_rows.size() * sizeof(SamplingRow)), d_ids(ids.size() * 4);
   DeviceBuffer d_id(rows * 4), d_lp(rows * 4), d_top_ids(rows * kTop * 4), d_top_lp(rows * kTop * 4), d_status(rows * 4);
   DeviceBuffer d_ws(sampling_workspace_bytes(rows, b.vocab));
-  TERN_CUDA_CHECK(cudaMemcpy(d_logits.data(), b.logits.data(), b.logits.size() * 2, cudaMemcpyHostToDevice));
-  TERN_CUDA_CHECK(cudaMemcpy(d_rows.data(), host_rows.data(), d_rows.size_bytes(), cudaMemcpyHostToDevice));
-  TERN_CUDA_CHECK(cudaMemcpy(d_ids.data(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  d_logits.upload(b.logits.data(), b.logits.size() * 2);
+  d_rows.upload(host_rows.data(), d_rows.size_bytes());
+  d_ids.upload(ids.data(), ids.size() * 4);
   for (const DeviceBuffer* out : {&d_id, &d_lp, &d_top_ids, &d_top_lp, &d_status}) {
     out->fill(0x7B);  // poison: id 0x7B7B7B7B, logprob 1.3e36
   }
