@@ -26,41 +26,23 @@ DeviceBatch batch_upload(const GdnBatch& b, cudaStream_t stream) {
 }
 
 // A bf16 output of `out_count` elements and an in-place state of `state.size()` elements of T. Every run restores
-// the state and poisons the output first (outside the timed span); the fastest of kTimedRuns after a warm-up is
-// kept. Returns [output widened | state widened].
+// the state and poisons the output first (outside the timed span); the fastest run is kept (cuda_time_best). Returns [output widened | state widened].
 template <class T>
 Expected<RunOutput> run_timed_in_place(const DeviceContext& ctx, int64_t out_count, const std::vector<T>& state,
                                        const std::function<Expected<void>(uint16_t* out, T* state)>& launch) {
-  constexpr int kTimedRuns = 5;
   const auto count = static_cast<size_t>(out_count);
   DeviceBuffer out(std::max<size_t>(count * 2, 16)), st(std::max<size_t>(state.size() * sizeof(T), 16));
   const std::vector<uint16_t> poison(count, kPoisonBf16Bits);
-  cudaEvent_t start, stop;
-  TERN_CUDA_CHECK(cudaEventCreate(&start));
-  TERN_CUDA_CHECK(cudaEventCreate(&stop));
-  float best_ms = 1e30f;
-  Expected<void> status;
-  for (int run = 0; run <= kTimedRuns && status; ++run) {
+  TERN_ASSIGN_OR_RETURN(const double seconds, cuda_time_best(ctx, [&] {
     TERN_CUDA_CHECK(cudaMemcpyAsync(out.data(), poison.data(), count * 2, cudaMemcpyHostToDevice, ctx.stream()));
     TERN_CUDA_CHECK(cudaMemcpyAsync(st.data(), state.data(), state.size() * sizeof(T), cudaMemcpyHostToDevice,
                                     ctx.stream()));
-    TERN_CUDA_CHECK(cudaEventRecord(start, ctx.stream()));
-    status = launch(out.as<uint16_t>(), st.as<T>());
-    TERN_CUDA_CHECK(cudaEventRecord(stop, ctx.stream()));
-    if (cudaError_t e = cudaStreamSynchronize(ctx.stream()); e != cudaSuccess) {
-      status = make_error("kernel failed: {} ({})", cudaGetErrorName(e), cudaGetErrorString(e));
-    }
-    float ms = 0.0f;
-    if (status && run > 0 && cudaEventElapsedTime(&ms, start, stop) == cudaSuccess) best_ms = std::min(best_ms, ms);
-  }
-  TERN_CUDA_CHECK(cudaEventDestroy(start));
-  TERN_CUDA_CHECK(cudaEventDestroy(stop));
-  if (!status) return tl::unexpected(status.error());
+  }, [&] { return launch(out.as<uint16_t>(), st.as<T>()); }));
   std::vector<uint16_t> host_out(count);
   std::vector<T> host_state(state.size());
   TERN_CUDA_CHECK(cudaMemcpy(host_out.data(), out.data(), count * 2, cudaMemcpyDeviceToHost));
   TERN_CUDA_CHECK(cudaMemcpy(host_state.data(), st.data(), state.size() * sizeof(T), cudaMemcpyDeviceToHost));
-  RunOutput result{.values = std::vector<float>(count + state.size()), .seconds = best_ms * 1e-3};
+  RunOutput result{.values = std::vector<float>(count + state.size()), .seconds = seconds};
   for (size_t i = 0; i < count; ++i) {
     result.values[i] = host_out[i] == kPoisonBf16Bits ? std::bit_cast<float>(kPoisonF32Bits) : bf16_to_float(host_out[i]);
   }

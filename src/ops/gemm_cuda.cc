@@ -45,21 +45,18 @@ GemmDeviceInputs gemm_upload(const GemmInputs& in, cudaStream_t stream) {
                           .w_packed = cuda_upload(in.w_packed, stream), .w_scales = cuda_upload(in.w_scales, stream)};
 }
 
-Expected<RunOutput> cuda_run_timed(const DeviceContext& ctx, int64_t m, int64_t n,
-                                   const std::function<Expected<void>(uint16_t* y)>& launch) {
+Expected<double> cuda_time_best(const DeviceContext& ctx, const std::function<void()>& prepare,
+                                const std::function<Expected<void>()>& launch) {
   constexpr int kTimedRuns = 5;
-  const size_t count = static_cast<size_t>(m * n);
-  DeviceBuffer y(std::max<size_t>(count * 2, 16));
   cudaEvent_t start, stop;
   TERN_CUDA_CHECK(cudaEventCreate(&start));
   TERN_CUDA_CHECK(cudaEventCreate(&stop));
   float best_ms = 1e30f;
   Expected<void> status;
-  const std::vector<uint16_t> poison(count, kPoisonBf16Bits);
   for (int run = 0; run <= kTimedRuns && status; ++run) {
-    TERN_CUDA_CHECK(cudaMemcpyAsync(y.data(), poison.data(), count * 2, cudaMemcpyHostToDevice, ctx.stream()));
+    prepare();
     TERN_CUDA_CHECK(cudaEventRecord(start, ctx.stream()));
-    status = launch(y.as<uint16_t>());
+    status = launch();
     TERN_CUDA_CHECK(cudaEventRecord(stop, ctx.stream()));
     if (cudaError_t e = cudaStreamSynchronize(ctx.stream()); e != cudaSuccess) {
       status = make_error("kernel failed: {} ({})", cudaGetErrorName(e), cudaGetErrorString(e));
@@ -70,9 +67,20 @@ Expected<RunOutput> cuda_run_timed(const DeviceContext& ctx, int64_t m, int64_t 
   TERN_CUDA_CHECK(cudaEventDestroy(start));
   TERN_CUDA_CHECK(cudaEventDestroy(stop));
   if (!status) return tl::unexpected(status.error());
+  return best_ms * 1e-3;
+}
+
+Expected<RunOutput> cuda_run_timed(const DeviceContext& ctx, int64_t m, int64_t n,
+                                   const std::function<Expected<void>(uint16_t* y)>& launch) {
+  const size_t count = static_cast<size_t>(m * n);
+  DeviceBuffer y(std::max<size_t>(count * 2, 16));
+  const std::vector<uint16_t> poison(count, kPoisonBf16Bits);
+  TERN_ASSIGN_OR_RETURN(const double seconds, cuda_time_best(ctx, [&] {
+    TERN_CUDA_CHECK(cudaMemcpyAsync(y.data(), poison.data(), count * 2, cudaMemcpyHostToDevice, ctx.stream()));
+  }, [&] { return launch(y.as<uint16_t>()); }));
   std::vector<uint16_t> host(count);
   TERN_CUDA_CHECK(cudaMemcpy(host.data(), y.data(), count * 2, cudaMemcpyDeviceToHost));
-  RunOutput out{.values = std::vector<float>(count), .seconds = best_ms * 1e-3};
+  RunOutput out{.values = std::vector<float>(count), .seconds = seconds};
   for (size_t i = 0; i < count; ++i) {
     out.values[i] = host[i] == kPoisonBf16Bits ? std::bit_cast<float>(kPoisonF32Bits) : bf16_to_float(host[i]);
   }

@@ -47,6 +47,12 @@ struct GemmDeviceInputs {
 };
 GemmDeviceInputs gemm_upload(const GemmInputs& inputs, cudaStream_t stream);
 
+// Seconds of the fastest of 5 calls of `launch` after one warm-up, timed with events on ctx.stream(). `prepare`
+// (poisoning outputs, restoring state) is queued before each call, outside the timed span. A launch error ends it
+// with that error; a failed kernel with its CUDA error.
+Expected<double> cuda_time_best(const DeviceContext& ctx, const std::function<void()>& prepare,
+                                const std::function<Expected<void>()>& launch);
+
 // Runs `launch` (which writes a bf16 [m, n] output) once to warm up and then several times on ctx's stream; returns
 // the last output widened to float and the fastest time. The output is poisoned before every run, so elements a
 // launch skips keep the poison pattern; a launch error or a failed kernel is an error.

@@ -69,34 +69,18 @@ std::string sampling_cuda_unsupported(const DeviceDescription& d, const SelfTest
 
 Expected<SamplingCudaResult> sampling_cuda_sample(const DeviceContext& ctx, const SamplingInputs& in,
                                                   const ArgsTweak<SampleArgs>& tweak) {
-  constexpr int kTimedRuns = 5;
   const cudaStream_t stream = ctx.stream();
   const SamplingDevice d = sampling_upload(in, stream);
   const std::vector<int32_t> poison(static_cast<size_t>(in.rows), kSamplingPoisonWord);
-  cudaEvent_t start, stop;
-  TERN_CUDA_CHECK(cudaEventCreate(&start));
-  TERN_CUDA_CHECK(cudaEventCreate(&stop));
-  float best_ms = 1e30f;
-  Expected<void> status;
-  for (int run = 0; run <= kTimedRuns && status; ++run) {
+  SampleArgs args;
+  TERN_ASSIGN_OR_RETURN(const double seconds, cuda_time_best(ctx, [&] {
     poison_outputs(d, poison, stream);
-    SampleArgs args = d.args;
+    args = d.args;
     if (tweak) tweak(args);
-    TERN_CUDA_CHECK(cudaEventRecord(start, stream));
-    status = sample_rows(ctx, args);
-    TERN_CUDA_CHECK(cudaEventRecord(stop, stream));
-    if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) {
-      status = make_error("kernel failed: {} ({})", cudaGetErrorName(e), cudaGetErrorString(e));
-    }
-    float ms = 0.0f;
-    if (status && run > 0 && cudaEventElapsedTime(&ms, start, stop) == cudaSuccess) best_ms = std::min(best_ms, ms);
-  }
-  TERN_CUDA_CHECK(cudaEventDestroy(start));
-  TERN_CUDA_CHECK(cudaEventDestroy(stop));
-  if (!status) return tl::unexpected(status.error());
+  }, [&] { return sample_rows(ctx, args); }));
   const auto n = static_cast<size_t>(in.rows);
   SamplingCudaResult r{.ids = std::vector<int32_t>(n), .status = std::vector<int32_t>(n),
-                       .logprobs = std::vector<float>(n), .seconds = best_ms * 1e-3};
+                       .logprobs = std::vector<float>(n), .seconds = seconds};
   TERN_CUDA_CHECK(cudaMemcpy(r.ids.data(), d.id.data(), n * 4, cudaMemcpyDeviceToHost));
   TERN_CUDA_CHECK(cudaMemcpy(r.status.data(), d.status.data(), n * 4, cudaMemcpyDeviceToHost));
   TERN_CUDA_CHECK(cudaMemcpy(r.logprobs.data(), d.logprob.data(), n * 4, cudaMemcpyDeviceToHost));
