@@ -12,20 +12,14 @@
 #include "kernels/cuda/attention.h"
 #include "ops/attention_cuda.h"
 #include "ops/cuda_fault_test_util.h"
+#include "ops/cuda_op_test.h"
 #include "ops/gemm_cuda.h"
 
 namespace tern {
 namespace {
 
-class CudaAttentionOps : public ::testing::Test {
+class CudaAttentionOps : public CudaOpTest<attention_register_cpu, attention_register_cuda> {
  protected:
-  void SetUp() override {
-    devices_ = cuda_devices_describe();
-    ASSERT_FALSE(devices_.empty()) << "no CUDA device";
-    context_ = std::make_shared<DeviceContext>(0);
-    ASSERT_TRUE(attention_register_cpu(registry_).has_value());
-    ASSERT_TRUE(attention_register_cuda(registry_, context_).has_value());
-  }
   // Both CUDA implementations pass every case (the choice between them is by speed).
   void expect_both_pass(const std::vector<SelfTestCase>& cases) {
     auto s = registry_select(registry_, "attention", devices_[0], cases, {});
@@ -42,9 +36,6 @@ class CudaAttentionOps : public ::testing::Test {
     EXPECT_TRUE(in.has_value());
     return std::unique_ptr<AttentionInputs>(static_cast<AttentionInputs*>(in->release()));
   }
-  std::vector<DeviceDescription> devices_;
-  std::shared_ptr<DeviceContext> context_;
-  Registry registry_;
 };
 
 TEST_F(CudaAttentionOps, BothVariantsPassOnRaggedShapes) {

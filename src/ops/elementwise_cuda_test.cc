@@ -12,6 +12,7 @@
 #include "core/formats.h"
 #include "kernels/cuda/elementwise.h"
 #include "ops/cuda_fault_test_util.h"
+#include "ops/cuda_op_test.h"
 #include "ops/elementwise_cuda.h"
 #include "ops/gemm_cuda.h"
 
@@ -20,15 +21,8 @@ namespace {
 
 constexpr int64_t kTokens[] = {1, 7, 33, 1000};
 
-class CudaElementwiseOps : public ::testing::Test {
+class CudaElementwiseOps : public CudaOpTest<elementwise_register_cpu, elementwise_register_cuda> {
  protected:
-  void SetUp() override {
-    devices_ = cuda_devices_describe();
-    ASSERT_FALSE(devices_.empty()) << "no CUDA device";
-    context_ = std::make_shared<DeviceContext>(0);
-    ASSERT_TRUE(elementwise_register_cpu(registry_).has_value());
-    ASSERT_TRUE(elementwise_register_cuda(registry_, context_).has_value());
-  }
   void expect_chosen(const std::string& op, const std::vector<SelfTestCase>& cases) {
     auto s = registry_select(registry_, op, devices_[0], cases, {});
     ASSERT_TRUE(s.has_value()) << s.error().message;
@@ -44,9 +38,6 @@ class CudaElementwiseOps : public ::testing::Test {
     EXPECT_TRUE(in.has_value());
     return std::unique_ptr<Inputs>(static_cast<Inputs*>(in->release()));
   }
-  std::vector<DeviceDescription> devices_;
-  std::shared_ptr<DeviceContext> context_;
-  Registry registry_;
 };
 
 TEST_F(CudaElementwiseOps, RmsNormPassesOnRaggedShapes) {

@@ -11,21 +11,15 @@
 
 #include "kernels/cuda/gated_delta.h"
 #include "ops/cuda_fault_test_util.h"
+#include "ops/cuda_op_test.h"
 #include "ops/gdn_cuda.h"
 #include "ops/gemm_cuda.h"
 
 namespace tern {
 namespace {
 
-class CudaGdnOps : public ::testing::Test {
+class CudaGdnOps : public CudaOpTest<gdn_register_cpu, gdn_register_cuda> {
  protected:
-  void SetUp() override {
-    devices_ = cuda_devices_describe();
-    ASSERT_FALSE(devices_.empty()) << "no CUDA device";
-    context_ = std::make_shared<DeviceContext>(0);
-    ASSERT_TRUE(gdn_register_cpu(registry_).has_value());
-    ASSERT_TRUE(gdn_register_cuda(registry_, context_).has_value());
-  }
   // Every CUDA candidate must pass; `expected` is the one chosen (the fastest, or the only one).
   void expect_all_cuda_pass(const std::string& op, const std::vector<SelfTestCase>& cases) {
     auto s = registry_select(registry_, op, devices_[0], cases, {});
@@ -38,9 +32,6 @@ class CudaGdnOps : public ::testing::Test {
                   cases.size(), c.max_error, c.bound, c.seconds * 1e3);
     }
   }
-  std::vector<DeviceDescription> devices_;
-  std::shared_ptr<DeviceContext> context_;
-  Registry registry_;
 };
 
 TEST_F(CudaGdnOps, ConvPassesOnRaggedBatches) {

@@ -6,6 +6,7 @@
 
 #include "kernels/cuda/gemm_bf16.h"
 #include "kernels/cuda/gemm_nvfp4_w4a16.h"
+#include "ops/cuda_op_test.h"
 #include "ops/gemm_op.h"
 
 namespace tern {
@@ -65,19 +66,7 @@ std::vector<Fault> nvfp4_faults() {
   };
 }
 
-class CudaGemmOps : public ::testing::Test {
- protected:
-  void SetUp() override {
-    devices_ = cuda_devices_describe();
-    ASSERT_FALSE(devices_.empty()) << "no CUDA device";
-    context_ = std::make_shared<DeviceContext>(0);
-    ASSERT_TRUE(gemm_register_cpu(registry_).has_value());
-    ASSERT_TRUE(gemm_register_cuda(registry_, context_).has_value());
-  }
-  std::vector<DeviceDescription> devices_;
-  std::shared_ptr<DeviceContext> context_;
-  Registry registry_;
-};
+class CudaGemmOps : public CudaOpTest<gemm_register_cpu, gemm_register_cuda> {};
 
 TEST_F(CudaGemmOps, RealImplementationsPassOnModelShapes) {
   // Qwen3.5-35B-A3B-like projections and expert sizes at decode and prefill batch sizes.

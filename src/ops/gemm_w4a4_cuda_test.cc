@@ -11,6 +11,7 @@
 #include "kernels/cuda/gemm_nvfp4_native.h"
 #include "kernels/cuda/nvfp4_scale_layout.h"
 #include "ops/cuda_fault_test_util.h"
+#include "ops/cuda_op_test.h"
 #include "ops/gemm_cuda.h"
 #include "ops/gemm_w4a4_op.h"
 
@@ -19,26 +20,10 @@ namespace {
 
 constexpr const char* kOp = "gemm_nvfp4_w4a4";
 
-class CudaGemmW4a4 : public ::testing::Test {
+class CudaGemmW4a4 : public CudaOpTest<gemm_w4a4_register_cpu, gemm_w4a4_register_cuda> {
  protected:
-  void SetUp() override {
-    devices_ = cuda_devices_describe();
-    ASSERT_FALSE(devices_.empty()) << "no CUDA device";
-    context_ = std::make_shared<DeviceContext>(0);
-    ASSERT_TRUE(gemm_w4a4_register_cpu(registry_).has_value());
-    ASSERT_TRUE(gemm_w4a4_register_cuda(registry_, context_).has_value());
-  }
   bool has_fp4() const { return arch_features(devices_[0].cc_major, devices_[0].cc_minor).fp4_block_scaled_mma; }
-  const CandidateReport* candidate(const Selection& s, const std::string& name) const {
-    for (const auto& c : s.candidates) {
-      if (c.name == name) return &c;
-    }
-    return nullptr;
-  }
 
-  std::vector<DeviceDescription> devices_;
-  std::shared_ptr<DeviceContext> context_;
-  Registry registry_;
 };
 
 TEST_F(CudaGemmW4a4, SelectionOnThisDevice) {
@@ -46,8 +31,8 @@ TEST_F(CudaGemmW4a4, SelectionOnThisDevice) {
   const auto cases = gemm_selftest_cases({{4096, 2048}, {2048, 4096}, {1024, 2048}, {2048, 512}}, {1, 8, 200});
   auto s = registry_select(registry_, kOp, devices_[0], cases, {});
   ASSERT_TRUE(s.has_value()) << s.error().message;
-  const CandidateReport* native = candidate(*s, "fp4-native");
-  const CandidateReport* cpu = candidate(*s, "cpu");
+  const CandidateReport* native = s->candidate("fp4-native");
+  const CandidateReport* cpu = s->candidate("cpu");
   ASSERT_NE(native, nullptr);
   ASSERT_NE(cpu, nullptr);
   EXPECT_EQ(cpu->status, CandidateStatus::kUnsupported);
@@ -124,7 +109,7 @@ TEST_F(CudaGemmW4a4, InjectedFaultsAreRejectedWhereTheNativePathRuns) {
   ASSERT_TRUE(s.has_value()) << s.error().message;
   EXPECT_EQ(s->chosen, "fp4-native");
   for (const auto& [f, why] : faults) {
-    const CandidateReport* c = candidate(*s, f);
+    const CandidateReport* c = s->candidate(f);
     ASSERT_NE(c, nullptr) << f;
     EXPECT_EQ(c->status, CandidateStatus::kFailed) << f;
     EXPECT_NE(c->reason.find(why), std::string::npos) << f << ": " << c->reason;

@@ -140,25 +140,17 @@ Selection select_on(const std::string& device_name, const BinaryImage& image,
   return s ? *s : Selection{};
 }
 
-const CandidateReport* candidate(const Selection& s, const std::string& name) {
-  for (const auto& c : s.candidates) {
-    if (c.name == name) return &c;
-  }
-  ADD_FAILURE() << "no candidate " << name;
-  return nullptr;
-}
-
 TEST(GemmW4a4Selection, UnsupportedWithoutFp4TensorCores) {
   for (const auto& [name, arch] :
        std::vector<std::pair<std::string, std::string>>{{"h200", "sm_90"}, {"rtx-4090", "sm_89"}}) {
     const Selection s = select_on(name, kFullImage);
     EXPECT_TRUE(s.chosen.empty()) << name << " chose " << s.chosen;
-    const CandidateReport* native = candidate(s, "fp4-native");
+    const CandidateReport* native = s.candidate("fp4-native");
     ASSERT_NE(native, nullptr);
     EXPECT_EQ(native->status, CandidateStatus::kUnsupported) << name;
     EXPECT_NE(native->reason.find("needs block-scaled FP4 tensor-core MMA"), std::string::npos) << native->reason;
     EXPECT_NE(native->reason.find(arch), std::string::npos) << native->reason;
-    const CandidateReport* cpu = candidate(s, "cpu");
+    const CandidateReport* cpu = s.candidate("cpu");
     ASSERT_NE(cpu, nullptr);
     EXPECT_EQ(cpu->status, CandidateStatus::kUnsupported) << name;
   }
@@ -168,10 +160,10 @@ TEST(GemmW4a4Selection, SupportedOnBlackwellWithItsMachineCode) {
   for (const std::string name : {"b200", "rtx-pro-6000"}) {
     const Selection s = select_on(name, kFullImage);
     EXPECT_EQ(s.chosen, "fp4-native") << name;
-    const CandidateReport* native = candidate(s, "fp4-native");
+    const CandidateReport* native = s.candidate("fp4-native");
     ASSERT_NE(native, nullptr);
     EXPECT_EQ(native->status, CandidateStatus::kNotTested) << name << ": " << native->reason;
-    const CandidateReport* cpu = candidate(s, "cpu");
+    const CandidateReport* cpu = s.candidate("cpu");
     ASSERT_NE(cpu, nullptr);
     EXPECT_EQ(cpu->status, CandidateStatus::kUnsupported) << name;
   }
@@ -180,7 +172,7 @@ TEST(GemmW4a4Selection, SupportedOnBlackwellWithItsMachineCode) {
 TEST(GemmW4a4Selection, UnsupportedWhenTheBinaryLacksTheArchitecture) {
   const Selection pro = select_on("rtx-pro-6000", kNoSm120Image);
   EXPECT_TRUE(pro.chosen.empty());
-  const CandidateReport* native = candidate(pro, "fp4-native");
+  const CandidateReport* native = pro.candidate("fp4-native");
   ASSERT_NE(native, nullptr);
   EXPECT_EQ(native->status, CandidateStatus::kUnsupported);
   EXPECT_NE(native->reason.find("no machine code for sm_120"), std::string::npos) << native->reason;
@@ -191,13 +183,13 @@ TEST(GemmW4a4Selection, UnsupportedWhenTheBinaryLacksTheArchitecture) {
 TEST(GemmW4a4Selection, ShapesOutsideCublasLtAlignment) {
   const std::vector<SelfTestCase> odd_k = {{"M=1 N=64 K=48", {1, 64, 48}}};
   const Selection with_odd_k = select_on("b200", kFullImage, odd_k);
-  const CandidateReport* k = candidate(with_odd_k, "fp4-native");
+  const CandidateReport* k = with_odd_k.candidate("fp4-native");
   ASSERT_NE(k, nullptr);
   EXPECT_EQ(k->status, CandidateStatus::kUnsupported);
   EXPECT_NE(k->reason.find("K=48 is not a multiple of 32"), std::string::npos) << k->reason;
   const std::vector<SelfTestCase> odd_n = {{"M=1 N=12 K=64", {1, 12, 64}}};
   const Selection with_odd_n = select_on("b200", kFullImage, odd_n);
-  const CandidateReport* n = candidate(with_odd_n, "fp4-native");
+  const CandidateReport* n = with_odd_n.candidate("fp4-native");
   ASSERT_NE(n, nullptr);
   EXPECT_EQ(n->status, CandidateStatus::kUnsupported);
   EXPECT_NE(n->reason.find("N=12 is not a multiple of 8"), std::string::npos) << n->reason;

@@ -8,21 +8,15 @@
 #include <cstdio>
 
 #include "ops/cuda_fault_test_util.h"
+#include "ops/cuda_op_test.h"
 #include "ops/gemm_cuda.h"
 #include "ops/moe_cuda.h"
 
 namespace tern {
 namespace {
 
-class CudaMoeOp : public ::testing::Test {
+class CudaMoeOp : public CudaOpTest<moe_register_cpu, moe_register_cuda> {
  protected:
-  void SetUp() override {
-    devices_ = cuda_devices_describe();
-    ASSERT_FALSE(devices_.empty()) << "no CUDA device";
-    context_ = std::make_shared<DeviceContext>(0);
-    ASSERT_TRUE(moe_register_cpu(registry_).has_value());
-    ASSERT_TRUE(moe_register_cuda(registry_, context_).has_value());
-  }
   void expect_chosen(const std::vector<SelfTestCase>& cases) {
     auto s = registry_select(registry_, "moe", devices_[0], cases, {});
     ASSERT_TRUE(s.has_value()) << s.error().message;
@@ -33,9 +27,6 @@ class CudaMoeOp : public ::testing::Test {
                   c.reason.c_str());
     }
   }
-  std::vector<DeviceDescription> devices_;
-  std::shared_ptr<DeviceContext> context_;
-  Registry registry_;
 };
 
 TEST_F(CudaMoeOp, PassesOnFixtureAndModelLikeShapes) {

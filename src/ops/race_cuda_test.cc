@@ -11,6 +11,7 @@
 
 #include <cstdio>
 
+#include "ops/cuda_op_test.h"
 #include "ops/elementwise_cuda.h"
 #include "ops/fault_kernels_test.h"
 #include "ops/gemm_cuda.h"
@@ -45,15 +46,8 @@ Expected<RunOutput> racy_scale_run(const DeviceContext& ctx, const RmsNormInputs
   });
 }
 
-class CudaRaces : public ::testing::Test {
+class CudaRaces : public CudaOpTest<elementwise_register_cpu, elementwise_register_cuda> {
  protected:
-  void SetUp() override {
-    devices_ = cuda_devices_describe();
-    ASSERT_FALSE(devices_.empty()) << "no CUDA device";
-    context_ = std::make_shared<DeviceContext>(0);
-    ASSERT_TRUE(elementwise_register_cpu(registry_).has_value());
-    ASSERT_TRUE(elementwise_register_cuda(registry_, context_).has_value());
-  }
   void add_racy(const std::string& name, Expected<RunOutput> (*run)(const DeviceContext&, const RmsNormInputs&)) {
     ASSERT_TRUE(registry_
                     .add(Implementation{.op = "rms_norm", .name = name, .backend = Backend::kCuda, .priority = 100,
@@ -63,9 +57,6 @@ class CudaRaces : public ::testing::Test {
                                         }})
                     .has_value());
   }
-  std::vector<DeviceDescription> devices_;
-  std::shared_ptr<DeviceContext> context_;
-  Registry registry_;
 };
 
 // 33 rows of 2048: every row's scale races on its own counter, so a pair of runs agreeing everywhere would need

@@ -101,6 +101,13 @@ Expected<void> check_forced(std::string_view op, const SelectOptions& options,
 
 }  // namespace
 
+const CandidateReport* Selection::candidate(std::string_view name) const {
+  for (const CandidateReport& c : candidates) {
+    if (c.name == name) return &c;
+  }
+  return nullptr;
+}
+
 Expected<Selection> registry_select(const Registry& registry, std::string_view op, const DeviceDescription& device,
                                     std::span<const SelfTestCase> cases, const SelectOptions& options) {
   const OpHarness* harness = registry.harness(op);

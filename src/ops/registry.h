@@ -90,6 +90,8 @@ struct Selection {
   bool tested = true;        // false under --selftest off
   std::vector<CandidateReport> candidates;
   double selftest_seconds = 0.0;
+
+  const CandidateReport* candidate(std::string_view name) const;  // null when no candidate has that name
 };
 
 struct SelectOptions {

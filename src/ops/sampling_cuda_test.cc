@@ -12,29 +12,14 @@
 
 #include "core/formats.h"
 #include "ops/cuda_fault_test_util.h"
+#include "ops/cuda_op_test.h"
 #include "ops/gemm_cuda.h"
 #include "ops/sampling_cuda.h"
 
 namespace tern {
 namespace {
 
-class CudaSamplingOp : public ::testing::Test {
- protected:
-  void SetUp() override {
-    devices_ = cuda_devices_describe();
-    ASSERT_FALSE(devices_.empty()) << "no CUDA device";
-    context_ = std::make_shared<DeviceContext>(0);
-    ASSERT_TRUE(sampling_register_cpu(registry_).has_value());
-    ASSERT_TRUE(sampling_register_cuda(registry_, context_).has_value());
-  }
-  const CandidateReport* candidate(const Selection& s, const std::string& name) const {
-    const auto it = std::find_if(s.candidates.begin(), s.candidates.end(), [&](auto& k) { return k.name == name; });
-    return it == s.candidates.end() ? nullptr : &*it;
-  }
-  std::vector<DeviceDescription> devices_;
-  std::shared_ptr<DeviceContext> context_;
-  Registry registry_;
-};
+class CudaSamplingOp : public CudaOpTest<sampling_register_cpu, sampling_register_cuda> {};
 
 TEST_F(CudaSamplingOp, PassesAtModelAndSmallVocabularies) {
   const std::vector<SelfTestCase> cases = {sampling_case(1, 151936), sampling_case(8, 151936),
@@ -42,8 +27,8 @@ TEST_F(CudaSamplingOp, PassesAtModelAndSmallVocabularies) {
                                            sampling_case(5, 1001),   sampling_case(3, 7)};
   auto s = registry_select(registry_, "sampling", devices_[0], cases, {});
   ASSERT_TRUE(s.has_value()) << s.error().message;
-  const CandidateReport* cuda = candidate(*s, "cuda");
-  const CandidateReport* cpu = candidate(*s, "cpu");
+  const CandidateReport* cuda = s->candidate("cuda");
+  const CandidateReport* cpu = s->candidate("cpu");
   ASSERT_NE(cuda, nullptr);
   ASSERT_NE(cpu, nullptr);
   EXPECT_EQ(s->chosen, "cuda") << cuda->reason;
@@ -119,7 +104,7 @@ TEST_F(CudaSamplingOp, InjectedFaultsAreRejectedOnTheGpu) {
   ASSERT_TRUE(s.has_value()) << s.error().message;
   EXPECT_EQ(s->chosen, "cuda");
   for (const Fault& f : gpu_faults()) {
-    const CandidateReport* k = candidate(*s, f.name);
+    const CandidateReport* k = s->candidate(f.name);
     ASSERT_NE(k, nullptr) << f.name;
     EXPECT_EQ(k->status, CandidateStatus::kFailed) << f.name;
     EXPECT_NE(k->reason.find(f.expected_reason), std::string::npos) << f.name << ": " << k->reason;
@@ -141,7 +126,7 @@ TEST_F(CudaSamplingOp, AVocabularyBeyondTheSharedMemoryIsUnsupported) {
   const SelfTestCase c = sampling_case(1, int64_t{1} << 22);
   auto s = registry_select(registry_, "sampling", devices_[0], std::span(&c, 1), {.mode = SelftestMode::kOff});
   ASSERT_TRUE(s.has_value()) << s.error().message;
-  const CandidateReport* cuda = candidate(*s, "cuda");
+  const CandidateReport* cuda = s->candidate("cuda");
   ASSERT_NE(cuda, nullptr);
   EXPECT_EQ(cuda->status, CandidateStatus::kUnsupported);
   const size_t shared = sampling_dynamic_shared_bytes(c.dims[1]) + kSampleStaticSharedBytes;

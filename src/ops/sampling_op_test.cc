@@ -14,12 +14,10 @@ namespace tern {
 namespace {
 
 const CandidateReport& report_of(const Selection& s, std::string_view name) {
-  for (const auto& r : s.candidates) {
-    if (r.name == name) return r;
-  }
-  ADD_FAILURE() << "no report for " << name;
-  static CandidateReport none;
-  return none;
+  static const CandidateReport none;
+  const CandidateReport* r = s.candidate(name);
+  EXPECT_NE(r, nullptr) << "no report for " << name;
+  return r != nullptr ? *r : none;
 }
 
 class SamplingOp : public ::testing::Test {
