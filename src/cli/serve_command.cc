@@ -176,6 +176,8 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--load-format", o->model.load_format, "auto: the checkpoint's weights; dummy: random weights")
       ->check(CLI::IsMember({"auto", "dummy"}));
   cmd->add_option("--dummy-seed", o->model.dummy_seed, "Seed of --load-format dummy weights");
+  cmd->add_flag("--enforce-eager", o->model.enforce_eager,
+                "Launch every decode step's kernels from the host (no CUDA graphs)");
   cmd->callback([o] { throw CLI::RuntimeError(run_serve(*o)); });
 }
 
