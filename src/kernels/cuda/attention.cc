@@ -138,8 +138,8 @@ Expected<void> decode_check(const DeviceContext& ctx, const PagedAttentionArgs& 
         "block",
         a.cache.head_dim, ctx.props().shared_mem_per_block_optin);
   }
-  const int64_t n_splits = attention_decode_splits(ctx.props(), a.cache.head_dim, a.tokens, a.n_heads,
-                                                   a.cache.n_kv_heads, a.max_seq_len);
+  const int64_t n_splits =
+      attention_decode_splits(ctx.props(), a.cache.head_dim, a.tokens, a.n_heads, a.cache.n_kv_heads, a.max_seq_len);
   const size_t needed = attention_decode_workspace_bytes(n_splits, a.tokens, a.n_heads, a.cache.head_dim);
   if (needed == 0) return {};
   if (a.workspace == nullptr || a.workspace_bytes < needed || !aligned16(a.workspace)) {

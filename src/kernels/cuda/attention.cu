@@ -289,7 +289,7 @@ __device__ __forceinline__ void decode_softmax(float (&s)[2][4], float (&o)[kHea
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xFFFFFFFFu, mx[r], 1));
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xFFFFFFFFu, mx[r], 2));
     base[r] = mx[r] == -INFINITY ? 0.0f : mx[r];  // (a chunk always holds a key; kept so -inf never meets -inf)
-    const float corr = exp2f(m[r] - base[r]);   // 0 while m is -inf
+    const float corr = exp2f(m[r] - base[r]);     // 0 while m is -inf
     m[r] = mx[r];
     l[r] *= corr;
 #pragma unroll
@@ -395,8 +395,8 @@ template <int kHeadDim, int kStages>
 __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const DecodeParams p) {
   constexpr int kLd = kHeadDim + 8, kPieces = kHeadDim / 8, kStageElems = 2 * kDecodeKeys * kLd;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t* q_s = smem;                                                            // [16][kLd]
-  uint16_t* kv_s = smem + 16 * kLd;                                                // [warp][stage][K|V][16][kLd]
+  uint16_t* q_s = smem;                                                                 // [16][kLd]
+  uint16_t* kv_s = smem + 16 * kLd;                                                     // [warp][stage][K|V][16][kLd]
   float* ml_s = reinterpret_cast<float*>(kv_s + kDecodeWarps * kStages * kStageElems);  // [warp][16][2]
   const PagedAttentionArgs& a = p.a;
   const int n_kv = static_cast<int>(a.cache.n_kv_heads), G = p.group;
