@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   }
   cp_async_wait<0>();
 
-  // Each warp's rows (heads < G) into shared memory over its own K/V buffers, once every warp is done with them.
+  // Each warp's rows (heads < G) into shared memory over the K/V buffers, once every warp is done with them.
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xFFFFFFFFu, l[r], 1);
@@ -862,8 +862,8 @@ int64_t decode_slots(const DeviceProps& props, int64_t head_dim) {
 
 }  // namespace
 
-// About three waves of blocks at most, and at least kDecodeMinSplitKeys keys per range at max_seq_len. Monotone:
-// never more for more tokens per (token count * n_kv_heads) or a shorter max_seq_len, which the workspace relies on.
+// About three waves of blocks at most, and at least kDecodeMinSplitKeys keys per range at max_seq_len. It never grows
+// with tokens * n_kv_heads and never shrinks with max_seq_len, which paged_attention_workspace_bytes relies on.
 int64_t attention_decode_max_splits(const DeviceProps& props, int64_t head_dim, int64_t tokens, int64_t n_kv_heads,
                                     int64_t max_seq_len) {
   const int64_t base = std::max<int64_t>(tokens * n_kv_heads, 1);

@@ -89,7 +89,7 @@ enum class AttentionVariant {
 };
 
 inline constexpr int64_t kAttentionDecodeMaxQueryLen = 4;
-inline constexpr int64_t kAttentionMaxGroup = 16;  // query heads per kv head the decode kernel holds in shared memory
+inline constexpr int64_t kAttentionMaxGroup = 16;  // query heads per kv head: the 16 rows of the decode mma tiles
 
 // Decode tiles: a block of kAttentionDecodeWarps warps owns (query row, kv head, key range); each warp walks its own
 // chunks of kAttentionDecodeKeys keys (round robin over the range), gathering K and V rows with cp.async into its own
