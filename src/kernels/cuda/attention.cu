@@ -216,15 +216,24 @@ size_t decode_smem_bytes(int head_dim, int stages) {
   return 16 * row_bytes + kv_bytes + kDecodeWarps * 16 * 2 * sizeof(float);
 }
 
-// find_sequence after two guesses read together: one query row per sequence (s = t) or the same count for all
-// (s = t / max_query_len). Row t belongs to s exactly when query_start[s] <= t < query_start[s + 1], so a guess that
-// passes is the answer; the binary search (a chain of dependent loads) runs only when neither does.
-__device__ __forceinline__ int find_sequence_guessed(const int32_t* query_start, int n_seqs, int t, int max_q) {
+// The sequence of query row t with its first row, row count and length, found from two guesses read together with
+// their lengths: one query row per sequence (s = t) or the same count for all (s = t / max_query_len). Row t belongs
+// to s exactly when query_start[s] <= t < query_start[s + 1], so a guess that passes is the answer, one round trip
+// to memory; the binary search (a chain of dependent loads) runs only when neither does.
+struct RowSequence {
+  int s, q0, n_q, seq_len;
+};
+
+__device__ __forceinline__ RowSequence find_row_sequence(const PagedAttentionArgs& a, int t) {
+  const int n_seqs = static_cast<int>(a.n_seqs), max_q = static_cast<int>(a.max_query_len);
+  const int32_t* query_start = a.query_start;
   const int g0 = min(t, n_seqs - 1), g1 = min(t / max_q, n_seqs - 1);
-  const int a0 = query_start[g0], b0 = query_start[g0 + 1], a1 = query_start[g1], b1 = query_start[g1 + 1];
-  if (a0 <= t && t < b0) return g0;
-  if (a1 <= t && t < b1) return g1;
-  return find_sequence(query_start, n_seqs, t);
+  const int a0 = query_start[g0], b0 = query_start[g0 + 1], len0 = a.seq_lens[g0];
+  const int a1 = query_start[g1], b1 = query_start[g1 + 1], len1 = a.seq_lens[g1];
+  if (a0 <= t && t < b0) return {g0, a0, b0 - a0, len0};
+  if (a1 <= t && t < b1) return {g1, a1, b1 - a1, len1};
+  const int s = find_sequence(query_start, n_seqs, t);
+  return {s, query_start[s], query_start[s + 1] - query_start[s], a.seq_lens[s]};
 }
 
 // Queues the cp.async copies of keys [key0, key0 + 16) of the kv head into k_s / v_s ([16][hd + 8] each, v_s right
@@ -345,13 +354,12 @@ struct DecodeRange {
 
 __device__ __forceinline__ DecodeRange decode_range(const DecodeParams& p, int t, int split) {
   const PagedAttentionArgs& a = p.a;
-  const int s = find_sequence_guessed(a.query_start, static_cast<int>(a.n_seqs), t, static_cast<int>(a.max_query_len));
-  const int q0 = a.query_start[s], n_q = a.query_start[s + 1] - q0;
-  const int position = a.seq_lens[s] - n_q + (t - q0);
+  const RowSequence seq = find_row_sequence(a, t);
+  const int position = seq.seq_len - seq.n_q + (t - seq.q0);
   const int n_keys = min(position + 1, static_cast<int>(a.max_blocks_per_seq << p.log2_bs));
   const int64_t split_len = max((n_keys + p.n_splits - 1) / p.n_splits, static_cast<int>(kDecodeMinSplitKeys));
   const int64_t begin = min(int64_t{split} * split_len, int64_t{n_keys});
-  return {a.block_tables + int64_t{s} * a.max_blocks_per_seq, static_cast<int>(begin),
+  return {a.block_tables + int64_t{seq.s} * a.max_blocks_per_seq, static_cast<int>(begin),
           static_cast<int>(min(begin + split_len, int64_t{n_keys}))};
 }
 
