@@ -58,6 +58,12 @@ TEST_F(CudaAttentionOps, LongContextsAndGroupOf16Pass) {
                     attention_case(3, 1, 5000, 32, 2, 64, true)});
 }
 
+// Serving-sized decode steps (ragged pasts around 1k): Qwen3-8B's 32/8 heads of 128 at 96 rows, Qwen3.5's 32/2 heads
+// of 256 (group 16) at 64 rows; the launch picks one to a few splits here, where the cases above get many.
+TEST_F(CudaAttentionOps, LargeDecodeBatchesPass) {
+  expect_both_pass({attention_case(96, 1, 1000, 32, 8, 128, false), attention_case(64, 1, 1000, 32, 2, 256, true)});
+}
+
 // The two fault cases: a prefill-shaped batch (130 queries per sequence: three query tiles) and a decode-shaped one
 // (one query, a past long enough that half of max_seq_len drops keys). Both gated.
 const SelfTestCase kPrefillFaultCase = attention_case(3, 130, 20, 8, 2, 64, true);

@@ -1,11 +1,14 @@
 // The tile choices of the attention and Gated DeltaNet kernels on simulated GPUs (no GPU needed): every head dim the
 // supported models use gets a tile that fits the device's shared memory per block, computed from the device's
 // numbers and not from its compute capability (an RTX PRO 6000 has 99 KiB per block where an H200 has 227 KiB).
+// The decode split count, which follows the device's resident blocks, stays within the workspace sized for it.
 #include <gtest/gtest.h>
 
 #include <cstdio>
 
-#include "kernels/cuda/attention_launch.h"
+#include <fmt/format.h>
+
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/gated_delta_launch.h"
 #include "ops/device.h"
 
@@ -54,6 +57,66 @@ TEST(TileFit, AttentionTilesShrinkWithSharedMemoryNotWithArchitecture) {
   EXPECT_LT(tight.smem_bytes, roomy.smem_bytes);
   p.shared_mem_per_block_optin = 1024;
   EXPECT_EQ(attention_prefill_tiles(p, 256).stages, 0) << "a tile that does not fit must be refused";
+}
+
+TEST(TileFit, AttentionDecodeTilesFitEverySimulatedDevice) {
+  for (const std::string& name : simulated_device_names()) {
+    auto d = simulated_device(name);
+    ASSERT_TRUE(d.has_value()) << name;
+    const DeviceProps p = props_of(*d);
+    for (int64_t hd : {32, 64, 128, 256}) {
+      const AttentionDecodeTiles t = attention_decode_tiles(p, hd);
+      std::printf("%-13s hd %3lld: decode %d stage(s), %zu of %lld bytes, %d blocks per SM\n", name.c_str(),
+                  static_cast<long long>(hd), t.stages, t.smem_bytes, static_cast<long long>(d->smem_per_block_optin),
+                  t.blocks_per_sm);
+      EXPECT_GE(t.stages, 1) << name << " hd " << hd << ": no decode tile fits";
+      EXPECT_LE(static_cast<int64_t>(t.smem_bytes), d->smem_per_block_optin) << name << " hd " << hd;
+      EXPECT_GE(t.blocks_per_sm, 1) << name << " hd " << hd;
+      EXPECT_LE(static_cast<int64_t>(t.blocks_per_sm) * static_cast<int64_t>(t.smem_bytes + 1024), d->smem_per_sm)
+          << name << " hd " << hd << ": more resident blocks planned than the SM's shared memory holds";
+    }
+  }
+  // Two K/V stages per warp up to head_dim 256 on an H200; the RTX PRO 6000 keeps two up to 128 and one at 256.
+  for (int64_t hd : {32, 64, 128, 256})
+    EXPECT_EQ(attention_decode_tiles(props_of(*simulated_device("h200")), hd).stages, 2);
+  const DeviceProps rtx = props_of(*simulated_device("rtx-pro-6000"));
+  EXPECT_EQ(attention_decode_tiles(rtx, 128).stages, 2);
+  EXPECT_EQ(attention_decode_tiles(rtx, 256).stages, 1);
+  DeviceProps tiny = rtx;
+  tiny.shared_mem_per_block_optin = 1024;
+  EXPECT_EQ(attention_decode_tiles(tiny, 64).stages, 0) << "a tile that does not fit must be refused";
+}
+
+// Every launch within the bounds a workspace was sized for (token count, max_seq_len, any n_kv_heads) needs at
+// most that workspace; large batches get one split, a lone long sequence enough splits to reach 90% of the SMs.
+TEST(TileFit, AttentionDecodeSplitsStayWithinTheWorkspace) {
+  constexpr int64_t kHeads = 32, kMaxTokens = 160, kMaxSeqLen = 40000;
+  for (const std::string& name : simulated_device_names()) {
+    const DeviceProps p = props_of(*simulated_device(name));
+    for (int64_t hd : {64, 128, 256}) {
+      const size_t ws = paged_attention_workspace_bytes(p, kMaxTokens, kHeads, hd, kMaxSeqLen);
+      for (int64_t t = 1; t <= kMaxTokens; t += t < 16 ? 1 : 7) {
+        for (int64_t n_kv : {2, 8, 32}) {
+          for (int64_t len : {int64_t{1}, int64_t{63}, int64_t{1042}, int64_t{32768}, kMaxSeqLen}) {
+            const int64_t n = attention_decode_splits(p, hd, t, kHeads, n_kv, len);
+            SCOPED_TRACE(
+                fmt::format("{} hd {} tokens {} kv heads {} max_seq_len {}: {} splits", name, hd, t, n_kv, len, n));
+            ASSERT_GE(n, 1);
+            ASSERT_LE(n, attention_decode_max_splits(p, hd, t, n_kv, len));
+            ASSERT_LE(attention_decode_workspace_bytes(n, t, kHeads, hd), ws);
+          }
+        }
+      }
+    }
+    EXPECT_EQ(attention_decode_splits(p, 128, 1024, kHeads, 8, 1042), 1) << name;
+    const int64_t lone = attention_decode_splits(p, 128, 1, kHeads, 8, 32768);
+    EXPECT_GE(lone * 8 * 10, p.num_sms * 9) << name << ": " << lone << " splits leave SMs idle";
+    std::printf(
+        "%-13s hd 128, 32/8 heads: splits %lld (64 x 1042), %lld (128 x 1042), %lld (64 x 32k), %lld (1 x 32k)\n",
+        name.c_str(), static_cast<long long>(attention_decode_splits(p, 128, 64, kHeads, 8, 1042)),
+        static_cast<long long>(attention_decode_splits(p, 128, 128, kHeads, 8, 1042)),
+        static_cast<long long>(attention_decode_splits(p, 128, 64, kHeads, 8, 32768)), static_cast<long long>(lone));
+  }
 }
 
 TEST(TileFit, GdnChunksFitEverySimulatedDevice) {

@@ -126,8 +126,20 @@ Expected<void> attention_validate(const PagedAttentionArgs& a) {
   return {};
 }
 
-Expected<void> decode_check_workspace(const DeviceContext& ctx, const PagedAttentionArgs& a) {
-  const int64_t n_splits = attention_decode_splits(ctx.props().num_sms, a.tokens, a.cache.n_kv_heads, a.max_seq_len);
+// The decode grid (tokens * n_kv_heads blocks along x), its tiles on this device and the split-K workspace.
+Expected<void> decode_check(const DeviceContext& ctx, const PagedAttentionArgs& a) {
+  if (a.tokens * a.cache.n_kv_heads > kMaxCount) {
+    return make_error("paged_attention: decode of tokens={} x cache.n_kv_heads={} exceeds {} blocks", a.tokens,
+                      a.cache.n_kv_heads, kMaxCount);
+  }
+  if (attention_decode_tiles(ctx.props(), a.cache.head_dim).stages == 0) {
+    return make_error(
+        "paged_attention: the decode tiles of head_dim {} do not fit this device's {} bytes of shared memory per "
+        "block",
+        a.cache.head_dim, ctx.props().shared_mem_per_block_optin);
+  }
+  const int64_t n_splits =
+      attention_decode_splits(ctx.props(), a.cache.head_dim, a.tokens, a.n_heads, a.cache.n_kv_heads, a.max_seq_len);
   const size_t needed = attention_decode_workspace_bytes(n_splits, a.tokens, a.n_heads, a.cache.head_dim);
   if (needed == 0) return {};
   if (a.workspace == nullptr || a.workspace_bytes < needed || !aligned16(a.workspace)) {
@@ -142,10 +154,12 @@ Expected<void> decode_check_workspace(const DeviceContext& ctx, const PagedAtten
 size_t paged_attention_workspace_bytes(const DeviceProps& props, int64_t tokens, int64_t n_heads, int64_t head_dim,
                                        int64_t max_seq_len) {
   // Fewer tokens get more splits, so the need is not monotone in the token count: take the largest over every count
-  // up to `tokens` (a bound on the product splits * tokens keeps it small: about 2 * SMs + tokens rows).
+  // up to `tokens`. For each count the split count is at most attention_decode_max_splits, which shrinks as
+  // n_kv_heads grows and grows with max_seq_len, so its value at n_kv_heads = 1 and this max_seq_len bounds every
+  // launch within these bounds (about 3 * resident blocks + tokens rows of partials).
   size_t most = 0;
   for (int64_t t = 1; t <= tokens; ++t) {
-    const int64_t n_splits = attention_decode_splits(props.num_sms, t, 1, max_seq_len);
+    const int64_t n_splits = attention_decode_max_splits(props, head_dim, t, 1, max_seq_len);
     most = std::max(most, attention_decode_workspace_bytes(n_splits, t, n_heads, head_dim));
   }
   return most;
@@ -165,7 +179,7 @@ Expected<void> paged_attention(const DeviceContext& ctx, const PagedAttentionArg
         args.max_query_len <= kAttentionDecodeMaxQueryLen ? AttentionVariant::kDecode : AttentionVariant::kPrefill;
   }
   if (variant == AttentionVariant::kDecode) {
-    TERN_TRY(decode_check_workspace(ctx, args));
+    TERN_TRY(decode_check(ctx, args));
     paged_attention_decode_launch(ctx, args);
     return {};
   }

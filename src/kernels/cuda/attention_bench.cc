@@ -1,8 +1,9 @@
 // Paged attention timings on one GPU. Plain main (not run by ctest):
 //   attention_bench [--quick]
-// decode: 1..64 sequences with one new token each over 4k..32k cached tokens; achieved GB/s of K and V read, next to
-// the device-to-device copy bandwidth of the same run (read + written bytes) as the ceiling. Successive calls read
-// disjoint regions of a large pool so small batches are not served from the L2.
+// decode: 1..128 sequences with one new token each over 1042..32k cached tokens (--quick: 64 and 128 x 1042, 64 and
+// 1 x 32k, for 32/8 heads of 128 and 32/2 heads of 256); achieved GB/s of K and V read, next to the bandwidth of the
+// copy kernel (roofline.h, bytes read + written) of the same run as the ceiling. Successive calls read disjoint
+// regions of a large pool so small batches are not served from the L2.
 // prefill: 4096 new tokens (one prompt, and two of 2048), causal; TFLOP/s counting 4 * head_dim FLOPs per
 // (query, visible key, head) for q.k and p.v.
 #include <cuda_runtime.h>
@@ -15,6 +16,7 @@
 
 #include "core/formats.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/roofline.h"
 
 namespace tern {
 namespace {
@@ -41,9 +43,8 @@ double time_ms(const DeviceContext& ctx, const std::function<void(int)>& launch)
 double copy_gbs(const DeviceContext& ctx) {
   const size_t bytes = size_t{1} << 30;
   DeviceBuffer a(bytes), b(bytes);
-  const double ms = time_ms(ctx, [&](int) {
-    TERN_CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, ctx.stream()));
-  });
+  const double ms =
+      time_ms(ctx, [&](int) { bench_copy_launch(a.data(), b.data(), bytes, ctx.props().num_sms, ctx.stream()); });
   return 2.0 * static_cast<double>(bytes) / (ms * 1e6);
 }
 
@@ -134,21 +135,23 @@ double time_attention(const DeviceContext& ctx, const Pool& pool, const HeadConf
   });
 }
 
-void bench_decode(const DeviceContext& ctx, const HeadConfig& h, bool quick, double copy) {
-  constexpr int64_t kPoolTokens = int64_t{64} * 32768, kBlockSize = 16;
+struct DecodeCase {
+  int64_t n_seqs, ctx_len;
+};
+
+void bench_decode(const DeviceContext& ctx, const HeadConfig& h, const std::vector<DecodeCase>& cases, double copy) {
+  constexpr int64_t kPoolTokens = int64_t{128} * 32768, kBlockSize = 16;
   const Pool pool = make_pool(h, kPoolTokens, kBlockSize);
-  const std::vector<int64_t> seqs = quick ? std::vector<int64_t>{1, 64} : std::vector<int64_t>{1, 4, 8, 16, 32, 64};
-  for (int64_t ctx_len : {int64_t{4096}, int64_t{16384}, int64_t{32768}}) {
-    for (int64_t n : seqs) {
-      const double ms = time_attention(ctx, pool, h, n, 1, ctx_len, AttentionVariant::kDecode);
-      const double bytes = 2.0 * 2.0 * static_cast<double>(n * ctx_len * h.n_kv_heads * h.head_dim);
-      const double gbs = bytes / (ms * 1e6);
-      std::printf("decode  %2lld/%lld x %3lld | seqs %3lld ctx %6lld | %9.1f us %7.0f GB/s %5.1f%% of copy\n",
-                  static_cast<long long>(h.n_heads), static_cast<long long>(h.n_kv_heads),
-                  static_cast<long long>(h.head_dim), static_cast<long long>(n), static_cast<long long>(ctx_len),
-                  ms * 1e3, gbs, 100.0 * gbs / copy);
-      std::fflush(stdout);
-    }
+  for (const DecodeCase& c : cases) {
+    if (c.n_seqs * c.ctx_len > kPoolTokens) continue;
+    const double ms = time_attention(ctx, pool, h, c.n_seqs, 1, c.ctx_len, AttentionVariant::kDecode);
+    const double bytes = 2.0 * 2.0 * static_cast<double>(c.n_seqs * c.ctx_len * h.n_kv_heads * h.head_dim);
+    const double gbs = bytes / (ms * 1e6);
+    std::printf("decode  %2lld/%lld x %3lld | seqs %3lld ctx %6lld | %9.1f us %7.0f GB/s %5.1f%% of copy\n",
+                static_cast<long long>(h.n_heads), static_cast<long long>(h.n_kv_heads),
+                static_cast<long long>(h.head_dim), static_cast<long long>(c.n_seqs), static_cast<long long>(c.ctx_len),
+                ms * 1e3, gbs, 100.0 * gbs / copy);
+    std::fflush(stdout);
   }
 }
 
@@ -173,9 +176,18 @@ int bench_main(bool quick) {
   std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB, smem/block opt-in %zu KiB\n", p.name.c_str(), p.cc_major,
               p.cc_minor, p.num_sms, p.l2_bytes >> 20, p.shared_mem_per_block_optin >> 10);
   const double copy = copy_gbs(ctx);
-  std::printf("device-to-device copy (bytes read + written): %.0f GB/s\n\n", copy);
-  const std::vector<HeadConfig> configs = {{32, 8, 128}, {32, 2, 256}, {64, 4, 128}};
-  for (const HeadConfig& h : configs) bench_decode(ctx, h, quick, copy);
+  std::printf("copy kernel (bytes read + written): %.0f GB/s\n\n", copy);
+  // 1042 cached tokens: a 1k-token prompt a few steps into its answer.
+  const std::vector<DecodeCase> quick_cases = {{64, 1042}, {128, 1042}, {64, 32768}, {1, 32768}};
+  std::vector<DecodeCase> all_cases;
+  for (int64_t ctx_len : {int64_t{1042}, int64_t{4096}, int64_t{16384}, int64_t{32768}}) {
+    for (int64_t n : {int64_t{1}, int64_t{8}, int64_t{16}, int64_t{32}, int64_t{64}, int64_t{128}}) {
+      all_cases.push_back({n, ctx_len});
+    }
+  }
+  const std::vector<HeadConfig> configs = quick ? std::vector<HeadConfig>{{32, 8, 128}, {32, 2, 256}}
+                                                : std::vector<HeadConfig>{{32, 8, 128}, {32, 2, 256}, {64, 4, 128}};
+  for (const HeadConfig& h : configs) bench_decode(ctx, h, quick ? quick_cases : all_cases, copy);
   for (const HeadConfig& h : configs) bench_prefill(ctx, h);
   return 0;
 }

@@ -89,23 +89,32 @@ enum class AttentionVariant {
 };
 
 inline constexpr int64_t kAttentionDecodeMaxQueryLen = 4;
-inline constexpr int64_t kAttentionMaxGroup = 16;  // query heads per kv head the decode kernel holds in shared memory
+inline constexpr int64_t kAttentionMaxGroup = 16;  // query heads per kv head: the 16 rows of the decode mma tiles
 
-// Decode split-K: how many key ranges each (token, kv head) is cut into. Enough blocks to fill every SM about twice,
-// but at least kDecodeMinSplitKeys keys per range (at max_seq_len) so the partials' write and reduce stay small next
-// to the keys. Each query row cuts its own keys into n_splits equal ranges (of at least kDecodeMinSplitKeys / 2), so
-// the count depends on max_seq_len only as a cap: a decode step sized for a longer context (a CUDA graph's bucket)
-// still spreads a short sequence over every split. It only grows as n_kv_heads shrinks, so n_kv_heads = 1 gives
-// the workspace's upper bound.
+// Decode tiles: a block of kAttentionDecodeWarps warps owns (query row, kv head, key range); each warp walks its own
+// chunks of kAttentionDecodeKeys keys (round robin over the range), gathering K and V rows with cp.async into its own
+// `stages` buffers in shared memory, and keeps its own online softmax; the warps merge once at the end.
+// blocks_per_sm is the occupancy the split count plans with (shared memory and a register estimate).
+inline constexpr int kAttentionDecodeWarps = 4;
+inline constexpr int kAttentionDecodeKeys = 16;
+struct AttentionDecodeTiles {
+  int stages = 0;         // 1 or 2 K/V buffers per warp; 0 when head_dim does not fit the device at all
+  size_t smem_bytes = 0;  // dynamic shared memory per block
+  int blocks_per_sm = 0;  // resident blocks per SM assumed by attention_decode_splits
+};
+AttentionDecodeTiles attention_decode_tiles(const DeviceProps& props, int64_t head_dim);
+
+// Decode split-K: how many key ranges each (token, kv head) is cut into. Each query row cuts its own keys into
+// n_splits equal ranges of at least kDecodeMinSplitKeys, so the count depends on max_seq_len only through the cost
+// model and a cap: a decode step sized for a longer context (a CUDA graph's bucket) still spreads a short sequence
+// over every split. The count minimises waves(n) * (max_seq_len / n + kDecodeMinSplitKeys) plus the partials' write
+// and reduce, where a wave is num_sms * blocks_per_sm blocks (so a batch that leaves the last wave mostly empty gets
+// more, shorter blocks). It never exceeds attention_decode_max_splits, which the workspace is sized from.
 inline constexpr int64_t kDecodeMinSplitKeys = 64;
-inline int64_t attention_decode_splits(int num_sms, int64_t tokens, int64_t n_kv_heads, int64_t max_seq_len) {
-  const int64_t base = tokens * n_kv_heads > 0 ? tokens * n_kv_heads : 1;
-  const int64_t want = (2 * int64_t{num_sms} + base - 1) / base;
-  const int64_t most = (max_seq_len + kDecodeMinSplitKeys - 1) / kDecodeMinSplitKeys;
-  int64_t n = want < most ? want : most;
-  if (n > 65535) n = 65535;  // grid y
-  return n < 1 ? 1 : n;
-}
+int64_t attention_decode_max_splits(const DeviceProps& props, int64_t head_dim, int64_t tokens, int64_t n_kv_heads,
+                                    int64_t max_seq_len);
+int64_t attention_decode_splits(const DeviceProps& props, int64_t head_dim, int64_t tokens, int64_t n_heads,
+                                int64_t n_kv_heads, int64_t max_seq_len);
 
 // Bytes of the split-K workspace: partial outputs [tokens, n_heads, n_splits, head_dim] fp32, then (max, sum)
 // pairs [tokens, n_heads, n_splits, 2] fp32; 0 when one split suffices (the kernel then writes `out` directly).

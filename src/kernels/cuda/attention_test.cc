@@ -6,8 +6,9 @@
 // wrong slot shows in the output.
 //
 // Tolerance, per sequence relative to the largest reference output of that sequence: the bf16 rounding of the
-// output is at most 2^-8 of an element. Decode keeps the probabilities in fp32 (2^-12 more covers the fp32 sums
-// and exp2); prefill feeds them to the tensor cores as bf16, a second rounding of up to 2^-8 per term, so 2^-7.
+// output is at most 2^-8 of an element. Decode keeps the probabilities to about 16 bits (a bf16 high part and a bf16
+// remainder into the tensor cores; 2^-12 more covers them, the fp32 sums and exp2); prefill feeds them to the tensor
+// cores as bf16, a second rounding of up to 2^-8 per term, so 2^-7.
 // A wrong mask, scale, head mapping or block lookup moves outputs by far more on the short sequences of each batch.
 #include <gtest/gtest.h>
 
@@ -54,8 +55,7 @@ std::vector<float> widen(const uint16_t* p, size_t n) {
 template <class T>
 DeviceBuffer upload(const std::vector<T>& host) {
   DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 16));
-  if (!host.empty())
-    b.upload(host.data(), host.size() * sizeof(T));
+  if (!host.empty()) b.upload(host.data(), host.size() * sizeof(T));
   return b;
 }
 
@@ -272,6 +272,26 @@ TEST_F(CudaAttention, LongContextDecode) {
   check(Shape{{{32767, 1}, {20000, 4}, {8191, 1}}, 16, 2, 128, 16, false}, AttentionVariant::kDecode, kDecodeRel, 501);
   check(Shape{{{32000, 1}, {77, 1}}, 16, 1, 256, 16, true}, AttentionVariant::kDecode, kDecodeRel, 502);
   check(Shape{{{16384, 1}}, 4, 4, 64, 32, false}, AttentionVariant::kAuto, kDecodeRel, 503);
+}
+
+// Serving-sized decode steps: 96 rows of about 1k keys for Qwen3-8B's 32/8 heads of 128 (a few rows with 2..4
+// queries, one empty sequence), 64 rows for Qwen3.5's 32/2 heads of 256 (group 16). Each row's key count differs,
+// so the warps' chunk tails, the split ranges and the per-row positions are all exercised at the split counts the
+// launch picks for large batches.
+std::vector<Seq> large_batch(int64_t n_seqs, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<Seq> seqs;
+  for (int64_t i = 0; i < n_seqs; ++i) {
+    const int64_t n_q = i % 16 == 5 ? 2 + static_cast<int64_t>(rng() % 3) : i == 40 ? 0 : 1;
+    seqs.push_back({900 + static_cast<int64_t>(rng() % 250), n_q});
+  }
+  return seqs;
+}
+
+TEST_F(CudaAttention, LargeBatchDecode) {
+  check(Shape{large_batch(96, 801), 32, 8, 128, 16, false}, AttentionVariant::kDecode, kDecodeRel, 802);
+  check(Shape{large_batch(128, 803), 32, 8, 128, 16, true}, AttentionVariant::kAuto, kDecodeRel, 804);
+  check(Shape{large_batch(64, 805), 32, 2, 256, 16, true}, AttentionVariant::kDecode, kDecodeRel, 806);
 }
 
 TEST_F(CudaAttention, LongPrefill) {
