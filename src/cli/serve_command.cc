@@ -107,14 +107,26 @@ int run_serve(ServeOptions& o) {
   const auto start = std::chrono::steady_clock::now();
   auto model_config = model_config_load(dir);
   if (!model_config) return fail(model_config.error().message);
+  const bool total_given = o.max_total_tokens > 0;
   auto econfig = engine_config(o, *model_config);
   if (!econfig) return fail(econfig.error().message);
-  // A step holds at most the prefill chunk plus one decode row per running request.
+  // A step holds at most the prefill chunk plus one decode row per running request. Without --max-total-tokens a
+  // GPU's KV cache is sized from its free memory (as vLLM's --gpu-memory-utilization does), and the scheduler is
+  // given what fit.
   const DeviceModelOptions sizes{.max_batch_tokens = o.chunked_prefill + o.max_running,
                                  .max_sequences = o.max_running,
-                                 .kv_cache_tokens = o.max_total_tokens};
+                                 .kv_cache_tokens = total_given ? o.max_total_tokens : 0};
   auto model = load_model_from_options(o.model, sizes);
   if (!model) return fail(model.error().message);
+  if (const ForwardBackend* backend = (*model)->backend(); backend && !total_given && backend->kv_cache_tokens() > 0) {
+    o.max_total_tokens = std::min(o.max_total_tokens, backend->kv_cache_tokens());
+    if (o.max_total_tokens < o.context_length) {
+      return fail(fmt::format("the KV cache that fits in device memory holds {} tokens, less than one full context "
+                              "(--context-length {}); lower --context-length", o.max_total_tokens, o.context_length));
+    }
+    econfig = engine_config(o, *model_config);
+    if (!econfig) return fail(econfig.error().message);
+  }
   spdlog::info("weights loaded in {:.2f} s", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   if (const ForwardBackend* backend = (*model)->backend()) spdlog::info("running on {}", backend->describe());
   const ModelConfig config = (*model)->config();

@@ -61,6 +61,9 @@ class ForwardBackend {
   virtual Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch,
                                                  std::span<const SampleRow> rows) = 0;
   virtual std::string describe() const = 0;  // one line: device and what it holds
+  // Tokens the KV cache holds over all sequences (what DeviceModelOptions::kv_cache_tokens asked for, or what fit in
+  // device memory when it was 0); 0 when the model has no attention layers.
+  virtual int64_t kv_cache_tokens() const = 0;
 };
 
 class CausalLm {
@@ -106,7 +109,7 @@ struct DeviceModelOptions {
   int device = 0;                    // CUDA ordinal
   int64_t max_batch_tokens = 8192;   // rows of one forward call
   int64_t max_sequences = 64;        // sequences alive at once (Gated DeltaNet state slots)
-  int64_t kv_cache_tokens = 0;       // 0: sized from free device memory
+  int64_t kv_cache_tokens = 0;       // 0: sized from free device memory (half of it, at most 32k per sequence)
   int64_t kv_block_size = 16;
   // Kernel variants the start-up self-test verified (or the user forced): "auto" lets each call pick by its shape;
   // "cuda-decode" / "cuda-prefill" and "cuda-recurrent" / "cuda-chunked" pin one.

@@ -149,6 +149,7 @@ class GpuBackend final : public ForwardBackend {
                                        const Tracer* tracer) override;
   Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch,
                                          std::span<const SampleRow> rows) override;
+  int64_t kv_cache_tokens() const override { return kv_blocks_ * options_.kv_block_size; }
   std::string describe() const override {
     const auto captured = std::count_if(graphs_.begin(), graphs_.end(), [](const auto& g) { return g.second.exec; });
     return fmt::format("cuda:{} {} ({:.2f} GiB of weights, KV cache {} tokens in blocks of {}, {})", options_.device,
@@ -406,7 +407,8 @@ Expected<void> GpuBackend::allocate_caches() {
     const size_t bytes = static_cast<size_t>(kv_blocks_ * bs * a.shape.n_kv_heads * a.shape.head_dim) * 2;
     DeviceBuffer k, v;
     if (!DeviceBuffer::try_allocate(bytes, k) || !DeviceBuffer::try_allocate(bytes, v)) {
-      return make_error("out of device memory for a KV cache of {} tokens; lower --kv-cache-tokens", kv_blocks_ * bs);
+      return make_error("out of device memory for a KV cache of {} tokens; ask for fewer (tern serve: "
+                        "--max-total-tokens)", kv_blocks_ * bs);
     }
     a.cache = PagedKvCache{.k = k.as<uint16_t>(), .v = v.as<uint16_t>(), .n_blocks = kv_blocks_, .block_size = bs,
                            .n_kv_heads = a.shape.n_kv_heads, .head_dim = a.shape.head_dim};
@@ -504,7 +506,7 @@ Expected<StepPlan> GpuBackend::plan_step(std::span<const SequenceInput> batch, b
     const int64_t need_blocks = (past + n + bs - 1) / bs;
     while (static_cast<int64_t>(seq->blocks.size()) < need_blocks) {
       if (pool_->free_blocks.empty()) {
-        return make_error("the KV cache is full ({} tokens); finish or cancel requests, or raise --kv-cache-tokens",
+        return make_error("the KV cache is full ({} tokens); finish or cancel requests, or raise --max-total-tokens",
                           kv_blocks_ * bs);
       }
       seq->blocks.push_back(pool_->free_blocks.back());
