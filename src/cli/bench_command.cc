@@ -44,7 +44,9 @@ void profiler_bracket(bool on, bool start) {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -151,9 +153,13 @@ Expected<void> check_options(const BenchOptions& o) {
 nlohmann::ordered_json prefill_row(const StepTraffic& t, int64_t length, double s,
                                    const std::optional<nlohmann::ordered_json>& roof) {
   const double tflops = prefill_flops(t, length) / s / 1e12;
-  nlohmann::ordered_json row{{"kind", "prefill"}, {"tokens", length}, {"ms", s * 1e3},
-                             {"tokens_per_s", static_cast<double>(length) / s}, {"tflops", tflops}};
-  row["pct_of_gemm"] = roof ? nlohmann::ordered_json(100 * tflops / (*roof)["gemm_bf16_tflops"].get<double>()) : nullptr;
+  nlohmann::ordered_json row{{"kind", "prefill"},
+                             {"tokens", length},
+                             {"ms", s * 1e3},
+                             {"tokens_per_s", static_cast<double>(length) / s},
+                             {"tflops", tflops}};
+  row["pct_of_gemm"] =
+      roof ? nlohmann::ordered_json(100 * tflops / (*roof)["gemm_bf16_tflops"].get<double>()) : nullptr;
   return row;
 }
 
@@ -162,8 +168,12 @@ nlohmann::ordered_json decode_row(const StepTraffic& t, int64_t batch, const Ben
   // The context grows by one per step: the timed steps average o.context + 2 + steps / 2 cached tokens.
   const double context = static_cast<double>(o.context) + 2 + static_cast<double>(o.steps) / 2;
   const double bytes = decode_step_bytes(t, batch, context), gbs = bytes / s / 1e9;
-  nlohmann::ordered_json row{{"kind", "decode"}, {"batch", batch}, {"context", o.context}, {"ms_per_step", s * 1e3},
-                             {"tokens_per_s", static_cast<double>(batch) / s}, {"bytes_per_step", bytes},
+  nlohmann::ordered_json row{{"kind", "decode"},
+                             {"batch", batch},
+                             {"context", o.context},
+                             {"ms_per_step", s * 1e3},
+                             {"tokens_per_s", static_cast<double>(batch) / s},
+                             {"bytes_per_step", bytes},
                              {"gbs", gbs}};
   row["pct_of_copy"] = roof ? nlohmann::ordered_json(100 * gbs / (*roof)["copy_gbs"].get<double>()) : nullptr;
   return row;
@@ -174,14 +184,14 @@ std::string percent(const nlohmann::ordered_json& v) {
 }
 
 void print_table(const nlohmann::ordered_json& report) {
-  fmt::print("{}\nloaded in {:.1f} s (weights, caches and the start-up self-test)\n", report["device"].get<std::string>(),
-             report["load_s"].get<double>());
+  fmt::print("{}\nloaded in {:.1f} s (weights, caches and the start-up self-test)\n",
+             report["device"].get<std::string>(), report["load_s"].get<double>());
   if (!report["roofline"].is_null()) {
     fmt::print("limits measured now: copy {:.0f} GB/s (read + write), BF16 GEMM {:.0f} TFLOP/s\n",
                report["roofline"]["copy_gbs"].get<double>(), report["roofline"]["gemm_bf16_tflops"].get<double>());
   }
-  fmt::print("{:<8} {:>6} {:>8} {:>11} {:>12} {:>10} {:>9}\n", "kind", "batch", "tokens", "ms", "tokens/s",
-             "GB/s|TF/s", "of limit");
+  fmt::print("{:<8} {:>6} {:>8} {:>11} {:>12} {:>10} {:>9}\n", "kind", "batch", "tokens", "ms", "tokens/s", "GB/s|TF/s",
+             "of limit");
   for (const auto& r : report["rows"]) {
     if (r["kind"] == "prefill") {
       fmt::print("{:<8} {:>6} {:>8} {:>11.2f} {:>12.0f} {:>10.1f} {:>9}\n", "prefill", 1, r["tokens"].get<int64_t>(),
@@ -200,10 +210,9 @@ int run_bench(const BenchOptions& o) {
   const int64_t max_prefill = *std::max_element(o.prefill_lens.begin(), o.prefill_lens.end());
   const int64_t max_batch = *std::max_element(o.batch_sizes.begin(), o.batch_sizes.end());
   const int64_t chunk = std::min<int64_t>(o.context, 4096);
-  const DeviceModelOptions sizes{
-      .max_batch_tokens = std::max({max_prefill, chunk, max_batch}),
-      .max_sequences = max_batch,
-      .kv_cache_tokens = std::max(max_batch * (o.context + o.steps + 16), max_prefill + 16)};
+  const DeviceModelOptions sizes{.max_batch_tokens = std::max({max_prefill, chunk, max_batch}),
+                                 .max_sequences = max_batch,
+                                 .kv_cache_tokens = std::max(max_batch * (o.context + o.steps + 16), max_prefill + 16)};
   const auto load_start = Clock::now();
   auto model = load_model_from_options(o.model, sizes);
   if (!model) return fail(model.error().message);
@@ -215,8 +224,11 @@ int run_bench(const BenchOptions& o) {
                                 {"load_s", load_s}};
   const auto roof = measure_roofline(m, o.model.cuda_device);
   report["roofline"] = roof ? *roof : nlohmann::ordered_json(nullptr);
-  report["weights"] = {{"dense_bytes", traffic.dense_weight_bytes}, {"expert_bytes", traffic.expert_bytes},
-                       {"moe_layers", traffic.moe_layers}, {"experts", traffic.n_experts}, {"top_k", traffic.top_k}};
+  report["weights"] = {{"dense_bytes", traffic.dense_weight_bytes},
+                       {"expert_bytes", traffic.expert_bytes},
+                       {"moe_layers", traffic.moe_layers},
+                       {"experts", traffic.n_experts},
+                       {"top_k", traffic.top_k}};
   report["rows"] = nlohmann::ordered_json::array();
   std::mt19937_64 rng(o.seed);
   for (int64_t length : o.prefill_lens) {

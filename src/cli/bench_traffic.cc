@@ -47,13 +47,14 @@ StepTraffic step_traffic_of(const CausalLm& model) {
       t.attention_flops_per_token2 += 2.0 * static_cast<double>(s.n_heads * s.head_dim);
     } else if (const auto* g = dynamic_cast<const GatedDeltaNet*>(layer.mixer.get())) {
       const GatedDeltaNetWeights& w = g->weights();
-      add_linears({&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a, &w.in_proj_qkvz, &w.in_proj_ba,
-                   &w.out_proj},
-                  t.dense_weight_bytes, dense_params);
+      add_linears(
+          {&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a, &w.in_proj_qkvz, &w.in_proj_ba, &w.out_proj},
+          t.dense_weight_bytes, dense_params);
       const GatedDeltaNetShape& s = g->shape();
       const double state = static_cast<double>(s.n_value_heads * s.key_dim * s.value_dim) * 4;
-      const double conv = static_cast<double>((2 * s.n_key_heads * s.key_dim + s.n_value_heads * s.value_dim) *
-                                              (s.conv_kernel - 1)) * 2;
+      const double conv =
+          static_cast<double>((2 * s.n_key_heads * s.key_dim + s.n_value_heads * s.value_dim) * (s.conv_kernel - 1)) *
+          2;
       t.state_bytes_per_sequence += 2 * (state + conv);  // read and written back
     }
     if (const auto* m = dynamic_cast<const Mlp*>(layer.ffn.get())) {

@@ -19,12 +19,12 @@
 namespace tern {
 
 struct StepTraffic {
-  double dense_weight_bytes = 0;      // read whatever the batch size
-  double expert_bytes = 0;            // one routed expert's gate, up and down (summed over MoE layers: per layer)
+  double dense_weight_bytes = 0;  // read whatever the batch size
+  double expert_bytes = 0;        // one routed expert's gate, up and down (summed over MoE layers: per layer)
   int64_t moe_layers = 0, n_experts = 0, top_k = 0;
-  double kv_bytes_per_token = 0;      // K and V of one position over all attention layers
-  double state_bytes_per_sequence = 0;  // Gated DeltaNet recurrent + conv state over all GDN layers
-  double linear_flops_per_token = 0;  // 2 x active linear parameters
+  double kv_bytes_per_token = 0;          // K and V of one position over all attention layers
+  double state_bytes_per_sequence = 0;    // Gated DeltaNet recurrent + conv state over all GDN layers
+  double linear_flops_per_token = 0;      // 2 x active linear parameters
   double attention_flops_per_token2 = 0;  // causal attention FLOPs / tokens^2 (summed over attention layers)
 };
 

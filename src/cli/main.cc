@@ -2,8 +2,8 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/bench_command.h"
-#include "cli/generate_command.h"
 #include "cli/doctor_command.h"
+#include "cli/generate_command.h"
 #include "cli/info_command.h"
 #include "cli/loadgen_command.h"
 #include "cli/score_command.h"

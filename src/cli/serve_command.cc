@@ -121,8 +121,10 @@ int run_serve(ServeOptions& o) {
   if (const ForwardBackend* backend = (*model)->backend(); backend && !total_given && backend->kv_cache_tokens() > 0) {
     o.max_total_tokens = std::min(o.max_total_tokens, backend->kv_cache_tokens());
     if (o.max_total_tokens < o.context_length) {
-      return fail(fmt::format("the KV cache that fits in device memory holds {} tokens, less than one full context "
-                              "(--context-length {}); lower --context-length", o.max_total_tokens, o.context_length));
+      return fail(
+          fmt::format("the KV cache that fits in device memory holds {} tokens, less than one full context "
+                      "(--context-length {}); lower --context-length",
+                      o.max_total_tokens, o.context_length));
     }
     econfig = engine_config(o, *model_config);
     if (!econfig) return fail(econfig.error().message);

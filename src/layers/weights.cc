@@ -211,7 +211,8 @@ void WeightStore::add_dummy_linear(const std::string& module, int64_t out, int64
   std::vector<std::byte> packed(static_cast<size_t>(n / 2)), scales(static_cast<size_t>(n / 16));
   constexpr float kCodeRms = 2.93f, kScaleMean = 1.08f;
   const float global = kDummyStd / (kCodeRms * kScaleMean);
-  const int64_t n_words = static_cast<int64_t>(packed.size()) / 8, n_scale_words = static_cast<int64_t>(scales.size()) / 8;
+  const int64_t n_words = static_cast<int64_t>(packed.size()) / 8,
+                n_scale_words = static_cast<int64_t>(scales.size()) / 8;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n_words; ++i) {
     const uint64_t bits = splitmix64(stream + static_cast<uint64_t>(i) * 0xD1B54A32D192ED03ull);
@@ -220,7 +221,8 @@ void WeightStore::add_dummy_linear(const std::string& module, int64_t out, int64
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n_scale_words; ++i) {
     // 0x30 | a random low nibble: e4m3 0.5 .. 0.9375 or 1 .. 1.875 (mean 1.08).
-    const uint64_t bits = (splitmix64(~stream + static_cast<uint64_t>(i)) & 0x0F0F0F0F0F0F0F0Full) | 0x3030303030303030ull;
+    const uint64_t bits =
+        (splitmix64(~stream + static_cast<uint64_t>(i)) & 0x0F0F0F0F0F0F0F0Full) | 0x3030303030303030ull;
     std::memcpy(&scales[static_cast<size_t>(i * 8)], &bits, 8);
   }
   for (size_t i = static_cast<size_t>(n_words * 8); i < packed.size(); ++i) packed[i] = std::byte{0x21};

@@ -18,7 +18,7 @@ SequenceCache CausalLm::new_sequence() const {
 }
 
 Expected<SampleResults> CausalLm::forward_sample(std::span<const SequenceInput> batch,
-                                                std::span<const SampleRow> rows) const {
+                                                 std::span<const SampleRow> rows) const {
   if (rows.size() != batch.size()) {
     return make_error("forward_sample: {} sampling rows for {} sequences", rows.size(), batch.size());
   }

@@ -132,15 +132,14 @@ TEST_F(CudaAttentionOps, InjectedFaultsAreRejectedOnTheGpu) {
     auto s = registry_select(registry_, "attention", devices_[0], std::span(&c, 1), {});
     ASSERT_TRUE(s.has_value()) << s.error().message;
     for (const char* good : {"cuda-decode", "cuda-prefill"}) {
-      const auto it = std::find_if(s->candidates.begin(), s->candidates.end(), [&](auto& k) { return k.name == good; });
-      ASSERT_NE(it, s->candidates.end()) << good;
+      const CandidateReport* it = s->candidate(good);
+      ASSERT_NE(it, nullptr) << good;
       EXPECT_EQ(it->status, CandidateStatus::kPassed) << c.label << " " << good << ": " << it->reason;
     }
     for (const Fault& f : faults) {
       if ((f.decode_case_only && !decode_case) || (f.prefill_case_only && decode_case)) continue;
-      const auto it =
-          std::find_if(s->candidates.begin(), s->candidates.end(), [&](auto& k) { return k.name == f.name; });
-      ASSERT_NE(it, s->candidates.end()) << f.name;
+      const CandidateReport* it = s->candidate(f.name);
+      ASSERT_NE(it, nullptr) << f.name;
       EXPECT_EQ(it->status, CandidateStatus::kFailed) << c.label << " " << f.name;
       EXPECT_NE(it->reason.find(f.expected_reason), std::string::npos)
           << c.label << " " << f.name << ": " << it->reason;

@@ -107,26 +107,29 @@ std::function<Expected<RunOutput>(const DeviceContext&, const OpInputs&)> zeroed
 std::vector<Fault> gpu_faults() {
   return {
       {"rms_norm", "all-zeros", "all zeros",
-       zeroed<RmsNormInputs, RmsNormArgs>(rms_norm_cuda_run, [](ZeroedOutputs& z, RmsNormArgs& a) {
-         z.redirect(a.y, static_cast<size_t>(a.rows * a.dim));
-         if (a.h_out != nullptr) z.redirect(a.h_out, static_cast<size_t>(a.rows * a.dim));
-       })},
+       zeroed<RmsNormInputs, RmsNormArgs>(rms_norm_cuda_run,
+                                          [](ZeroedOutputs& z, RmsNormArgs& a) {
+                                            z.redirect(a.y, static_cast<size_t>(a.rows * a.dim));
+                                            if (a.h_out != nullptr)
+                                              z.redirect(a.h_out, static_cast<size_t>(a.rows * a.dim));
+                                          })},
       {"rope", "all-zeros", "all zeros",
-       zeroed<RopeInputs, RopeArgs>(rope_cuda_run, [](ZeroedOutputs& z, RopeArgs& a) {
-         z.redirect(a.y, static_cast<size_t>(a.tokens * a.n_heads * a.head_dim));
-       })},
+       zeroed<RopeInputs, RopeArgs>(rope_cuda_run,
+                                    [](ZeroedOutputs& z, RopeArgs& a) {
+                                      z.redirect(a.y, static_cast<size_t>(a.tokens * a.n_heads * a.head_dim));
+                                    })},
       {"silu_mul", "all-zeros", "all zeros",
-       zeroed<SiluMulInputs, SiluMulArgs>(silu_mul_cuda_run, [](ZeroedOutputs& z, SiluMulArgs& a) {
-         z.redirect(a.y, static_cast<size_t>(a.rows * a.inter));
-       })},
+       zeroed<SiluMulInputs, SiluMulArgs>(
+           silu_mul_cuda_run,
+           [](ZeroedOutputs& z, SiluMulArgs& a) { z.redirect(a.y, static_cast<size_t>(a.rows * a.inter)); })},
       {"embedding", "all-zeros", "all zeros",
-       zeroed<EmbeddingInputs, EmbeddingArgs>(embedding_cuda_run, [](ZeroedOutputs& z, EmbeddingArgs& a) {
-         z.redirect(a.y, static_cast<size_t>(a.tokens * a.hidden));
-       })},
+       zeroed<EmbeddingInputs, EmbeddingArgs>(
+           embedding_cuda_run,
+           [](ZeroedOutputs& z, EmbeddingArgs& a) { z.redirect(a.y, static_cast<size_t>(a.tokens * a.hidden)); })},
       {"residual_add", "all-zeros", "all zeros",
-       zeroed<ResidualAddInputs, ResidualAddArgs>(residual_add_cuda_run, [](ZeroedOutputs& z, ResidualAddArgs& a) {
-         z.redirect(a.y, static_cast<size_t>(a.n));
-       })},
+       zeroed<ResidualAddInputs, ResidualAddArgs>(
+           residual_add_cuda_run,
+           [](ZeroedOutputs& z, ResidualAddArgs& a) { z.redirect(a.y, static_cast<size_t>(a.n)); })},
       {"rms_norm", "no-1+w", "exceeds the tolerance",
        tweaked<RmsNormInputs, RmsNormArgs>(rms_norm_cuda_run, [](RmsNormArgs& a) { a.zero_centred = false; })},
       {"rms_norm", "last-row-skipped", "never written",
@@ -142,7 +145,11 @@ std::vector<Fault> gpu_faults() {
       {"silu_mul", "last-row-skipped", "never written",
        tweaked<SiluMulInputs, SiluMulArgs>(silu_mul_cuda_run, [](SiluMulArgs& a) { a.rows -= 1; })},
       {"silu_mul", "wrong-split", "exceeds the tolerance",
-       tweaked<SiluMulInputs, SiluMulArgs>(silu_mul_cuda_run, [](SiluMulArgs& a) { a.inter /= 2; a.rows *= 2; })},
+       tweaked<SiluMulInputs, SiluMulArgs>(silu_mul_cuda_run,
+                                           [](SiluMulArgs& a) {
+                                             a.inter /= 2;
+                                             a.rows *= 2;
+                                           })},
       {"embedding", "vocab-one-short", "outside the vocabulary",
        tweaked<EmbeddingInputs, EmbeddingArgs>(embedding_cuda_run, [](EmbeddingArgs& a) { a.vocab -= 1; })},
   };
@@ -169,8 +176,8 @@ TEST_F(CudaElementwiseOps, InjectedFaultsAreRejectedOnTheGpu) {
     EXPECT_EQ(s->chosen, "cuda") << op;
     for (const Fault& f : gpu_faults()) {
       if (f.op != op) continue;
-      const auto it = std::find_if(s->candidates.begin(), s->candidates.end(), [&](auto& k) { return k.name == f.name; });
-      ASSERT_NE(it, s->candidates.end()) << f.name;
+      const CandidateReport* it = s->candidate(f.name);
+      ASSERT_NE(it, nullptr) << f.name;
       EXPECT_EQ(it->status, CandidateStatus::kFailed) << f.name;
       EXPECT_NE(it->reason.find(f.expected_reason), std::string::npos) << f.name << ": " << it->reason;
     }

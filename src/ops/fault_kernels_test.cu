@@ -10,12 +10,17 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kCountRounds = 4;  // increments of every counter per thread of the counting grid
 
-__device__ __forceinline__ float bf16_to_f32(uint16_t bits) { return __uint_as_float(uint32_t{bits} << 16); }
-__device__ __forceinline__ uint16_t f32_to_bf16(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ float bf16_to_f32(uint16_t bits) {
+  return __uint_as_float(uint32_t{bits} << 16);
+}
+__device__ __forceinline__ uint16_t f32_to_bf16(float v) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
 
 // y = w * (x * scale) over one row, rounded to bf16 once.
 __device__ void write_row(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t dim, float scale) {
-  for (int64_t i = threadIdx.x; i < dim; i += kThreads) y[i] = f32_to_bf16(bf16_to_f32(w[i]) * (bf16_to_f32(x[i]) * scale));
+  for (int64_t i = threadIdx.x; i < dim; i += kThreads)
+    y[i] = f32_to_bf16(bf16_to_f32(w[i]) * (bf16_to_f32(x[i]) * scale));
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -65,8 +70,8 @@ __global__ void __launch_bounds__(kThreads) rms_norm_scaled_kernel(const uint16_
 }  // namespace
 
 void rms_norm_lost_updates_launch(const DeviceContext& ctx, const RmsNormArgs& a) {
-  rms_norm_lost_updates_kernel<<<static_cast<unsigned>(a.rows), kThreads, 0, ctx.stream()>>>(a.x, a.weight, a.y,
-                                                                                              a.dim, a.eps);
+  rms_norm_lost_updates_kernel<<<static_cast<unsigned>(a.rows), kThreads, 0, ctx.stream()>>>(a.x, a.weight, a.y, a.dim,
+                                                                                             a.eps);
   TERN_CUDA_CHECK_LAUNCH();
 }
 

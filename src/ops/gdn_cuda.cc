@@ -26,18 +26,24 @@ DeviceBatch batch_upload(const GdnBatch& b, cudaStream_t stream) {
 }
 
 // A bf16 output of `out_count` elements and an in-place state of `state.size()` elements of T. Every run restores
-// the state and poisons the output first (outside the timed span); the fastest run is kept (cuda_time_best). Returns [output widened | state widened].
+// the state and poisons the output first (outside the timed span); the fastest run is kept (cuda_time_best). Returns
+// [output widened | state widened].
 template <class T>
 Expected<RunOutput> run_timed_in_place(const DeviceContext& ctx, int64_t out_count, const std::vector<T>& state,
                                        const std::function<Expected<void>(uint16_t* out, T* state)>& launch) {
   const auto count = static_cast<size_t>(out_count);
   DeviceBuffer out(std::max<size_t>(count * 2, 16)), st(std::max<size_t>(state.size() * sizeof(T), 16));
   const std::vector<uint16_t> poison(count, kPoisonBf16Bits);
-  TERN_ASSIGN_OR_RETURN(const double seconds, cuda_time_best(ctx, [&] {
-    TERN_CUDA_CHECK(cudaMemcpyAsync(out.data(), poison.data(), count * 2, cudaMemcpyHostToDevice, ctx.stream()));
-    TERN_CUDA_CHECK(cudaMemcpyAsync(st.data(), state.data(), state.size() * sizeof(T), cudaMemcpyHostToDevice,
-                                    ctx.stream()));
-  }, [&] { return launch(out.as<uint16_t>(), st.as<T>()); }));
+  TERN_ASSIGN_OR_RETURN(const double seconds,
+                        cuda_time_best(
+                            ctx,
+                            [&] {
+                              TERN_CUDA_CHECK(cudaMemcpyAsync(out.data(), poison.data(), count * 2,
+                                                              cudaMemcpyHostToDevice, ctx.stream()));
+                              TERN_CUDA_CHECK(cudaMemcpyAsync(st.data(), state.data(), state.size() * sizeof(T),
+                                                              cudaMemcpyHostToDevice, ctx.stream()));
+                            },
+                            [&] { return launch(out.as<uint16_t>(), st.as<T>()); }));
   std::vector<uint16_t> host_out(count);
   std::vector<T> host_state(state.size());
   TERN_CUDA_CHECK(cudaMemcpy(host_out.data(), out.data(), count * 2, cudaMemcpyDeviceToHost));

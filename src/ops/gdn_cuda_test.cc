@@ -79,10 +79,10 @@ std::vector<Fault> gpu_faults() {
   auto past_from_query_start = [](GdnSequences& s) { s.seq_past = s.query_start; };
   return {
       // A shorter kernel also strides the conv state wrongly, so it reads the NaN-filled slot of a new sequence.
-      {"gdn_conv", "kernel-one-short", "non-finite",
-       conv_fault([](GdnConvArgs& a) { a.kernel -= 1; })},
+      {"gdn_conv", "kernel-one-short", "non-finite", conv_fault([](GdnConvArgs& a) { a.kernel -= 1; })},
       {"gdn_conv", "last-sequence-dropped", "never written", conv_fault([](GdnConvArgs& a) { a.seqs.n_seqs -= 1; })},
-      {"gdn_conv", "new-sequence-reads-its-slot", "non-finite", conv_fault([=](GdnConvArgs& a) { past_from_query_start(a.seqs); })},
+      {"gdn_conv", "new-sequence-reads-its-slot", "non-finite",
+       conv_fault([=](GdnConvArgs& a) { past_from_query_start(a.seqs); })},
       {"gdn_delta_rule", "recurrent-a-b-swapped", "exceeds the tolerance",
        delta_fault(GdnVariant::kRecurrent, [](GdnDeltaRuleArgs& a) { std::swap(a.a, a.b); })},
       {"gdn_delta_rule", "recurrent-last-sequence-dropped", "never written",
@@ -129,8 +129,8 @@ TEST_F(CudaGdnOps, InjectedFaultsAreRejectedOnTheGpu) {
     ASSERT_TRUE(s.has_value()) << s.error().message;
     for (const Fault& f : gpu_faults()) {
       if (f.op != op) continue;
-      const auto it = std::find_if(s->candidates.begin(), s->candidates.end(), [&](auto& k) { return k.name == f.name; });
-      ASSERT_NE(it, s->candidates.end()) << f.name;
+      const CandidateReport* it = s->candidate(f.name);
+      ASSERT_NE(it, nullptr) << f.name;
       EXPECT_EQ(it->status, CandidateStatus::kFailed) << f.name;
       EXPECT_NE(it->reason.find(f.expected_reason), std::string::npos) << f.name << ": " << it->reason;
     }

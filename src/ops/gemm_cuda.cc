@@ -75,9 +75,14 @@ Expected<RunOutput> cuda_run_timed(const DeviceContext& ctx, int64_t m, int64_t 
   const size_t count = static_cast<size_t>(m * n);
   DeviceBuffer y(std::max<size_t>(count * 2, 16));
   const std::vector<uint16_t> poison(count, kPoisonBf16Bits);
-  TERN_ASSIGN_OR_RETURN(const double seconds, cuda_time_best(ctx, [&] {
-    TERN_CUDA_CHECK(cudaMemcpyAsync(y.data(), poison.data(), count * 2, cudaMemcpyHostToDevice, ctx.stream()));
-  }, [&] { return launch(y.as<uint16_t>()); }));
+  TERN_ASSIGN_OR_RETURN(
+      const double seconds,
+      cuda_time_best(
+          ctx,
+          [&] {
+            TERN_CUDA_CHECK(cudaMemcpyAsync(y.data(), poison.data(), count * 2, cudaMemcpyHostToDevice, ctx.stream()));
+          },
+          [&] { return launch(y.as<uint16_t>()); }));
   std::vector<uint16_t> host(count);
   TERN_CUDA_CHECK(cudaMemcpy(host.data(), y.data(), count * 2, cudaMemcpyDeviceToHost));
   RunOutput out{.values = std::vector<float>(count), .seconds = seconds};

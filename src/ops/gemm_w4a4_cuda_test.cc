@@ -23,7 +23,6 @@ constexpr const char* kOp = "gemm_nvfp4_w4a4";
 class CudaGemmW4a4 : public CudaOpTest<gemm_w4a4_register_cpu, gemm_w4a4_register_cuda> {
  protected:
   bool has_fp4() const { return arch_features(devices_[0].cc_major, devices_[0].cc_minor).fp4_block_scaled_mma; }
-
 };
 
 TEST_F(CudaGemmW4a4, SelectionOnThisDevice) {

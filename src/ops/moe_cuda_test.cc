@@ -110,8 +110,8 @@ TEST_F(CudaMoeOp, InjectedFaultsAreRejectedOnTheGpu) {
     ASSERT_TRUE(s.has_value()) << s.error().message;
     EXPECT_EQ(s->chosen, "cuda");
     for (const Fault& f : gpu_faults(context_->stream())) {
-      const auto it = std::find_if(s->candidates.begin(), s->candidates.end(), [&](auto& k) { return k.name == f.name; });
-      ASSERT_NE(it, s->candidates.end()) << f.name;
+      const CandidateReport* it = s->candidate(f.name);
+      ASSERT_NE(it, nullptr) << f.name;
       EXPECT_EQ(it->status, CandidateStatus::kFailed) << f.name;
       EXPECT_NE(it->reason.find(f.expected_reason), std::string::npos) << f.name << ": " << it->reason;
     }

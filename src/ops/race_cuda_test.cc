@@ -29,7 +29,8 @@ Expected<RunOutput> lost_updates_run(const DeviceContext& ctx, const RmsNormInpu
   const DeviceBuffer x = cuda_upload(in.x, ctx.stream()), w = cuda_upload(in.weight, ctx.stream());
   return cuda_run_timed(ctx, in.rows, in.dim, [&](uint16_t* y) -> Expected<void> {
     rms_norm_lost_updates_launch(
-        ctx, {.x = x.as<uint16_t>(), .weight = w.as<uint16_t>(), .y = y, .rows = in.rows, .dim = in.dim, .eps = in.eps});
+        ctx,
+        {.x = x.as<uint16_t>(), .weight = w.as<uint16_t>(), .y = y, .rows = in.rows, .dim = in.dim, .eps = in.eps});
     return {};
   });
 }
@@ -50,11 +51,15 @@ class CudaRaces : public CudaOpTest<elementwise_register_cpu, elementwise_regist
  protected:
   void add_racy(const std::string& name, Expected<RunOutput> (*run)(const DeviceContext&, const RmsNormInputs&)) {
     ASSERT_TRUE(registry_
-                    .add(Implementation{.op = "rms_norm", .name = name, .backend = Backend::kCuda, .priority = 100,
+                    .add(Implementation{.op = "rms_norm",
+                                        .name = name,
+                                        .backend = Backend::kCuda,
+                                        .priority = 100,
                                         .tolerance = kBf16ElementwiseTolerance,
-                                        .run = [this, run](const OpInputs& in) {
-                                          return run(*context_, static_cast<const RmsNormInputs&>(in));
-                                        }})
+                                        .run =
+                                            [this, run](const OpInputs& in) {
+                                              return run(*context_, static_cast<const RmsNormInputs&>(in));
+                                            }})
                     .has_value());
   }
 };

@@ -25,22 +25,34 @@ SamplingDevice sampling_upload(const SamplingInputs& in, cudaStream_t stream) {
     ids.insert(ids.end(), in.prompt_ids[r].begin(), in.prompt_ids[r].end());
     const auto prompt_end = static_cast<int32_t>(ids.size());
     ids.insert(ids.end(), in.output_ids[r].begin(), in.output_ids[r].end());
-    rows.push_back(sampling_row_make(in.params[r], in.uniforms[r], begin, prompt_end, static_cast<int32_t>(ids.size())));
+    rows.push_back(
+        sampling_row_make(in.params[r], in.uniforms[r], begin, prompt_end, static_cast<int32_t>(ids.size())));
   }
   const auto n = static_cast<size_t>(in.rows);
-  SamplingDevice d{.logits = cuda_upload(in.logits, stream), .rows = cuda_upload(rows, stream),
-                   .penalty_ids = cuda_upload(ids, stream), .id = DeviceBuffer(n * 4), .logprob = DeviceBuffer(n * 4),
+  SamplingDevice d{.logits = cuda_upload(in.logits, stream),
+                   .rows = cuda_upload(rows, stream),
+                   .penalty_ids = cuda_upload(ids, stream),
+                   .id = DeviceBuffer(n * 4),
+                   .logprob = DeviceBuffer(n * 4),
                    .top_ids = DeviceBuffer(n * kSampleMaxTopLogprobs * 4),
-                   .top_logprobs = DeviceBuffer(n * kSampleMaxTopLogprobs * 4), .status = DeviceBuffer(n * 4),
+                   .top_logprobs = DeviceBuffer(n * kSampleMaxTopLogprobs * 4),
+                   .status = DeviceBuffer(n * 4),
                    .workspace = DeviceBuffer(std::max<size_t>(sampling_workspace_bytes(in.rows, in.vocab), 16))};
   // The kernel keeps per-id counts there and must not rely on a cleared workspace.
   TERN_CUDA_CHECK(cudaMemsetAsync(d.workspace.data(), 0xA5, d.workspace.size_bytes(), stream));
-  d.args = SampleArgs{.logits = d.logits.as<uint16_t>(), .logits_stride = in.stride,
-                      .rows_params = d.rows.as<SamplingRow>(), .penalty_ids = d.penalty_ids.as<int32_t>(),
-                      .rows = in.rows, .vocab = in.vocab, .out_id = d.id.as<int32_t>(),
-                      .out_logprob = d.logprob.as<float>(), .out_top_ids = d.top_ids.as<int32_t>(),
-                      .out_top_logprobs = d.top_logprobs.as<float>(), .out_status = d.status.as<int32_t>(),
-                      .workspace = d.workspace.data(), .workspace_bytes = d.workspace.size_bytes()};
+  d.args = SampleArgs{.logits = d.logits.as<uint16_t>(),
+                      .logits_stride = in.stride,
+                      .rows_params = d.rows.as<SamplingRow>(),
+                      .penalty_ids = d.penalty_ids.as<int32_t>(),
+                      .rows = in.rows,
+                      .vocab = in.vocab,
+                      .out_id = d.id.as<int32_t>(),
+                      .out_logprob = d.logprob.as<float>(),
+                      .out_top_ids = d.top_ids.as<int32_t>(),
+                      .out_top_logprobs = d.top_logprobs.as<float>(),
+                      .out_status = d.status.as<int32_t>(),
+                      .workspace = d.workspace.data(),
+                      .workspace_bytes = d.workspace.size_bytes()};
   TERN_CUDA_CHECK(cudaStreamSynchronize(stream));  // `rows` and `ids` go away on return
   return d;
 }
@@ -73,14 +85,19 @@ Expected<SamplingCudaResult> sampling_cuda_sample(const DeviceContext& ctx, cons
   const SamplingDevice d = sampling_upload(in, stream);
   const std::vector<int32_t> poison(static_cast<size_t>(in.rows), kSamplingPoisonWord);
   SampleArgs args;
-  TERN_ASSIGN_OR_RETURN(const double seconds, cuda_time_best(ctx, [&] {
-    poison_outputs(d, poison, stream);
-    args = d.args;
-    if (tweak) tweak(args);
-  }, [&] { return sample_rows(ctx, args); }));
+  TERN_ASSIGN_OR_RETURN(const double seconds, cuda_time_best(
+                                                  ctx,
+                                                  [&] {
+                                                    poison_outputs(d, poison, stream);
+                                                    args = d.args;
+                                                    if (tweak) tweak(args);
+                                                  },
+                                                  [&] { return sample_rows(ctx, args); }));
   const auto n = static_cast<size_t>(in.rows);
-  SamplingCudaResult r{.ids = std::vector<int32_t>(n), .status = std::vector<int32_t>(n),
-                       .logprobs = std::vector<float>(n), .seconds = seconds};
+  SamplingCudaResult r{.ids = std::vector<int32_t>(n),
+                       .status = std::vector<int32_t>(n),
+                       .logprobs = std::vector<float>(n),
+                       .seconds = seconds};
   TERN_CUDA_CHECK(cudaMemcpy(r.ids.data(), d.id.data(), n * 4, cudaMemcpyDeviceToHost));
   TERN_CUDA_CHECK(cudaMemcpy(r.status.data(), d.status.data(), n * 4, cudaMemcpyDeviceToHost));
   TERN_CUDA_CHECK(cudaMemcpy(r.logprobs.data(), d.logprob.data(), n * 4, cudaMemcpyDeviceToHost));
@@ -118,9 +135,8 @@ Expected<void> sampling_register_cuda(Registry& registry, std::shared_ptr<Device
       .priority = 10,
       .tolerance = kSamplingDeviceTolerance,
       .unsupported_reason = sampling_cuda_unsupported,
-      .run = [context](const OpInputs& b) {
-        return sampling_cuda_run(*context, static_cast<const SamplingInputs&>(b));
-      },
+      .run =
+          [context](const OpInputs& b) { return sampling_cuda_run(*context, static_cast<const SamplingInputs&>(b)); },
   });
 }
 

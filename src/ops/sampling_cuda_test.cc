@@ -22,9 +22,8 @@ namespace {
 class CudaSamplingOp : public CudaOpTest<sampling_register_cpu, sampling_register_cuda> {};
 
 TEST_F(CudaSamplingOp, PassesAtModelAndSmallVocabularies) {
-  const std::vector<SelfTestCase> cases = {sampling_case(1, 151936), sampling_case(8, 151936),
-                                           sampling_case(8, 248320), sampling_case(64, 512),
-                                           sampling_case(5, 1001),   sampling_case(3, 7)};
+  const std::vector<SelfTestCase> cases = {sampling_case(1, 151936), sampling_case(8, 151936), sampling_case(8, 248320),
+                                           sampling_case(64, 512),   sampling_case(5, 1001),   sampling_case(3, 7)};
   auto s = registry_select(registry_, "sampling", devices_[0], cases, {});
   ASSERT_TRUE(s.has_value()) << s.error().message;
   const CandidateReport* cuda = s->candidate("cuda");
@@ -90,11 +89,15 @@ std::vector<Fault> gpu_faults() {
 TEST_F(CudaSamplingOp, InjectedFaultsAreRejectedOnTheGpu) {
   for (const Fault& f : gpu_faults()) {
     ASSERT_TRUE(registry_
-                    .add(Implementation{.op = "sampling", .name = f.name, .backend = Backend::kCuda, .priority = 100,
+                    .add(Implementation{.op = "sampling",
+                                        .name = f.name,
+                                        .backend = Backend::kCuda,
+                                        .priority = 100,
                                         .tolerance = kSamplingDeviceTolerance,
-                                        .run = [this, run = f.run](const OpInputs& in) {
-                                          return run(*context_, static_cast<const SamplingInputs&>(in));
-                                        }})
+                                        .run =
+                                            [this, run = f.run](const OpInputs& in) {
+                                              return run(*context_, static_cast<const SamplingInputs&>(in));
+                                            }})
                     .has_value());
   }
   // The default seed: ops_test's SamplingOp.TheGpuFaultCaseDependsOnTheDraw checks that this case's ids depend on

@@ -18,9 +18,9 @@ namespace {
 // device's expf moves a token's weight by ~2e-7 of itself, the Sampler's integer masses by ~1e-8 of the total.
 constexpr double kCutMargin = 1e-6;
 constexpr int kMaxAttempts = 64;
-constexpr int64_t kPadding = 8;           // row stride = vocab + kPadding
-constexpr int64_t kMaxVocab = 1 << 22;    // ids stay exact as floats; logprobs stay within kSamplingMaxLogprob
-constexpr int64_t kPenaltyPool = 64;      // penalty ids come mostly from the row's best tokens
+constexpr int64_t kPadding = 8;         // row stride = vocab + kPadding
+constexpr int64_t kMaxVocab = 1 << 22;  // ids stay exact as floats; logprobs stay within kSamplingMaxLogprob
+constexpr int64_t kPenaltyPool = 64;    // penalty ids come mostly from the row's best tokens
 
 // One combination per row, cycled from a seed-dependent start: greedy (with a tied maximum), each filter alone and
 // together, and the penalties in a greedy and a random row.
@@ -31,13 +31,18 @@ const SamplingParams kCombos[] = {
     {.temperature = 0.7f, .min_p = 0.05f},
     {.temperature = 1.2f, .top_k = 200, .top_p = 0.95f, .min_p = 0.02f, .logprobs = 5},
     {.temperature = 0.0f, .repetition_penalty = 1.3f, .presence_penalty = 0.5f, .frequency_penalty = 0.3f},
-    {.temperature = 0.9f, .top_p = 0.8f, .repetition_penalty = 0.8f, .presence_penalty = -0.5f,
+    {.temperature = 0.9f,
+     .top_p = 0.8f,
+     .repetition_penalty = 0.8f,
+     .presence_penalty = -0.5f,
      .frequency_penalty = 0.5f},
     {.temperature = 1.0f},
 };
 constexpr int64_t kNumCombos = sizeof(kCombos) / sizeof(kCombos[0]);
 
-bool is_greedy(const SamplingParams& p) { return p.temperature < kSamplingGreedyTemperature; }
+bool is_greedy(const SamplingParams& p) {
+  return p.temperature < kSamplingGreedyTemperature;
+}
 bool has_penalty(const SamplingParams& p) {
   return p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f;
 }
@@ -88,10 +93,10 @@ std::vector<Weighted> kept_tokens(const std::vector<float>& logits, const Sampli
 
 // The smallest most-probable prefix (weight, then id) whose mass reaches top_p of the total, back in id order.
 void apply_top_p(std::vector<Weighted>& kept, double top_p, bool& near_cut) {
-  const double total = std::accumulate(kept.begin(), kept.end(), 0.0, [](double s, const Weighted& k) { return s + k.w; });
-  std::sort(kept.begin(), kept.end(), [](const Weighted& a, const Weighted& b) {
-    return a.w > b.w || (a.w == b.w && a.id < b.id);
-  });
+  const double total =
+      std::accumulate(kept.begin(), kept.end(), 0.0, [](double s, const Weighted& k) { return s + k.w; });
+  std::sort(kept.begin(), kept.end(),
+            [](const Weighted& a, const Weighted& b) { return a.w > b.w || (a.w == b.w && a.id < b.id); });
   const double need = top_p * total;
   double cumulative = 0.0;
   size_t n = 0;
@@ -108,7 +113,8 @@ void apply_top_p(std::vector<Weighted>& kept, double top_p, bool& near_cut) {
 
 // Inverse CDF over the kept tokens in id order.
 int32_t draw(const std::vector<Weighted>& kept, double u, bool& near_cut) {
-  const double total = std::accumulate(kept.begin(), kept.end(), 0.0, [](double s, const Weighted& k) { return s + k.w; });
+  const double total =
+      std::accumulate(kept.begin(), kept.end(), 0.0, [](double s, const Weighted& k) { return s + k.w; });
   const double target = u * total;
   double cumulative = 0.0;
   int32_t chosen = -1;
@@ -161,21 +167,20 @@ RowDraft draft_row(int64_t vocab, int64_t stride, const SamplingParams& p, uint6
   for (uint16_t& x : d.logits) x = float_to_bf16(body(gen));  // the padding too: finite, never read
   const int n_peaks = static_cast<int>(gen() % 7);
   for (int i = 0; i < n_peaks; ++i) d.logits[any_id(gen)] = float_to_bf16(peak(gen));
-  const auto best = std::max_element(d.logits.begin(), d.logits.begin() + vocab, [](uint16_t a, uint16_t b) {
-    return bf16_to_float(a) < bf16_to_float(b);
-  });
+  const auto best = std::max_element(d.logits.begin(), d.logits.begin() + vocab,
+                                     [](uint16_t a, uint16_t b) { return bf16_to_float(a) < bf16_to_float(b); });
   if (is_greedy(p)) d.logits[any_id(gen)] = *best;  // ties go to the lower id
   if (has_penalty(p)) {
     std::vector<int32_t> order(static_cast<size_t>(vocab));
     std::iota(order.begin(), order.end(), 0);
     const int64_t pool = std::min(vocab, kPenaltyPool);
-    std::partial_sort(order.begin(), order.begin() + pool, order.end(), [&](int32_t a, int32_t b) {
-      return bf16_to_float(d.logits[a]) > bf16_to_float(d.logits[b]);
-    });
+    std::partial_sort(order.begin(), order.begin() + pool, order.end(),
+                      [&](int32_t a, int32_t b) { return bf16_to_float(d.logits[a]) > bf16_to_float(d.logits[b]); });
     std::uniform_int_distribution<int64_t> pick(0, pool - 1), length(0, 48);
     for (auto* list : {&d.prompt, &d.output}) {
       const int64_t n = length(gen);
-      for (int64_t i = 0; i < n; ++i) list->push_back(static_cast<int32_t>(i % 3 == 0 ? any_id(gen) : order[pick(gen)]));
+      for (int64_t i = 0; i < n; ++i)
+        list->push_back(static_cast<int32_t>(i % 3 == 0 ? any_id(gen) : order[pick(gen)]));
     }
   }
   d.seed = gen();
@@ -204,8 +209,8 @@ Expected<std::unique_ptr<OpInputs>> sampling_make(const SelfTestCase& c, uint64_
     bool accepted = false;
     for (int attempt = 0; attempt < kMaxAttempts && !accepted; ++attempt) {
       RowDraft d = draft_row(in->vocab, in->stride, p, seed, r, attempt);
-      TERN_ASSIGN_OR_RETURN(RowResult ref, reference_row(widen_row(d.logits, 0, in->vocab), p, d.prompt, d.output,
-                                                         d.uniform));
+      TERN_ASSIGN_OR_RETURN(RowResult ref,
+                            reference_row(widen_row(d.logits, 0, in->vocab), p, d.prompt, d.output, d.uniform));
       if (ref.near_cut || std::abs(ref.logprob) > kSamplingMaxLogprob) continue;
       accepted = true;
       std::copy(d.logits.begin(), d.logits.end(), in->logits.begin() + r * in->stride);
@@ -240,7 +245,9 @@ std::string cpu_only(const DeviceDescription& d, const SelfTestCase&) {
 
 }  // namespace
 
-std::vector<float> SamplingInputs::row(int64_t r) const { return widen_row(logits, r * stride, vocab); }
+std::vector<float> SamplingInputs::row(int64_t r) const {
+  return widen_row(logits, r * stride, vocab);
+}
 
 Expected<std::vector<float>> sampling_cpu(const SamplingInputs& in) {
   std::vector<float> out(static_cast<size_t>(2 * in.rows));
@@ -255,10 +262,13 @@ Expected<std::vector<float>> sampling_cpu(const SamplingInputs& in) {
 }
 
 Expected<void> sampling_register_cpu(Registry& registry) {
-  TERN_TRY(registry.add_harness(OpHarness{.op = "sampling", .make_inputs = sampling_make,
-                                          .reference = sampling_reference}));
+  TERN_TRY(
+      registry.add_harness(OpHarness{.op = "sampling", .make_inputs = sampling_make, .reference = sampling_reference}));
   return registry.add(Implementation{
-      .op = "sampling", .name = "cpu", .backend = Backend::kCpu, .tolerance = kSamplingCpuTolerance,
+      .op = "sampling",
+      .name = "cpu",
+      .backend = Backend::kCpu,
+      .tolerance = kSamplingCpuTolerance,
       .unsupported_reason = cpu_only,
       .run = [](const OpInputs& base) -> Expected<RunOutput> {
         const auto start = std::chrono::steady_clock::now();

@@ -25,11 +25,11 @@ namespace tern {
 
 struct SamplingInputs : OpInputs {
   int64_t rows = 0, vocab = 0, stride = 0;
-  std::vector<uint16_t> logits;                    // [rows, stride] bf16 (columns past vocab are padding)
-  std::vector<SamplingParams> params;              // [rows], each with its seed set
-  std::vector<double> uniforms;                    // [rows]: SamplerRng(seed)'s first draw (0 for greedy rows)
+  std::vector<uint16_t> logits;        // [rows, stride] bf16 (columns past vocab are padding)
+  std::vector<SamplingParams> params;  // [rows], each with its seed set
+  std::vector<double> uniforms;        // [rows]: SamplerRng(seed)'s first draw (0 for greedy rows)
   std::vector<std::vector<int32_t>> prompt_ids, output_ids;  // [rows]: the penalties' ids (empty without one)
-  std::vector<float> row(int64_t r) const;         // row r widened to float, `vocab` values
+  std::vector<float> row(int64_t r) const;                   // row r widened to float, `vocab` values
 };
 
 // Ids must match exactly, so the bound is absolute and below 1 (a wrong id is off by >= 1). Logprobs: the Sampler's

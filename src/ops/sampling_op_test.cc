@@ -100,7 +100,9 @@ TEST_F(SamplingOp, CpuSamplerPassesAtSmallAndModelVocabularies) {
 
 // Builds a CPU variant that changes the Sampler's outputs or its inputs.
 Implementation broken(std::string name, std::function<Expected<std::vector<float>>(const SamplingInputs&)> body) {
-  return Implementation{.op = "sampling", .name = std::move(name), .priority = 100,
+  return Implementation{.op = "sampling",
+                        .name = std::move(name),
+                        .priority = 100,
                         .tolerance = kSamplingDeviceTolerance,
                         .run = [body](const OpInputs& base) -> Expected<RunOutput> {
                           TERN_ASSIGN_OR_RETURN(auto values, body(static_cast<const SamplingInputs&>(base)));
@@ -144,11 +146,11 @@ TEST_F(SamplingOp, BrokenVariantsAreRejectedWithTheirReason) {
   auto s = registry_select(registry_, "sampling", cpu_device_describe(), cases, {});
   ASSERT_TRUE(s.has_value()) << s.error().message;
   EXPECT_EQ(s->chosen, "cpu");
-  for (const auto& [name, why] : std::vector<std::pair<std::string, std::string>>{
-           {"id-off-by-one", "exceeds the tolerance"},
-           {"logprob-off-by-1e-4", "exceeds the tolerance"},
-           {"draw-ignored", "exceeds the tolerance"},
-           {"status-ignored", "non-finite value nan at element 1"}}) {
+  for (const auto& [name, why] :
+       std::vector<std::pair<std::string, std::string>>{{"id-off-by-one", "exceeds the tolerance"},
+                                                        {"logprob-off-by-1e-4", "exceeds the tolerance"},
+                                                        {"draw-ignored", "exceeds the tolerance"},
+                                                        {"status-ignored", "non-finite value nan at element 1"}}) {
     const CandidateReport& r = report_of(*s, name);
     EXPECT_EQ(r.status, CandidateStatus::kFailed) << name;
     EXPECT_NE(r.reason.find(why), std::string::npos) << name << ": " << r.reason;

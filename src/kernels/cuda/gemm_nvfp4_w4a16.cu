@@ -171,11 +171,16 @@ void decode_launch_kernel(const DecodeParams& p, cudaStream_t stream) {
 template <int kMTiles, int kTokenTiles, bool kVec16>
 void decode_launch_split(const DecodeParams& p, int split_k, cudaStream_t stream) {
   switch (split_k) {
-    case 1: return decode_launch_kernel<kMTiles, 1, kTokenTiles, kVec16>(p, stream);
-    case 2: return decode_launch_kernel<kMTiles, 2, kTokenTiles, kVec16>(p, stream);
-    case 4: return decode_launch_kernel<kMTiles, 4, kTokenTiles, kVec16>(p, stream);
-    case 8: return decode_launch_kernel<kMTiles, 8, kTokenTiles, kVec16>(p, stream);
-    case 16: return decode_launch_kernel<kMTiles, 16, kTokenTiles, kVec16>(p, stream);
+    case 1:
+      return decode_launch_kernel<kMTiles, 1, kTokenTiles, kVec16>(p, stream);
+    case 2:
+      return decode_launch_kernel<kMTiles, 2, kTokenTiles, kVec16>(p, stream);
+    case 4:
+      return decode_launch_kernel<kMTiles, 4, kTokenTiles, kVec16>(p, stream);
+    case 8:
+      return decode_launch_kernel<kMTiles, 8, kTokenTiles, kVec16>(p, stream);
+    case 16:
+      return decode_launch_kernel<kMTiles, 16, kTokenTiles, kVec16>(p, stream);
   }
   if constexpr (decode_max_split_k(kMTiles, kTokenTiles) == 32) {
     decode_launch_kernel<kMTiles, 32, kTokenTiles, kVec16>(p, stream);

@@ -26,7 +26,6 @@
 
 namespace tern {
 
-
 namespace {
 
 constexpr int64_t kHidden = 2048, kInter = 512, kExperts = 256, kTopK = 8;
@@ -232,8 +231,8 @@ int bench_main(bool quick, bool decode_only) {
   std::printf("shapes: hidden %lld, moe_intermediate %lld, %lld experts, top-%lld\n\n", static_cast<long long>(kHidden),
               static_cast<long long>(kInter), static_cast<long long>(kExperts), static_cast<long long>(kTopK));
   const std::vector<int64_t> decode_tokens = decode_only ? std::vector<int64_t>{1, 8}
-                                            : quick       ? std::vector<int64_t>{1, 8, 16, 64}
-                                                          : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64};
+                                             : quick     ? std::vector<int64_t>{1, 8, 16, 64}
+                                                         : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64};
   std::mt19937 rng(4242);
   bench_format(ctx, MoeWeightFormat::kBf16, decode_tokens, decode_only, copy_gbs, rng);
   bench_format(ctx, MoeWeightFormat::kNvfp4, decode_tokens, decode_only, copy_gbs, rng);

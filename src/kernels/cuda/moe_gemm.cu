@@ -225,9 +225,7 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4;
   const int split = warp % kSplitK;
   const int n0 = (blockIdx.x * kTiles + warp / kSplitK) * kRows;
-  auto weight = [&] {
-    return DecodeWeightPtrs{p.packed + e * p.packed_stride, p.scales + e * p.scales_stride};
-  };
+  auto weight = [&] { return DecodeWeightPtrs{p.packed + e * p.packed_stride, p.scales + e * p.scales_stride}; };
   for (int r0 = ae.row_begin; r0 < ae.row_end; r0 += 8 * kTokenTiles) {
     float acc[kTokenTiles][kMTiles][4] = {};
     int64_t xoff[kTokenTiles];  // the x row of the lane's token in each token tile, -1: past the expert's rows
@@ -439,11 +437,16 @@ void decode_launch_kernel(const GemmParams& p, int64_t slots, cudaStream_t strea
 template <bool kIsNvfp4, int kMTiles, int kTokenTiles, bool kVec16>
 void decode_launch_split(const GemmParams& p, int split_k, int64_t slots, cudaStream_t stream) {
   switch (split_k) {
-    case 1: return decode_launch_kernel<kIsNvfp4, kMTiles, 1, kTokenTiles, kVec16>(p, slots, stream);
-    case 2: return decode_launch_kernel<kIsNvfp4, kMTiles, 2, kTokenTiles, kVec16>(p, slots, stream);
-    case 4: return decode_launch_kernel<kIsNvfp4, kMTiles, 4, kTokenTiles, kVec16>(p, slots, stream);
-    case 8: return decode_launch_kernel<kIsNvfp4, kMTiles, 8, kTokenTiles, kVec16>(p, slots, stream);
-    case 16: return decode_launch_kernel<kIsNvfp4, kMTiles, 16, kTokenTiles, kVec16>(p, slots, stream);
+    case 1:
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 1, kTokenTiles, kVec16>(p, slots, stream);
+    case 2:
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 2, kTokenTiles, kVec16>(p, slots, stream);
+    case 4:
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 4, kTokenTiles, kVec16>(p, slots, stream);
+    case 8:
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 8, kTokenTiles, kVec16>(p, slots, stream);
+    case 16:
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 16, kTokenTiles, kVec16>(p, slots, stream);
   }
   if constexpr (kIsNvfp4 && decode_max_split_k(kMTiles, kTokenTiles) == 32) {
     decode_launch_kernel<kIsNvfp4, kMTiles, 32, kTokenTiles, kVec16>(p, slots, stream);
@@ -475,8 +478,7 @@ void decode_launch_format(const GemmParams& p, const MoeGemmArgs& a, const Devic
   // Two m16 tiles per warp only with 16-byte loads (the byte-wise path serves odd k and is not worth the code) and
   // one token tile (with two, the MoE kernel's 32-row tiles would spill).
   constexpr bool kTwoMTilesOk = kTokenTiles == 1;
-  const DecodeShape shape =
-      decode_choose_shape(props.num_sms, a.w.n, a.w.k, slots, kTokenTiles, vec16 && kTwoMTilesOk);
+  const DecodeShape shape = decode_choose_shape(props.num_sms, a.w.n, a.w.k, slots, kTokenTiles, vec16 && kTwoMTilesOk);
   if (!vec16) return decode_launch_split<kNvfp4, 1, kTokenTiles, false>(p, shape.split_k, slots, stream);
   if constexpr (kTwoMTilesOk) {
     if (shape.m_tiles == 2) return decode_launch_split<kNvfp4, 2, kTokenTiles, true>(p, shape.split_k, slots, stream);

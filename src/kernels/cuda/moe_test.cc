@@ -283,8 +283,8 @@ ExpertWeights make_routed_nvfp4(int64_t n_experts, int64_t n, int64_t k, const s
   w.d_scales.fill(0xFF);  // e4m3 NaN
   for (int32_t e : used) {
     const Nvfp4Matrix q = nvfp4_quantize_weight(gemm_test::random_row_scaled(n, k, rng), n, k);
-    TERN_CUDA_CHECK(cudaMemcpy(w.d_packed.as<uint8_t>() + e * packed_bytes, q.packed.data(), packed_bytes,
-                               cudaMemcpyHostToDevice));
+    TERN_CUDA_CHECK(
+        cudaMemcpy(w.d_packed.as<uint8_t>() + e * packed_bytes, q.packed.data(), packed_bytes, cudaMemcpyHostToDevice));
     TERN_CUDA_CHECK(cudaMemcpy(w.d_scales.as<uint8_t>() + e * scale_bytes, q.block_scales.data(), scale_bytes,
                                cudaMemcpyHostToDevice));
     w.global_scales[e] = q.global_scale;
@@ -404,8 +404,8 @@ TEST(MoeGemm, Nvfp4DecodeModelShapes) {
     int64_t n_experts, n, k, top_k;
     bool gather;
   };
-  for (const Shape& s : {Shape{256, 1024, 2048, 8, true}, Shape{256, 2048, 512, 8, false},
-                         Shape{64, 1000, 672, 8, true}}) {
+  for (const Shape& s :
+       {Shape{256, 1024, 2048, 8, true}, Shape{256, 2048, 512, 8, false}, Shape{64, 1000, 672, 8, true}}) {
     for (int64_t tokens : {1, 8}) {
       const std::vector<int32_t> ids = random_ids(tokens, s.top_k, s.n_experts, false, rng);
       std::vector<int32_t> used(ids);

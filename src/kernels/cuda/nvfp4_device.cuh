@@ -39,10 +39,14 @@ __device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s
 // 32-bit word j (0..3) of v; j is a compile-time constant wherever it is called, so this is a register.
 __device__ __forceinline__ uint32_t uint4_word(const uint4& v, int j) {
   switch (j) {
-    case 0: return v.x;
-    case 1: return v.y;
-    case 2: return v.z;
-    default: return v.w;
+    case 0:
+      return v.x;
+    case 1:
+      return v.y;
+    case 2:
+      return v.z;
+    default:
+      return v.w;
   }
 }
 
@@ -95,8 +99,8 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
 // ~32 KiB of loads in flight per SM (bandwidth x latency), and the matrices of a decode step are small (a few MB),
 // so the whole read should be in flight at once. A warp step is 2 KiB (kMTiles = 2), the one-token-tile kernels
 // fit 64 registers so 32 warps are resident per SM (64 KiB in flight), and the launchers split K over up to 32
-// warps per tile so the grid fills those slots in one wave (decode_choose_shape). (3) Latency: a warp's first weight loads leave
-// before anything that depends on other loads (the MoE kernel's gathered x rows).
+// warps per tile so the grid fills those slots in one wave (decode_choose_shape). (3) Latency: a warp's first weight
+// loads leave before anything that depends on other loads (the MoE kernel's gathered x rows).
 //
 // Blocks: kSplitK warps share each tile's K (warp w of a block takes tile w / kSplitK and the steps w % kSplitK,
 // + kSplitK, ...); a block holds decode_block_tiles(kSplitK) tiles, 8, 16 or 32 warps. The partial sums meet in shared
@@ -106,15 +110,21 @@ constexpr int kDecodeShift = 10;
 constexpr int kDecodeStepK = 128;    // k per warp step: 4 lanes x 32
 constexpr int kDecodeMaxSplitK = 32;  // 16-row tiles and one token tile only (decode_max_split_k)
 
-__host__ __device__ constexpr int decode_block_tiles(int split_k) { return split_k >= 8 ? 1 : 8 / split_k; }
-__host__ __device__ constexpr int decode_block_warps(int split_k) { return split_k * decode_block_tiles(split_k); }
+__host__ __device__ constexpr int decode_block_tiles(int split_k) {
+  return split_k >= 8 ? 1 : 8 / split_k;
+}
+__host__ __device__ constexpr int decode_block_warps(int split_k) {
+  return split_k * decode_block_tiles(split_k);
+}
 // A 32-warp split has 1024 threads and, with 32-row tiles or two token tiles, more reduction floats than fit.
 __host__ __device__ constexpr int decode_max_split_k(int m_tiles, int token_tiles) {
   return m_tiles == 1 && token_tiles == 1 ? kDecodeMaxSplitK : kDecodeMaxSplitK / 2;
 }
 // Resident warps per SM the launch bounds ask for: with one token tile a lane fits in 64 registers; a second token
 // tile doubles x and the accumulators.
-__host__ __device__ constexpr int decode_warps_per_sm(int token_tiles) { return token_tiles == 1 ? 32 : 16; }
+__host__ __device__ constexpr int decode_warps_per_sm(int token_tiles) {
+  return token_tiles == 1 ? 32 : 16;
+}
 __host__ __device__ constexpr int decode_min_blocks(int split_k, int token_tiles) {
   return decode_warps_per_sm(token_tiles) > decode_block_warps(split_k)
              ? decode_warps_per_sm(token_tiles) / decode_block_warps(split_k)
@@ -252,9 +262,9 @@ __device__ __forceinline__ void decode_load_x(const uint16_t* x, const int64_t (
 // product is their bitwise or, and 0x81C081C0 keeps the sign and the three magnitude bits of each half.
 __device__ __forceinline__ void decode_e2m1_pairs(uint32_t q, uint32_t (&pairs)[4]) {
   constexpr uint32_t kKeep = 0x81C081C0u;
-  const uint32_t q2 = q >> 8;  // nibbles 2, 3 (and 6, 7) where 0, 1 (and 4, 5) were
-  pairs[0] = ((q & 0x000F000Fu) * 0x1040u) & kKeep;   // nibble 0: shifts 12 and 6
-  pairs[1] = ((q & 0x00F000F0u) * 0x104u) & kKeep;    // nibble 1: shifts 8 and 2
+  const uint32_t q2 = q >> 8;                        // nibbles 2, 3 (and 6, 7) where 0, 1 (and 4, 5) were
+  pairs[0] = ((q & 0x000F000Fu) * 0x1040u) & kKeep;  // nibble 0: shifts 12 and 6
+  pairs[1] = ((q & 0x00F000F0u) * 0x104u) & kKeep;   // nibble 1: shifts 8 and 2
   pairs[2] = ((q2 & 0x000F000Fu) * 0x1040u) & kKeep;
   pairs[3] = ((q2 & 0x00F000F0u) * 0x104u) & kKeep;
 }

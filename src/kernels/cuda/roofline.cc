@@ -14,9 +14,8 @@ Expected<Roofline> roofline_measure(const DeviceContext& ctx) {
       return make_error("out of device memory for the 2 x {} bytes of the copy-bandwidth measurement", bytes);
     }
     a.fill(0x3C);
-    const double ms = bench_time_ms(ctx, 1, 20, [&](int) {
-      bench_copy_launch(a.data(), b.data(), bytes, ctx.props().num_sms, ctx.stream());
-    });
+    const double ms = bench_time_ms(
+        ctx, 1, 20, [&](int) { bench_copy_launch(a.data(), b.data(), bytes, ctx.props().num_sms, ctx.stream()); });
     r.copy_gbs = 2.0 * static_cast<double>(bytes) / (ms * 1e6);
   }
   constexpr int64_t kN = 8192;
@@ -28,8 +27,8 @@ Expected<Roofline> roofline_measure(const DeviceContext& ctx) {
   }
   x.fill(0x3C);  // bf16 1.17: finite products, the rate does not depend on the values
   w.fill(0x3C);
-  const GemmBf16Args args{.x = x.as<uint16_t>(), .w = w.as<uint16_t>(), .y = y.as<uint16_t>(), .m = kN, .n = kN,
-                          .k = kN};
+  const GemmBf16Args args{
+      .x = x.as<uint16_t>(), .w = w.as<uint16_t>(), .y = y.as<uint16_t>(), .m = kN, .n = kN, .k = kN};
   TERN_TRY(gemm_bf16(ctx, args));  // plans the shape outside the timed graph
   Expected<void> status;
   const double ms = bench_time_ms(ctx, 1, 5, [&](int) {

@@ -2,13 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <spdlog/spdlog.h>
 #include <algorithm>
-#include <cmath>
 #include <bit>
+#include <cmath>
 #include <functional>
 #include <map>
 #include <optional>
-#include <spdlog/spdlog.h>
 
 #include "core/formats.h"
 #include "kernels/cuda/attention.h"
@@ -217,7 +217,7 @@ class GpuBackend final : public ForwardBackend {
   size_t attention_workspace_bytes_ = 0;
   void* moe_workspace_ = nullptr;
   size_t moe_workspace_bytes_ = 0;
-  DeviceBuffer logits_;                // [rows, vocab] bf16: max_sequences rows, grown on demand (drops graphs)
+  DeviceBuffer logits_;  // [rows, vocab] bf16: max_sequences rows, grown on demand (drops graphs)
   DeviceBuffer meta_buffer_;
   int32_t* meta_ = nullptr;            // device copy of the step plan
   int32_t* meta_host_ = nullptr;       // pinned staging
@@ -407,8 +407,10 @@ Expected<void> GpuBackend::allocate_caches() {
     const size_t bytes = static_cast<size_t>(kv_blocks_ * bs * a.shape.n_kv_heads * a.shape.head_dim) * 2;
     DeviceBuffer k, v;
     if (!DeviceBuffer::try_allocate(bytes, k) || !DeviceBuffer::try_allocate(bytes, v)) {
-      return make_error("out of device memory for a KV cache of {} tokens; ask for fewer (tern serve: "
-                        "--max-total-tokens)", kv_blocks_ * bs);
+      return make_error(
+          "out of device memory for a KV cache of {} tokens; ask for fewer (tern serve: "
+          "--max-total-tokens)",
+          kv_blocks_ * bs);
     }
     a.cache = PagedKvCache{.k = k.as<uint16_t>(), .v = v.as<uint16_t>(), .n_blocks = kv_blocks_, .block_size = bs,
                            .n_kv_heads = a.shape.n_kv_heads, .head_dim = a.shape.head_dim};
@@ -764,7 +766,8 @@ Expected<int64_t> GpuBackend::run_body(const StepPlan& plan, LogitsFor which, co
   const size_t logit_bytes = static_cast<size_t>(n * vocab_) * 2;
   if (logits_.size_bytes() < logit_bytes) {
     drop_graphs();
-    if (!DeviceBuffer::try_allocate(logit_bytes, logits_)) return make_error("out of device memory for {} rows of logits", n);
+    if (!DeviceBuffer::try_allocate(logit_bytes, logits_))
+      return make_error("out of device memory for {} rows of logits", n);
   }
   TERN_TRY(device_matrix_forward(ctx_, lm_head_, rows, n, logits_.as<uint16_t>(), vocab_));
   return n;
@@ -796,8 +799,10 @@ Expected<int64_t> GpuBackend::run_decode(const StepPlan& plan) {
       (void)cudaGetLastError();
       g.exec = nullptr;
       graphs_enabled_ = false;
-      spdlog::warn("CUDA graph capture of a decode step ({} sequences) failed ({}); decode steps run eagerly from "
-                   "now on", plan.n_seqs, body ? cudaGetErrorString(made) : body.error().message);
+      spdlog::warn(
+          "CUDA graph capture of a decode step ({} sequences) failed ({}); decode steps run eagerly from "
+          "now on",
+          plan.n_seqs, body ? cudaGetErrorString(made) : body.error().message);
       return run_body(plan, LogitsFor::kLastToken, nullptr);
     }
   }
@@ -807,8 +812,9 @@ Expected<int64_t> GpuBackend::run_decode(const StepPlan& plan) {
 
 Expected<std::vector<float>> GpuBackend::forward(std::span<const SequenceInput> batch, LogitsFor which,
                                                  const Tracer* tracer) {
-  const bool decode = which == LogitsFor::kLastToken && tracer == nullptr &&
-                      std::all_of(batch.begin(), batch.end(), [](const SequenceInput& in) { return in.tokens.size() == 1; });
+  const bool decode =
+      which == LogitsFor::kLastToken && tracer == nullptr &&
+      std::all_of(batch.begin(), batch.end(), [](const SequenceInput& in) { return in.tokens.size() == 1; });
   TERN_ASSIGN_OR_RETURN(StepPlan plan, plan_step(batch, decode));
   if (plan.tokens == 0) return std::vector<float>{};
   upload_plan(plan);
@@ -828,9 +834,12 @@ Expected<std::vector<float>> GpuBackend::forward(std::span<const SequenceInput> 
 
 Expected<void> GpuBackend::allocate_sampling() {
   const int64_t rows = options_.max_sequences;
-  const size_t parts[] = {static_cast<size_t>(rows) * sizeof(SamplingRow), static_cast<size_t>(rows) * 4,
-                          static_cast<size_t>(rows) * 4, static_cast<size_t>(rows * kSampleMaxTopLogprobs) * 4,
-                          static_cast<size_t>(rows * kSampleMaxTopLogprobs) * 4, static_cast<size_t>(rows) * 4};
+  const size_t parts[] = {static_cast<size_t>(rows) * sizeof(SamplingRow),
+                          static_cast<size_t>(rows) * 4,
+                          static_cast<size_t>(rows) * 4,
+                          static_cast<size_t>(rows * kSampleMaxTopLogprobs) * 4,
+                          static_cast<size_t>(rows * kSampleMaxTopLogprobs) * 4,
+                          static_cast<size_t>(rows) * 4};
   for (const size_t p : parts) sampling_bytes_ += Arena::aligned(p);
   const size_t ws = sampling_workspace_bytes(rows, vocab_);
   const size_t logit_bytes = static_cast<size_t>(rows * vocab_) * 2;
@@ -869,8 +878,8 @@ Expected<void> GpuBackend::upload_sampling(std::span<const SampleRow> rows) {
     }
     const SamplingParams& params = r.sampler->params();
     const int32_t begin = static_cast<int32_t>(penalty_host_.size());
-    const bool penalised = params.repetition_penalty != 1.0f || params.presence_penalty != 0.0f ||
-                           params.frequency_penalty != 0.0f;
+    const bool penalised =
+        params.repetition_penalty != 1.0f || params.presence_penalty != 0.0f || params.frequency_penalty != 0.0f;
     if (penalised) {
       penalty_host_.insert(penalty_host_.end(), r.prompt_ids.begin(), r.prompt_ids.end());
     }
@@ -897,10 +906,11 @@ Expected<void> GpuBackend::upload_sampling(std::span<const SampleRow> rows) {
 
 Expected<SampleResults> GpuBackend::download_samples(std::span<const SampleRow> rows, int64_t n_logit_rows) {
   const size_t n = rows.size();
-  const std::pair<const void*, void*> parts[] = {
-      {sampling_d_.ids, sampling_h_.ids}, {sampling_d_.logprobs, sampling_h_.logprobs},
-      {sampling_d_.status, sampling_h_.status}, {sampling_d_.top_ids, sampling_h_.top_ids},
-      {sampling_d_.top_logprobs, sampling_h_.top_logprobs}};
+  const std::pair<const void*, void*> parts[] = {{sampling_d_.ids, sampling_h_.ids},
+                                                 {sampling_d_.logprobs, sampling_h_.logprobs},
+                                                 {sampling_d_.status, sampling_h_.status},
+                                                 {sampling_d_.top_ids, sampling_h_.top_ids},
+                                                 {sampling_d_.top_logprobs, sampling_h_.top_logprobs}};
   for (size_t i = 0; i < std::size(parts); ++i) {
     const size_t bytes = (i < 3 ? n : n * kSampleMaxTopLogprobs) * 4;
     TERN_CUDA_CHECK(cudaMemcpyAsync(parts[i].second, parts[i].first, bytes, cudaMemcpyDeviceToHost, ctx_.stream()));
@@ -920,8 +930,8 @@ Expected<SampleResults> GpuBackend::download_samples(std::span<const SampleRow> 
       std::vector<float> row;
       if (row_status > 0 && static_cast<int64_t>(i) < n_logit_rows) {
         std::vector<uint16_t> bits(static_cast<size_t>(vocab_));
-        TERN_CUDA_CHECK(cudaMemcpy(bits.data(), logits_.as<uint16_t>() + i * vocab_, bits.size() * 2,
-                                   cudaMemcpyDeviceToHost));
+        TERN_CUDA_CHECK(
+            cudaMemcpy(bits.data(), logits_.as<uint16_t>() + i * vocab_, bits.size() * 2, cudaMemcpyDeviceToHost));
         for (uint16_t b : bits) row.push_back(bf16_to_float(b));
       }
       const Expected<void> why = sampling_status_check(row_status, row.empty() ? nullptr : row.data(), vocab_);
