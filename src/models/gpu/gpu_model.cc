@@ -15,10 +15,10 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gated_delta.h"
 #include "kernels/cuda/moe.h"
-#include "kernels/cuda/sampling.h"
 #include "layers/attention.h"
 #include "layers/gated_deltanet.h"
 #include "layers/moe.h"
+#include "models/gpu/gpu_sampler.h"
 #include "models/gpu/gpu_weights.h"
 
 namespace tern {
@@ -178,9 +178,6 @@ class GpuBackend final : public ForwardBackend {
   // loaded kernels), the second is captured, later ones replay it. A capture that fails turns graphs off, loudly.
   Expected<int64_t> run_decode(const StepPlan& plan);
   void drop_graphs();
-  Expected<void> allocate_sampling();
-  Expected<void> upload_sampling(std::span<const SampleRow> rows);
-  Expected<SampleResults> download_samples(std::span<const SampleRow> rows, int64_t n_logit_rows);
   Expected<void> run_attention(const GpuAttention& a, const StepPlan& plan);
   Expected<void> run_gdn(const GpuGdn& g, const StepPlan& plan, const std::function<Expected<void>()>& after_core);
   Expected<void> run_mlp(const GpuMlp& m, const uint16_t* x, int64_t rows, uint16_t* y);
@@ -232,20 +229,7 @@ class GpuBackend final : public ForwardBackend {
   };
   std::map<std::pair<int64_t, int64_t>, DecodeGraph> graphs_;
   bool graphs_enabled_ = true;
-  // Sampling on the device, sized for max_sequences rows: parameters in, ids / logprobs / top-20 / status out.
-  struct SamplingIo {
-    SamplingRow* rows = nullptr;
-    int32_t* ids = nullptr;
-    float* logprobs = nullptr;
-    int32_t* top_ids = nullptr;
-    float* top_logprobs = nullptr;
-    int32_t* status = nullptr;
-  };
-  DeviceBuffer sampling_device_, sampling_workspace_, penalty_ids_;
-  char* sampling_host_ = nullptr;  // pinned mirror of sampling_device_
-  size_t sampling_bytes_ = 0;
-  SamplingIo sampling_d_, sampling_h_;
-  std::vector<int32_t> penalty_host_;
+  GpuSampler sampler_;  // sized for max_sequences rows
   const int32_t *d_ids_ = nullptr, *d_positions_ = nullptr, *d_slot_mapping_ = nullptr, *d_query_start_ = nullptr,
                 *d_seq_lens_ = nullptr, *d_block_tables_ = nullptr, *d_state_slot_ = nullptr, *d_seq_past_ = nullptr,
                 *d_last_rows_ = nullptr;
@@ -254,7 +238,6 @@ class GpuBackend final : public ForwardBackend {
   ~GpuBackend() override {
     drop_graphs();
     if (meta_host_ != nullptr) cudaFreeHost(meta_host_);
-    if (sampling_host_ != nullptr) cudaFreeHost(sampling_host_);
   }
 };
 
@@ -368,7 +351,11 @@ Expected<void> GpuBackend::build(const CausalLm& model) {
   graphs_enabled_ = options_.cuda_graphs;
   TERN_TRY(allocate_activations());
   TERN_TRY(allocate_caches());
-  TERN_TRY(allocate_sampling());
+  TERN_TRY(sampler_.allocate(options_.max_sequences, vocab_));
+  // Logits of a decode step at the largest batch, allocated now so that no decode graph sees this buffer move.
+  if (!DeviceBuffer::try_allocate(static_cast<size_t>(options_.max_sequences * vocab_) * 2, logits_)) {
+    return make_error("out of device memory for the logits of {} sequences", options_.max_sequences);
+  }
   for (int64_t s = options_.max_sequences - 1; s >= 0; --s) pool_->free_slots.push_back(static_cast<int32_t>(s));
   return {};
 }
@@ -830,129 +817,6 @@ Expected<std::vector<float>> GpuBackend::forward(std::span<const SequenceInput> 
   return logits;
 }
 
-// ---- Sampling on the device ----
-
-Expected<void> GpuBackend::allocate_sampling() {
-  const int64_t rows = options_.max_sequences;
-  const size_t parts[] = {static_cast<size_t>(rows) * sizeof(SamplingRow),
-                          static_cast<size_t>(rows) * 4,
-                          static_cast<size_t>(rows) * 4,
-                          static_cast<size_t>(rows * kSampleMaxTopLogprobs) * 4,
-                          static_cast<size_t>(rows * kSampleMaxTopLogprobs) * 4,
-                          static_cast<size_t>(rows) * 4};
-  for (const size_t p : parts) sampling_bytes_ += Arena::aligned(p);
-  const size_t ws = sampling_workspace_bytes(rows, vocab_);
-  const size_t logit_bytes = static_cast<size_t>(rows * vocab_) * 2;
-  if (!DeviceBuffer::try_allocate(sampling_bytes_, sampling_device_) ||
-      !DeviceBuffer::try_allocate(ws, sampling_workspace_) || !DeviceBuffer::try_allocate(logit_bytes, logits_)) {
-    return make_error("out of device memory for sampling {} sequences ({} bytes)", rows,
-                      sampling_bytes_ + ws + logit_bytes);
-  }
-  TERN_CUDA_CHECK(cudaMallocHost(&sampling_host_, sampling_bytes_));
-  for (auto [base, io] : {std::pair{static_cast<char*>(sampling_device_.data()), &sampling_d_},
-                          std::pair{sampling_host_, &sampling_h_}}) {
-    size_t offset = 0;
-    auto take = [&](size_t bytes) {
-      char* p = base + offset;
-      offset += Arena::aligned(bytes);
-      return p;
-    };
-    io->rows = reinterpret_cast<SamplingRow*>(take(parts[0]));
-    io->ids = reinterpret_cast<int32_t*>(take(parts[1]));
-    io->logprobs = reinterpret_cast<float*>(take(parts[2]));
-    io->top_ids = reinterpret_cast<int32_t*>(take(parts[3]));
-    io->top_logprobs = reinterpret_cast<float*>(take(parts[4]));
-    io->status = reinterpret_cast<int32_t*>(take(parts[5]));
-  }
-  return {};
-}
-
-// Each sequence's parameters and draw (a greedy row for one that samples nothing), and the ids the penalties read.
-Expected<void> GpuBackend::upload_sampling(std::span<const SampleRow> rows) {
-  penalty_host_.clear();
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const SampleRow& r = rows[i];
-    if (r.sampler == nullptr) {
-      sampling_h_.rows[i] = sampling_row_make(SamplingParams{.temperature = 0.0f}, 0.0, 0, 0, 0);
-      continue;
-    }
-    const SamplingParams& params = r.sampler->params();
-    const int32_t begin = static_cast<int32_t>(penalty_host_.size());
-    const bool penalised =
-        params.repetition_penalty != 1.0f || params.presence_penalty != 0.0f || params.frequency_penalty != 0.0f;
-    if (penalised) {
-      penalty_host_.insert(penalty_host_.end(), r.prompt_ids.begin(), r.prompt_ids.end());
-    }
-    const int32_t prompt_end = static_cast<int32_t>(penalty_host_.size());
-    if (penalised) penalty_host_.insert(penalty_host_.end(), r.output_ids.begin(), r.output_ids.end());
-    sampling_h_.rows[i] = sampling_row_make(params, r.sampler->next_draw(), begin, prompt_end,
-                                            static_cast<int32_t>(penalty_host_.size()));
-  }
-  const size_t penalty_bytes = penalty_host_.size() * 4;
-  if (penalty_ids_.size_bytes() < penalty_bytes) {
-    TERN_CUDA_CHECK(cudaStreamSynchronize(ctx_.stream()));  // the previous step may still read the old buffer
-    if (!DeviceBuffer::try_allocate(std::max(penalty_bytes, 2 * penalty_ids_.size_bytes()), penalty_ids_)) {
-      return make_error("out of device memory for {} penalty ids", penalty_host_.size());
-    }
-  }
-  if (penalty_bytes > 0) {
-    TERN_CUDA_CHECK(cudaMemcpyAsync(penalty_ids_.data(), penalty_host_.data(), penalty_bytes, cudaMemcpyHostToDevice,
-                                    ctx_.stream()));
-  }
-  TERN_CUDA_CHECK(cudaMemcpyAsync(sampling_d_.rows, sampling_h_.rows, rows.size() * sizeof(SamplingRow),
-                                  cudaMemcpyHostToDevice, ctx_.stream()));
-  return {};
-}
-
-Expected<SampleResults> GpuBackend::download_samples(std::span<const SampleRow> rows, int64_t n_logit_rows) {
-  const size_t n = rows.size();
-  const std::pair<const void*, void*> parts[] = {{sampling_d_.ids, sampling_h_.ids},
-                                                 {sampling_d_.logprobs, sampling_h_.logprobs},
-                                                 {sampling_d_.status, sampling_h_.status},
-                                                 {sampling_d_.top_ids, sampling_h_.top_ids},
-                                                 {sampling_d_.top_logprobs, sampling_h_.top_logprobs}};
-  for (size_t i = 0; i < std::size(parts); ++i) {
-    const size_t bytes = (i < 3 ? n : n * kSampleMaxTopLogprobs) * 4;
-    TERN_CUDA_CHECK(cudaMemcpyAsync(parts[i].second, parts[i].first, bytes, cudaMemcpyDeviceToHost, ctx_.stream()));
-  }
-  const cudaError_t status = cudaStreamSynchronize(ctx_.stream());
-  if (status != cudaSuccess) return make_error("CUDA error in the forward step: {}", cudaGetErrorString(status));
-  SampleResults results;
-  results.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (rows[i].sampler == nullptr) {
-      results.emplace_back(SampledToken{});
-      continue;
-    }
-    const int32_t row_status = sampling_h_.status[i];
-    if (row_status != kSampleStatusOk) {
-      // Name the bad logit as the CPU sampler would: download this row only.
-      std::vector<float> row;
-      if (row_status > 0 && static_cast<int64_t>(i) < n_logit_rows) {
-        std::vector<uint16_t> bits(static_cast<size_t>(vocab_));
-        TERN_CUDA_CHECK(
-            cudaMemcpy(bits.data(), logits_.as<uint16_t>() + i * vocab_, bits.size() * 2, cudaMemcpyDeviceToHost));
-        for (uint16_t b : bits) row.push_back(bf16_to_float(b));
-      }
-      const Expected<void> why = sampling_status_check(row_status, row.empty() ? nullptr : row.data(), vocab_);
-      if (why) {
-        results.push_back(make_error("sampling failed with status {}", row_status));
-      } else {
-        results.push_back(tl::unexpected<Error>(why.error()));
-      }
-      continue;
-    }
-    SampledToken token{.id = sampling_h_.ids[i], .logprob = sampling_h_.logprobs[i], .top_logprobs = {}};
-    const int32_t k = std::min(rows[i].sampler->params().logprobs, kSampleMaxTopLogprobs);
-    for (int32_t j = 0; j < k && j < vocab_; ++j) {
-      token.top_logprobs.emplace_back(sampling_h_.top_ids[i * kSampleMaxTopLogprobs + j],
-                                      sampling_h_.top_logprobs[i * kSampleMaxTopLogprobs + j]);
-    }
-    results.push_back(std::move(token));
-  }
-  return results;
-}
-
 Expected<SampleResults> GpuBackend::forward_sample(std::span<const SequenceInput> batch,
                                                    std::span<const SampleRow> rows) {
   for (const SampleRow& r : rows) {
@@ -963,22 +827,10 @@ Expected<SampleResults> GpuBackend::forward_sample(std::span<const SequenceInput
   TERN_ASSIGN_OR_RETURN(StepPlan plan, plan_step(batch, decode));
   if (plan.tokens == 0) return make_error("forward_sample: the step has no tokens");
   upload_plan(plan);
-  TERN_TRY(upload_sampling(rows));
+  TERN_TRY(sampler_.upload(ctx_, rows));
   TERN_ASSIGN_OR_RETURN(const int64_t n, decode ? run_decode(plan) : run_body(plan, LogitsFor::kLastToken, nullptr));
-  TERN_TRY(sample_rows(ctx_, SampleArgs{.logits = logits_.as<uint16_t>(),
-                                        .logits_stride = vocab_,
-                                        .rows_params = sampling_d_.rows,
-                                        .penalty_ids = penalty_host_.empty() ? nullptr : penalty_ids_.as<int32_t>(),
-                                        .rows = n,
-                                        .vocab = vocab_,
-                                        .out_id = sampling_d_.ids,
-                                        .out_logprob = sampling_d_.logprobs,
-                                        .out_top_ids = sampling_d_.top_ids,
-                                        .out_top_logprobs = sampling_d_.top_logprobs,
-                                        .out_status = sampling_d_.status,
-                                        .workspace = sampling_workspace_.data(),
-                                        .workspace_bytes = sampling_workspace_.size_bytes()}));
-  return download_samples(rows, n);
+  TERN_TRY(sampler_.launch(ctx_, logits_.as<uint16_t>(), n));
+  return sampler_.download(ctx_, rows, logits_.as<uint16_t>(), n);
 }
 
 }  // namespace
