@@ -23,10 +23,8 @@ import transformers
 def build(config_dir):
     config = transformers.AutoConfig.from_pretrained(config_dir)
     text = getattr(config, "text_config", None) or config
-    text.torch_dtype = torch.bfloat16
-    for key in ("quantization_config",):
-        if hasattr(text, key):
-            delattr(text, key)
+    if hasattr(text, "quantization_config"):  # the NVFP4 configs: transformers runs them unquantized
+        delattr(text, "quantization_config")
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(text, dtype=torch.bfloat16)
