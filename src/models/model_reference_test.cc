@@ -231,3 +231,55 @@ TEST(ModelTrace, NamedIntermediatesOfEveryBlock) {
 
 }  // namespace
 }  // namespace tern
+
+namespace tern {
+namespace {
+
+// forward_sample on the CPU: each row's token is what its own Sampler picks from forward's logits of the same step
+// (greedy, and a seeded random row whose stream must advance exactly as the Sampler's); a row without a sampler
+// gets an entry and consumes nothing; a row count that does not match the batch is an error.
+TEST(ModelForwardSample, CpuRowsAreTheirSamplersTokens) {
+  auto model = model_load(std::string(TERN_FIXTURES_DIR) + "/qwen3", {});
+  ASSERT_TRUE(model.has_value()) << model.error().message;
+  const CausalLm& m = **model;
+  const int64_t vocab = m.config().vocab_size;
+  const std::vector<SamplingParams> params{{.temperature = 0.0f, .logprobs = 3},
+                                           {.temperature = 0.8f, .top_p = 0.9f, .seed = 5}};
+  std::vector<Sampler> sampled_by_step{Sampler(params[0]), Sampler(params[1])};
+  std::vector<Sampler> reference{Sampler(params[0]), Sampler(params[1])};
+  const std::vector<int32_t> prompt{7, 300, 42};
+  std::vector<SequenceCache> a{m.new_sequence(), m.new_sequence(), m.new_sequence()};
+  std::vector<SequenceCache> b{m.new_sequence(), m.new_sequence(), m.new_sequence()};
+  std::vector<std::vector<int32_t>> next(3, prompt), outputs(2);
+  for (int step = 0; step < 6; ++step) {
+    const std::vector<SequenceInput> batch_a{{&a[0], next[0]}, {&a[1], next[1]}, {&a[2], next[2]}};
+    const std::vector<SequenceInput> batch_b{{&b[0], next[0]}, {&b[1], next[1]}, {&b[2], next[2]}};
+    const std::vector<SampleRow> rows{{&sampled_by_step[0], prompt, outputs[0]},
+                                      {&sampled_by_step[1], prompt, outputs[1]},
+                                      {}};
+    auto got = m.forward_sample(batch_a, rows);
+    ASSERT_TRUE(got.has_value()) << got.error().message;
+    ASSERT_EQ(got->size(), 3u);
+    auto logits = m.forward(batch_b, LogitsFor::kLastToken);
+    ASSERT_TRUE(logits.has_value()) << logits.error().message;
+    for (size_t i = 0; i < 2; ++i) {
+      auto want = reference[i].sample(std::span<const float>(*logits).subspan(i * vocab, vocab), prompt, outputs[i]);
+      ASSERT_TRUE((*got)[i].has_value() && want.has_value()) << "step " << step << " row " << i;
+      EXPECT_EQ((*got)[i]->id, want->id) << "step " << step << " row " << i;
+      EXPECT_FLOAT_EQ((*got)[i]->logprob, want->logprob);
+      EXPECT_EQ((*got)[i]->top_logprobs, want->top_logprobs);
+      outputs[i].push_back(want->id);
+      next[i] = {want->id};
+    }
+    EXPECT_TRUE((*got)[2].has_value());
+    next[2] = {static_cast<int32_t>(step + 1)};
+  }
+  const std::vector<SequenceInput> one{{&a[0], next[0]}};
+  const auto mismatch = m.forward_sample(one, std::vector<SampleRow>(2));
+  ASSERT_FALSE(mismatch.has_value());
+  EXPECT_NE(mismatch.error().message.find("2 sampling rows for 1 sequences"), std::string::npos)
+      << mismatch.error().message;
+}
+
+}  // namespace
+}  // namespace tern
