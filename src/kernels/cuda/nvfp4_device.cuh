@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/ptx.cuh"
+
 namespace tern::nvfp4_device {
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -60,25 +62,11 @@ __device__ __forceinline__ uint32_t e4m3_scale_bf16x2(uint32_t code, float multi
 
 __device__ __forceinline__ uint16_t float_to_bf16_bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async_16_zfill(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
+using ptx::cp_async_16_zfill;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+using ptx::ldmatrix_x4;
+using ptx::smem_addr;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Decode scheme (few activation rows: a bandwidth problem). A warp owns a tile of 16 * kMTiles weight rows and a
