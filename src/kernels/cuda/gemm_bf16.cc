@@ -5,6 +5,8 @@
 #include <map>
 #include <memory>
 
+#include "kernels/cuda/cublaslt_descs.h"
+
 namespace tern {
 namespace {
 
@@ -24,20 +26,6 @@ Expected<void> gemm_bf16_validate(const GemmBf16Args& a) {
   if (a.ldy != 0 && a.ldy < a.n) return make_error("gemm_bf16: ldy={} is less than n={}", a.ldy, a.n);
   return {};
 }
-
-// RAII for the cuBLASLt descriptors of one shape.
-struct LtDescs {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  ~LtDescs() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
 
 // The descriptors and the algorithm cuBLASLt chose for one shape. Building them costs tens of microseconds, more
 // than a small decode GEMM itself, so each context keeps them per shape (a model has a few dozen shapes).

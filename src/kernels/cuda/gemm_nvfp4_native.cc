@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/cuda/cublaslt_descs.h"
 #include "kernels/cuda/nvfp4_quantize.h"
 #include "kernels/cuda/nvfp4_scale_layout.h"
 
@@ -80,20 +81,6 @@ Expected<void> set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_
                         const char* what) {
   return lt_ok(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)), what);
 }
-
-// RAII for the cuBLASLt descriptors of one call.
-struct LtDescs {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  ~LtDescs() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
 
 // cuBLASLt is column-major: row-major y[M,N] is column-major y^T[N,M] = W[N,K] . x^T[K,M]. Row-major W [N, K/2
 // bytes] is column-major FP4 [K, N] (ld K) used transposed (A, "T"); row-major x is column-major [K, M] (ld K) used
