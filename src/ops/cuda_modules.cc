@@ -17,7 +17,7 @@ std::vector<CudaModuleReport> cuda_modules_describe() {
       {"gemm_nvfp4_w4a16", gemm_nvfp4_module_attributes}, {"elementwise", elementwise_module_attributes},
       {"attention", attention_module_attributes},         {"gated_delta", gated_delta_module_attributes},
       {"moe_route", moe_route_module_attributes},         {"moe_gemm", moe_gemm_module_attributes},
-      {"sampling", sampling_module_attributes}};
+      {"sampling", sampling_module_attributes},           {"gemv_bf16", gemv_bf16_module_attributes}};
   std::vector<CudaModuleReport> out;
   for (const auto& [name, query] : modules) {
     cudaFuncAttributes a{};

@@ -15,5 +15,6 @@ cudaError_t moe_route_module_attributes(cudaFuncAttributes* out);
 cudaError_t moe_gemm_module_attributes(cudaFuncAttributes* out);
 cudaError_t sampling_module_attributes(cudaFuncAttributes* out);
 cudaError_t gemm_nvfp4_module_attributes(cudaFuncAttributes* out);
+cudaError_t gemv_bf16_module_attributes(cudaFuncAttributes* out);
 
 }  // namespace tern

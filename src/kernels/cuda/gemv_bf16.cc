@@ -1,0 +1,64 @@
+// Argument checks and the group size of the BF16 GEMV; the kernel is in gemv_bf16.cu.
+#include "kernels/cuda/gemv_bf16.h"
+
+#include <limits>
+
+namespace tern {
+namespace {
+
+// Blocks per SM the grid should offer before groups grow (several resident blocks hide each other's reductions
+// and tails; fewer, longer groups keep the shuffle work per weight small).
+constexpr int64_t kMinBlocksPerSm = 2;
+constexpr int64_t kBlockThreads = 256;  // gemv_bf16.cu's kThreads
+constexpr int64_t kGroupCols = 4;       // gemv_bf16.cu's kCols
+
+bool is_aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+Expected<void> gemv_bf16_validate(const GemmBf16Args& a) {
+  if (a.m < 0 || a.n <= 0 || a.k <= 0) return make_error("gemv_bf16: bad shape m={} n={} k={}", a.m, a.n, a.k);
+  if (a.m > kGemvMaxRows) {
+    return make_error("gemv_bf16: m={} is more rows than the GEMV takes (kGemvMaxRows = {}); use gemm_bf16", a.m,
+                      kGemvMaxRows);
+  }
+  constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
+  if (a.n > kMaxDim || a.k > kMaxDim) return make_error("gemv_bf16: dimension over 2^31-1 (n={} k={})", a.n, a.k);
+  if (a.k % 8 != 0) return make_error("gemv_bf16: k={} is not a multiple of 8 (16-byte rows of x and W)", a.k);
+  if (a.x == nullptr) return make_error("gemv_bf16: x is a null pointer");
+  if (a.w == nullptr) return make_error("gemv_bf16: w is a null pointer");
+  if (a.y == nullptr) return make_error("gemv_bf16: y is a null pointer");
+  if (!is_aligned(a.x, 16)) return make_error("gemv_bf16: x is not 16-byte aligned");
+  if (!is_aligned(a.w, 16)) return make_error("gemv_bf16: w is not 16-byte aligned");
+  if (!is_aligned(a.y, 2)) return make_error("gemv_bf16: y is not 2-byte aligned");
+  if (a.ldy != 0 && a.ldy < a.n) return make_error("gemv_bf16: ldy={} is less than n={}", a.ldy, a.n);
+  return {};
+}
+
+}  // namespace
+
+int gemv_bf16_group_threads(int64_t n, int64_t k, int num_sms) {
+  const int64_t n_chunks = k / 8;
+  auto blocks = [n](int64_t threads) {
+    const int64_t cols = kBlockThreads / threads * kGroupCols;
+    return (n + cols - 1) / cols;
+  };
+  // Grow the group (more blocks, each thread a shorter stretch of k) while the grid is short of blocks and the
+  // group still has fewer threads than k has chunks.
+  int64_t threads = 32;
+  while (threads < kBlockThreads && threads < n_chunks && blocks(threads) < kMinBlocksPerSm * num_sms) threads *= 2;
+  return static_cast<int>(threads);
+}
+
+Expected<void> gemv_bf16(const DeviceContext& ctx, const GemmBf16Args& args) {
+  TERN_TRY(gemv_bf16_validate(args));
+  if (args.m == 0) return {};
+  gemv_bf16_launch(ctx, GemvBf16Params{.x = args.x,
+                                       .w = args.w,
+                                       .y = args.y,
+                                       .m = static_cast<int>(args.m),
+                                       .n = args.n,
+                                       .k = args.k,
+                                       .ldy = args.ldy > 0 ? args.ldy : args.n});
+  return {};
+}
+
+}  // namespace tern

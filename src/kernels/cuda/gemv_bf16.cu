@@ -1,0 +1,150 @@
+// BF16 GEMV for decode; contract in gemv_bf16_launch.h.
+//
+// With at most 8 rows of x, the product is bound by reading W once (2 bytes per weight, x and y are noise), so the
+// kernel is a streaming read of W at copy speed and nothing else: no split-K second pass, no shared-memory staging.
+// A group of T threads (gemv_bf16_group_threads) owns 4 consecutive rows of W (output columns) and splits k
+// between its threads in 16-byte chunks, lane-contiguous so each warp load covers 512 contiguous bytes of a row.
+// A thread keeps an fp32 accumulator per (row of x, column) in registers, so m is a template parameter; the group's
+// partial sums meet through warp shuffles and, when T > 32, shared memory, and y is rounded to bf16 once.
+#include <cuda_bf16.h>
+
+#include "kernels/cuda/gemv_bf16_launch.h"
+#include "kernels/cuda/module_attributes.h"
+
+namespace tern {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kCols = 4;  // output columns (rows of W) per group of threads
+constexpr int kVec = 8;   // bf16 values per 16-byte chunk
+
+// W is read once: it bypasses L1, leaving L1 to x (which every block reads), and asks L2 for the surrounding 256
+// bytes, which the neighbouring lanes read at the same time anyway.
+__device__ __forceinline__ uint4 ld_weight_16(const uint16_t* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// bf16 is the upper half of an fp32: widening is a shift (even element) or a mask (odd element).
+__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&v)[kVec]) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(words[i] << 16);
+    v[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
+  }
+}
+
+// acc[i][r] += x[i, chunk] . w_r[chunk] for one 8-element chunk; x points at row 0's chunk, rows k apart.
+template <int kRows>
+__device__ __forceinline__ void fma_chunk(float (&acc)[kRows][kCols], const uint4 (&w)[kCols], const uint16_t* x,
+                                          int64_t k) {
+  float wf[kCols][kVec];
+#pragma unroll
+  for (int r = 0; r < kCols; ++r) unpack_bf16x8(w[r], wf[r]);
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    float xf[kVec];
+    unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(x + i * k)), xf);
+#pragma unroll
+    for (int r = 0; r < kCols; ++r) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[i][r] = fmaf(xf[e], wf[r][e], acc[i][r]);
+    }
+  }
+}
+
+// One block: kThreads / group_threads groups, each owning kCols consecutive output columns.
+template <int kRows>
+__global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Params p, const int group_threads) {
+  __shared__ float partial[kWarps][kRows * kCols];
+  const int t = static_cast<int>(threadIdx.x);
+  const int groups = kThreads / group_threads;
+  const int group = t / group_threads, j = t % group_threads;
+  const int64_t col0 = (int64_t{blockIdx.x} * groups + group) * kCols;
+
+  // Stage 1: stream the group's rows of W. Columns past n (the last block) re-read row n - 1, so every load is in
+  // bounds without a branch; their sums are never written. Two chunks per step keep 2 x kCols loads in flight.
+  const uint16_t* wrow[kCols];
+#pragma unroll
+  for (int r = 0; r < kCols; ++r) wrow[r] = p.w + (col0 + r < p.n ? col0 + r : p.n - 1) * p.k;
+  float acc[kRows][kCols];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+    for (int r = 0; r < kCols; ++r) acc[i][r] = 0.0f;
+  }
+  const int n_chunks = static_cast<int>(p.k / kVec);
+  int c = j;
+  for (; c + group_threads < n_chunks; c += 2 * group_threads) {
+    uint4 w0[kCols], w1[kCols];
+#pragma unroll
+    for (int r = 0; r < kCols; ++r) w0[r] = ld_weight_16(wrow[r] + int64_t{c} * kVec);
+#pragma unroll
+    for (int r = 0; r < kCols; ++r) w1[r] = ld_weight_16(wrow[r] + int64_t{c + group_threads} * kVec);
+    fma_chunk<kRows>(acc, w0, p.x + int64_t{c} * kVec, p.k);
+    fma_chunk<kRows>(acc, w1, p.x + int64_t{c + group_threads} * kVec, p.k);
+  }
+  if (c < n_chunks) {  // an odd number of chunks left for this thread
+    uint4 w0[kCols];
+#pragma unroll
+    for (int r = 0; r < kCols; ++r) w0[r] = ld_weight_16(wrow[r] + int64_t{c} * kVec);
+    fma_chunk<kRows>(acc, w0, p.x + int64_t{c} * kVec, p.k);
+  }
+
+  // Stage 2: each warp's sum of every accumulator (a group is whole warps: group_threads is a multiple of 32).
+  const int warp = t / 32, lane = t % 32;
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+    for (int r = 0; r < kCols; ++r) {
+      float v = acc[i][r];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+      if (lane == 0) partial[warp][i * kCols + r] = v;
+    }
+  }
+  __syncthreads();
+
+  // Stage 3: one thread per (group, row of x, column) adds its group's warps in a fixed order and writes bf16
+  // (round to nearest even). groups * kRows * kCols <= 8 * 8 * 4 = kThreads.
+  if (t < groups * kRows * kCols) {
+    const int g = t / (kRows * kCols), idx = t % (kRows * kCols);
+    const int warps_per_group = group_threads / 32;
+    float sum = 0.0f;
+    for (int w = 0; w < warps_per_group; ++w) sum += partial[g * warps_per_group + w][idx];
+    const int64_t col = (int64_t{blockIdx.x} * groups + g) * kCols + idx % kCols;
+    if (col < p.n) p.y[(idx / kCols) * p.ldy + col] = __bfloat16_as_ushort(__float2bfloat16_rn(sum));
+  }
+}
+
+template <int kRows>
+void launch_rows(const GemvBf16Params& p, int group_threads, cudaStream_t stream) {
+  const int64_t cols_per_block = int64_t{kThreads / group_threads} * kCols;
+  const auto grid = static_cast<unsigned>((p.n + cols_per_block - 1) / cols_per_block);
+  gemv_bf16_kernel<kRows><<<grid, kThreads, 0, stream>>>(p, group_threads);
+  TERN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void gemv_bf16_launch(const DeviceContext& ctx, const GemvBf16Params& p) {
+  using Launch = void (*)(const GemvBf16Params&, int, cudaStream_t);
+  static constexpr Launch kByRows[kGemvMaxRows] = {launch_rows<1>, launch_rows<2>, launch_rows<3>, launch_rows<4>,
+                                                   launch_rows<5>, launch_rows<6>, launch_rows<7>, launch_rows<8>};
+  static_assert(kGemvMaxRows * kWarps * kCols <= kThreads, "stage 3 needs a thread per output of a block");
+  if (p.m < 1 || p.m > kGemvMaxRows) return;  // gemv_bf16() rejects these first
+  const int threads = p.group_threads > 0 ? p.group_threads : gemv_bf16_group_threads(p.n, p.k, ctx.props().num_sms);
+  kByRows[p.m - 1](p, threads, ctx.stream());
+}
+
+// What the driver loaded of this module for the current device (module_attributes.h).
+cudaError_t gemv_bf16_module_attributes(cudaFuncAttributes* out) {
+  return cudaFuncGetAttributes(out, gemv_bf16_kernel<kGemvMaxRows>);
+}
+
+}  // namespace tern

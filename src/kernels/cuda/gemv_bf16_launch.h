@@ -1,0 +1,34 @@
+// The BF16 GEMV's argument struct and its unchecked launcher. The .cu side cannot include core/error.h (nvcc rejects
+// fmt's consteval format strings), and gemm_bf16.h (GemmBf16Args) does, so the launcher takes its own copy of the
+// arguments; validation lives in gemv_bf16.cc and callers use gemv_bf16() from gemv_bf16.h.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/device.h"
+
+namespace tern {
+
+// The most rows of x one GEMV call takes: its accumulators (rows x 4 output columns per thread) live in registers.
+inline constexpr int64_t kGemvMaxRows = 8;
+
+// y[m, ldy] (columns [0, n)) = x[m, k] . w[n, k]^T, bf16 row-major, fp32 accumulation.
+struct GemvBf16Params {
+  const uint16_t* x = nullptr;  // [m, k], 16-byte aligned
+  const uint16_t* w = nullptr;  // [n, k], 16-byte aligned
+  uint16_t* y = nullptr;        // [m, ldy], 2-byte aligned
+  int m = 0;                    // 1 .. kGemvMaxRows
+  int64_t n = 0;                // 1 .. 2^31 - 1
+  int64_t k = 0;                // a positive multiple of 8, at most 2^31 - 1
+  int64_t ldy = 0;              // >= n (the launcher does not read 0 as n)
+  int group_threads = 0;        // 0: gemv_bf16_group_threads() chooses; tests force 32, 64, 128 or 256
+};
+
+// Threads of a block that share one group of output columns, splitting k between them (32, 64, 128 or 256): the
+// fewest that still give the grid about two blocks per SM and do not leave most threads without a chunk of k.
+int gemv_bf16_group_threads(int64_t n, int64_t k, int num_sms);
+
+// Unchecked launch on ctx.stream() for arguments gemv_bf16() has validated (group_threads 0 or one of the four).
+void gemv_bf16_launch(const DeviceContext& ctx, const GemvBf16Params& p);
+
+}  // namespace tern

@@ -1,0 +1,238 @@
+// BF16 GEMV against an fp64 CPU product of the same bf16 inputs, with the tolerance, the NaN poison and the
+// untouched-columns check of the cuBLASLt GEMM's test (gemm_test_util.h). Shapes: every m in 1..8 over small odd
+// shapes (the tails of k and n), each group size forced, and the decode projections of Qwen3-8B and
+// Qwen3.5-35B-A3B (lm_heads included). Label: gpu.
+#include "kernels/cuda/gemv_bf16.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/cuda/gemm_test_util.h"
+
+namespace tern {
+namespace {
+
+// A bf16 operand on the host (bits and their float values) and on the device.
+struct Operand {
+  std::vector<uint16_t> bits;
+  std::vector<float> values;
+  DeviceBuffer device;
+};
+
+// N(0, 1) values rounded to bf16, never zero (as gemm_test::random_bf16), generated in parallel slices seeded from
+// `rng`: an lm_head has 10^8 - 10^9 weights.
+Operand random_operand(size_t count, std::mt19937& rng) {
+  Operand op{std::vector<uint16_t>(count), std::vector<float>(count), DeviceBuffer(std::max<size_t>(count * 2, 16))};
+  const size_t n_threads = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 32);
+  const size_t slice = (count + n_threads - 1) / n_threads;
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < n_threads; ++t) {
+    threads.emplace_back([&op, count, slice, t, seed = rng()] {
+      std::mt19937 local(seed);
+      std::normal_distribution<float> dist(0.0f, 1.0f);
+      for (size_t i = t * slice; i < std::min(count, (t + 1) * slice); ++i) {
+        uint16_t v;
+        do {
+          v = float_to_bf16(dist(local));
+        } while ((v & 0x7FFF) == 0);
+        op.bits[i] = v;
+        op.values[i] = bf16_to_float(v);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  op.device.upload(op.bits.data(), count * 2);
+  return op;
+}
+
+struct Case {
+  int64_t m, n, k;
+  int64_t pad = 0;        // > 0: write columns [pad, pad + n) of a [m, n + 2 pad] output
+  int group_threads = 0;  // > 0: launch with this group size (unchecked launcher), else gemv_bf16() chooses
+};
+
+// Runs one case with fresh x against the weight `w` ([n, k]) and checks every element of y.
+void run_and_check(const DeviceContext& ctx, const Operand& w, const Case& c, std::mt19937& rng) {
+  const Operand x = random_operand(static_cast<size_t>(c.m * c.k), rng);
+  const int64_t ldy = c.n + 2 * c.pad;
+  DeviceBuffer dy(static_cast<size_t>(c.m * ldy) * 2);
+  dy.fill(0xFF);
+  uint16_t* y = dy.as<uint16_t>() + c.pad;
+  if (c.group_threads > 0) {
+    gemv_bf16_launch(ctx, GemvBf16Params{.x = x.device.as<uint16_t>(), .w = w.device.as<uint16_t>(), .y = y,
+                                         .m = static_cast<int>(c.m), .n = c.n, .k = c.k, .ldy = ldy,
+                                         .group_threads = c.group_threads});
+  } else {
+    const auto status = gemv_bf16(ctx, GemmBf16Args{.x = x.device.as<uint16_t>(), .w = w.device.as<uint16_t>(),
+                                                    .y = y, .m = c.m, .n = c.n, .k = c.k,
+                                                    .ldy = c.pad > 0 ? ldy : 0});
+    ASSERT_TRUE(status.has_value()) << status.error().message;
+  }
+  ctx.synchronize();
+  std::vector<uint16_t> host(static_cast<size_t>(c.m * ldy));
+  TERN_CUDA_CHECK(cudaMemcpy(host.data(), dy.data(), host.size() * 2, cudaMemcpyDeviceToHost));
+  const auto ref = gemm_test::reference_gemm(x.values, w.values, c.m, c.n, c.k);
+  const std::string what = "gemv m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) +
+                           " k=" + std::to_string(c.k) + (c.pad > 0 ? " ldy=" + std::to_string(ldy) : "") +
+                           (c.group_threads > 0 ? " T=" + std::to_string(c.group_threads) : "");
+  gemm_test::check_gemm(gemm_test::strided_columns(host, c.m, c.n, ldy, c.pad, what), ref, c.m, c.n, what);
+}
+
+// Every listed m over one weight shape (one weight, fresh x for each m).
+void run_shape(const DeviceContext& ctx, int64_t n, int64_t k, const std::vector<int64_t>& ms, std::mt19937& rng) {
+  const Operand w = random_operand(static_cast<size_t>(n * k), rng);
+  for (int64_t m : ms) run_and_check(ctx, w, Case{.m = m, .n = n, .k = k}, rng);
+}
+
+TEST(GemvBf16, MatchesReferenceOnSmallOddShapes) {
+  DeviceContext ctx;
+  std::mt19937 rng(2002);
+  // k = 8 and 24: fewer chunks than one warp; 1032 and 4104: an odd chunk count per thread. n = 1, 3, 37: a
+  // partial column group; 1000: several blocks.
+  for (int64_t n : {1, 3, 37, 1000}) {
+    for (int64_t k : {8, 24, 1032, 4104}) run_shape(ctx, n, k, {1, 2, 3, 4, 5, 6, 7, 8}, rng);
+  }
+}
+
+TEST(GemvBf16, WritesOnlyItsColumnsOfAWiderOutput) {
+  DeviceContext ctx;
+  std::mt19937 rng(2003);
+  // Odd pads leave every row of y 2-byte aligned only, as a part of a fused projection can be.
+  for (int64_t n : {1, 37, 1000}) {
+    const Operand w = random_operand(static_cast<size_t>(n * 1032), rng);
+    for (int64_t pad : {3, 8}) {
+      for (int64_t m : {1, 5, 8}) run_and_check(ctx, w, Case{.m = m, .n = n, .k = 1032, .pad = pad}, rng);
+    }
+  }
+}
+
+TEST(GemvBf16, EveryGroupSizeMatchesReference) {
+  DeviceContext ctx;
+  std::mt19937 rng(2004);
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{37, 4104}, {1000, 2048}, {3, 24}}) {
+    const Operand w = random_operand(static_cast<size_t>(n * k), rng);
+    for (int threads : {32, 64, 128, 256}) {
+      for (int64_t m : {1, 4, 8}) {
+        run_and_check(ctx, w, Case{.m = m, .n = n, .k = k, .pad = 3, .group_threads = threads}, rng);
+      }
+    }
+  }
+}
+
+TEST(GemvBf16, MatchesReferenceOnQwen3_8bShapes) {
+  DeviceContext ctx;
+  std::mt19937 rng(2005);
+  // qkv, o_proj, gate|up, down_proj, lm_head (hidden 4096, 32 q / 8 kv heads of 128, intermediate 12288).
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{6144, 4096}, {4096, 4096}, {24576, 4096}, {4096, 12288},
+                      {151936, 4096}}) {
+    run_shape(ctx, n, k, {1, 8}, rng);
+  }
+}
+
+TEST(GemvBf16, MatchesReferenceOnQwen3_5_35bA3bShapes) {
+  DeviceContext ctx;
+  std::mt19937 rng(2006);
+  // The BF16 projections outside the routed experts (hidden 2048), as the CUDA model fuses them:
+  //   attention q|gate, k, v (16 heads x 256 x 2 + 2 x 256 + 2 x 256) and o_proj (16 x 256 -> 2048);
+  //   GDN in_proj_qkv (2 x 16 x 128 + 32 x 128), in_proj_z (32 x 128), in_proj_b|a (2 x 32), out_proj (4096 -> 2048);
+  //   the router with the shared expert's gate (256 + 1), the shared expert's gate|up (2 x 512) and down (512 ->
+  //   2048); the lm_head (vocabulary 248320).
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{9216, 2048}, {2048, 4096}, {8192, 2048}, {4096, 2048}, {64, 2048},
+                      {257, 2048}, {1024, 2048}, {2048, 512}, {248320, 2048}}) {
+    run_shape(ctx, n, k, {1, 3, 8}, rng);
+  }
+}
+
+TEST(GemvBf16, ZeroRowsWritesNothing) {
+  DeviceContext ctx;
+  DeviceBuffer buf(1 << 16);
+  buf.fill(0xFF);
+  const auto status = gemv_bf16(ctx, GemmBf16Args{.x = buf.as<uint16_t>(), .w = buf.as<uint16_t>(),
+                                                  .y = buf.as<uint16_t>(), .m = 0, .n = 64, .k = 64});
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  std::vector<uint16_t> host(buf.size_bytes() / 2);
+  TERN_CUDA_CHECK(cudaMemcpy(host.data(), buf.data(), buf.size_bytes(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::count(host.begin(), host.end(), gemm_test::kPoison), static_cast<std::ptrdiff_t>(host.size()));
+}
+
+TEST(GemvBf16, RejectsBadArguments) {
+  DeviceContext ctx;
+  DeviceBuffer bx(1 << 12), bw(1 << 14), by(1 << 12);
+  bx.fill(0);
+  bw.fill(0);
+  const GemmBf16Args good{.x = bx.as<uint16_t>(), .w = bw.as<uint16_t>(), .y = by.as<uint16_t>(), .m = 4, .n = 64,
+                          .k = 64};
+  ASSERT_TRUE(gemv_bf16(ctx, good).has_value());  // each case below differs from this in one argument
+  auto expect_error = [&](GemmBf16Args a, const std::string& needle) {
+    const auto r = gemv_bf16(ctx, a);
+    ASSERT_FALSE(r.has_value()) << needle;
+    EXPECT_NE(r.error().message.find(needle), std::string::npos) << r.error().message;
+  };
+  auto a = good;
+  a.m = kGemvMaxRows + 1;
+  expect_error(a, "m=9 is more rows than the GEMV takes");
+  a = good;
+  a.m = -1;
+  expect_error(a, "bad shape");
+  a = good;
+  a.n = 0;
+  expect_error(a, "bad shape");
+  a = good;
+  a.k = 0;
+  expect_error(a, "bad shape");
+  a = good;
+  a.n = int64_t{1} << 31;
+  expect_error(a, "dimension over 2^31-1");
+  a = good;
+  a.k = 60;
+  expect_error(a, "k=60 is not a multiple of 8");
+  a = good;
+  a.x = nullptr;
+  expect_error(a, "x is a null pointer");
+  a = good;
+  a.w = nullptr;
+  expect_error(a, "w is a null pointer");
+  a = good;
+  a.y = nullptr;
+  expect_error(a, "y is a null pointer");
+  a = good;
+  a.x = bx.as<uint16_t>() + 4;
+  expect_error(a, "x is not 16-byte aligned");
+  a = good;
+  a.w = bw.as<uint16_t>() + 1;
+  expect_error(a, "w is not 16-byte aligned");
+  a = good;
+  a.y = reinterpret_cast<uint16_t*>(by.as<char>() + 1);
+  expect_error(a, "y is not 2-byte aligned");
+  a = good;
+  a.ldy = 63;
+  expect_error(a, "ldy=63 is less than n=64");
+  ctx.synchronize();
+}
+
+// The group size is host arithmetic (no device needed): always one of the four sizes, grown from one warp only
+// while the grid has fewer than two blocks per SM and k has more chunks than the group has threads.
+TEST(GemvBf16, GroupSizeFollowsTheShape) {
+  EXPECT_EQ(gemv_bf16_group_threads(1, 8, 132), 32);        // one chunk: one warp
+  EXPECT_EQ(gemv_bf16_group_threads(24576, 4096, 132), 32);  // 768 blocks already
+  EXPECT_EQ(gemv_bf16_group_threads(6144, 4096, 132), 64);   // 192 -> 384 blocks
+  EXPECT_EQ(gemv_bf16_group_threads(4096, 4096, 132), 128);  // 128 -> 256 -> 512 blocks
+  EXPECT_EQ(gemv_bf16_group_threads(2048, 512, 132), 64);    // 64 chunks: no more threads than that
+  EXPECT_EQ(gemv_bf16_group_threads(257, 2048, 132), 256);   // 65 blocks at most
+  for (int64_t n : {1, 3, 64, 1000, 4096, 151936}) {
+    for (int64_t k : {8, 64, 512, 2048, 4104, 12288}) {
+      const int t = gemv_bf16_group_threads(n, k, 188);
+      EXPECT_TRUE(t == 32 || t == 64 || t == 128 || t == 256) << n << " " << k << ": " << t;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tern
