@@ -1,8 +1,11 @@
-// GEMM timings on one GPU: NVFP4 W4A16 (decode and prefill) against cuBLASLt BF16 of the same shape, and the
-// device-to-device copy bandwidth of the same run as the memory ceiling. Plain main (not run by ctest):
-//   gemm_bench [--quick | --decode]
+// GEMM timings on one GPU: NVFP4 W4A16 (decode and prefill) against cuBLASLt BF16 of the same shape, the BF16
+// GEMV of decode against cuBLASLt, and the device-to-device copy bandwidth of the same run as the memory ceiling.
+// Plain main (not run by ctest):
+//   gemm_bench [--quick | --decode | --gemv]
 // --decode: only M = 1 and 8 on the dense decode shapes N in {2048, 4096, 6144} x K in {2048, 4096}. GB/s counts
-// the bytes that must move (packed weight + block scales + x + y).
+// the bytes that must move (packed weight + block scales + x + y). --gemv: only the GEMV table (gemv_bf16 against
+// gemm_bf16 at M = 1, 2, 4, 8 on the BF16 projections of Qwen3-8B and Qwen3.5-35B-A3B, GB/s of W + x + y), which
+// the full run prints after the GEMM table.
 // Each timing is a CUDA graph of back-to-back launches that rotate over enough copies of the operands to exceed
 // the L2 several times, replayed after a warm-up; the median replay over the launch count is reported.
 #include <cuda_runtime.h>
@@ -19,6 +22,7 @@
 #include "kernels/cuda/bench_timing.h"
 #include "kernels/cuda/gemm_bf16.h"
 #include "kernels/cuda/gemm_nvfp4_w4a16.h"
+#include "kernels/cuda/gemv_bf16.h"
 #include "kernels/cuda/roofline.h"
 
 namespace tern {
@@ -146,7 +150,73 @@ void bench_shape(const DeviceContext& ctx, const Row& s, const HostWeights& hw, 
   std::fflush(stdout);
 }
 
-int bench_main(bool quick, bool decode_only) {
+// A bf16 weight for timing: a random 1 Mi-element pattern tiled over the matrix (values do not change the time of
+// a memory-bound kernel; drawing 10^9 fresh ones would take longer than the run).
+std::vector<uint16_t> tiled_bf16(size_t count, std::mt19937& rng) {
+  std::uniform_real_distribution<float> uniform(-0.05f, 0.05f);
+  std::vector<uint16_t> tile(std::min<size_t>(count, size_t{1} << 20));
+  for (auto& v : tile) {
+    do {
+      v = float_to_bf16(uniform(rng));
+    } while ((v & 0x7FFF) == 0);
+  }
+  std::vector<uint16_t> out(count);
+  for (size_t i = 0; i < count; i += tile.size()) {
+    std::copy_n(tile.begin(), std::min(tile.size(), count - i), out.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  return out;
+}
+
+// gemv_bf16 and gemm_bf16 on the same operands, rotating over enough copies of W to exceed the L2.
+void bench_gemv_shape(const DeviceContext& ctx, int64_t n, int64_t k, const std::vector<int64_t>& ms, double copy_gbs,
+                      std::mt19937& rng) {
+  const size_t w_bytes = round_up(static_cast<size_t>(n * k) * 2, 256);
+  const size_t x_bytes = round_up(static_cast<size_t>(kGemvMaxRows * k) * 2, 256);
+  const size_t y_bytes = round_up(static_cast<size_t>(kGemvMaxRows * n) * 2, 256);
+  // Small weights (a router) need thousands of copies to leave the L2, as they do between two decode steps.
+  const int slots = static_cast<int>(std::clamp<size_t>(kRotateBytes / (w_bytes + x_bytes + y_bytes), 1, 4096));
+  DeviceBuffer dw(w_bytes * slots), dx(x_bytes * slots), dy(y_bytes * slots);
+  fill_device(dw.data(), tiled_bf16(static_cast<size_t>(n * k), rng), slots, w_bytes);
+  fill_device(dx.data(), tiled_bf16(static_cast<size_t>(kGemvMaxRows * k), rng), slots, x_bytes);
+  for (int64_t m : ms) {
+    auto args = [&](int i) {
+      return GemmBf16Args{.x = reinterpret_cast<const uint16_t*>(dx.as<char>() + i * x_bytes),
+                          .w = reinterpret_cast<const uint16_t*>(dw.as<char>() + i * w_bytes),
+                          .y = reinterpret_cast<uint16_t*>(dy.as<char>() + i * y_bytes),
+                          .m = m,
+                          .n = n,
+                          .k = k};
+    };
+    const double gemv_ms = time_ms(ctx, slots, [&](int i) {
+      if (!gemv_bf16(ctx, args(i))) std::abort();
+    });
+    const double gemm_ms = time_ms(ctx, slots, [&](int i) {
+      if (!gemm_bf16(ctx, args(i))) std::abort();
+    });
+    const double bytes = static_cast<double>(n * k * 2 + m * k * 2 + m * n * 2);
+    const double gemv_gbs = bytes / (gemv_ms * 1e6), gemm_gbs = bytes / (gemm_ms * 1e6);
+    std::printf("%6lld %7lld %6lld | %9.2f %7.0f %5.1f%% | %9.2f %7.0f %5.1f%% | %6.2fx\n", static_cast<long long>(m),
+                static_cast<long long>(n), static_cast<long long>(k), gemv_ms * 1e3, gemv_gbs,
+                100.0 * gemv_gbs / copy_gbs, gemm_ms * 1e3, gemm_gbs, 100.0 * gemm_gbs / copy_gbs, gemm_ms / gemv_ms);
+    std::fflush(stdout);
+  }
+}
+
+void bench_gemv(const DeviceContext& ctx, double copy_gbs) {
+  std::printf("\nBF16 GEMV (gemv_bf16) against cuBLASLt (gemm_bf16); GB/s of W + x + y\n");
+  std::printf("%6s %7s %6s | %9s %7s %6s | %9s %7s %6s | %7s\n", "M", "N", "K", "gemv us", "GB/s", "%copy", "bf16 us",
+              "GB/s", "%copy", "speedup");
+  // Qwen3-8B: qkv, o_proj, gate|up, down_proj, lm_head. Qwen3.5-35B-A3B (hidden 2048), as the CUDA model fuses its
+  // BF16 projections: attention q|gate|k|v and o_proj (= GDN out_proj), GDN in_proj_qkv, in_proj_z, in_proj_b|a,
+  // router|shared expert gate, shared expert gate|up and down, lm_head.
+  const std::pair<int64_t, int64_t> shapes[] = {
+      {6144, 4096}, {4096, 4096}, {24576, 4096}, {4096, 12288}, {151936, 4096}, {9216, 2048}, {2048, 4096},
+      {8192, 2048}, {4096, 2048}, {64, 2048},    {257, 2048},   {1024, 2048},   {2048, 512},  {248320, 2048}};
+  std::mt19937 rng(4242);
+  for (const auto& [n, k] : shapes) bench_gemv_shape(ctx, n, k, {1, 2, 4, 8}, copy_gbs, rng);
+}
+
+int bench_main(bool quick, bool decode_only, bool gemv_only) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB, smem/block opt-in %zu KiB, smem/SM %zu KiB, "
@@ -159,6 +229,10 @@ int bench_main(bool quick, bool decode_only) {
   std::printf("device-to-device copy (bytes read + written): copy kernel %.0f GB/s, cudaMemcpyAsync %.0f GB/s; "
               "%%copy below is of the kernel's\n\n",
               copy.kernel_gbs, copy.memcpy_gbs);
+  if (gemv_only) {
+    bench_gemv(ctx, copy_gbs);
+    return 0;
+  }
   std::printf("%6s %6s %6s | %-7s %9s %7s %6s %7s | %9s %7s %6s %7s | %6s\n", "M", "N", "K", "nvfp4", "us", "GB/s",
               "%copy", "TFLOP/s", "bf16 us", "GB/s", "%copy", "TFLOP/s", "speedup");
   const std::vector<std::pair<int64_t, int64_t>> shapes =
@@ -174,6 +248,7 @@ int bench_main(bool quick, bool decode_only) {
     const HostWeights hw = make_host_weights(n, k, rng);
     for (int64_t m : ms) bench_shape(ctx, Row{m, n, k}, hw, copy_gbs, rng);
   }
+  if (!quick && !decode_only) bench_gemv(ctx, copy_gbs);
   return 0;
 }
 
@@ -183,5 +258,6 @@ int bench_main(bool quick, bool decode_only) {
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool decode_only = argc > 1 && std::strcmp(argv[1], "--decode") == 0;
-  return tern::bench_main(quick, decode_only);
+  const bool gemv_only = argc > 1 && std::strcmp(argv[1], "--gemv") == 0;
+  return tern::bench_main(quick, decode_only, gemv_only);
 }
