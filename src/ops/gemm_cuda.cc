@@ -10,6 +10,7 @@
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/gemm_bf16.h"
 #include "kernels/cuda/gemm_nvfp4_w4a16.h"
+#include "kernels/cuda/gemv_bf16.h"
 #include "ops/gemm_op.h"
 
 namespace tern {
@@ -130,6 +131,25 @@ Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceCont
         return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
           return gemm_bf16(*context, {.x = d.x.as<uint16_t>(), .w = d.w_bf16.as<uint16_t>(), .y = y, .m = in.m,
                                       .n = in.n, .k = in.k});
+        });
+      },
+  }));
+  // The decode GEMV for m <= kGemvMaxRows and cuBLASLt above it: one implementation, so a model calls one entry
+  // point at every batch size, and its self-test (run over every batch size the model uses) verifies both paths.
+  TERN_TRY(registry.add(Implementation{
+      .op = "gemm_bf16",
+      .name = "gemv",
+      .backend = Backend::kCuda,
+      .priority = 20,
+      .tolerance = kBf16OutputTolerance,
+      .unsupported_reason = cuda_unsupported_reason,
+      .run = [context](const OpInputs& base) -> Expected<RunOutput> {
+        const auto& in = static_cast<const GemmInputs&>(base);
+        const GemmDeviceInputs d = gemm_upload(in, context->stream());
+        return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
+          const GemmBf16Args args{.x = d.x.as<uint16_t>(), .w = d.w_bf16.as<uint16_t>(), .y = y, .m = in.m,
+                                  .n = in.n, .k = in.k};
+          return in.m <= kGemvMaxRows ? gemv_bf16(*context, args) : gemm_bf16(*context, args);
         });
       },
   }));

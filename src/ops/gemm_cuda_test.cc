@@ -1,11 +1,12 @@
 // The GEMM ops on the GPU through the registry (label gpu): the real implementations pass their self-test on
-// model-sized shapes, and a test-only registration of broken variants — each one fault class — is rejected.
+// model-sized shapes, and test-only registrations of broken variants — each one fault class — are rejected.
 #include "ops/gemm_cuda.h"
 
 #include <gtest/gtest.h>
 
 #include "kernels/cuda/gemm_bf16.h"
 #include "kernels/cuda/gemm_nvfp4_w4a16.h"
+#include "kernels/cuda/gemv_bf16.h"
 #include "ops/cuda_op_test.h"
 #include "ops/gemm_op.h"
 
@@ -15,7 +16,7 @@ namespace {
 struct Fault {
   std::string name;
   std::string expected_reason;
-  // Launches a deliberately wrong NVFP4 GEMM.
+  // Launches a deliberately wrong GEMM (NVFP4, or the BF16 GEMV).
   std::function<Expected<void>(const DeviceContext&, const GemmInputs&, const GemmDeviceInputs&, uint16_t*)> launch;
 };
 
@@ -66,7 +67,56 @@ std::vector<Fault> nvfp4_faults() {
   };
 }
 
-class CudaGemmOps : public CudaOpTest<gemm_register_cpu, gemm_register_cuda> {};
+// The BF16 GEMV called with one argument wrong (cases have 1 <= m <= kGemvMaxRows and n >= 2).
+std::vector<Fault> gemv_faults() {
+  auto gemv = [](const DeviceContext& ctx, const GemmInputs& in, const GemmDeviceInputs& d, uint16_t* y, int64_t m,
+                 int64_t n, int64_t k) {
+    return gemv_bf16(ctx, {.x = d.x.as<uint16_t>(), .w = d.w_bf16.as<uint16_t>(), .y = y, .m = m, .n = n, .k = k,
+                           .ldy = in.n});
+  };
+  return {
+      {"gemv-skips-the-last-row", "never written",
+       [=](auto& ctx, auto& in, auto& d, uint16_t* y) { return gemv(ctx, in, d, y, in.m - 1, in.n, in.k); }},
+      {"gemv-skips-the-last-column", "never written",
+       [=](auto& ctx, auto& in, auto& d, uint16_t* y) { return gemv(ctx, in, d, y, in.m, in.n - 1, in.k); }},
+      {"gemv-short-k", "exceeds the tolerance",
+       [=](auto& ctx, auto& in, auto& d, uint16_t* y) { return gemv(ctx, in, d, y, in.m, in.n, in.k - 8); }},
+  };
+}
+
+class CudaGemmOps : public CudaOpTest<gemm_register_cpu, gemm_register_cuda> {
+ protected:
+  // Registers each fault as an implementation of `op` that outranks the real ones.
+  void add_faults(const std::string& op, const std::vector<Fault>& faults) {
+    for (const Fault& f : faults) {
+      ASSERT_TRUE(registry_
+                      .add(Implementation{
+                          .op = op,
+                          .name = f.name,
+                          .backend = Backend::kCuda,
+                          .priority = 100,
+                          .tolerance = {.rel = 1.0 / 256},
+                          .run = [this, launch = f.launch](const OpInputs& base) -> Expected<RunOutput> {
+                            const auto& in = static_cast<const GemmInputs&>(base);
+                            const GemmDeviceInputs d = gemm_upload(in, context_->stream());
+                            return cuda_run_timed(*context_, in.m, in.n,
+                                                  [&](uint16_t* y) { return launch(*context_, in, d, y); });
+                          },
+                      })
+                      .has_value());
+    }
+  }
+
+  // Every fault is a candidate of `s` that failed with its expected reason.
+  static void expect_rejected(const Selection& s, const std::vector<Fault>& faults) {
+    for (const Fault& f : faults) {
+      const CandidateReport* c = s.candidate(f.name);
+      ASSERT_NE(c, nullptr) << f.name;
+      EXPECT_EQ(c->status, CandidateStatus::kFailed) << f.name;
+      EXPECT_NE(c->reason.find(f.expected_reason), std::string::npos) << f.name << ": " << c->reason;
+    }
+  }
+};
 
 TEST_F(CudaGemmOps, RealImplementationsPassOnModelShapes) {
   // Qwen3.5-35B-A3B-like projections and expert sizes at decode and prefill batch sizes.
@@ -76,7 +126,13 @@ TEST_F(CudaGemmOps, RealImplementationsPassOnModelShapes) {
   EXPECT_EQ(nvfp4->chosen, "w4a16") << nvfp4->candidates.front().reason;
   auto bf16 = registry_select(registry_, "gemm_bf16", devices_[0], cases, {});
   ASSERT_TRUE(bf16.has_value()) << bf16.error().message;
-  EXPECT_EQ(bf16->chosen, "cublaslt") << bf16->candidates.front().reason;
+  // Both pass (the GEMV's cases at M = 1 and 8, cuBLASLt's at 200); the faster over the cases is chosen.
+  for (const char* name : {"gemv", "cublaslt"}) {
+    const CandidateReport* c = bf16->candidate(name);
+    ASSERT_NE(c, nullptr) << name;
+    EXPECT_EQ(c->status, CandidateStatus::kPassed) << name << ": " << c->reason;
+  }
+  EXPECT_TRUE(bf16->chosen == "gemv" || bf16->chosen == "cublaslt") << bf16->chosen;
   for (const Selection* s : {&*nvfp4, &*bf16}) {
     for (const auto& c : s->candidates) {
       if (c.name == "cpu") {
@@ -87,37 +143,21 @@ TEST_F(CudaGemmOps, RealImplementationsPassOnModelShapes) {
 }
 
 TEST_F(CudaGemmOps, InjectedFaultsAreRejectedOnTheGpu) {
-  for (const Fault& f : nvfp4_faults()) {
-    ASSERT_TRUE(registry_
-                    .add(Implementation{
-                        .op = "gemm_nvfp4",
-                        .name = f.name,
-                        .backend = Backend::kCuda,
-                        .priority = 100,
-                        .tolerance = {.rel = 1.0 / 256},
-                        .run = [this, launch = f.launch](const OpInputs& base) -> Expected<RunOutput> {
-                          const auto& in = static_cast<const GemmInputs&>(base);
-                          const GemmDeviceInputs d = gemm_upload(in, context_->stream());
-                          return cuda_run_timed(*context_, in.m, in.n,
-                                                [&](uint16_t* y) { return launch(*context_, in, d, y); });
-                        },
-                    })
-                    .has_value());
-  }
+  add_faults("gemm_nvfp4", nvfp4_faults());
   const auto cases = gemm_selftest_cases({{1000, 1024}}, {1, 40});
   auto s = registry_select(registry_, "gemm_nvfp4", devices_[0], cases, {});
   ASSERT_TRUE(s.has_value()) << s.error().message;
   EXPECT_EQ(s->chosen, "w4a16");
-  for (const Fault& f : nvfp4_faults()) {
-    bool found = false;
-    for (const auto& c : s->candidates) {
-      if (c.name != f.name) continue;
-      found = true;
-      EXPECT_EQ(c.status, CandidateStatus::kFailed) << f.name;
-      EXPECT_NE(c.reason.find(f.expected_reason), std::string::npos) << f.name << ": " << c.reason;
-    }
-    EXPECT_TRUE(found) << f.name;
-  }
+  expect_rejected(*s, nvfp4_faults());
+}
+
+TEST_F(CudaGemmOps, InjectedGemvFaultsAreRejectedOnTheGpu) {
+  add_faults("gemm_bf16", gemv_faults());
+  const auto cases = gemm_selftest_cases({{1000, 1024}, {37, 4104}}, {1, 5, 8});
+  auto s = registry_select(registry_, "gemm_bf16", devices_[0], cases, {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_TRUE(s->chosen == "gemv" || s->chosen == "cublaslt") << s->chosen;
+  expect_rejected(*s, gemv_faults());
 }
 
 }  // namespace
