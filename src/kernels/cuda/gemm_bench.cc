@@ -1,11 +1,12 @@
 // GEMM timings on one GPU: NVFP4 W4A16 (decode and prefill) against cuBLASLt BF16 of the same shape, the BF16
 // GEMV of decode against cuBLASLt, and the device-to-device copy bandwidth of the same run as the memory ceiling.
 // Plain main (not run by ctest):
-//   gemm_bench [--quick | --decode | --gemv]
+//   gemm_bench [--quick | --decode | --gemv | --gemv-sweep]
 // --decode: only M = 1 and 8 on the dense decode shapes N in {2048, 4096, 6144} x K in {2048, 4096}. GB/s counts
 // the bytes that must move (packed weight + block scales + x + y). --gemv: only the GEMV table (gemv_bf16 against
 // gemm_bf16 at M = 1, 2, 4, 8 on the BF16 projections of Qwen3-8B and Qwen3.5-35B-A3B, GB/s of W + x + y), which
-// the full run prints after the GEMM table.
+// the full run prints after the GEMM table. --gemv-sweep: that table with, under each line, the GEMV's time at
+// every group size (gemv_bf16_group_threads' choice marked), for tuning that choice.
 // Each timing is a CUDA graph of back-to-back launches that rotate over enough copies of the operands to exceed
 // the L2 several times, replayed after a warm-up; the median replay over the launch count is reported.
 #include <cuda_runtime.h>
@@ -167,9 +168,25 @@ std::vector<uint16_t> tiled_bf16(size_t count, std::mt19937& rng) {
   return out;
 }
 
+// The GEMV's time at each group size, through the unchecked launcher (the arguments are gemv_bf16's, validated).
+void bench_gemv_group_sizes(const DeviceContext& ctx, int slots, const std::function<GemmBf16Args(int)>& args) {
+  const GemmBf16Args a0 = args(0);
+  const int chosen = gemv_bf16_group_threads(a0.n, a0.k, ctx.props().num_sms);
+  std::printf("%22s group threads:", "");
+  for (int threads : {32, 64, 128, 256}) {
+    const double ms = time_ms(ctx, slots, [&](int i) {
+      const GemmBf16Args a = args(i);
+      gemv_bf16_launch(ctx, GemvBf16Params{.x = a.x, .w = a.w, .y = a.y, .m = static_cast<int>(a.m), .n = a.n,
+                                           .k = a.k, .ldy = a.n, .group_threads = threads});
+    });
+    std::printf("  %3d%s %8.2f us", threads, threads == chosen ? "*" : " ", ms * 1e3);
+  }
+  std::printf("\n");
+}
+
 // gemv_bf16 and gemm_bf16 on the same operands, rotating over enough copies of W to exceed the L2.
 void bench_gemv_shape(const DeviceContext& ctx, int64_t n, int64_t k, const std::vector<int64_t>& ms, double copy_gbs,
-                      std::mt19937& rng) {
+                      bool sweep, std::mt19937& rng) {
   const size_t w_bytes = round_up(static_cast<size_t>(n * k) * 2, 256);
   const size_t x_bytes = round_up(static_cast<size_t>(kGemvMaxRows * k) * 2, 256);
   const size_t y_bytes = round_up(static_cast<size_t>(kGemvMaxRows * n) * 2, 256);
@@ -198,11 +215,12 @@ void bench_gemv_shape(const DeviceContext& ctx, int64_t n, int64_t k, const std:
     std::printf("%6lld %7lld %6lld | %9.2f %7.0f %5.1f%% | %9.2f %7.0f %5.1f%% | %6.2fx\n", static_cast<long long>(m),
                 static_cast<long long>(n), static_cast<long long>(k), gemv_ms * 1e3, gemv_gbs,
                 100.0 * gemv_gbs / copy_gbs, gemm_ms * 1e3, gemm_gbs, 100.0 * gemm_gbs / copy_gbs, gemm_ms / gemv_ms);
+    if (sweep) bench_gemv_group_sizes(ctx, slots, args);
     std::fflush(stdout);
   }
 }
 
-void bench_gemv(const DeviceContext& ctx, double copy_gbs) {
+void bench_gemv(const DeviceContext& ctx, double copy_gbs, bool sweep) {
   std::printf("\nBF16 GEMV (gemv_bf16) against cuBLASLt (gemm_bf16); GB/s of W + x + y\n");
   std::printf("%6s %7s %6s | %9s %7s %6s | %9s %7s %6s | %7s\n", "M", "N", "K", "gemv us", "GB/s", "%copy", "bf16 us",
               "GB/s", "%copy", "speedup");
@@ -213,10 +231,10 @@ void bench_gemv(const DeviceContext& ctx, double copy_gbs) {
       {6144, 4096}, {4096, 4096}, {24576, 4096}, {4096, 12288}, {151936, 4096}, {9216, 2048}, {2048, 4096},
       {8192, 2048}, {4096, 2048}, {64, 2048},    {257, 2048},   {1024, 2048},   {2048, 512},  {248320, 2048}};
   std::mt19937 rng(4242);
-  for (const auto& [n, k] : shapes) bench_gemv_shape(ctx, n, k, {1, 2, 4, 8}, copy_gbs, rng);
+  for (const auto& [n, k] : shapes) bench_gemv_shape(ctx, n, k, {1, 2, 4, 8}, copy_gbs, sweep, rng);
 }
 
-int bench_main(bool quick, bool decode_only, bool gemv_only) {
+int bench_main(bool quick, bool decode_only, bool gemv_only, bool gemv_sweep) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB, smem/block opt-in %zu KiB, smem/SM %zu KiB, "
@@ -229,8 +247,8 @@ int bench_main(bool quick, bool decode_only, bool gemv_only) {
   std::printf("device-to-device copy (bytes read + written): copy kernel %.0f GB/s, cudaMemcpyAsync %.0f GB/s; "
               "%%copy below is of the kernel's\n\n",
               copy.kernel_gbs, copy.memcpy_gbs);
-  if (gemv_only) {
-    bench_gemv(ctx, copy_gbs);
+  if (gemv_only || gemv_sweep) {
+    bench_gemv(ctx, copy_gbs, gemv_sweep);
     return 0;
   }
   std::printf("%6s %6s %6s | %-7s %9s %7s %6s %7s | %9s %7s %6s %7s | %6s\n", "M", "N", "K", "nvfp4", "us", "GB/s",
@@ -248,7 +266,7 @@ int bench_main(bool quick, bool decode_only, bool gemv_only) {
     const HostWeights hw = make_host_weights(n, k, rng);
     for (int64_t m : ms) bench_shape(ctx, Row{m, n, k}, hw, copy_gbs, rng);
   }
-  if (!quick && !decode_only) bench_gemv(ctx, copy_gbs);
+  if (!quick && !decode_only) bench_gemv(ctx, copy_gbs, false);
   return 0;
 }
 
@@ -259,5 +277,6 @@ int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool decode_only = argc > 1 && std::strcmp(argv[1], "--decode") == 0;
   const bool gemv_only = argc > 1 && std::strcmp(argv[1], "--gemv") == 0;
-  return tern::bench_main(quick, decode_only, gemv_only);
+  const bool gemv_sweep = argc > 1 && std::strcmp(argv[1], "--gemv-sweep") == 0;
+  return tern::bench_main(quick, decode_only, gemv_only, gemv_sweep);
 }
