@@ -60,15 +60,18 @@ int log2_int(int64_t v) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// attention_prepare. One block per token: sin/cos of its position once into shared memory (sincosf of a large angle
-// takes the slow range reduction, so not once per head), then each warp takes whole head rows: q heads, k heads, v
-// heads. A lane holds head_dim / 32 values; RoPE's partner dims come through the warp's row in shared memory.
+// attention_prepare. Block (token, group of kPrepareWarps head rows): sin/cos of the token's position once into
+// shared memory (sincosf of a large angle takes the slow range reduction, so not once per head), then each warp takes
+// one head row (q heads, then k heads, then v heads). A lane holds head_dim / 32 values; RoPE's partner dims come
+// through the warp's row in shared memory. One row per warp keeps a decode step's few tokens spread over many SMs:
+// a block walking all of a token's rows serially was bound by its chain of load latencies.
 
-constexpr int kPrepareThreads = 256;
+constexpr int kPrepareWarps = 4;
+constexpr int kPrepareThreads = kPrepareWarps * 32;
 
 template <int kHeadDim>
 __global__ void __launch_bounds__(kPrepareThreads) attention_prepare_kernel(const AttentionPrepareArgs a) {
-  constexpr int kPerLane = kHeadDim / 32, kWarps = kPrepareThreads / 32;
+  constexpr int kPerLane = kHeadDim / 32, kWarps = kPrepareWarps;
   __shared__ float cos_s[kHeadDim / 2], sin_s[kHeadDim / 2];
   __shared__ float row_s[kWarps][kHeadDim];
   const int64_t t = blockIdx.x;
@@ -82,7 +85,7 @@ __global__ void __launch_bounds__(kPrepareThreads) attention_prepare_kernel(cons
   const bool cached = slot >= 0 && slot < a.cache.n_blocks * a.cache.block_size;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t n_rows = a.n_heads + 2 * a.n_kv_heads;
-  for (int64_t r = warp; r < n_rows; r += kWarps) {
+  for (int64_t r = int64_t{blockIdx.y} * kWarps + warp; r < n_rows; r += int64_t{gridDim.y} * kWarps) {
     if (r >= a.n_heads + a.n_kv_heads) {  // a v head: copied as it is
       if (!cached) continue;
       const int64_t kvh = r - a.n_heads - a.n_kv_heads;
@@ -465,36 +468,59 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   decode_merge_store<kHeadDim>(p, o_s, ml_s, head_row0, split);
 }
 
-// Merges the splits of one (token, head) row per warp: weights 2^(m_s - M) with M the largest running max; a split
-// that saw no keys has m_s = -inf and weight 0.
-constexpr int kReduceWarps = 4;
+// Merges the splits of each (token, head) row: a thread owns 4 dims of one row and folds the splits in batches of
+// kReduceBatch (their loads all in flight at once) into a running max M, sum and output, each batch rescaled by
+// 2^(M_old - M_new); a split that saw no keys has m_s = -inf and weight 0. A decode step of few tokens has few rows,
+// so the merge is bound by load latency, not bytes: batching the splits' loads is what keeps it short.
+constexpr int kReduceThreads = 128;
+constexpr int kReduceBatch = 8;
 
 template <int kHeadDim>
-__global__ void __launch_bounds__(kReduceWarps * 32) paged_decode_reduce_kernel(const DecodeParams p) {
-  constexpr int kPerLane = kHeadDim / 32;
-  const int64_t row = int64_t{blockIdx.x} * kReduceWarps + threadIdx.x / 32;
+__global__ void __launch_bounds__(kReduceThreads) paged_decode_reduce_kernel(const DecodeParams p) {
+  constexpr int kVecs = kHeadDim / 4, kRowsPerBlock = kReduceThreads / kVecs;
+  const int64_t row = int64_t{blockIdx.x} * kRowsPerBlock + threadIdx.x / kVecs;
   if (row >= p.a.tokens * p.a.n_heads) return;
-  const int lane = threadIdx.x % 32;
-  const float* ml = p.ml + row * p.n_splits * 2;
-  const float* partial = p.partial + row * p.n_splits * kHeadDim;
-  float big = -INFINITY;
-  for (int s = 0; s < p.n_splits; ++s) big = fmaxf(big, ml[2 * s]);
-  float sum = 0.0f, o[kPerLane] = {};
-  for (int s = 0; s < p.n_splits; ++s) {
-    const float m = ml[2 * s];
-    if (m == -INFINITY) continue;
-    const float w = exp2f(m - big);
-    sum += w * ml[2 * s + 1];
+  const int v = threadIdx.x % kVecs, n = p.n_splits;
+  const float2* ml = reinterpret_cast<const float2*>(p.ml) + row * n;
+  const float4* part = reinterpret_cast<const float4*>(p.partial + row * n * kHeadDim) + v;
+  float big = -INFINITY, sum = 0.0f;
+  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int s0 = 0; s0 < n; s0 += kReduceBatch) {
+    float2 m_l[kReduceBatch];
+    float4 x[kReduceBatch];
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) o[i] += w * partial[s * kHeadDim + lane + 32 * i];
-  }
+    for (int i = 0; i < kReduceBatch; ++i) {
+      const bool in = s0 + i < n;
+      m_l[i] = in ? ml[s0 + i] : make_float2(-INFINITY, 0.0f);
+      x[i] = in ? part[(s0 + i) * kVecs] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    float top = big;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int64_t e = row * kHeadDim + lane + 32 * i;
-    float y = sum > 0.0f ? o[i] / sum : 0.0f;
-    if (p.a.gate != nullptr) y *= sigmoid_f32(bf16_to_f32(p.a.gate[e]));
-    p.a.out[e] = f32_to_bf16(y);
+    for (int i = 0; i < kReduceBatch; ++i) top = fmaxf(top, m_l[i].x);
+    if (top == -INFINITY) continue;
+    const float r = exp2f(big - top);  // 0 while nothing was folded in (big = -inf)
+    sum *= r;
+    o = make_float4(o.x * r, o.y * r, o.z * r, o.w * r);
+#pragma unroll
+    for (int i = 0; i < kReduceBatch; ++i) {
+      if (m_l[i].x == -INFINITY) continue;
+      const float w = exp2f(m_l[i].x - top);
+      sum += w * m_l[i].y;
+      o = make_float4(o.x + w * x[i].x, o.y + w * x[i].y, o.z + w * x[i].z, o.w + w * x[i].w);
+    }
+    big = top;
   }
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  float y[4] = {o.x * inv, o.y * inv, o.z * inv, o.w * inv};
+  const int64_t e = row * kHeadDim + 4 * v;
+  if (p.a.gate != nullptr) {
+    const uint2 g = *reinterpret_cast<const uint2*>(p.a.gate + e);
+    y[0] *= sigmoid_f32(bf16_to_f32(static_cast<uint16_t>(g.x & 0xFFFFu)));
+    y[1] *= sigmoid_f32(bf16_to_f32(static_cast<uint16_t>(g.x >> 16)));
+    y[2] *= sigmoid_f32(bf16_to_f32(static_cast<uint16_t>(g.y & 0xFFFFu)));
+    y[3] *= sigmoid_f32(bf16_to_f32(static_cast<uint16_t>(g.y >> 16)));
+  }
+  *reinterpret_cast<uint2*>(p.a.out + e) = make_uint2(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -740,7 +766,9 @@ void prefill_launch_hd(const DeviceContext& ctx, const PrefillParams& p, const A
 
 template <int kHeadDim>
 void prepare_launch_hd(const DeviceContext& ctx, const AttentionPrepareArgs& a) {
-  attention_prepare_kernel<kHeadDim><<<static_cast<unsigned>(a.tokens), kPrepareThreads, 0, ctx.stream()>>>(a);
+  const int64_t n_rows = a.n_heads + 2 * a.n_kv_heads;
+  const dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>((n_rows + kPrepareWarps - 1) / kPrepareWarps));
+  attention_prepare_kernel<kHeadDim><<<grid, kPrepareThreads, 0, ctx.stream()>>>(a);
 }
 
 template <int kHeadDim, int kStages>
@@ -759,9 +787,9 @@ void decode_launch_hd(const DeviceContext& ctx, const DecodeParams& p, const Att
     decode_launch_tiles<kHeadDim, 1>(ctx, p, tiles.smem_bytes);
   }
   if (p.n_splits > 1) {
-    const int64_t rows = p.a.tokens * p.a.n_heads;
-    const auto blocks = static_cast<unsigned>((rows + kReduceWarps - 1) / kReduceWarps);
-    paged_decode_reduce_kernel<kHeadDim><<<blocks, kReduceWarps * 32, 0, ctx.stream()>>>(p);
+    const int64_t rows = p.a.tokens * p.a.n_heads, rows_per_block = kReduceThreads / (kHeadDim / 4);
+    const auto blocks = static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block);
+    paged_decode_reduce_kernel<kHeadDim><<<blocks, kReduceThreads, 0, ctx.stream()>>>(p);
   }
 }
 
