@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 #include <fmt/format.h>
@@ -231,6 +232,70 @@ TEST_F(CudaElementwiseOps, InPlaceMatchesOutOfPlace) {
     ASSERT_EQ(bf16_to_float(h[i]), expected->values[i]) << "h " << i;
     ASSERT_EQ(bf16_to_float(y[i]), expected->values[n + i]) << "y " << i;
   }
+}
+
+// Gates read from inside a wider projection output (GDN's [qkv | z | b | a] rows: gate_stride, gate_heads) must
+// give the bits of the dense-gate call, which RmsNormPassesOnRaggedShapes checks against the CPU; the columns
+// around the gates hold NaN, so reading any of them shows.
+TEST_F(CudaElementwiseOps, StridedGatesMatchDenseGates) {
+  constexpr int64_t kHeads = 8, kDim = 128, kLead = 24, kStride = kLead + kHeads * kDim + 40;
+  auto in = inputs<RmsNormInputs>("rms_norm", rms_norm_case(5, kHeads, kDim, RmsNormForm::kGated, false));
+  ASSERT_EQ(in->rows % kHeads, 0);
+  auto dense = rms_norm_cuda_run(*context_, *in);
+  ASSERT_TRUE(dense.has_value()) << dense.error().message;
+  const int64_t tokens = in->rows / kHeads;
+  std::vector<uint16_t> wide(static_cast<size_t>(tokens * kStride), 0x7FC0);  // bf16 NaN
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::copy_n(in->gate.begin() + t * kHeads * kDim, kHeads * kDim, wide.begin() + t * kStride + kLead);
+  }
+  DeviceBuffer gates(wide.size() * 2);
+  gates.upload(wide.data(), wide.size() * 2);
+  auto strided = rms_norm_cuda_run(*context_, *in, [&](RmsNormArgs& a) {
+    a.gate = gates.as<uint16_t>() + kLead;
+    a.gate_stride = kStride;
+    a.gate_heads = kHeads;
+  });
+  ASSERT_TRUE(strided.has_value()) << strided.error().message;
+  ASSERT_EQ(strided->values.size(), dense->values.size());
+  for (size_t i = 0; i < dense->values.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(dense->values[i])) << i;
+    ASSERT_EQ(strided->values[i], dense->values[i]) << i;
+  }
+  auto bad = rms_norm_cuda_run(*context_, *in, [&](RmsNormArgs& a) {
+    a.gate_stride = kHeads * kDim + 4;
+    a.gate_heads = kHeads;
+  });
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_NE(bad.error().message.find("gate_stride=1028 must be a multiple of 8"), std::string::npos)
+      << bad.error().message;
+}
+
+// silu_mul over the gate|up columns inside a wider projection output (the MoE block's [shared gate | shared up |
+// router | ...] rows) must give the bits of the dense call; the columns around them hold NaN.
+TEST_F(CudaElementwiseOps, StridedSiluMulMatchesDense) {
+  constexpr int64_t kInter = 512, kStride = 2 * kInter + 264;
+  auto in = inputs<SiluMulInputs>("silu_mul", silu_mul_case(7, kInter));
+  auto dense = silu_mul_cuda_run(*context_, *in);
+  ASSERT_TRUE(dense.has_value()) << dense.error().message;
+  std::vector<uint16_t> wide(static_cast<size_t>(in->rows * kStride), 0x7FC0);  // bf16 NaN
+  for (int64_t r = 0; r < in->rows; ++r) {
+    std::copy_n(in->gate_up.begin() + r * 2 * kInter, 2 * kInter, wide.begin() + r * kStride);
+  }
+  DeviceBuffer gate_up(wide.size() * 2);
+  gate_up.upload(wide.data(), wide.size() * 2);
+  auto strided = silu_mul_cuda_run(*context_, *in, [&](SiluMulArgs& a) {
+    a.gate_up = gate_up.as<uint16_t>();
+    a.gate_up_stride = kStride;
+  });
+  ASSERT_TRUE(strided.has_value()) << strided.error().message;
+  for (size_t i = 0; i < dense->values.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(dense->values[i])) << i;
+    ASSERT_EQ(strided->values[i], dense->values[i]) << i;
+  }
+  auto bad = silu_mul_cuda_run(*context_, *in, [&](SiluMulArgs& a) { a.gate_up_stride = 2 * kInter - 8; });
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_NE(bad.error().message.find("gate_up_stride=1016 must be a multiple of 8"), std::string::npos)
+      << bad.error().message;
 }
 
 // Achieved bandwidth at a decode-like and a prefill-like size, next to a device-to-device copy.

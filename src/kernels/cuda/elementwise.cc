@@ -47,6 +47,15 @@ Expected<void> rms_norm_validate(const RmsNormArgs& a) {
     TERN_TRY(check_vec_operand(k, "h_out (needed with a residual)", a.h_out));
   }
   if (a.gate != nullptr) TERN_TRY(check_vec_operand(k, "gate", a.gate));
+  if (a.gate_stride != 0) {
+    if (a.gate_heads <= 0 || a.rows % a.gate_heads != 0) {
+      return make_error("{}: gate_heads={} must be positive and divide rows={}", k, a.gate_heads, a.rows);
+    }
+    if (a.gate_stride < a.gate_heads * a.dim || a.gate_stride % 8 != 0) {
+      return make_error("{}: gate_stride={} must be a multiple of 8 (16-byte rows) and at least gate_heads * dim = {}",
+                        k, a.gate_stride, a.gate_heads * a.dim);
+    }
+  }
   if (!(a.eps > 0.0f) || !std::isfinite(a.eps)) return make_error("{}: eps={} must be positive and finite", k, a.eps);
   return {};
 }
@@ -90,6 +99,10 @@ Expected<void> silu_mul(const DeviceContext& ctx, const SiluMulArgs& a) {
   TERN_TRY(check_count(k, "rows", a.rows, 2 * a.inter));
   TERN_TRY(check_vec_operand(k, "gate_up", a.gate_up));
   TERN_TRY(check_vec_operand(k, "y", a.y));
+  if (a.gate_up_stride != 0 && (a.gate_up_stride < 2 * a.inter || a.gate_up_stride % 8 != 0)) {
+    return make_error("{}: gate_up_stride={} must be a multiple of 8 (16-byte rows) and at least 2 * inter = {}", k,
+                      a.gate_up_stride, 2 * a.inter);
+  }
   if (a.rows > 0) silu_mul_launch(ctx, a);
   return {};
 }

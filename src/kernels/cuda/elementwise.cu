@@ -62,13 +62,19 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const NormParams
   const int64_t row = int64_t{blockIdx.x} * (kNormThreads / p.group) + threadIdx.x / p.group;
   const bool active = row < p.a.rows;
   const int64_t base = row * p.a.dim;
-  float h[kChunks][kVec];
+  const int64_t gate_base = p.a.gate_stride == 0 ? base
+                                                 : (row / p.a.gate_heads) * p.a.gate_stride + (row % p.a.gate_heads) * p.a.dim;
+  float h[kChunks][kVec], w[kChunks][kVec], z[kGated ? kChunks : 1][kVec];
   float sum = 0.0f;
-  // Stage 1: load (and add the residual), sum of squares of the fp32 values.
+  // Stage 1: load (and add the residual), sum of squares of the fp32 values. The weight and gate are loaded here
+  // too, so their latency overlaps the row's instead of following the reduction (a decode step's norm is a few
+  // rows, bound by that chain of latencies).
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     const int chunk = g + c * p.group;
     if (!active || chunk >= p.n_chunks) continue;
+    load_bf16x8(p.a.weight + chunk * kVec, w[c]);
+    if constexpr (kGated) load_bf16x8(p.a.gate + gate_base + chunk * kVec, z[c]);
     load_bf16x8(p.a.x + base + chunk * kVec, h[c]);
     if constexpr (kResidual) {
       float r[kVec];
@@ -97,16 +103,12 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const NormParams
   for (int c = 0; c < kChunks; ++c) {
     const int chunk = g + c * p.group;
     if (chunk >= p.n_chunks) continue;
-    float w[kVec];
-    load_bf16x8(p.a.weight + chunk * kVec, w);
     float y[kVec];
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) y[i] = (h[c][i] * inv) * (offset + w[i]);
+    for (int i = 0; i < kVec; ++i) y[i] = (h[c][i] * inv) * (offset + w[c][i]);
     if constexpr (kGated) {
-      float z[kVec];
-      load_bf16x8(p.a.gate + base + chunk * kVec, z);
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) y[i] *= silu_f32(z[i]);
+      for (int i = 0; i < kVec; ++i) y[i] *= silu_f32(z[c][i]);
     }
     store_bf16x8(p.a.y + base + chunk * kVec, y);
   }
@@ -177,8 +179,8 @@ __global__ void __launch_bounds__(kStreamThreads) silu_mul_kernel(const SiluMulA
        idx += int64_t{gridDim.x} * kStreamThreads) {
     const int64_t r = idx / chunks_per_row, c = idx % chunks_per_row;
     float g[kVec], u[kVec];
-    load_bf16x8(a.gate_up + r * 2 * a.inter + c * kVec, g);
-    load_bf16x8(a.gate_up + r * 2 * a.inter + a.inter + c * kVec, u);
+    load_bf16x8(a.gate_up + r * a.gate_up_stride + c * kVec, g);
+    load_bf16x8(a.gate_up + r * a.gate_up_stride + a.inter + c * kVec, u);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) g[i] = silu_f32(g[i]) * u[i];
     store_bf16x8(a.y + r * a.inter + c * kVec, g);
@@ -245,8 +247,9 @@ void rope_launch(const DeviceContext& ctx, const RopeArgs& args) {
 }
 
 void silu_mul_launch(const DeviceContext& ctx, const SiluMulArgs& args) {
-  silu_mul_kernel<<<grid_for(ctx, args.rows * args.inter / kVec, kStreamThreads), kStreamThreads, 0,
-                    ctx.stream()>>>(args);
+  SiluMulArgs a = args;
+  if (a.gate_up_stride == 0) a.gate_up_stride = 2 * a.inter;
+  silu_mul_kernel<<<grid_for(ctx, a.rows * a.inter / kVec, kStreamThreads), kStreamThreads, 0, ctx.stream()>>>(a);
   TERN_CUDA_CHECK_LAUNCH();
 }
 

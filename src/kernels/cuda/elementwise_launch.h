@@ -17,7 +17,11 @@ struct RmsNormArgs {
   const uint16_t* x = nullptr;         // [rows, dim] bf16
   const uint16_t* residual = nullptr;  // optional [rows, dim] bf16, added to x before the norm
   uint16_t* h_out = nullptr;           // with residual: [rows, dim] receives bf16(x + residual); may alias x/residual
-  const uint16_t* gate = nullptr;      // optional [rows, dim] bf16: y is multiplied by silu(gate)
+  const uint16_t* gate = nullptr;      // optional bf16: y is multiplied by silu(gate), [rows, dim] unless gate_stride
+  // Rows that are heads of tokens whose gates sit inside a wider projection output: row r's gate starts at
+  // gate + (r / gate_heads) * gate_stride + (r % gate_heads) * dim. 0: dense [rows, dim].
+  int64_t gate_stride = 0;
+  int64_t gate_heads = 1;
   const uint16_t* weight = nullptr;    // [dim] bf16
   uint16_t* y = nullptr;               // [rows, dim] bf16; may alias x
   int64_t rows = 0;
@@ -43,10 +47,11 @@ struct RopeArgs {
 
 // y[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]  (the SwiGLU activation over a fused [gate | up] output).
 struct SiluMulArgs {
-  const uint16_t* gate_up = nullptr;  // [rows, 2 * inter] bf16
+  const uint16_t* gate_up = nullptr;  // [rows, gate_up_stride] bf16: gate in columns [0, inter), up in [inter, 2 inter)
   uint16_t* y = nullptr;              // [rows, inter] bf16
   int64_t rows = 0;
   int64_t inter = 0;
+  int64_t gate_up_stride = 0;  // elements between rows of gate_up (a slice of a wider projection); 0: 2 * inter
 };
 
 // y[t] = table[ids[t]]. An id outside [0, vocab) gives a zero row and is reported through `bad`: the kernel keeps
