@@ -68,7 +68,10 @@ struct GpuAttention {
 
 struct GpuGdn {
   GatedDeltaNetShape shape;
-  DeviceProjection qkv, z, ba;  // in_proj_qkv; in_proj_z; [in_proj_b | in_proj_a]
+  // [in_proj_qkv | in_proj_z | in_proj_b | in_proj_a] as one GEMM (one matrix when all are BF16); the conv, the gated
+  // norm and the delta rule read their columns with the projection's row stride.
+  DeviceProjection in_proj;
+  int64_t z_col = 0, b_col = 0, a_col = 0;
   DeviceMatrix out_proj;
   const float* conv_weight = nullptr;
   const float* a_log = nullptr;
@@ -88,9 +91,13 @@ struct GpuMlp {
 struct GpuMoe {
   MoeShape shape;
   int64_t n_experts = 0;
-  DeviceProjection router;  // [router | shared_expert_gate]
+  // [shared expert gate | shared expert up | router | shared_expert_gate] as one GEMM over the block's input (the
+  // shared expert's columns first, so its rows start 16-byte aligned for silu_mul); without a shared expert, the router.
+  DeviceProjection router;
+  int64_t logits_col = 0;  // the router's first column
   DeviceExperts experts;
-  std::optional<GpuMlp> shared;
+  std::optional<DeviceMatrix> shared_down;
+  int64_t shared_inter = 0;
 };
 
 struct GpuLayer {
@@ -139,7 +146,7 @@ class Arena {
 class GpuBackend final : public ForwardBackend {
  public:
   GpuBackend(const CausalLm& model, const DeviceModelOptions& options)
-      : options_(options), ctx_(options.device), weights_(ctx_.stream()), pool_(std::make_shared<CachePool>()) {
+      : options_(options), ctx_(options.device), weights_(ctx_.stream(), options.bf16_gemv), pool_(std::make_shared<CachePool>()) {
     config_hidden_ = model.config().hidden_size;
   }
 
@@ -207,7 +214,7 @@ class GpuBackend final : public ForwardBackend {
   // Activations (bf16 unless said), all [max_batch_tokens, ...].
   Arena arena_;
   uint16_t *x_ = nullptr, *normed_ = nullptr, *out_ = nullptr, *proj_ = nullptr, *q_ = nullptr, *gate_ = nullptr,
-           *attn_ = nullptr, *aux_ = nullptr, *aux2_ = nullptr, *conv_ = nullptr, *act_ = nullptr;
+           *attn_ = nullptr, *conv_ = nullptr, *act_ = nullptr;
   uint16_t *router_ = nullptr, *shared_out_ = nullptr, *last_ = nullptr;
   unsigned long long* bad_id_ = nullptr;  // the embedding kernel's report (ids are checked on the host first)
   void* attention_workspace_ = nullptr;
@@ -267,12 +274,15 @@ Expected<GpuGdn> GpuBackend::build_gdn(const GatedDeltaNet& gdn) {
   if (g.shape.fused_per_key_head) {
     return make_error("{}: the Qwen3-Next fused GDN projections are not supported on CUDA yet", w.out_proj.name());
   }
-  const Linear* qkv[] = {&w.in_proj_qkv};
-  const Linear* z[] = {&w.in_proj_z};
-  const Linear* ba[] = {&w.in_proj_b, &w.in_proj_a};
-  TERN_ASSIGN_OR_RETURN(g.qkv, weights_.projection(qkv));
-  TERN_ASSIGN_OR_RETURN(g.z, weights_.projection(z));
-  TERN_ASSIGN_OR_RETURN(g.ba, weights_.projection(ba));
+  const Linear* parts[] = {&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a};
+  TERN_ASSIGN_OR_RETURN(g.in_proj, weights_.projection(parts, 8));
+  g.z_col = w.in_proj_qkv.out_features();
+  g.b_col = g.z_col + w.in_proj_z.out_features();
+  g.a_col = g.b_col + w.in_proj_b.out_features();
+  if (g.z_col % 8 != 0 || g.shape.value_dim % 8 != 0) {  // the gated norm loads its gate rows 16 bytes at a time
+    return make_error("{}: GDN projection widths that are not multiples of 8 are not supported on CUDA",
+                      w.in_proj_qkv.name());
+  }
   TERN_ASSIGN_OR_RETURN(g.out_proj, weights_.matrix(w.out_proj));
   TERN_ASSIGN_OR_RETURN(g.conv_weight, weights_.vector_f32(w.conv_weight));
   TERN_ASSIGN_OR_RETURN(g.a_log, weights_.vector_f32(w.a_log));
@@ -295,13 +305,22 @@ Expected<GpuMoe> GpuBackend::build_moe(const Moe& moe, const std::string& name) 
   m.shape = moe.shape();
   const MoeWeights& w = moe.weights();
   m.n_experts = w.router.out_features();
-  std::vector<const Linear*> router{&w.router};
-  if (w.shared_expert) router.push_back(&w.shared_expert_gate);
-  TERN_ASSIGN_OR_RETURN(m.router, weights_.projection(router));
-  TERN_ASSIGN_OR_RETURN(m.experts, weights_.experts(w.experts, name + ".experts"));
+  std::vector<const Linear*> router;
   if (w.shared_expert) {
-    TERN_ASSIGN_OR_RETURN(m.shared, build_mlp(w.shared_expert->weights()));
+    const MlpWeights& s = w.shared_expert->weights();
+    router = {&s.gate_proj, &s.up_proj};
+    m.shared_inter = s.gate_proj.out_features();
+    m.logits_col = 2 * m.shared_inter;
+    if (m.shared_inter % 8 != 0) {
+      return make_error("{}: a shared expert width that is not a multiple of 8 is not supported on CUDA",
+                        s.gate_proj.name());
+    }
+    TERN_ASSIGN_OR_RETURN(m.shared_down, weights_.matrix(s.down_proj));
   }
+  router.push_back(&w.router);
+  if (w.shared_expert) router.push_back(&w.shared_expert_gate);
+  TERN_ASSIGN_OR_RETURN(m.router, weights_.projection(router, 8));
+  TERN_ASSIGN_OR_RETURN(m.experts, weights_.experts(w.experts, name + ".experts"));
   return m;
 }
 
@@ -429,16 +448,14 @@ Expected<void> GpuBackend::allocate_caches() {
 
 Expected<void> GpuBackend::allocate_activations() {
   const int64_t t = options_.max_batch_tokens, h = config_hidden_;
-  int64_t proj = 0, heads = 0, aux = 0, aux2 = 0, conv = 0, act = 0, router = 0;
+  int64_t proj = 0, heads = 0, conv = 0, act = 0, router = 0;
   for (const GpuLayer& l : layers_) {
     if (l.attention) {
       proj = std::max(proj, l.attention->qkv.width);
       heads = std::max(heads, l.attention->shape.n_heads * l.attention->shape.head_dim);
     }
     if (l.gdn) {
-      proj = std::max(proj, l.gdn->qkv.width);
-      aux = std::max(aux, l.gdn->z.width);
-      aux2 = std::max(aux2, l.gdn->ba.width);
+      proj = std::max(proj, l.gdn->in_proj.width);
       conv = std::max(conv, l.gdn->channels());
       heads = std::max(heads, l.gdn->shape.n_value_heads * l.gdn->shape.value_dim);  // the GDN core lands in attn_
     }
@@ -448,10 +465,7 @@ Expected<void> GpuBackend::allocate_activations() {
     }
     if (l.moe) {
       router = std::max(router, l.moe->router.width);
-      if (l.moe->shared) {
-        proj = std::max(proj, l.moe->shared->gate_up.width);
-        act = std::max(act, l.moe->shared->inter);
-      }
+      act = std::max(act, l.moe->shared_inter);
       moe_workspace_bytes_ = std::max(moe_workspace_bytes_,
                                       moe_forward_workspace_bytes(t, l.moe->shape.top_k, l.moe->n_experts,
                                                                   l.moe->experts.inter, h));
@@ -460,7 +474,7 @@ Expected<void> GpuBackend::allocate_activations() {
   // Every bf16 buffer with its element count, once: sized first, then carved in this order.
   const std::pair<uint16_t**, int64_t> buffers[] = {
       {&x_, t * h},       {&normed_, t * h},    {&out_, t * h},     {&proj_, t * proj},     {&q_, t * heads},
-      {&gate_, t * heads}, {&attn_, t * heads},  {&aux_, t * aux},   {&aux2_, t * aux2},    {&conv_, t * conv},
+      {&gate_, t * heads}, {&attn_, t * heads},  {&conv_, t * conv},
       {&act_, t * act},    {&router_, t * router}, {&shared_out_, t * h}, {&last_, t * h}};
   size_t bytes = Arena::aligned(moe_workspace_bytes_) + Arena::aligned(8);
   for (const auto& [ptr, count] : buffers) bytes += Arena::aligned(static_cast<size_t>(count) * 2);
@@ -626,9 +640,7 @@ Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const StepPlan& plan,
                                    const std::function<Expected<void>()>& after_core) {
   const GatedDeltaNetShape& s = g.shape;
   const int64_t t = plan.tokens, c = g.channels(), hv = s.n_value_heads;
-  TERN_TRY(g.qkv.forward(ctx_, normed_, t, proj_));
-  TERN_TRY(g.z.forward(ctx_, normed_, t, aux_));
-  TERN_TRY(g.ba.forward(ctx_, normed_, t, aux2_));
+  TERN_TRY(g.in_proj.forward(ctx_, normed_, t, proj_));
   const GdnSequences seqs{.query_start = d_query_start_,
                           .state_slot = d_state_slot_,
                           .seq_past = d_seq_past_,
@@ -636,7 +648,7 @@ Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const StepPlan& plan,
                           .tokens = t,
                           .max_query_len = plan.max_query_len};
   TERN_TRY(gdn_conv1d(ctx_, GdnConvArgs{.x = proj_,
-                                        .x_stride = g.qkv.width,
+                                        .x_stride = g.in_proj.width,
                                         .weight = g.conv_weight,
                                         .conv_state = g.conv_state,
                                         .y = conv_,
@@ -645,9 +657,9 @@ Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const StepPlan& plan,
                                         .kernel = s.conv_kernel}));
   TERN_TRY(gdn_delta_rule(ctx_, GdnDeltaRuleArgs{.qkv = conv_,
                                                  .qkv_stride = c,
-                                                 .a = aux2_ + hv,
-                                                 .b = aux2_,
-                                                 .ab_stride = g.ba.width,
+                                                 .a = proj_ + g.a_col,
+                                                 .b = proj_ + g.b_col,
+                                                 .ab_stride = g.in_proj.width,
                                                  .a_log = g.a_log,
                                                  .dt_bias = g.dt_bias,
                                                  .state = g.state,
@@ -660,7 +672,9 @@ Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const StepPlan& plan,
                           gdn_variant_));
   if (after_core) TERN_TRY(after_core());
   TERN_TRY(rms_norm(ctx_, RmsNormArgs{.x = attn_,
-                                      .gate = aux_,
+                                      .gate = proj_ + g.z_col,
+                                      .gate_stride = g.in_proj.width,
+                                      .gate_heads = hv,
                                       .weight = g.norm_weight,
                                       .y = attn_,
                                       .rows = t * hv,
@@ -677,10 +691,14 @@ Expected<void> GpuBackend::run_mlp(const GpuMlp& m, const uint16_t* x, int64_t r
 
 Expected<void> GpuBackend::run_moe(const GpuMoe& m, int64_t tokens) {
   TERN_TRY(m.router.forward(ctx_, normed_, tokens, router_));
-  if (m.shared) TERN_TRY(run_mlp(*m.shared, normed_, tokens, shared_out_));
+  if (m.shared_down) {
+    TERN_TRY(silu_mul(ctx_, SiluMulArgs{.gate_up = router_, .y = act_, .rows = tokens, .inter = m.shared_inter,
+                                        .gate_up_stride = m.router.width}));
+    TERN_TRY(device_matrix_forward(ctx_, *m.shared_down, act_, tokens, shared_out_, config_hidden_));
+  }
   const DeviceExperts& e = m.experts;
   return moe_forward(ctx_, MoeForwardArgs{.x = normed_,
-                                          .router_logits = router_,
+                                          .router_logits = router_ + m.logits_col,
                                           .logits_stride = m.router.width,
                                           .tokens = tokens,
                                           .hidden = config_hidden_,
@@ -691,8 +709,8 @@ Expected<void> GpuBackend::run_moe(const GpuMoe& m, int64_t tokens) {
                                           .gate_up = e.nvfp4 ? e.gate : e.gate_up,
                                           .up = e.nvfp4 ? e.up : MoeExpertWeights{},
                                           .down = e.down,
-                                          .shared_out = m.shared ? shared_out_ : nullptr,
-                                          .shared_gate = m.shared ? router_ + m.n_experts : nullptr,
+                                          .shared_out = m.shared_down ? shared_out_ : nullptr,
+                                          .shared_gate = m.shared_down ? router_ + m.logits_col + m.n_experts : nullptr,
                                           .shared_gate_stride = m.router.width,
                                           .y = out_,
                                           .workspace = moe_workspace_,
@@ -734,7 +752,8 @@ Expected<int64_t> GpuBackend::run_body(const StepPlan& plan, LogitsFor which, co
     if (l.mlp) TERN_TRY(run_mlp(*l.mlp, normed_, t, out_));
     if (l.moe) {
       TERN_TRY(run_moe(*l.moe, t));
-      TERN_TRY(trace(tracer, trace_name(li, "router_logits"), router_, t, l.moe->n_experts, l.moe->router.width));
+      TERN_TRY(trace(tracer, trace_name(li, "router_logits"), router_ + l.moe->logits_col, t, l.moe->n_experts,
+                     l.moe->router.width));
     }
     TERN_TRY(trace(tracer, trace_name(li, "ffn_out"), out_, t, h, h));
   }

@@ -4,6 +4,7 @@
 
 #include "core/formats.h"
 #include "kernels/cuda/gemm_bf16.h"
+#include "kernels/cuda/gemv_bf16.h"
 #include "kernels/cuda/gemm_nvfp4_w4a16.h"
 
 namespace tern {
@@ -59,6 +60,7 @@ Expected<DeviceMatrix> DeviceWeights::matrix(const CpuMatrix& m, const std::stri
     const uint16_t* rows = host_bf16(m, scratch);
     TERN_ASSIGN_OR_RETURN(void* data, upload(rows, static_cast<size_t>(m.rows * m.cols) * 2, name));
     d.bf16 = static_cast<const uint16_t*>(data);
+    d.gemv = bf16_gemv_;
   }
   uploaded_[m.data] = d;
   return d;
@@ -89,10 +91,10 @@ Expected<DeviceMatrix> DeviceWeights::concat_bf16(std::span<const Linear* const>
     TERN_CUDA_CHECK(cudaStreamSynchronize(stream_));
     out += l->out_features() * k;
   }
-  return DeviceMatrix{.nvfp4 = false, .n = rows, .k = k, .bf16 = static_cast<const uint16_t*>(dst)};
+  return DeviceMatrix{.nvfp4 = false, .n = rows, .k = k, .bf16 = static_cast<const uint16_t*>(dst), .gemv = bf16_gemv_};
 }
 
-Expected<DeviceProjection> DeviceWeights::projection(std::span<const Linear* const> linears) {
+Expected<DeviceProjection> DeviceWeights::projection(std::span<const Linear* const> linears, int64_t width_multiple) {
   DeviceProjection p;
   p.in_features = linears.front()->in_features();
   size_t i = 0;
@@ -111,6 +113,7 @@ Expected<DeviceProjection> DeviceWeights::projection(std::span<const Linear* con
     p.parts.push_back(m);
     i = j;
   }
+  p.width = (p.width + width_multiple - 1) / width_multiple * width_multiple;
   return p;
 }
 
@@ -214,7 +217,8 @@ Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatri
         .ldy = ldy};
     return gemm_nvfp4_w4a16(ctx, args);
   }
-  return gemm_bf16(ctx, GemmBf16Args{.x = x, .w = w.bf16, .y = y, .m = m, .n = w.n, .k = w.k, .ldy = ldy});
+  const GemmBf16Args args{.x = x, .w = w.bf16, .y = y, .m = m, .n = w.n, .k = w.k, .ldy = ldy};
+  return w.gemv && m <= kGemvMaxRows ? gemv_bf16(ctx, args) : gemm_bf16(ctx, args);
 }
 
 Expected<void> DeviceProjection::forward(const DeviceContext& ctx, const uint16_t* x, int64_t m, uint16_t* y) const {

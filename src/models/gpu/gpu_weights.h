@@ -26,9 +26,11 @@ struct DeviceMatrix {
   const uint8_t* packed = nullptr;   // NVFP4 [n, k/2]
   const uint8_t* scales = nullptr;   // NVFP4 e4m3 [n, k/16]
   float global_scale = 1.0f;
+  bool gemv = false;  // BF16 with at most kGemvMaxRows rows through gemv_bf16 (self-test verified) instead of cuBLASLt
 };
 
-// y[:, offset .. offset + n) = x . W^T for y with row stride ldy (BF16 through cuBLASLt, NVFP4 through W4A16).
+// y[:, offset .. offset + n) = x . W^T for y with row stride ldy (BF16 through cuBLASLt or, for few rows when the
+// matrix says so, gemv_bf16; NVFP4 through W4A16).
 Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatrix& w, const uint16_t* x, int64_t m,
                                      uint16_t* y, int64_t ldy);
 
@@ -55,11 +57,13 @@ struct DeviceExperts {
 
 class DeviceWeights {
  public:
-  explicit DeviceWeights(cudaStream_t stream) : stream_(stream) {}
+  // bf16_gemv: BF16 matrices are computed by gemv_bf16 at few rows (DeviceMatrix::gemv).
+  DeviceWeights(cudaStream_t stream, bool bf16_gemv) : stream_(stream), bf16_gemv_(bf16_gemv) {}
 
   Expected<DeviceMatrix> matrix(const Linear& linear);
   Expected<DeviceMatrix> matrix(const CpuMatrix& m, const std::string& name);
-  Expected<DeviceProjection> projection(std::span<const Linear* const> linears);
+  // width_multiple: the output's row stride is rounded up to it (16-byte rows for consumers that load 8 at a time).
+  Expected<DeviceProjection> projection(std::span<const Linear* const> linears, int64_t width_multiple = 1);
   Expected<DeviceExperts> experts(const std::vector<MlpWeights>& experts, const std::string& name);
   // A norm weight or other vector, as bf16 (exact for weights that came from bf16) or fp32.
   Expected<const uint16_t*> vector_bf16(const std::vector<float>& values);
@@ -74,6 +78,7 @@ class DeviceWeights {
   Expected<MoeExpertWeights> expert_stack(const std::vector<MlpWeights>& experts, int part, const std::string& name);
 
   cudaStream_t stream_;
+  bool bf16_gemv_ = false;
   std::deque<DeviceBuffer> buffers_;
   std::map<const void*, DeviceMatrix> uploaded_;  // by host data pointer
   size_t bytes_ = 0;
