@@ -134,7 +134,7 @@ Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceCont
         });
       },
   }));
-  // The decode GEMV for m <= kGemvMaxRows and cuBLASLt above it: one implementation, so a model calls one entry
+  // The decode GEMV for m <= kGemvPreferredMaxRows and cuBLASLt above it: one implementation, so a model calls one entry
   // point at every batch size, and its self-test (run over every batch size the model uses) verifies both paths.
   TERN_TRY(registry.add(Implementation{
       .op = "gemm_bf16",
@@ -149,7 +149,7 @@ Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceCont
         return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
           const GemmBf16Args args{.x = d.x.as<uint16_t>(), .w = d.w_bf16.as<uint16_t>(), .y = y, .m = in.m,
                                   .n = in.n, .k = in.k};
-          return in.m <= kGemvMaxRows ? gemv_bf16(*context, args) : gemm_bf16(*context, args);
+          return in.m <= kGemvPreferredMaxRows ? gemv_bf16(*context, args) : gemm_bf16(*context, args);
         });
       },
   }));

@@ -473,7 +473,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
 // 2^(M_old - M_new); a split that saw no keys has m_s = -inf and weight 0. A decode step of few tokens has few rows,
 // so the merge is bound by load latency, not bytes: batching the splits' loads is what keeps it short.
 constexpr int kReduceThreads = 128;
-constexpr int kReduceBatch = 8;
+constexpr int kReduceBatch = 16;
 
 template <int kHeadDim>
 __global__ void __launch_bounds__(kReduceThreads) paged_decode_reduce_kernel(const DecodeParams p) {

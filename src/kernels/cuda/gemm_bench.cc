@@ -171,7 +171,7 @@ std::vector<uint16_t> tiled_bf16(size_t count, std::mt19937& rng) {
 // The GEMV's time at each group size, through the unchecked launcher (the arguments are gemv_bf16's, validated).
 void bench_gemv_group_sizes(const DeviceContext& ctx, int slots, const std::function<GemmBf16Args(int)>& args) {
   const GemmBf16Args a0 = args(0);
-  const int chosen = gemv_bf16_group_threads(a0.n, a0.k, ctx.props().num_sms);
+  const int chosen = gemv_bf16_group_threads(static_cast<int>(a0.m), a0.n, a0.k, ctx.props().num_sms);
   std::printf("%22s group threads:", "");
   for (int threads : {32, 64, 128, 256}) {
     const double ms = time_ms(ctx, slots, [&](int i) {

@@ -35,8 +35,13 @@ Expected<void> gemv_bf16_validate(const GemmBf16Args& a) {
 
 }  // namespace
 
-int gemv_bf16_group_threads(int64_t n, int64_t k, int num_sms) {
+int gemv_bf16_group_threads(int m, int64_t n, int64_t k, int num_sms) {
   const int64_t n_chunks = k / 8;
+  if (m == 1) {
+    int64_t threads = 32;
+    while (threads < kBlockThreads && threads < n_chunks) threads *= 2;
+    return static_cast<int>(threads);
+  }
   auto blocks = [n](int64_t threads) {
     const int64_t cols = kBlockThreads / threads * kGroupCols;
     return (n + cols - 1) / cols;

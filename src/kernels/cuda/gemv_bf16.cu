@@ -138,7 +138,7 @@ void gemv_bf16_launch(const DeviceContext& ctx, const GemvBf16Params& p) {
                                                    launch_rows<5>, launch_rows<6>, launch_rows<7>, launch_rows<8>};
   static_assert(kGemvMaxRows * kWarps * kCols <= kThreads, "stage 3 needs a thread per output of a block");
   if (p.m < 1 || p.m > kGemvMaxRows) return;  // gemv_bf16() rejects these first
-  const int threads = p.group_threads > 0 ? p.group_threads : gemv_bf16_group_threads(p.n, p.k, ctx.props().num_sms);
+  const int threads = p.group_threads > 0 ? p.group_threads : gemv_bf16_group_threads(p.m, p.n, p.k, ctx.props().num_sms);
   kByRows[p.m - 1](p, threads, ctx.stream());
 }
 

@@ -24,9 +24,16 @@ struct GemvBf16Params {
   int group_threads = 0;        // 0: gemv_bf16_group_threads() chooses; tests force 32, 64, 128 or 256
 };
 
-// Threads of a block that share one group of output columns, splitting k between them (32, 64, 128 or 256): the
-// fewest that still give the grid about two blocks per SM and do not leave most threads without a chunk of k.
-int gemv_bf16_group_threads(int64_t n, int64_t k, int num_sms);
+// Threads of a block that share one group of output columns, splitting k between them (32, 64, 128 or 256). One row
+// of x: the whole block, or as many threads as k has chunks (on an H200 the widest group was the fastest, or within
+// 1% of it, on every Qwen3-8B and Qwen3.5-35B-A3B projection: `gemm_bench --gemv-sweep`). More rows: the fewest that
+// still give the grid about two blocks per SM and do not leave most threads without a chunk of k (the warp and
+// shared-memory sums grow with the rows).
+int gemv_bf16_group_threads(int m, int64_t n, int64_t k, int num_sms);
+
+// Rows up to which the GEMV beats cuBLASLt on the H200 (`gemm_bench --gemv-sweep`): at 1 row by up to 1.45x on the
+// smaller projections, at 2 about even, from 4 rows on cuBLASLt's tensor-core kernels win. Models call it up to here.
+inline constexpr int64_t kGemvPreferredMaxRows = 2;
 
 // Unchecked launch on ctx.stream() for arguments gemv_bf16() has validated (group_threads 0 or one of the four).
 void gemv_bf16_launch(const DeviceContext& ctx, const GemvBf16Params& p);

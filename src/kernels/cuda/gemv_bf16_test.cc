@@ -220,16 +220,21 @@ TEST(GemvBf16, RejectsBadArguments) {
 // The group size is host arithmetic (no device needed): always one of the four sizes, grown from one warp only
 // while the grid has fewer than two blocks per SM and k has more chunks than the group has threads.
 TEST(GemvBf16, GroupSizeFollowsTheShape) {
-  EXPECT_EQ(gemv_bf16_group_threads(1, 8, 132), 32);        // one chunk: one warp
-  EXPECT_EQ(gemv_bf16_group_threads(24576, 4096, 132), 32);  // 768 blocks already
-  EXPECT_EQ(gemv_bf16_group_threads(6144, 4096, 132), 64);   // 192 -> 384 blocks
-  EXPECT_EQ(gemv_bf16_group_threads(4096, 4096, 132), 128);  // 128 -> 256 -> 512 blocks
-  EXPECT_EQ(gemv_bf16_group_threads(2048, 512, 132), 64);    // 64 chunks: no more threads than that
-  EXPECT_EQ(gemv_bf16_group_threads(257, 2048, 132), 256);   // 65 blocks at most
-  for (int64_t n : {1, 3, 64, 1000, 4096, 151936}) {
-    for (int64_t k : {8, 64, 512, 2048, 4104, 12288}) {
-      const int t = gemv_bf16_group_threads(n, k, 188);
-      EXPECT_TRUE(t == 32 || t == 64 || t == 128 || t == 256) << n << " " << k << ": " << t;
+  EXPECT_EQ(gemv_bf16_group_threads(2, 1, 8, 132), 32);        // one chunk: one warp
+  EXPECT_EQ(gemv_bf16_group_threads(2, 24576, 4096, 132), 32);  // 768 blocks already
+  EXPECT_EQ(gemv_bf16_group_threads(2, 6144, 4096, 132), 64);   // 192 -> 384 blocks
+  EXPECT_EQ(gemv_bf16_group_threads(8, 4096, 4096, 132), 128);  // 128 -> 256 -> 512 blocks
+  EXPECT_EQ(gemv_bf16_group_threads(2, 2048, 512, 132), 64);    // 64 chunks: no more threads than that
+  EXPECT_EQ(gemv_bf16_group_threads(2, 257, 2048, 132), 256);   // 65 blocks at most
+  EXPECT_EQ(gemv_bf16_group_threads(1, 24576, 4096, 132), 256);  // one row: the whole block
+  EXPECT_EQ(gemv_bf16_group_threads(1, 2048, 512, 132), 64);     // ... but no more threads than chunks
+  EXPECT_EQ(gemv_bf16_group_threads(1, 1, 8, 132), 32);
+  for (int m : {1, 2, 8}) {
+    for (int64_t n : {1, 3, 64, 1000, 4096, 151936}) {
+      for (int64_t k : {8, 64, 512, 2048, 4104, 12288}) {
+        const int t = gemv_bf16_group_threads(m, n, k, 188);
+        EXPECT_TRUE(t == 32 || t == 64 || t == 128 || t == 256) << m << " " << n << " " << k << ": " << t;
+      }
     }
   }
 }
