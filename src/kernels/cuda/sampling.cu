@@ -1,14 +1,18 @@
 // Token sampling on the GPU; contract in sampling_launch.h. One 512-thread block owns a row and walks it several
 // times: the first walk reads it from memory (status, max, log-sum-exp, penalised argmax), later walks mostly hit
-// the L2. Nothing is sorted: thresholds come from three-digit radix selects (11 + 11 + 10 bits) over an
-// order-preserving integer key, counted or weighted by the fixed-point mass, and searches in id order (the top_p
-// boundary among equal weights, the draw itself, the lowest ids of a logprob tie) from per-chunk sums.
+// the L2. With few rows, one block per row would leave most SMs idle for the first walk, so a first kernel spreads
+// it over kSampleSplitBlocks blocks per row; each of their threads stands for one thread of the row's block and
+// computes exactly that thread's partials (same ids, same order, same operations), and the row's block combines
+// them as it combines its own. Nothing is sorted: thresholds come from three-digit radix selects (11 + 11 + 10
+// bits) over an order-preserving integer key, counted or weighted by the fixed-point mass, and searches in id order
+// (the top_p boundary among equal weights, the draw itself, the lowest ids of a logprob tie) from per-chunk sums.
 #include <cuda_runtime.h>
 #include "kernels/cuda/module_attributes.h"
 
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/sampling_launch.h"
 
 namespace tern {
@@ -16,7 +20,10 @@ namespace {
 
 using u64 = unsigned long long;  // the type atomicAdd and the shuffles take
 
-constexpr int kThreads = 512;
+constexpr int kThreads = kSampleSlots;
+constexpr int kSplitThreads = kThreads / kSampleSplitBlocks;  // threads of the row's block per split block
+static_assert(kSplitThreads * kSampleSplitBlocks == kThreads && kSplitThreads % 32 == 0);
+constexpr int kLoadBatch = 4;  // 16-byte loads a thread has in flight in a walk
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 constexpr float kGreedyTemperature = 1e-5f;  // runtime/sampler.h kSamplingGreedyTemperature
@@ -88,21 +95,38 @@ struct RowView {
   }
 };
 
-// f(id, raw value) for every id of the row, spread over the block in no particular order; 16-byte loads where the
-// row is aligned.
+// f(id, value) for the 8 bf16 values of 16-byte group `c`, in id order.
+template <class F>
+__device__ __forceinline__ void group_for_each(int64_t c, const uint4& q, F&& f) {
+  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    f(c * 8 + 2 * j, __uint_as_float(words[j] << 16));
+    f(c * 8 + 2 * j + 1, __uint_as_float(words[j] & 0xFFFF0000u));
+  }
+}
+
+// f(id, raw value) for every id of the row, spread over the block; 16-byte loads where the row is aligned. Thread
+// t sees, in this order, the 16-byte groups t, t + kThreads, t + 2 kThreads, ... (kLoadBatch of them loaded at a
+// time), then the ids t, t + kThreads, ... of the tail past the last whole group; unaligned rows, the ids t,
+// t + kThreads, ... The first walk's sums depend on this order: sample_partials_kernel repeats it exactly.
 template <class F>
 __device__ __forceinline__ void row_for_each(const RowView& v, F&& f) {
   int64_t start = 0;
   if (v.vectorised) {
     const int64_t n_vec = v.vocab / 8;
     const uint4* p = reinterpret_cast<const uint4*>(v.raw);
-    for (int64_t c = threadIdx.x; c < n_vec; c += kThreads) {
-      const uint4 q = p[c];
-      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+    for (int64_t c0 = threadIdx.x; c0 < n_vec; c0 += kThreads * kLoadBatch) {
+      uint4 q[kLoadBatch];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        f(c * 8 + 2 * j, __uint_as_float(words[j] << 16));
-        f(c * 8 + 2 * j + 1, __uint_as_float(words[j] & 0xFFFF0000u));
+      for (int b = 0; b < kLoadBatch; ++b) {
+        const int64_t c = c0 + b * kThreads;
+        q[b] = c < n_vec ? p[c] : uint4{0, 0, 0, 0};
+      }
+#pragma unroll
+      for (int b = 0; b < kLoadBatch; ++b) {
+        const int64_t c = c0 + b * kThreads;
+        if (c < n_vec) group_for_each(c, q[b], f);
       }
     }
     start = n_vec * 8;
@@ -500,6 +524,8 @@ struct SampleParams {
   float mass_scale;
   size_t row_workspace_bytes;
   size_t counts_bytes;
+  size_t partials_offset;
+  bool from_partials;  // sample_partials_kernel has done the first walk
 };
 
 // The row's active slice of penalty_ids: prompt ids only when the repetition penalty is active (as on the CPU),
@@ -566,7 +592,7 @@ __device__ int32_t penalties_check(const SampleArgs& a, const SamplingRow& p, co
 }
 
 // Per thread: first non-finite id, running max with the sum of exp(x - max) (in double, rescaled when the max
-// grows), and the best penalised logit. Combined over the block by the caller.
+// grows), and the best penalised logit. Combined over the block by raw_combine.
 struct RawStats {
   int32_t first_bad = kNoId;
   float max = -INFINITY;
@@ -574,22 +600,48 @@ struct RawStats {
   Best best{-INFINITY, kNoId};
 };
 
-__device__ RawStats raw_pass(const RowView& v, Scratch& s, double& log_sum) {
+// One raw logit into a thread's RawStats; value(id, x) is its penalised logit. The sum's roundings depend on the
+// order of the calls, which is why the split first walk visits each thread's ids in row_for_each's order. The
+// rescale is an explicit FMA, what the compiler made of `sum * exp(...) + 1.0` here, so both kernels round alike.
+template <class Value>
+__device__ __forceinline__ void raw_stats_push(RawStats& t, int64_t id, float x, Value&& value) {
+  if (!isfinite(x)) {
+    t.first_bad = min(t.first_bad, static_cast<int32_t>(id));
+    return;
+  }
+  if (x > t.max) {
+    t.sum = __fma_rn(t.sum, exp(static_cast<double>(t.max) - static_cast<double>(x)), 1.0);
+    t.max = x;
+  } else {
+    t.sum = __dadd_rn(t.sum, static_cast<double>(expf(__fsub_rn(x, t.max))));
+  }
+  const Best b{value(id, x), static_cast<int32_t>(id)};
+  if (better(b, t.best)) t.best = b;
+}
+
+// This thread's share of the first walk.
+__device__ RawStats raw_thread_stats(const RowView& v) {
   RawStats t;
+  const auto penalised = [&](int64_t id, float x) { return v.value(id, x); };
+  row_for_each(v, [&](int64_t id, float x) { raw_stats_push(t, id, x, penalised); });
+  return t;
+}
+
+// This thread's best penalised logit alone (the split first walk ranks raw logits): the best is the first of a
+// total order on (value, id), so it does not depend on how the ids were grouped. Non-finite raw logits are left
+// out as in raw_stats_push.
+__device__ Best penalised_thread_best(const RowView& v) {
+  Best best{-INFINITY, kNoId};
   row_for_each(v, [&](int64_t id, float x) {
-    if (!isfinite(x)) {
-      t.first_bad = min(t.first_bad, static_cast<int32_t>(id));
-      return;
-    }
-    if (x > t.max) {
-      t.sum = t.sum * exp(static_cast<double>(t.max) - static_cast<double>(x)) + 1.0;
-      t.max = x;
-    } else {
-      t.sum += static_cast<double>(expf(x - t.max));
-    }
+    if (!isfinite(x)) return;
     const Best b{v.value(id, x), static_cast<int32_t>(id)};
-    if (better(b, t.best)) t.best = b;
+    if (better(b, best)) best = b;
   });
+  return best;
+}
+
+// The row's statistics from every thread's share, and log(sum of exp(x - max)).
+__device__ RawStats raw_combine(const RawStats& t, Scratch& s, double& log_sum) {
   RawStats row;
   row.first_bad = block_min(t.first_bad, s);
   row.max = block_max(t.max, s);
@@ -600,13 +652,97 @@ __device__ RawStats raw_pass(const RowView& v, Scratch& s, double& log_sum) {
   return row;
 }
 
+// The per-thread partials of the first walk in the row's workspace, one slot per thread of the row's block.
+struct PartialSlots {
+  double* sum;
+  float* max;
+  int32_t* first_bad;
+  float* best_value;
+  int32_t* best_id;
+
+  __device__ static PartialSlots at(char* base) {
+    return {reinterpret_cast<double*>(base), reinterpret_cast<float*>(base + kThreads * 8),
+            reinterpret_cast<int32_t*>(base + kThreads * 12), reinterpret_cast<float*>(base + kThreads * 16),
+            reinterpret_cast<int32_t*>(base + kThreads * 20)};
+  }
+  __device__ void store(int slot, const RawStats& t) const {
+    sum[slot] = t.sum;
+    max[slot] = t.max;
+    first_bad[slot] = t.first_bad;
+    best_value[slot] = t.best.value;
+    best_id[slot] = t.best.id;
+  }
+  __device__ RawStats load(int slot) const {
+    RawStats t;
+    t.sum = sum[slot];
+    t.max = max[slot];
+    t.first_bad = first_bad[slot];
+    t.best = Best{best_value[slot], best_id[slot]};
+    return t;
+  }
+};
+static_assert(kSampleSlotBytes == 8 + 4 + 4 + 4 + 4);
+
+__device__ char* row_workspace(const SampleParams& p, int64_t row) {
+  return static_cast<char*>(p.a.workspace) + row * p.row_workspace_bytes;
+}
+
+// The first walk of small batches: block (row, b) computes the RawStats of threads [b, b + 1) * kSplitThreads of
+// the row's block, each over exactly the ids and in exactly the order row_for_each gives that thread (16-byte
+// groups slot, slot + kThreads, ..., then the tail), with raw logits as the values (the row's block redoes the
+// best where a penalty is active). The groups are staged through shared memory with cp.async, kStageGroups per
+// thread at a time in two buffers, so that many loads are in flight while the previous stage is summed.
+constexpr int kStageGroups = 16;
+
+__global__ void __launch_bounds__(kSplitThreads) sample_partials_kernel(const SampleParams p) {
+  __shared__ uint4 stage[2][kStageGroups][kSplitThreads];
+  const SampleArgs& a = p.a;
+  const int64_t row = blockIdx.x;
+  const int slot = static_cast<int>(blockIdx.y) * kSplitThreads + static_cast<int>(threadIdx.x);
+  const uint16_t* raw = a.logits + row * a.logits_stride;
+  const auto identity = [](int64_t, float x) { return x; };
+  const auto push = [&](RawStats& t, int64_t id, float x) { raw_stats_push(t, id, x, identity); };
+  RawStats t;
+  int64_t tail_start = 0;
+  if (reinterpret_cast<uintptr_t>(raw) % 16 == 0) {
+    const int64_t n_vec = a.vocab / 8;
+    const uint4* groups = reinterpret_cast<const uint4*>(raw);
+    const int64_t n_mine = slot < n_vec ? (n_vec - 1 - slot) / kThreads + 1 : 0;  // groups slot + k * kThreads
+    const int64_t n_stages = (n_mine + kStageGroups - 1) / kStageGroups;
+    const auto issue = [&](int64_t st) {
+      for (int j = 0; j < kStageGroups; ++j) {
+        const int64_t k = st * kStageGroups + j;
+        if (k < n_mine) ptx::cp_async_16_zfill(&stage[st & 1][j][threadIdx.x], groups + slot + k * kThreads, true);
+      }
+      ptx::cp_async_commit();  // possibly empty: one group per stage keeps the wait count uniform
+    };
+    issue(0);
+    for (int64_t st = 0; st < n_stages; ++st) {
+      issue(st + 1);  // into the other buffer, whose stage this thread finished summing
+      ptx::cp_async_wait<1>();  // this thread's copies of stage st have landed (each thread reads only its own)
+      for (int j = 0; j < kStageGroups; ++j) {
+        const int64_t k = st * kStageGroups + j;
+        if (k >= n_mine) break;
+        group_for_each(slot + k * kThreads, stage[st & 1][j][threadIdx.x],
+                       [&](int64_t id, float x) { push(t, id, x); });
+      }
+    }
+    ptx::cp_async_wait<0>();
+    tail_start = n_vec * 8;
+  }
+  for (int64_t id = tail_start + slot; id < a.vocab; id += kThreads) {
+    push(t, id, __uint_as_float(uint32_t{raw[id]} << 16));
+  }
+  PartialSlots::at(row_workspace(p, row) + p.partials_offset).store(slot, t);
+}
+
 __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const SampleParams p) {
   extern __shared__ u64 dynamic_shared[];
   __shared__ Scratch s;
   const SampleArgs& a = p.a;
   const int64_t row = blockIdx.x;
   const SamplingRow params = a.rows_params[row];
-  char* workspace = static_cast<char*>(a.workspace) + row * p.row_workspace_bytes;
+  char* workspace = row_workspace(p, row);
   int32_t* counts = reinterpret_cast<int32_t*>(workspace);
   u64* chunk_sums = reinterpret_cast<u64*>(workspace + p.counts_bytes);
   u64* hist = dynamic_shared;
@@ -625,9 +761,17 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const SampleParam
       status = kSampleStatusBadPenaltyId;
     }
   }
-  // Stage 1: the one read from memory. A non-finite raw logit outranks every other failure, as on the CPU.
+  // Stage 1: the one read from memory, here or in sample_partials_kernel. A non-finite raw logit outranks every
+  // other failure, as on the CPU.
+  RawStats mine;
+  if (p.from_partials) {
+    mine = PartialSlots::at(workspace + p.partials_offset).load(static_cast<int>(threadIdx.x));
+    if (v.listed != nullptr) mine.best = penalised_thread_best(v);
+  } else {
+    mine = raw_thread_stats(v);
+  }
   double log_sum = 0.0;
-  const RawStats stats = raw_pass(v, s, log_sum);
+  const RawStats stats = raw_combine(mine, s, log_sum);
   if (stats.first_bad != kNoId) status = 1 + stats.first_bad;
   if (status == kSampleStatusOk && v.listed != nullptr) status = penalties_check(a, params, v, s);
   if (status != kSampleStatusOk) {
@@ -655,8 +799,19 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const SampleParam
 
 void sample_rows_launch(const DeviceContext& ctx, const SampleArgs& args) {
   const int bit_width = 64 - __builtin_clzll(static_cast<unsigned long long>(args.vocab));
-  const SampleParams p{args, ldexpf(1.0f, 62 - bit_width), sampling_row_workspace_bytes(args.vocab),
-                       sampling_counts_bytes(args.vocab)};
+  // Split the first walk while one block per row would leave SMs idle; past that the row blocks fill the device.
+  const bool split = args.rows < ctx.props().num_sms;
+  const SampleParams p{args,
+                       ldexpf(1.0f, 62 - bit_width),
+                       sampling_row_workspace_bytes(args.vocab),
+                       sampling_counts_bytes(args.vocab),
+                       sampling_counts_bytes(args.vocab) + sampling_chunk_sums_bytes(args.vocab),
+                       split};
+  if (split) {
+    const dim3 grid(static_cast<unsigned>(args.rows), kSampleSplitBlocks);
+    sample_partials_kernel<<<grid, kSplitThreads, 0, ctx.stream()>>>(p);
+    TERN_CUDA_CHECK_LAUNCH();
+  }
   const size_t shared = sampling_dynamic_shared_bytes(args.vocab);
   TERN_CUDA_CHECK(
       cudaFuncSetAttribute(sample_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));

@@ -69,13 +69,21 @@ struct SampleArgs {
 };
 
 // Workspace per row: the output count of every penalised id (int32 [vocab]; only the listed ids are touched, so
-// it is never cleared) and the mass of each 128-id chunk for the ordered searches (uint64 [ceil(vocab / 128)]).
+// it is never cleared), the mass of each 128-id chunk for the ordered searches (uint64 [ceil(vocab / 128)]) and,
+// for small batches, the first walk's per-thread partial results (kSampleSlots slots of first non-finite id, max,
+// sum, best value and best id: 24 bytes each), written by the split first walk and read by the row's block.
 inline constexpr int64_t kSampleChunkIds = 128;  // one warp, four ids per lane
+inline constexpr int kSampleSlots = 512;         // threads of the block that finishes a row
+inline constexpr size_t kSampleSlotBytes = 24;
 inline constexpr size_t sampling_align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 inline constexpr int64_t sampling_chunks(int64_t vocab) { return (vocab + kSampleChunkIds - 1) / kSampleChunkIds; }
 inline constexpr size_t sampling_counts_bytes(int64_t vocab) { return sampling_align256(static_cast<size_t>(vocab) * 4); }
+inline constexpr size_t sampling_chunk_sums_bytes(int64_t vocab) {
+  return sampling_align256(static_cast<size_t>(sampling_chunks(vocab)) * 8);
+}
+inline constexpr size_t sampling_partials_bytes() { return sampling_align256(kSampleSlots * kSampleSlotBytes); }
 inline constexpr size_t sampling_row_workspace_bytes(int64_t vocab) {
-  return sampling_counts_bytes(vocab) + sampling_align256(static_cast<size_t>(sampling_chunks(vocab)) * 8);
+  return sampling_counts_bytes(vocab) + sampling_chunk_sums_bytes(vocab) + sampling_partials_bytes();
 }
 
 // Shared memory of one block: the radix histogram (2048 uint64 bins), a bitmap of the row's penalised ids (one bit
@@ -86,7 +94,10 @@ inline constexpr size_t sampling_dynamic_shared_bytes(int64_t vocab) {
   return kSampleHistBins * 8 + static_cast<size_t>((vocab + 31) / 32) * 4;
 }
 
-// Unchecked launch on ctx.stream() for arguments sampling.cc has validated (rows >= 1). One block per row.
+// Unchecked launch on ctx.stream() for arguments sampling.cc has validated (rows >= 1). One block per row; with
+// fewer rows than the device has SMs, a first kernel spreads each row's first walk over kSampleSplitBlocks blocks
+// that compute exactly the per-thread partials the row's block would, so the results are the same bits.
+inline constexpr int kSampleSplitBlocks = 16;
 void sample_rows_launch(const DeviceContext& ctx, const SampleArgs& args);
 
 }  // namespace tern

@@ -10,7 +10,8 @@
 // counted, printed and must stay rare. Logprobs: |gpu - cpu| <= 1e-6 + 3e-7 |cpu| (the CPU's own bound against
 // double, 5e-7 + 2e-7 |x|, plus the GPU's expf terms, 2.4e-7 on the normaliser, and its float rounding); top-N ids
 // must be identical (raw bf16 values tie exactly and both sides break ties by id). Outputs are poisoned before each
-// call, the workspace is filled with garbage. Label: gpu.
+// call, the workspace is filled with garbage. Batches of fewer rows than the device has SMs take the split first
+// walk (sample_partials_kernel), larger ones the single kernel: the cases cover both (large_batch_rows). Label: gpu.
 #include "kernels/cuda/sampling.h"
 
 #include <gtest/gtest.h>
@@ -234,6 +235,30 @@ int check_batch(const DeviceContext& ctx, const Batch& b, int steps = 2) {
 
 const std::vector<int64_t> kVocabs = {512, 151936, 154880};
 
+// A row count that takes the single-kernel path (at least one row per SM).
+int64_t large_batch_rows(const DeviceContext& ctx) { return ctx.props().num_sms + 3; }
+
+// Prompt and output ids for row r, drawn mostly from the row's 64 best tokens (where penalties change the outcome),
+// with repeats.
+void fill_penalty_ids(Batch& b, int64_t r, std::mt19937& gen) {
+  std::vector<int32_t> best(static_cast<size_t>(b.vocab));
+  std::iota(best.begin(), best.end(), 0);
+  const std::vector<float> row = b.row(r);
+  const size_t n_best = std::min<size_t>(64, best.size());
+  std::partial_sort(best.begin(), best.begin() + n_best, best.end(),
+                    [&](int32_t x, int32_t y) { return row[x] > row[y]; });
+  std::uniform_int_distribution<int> pick(0, static_cast<int>(n_best) - 1), length(0, 300);
+  std::uniform_int_distribution<int32_t> any(0, static_cast<int32_t>(b.vocab - 1));
+  for (auto* list : {&b.prompts[r], &b.outputs[r]}) {
+    const int n = length(gen);
+    for (int i = 0; i < n; ++i) list->push_back(i % 3 == 0 ? any(gen) : best[pick(gen)]);
+  }
+}
+
+bool has_penalty(const SamplingParams& p) {
+  return p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f;
+}
+
 // --- The CPU premise: one draw per random step ---
 
 TEST(CudaSampling, CpuSamplerTakesOneDrawPerRandomStep) {
@@ -264,12 +289,11 @@ TEST(CudaSampling, CpuSamplerTakesOneDrawPerRandomStep) {
 
 // --- Greedy ---
 
-TEST(CudaSampling, GreedyMatchesCpuIncludingTies) {
-  DeviceContext ctx;
+void check_greedy_ties(const DeviceContext& ctx, int64_t rows) {
   for (int64_t vocab : kVocabs) {
     std::vector<SamplingParams> params;
-    for (int r = 0; r < 24; ++r) params.push_back({.temperature = r % 2 ? 0.0f : 9e-6f, .top_k = 5, .top_p = 0.5f,
-                                                  .logprobs = r % 5});
+    for (int r = 0; r < rows; ++r) params.push_back({.temperature = r % 2 ? 0.0f : 9e-6f, .top_k = 5, .top_p = 0.5f,
+                                                    .logprobs = r % 5});
     Batch b = make_batch(vocab, params, 11);
     // Rows 0..7: the maximum appears at several ids, the lowest one written last, so no scan order finds it first.
     for (int64_t r = 0; r < 8; ++r) {
@@ -281,6 +305,12 @@ TEST(CudaSampling, GreedyMatchesCpuIncludingTies) {
     const std::vector<RowOut> gpu = run_gpu(ctx, b, std::vector<double>(b.rows(), 0.0));
     for (int64_t r = 0; r < 8; ++r) EXPECT_EQ(gpu[r].id, 3 + r) << "vocab " << vocab << " row " << r;
   }
+}
+
+TEST(CudaSampling, GreedyMatchesCpuIncludingTies) {
+  DeviceContext ctx;
+  check_greedy_ties(ctx, 24);
+  check_greedy_ties(ctx, large_batch_rows(ctx));
 }
 
 // --- Random sampling ---
@@ -341,6 +371,57 @@ TEST(CudaSampling, UnalignedAndStridedRows) {
   EXPECT_LE(check_batch(ctx, make_batch(7, params, 6)), 1);
 }
 
+// --- Every kind of row at 1, 2 and 8 rows (split first walk) and at a large batch (single kernel) ---
+
+std::vector<SamplingParams> mixed_params() {
+  return {
+      {.temperature = 0.0f},
+      {.temperature = 0.0f, .logprobs = 5},
+      {.temperature = 0.6f, .top_k = 20, .top_p = 0.95f},
+      {.top_k = 50, .logprobs = 20},
+      {.temperature = 0.7f, .top_p = 0.9f},
+      {.min_p = 0.05f, .logprobs = 1},
+      {.temperature = 0.8f, .top_p = 0.95f, .repetition_penalty = 1.1f, .presence_penalty = 0.5f,
+       .frequency_penalty = 0.2f},
+      {.temperature = 0.0f, .repetition_penalty = 1.3f, .frequency_penalty = 0.4f, .logprobs = 3},
+      {.temperature = 0.0f, .presence_penalty = -2.0f},  // raises the output ids: the argmax can move to one of them
+      {.temperature = 1.2f, .top_k = 1000, .top_p = 0.8f, .min_p = 0.01f, .repetition_penalty = 0.8f, .logprobs = 20},
+  };
+}
+
+void check_mixed(const DeviceContext& ctx, int64_t vocab, int64_t stride, int64_t rows, size_t first, uint32_t seed,
+                 int& cases, int& near_cut) {
+  const std::vector<SamplingParams> combos = mixed_params();
+  std::vector<SamplingParams> params;
+  for (int64_t r = 0; r < rows; ++r) params.push_back(combos[(first + static_cast<size_t>(r)) % combos.size()]);
+  Batch b = make_batch(vocab, params, seed, stride);
+  std::mt19937 gen(seed + 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (has_penalty(params[r])) fill_penalty_ids(b, r, gen);
+  }
+  near_cut += check_batch(ctx, b);
+  cases += 2 * static_cast<int>(rows);
+}
+
+TEST(CudaSampling, SmallAndLargeBatchesMatchCpu) {
+  DeviceContext ctx;
+  const size_t n_combos = mixed_params().size();
+  int cases = 0, near_cut = 0;
+  uint32_t seed = 100;
+  // (vocab, stride): aligned rows, a vocabulary with a tail past the last 16-byte group, unaligned strided rows.
+  for (const auto& [vocab, stride] : std::vector<std::pair<int64_t, int64_t>>{{151936, 151936}, {154883, 154883},
+                                                                              {1001, 1003}, {512, 512}}) {
+    for (const int64_t rows : {int64_t{1}, int64_t{2}, int64_t{8}}) {
+      // Every combination at every row count, starting each batch at the next one.
+      for (size_t first = 0; first < n_combos; first += static_cast<size_t>(rows)) {
+        check_mixed(ctx, vocab, stride, rows, first, seed++, cases, near_cut);
+      }
+    }
+    check_mixed(ctx, vocab, stride, large_batch_rows(ctx), 0, seed++, cases, near_cut);
+  }
+  EXPECT_LE(near_cut, std::max(1, cases / 100)) << "too many draws at a cut: " << near_cut << " of " << cases;
+}
+
 // --- Penalties ---
 
 TEST(CudaSampling, PenaltiesMatchCpu) {
@@ -358,29 +439,18 @@ TEST(CudaSampling, PenaltiesMatchCpu) {
     }
     Batch b = make_batch(vocab, params, 21);
     std::mt19937 gen(22);
-    for (int64_t r = 0; r < b.rows(); ++r) {
-      // Ids drawn mostly from the row's best tokens (where penalties change the outcome), with repeats.
-      std::vector<int32_t> best(static_cast<size_t>(vocab));
-      std::iota(best.begin(), best.end(), 0);
-      const std::vector<float> row = b.row(r);
-      std::partial_sort(best.begin(), best.begin() + 64, best.end(), [&](int32_t x, int32_t y) { return row[x] > row[y]; });
-      std::uniform_int_distribution<int> pick(0, 63), length(0, 300);
-      std::uniform_int_distribution<int32_t> any(0, static_cast<int32_t>(vocab - 1));
-      for (auto* list : {&b.prompts[r], &b.outputs[r]}) {
-        const int n = length(gen);
-        for (int i = 0; i < n; ++i) list->push_back(i % 3 == 0 ? any(gen) : best[pick(gen)]);
-      }
-    }
+    for (int64_t r = 0; r < b.rows(); ++r) fill_penalty_ids(b, r, gen);
     check_batch(ctx, b);
   }
 }
 
 // --- Failures ---
 
-TEST(CudaSampling, NonFiniteLogitsFailOnlyTheirRow) {
-  DeviceContext ctx;
-  const std::vector<SamplingParams> params = {{}, {.temperature = 0.0f, .logprobs = 3}, {.top_k = 5}, {.logprobs = 2},
-                                              {.repetition_penalty = 1.3f}};
+// Five special rows, then plain rows up to `rows` in all.
+void check_non_finite_rows(const DeviceContext& ctx, int64_t rows) {
+  std::vector<SamplingParams> params = {{}, {.temperature = 0.0f, .logprobs = 3}, {.top_k = 5}, {.logprobs = 2},
+                                        {.repetition_penalty = 1.3f}};
+  while (static_cast<int64_t>(params.size()) < rows) params.push_back({.temperature = 0.0f, .logprobs = 1});
   Batch b = make_batch(151936, params, 31);
   const float nan = std::nanf("");
   b.logits[1 * b.stride + 123] = float_to_bf16(nan);
@@ -394,6 +464,13 @@ TEST(CudaSampling, NonFiniteLogitsFailOnlyTheirRow) {
   const char* expected_message[] = {"", "logits contain NaN at id 123", "", "logits contain -inf at id 151935",
                                     "logits contain +inf at id 7"};
   for (int64_t r = 0; r < b.rows(); ++r) {
+    if (r >= 5) {  // plain greedy rows: the CPU's token
+      const auto cpu = Sampler(b.params[r]).sample(b.row(r), {}, {});
+      ASSERT_TRUE(cpu.has_value());
+      EXPECT_EQ(gpu[r].status, kSampleStatusOk) << "row " << r;
+      EXPECT_EQ(gpu[r].id, cpu->id) << "row " << r;
+      continue;
+    }
     EXPECT_EQ(gpu[r].status, expected_status[r]) << "row " << r;
     if (expected_status[r] == 0) {
       EXPECT_GE(gpu[r].id, 0);
@@ -414,6 +491,42 @@ TEST(CudaSampling, NonFiniteLogitsFailOnlyTheirRow) {
     for (int i = 0; i < kTop; ++i) {
       EXPECT_EQ(gpu[r].top_ids[i], -1);
       EXPECT_TRUE(std::isnan(gpu[r].top_logprobs[i]));
+    }
+  }
+}
+
+TEST(CudaSampling, NonFiniteLogitsFailOnlyTheirRow) {
+  DeviceContext ctx;
+  check_non_finite_rows(ctx, 5);
+  check_non_finite_rows(ctx, large_batch_rows(ctx));
+}
+
+TEST(CudaSampling, NonFiniteLogitsInOneOrTwoRows) {
+  // The split first walk's smallest batches: a non-finite logit in a single row and in the second of two rows.
+  DeviceContext ctx;
+  for (const int64_t rows : {1, 2}) {
+    const std::vector<SamplingParams> params(static_cast<size_t>(rows),
+                                             SamplingParams{.temperature = 0.0f, .logprobs = 2});
+    Batch b = make_batch(151936, params, 33);
+    const int64_t bad_row = rows - 1;
+    b.logits[bad_row * b.stride + 151930] = float_to_bf16(-INFINITY);  // a later non-finite id does not hide the first
+    b.logits[bad_row * b.stride + 77777] = float_to_bf16(std::nanf(""));
+    const std::vector<RowOut> gpu = run_gpu(ctx, b, std::vector<double>(b.rows(), 0.0));
+    EXPECT_EQ(gpu[bad_row].status, 77778) << "rows " << rows;
+    EXPECT_EQ(gpu[bad_row].id, -1);
+    EXPECT_TRUE(std::isnan(gpu[bad_row].logprob));
+    const auto cpu_bad = Sampler(b.params[bad_row]).sample(b.row(bad_row), {}, {});
+    ASSERT_FALSE(cpu_bad.has_value());
+    const std::vector<float> row = b.row(bad_row);
+    const auto check = sampling_status_check(gpu[bad_row].status, row.data(), b.vocab);
+    ASSERT_FALSE(check.has_value());
+    EXPECT_EQ(check.error().message, cpu_bad.error().message);
+    if (rows == 2) {
+      const auto cpu = Sampler(b.params[0]).sample(b.row(0), {}, {});
+      ASSERT_TRUE(cpu.has_value());
+      EXPECT_EQ(gpu[0].status, kSampleStatusOk);
+      EXPECT_EQ(gpu[0].id, cpu->id);
+      expect_logprob_near(gpu[0].logprob, cpu->logprob, "row 0 logprob");
     }
   }
 }
