@@ -89,6 +89,21 @@ Expected<void> weights_validate(const char* k, const MoeExpertWeights& w) {
   return {};
 }
 
+// MoeGemmArgs::w2: the same experts, k and format as w, its columns of y beside w's and inside ldy.
+Expected<void> second_projection_validate(const MoeGemmArgs& a) {
+  constexpr const char* k = "moe_gemm";
+  if (a.w2.n == 0) return {};
+  TERN_TRY(weights_validate("moe_gemm: w2", a.w2));
+  if (a.w2.format != a.w.format || a.w2.n_experts != a.w.n_experts || a.w2.k != a.w.k) {
+    return make_error("{}: w2 ({} experts, k={}, {}) must have w's {} experts, k={} and format", k, a.w2.n_experts,
+                      a.w2.k, a.w2.format == MoeWeightFormat::kNvfp4 ? "nvfp4" : "bf16", a.w.n_experts, a.w.k);
+  }
+  if (a.y2_offset < a.w.n || a.y2_offset > a.ldy - a.w2.n) {
+    return make_error("{}: y2_offset={} must be in [n={}, ldy - w2.n={}]", k, a.y2_offset, a.w.n, a.ldy - a.w2.n);
+  }
+  return {};
+}
+
 Expected<void> gemm_validate(const MoeGemmArgs& a) {
   constexpr const char* k = "moe_gemm";
   const MoeExpertWeights& w = a.w;
@@ -106,7 +121,7 @@ Expected<void> gemm_validate(const MoeGemmArgs& a) {
   if (a.ldy < w.n || a.ldy > kMaxDim) return make_error("{}: ldy={} must be at least n={}", k, a.ldy, w.n);
   TERN_TRY(check_ptr(k, "expert_offsets", a.expert_offsets, 4));
   if (a.gather) TERN_TRY(check_ptr(k, "sorted_pairs (needed to gather)", a.sorted_pairs, 4));
-  return {};
+  return second_projection_validate(a);
 }
 
 // The pieces of moe_forward's workspace, each 256-byte aligned.
@@ -244,10 +259,15 @@ Expected<void> moe_forward(const DeviceContext& ctx, const MoeForwardArgs& a) {
   TERN_TRY(moe_align(ctx, {.topk_ids = ids, .tokens = a.tokens, .top_k = a.top_k, .n_experts = a.n_experts,
                            .expert_offsets = offsets, .sorted_pairs = sorted_pairs, .pair_row = pair_row,
                            .workspace = base + l.align, .workspace_bytes = l.total - l.align}));
+  // At decode a separate up projection joins the gate's launch (w2), so one grid covers both.
+  const bool decode = a.variant == MoeGemmVariant::kDecode ||
+                      (a.variant == MoeGemmVariant::kAuto && a.tokens <= kMoeDecodeMaxTokens);
+  const bool up_in_gate_launch = decode && a.up.n != 0;
   TERN_TRY(moe_gemm(ctx, {.x = a.x, .ldx = a.hidden, .sorted_pairs = sorted_pairs, .top_k = a.top_k, .gather = true,
-                          .expert_offsets = offsets, .w = a.gate_up, .y = gate_up, .ldy = 2 * a.inter, .rows = rows},
+                          .expert_offsets = offsets, .w = a.gate_up, .y = gate_up, .ldy = 2 * a.inter, .rows = rows,
+                          .w2 = up_in_gate_launch ? a.up : MoeExpertWeights{}, .y2_offset = a.inter},
                     a.variant));
-  if (a.up.n != 0) {
+  if (a.up.n != 0 && !up_in_gate_launch) {
     TERN_TRY(moe_gemm(ctx, {.x = a.x, .ldx = a.hidden, .sorted_pairs = sorted_pairs, .top_k = a.top_k,
                             .gather = true, .expert_offsets = offsets, .w = a.up, .y = gate_up + a.inter,
                             .ldy = 2 * a.inter, .rows = rows},

@@ -25,7 +25,8 @@ Expected<void> moe_gemm(const DeviceContext& ctx, const MoeGemmArgs& args, MoeGe
 Expected<void> moe_combine(const DeviceContext& ctx, const MoeCombineArgs& args);
 
 // The routed part of one MoE block from the router logits on: route, align, the fused gate/up grouped GEMM,
-// silu_mul, the down grouped GEMM and the combine (moe_launch.h's pipeline). The router GEMM and the shared expert
+// silu_mul, the down grouped GEMM and the combine (moe_launch.h's pipeline). At decode (kDecode, or kAuto with at
+// most kMoeDecodeMaxTokens tokens) a separate up stack joins the gate's launch (MoeGemmArgs::w2). The router GEMM and the shared expert
 // are dense layers the caller runs first; their outputs come in as router_logits and shared_out / shared_gate (the
 // shared expert gate may be an extra column of the router's output, hence its stride).
 struct MoeForwardArgs {

@@ -2,7 +2,8 @@
 // weight, bf16 or NVFP4, in one launch, with no host synchronisation. Both variants size their grid for the worst
 // case and each block looks its work up in expert_offsets:
 //   decode:  grid (blocks of weight-row tiles, active-expert slots). Slot s takes the s-th expert that has rows;
-//            slots past the active count exit at once. The weight streams once per 8 (T > 8: 16) of the expert's
+//            slots past the active count exit at once. With a second projection (w2) its tiles follow those of w
+//            along x, so gate and up stored apart still fill the SMs in one launch. The weight streams once per 8 (T > 8: 16) of the expert's
 //            rows with 16-byte loads straight into mma fragments, K split over the warps of a block
 //            (nvfp4_device.cuh's decode scheme and block layout; bf16 the same way, unconverted).
 //   prefill: grid (row tiles, 128-column weight tiles). The worst case needs ceil(rows / BM) + n_experts row tiles
@@ -12,6 +13,7 @@
 // NVFP4 semantics are W4A16 (model-specs.md 1.5): exact bf16 weight factors, weight_scale_2 applied to the fp32 sum.
 #include <algorithm>
 #include "kernels/cuda/module_attributes.h"
+#include <limits>
 #include <type_traits>
 
 #include "kernels/cuda/moe_launch.h"
@@ -44,6 +46,18 @@ struct GemmParams {
   uint16_t* y;
   int64_t ldy;
   bool y_pairs;  // (col, col + 1) of y may be stored as one 4-byte word
+  // The decode kernel's second projection (MoeGemmArgs::w2): blocks x >= w2_block compute it into y2. Without one,
+  // w2_block is past the grid. The prefill kernel reads only the fields above.
+  int w2_block;
+  int n2;
+  const uint16_t* wbf2;
+  int64_t wbf_stride2;
+  const uint8_t* packed2;
+  int64_t packed_stride2;
+  const uint8_t* scales2;
+  int64_t scales_stride2;
+  const float* global_scales2;
+  uint16_t* y2;
 };
 
 // The element offset of permuted row r's activations in x.
@@ -149,14 +163,14 @@ __device__ __forceinline__ uint32_t word_of(const uint4 (&v)[2], int m) {  // bf
 }
 
 template <int kTokenTiles>
-__device__ __forceinline__ void bf16_decode_load(const GemmParams& p, const uint16_t* w, int n0, int step,
+__device__ __forceinline__ void bf16_decode_load(const GemmParams& p, const uint16_t* w, int n, int n0, int step,
                                                  const int64_t (&xoff)[kTokenTiles], Bf16DecodeChunk<kTokenTiles>& c) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int k0 = step * kBf16DecodeStepK + t * 16;  // k is a multiple of 16: the 16 values are all in or all out
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = n0 + g + 8 * r;
-    const bool ok = row < p.n && k0 < p.k;
+    const bool ok = row < n && k0 < p.k;
     const uint4* src = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * p.k + k0);
     c.w[r][0] = ok ? __ldcs(src) : make_uint4(0, 0, 0, 0);
     c.w[r][1] = ok ? __ldcs(src + 1) : make_uint4(0, 0, 0, 0);
@@ -185,18 +199,18 @@ __device__ __forceinline__ void bf16_decode_mma(const Bf16DecodeChunk<kTokenTile
   }
 }
 
-// The bf16 K loop of a warp: steps split, split + kSplitK, ..., kBf16DecodeUnroll at a time.
+// The bf16 K loop of a warp over the expert's [n, k] weight w: steps split, split + kSplitK, ...,
+// kBf16DecodeUnroll at a time.
 template <int kSplitK, int kTokenTiles>
-__device__ __forceinline__ void bf16_decode_k_loop(const GemmParams& p, int e, int n0, int split,
+__device__ __forceinline__ void bf16_decode_k_loop(const GemmParams& p, const uint16_t* w, int n, int n0, int split,
                                                    const int64_t (&xoff)[kTokenTiles],
                                                    float (&acc)[kTokenTiles][1][4]) {
-  const uint16_t* w = p.wbf + e * p.wbf_stride;
   const int n_steps = (p.k + kBf16DecodeStepK - 1) / kBf16DecodeStepK;
   for (int s = split; s < n_steps; s += kSplitK * kBf16DecodeUnroll) {
     Bf16DecodeChunk<kTokenTiles> chunks[kBf16DecodeUnroll];
 #pragma unroll
     for (int u = 0; u < kBf16DecodeUnroll; ++u) {
-      bf16_decode_load<kTokenTiles>(p, w, n0, s + u * kSplitK, xoff, chunks[u]);
+      bf16_decode_load<kTokenTiles>(p, w, n, n0, s + u * kSplitK, xoff, chunks[u]);
     }
 #pragma unroll
     for (int u = 0; u < kBf16DecodeUnroll; ++u) bf16_decode_mma<kTokenTiles>(chunks[u], acc);
@@ -222,10 +236,17 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
   const ActiveExpert ae = find_active_expert(p.offsets, p.n_experts, blockIdx.y);
   if (ae.expert < 0) return;  // every warp found the same: the whole block leaves
   const int e = ae.expert;
+  // Block-uniform: which projection this block computes, and its block index within that projection's tiles.
+  const bool second = static_cast<int>(blockIdx.x) >= p.w2_block;
+  const int block = second ? static_cast<int>(blockIdx.x) - p.w2_block : static_cast<int>(blockIdx.x);
+  const int n = second ? p.n2 : p.n;
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4;
   const int split = warp % kSplitK;
-  const int n0 = (blockIdx.x * kTiles + warp / kSplitK) * kRows;
-  auto weight = [&] { return DecodeWeightPtrs{p.packed + e * p.packed_stride, p.scales + e * p.scales_stride}; };
+  const int n0 = (block * kTiles + warp / kSplitK) * kRows;
+  auto weight = [&] {
+    return second ? DecodeWeightPtrs{p.packed2 + e * p.packed_stride2, p.scales2 + e * p.scales_stride2}
+                  : DecodeWeightPtrs{p.packed + e * p.packed_stride, p.scales + e * p.scales_stride};
+  };
   for (int r0 = ae.row_begin; r0 < ae.row_end; r0 += 8 * kTokenTiles) {
     float acc[kTokenTiles][kMTiles][4] = {};
     int64_t xoff[kTokenTiles];  // the x row of the lane's token in each token tile, -1: past the expert's rows
@@ -236,26 +257,29 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
         xoff[tt] = r < ae.row_end ? x_row_offset(p, r) : -1;
       }
     };
-    if (n0 < p.n) {  // warp-uniform; a tile past n still takes part in the reduction's barriers
+    if (n0 < n) {  // warp-uniform; a tile past n still takes part in the reduction's barriers
       if constexpr (kIsNvfp4) {
         // The first weight loads leave before the gathered row lookups, which they do not depend on.
         DecodeW<kMTiles> w;
         const DecodeWeightPtrs first = weight();
-        decode_load_w<kMTiles, kVec16>(first.packed, first.scales, p.n, p.k, n0, split, w);
+        decode_load_w<kMTiles, kVec16>(first.packed, first.scales, n, p.k, n0, split, w);
         find_x_rows();
         constexpr bool kPrefetch = decode_prefetch(kMTiles, kTokenTiles);
-        decode_k_loop<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, p.n, p.k, n0, p.x, xoff, split, kSplitK, w, acc);
+        decode_k_loop<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, n, p.k, n0, p.x, xoff, split, kSplitK, w, acc);
       } else {
         find_x_rows();
-        bf16_decode_k_loop<kSplitK, kTokenTiles>(p, e, n0, split, xoff, acc);
+        const uint16_t* w = second ? p.wbf2 + e * p.wbf_stride2 : p.wbf + e * p.wbf_stride;
+        bf16_decode_k_loop<kSplitK, kTokenTiles>(p, w, n, n0, split, xoff, acc);
       }
     }
-    const float out_scale = kIsNvfp4 ? p.global_scales[e] * static_cast<float>(1 << kDecodeShift) : 1.0f;
+    const float out_scale =
+        kIsNvfp4 ? (second ? p.global_scales2 : p.global_scales)[e] * static_cast<float>(1 << kDecodeShift) : 1.0f;
+    uint16_t* y = second ? p.y2 : p.y;
     decode_reduce_store<kSplitK, kMTiles, kTokenTiles>(acc, red, [&](int tile, int row, int token, float sum) {
-      const int col = (blockIdx.x * kTiles + tile) * kRows + row;
+      const int col = (block * kTiles + tile) * kRows + row;
       const int prow = r0 + token;
-      if (col < p.n && prow < ae.row_end) {
-        p.y[static_cast<int64_t>(prow) * p.ldy + col] = float_to_bf16_bits(sum * out_scale);
+      if (col < n && prow < ae.row_end) {
+        y[static_cast<int64_t>(prow) * p.ldy + col] = float_to_bf16_bits(sum * out_scale);
       }
     });
   }
@@ -422,13 +446,36 @@ GemmParams make_params(const MoeGemmArgs& a) {
                     .global_scales = w.global_scales,
                     .y = a.y,
                     .ldy = a.ldy,
-                    .y_pairs = w.n % 2 == 0 && a.ldy % 2 == 0 && is_aligned(a.y, 4)};
+                    .y_pairs = w.n % 2 == 0 && a.ldy % 2 == 0 && is_aligned(a.y, 4),
+                    .w2_block = std::numeric_limits<int>::max(),  // the decode launch sets it
+                    .n2 = static_cast<int>(a.w2.n),
+                    .wbf2 = a.w2.bf16,
+                    .wbf_stride2 = a.w2.bf16_expert_stride,
+                    .packed2 = a.w2.packed,
+                    .packed_stride2 = a.w2.packed_expert_stride,
+                    .scales2 = a.w2.scales,
+                    .scales_stride2 = a.w2.scales_expert_stride,
+                    .global_scales2 = a.w2.global_scales,
+                    .y2 = a.y + a.y2_offset};
 }
 
+// The arguments of w2 alone, for the prefill variant's second launch.
+MoeGemmArgs second_projection(const MoeGemmArgs& a) {
+  MoeGemmArgs b = a;
+  b.w = a.w2;
+  b.y = a.y + a.y2_offset;
+  b.w2 = MoeExpertWeights{};
+  b.y2_offset = 0;
+  return b;
+}
+
+// Grid x: the tiles of w, then those of w2 (none without it), so both projections share one wave of blocks.
 template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
-void decode_launch_kernel(const GemmParams& p, int64_t slots, cudaStream_t stream) {
+void decode_launch_kernel(GemmParams p, int64_t slots, cudaStream_t stream) {
   constexpr int kTileRows = 16 * kMTiles * decode_block_tiles(kSplitK);
-  const dim3 grid(static_cast<unsigned>((p.n + kTileRows - 1) / kTileRows), static_cast<unsigned>(slots));
+  const int64_t blocks = (p.n + kTileRows - 1) / kTileRows, blocks2 = (p.n2 + kTileRows - 1) / kTileRows;
+  p.w2_block = static_cast<int>(blocks);
+  const dim3 grid(static_cast<unsigned>(blocks + blocks2), static_cast<unsigned>(slots));
   moe_decode_kernel<kIsNvfp4, kMTiles, kSplitK, kTokenTiles, kVec16>
       <<<grid, decode_block_warps(kSplitK) * 32, 0, stream>>>(p);
   TERN_CUDA_CHECK_LAUNCH();
@@ -454,9 +501,9 @@ void decode_launch_split(const GemmParams& p, int split_k, int64_t slots, cudaSt
 }
 
 // bf16: K split over 4..16 warps per 16-row tile, more when tiles are scarce (at least ~16 resident warps per SM
-// for enough loads in flight), never more warps than 64-k steps.
+// for enough loads in flight), never more warps than 64-k steps. Tiles of w2 count with those of w.
 int bf16_decode_split(const DeviceProps& props, const MoeGemmArgs& a, int64_t slots) {
-  const int64_t tiles = (a.w.n + 15) / 16 * slots;
+  const int64_t tiles = ((a.w.n + 15) / 16 + (a.w2.n + 15) / 16) * slots;
   const int64_t steps = (a.w.k + kBf16DecodeStepK - 1) / kBf16DecodeStepK;
   int split = 16;
   if (tiles >= 2LL * props.num_sms) split = 8;
@@ -472,13 +519,19 @@ void decode_launch_format(const GemmParams& p, const MoeGemmArgs& a, const Devic
   if (a.w.format == MoeWeightFormat::kBf16) {
     return decode_launch_split<!kNvfp4, 1, kTokenTiles, false>(p, bf16_decode_split(props, a, slots), slots, stream);
   }
-  // 16-byte weight loads need 16-byte aligned rows (k % 32) in every expert; the 2-byte scale loads 2-byte ones.
-  const bool vec16 = a.w.k % 32 == 0 && is_aligned(a.w.packed, 16) && a.w.packed_expert_stride % 16 == 0 &&
-                     is_aligned(a.w.scales, 2) && a.w.scales_expert_stride % 2 == 0;
+  // 16-byte weight loads need 16-byte aligned rows (k % 32) in every expert of both projections; the 2-byte scale
+  // loads 2-byte ones.
+  auto vec16_ok = [](const MoeExpertWeights& w) {
+    return w.n == 0 || (is_aligned(w.packed, 16) && w.packed_expert_stride % 16 == 0 && is_aligned(w.scales, 2) &&
+                        w.scales_expert_stride % 2 == 0);
+  };
+  const bool vec16 = a.w.k % 32 == 0 && vec16_ok(a.w) && vec16_ok(a.w2);
   // Two m16 tiles per warp only with 16-byte loads (the byte-wise path serves odd k and is not worth the code) and
-  // one token tile (with two, the MoE kernel's 32-row tiles would spill).
+  // one token tile (with two, the MoE kernel's 32-row tiles would spill). The shape is chosen for the rows of both
+  // projections, which share the grid.
   constexpr bool kTwoMTilesOk = kTokenTiles == 1;
-  const DecodeShape shape = decode_choose_shape(props.num_sms, a.w.n, a.w.k, slots, kTokenTiles, vec16 && kTwoMTilesOk);
+  const DecodeShape shape =
+      decode_choose_shape(props.num_sms, a.w.n + a.w2.n, a.w.k, slots, kTokenTiles, vec16 && kTwoMTilesOk);
   if (!vec16) return decode_launch_split<kNvfp4, 1, kTokenTiles, false>(p, shape.split_k, slots, stream);
   if constexpr (kTwoMTilesOk) {
     if (shape.m_tiles == 2) return decode_launch_split<kNvfp4, 2, kTokenTiles, true>(p, shape.split_k, slots, stream);
@@ -517,6 +570,12 @@ void prefill_launch_format(const GemmParams& p, const MoeGemmArgs& a, const Devi
   prefill_launch_stages<!kNvfp4, kBm>(p, a, stages, stream);
 }
 
+void prefill_launch_projection(const DeviceContext& ctx, const MoeGemmArgs& a) {
+  const GemmParams p = make_params(a);
+  if (a.rows >= 128 * a.w.n_experts) return prefill_launch_format<128>(p, a, ctx.props(), ctx.stream());
+  prefill_launch_format<64>(p, a, ctx.props(), ctx.stream());
+}
+
 }  // namespace
 
 void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& a) {
@@ -527,11 +586,11 @@ void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& a) {
 }
 
 // Row tiles of 128 halve the W dequantisation per output, but each expert's last tile is partial: while experts
-// average fewer than 128 rows, 64-row tiles waste less.
+// average fewer than 128 rows, 64-row tiles waste less. Prefill is bound by arithmetic, not by filling the SMs, so
+// w2 is simply a second launch.
 void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& a) {
-  const GemmParams p = make_params(a);
-  if (a.rows >= 128 * a.w.n_experts) return prefill_launch_format<128>(p, a, ctx.props(), ctx.stream());
-  prefill_launch_format<64>(p, a, ctx.props(), ctx.stream());
+  prefill_launch_projection(ctx, a);
+  if (a.w2.n != 0) prefill_launch_projection(ctx, second_projection(a));
 }
 
 // What the driver loaded of this module for the current device (module_attributes.h).

@@ -73,6 +73,11 @@ struct MoeExpertWeights {
 // Grouped GEMM over all experts in one launch: for each permuted row r of expert e,
 // y[r, 0..n) = x[src(r)] . W_e^T, src(r) = sorted_pairs[r] / top_k when gather (x holds token rows), else r (x holds
 // permuted rows already, as the down projection's input does). Rows past expert_offsets[n_experts] are not written.
+//
+// w2 (optional, n = 0: none) is a second projection of the same experts, k and format, computed in the same launch:
+// y[r, y2_offset + 0..w2.n) = x[src(r)] . W2_e^T. NVFP4 checkpoints store gate and up as two stacks with their own
+// global scales; with w = gate, w2 = up and y2_offset = I one decode grid spreads both over the SMs. (The prefill
+// variant, compute-bound, runs w2 as a second launch.)
 struct MoeGemmArgs {
   const uint16_t* x = nullptr;  // [tokens or rows, ldx] bf16
   int64_t ldx = 0;
@@ -82,8 +87,10 @@ struct MoeGemmArgs {
   const int32_t* expert_offsets = nullptr;  // [n_experts + 1]
   MoeExpertWeights w;
   uint16_t* y = nullptr;  // [rows, ldy] bf16: columns [0, n) of each row are written (gate and up can share one
-  int64_t ldy = 0;        // [rows, 2I] buffer, the up launch writing at y + I)
+  int64_t ldy = 0;        // [rows, 2I] buffer, the up projection writing at y + I)
   int64_t rows = 0;       // tokens * top_k
+  MoeExpertWeights w2;    // optional second projection (see above)
+  int64_t y2_offset = 0;  // elements from a row of y to w2's column 0: w.n <= y2_offset <= ldy - w2.n
 };
 
 // y[t] = sum_j topk_weights[t,j] * expert_out[pair_row[t*top_k+j]] summed in fp32 in ascending expert index order
