@@ -124,6 +124,19 @@ Expected<void> gemm_validate(const MoeGemmArgs& a) {
   return second_projection_validate(a);
 }
 
+// MoeGemmArgs::x_silu_mul: the decode kernel, [gate | up] rows inside ldx, and room for the act rows.
+Expected<void> silu_mul_x_validate(const DeviceContext& ctx, const MoeGemmArgs& a, bool decode) {
+  constexpr const char* k = "moe_gemm";
+  if (!decode) return make_error("{}: x_silu_mul needs the decode variant (rows={})", k, a.rows);
+  if (a.ldx < 2 * a.w.k) return make_error("{}: ldx={} must be at least 2k={} with x_silu_mul", k, a.ldx, 2 * a.w.k);
+  const size_t smem = moe_gemm_silu_smem_bytes(a.w.k);
+  if (smem > ctx.props().shared_mem_per_block_optin) {
+    return make_error("{}: x_silu_mul with k={} needs {} bytes of shared memory per block, the device allows {}", k,
+                      a.w.k, smem, ctx.props().shared_mem_per_block_optin);
+  }
+  return {};
+}
+
 // The pieces of moe_forward's workspace, each 256-byte aligned.
 struct ForwardLayout {
   size_t ids, weights, offsets, sorted_pairs, pair_row, gate_up, act, expert_out, align, total;
@@ -217,9 +230,10 @@ Expected<void> moe_align(const DeviceContext& ctx, const MoeAlignArgs& args) {
 
 Expected<void> moe_gemm(const DeviceContext& ctx, const MoeGemmArgs& args, MoeGemmVariant variant) {
   TERN_TRY(gemm_validate(args));
-  if (args.rows == 0) return {};
   const bool decode = variant == MoeGemmVariant::kDecode ||
                       (variant == MoeGemmVariant::kAuto && args.rows <= kMoeDecodeMaxTokens * args.top_k);
+  if (args.x_silu_mul) TERN_TRY(silu_mul_x_validate(ctx, args, decode));
+  if (args.rows == 0) return {};
   if (decode) {
     moe_gemm_launch_decode(ctx, args);
   } else {
@@ -273,9 +287,12 @@ Expected<void> moe_forward(const DeviceContext& ctx, const MoeForwardArgs& a) {
                             .ldy = 2 * a.inter, .rows = rows},
                       a.variant));
   }
-  TERN_TRY(silu_mul(ctx, {.gate_up = gate_up, .y = act, .rows = rows, .inter = a.inter}));
-  TERN_TRY(moe_gemm(ctx, {.x = act, .ldx = a.inter, .sorted_pairs = sorted_pairs, .top_k = a.top_k, .gather = false,
-                          .expert_offsets = offsets, .w = a.down, .y = expert_out, .ldy = a.hidden, .rows = rows},
+  // At decode the down projection computes silu(gate) * up itself while loading its input (x_silu_mul).
+  const bool fold_silu = decode && moe_gemm_silu_smem_bytes(a.inter) <= ctx.props().shared_mem_per_block_optin;
+  if (!fold_silu) TERN_TRY(silu_mul(ctx, {.gate_up = gate_up, .y = act, .rows = rows, .inter = a.inter}));
+  TERN_TRY(moe_gemm(ctx, {.x = fold_silu ? gate_up : act, .ldx = fold_silu ? 2 * a.inter : a.inter,
+                          .sorted_pairs = sorted_pairs, .top_k = a.top_k, .gather = false, .expert_offsets = offsets,
+                          .w = a.down, .y = expert_out, .ldy = a.hidden, .rows = rows, .x_silu_mul = fold_silu},
                     a.variant));
   return moe_combine(ctx, {.expert_out = expert_out, .pair_row = pair_row, .topk_ids = ids, .topk_weights = weights,
                            .shared_out = a.shared_out, .shared_gate = a.shared_gate,

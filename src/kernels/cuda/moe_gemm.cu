@@ -162,9 +162,12 @@ __device__ __forceinline__ uint32_t word_of(const uint4 (&v)[2], int m) {  // bf
   return uint4_word(v[m / 4], m % 4);
 }
 
-template <int kTokenTiles>
+// x rows at x + xoff[tt]: global memory (read-only for the kernel's life), or with kXShared the act rows a block
+// staged in shared memory.
+template <int kTokenTiles, bool kXShared>
 __device__ __forceinline__ void bf16_decode_load(const GemmParams& p, const uint16_t* w, int n, int n0, int step,
-                                                 const int64_t (&xoff)[kTokenTiles], Bf16DecodeChunk<kTokenTiles>& c) {
+                                                 const uint16_t* x, const int64_t (&xoff)[kTokenTiles],
+                                                 Bf16DecodeChunk<kTokenTiles>& c) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int k0 = step * kBf16DecodeStepK + t * 16;  // k is a multiple of 16: the 16 values are all in or all out
 #pragma unroll
@@ -178,9 +181,9 @@ __device__ __forceinline__ void bf16_decode_load(const GemmParams& p, const uint
 #pragma unroll
   for (int tt = 0; tt < kTokenTiles; ++tt) {
     const bool ok = xoff[tt] >= 0 && k0 < p.k;
-    const uint4* src = reinterpret_cast<const uint4*>(p.x + xoff[tt] + k0);
-    c.x[tt][0] = ok ? __ldg(src) : make_uint4(0, 0, 0, 0);
-    c.x[tt][1] = ok ? __ldg(src + 1) : make_uint4(0, 0, 0, 0);
+    const uint4* src = reinterpret_cast<const uint4*>(x + xoff[tt] + k0);
+    c.x[tt][0] = ok ? (kXShared ? src[0] : __ldg(src)) : make_uint4(0, 0, 0, 0);
+    c.x[tt][1] = ok ? (kXShared ? src[1] : __ldg(src + 1)) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -201,16 +204,16 @@ __device__ __forceinline__ void bf16_decode_mma(const Bf16DecodeChunk<kTokenTile
 
 // The bf16 K loop of a warp over the expert's [n, k] weight w: steps split, split + kSplitK, ...,
 // kBf16DecodeUnroll at a time.
-template <int kSplitK, int kTokenTiles>
+template <int kSplitK, int kTokenTiles, bool kXShared>
 __device__ __forceinline__ void bf16_decode_k_loop(const GemmParams& p, const uint16_t* w, int n, int n0, int split,
-                                                   const int64_t (&xoff)[kTokenTiles],
+                                                   const uint16_t* x, const int64_t (&xoff)[kTokenTiles],
                                                    float (&acc)[kTokenTiles][1][4]) {
   const int n_steps = (p.k + kBf16DecodeStepK - 1) / kBf16DecodeStepK;
   for (int s = split; s < n_steps; s += kSplitK * kBf16DecodeUnroll) {
     Bf16DecodeChunk<kTokenTiles> chunks[kBf16DecodeUnroll];
 #pragma unroll
     for (int u = 0; u < kBf16DecodeUnroll; ++u) {
-      bf16_decode_load<kTokenTiles>(p, w, n, n0, s + u * kSplitK, xoff, chunks[u]);
+      bf16_decode_load<kTokenTiles, kXShared>(p, w, n, n0, s + u * kSplitK, x, xoff, chunks[u]);
     }
 #pragma unroll
     for (int u = 0; u < kBf16DecodeUnroll; ++u) bf16_decode_mma<kTokenTiles>(chunks[u], acc);
@@ -226,13 +229,67 @@ __host__ __device__ constexpr int moe_decode_min_blocks(bool nvfp4, int m_tiles,
   return decode_min_blocks(split_k, token_tiles);
 }
 
-template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
+// SiLU-and-mul of the input (MoeGemmArgs::x_silu_mul). x rows hold [gate | up]; each block computes the act rows
+// of its pass once into shared memory, [8 * kTokenTiles][k + kActPad] bf16, and its warps read their x fragments
+// from there. The math is silu_mul's (elementwise.cu): silu(g) = g / (1 + expf(-g)) in fp32, times up, one bf16
+// rounding, written as the same expression so the compiler makes the same operations of it.
+
+constexpr int kActPad = 8;  // bf16 after each act row, so the rows of a warp's 8 tokens start in different banks
+// The largest split-K reduction buffer of any decode kernel (32 warps x 128 floats), which shares the block's
+// shared memory with the act rows.
+constexpr size_t kDecodeMaxRedBytes = kDecodeMaxSplitK * 128 * sizeof(float);
+
+__device__ __forceinline__ float silu_mul_f32(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// Two bf16 of act from the matching words of gate and up (element 0 in the low half).
+__device__ __forceinline__ uint32_t silu_mul_bf16x2(uint32_t gate, uint32_t up) {
+  const float lo = silu_mul_f32(__uint_as_float(gate << 16), __uint_as_float(up << 16));
+  const float hi = silu_mul_f32(__uint_as_float(gate & 0xFFFF0000u), __uint_as_float(up & 0xFFFF0000u));
+  return static_cast<uint32_t>(float_to_bf16_bits(lo)) | (static_cast<uint32_t>(float_to_bf16_bits(hi)) << 16);
+}
+
+// Act row i of the pass (permuted row r0 + i, i < 8 * kTokenTiles, while below row_end) into act, 8 values per
+// thread and step. Every thread of the block calls it: the first barrier keeps the previous pass's readers ahead of
+// the rewrite, the second makes the rows visible.
+template <int kTokenTiles>
+__device__ __forceinline__ void stage_silu_act(const GemmParams& p, int r0, int row_end, uint16_t* act) {
+  const int chunks = p.k / 8, rows = min(8 * kTokenTiles, row_end - r0);
+  __syncthreads();
+  for (int i = threadIdx.x; i < rows * chunks; i += blockDim.x) {
+    const int row = i / chunks, c = i % chunks;
+    const uint4* gate = reinterpret_cast<const uint4*>(p.x + x_row_offset(p, r0 + row) + c * 8);
+    const uint4 g = __ldg(gate), u = __ldg(gate + p.k / 8);
+    *reinterpret_cast<uint4*>(act + row * (p.k + kActPad) + c * 8) =
+        make_uint4(silu_mul_bf16x2(g.x, u.x), silu_mul_bf16x2(g.y, u.y), silu_mul_bf16x2(g.z, u.z),
+                   silu_mul_bf16x2(g.w, u.w));
+  }
+  __syncthreads();
+}
+
+// decode_load_x from the staged act rows (xoff: element offsets of the rows in act, -1: no token).
+template <int kTokenTiles>
+__device__ __forceinline__ void load_act_x(const uint16_t* act, const int64_t (&xoff)[kTokenTiles], int k, int step,
+                                           uint4 (&xv)[kTokenTiles][4]) {
+  const int k0 = step * kDecodeStepK + (threadIdx.x % 4) * 32;
+  const int valid = k - k0;  // a multiple of 16, so 16-byte pieces are whole
+#pragma unroll
+  for (int tt = 0; tt < kTokenTiles; ++tt) {
+    const uint4* src = reinterpret_cast<const uint4*>(act + xoff[tt] + k0);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) xv[tt][j] = xoff[tt] >= 0 && 8 * j < valid ? src[j] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kSiluX>
 __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
                                   moe_decode_min_blocks(kIsNvfp4, kMTiles, kSplitK, kTokenTiles))
     moe_decode_kernel(const GemmParams p) {
   static_assert(kIsNvfp4 || kMTiles == 1);
   constexpr int kTiles = decode_block_tiles(kSplitK), kRows = 16 * kMTiles;
   __shared__ __align__(16) float red[decode_red_floats<kSplitK, kMTiles, kTokenTiles>()];
+  static_assert(sizeof(red) <= kDecodeMaxRedBytes);
+  extern __shared__ __align__(16) unsigned char smem[];  // kSiluX: the act rows
+  uint16_t* act = reinterpret_cast<uint16_t*>(smem);
   const ActiveExpert ae = find_active_expert(p.offsets, p.n_experts, blockIdx.y);
   if (ae.expert < 0) return;  // every warp found the same: the whole block leaves
   const int e = ae.expert;
@@ -247,31 +304,49 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
     return second ? DecodeWeightPtrs{p.packed2 + e * p.packed_stride2, p.scales2 + e * p.scales_stride2}
                   : DecodeWeightPtrs{p.packed + e * p.packed_stride, p.scales + e * p.scales_stride};
   };
+  auto bf16_weight = [&] { return second ? p.wbf2 + e * p.wbf_stride2 : p.wbf + e * p.wbf_stride; };
+  constexpr bool kPrefetch = decode_prefetch(kMTiles, kTokenTiles);
   for (int r0 = ae.row_begin; r0 < ae.row_end; r0 += 8 * kTokenTiles) {
     float acc[kTokenTiles][kMTiles][4] = {};
-    int64_t xoff[kTokenTiles];  // the x row of the lane's token in each token tile, -1: past the expert's rows
+    int64_t xoff[kTokenTiles];  // the x (or act) row of the lane's token in each token tile, -1: past the rows
     auto find_x_rows = [&] {
 #pragma unroll
       for (int tt = 0; tt < kTokenTiles; ++tt) {
         const int r = r0 + tt * 8 + g;
-        xoff[tt] = r < ae.row_end ? x_row_offset(p, r) : -1;
+        xoff[tt] = r >= ae.row_end ? -1 : kSiluX ? int64_t{tt * 8 + g} * (p.k + kActPad) : x_row_offset(p, r);
       }
     };
-    if (n0 < n) {  // warp-uniform; a tile past n still takes part in the reduction's barriers
+    // Stage 1: the K loop of each warp whose tile is inside n (warp-uniform; a tile past n still takes part in
+    // the barriers of the staging and the reduction).
+    if constexpr (kSiluX && kIsNvfp4) {
+      // The first weight loads leave before the act rows are computed, which they do not depend on.
+      DecodeW<kMTiles> w;
+      if (n0 < n) decode_load_w<kMTiles, kVec16>(weight().packed, weight().scales, n, p.k, n0, split, w);
+      stage_silu_act<kTokenTiles>(p, r0, ae.row_end, act);
+      find_x_rows();
+      auto load_x = [&](int step, uint4 (&xv)[kTokenTiles][4]) { load_act_x<kTokenTiles>(act, xoff, p.k, step, xv); };
+      if (n0 < n) {
+        decode_k_loop_with_x<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, load_x, n, p.k, n0, split, kSplitK, w,
+                                                                      acc);
+      }
+    } else if constexpr (kSiluX) {
+      stage_silu_act<kTokenTiles>(p, r0, ae.row_end, act);
+      find_x_rows();
+      if (n0 < n) bf16_decode_k_loop<kSplitK, kTokenTiles, true>(p, bf16_weight(), n, n0, split, act, xoff, acc);
+    } else if (n0 < n) {
       if constexpr (kIsNvfp4) {
         // The first weight loads leave before the gathered row lookups, which they do not depend on.
         DecodeW<kMTiles> w;
         const DecodeWeightPtrs first = weight();
         decode_load_w<kMTiles, kVec16>(first.packed, first.scales, n, p.k, n0, split, w);
         find_x_rows();
-        constexpr bool kPrefetch = decode_prefetch(kMTiles, kTokenTiles);
         decode_k_loop<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, n, p.k, n0, p.x, xoff, split, kSplitK, w, acc);
       } else {
         find_x_rows();
-        const uint16_t* w = second ? p.wbf2 + e * p.wbf_stride2 : p.wbf + e * p.wbf_stride;
-        bf16_decode_k_loop<kSplitK, kTokenTiles>(p, w, n, n0, split, xoff, acc);
+        bf16_decode_k_loop<kSplitK, kTokenTiles, false>(p, bf16_weight(), n, n0, split, p.x, xoff, acc);
       }
     }
+    // Stage 2: the split-K sums, scaled, to y.
     const float out_scale =
         kIsNvfp4 ? (second ? p.global_scales2 : p.global_scales)[e] * static_cast<float>(1 << kDecodeShift) : 1.0f;
     uint16_t* y = second ? p.y2 : p.y;
@@ -469,34 +544,54 @@ MoeGemmArgs second_projection(const MoeGemmArgs& a) {
   return b;
 }
 
+// A decode launch's parameters: the kernel's, the active-expert slots (grid y), and the shared memory a block gets
+// without opting in.
+struct DecodeLaunch {
+  GemmParams p;
+  int64_t slots;
+  size_t default_smem;
+  cudaStream_t stream;
+};
+
+constexpr size_t silu_act_bytes(int64_t k, int token_tiles) {
+  return static_cast<size_t>(8 * token_tiles * (k + kActPad)) * sizeof(uint16_t);
+}
+
 // Grid x: the tiles of w, then those of w2 (none without it), so both projections share one wave of blocks.
-template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
-void decode_launch_kernel(GemmParams p, int64_t slots, cudaStream_t stream) {
+template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kSiluX>
+void decode_launch_kernel(const DecodeLaunch& l) {
   constexpr int kTileRows = 16 * kMTiles * decode_block_tiles(kSplitK);
+  GemmParams p = l.p;
   const int64_t blocks = (p.n + kTileRows - 1) / kTileRows, blocks2 = (p.n2 + kTileRows - 1) / kTileRows;
   p.w2_block = static_cast<int>(blocks);
-  const dim3 grid(static_cast<unsigned>(blocks + blocks2), static_cast<unsigned>(slots));
-  moe_decode_kernel<kIsNvfp4, kMTiles, kSplitK, kTokenTiles, kVec16>
-      <<<grid, decode_block_warps(kSplitK) * 32, 0, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>(blocks + blocks2), static_cast<unsigned>(l.slots));
+  auto* kernel = moe_decode_kernel<kIsNvfp4, kMTiles, kSplitK, kTokenTiles, kVec16, kSiluX>;
+  const size_t act_bytes = kSiluX ? silu_act_bytes(p.k, kTokenTiles) : 0;
+  constexpr size_t kRedBytes = decode_red_floats<kSplitK, kMTiles, kTokenTiles>() * sizeof(float);
+  if (act_bytes + kRedBytes > l.default_smem) {
+    TERN_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(act_bytes)));
+  }
+  kernel<<<grid, decode_block_warps(kSplitK) * 32, act_bytes, l.stream>>>(p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
-template <bool kIsNvfp4, int kMTiles, int kTokenTiles, bool kVec16>
-void decode_launch_split(const GemmParams& p, int split_k, int64_t slots, cudaStream_t stream) {
+template <bool kIsNvfp4, int kMTiles, int kTokenTiles, bool kVec16, bool kSiluX>
+void decode_launch_split(const DecodeLaunch& l, int split_k) {
   switch (split_k) {
     case 1:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 1, kTokenTiles, kVec16>(p, slots, stream);
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 1, kTokenTiles, kVec16, kSiluX>(l);
     case 2:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 2, kTokenTiles, kVec16>(p, slots, stream);
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 2, kTokenTiles, kVec16, kSiluX>(l);
     case 4:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 4, kTokenTiles, kVec16>(p, slots, stream);
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 4, kTokenTiles, kVec16, kSiluX>(l);
     case 8:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 8, kTokenTiles, kVec16>(p, slots, stream);
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 8, kTokenTiles, kVec16, kSiluX>(l);
     case 16:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 16, kTokenTiles, kVec16>(p, slots, stream);
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 16, kTokenTiles, kVec16, kSiluX>(l);
   }
   if constexpr (kIsNvfp4 && decode_max_split_k(kMTiles, kTokenTiles) == 32) {
-    decode_launch_kernel<kIsNvfp4, kMTiles, 32, kTokenTiles, kVec16>(p, slots, stream);
+    decode_launch_kernel<kIsNvfp4, kMTiles, 32, kTokenTiles, kVec16, kSiluX>(l);
   }
 }
 
@@ -512,12 +607,13 @@ int bf16_decode_split(const DeviceProps& props, const MoeGemmArgs& a, int64_t sl
   return split;
 }
 
-template <int kTokenTiles>
-void decode_launch_format(const GemmParams& p, const MoeGemmArgs& a, const DeviceProps& props, cudaStream_t stream) {
+template <int kTokenTiles, bool kSiluX>
+void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, cudaStream_t stream) {
   // The active experts are unknown on the host; min(n_experts, rows) bounds them.
   const int64_t slots = std::min(a.w.n_experts, a.rows);
+  const DecodeLaunch l{make_params(a), slots, props.shared_mem_per_block, stream};
   if (a.w.format == MoeWeightFormat::kBf16) {
-    return decode_launch_split<!kNvfp4, 1, kTokenTiles, false>(p, bf16_decode_split(props, a, slots), slots, stream);
+    return decode_launch_split<!kNvfp4, 1, kTokenTiles, false, kSiluX>(l, bf16_decode_split(props, a, slots));
   }
   // 16-byte weight loads need 16-byte aligned rows (k % 32) in every expert of both projections; the 2-byte scale
   // loads 2-byte ones.
@@ -532,11 +628,11 @@ void decode_launch_format(const GemmParams& p, const MoeGemmArgs& a, const Devic
   constexpr bool kTwoMTilesOk = kTokenTiles == 1;
   const DecodeShape shape =
       decode_choose_shape(props.num_sms, a.w.n + a.w2.n, a.w.k, slots, kTokenTiles, vec16 && kTwoMTilesOk);
-  if (!vec16) return decode_launch_split<kNvfp4, 1, kTokenTiles, false>(p, shape.split_k, slots, stream);
+  if (!vec16) return decode_launch_split<kNvfp4, 1, kTokenTiles, false, kSiluX>(l, shape.split_k);
   if constexpr (kTwoMTilesOk) {
-    if (shape.m_tiles == 2) return decode_launch_split<kNvfp4, 2, kTokenTiles, true>(p, shape.split_k, slots, stream);
+    if (shape.m_tiles == 2) return decode_launch_split<kNvfp4, 2, kTokenTiles, true, kSiluX>(l, shape.split_k);
   }
-  decode_launch_split<kNvfp4, 1, kTokenTiles, true>(p, shape.split_k, slots, stream);
+  decode_launch_split<kNvfp4, 1, kTokenTiles, true, kSiluX>(l, shape.split_k);
 }
 
 template <bool kIsNvfp4, int kBm, int kStages>
@@ -579,11 +675,17 @@ void prefill_launch_projection(const DeviceContext& ctx, const MoeGemmArgs& a) {
 }  // namespace
 
 void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& a) {
-  const GemmParams p = make_params(a);
   // One 8-row tile per pass covers every expert while tokens <= 8 (a token picks an expert once).
-  if (a.rows <= 8 * a.top_k) return decode_launch_format<1>(p, a, ctx.props(), ctx.stream());
-  decode_launch_format<2>(p, a, ctx.props(), ctx.stream());
+  const bool one_tile = a.rows <= 8 * a.top_k;
+  if (a.x_silu_mul) {
+    if (one_tile) return decode_launch_format<1, true>(a, ctx.props(), ctx.stream());
+    return decode_launch_format<2, true>(a, ctx.props(), ctx.stream());
+  }
+  if (one_tile) return decode_launch_format<1, false>(a, ctx.props(), ctx.stream());
+  decode_launch_format<2, false>(a, ctx.props(), ctx.stream());
 }
+
+size_t moe_gemm_silu_smem_bytes(int64_t k) { return silu_act_bytes(k, 2) + kDecodeMaxRedBytes; }
 
 // Row tiles of 128 halve the W dequantisation per output, but each expert's last tile is partial: while experts
 // average fewer than 128 rows, 64-row tiles waste less. Prefill is bound by arithmetic, not by filling the SMs, so

@@ -9,7 +9,7 @@
 //   topk ids, weights    = moe_route(logits)                 softmax (fp32), top-k, optional renormalisation
 //   offsets, permutation = moe_align(ids)                    counting sort of the T*k (token, j) pairs by expert
 //   gate_up [T*k, 2I]    = moe_gemm(x gathered, W_gate_up)   one launch for all experts
-//   act [T*k, I]         = silu_mul(gate_up)
+//   act [T*k, I]         = silu_mul(gate_up)                 at decode: inside the down GEMM (x_silu_mul)
 //   expert_out [T*k, H]  = moe_gemm(act, W_down)
 //   y [T, H]             = moe_combine(expert_out, weights)  + sigmoid(shared_gate) * shared_out
 // Nothing here synchronises with the host: the host knows tokens, top_k and n_experts, never the per-expert counts,
@@ -78,6 +78,11 @@ struct MoeExpertWeights {
 // y[r, y2_offset + 0..w2.n) = x[src(r)] . W2_e^T. NVFP4 checkpoints store gate and up as two stacks with their own
 // global scales; with w = gate, w2 = up and y2_offset = I one decode grid spreads both over the SMs. (The prefill
 // variant, compute-bound, runs w2 as a second launch.)
+//
+// x_silu_mul (decode variant only): x holds [gate | up] rows of 2k values (ldx >= 2k) and the GEMM's input row is
+// act = silu(gate) * up, computed in fp32 and rounded once to bf16 exactly as silu_mul (elementwise.h) rounds, so
+// the result is bit-identical to silu_mul followed by this GEMM on its output. Each block stages the act rows of its
+// pass in shared memory (moe_gemm_silu_smem_bytes).
 struct MoeGemmArgs {
   const uint16_t* x = nullptr;  // [tokens or rows, ldx] bf16
   int64_t ldx = 0;
@@ -91,6 +96,7 @@ struct MoeGemmArgs {
   int64_t rows = 0;       // tokens * top_k
   MoeExpertWeights w2;    // optional second projection (see above)
   int64_t y2_offset = 0;  // elements from a row of y to w2's column 0: w.n <= y2_offset <= ldy - w2.n
+  bool x_silu_mul = false;  // x holds [gate | up] rows (see above)
 };
 
 // y[t] = sum_j topk_weights[t,j] * expert_out[pair_row[t*top_k+j]] summed in fp32 in ascending expert index order
@@ -117,6 +123,10 @@ enum class MoeGemmVariant {
 // Up to here each expert has at most this many rows (a token picks an expert once), so decode reads each active
 // expert's weight about once per 16 rows while prefill's 64-row tiles would be mostly padding.
 inline constexpr int64_t kMoeDecodeMaxTokens = 64;
+
+// Shared memory of a decode block with x_silu_mul for k (the act rows of one pass plus the largest split-K
+// reduction buffer); the launcher rejects a k whose blocks would not fit the device's per-block opt-in limit.
+size_t moe_gemm_silu_smem_bytes(int64_t k);
 
 // Unchecked launches on ctx.stream() for arguments the checked launchers have validated (counts >= 1).
 void moe_route_launch(const DeviceContext& ctx, const MoeRouteArgs& args);

@@ -483,6 +483,75 @@ TEST(MoeGemm, SecondProjectionInTheSameLaunch) {
   }
 }
 
+// MoeGemmArgs::x_silu_mul on permuted [gate | up] rows (ldx = 2k, as moe_forward's gate_up buffer) and the routing
+// `ids`: the decode kernel's y must equal, bit for bit, silu_mul followed by the same decode GEMM on its output,
+// and match the fp64 product of silu(gate) * up. Against fp64 the act's bf16 rounding (relative 2^-9, plus the
+// fp32 silu's few ulp) adds at most 2^-9 S to gemm_test's bound; dropping a 16-k block still moves y by about
+// 16 S / k, at least 2^-7 S here.
+void check_gemm_silu(const DeviceContext& ctx, const ExpertWeights& w, const std::vector<int32_t>& ids,
+                     int64_t top_k, std::mt19937& rng) {
+  const int64_t rows = static_cast<int64_t>(ids.size()), n = w.n, k = w.k;
+  const HostAlign al = align_reference(ids, w.n_experts);
+  const std::vector<uint16_t> gate_up = gemm_test::random_bf16(static_cast<size_t>(rows * 2 * k), rng);
+  const DeviceBuffer d_gu = upload(gate_up), d_off = upload(al.offsets);
+  const DeviceBuffer act = poisoned(static_cast<size_t>(rows * k) * 2);
+  const DeviceBuffer y_fused = poisoned(static_cast<size_t>(rows * n) * 2), y_split = poisoned(static_cast<size_t>(rows * n) * 2);
+  const MoeGemmArgs base{.x = d_gu.as<uint16_t>(), .ldx = 2 * k, .top_k = top_k, .expert_offsets = d_off.as<int32_t>(),
+                         .w = w.view(), .y = y_fused.as<uint16_t>(), .ldy = n, .rows = rows, .x_silu_mul = true};
+  auto status = moe_gemm(ctx, base, MoeGemmVariant::kDecode);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ASSERT_TRUE(silu_mul(ctx, {.gate_up = d_gu.as<uint16_t>(), .y = act.as<uint16_t>(), .rows = rows, .inter = k}).has_value());
+  MoeGemmArgs split = base;
+  split.x = act.as<uint16_t>();
+  split.ldx = k;
+  split.y = y_split.as<uint16_t>();
+  split.x_silu_mul = false;
+  status = moe_gemm(ctx, split, MoeGemmVariant::kDecode);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const auto got = download<uint16_t>(y_fused, static_cast<size_t>(rows * n));
+  const std::string what = gemm_name(w, MoeGemmVariant::kDecode, rows / top_k, top_k) + " silu(x)";
+  EXPECT_EQ(got, download<uint16_t>(y_split, static_cast<size_t>(rows * n))) << what << ": differs from silu_mul + GEMM";
+  const gemm_test::Reference ref = expert_reference(w, gate_up, 2 * k, al, false, top_k, true);
+  int64_t bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = bf16_to_float(got[i]), err = std::fabs(g - ref.y[i]);
+    const double allowed = gemm_test::kRelTol * std::fabs(ref.y[i]) + (gemm_test::kAbsTol + 0x1p-9) * ref.abs[i];
+    if (std::isfinite(g)) worst = std::max(worst, err / allowed);
+    if ((!std::isfinite(g) || err > allowed) && ++bad <= 5) {
+      ADD_FAILURE() << what << ": y[" << i / n << "," << i % n << "] = " << g << ", reference " << ref.y[i]
+                    << " (allowed error " << allowed << ")";
+    }
+  }
+  std::printf("%-48s max error / allowed = %.3f\n", what.c_str(), worst);
+}
+
+// The down projection with SiLU-and-mul folded in, at 1, 2, 7 and 64 tokens: the fixture (at 64 tokens each expert
+// takes several 16-row passes, so the act rows are restaged), n and k off every tile and step (k % 32 != 0: NVFP4's
+// 8-byte loads), a skewed routing, and the 35B down shape ([2048, 512]; NVFP4 with only the routed experts set).
+TEST(MoeGemm, SiluMulFoldedIntoTheDecodeKernel) {
+  DeviceContext ctx;
+  std::mt19937 rng(2010);
+  struct Shape {
+    int64_t n_experts, n, k, top_k;
+    bool skew;
+  };
+  for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
+    for (const Shape& s : {Shape{8, 32, 64, 2, false}, Shape{64, 136, 784, 8, false}, Shape{16, 130, 256, 4, true},
+                           Shape{16, 2048, 512, 8, false}}) {
+      const ExpertWeights w = make_expert_weights(f, s.n_experts, s.n, s.k, 1.0f, rng);
+      for (int64_t tokens : {1, 2, 7, 64}) {
+        check_gemm_silu(ctx, w, random_ids(tokens, s.top_k, s.n_experts, s.skew, rng), s.top_k, rng);
+      }
+    }
+  }
+  for (int64_t tokens : {1, 2, 7}) {
+    const std::vector<int32_t> ids = random_ids(tokens, 8, 256, false, rng);
+    check_gemm_silu(ctx, make_routed_nvfp4(256, 2048, 512, distinct(ids), rng), ids, 8, rng);
+  }
+}
+
 // Qwen3.5-35B-A3B's expert GEMMs at decode sizes (256 experts, top-8, hidden 2048, moe_intermediate 512): gate_up
 // [1024, 2048] on gathered token rows and down [2048, 512] on permuted rows, T = 1 and 8, through the decode kernel
 // and kAuto. Only the routed experts carry weights (make_routed_nvfp4). Then a ragged shape that takes the same
@@ -715,6 +784,10 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
                "w2: packed weight is null");
   expect_error([&] { auto a = pair; a.y2_offset = 8; return moe_gemm(ctx, a); }, "y2_offset=8 must be in [n=16, ldy - w2.n=16]");
   expect_error([&] { auto a = pair; a.ldy = 24; return moe_gemm(ctx, a); }, "y2_offset=16 must be in [n=16, ldy - w2.n=8]");
+  const MoeGemmArgs silu = [&] { auto a = gemm; a.gather = false; a.ldx = 128; a.x_silu_mul = true; return a; }();
+  ASSERT_TRUE(moe_gemm(ctx, [&] { auto a = silu; a.rows = 0; return a; }(), MoeGemmVariant::kDecode).has_value());
+  expect_error([&] { return moe_gemm(ctx, silu, MoeGemmVariant::kPrefill); }, "x_silu_mul needs the decode variant");
+  expect_error([&] { auto a = silu; a.ldx = 120; return moe_gemm(ctx, a); }, "ldx=120 must be at least 2k=128 with x_silu_mul");
 
   const MoeCombineArgs comb{.expert_out = u16, .pair_row = i32, .topk_ids = i32, .topk_weights = buf.as<float>(),
                             .y = buf.as<uint16_t>(), .tokens = 1, .top_k = 2, .hidden = 64};
