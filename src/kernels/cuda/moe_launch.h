@@ -8,6 +8,7 @@
 //   logits [T, E]        = x . router^T                      gemm_bf16
 //   topk ids, weights    = moe_route(logits)                 softmax (fp32), top-k, optional renormalisation
 //   offsets, permutation = moe_align(ids)                    counting sort of the T*k (token, j) pairs by expert
+//                                                            (at decode both in one launch: moe_route_align)
 //   gate_up [T*k, 2I]    = moe_gemm(x gathered, W_gate_up)   one launch for all experts
 //   act [T*k, I]         = silu_mul(gate_up)                 at decode: inside the down GEMM (x_silu_mul)
 //   expert_out [T*k, H]  = moe_gemm(act, W_down)
@@ -128,9 +129,15 @@ inline constexpr int64_t kMoeDecodeMaxTokens = 64;
 // reduction buffer); the launcher rejects a k whose blocks would not fit the device's per-block opt-in limit.
 size_t moe_gemm_silu_smem_bytes(int64_t k);
 
+// Route and align in one single-block launch (moe_route's choices, then moe_align's counting sort of the ids just
+// chosen, kept in shared memory) for up to this many pairs (tokens * top_k), as at decode; the outputs are the two
+// kernels' bits.
+inline constexpr int64_t kMoeRouteAlignMaxPairs = 2048;
+
 // Unchecked launches on ctx.stream() for arguments the checked launchers have validated (counts >= 1).
 void moe_route_launch(const DeviceContext& ctx, const MoeRouteArgs& args);
 void moe_align_launch(const DeviceContext& ctx, const MoeAlignArgs& args);
+void moe_route_align_launch(const DeviceContext& ctx, const MoeRouteArgs& route, const MoeAlignArgs& align);
 void moe_combine_launch(const DeviceContext& ctx, const MoeCombineArgs& args);
 void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& args);
 void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& args);

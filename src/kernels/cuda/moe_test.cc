@@ -121,16 +121,22 @@ struct RouteCase {
   bool renormalize, coarse;  // coarse: logits on a grid of quarters, so many probabilities tie exactly
 };
 
-void check_route(const DeviceContext& ctx, const RouteCase& c, std::mt19937& rng) {
+// [tokens, n_experts + 3] logits; the padding columns would win every selection if they were read.
+std::vector<uint16_t> random_logits(const RouteCase& c, std::mt19937& rng) {
   const int64_t stride = c.n_experts + 3;
   std::normal_distribution<float> dist(0.0f, 2.0f);
   std::vector<uint16_t> logits(static_cast<size_t>(c.tokens * stride));
   for (int64_t i = 0; i < c.tokens * stride; ++i) {
     const float v = dist(rng);
-    // The padding columns would win every selection if they were read.
     logits[i] = i % stride >= c.n_experts ? float_to_bf16(100.0f)
                                           : float_to_bf16(c.coarse ? std::round(v * 2.0f) / 4.0f : v);
   }
+  return logits;
+}
+
+void check_route(const DeviceContext& ctx, const RouteCase& c, std::mt19937& rng) {
+  const int64_t stride = c.n_experts + 3;
+  const std::vector<uint16_t> logits = random_logits(c, rng);
   const DeviceBuffer d_logits = upload(logits);
   const size_t pairs = static_cast<size_t>(c.tokens * c.top_k);
   const DeviceBuffer ids = poisoned(pairs * 4), weights = poisoned(pairs * 4);
@@ -214,6 +220,85 @@ TEST(MoeAlign, OutOfRangeIdsGoAfterTheLastExpert) {
   ids[17] = 64;
   ids[100] = 1 << 30;
   check_align(ctx, ids, 37, 4, 64);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Route and align in one launch
+
+// The outputs of routing and alignment, poisoned.
+struct RoutingBuffers {
+  DeviceBuffer ids, weights, offsets, sorted_pairs, pair_row;
+
+  RoutingBuffers(int64_t pairs, int64_t n_experts)
+      : ids(poisoned(static_cast<size_t>(pairs) * 4)), weights(poisoned(static_cast<size_t>(pairs) * 4)),
+        offsets(poisoned(static_cast<size_t>(n_experts + 1) * 4)), sorted_pairs(poisoned(static_cast<size_t>(pairs) * 4)),
+        pair_row(poisoned(static_cast<size_t>(pairs) * 4)) {}
+  MoeRouteArgs route(const DeviceBuffer& logits, const RouteCase& c) const {
+    return {.logits = logits.as<uint16_t>(), .logits_stride = c.n_experts + 3, .topk_ids = ids.as<int32_t>(),
+            .topk_weights = weights.as<float>(), .tokens = c.tokens, .n_experts = c.n_experts, .top_k = c.top_k,
+            .renormalize = c.renormalize};
+  }
+  MoeAlignArgs align(const RouteCase& c) const {
+    return {.topk_ids = ids.as<int32_t>(), .tokens = c.tokens, .top_k = c.top_k, .n_experts = c.n_experts,
+            .expert_offsets = offsets.as<int32_t>(), .sorted_pairs = sorted_pairs.as<int32_t>(),
+            .pair_row = pair_row.as<int32_t>()};
+  }
+};
+
+// moe_route_align against moe_route + moe_align (every output bit for bit) and against the host routing and sort.
+void check_route_align(const DeviceContext& ctx, const RouteCase& c, std::mt19937& rng) {
+  const size_t pairs = static_cast<size_t>(c.tokens * c.top_k), n_off = static_cast<size_t>(c.n_experts + 1);
+  const std::vector<uint16_t> logits = random_logits(c, rng);
+  const DeviceBuffer d_logits = upload(logits);
+  const RoutingBuffers two(c.tokens * c.top_k, c.n_experts), one(c.tokens * c.top_k, c.n_experts);
+  ASSERT_TRUE(moe_route(ctx, two.route(d_logits, c)).has_value());
+  ASSERT_TRUE(moe_align(ctx, two.align(c)).has_value());
+  const auto status = moe_route_align(ctx, one.route(d_logits, c), one.align(c));
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const std::string what = "T=" + std::to_string(c.tokens) + " E=" + std::to_string(c.n_experts) + " k=" +
+                           std::to_string(c.top_k) + (c.coarse ? " ties" : "");
+  const auto ids = download<int32_t>(one.ids, pairs);
+  const auto weights = download<float>(one.weights, pairs);
+  const auto offsets = download<int32_t>(one.offsets, n_off);
+  const auto sorted = download<int32_t>(one.sorted_pairs, pairs);
+  const auto pair_row = download<int32_t>(one.pair_row, pairs);
+  EXPECT_EQ(ids, download<int32_t>(two.ids, pairs)) << what;
+  EXPECT_EQ(download<uint32_t>(one.weights, pairs), download<uint32_t>(two.weights, pairs)) << what << " weight bits";
+  EXPECT_EQ(offsets, download<int32_t>(two.offsets, n_off)) << what;
+  EXPECT_EQ(sorted, download<int32_t>(two.sorted_pairs, pairs)) << what;
+  EXPECT_EQ(pair_row, download<int32_t>(two.pair_row, pairs)) << what;
+
+  const HostRouting want = route_reference(logits, c.n_experts + 3, c.tokens, c.n_experts, c.top_k, c.renormalize);
+  EXPECT_EQ(ids, want.ids) << what;
+  for (size_t i = 0; i < pairs; ++i) {
+    EXPECT_LE(std::fabs(weights[i] - want.weights[i]), 4e-6 * want.weights[i]) << what << " pair " << i;  // as check_route
+  }
+  const HostAlign want_align = align_reference(want.ids, c.n_experts);
+  EXPECT_EQ(offsets, want_align.offsets) << what;
+  EXPECT_EQ(sorted, want_align.sorted_pairs) << what;
+  EXPECT_EQ(pair_row, want_align.pair_row) << what;
+}
+
+// Decode token counts over the routing shapes of check_route, up to the one-block limit (64 tokens x top-32 = 2048
+// pairs), coarse logits for exact ties; and no tokens (all-zero offsets).
+TEST(MoeRouteAlign, MatchesTwoKernelsAndHost) {
+  DeviceContext ctx;
+  std::mt19937 rng(2011);
+  struct Shape {
+    int64_t n_experts, top_k;
+    bool renormalize, coarse;
+  };
+  for (const Shape& s : {Shape{8, 2, true, false}, Shape{256, 8, true, false}, Shape{256, 8, true, true},
+                         Shape{512, 10, false, true}, Shape{64, 1, true, false}, Shape{40, 32, true, true}}) {
+    for (int64_t tokens : {1, 2, 7, 64}) check_route_align(ctx, {tokens, s.n_experts, s.top_k, s.renormalize, s.coarse}, rng);
+  }
+  const RouteCase none{0, 16, 4, true, false};
+  const DeviceBuffer logits = poisoned(256);
+  const RoutingBuffers out(0, 16);
+  ASSERT_TRUE(moe_route_align(ctx, out.route(logits, none), out.align(none)).has_value());
+  ctx.synchronize();
+  EXPECT_EQ(download<int32_t>(out.offsets, 17), std::vector<int32_t>(17, 0));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -797,6 +882,20 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
     return moe_align(ctx, {.topk_ids = i32, .tokens = 1, .top_k = 2, .n_experts = 0, .expert_offsets = i32,
                            .sorted_pairs = i32, .pair_row = i32});
   }, "n_experts=0");
+  const MoeAlignArgs align{.topk_ids = i32, .tokens = 1, .top_k = 2, .n_experts = 8, .expert_offsets = i32 + 64,
+                           .sorted_pairs = i32 + 128, .pair_row = i32 + 192};
+  expect_error([&] { auto a = align; a.topk_ids = i32 + 8; return moe_route_align(ctx, route, a); },
+               "align must sort the route's topk_ids");
+  expect_error([&] { auto a = align; a.tokens = 2; return moe_route_align(ctx, route, a); },
+               "align must sort the route's topk_ids");
+  expect_error([&] {
+    auto r = route;
+    auto a = align;
+    r.tokens = a.tokens = 129;
+    r.top_k = a.top_k = 16;
+    r.n_experts = a.n_experts = r.logits_stride = 16;
+    return moe_route_align(ctx, r, a);
+  }, "tokens * top_k = 2064 is more than the 2048 pairs");
 }
 
 }  // namespace
