@@ -4,7 +4,8 @@
 // Decode (tokens 1..64, both GEMM variants): the grouped gate_up (n = 1024, k = 2048) and down (n = 2048, k = 512)
 // GEMMs, reported as GB/s of the active experts' weight bytes (packed + block scales for NVFP4) against a
 // device-to-device copy kernel's bandwidth (read + written); also, decode only, gate and up as two [512, 2048]
-// stacks in one launch (gate+up) and the down GEMM with silu_mul folded in (down+silu). --decode: only the decode kernel at T = 1 and 8.
+// stacks in one launch (gate+up) and the down GEMM with silu_mul folded in (down+silu). --decode: only the decode
+// kernel at T = 1 and 8.
 // Every timing rotates over 16 random routings so consecutive launches read different experts and the L2 stays
 // cold. Prefill (4096 tokens): TFLOP/s of the same GEMMs. Route, align (apart and in one launch where the pairs
 // fit one block) and combine are timed at both sizes.
@@ -236,9 +237,9 @@ void bench_small_kernels(const DeviceContext& ctx, std::mt19937& rng) {
     });
     // Route and align in one launch where the pairs fit one block (as moe_forward does at decode).
     const double route_align_ms = rows > kMoeRouteAlignMaxPairs ? 0.0 : time_ms(ctx, 20, [&](int) {
-      const MoeRouteArgs route{.logits = logits.as<uint16_t>(), .logits_stride = kExperts, .topk_ids = ids.as<int32_t>(),
-                               .topk_weights = weights.as<float>(), .tokens = tokens, .n_experts = kExperts,
-                               .top_k = kTopK};
+      const MoeRouteArgs route{.logits = logits.as<uint16_t>(), .logits_stride = kExperts,
+                               .topk_ids = ids.as<int32_t>(), .topk_weights = weights.as<float>(), .tokens = tokens,
+                               .n_experts = kExperts, .top_k = kTopK};
       if (!moe_route_align(ctx, route, {.topk_ids = ids.as<int32_t>(), .tokens = tokens, .top_k = kTopK,
                                         .n_experts = kExperts, .expert_offsets = off.as<int32_t>(),
                                         .sorted_pairs = sorted.as<int32_t>(), .pair_row = pr.as<int32_t>()})) {

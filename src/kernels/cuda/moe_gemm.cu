@@ -3,9 +3,10 @@
 // case and each block looks its work up in expert_offsets:
 //   decode:  grid (blocks of weight-row tiles, active-expert slots). Slot s takes the s-th expert that has rows;
 //            slots past the active count exit at once. With a second projection (w2) its tiles follow those of w
-//            along x, so gate and up stored apart still fill the SMs in one launch. The weight streams once per 8 (T > 8: 16) of the expert's
-//            rows with 16-byte loads straight into mma fragments, K split over the warps of a block
-//            (nvfp4_device.cuh's decode scheme and block layout; bf16 the same way, unconverted).
+//            along x, so gate and up stored apart still fill the SMs in one launch. The weight streams once per 8
+//            (T > 8: 16) of the expert's rows with 16-byte loads straight into mma fragments, K split over the warps
+//            of a block (nvfp4_device.cuh's decode scheme and block layout; bf16 the same way, unconverted). With
+//            x_silu_mul each block first computes the act rows of its pass into shared memory.
 //   prefill: grid (row tiles, 128-column weight tiles). The worst case needs ceil(rows / BM) + n_experts row tiles
 //            (every expert's last tile may be partial); tile i belongs to the expert whose tile range holds i.
 //            x rows are gathered through sorted_pairs by cp.async, W tiles go to shared memory as bf16 (NVFP4

@@ -190,7 +190,9 @@ __device__ __forceinline__ void align_pairs(const int32_t* ids, const MoeAlignAr
   }
 }
 
-__global__ void __launch_bounds__(kAlignWarps * 32) moe_align_kernel(const MoeAlignArgs a) { align_pairs(a.topk_ids, a); }
+__global__ void __launch_bounds__(kAlignWarps * 32) moe_align_kernel(const MoeAlignArgs a) {
+  align_pairs(a.topk_ids, a);
+}
 
 // Route and align in one block: warp w routes tokens w, w + kAlignWarps, ..., writing the choices out and the ids
 // also to shared memory, from where the block sorts them once all are in. route_token and align_pairs are the two

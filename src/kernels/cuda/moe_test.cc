@@ -231,8 +231,8 @@ struct RoutingBuffers {
 
   RoutingBuffers(int64_t pairs, int64_t n_experts)
       : ids(poisoned(static_cast<size_t>(pairs) * 4)), weights(poisoned(static_cast<size_t>(pairs) * 4)),
-        offsets(poisoned(static_cast<size_t>(n_experts + 1) * 4)), sorted_pairs(poisoned(static_cast<size_t>(pairs) * 4)),
-        pair_row(poisoned(static_cast<size_t>(pairs) * 4)) {}
+        offsets(poisoned(static_cast<size_t>(n_experts + 1) * 4)),
+        sorted_pairs(poisoned(static_cast<size_t>(pairs) * 4)), pair_row(poisoned(static_cast<size_t>(pairs) * 4)) {}
   MoeRouteArgs route(const DeviceBuffer& logits, const RouteCase& c) const {
     return {.logits = logits.as<uint16_t>(), .logits_stride = c.n_experts + 3, .topk_ids = ids.as<int32_t>(),
             .topk_weights = weights.as<float>(), .tokens = c.tokens, .n_experts = c.n_experts, .top_k = c.top_k,
@@ -272,7 +272,8 @@ void check_route_align(const DeviceContext& ctx, const RouteCase& c, std::mt1993
   const HostRouting want = route_reference(logits, c.n_experts + 3, c.tokens, c.n_experts, c.top_k, c.renormalize);
   EXPECT_EQ(ids, want.ids) << what;
   for (size_t i = 0; i < pairs; ++i) {
-    EXPECT_LE(std::fabs(weights[i] - want.weights[i]), 4e-6 * want.weights[i]) << what << " pair " << i;  // as check_route
+    // check_route's bound
+    EXPECT_LE(std::fabs(weights[i] - want.weights[i]), 4e-6 * want.weights[i]) << what << " pair " << i;
   }
   const HostAlign want_align = align_reference(want.ids, c.n_experts);
   EXPECT_EQ(offsets, want_align.offsets) << what;
@@ -291,7 +292,9 @@ TEST(MoeRouteAlign, MatchesTwoKernelsAndHost) {
   };
   for (const Shape& s : {Shape{8, 2, true, false}, Shape{256, 8, true, false}, Shape{256, 8, true, true},
                          Shape{512, 10, false, true}, Shape{64, 1, true, false}, Shape{40, 32, true, true}}) {
-    for (int64_t tokens : {1, 2, 7, 64}) check_route_align(ctx, {tokens, s.n_experts, s.top_k, s.renormalize, s.coarse}, rng);
+    for (int64_t tokens : {1, 2, 7, 64}) {
+      check_route_align(ctx, {tokens, s.n_experts, s.top_k, s.renormalize, s.coarse}, rng);
+    }
   }
   const RouteCase none{0, 16, 4, true, false};
   const DeviceBuffer logits = poisoned(256);
@@ -440,7 +443,8 @@ int64_t written_outside(const std::vector<uint16_t>& y, int64_t rows, int64_t ld
   int64_t bad = 0;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < ldy; ++j) {
-      const bool inside = std::any_of(windows.begin(), windows.end(), [&](auto w) { return j >= w.first && j < w.second; });
+      const bool inside =
+          std::any_of(windows.begin(), windows.end(), [&](auto w) { return j >= w.first && j < w.second; });
       bad += !inside && y[r * ldy + j] != gemm_test::kPoison;
     }
   }
@@ -470,7 +474,8 @@ void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const Gemm
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
   const auto y = download<uint16_t>(d_y, static_cast<size_t>(rows * ldy));
-  EXPECT_EQ(written_outside(y, rows, ldy, {{c.col0, c.col0 + n}}), 0) << "columns outside [col0, col0 + n) were written";
+  EXPECT_EQ(written_outside(y, rows, ldy, {{c.col0, c.col0 + n}}), 0)
+      << "columns outside [col0, col0 + n) were written";
   gemm_test::check_gemm(y_columns(y, rows, ldy, c.col0, n), expert_reference(w, x, ldx, al, c.gather, c.top_k), rows,
                         n, gemm_name(w, variant, c.tokens, c.top_k) + (c.skew ? " skewed" : ""));
 }
@@ -580,12 +585,14 @@ void check_gemm_silu(const DeviceContext& ctx, const ExpertWeights& w, const std
   const std::vector<uint16_t> gate_up = gemm_test::random_bf16(static_cast<size_t>(rows * 2 * k), rng);
   const DeviceBuffer d_gu = upload(gate_up), d_off = upload(al.offsets);
   const DeviceBuffer act = poisoned(static_cast<size_t>(rows * k) * 2);
-  const DeviceBuffer y_fused = poisoned(static_cast<size_t>(rows * n) * 2), y_split = poisoned(static_cast<size_t>(rows * n) * 2);
+  const DeviceBuffer y_fused = poisoned(static_cast<size_t>(rows * n) * 2);
+  const DeviceBuffer y_split = poisoned(static_cast<size_t>(rows * n) * 2);
   const MoeGemmArgs base{.x = d_gu.as<uint16_t>(), .ldx = 2 * k, .top_k = top_k, .expert_offsets = d_off.as<int32_t>(),
                          .w = w.view(), .y = y_fused.as<uint16_t>(), .ldy = n, .rows = rows, .x_silu_mul = true};
   auto status = moe_gemm(ctx, base, MoeGemmVariant::kDecode);
   ASSERT_TRUE(status.has_value()) << status.error().message;
-  ASSERT_TRUE(silu_mul(ctx, {.gate_up = d_gu.as<uint16_t>(), .y = act.as<uint16_t>(), .rows = rows, .inter = k}).has_value());
+  ASSERT_TRUE(
+      silu_mul(ctx, {.gate_up = d_gu.as<uint16_t>(), .y = act.as<uint16_t>(), .rows = rows, .inter = k}).has_value());
   MoeGemmArgs split = base;
   split.x = act.as<uint16_t>();
   split.ldx = k;
@@ -596,7 +603,8 @@ void check_gemm_silu(const DeviceContext& ctx, const ExpertWeights& w, const std
   ctx.synchronize();
   const auto got = download<uint16_t>(y_fused, static_cast<size_t>(rows * n));
   const std::string what = gemm_name(w, MoeGemmVariant::kDecode, rows / top_k, top_k) + " silu(x)";
-  EXPECT_EQ(got, download<uint16_t>(y_split, static_cast<size_t>(rows * n))) << what << ": differs from silu_mul + GEMM";
+  EXPECT_EQ(got, download<uint16_t>(y_split, static_cast<size_t>(rows * n)))
+      << what << ": differs from silu_mul + GEMM";
   const gemm_test::Reference ref = expert_reference(w, gate_up, 2 * k, al, false, top_k, true);
   int64_t bad = 0;
   double worst = 0;
@@ -711,8 +719,9 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
   // (NVFP4 rows spread over 2^+-1 only: the block's intermediates stay O(1), as a trained model's do.)
   const ExpertWeights gate_up =
       make_expert_weights(format, e_count, (run.split ? 1 : 2) * inter, h, 1.0f / std::sqrt(float(h)), rng, 1.0f);
-  const ExpertWeights up = run.split ? make_expert_weights(format, e_count, inter, h, 1.0f / std::sqrt(float(h)), rng, 1.0f)
-                                     : ExpertWeights{.format = format, .n_experts = 0, .n = 0, .k = 0};
+  const ExpertWeights up = run.split
+                               ? make_expert_weights(format, e_count, inter, h, 1.0f / std::sqrt(float(h)), rng, 1.0f)
+                               : ExpertWeights{.format = format, .n_experts = 0, .n = 0, .k = 0};
   const ExpertWeights down = make_expert_weights(format, e_count, h, inter, 1.0f / std::sqrt(float(inter)), rng, 1.0f);
   const int64_t si = std::max<int64_t>(s.shared_inter, 8);
   const ExpertWeights shared_gu = make_expert_weights(MoeWeightFormat::kBf16, 1, 2 * si, h, 1.0f / std::sqrt(float(h)), rng);
@@ -864,15 +873,19 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
                "packed weight is null");
   const MoeGemmArgs pair = [&] { auto a = gemm; a.w2 = w; a.y2_offset = 16; a.ldy = 32; return a; }();
   ASSERT_TRUE(moe_gemm(ctx, [&] { auto a = pair; a.rows = 0; return a; }()).has_value());
-  expect_error([&] { auto a = pair; a.w2.k = 32; return moe_gemm(ctx, a); }, "w2 (4 experts, k=32, bf16) must have w's");
+  expect_error([&] { auto a = pair; a.w2.k = 32; return moe_gemm(ctx, a); },
+               "w2 (4 experts, k=32, bf16) must have w's");
   expect_error([&] { auto a = pair; a.w2.format = MoeWeightFormat::kNvfp4; return moe_gemm(ctx, a); },
                "w2: packed weight is null");
-  expect_error([&] { auto a = pair; a.y2_offset = 8; return moe_gemm(ctx, a); }, "y2_offset=8 must be in [n=16, ldy - w2.n=16]");
-  expect_error([&] { auto a = pair; a.ldy = 24; return moe_gemm(ctx, a); }, "y2_offset=16 must be in [n=16, ldy - w2.n=8]");
+  expect_error([&] { auto a = pair; a.y2_offset = 8; return moe_gemm(ctx, a); },
+               "y2_offset=8 must be in [n=16, ldy - w2.n=16]");
+  expect_error([&] { auto a = pair; a.ldy = 24; return moe_gemm(ctx, a); },
+               "y2_offset=16 must be in [n=16, ldy - w2.n=8]");
   const MoeGemmArgs silu = [&] { auto a = gemm; a.gather = false; a.ldx = 128; a.x_silu_mul = true; return a; }();
   ASSERT_TRUE(moe_gemm(ctx, [&] { auto a = silu; a.rows = 0; return a; }(), MoeGemmVariant::kDecode).has_value());
   expect_error([&] { return moe_gemm(ctx, silu, MoeGemmVariant::kPrefill); }, "x_silu_mul needs the decode variant");
-  expect_error([&] { auto a = silu; a.ldx = 120; return moe_gemm(ctx, a); }, "ldx=120 must be at least 2k=128 with x_silu_mul");
+  expect_error([&] { auto a = silu; a.ldx = 120; return moe_gemm(ctx, a); },
+               "ldx=120 must be at least 2k=128 with x_silu_mul");
 
   const MoeCombineArgs comb{.expert_out = u16, .pair_row = i32, .topk_ids = i32, .topk_weights = buf.as<float>(),
                             .y = buf.as<uint16_t>(), .tokens = 1, .top_k = 2, .hidden = 64};
