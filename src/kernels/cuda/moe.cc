@@ -89,6 +89,21 @@ Expected<void> weights_validate(const char* k, const MoeExpertWeights& w) {
   return {};
 }
 
+// MoeGemmArgs::w2: the same experts, k and format as w, its columns of y beside w's and inside ldy.
+Expected<void> second_projection_validate(const MoeGemmArgs& a) {
+  constexpr const char* k = "moe_gemm";
+  if (a.w2.n == 0) return {};
+  TERN_TRY(weights_validate("moe_gemm: w2", a.w2));
+  if (a.w2.format != a.w.format || a.w2.n_experts != a.w.n_experts || a.w2.k != a.w.k) {
+    return make_error("{}: w2 ({} experts, k={}, {}) must have w's {} experts, k={} and format", k, a.w2.n_experts,
+                      a.w2.k, a.w2.format == MoeWeightFormat::kNvfp4 ? "nvfp4" : "bf16", a.w.n_experts, a.w.k);
+  }
+  if (a.y2_offset < a.w.n || a.y2_offset > a.ldy - a.w2.n) {
+    return make_error("{}: y2_offset={} must be in [n={}, ldy - w2.n={}]", k, a.y2_offset, a.w.n, a.ldy - a.w2.n);
+  }
+  return {};
+}
+
 Expected<void> gemm_validate(const MoeGemmArgs& a) {
   constexpr const char* k = "moe_gemm";
   const MoeExpertWeights& w = a.w;
@@ -106,6 +121,19 @@ Expected<void> gemm_validate(const MoeGemmArgs& a) {
   if (a.ldy < w.n || a.ldy > kMaxDim) return make_error("{}: ldy={} must be at least n={}", k, a.ldy, w.n);
   TERN_TRY(check_ptr(k, "expert_offsets", a.expert_offsets, 4));
   if (a.gather) TERN_TRY(check_ptr(k, "sorted_pairs (needed to gather)", a.sorted_pairs, 4));
+  return second_projection_validate(a);
+}
+
+// MoeGemmArgs::x_silu_mul: the decode kernel, [gate | up] rows inside ldx, and room for the act rows.
+Expected<void> silu_mul_x_validate(const DeviceContext& ctx, const MoeGemmArgs& a, bool decode) {
+  constexpr const char* k = "moe_gemm";
+  if (!decode) return make_error("{}: x_silu_mul needs the decode variant (rows={})", k, a.rows);
+  if (a.ldx < 2 * a.w.k) return make_error("{}: ldx={} must be at least 2k={} with x_silu_mul", k, a.ldx, 2 * a.w.k);
+  const size_t smem = moe_gemm_silu_smem_bytes(a.w.k);
+  if (smem > ctx.props().shared_mem_per_block_optin) {
+    return make_error("{}: x_silu_mul with k={} needs {} bytes of shared memory per block, the device allows {}", k,
+                      a.w.k, smem, ctx.props().shared_mem_per_block_optin);
+  }
   return {};
 }
 
@@ -200,11 +228,28 @@ Expected<void> moe_align(const DeviceContext& ctx, const MoeAlignArgs& args) {
   return {};
 }
 
+Expected<void> moe_route_align(const DeviceContext& ctx, const MoeRouteArgs& route, const MoeAlignArgs& align) {
+  constexpr const char* k = "moe_route_align";
+  TERN_TRY(route_validate(route));
+  TERN_TRY(align_validate(align));
+  if (align.topk_ids != route.topk_ids || align.tokens != route.tokens || align.top_k != route.top_k ||
+      align.n_experts != route.n_experts) {
+    return make_error("{}: align must sort the route's topk_ids (same pointer, tokens, top_k and n_experts)", k);
+  }
+  if (route.tokens * route.top_k > kMoeRouteAlignMaxPairs) {
+    return make_error("{}: tokens * top_k = {} is more than the {} pairs of one block", k, route.tokens * route.top_k,
+                      kMoeRouteAlignMaxPairs);
+  }
+  moe_route_align_launch(ctx, route, align);  // with no tokens it still writes the (all-zero) offsets
+  return {};
+}
+
 Expected<void> moe_gemm(const DeviceContext& ctx, const MoeGemmArgs& args, MoeGemmVariant variant) {
   TERN_TRY(gemm_validate(args));
-  if (args.rows == 0) return {};
   const bool decode = variant == MoeGemmVariant::kDecode ||
                       (variant == MoeGemmVariant::kAuto && args.rows <= kMoeDecodeMaxTokens * args.top_k);
+  if (args.x_silu_mul) TERN_TRY(silu_mul_x_validate(ctx, args, decode));
+  if (args.rows == 0) return {};
   if (decode) {
     moe_gemm_launch_decode(ctx, args);
   } else {
@@ -223,42 +268,91 @@ size_t moe_forward_workspace_bytes(int64_t tokens, int64_t top_k, int64_t n_expe
   return forward_layout(tokens, top_k, n_experts, inter, hidden).total;
 }
 
-// Every step is a checked launch, so a bad weight view or buffer is reported by the step that would use it.
+namespace {
+
+// moe_forward's workspace as typed pointers.
+struct ForwardBuffers {
+  int32_t* ids;
+  float* weights;
+  int32_t *offsets, *sorted_pairs, *pair_row;
+  uint16_t *gate_up, *act, *expert_out;
+  void* align;
+  size_t align_bytes;
+};
+
+ForwardBuffers forward_buffers(const MoeForwardArgs& a) {
+  const ForwardLayout l = forward_layout(a.tokens, a.top_k, a.n_experts, a.inter, a.hidden);
+  auto* base = static_cast<unsigned char*>(a.workspace);
+  return {.ids = reinterpret_cast<int32_t*>(base + l.ids),
+          .weights = reinterpret_cast<float*>(base + l.weights),
+          .offsets = reinterpret_cast<int32_t*>(base + l.offsets),
+          .sorted_pairs = reinterpret_cast<int32_t*>(base + l.sorted_pairs),
+          .pair_row = reinterpret_cast<int32_t*>(base + l.pair_row),
+          .gate_up = reinterpret_cast<uint16_t*>(base + l.gate_up),
+          .act = reinterpret_cast<uint16_t*>(base + l.act),
+          .expert_out = reinterpret_cast<uint16_t*>(base + l.expert_out),
+          .align = base + l.align,
+          .align_bytes = l.total - l.align};
+}
+
+// Route and align: one launch at decode, where the pairs fit one block.
+Expected<void> forward_route(const DeviceContext& ctx, const MoeForwardArgs& a, const ForwardBuffers& b, bool decode) {
+  const MoeRouteArgs route{.logits = a.router_logits, .logits_stride = a.logits_stride, .topk_ids = b.ids,
+                           .topk_weights = b.weights, .tokens = a.tokens, .n_experts = a.n_experts, .top_k = a.top_k,
+                           .renormalize = a.renormalize};
+  const MoeAlignArgs align{.topk_ids = b.ids, .tokens = a.tokens, .top_k = a.top_k, .n_experts = a.n_experts,
+                           .expert_offsets = b.offsets, .sorted_pairs = b.sorted_pairs, .pair_row = b.pair_row,
+                           .workspace = b.align, .workspace_bytes = b.align_bytes};
+  if (decode && a.tokens * a.top_k <= kMoeRouteAlignMaxPairs) return moe_route_align(ctx, route, align);
+  TERN_TRY(moe_route(ctx, route));
+  return moe_align(ctx, align);
+}
+
+// gate_up [rows, 2I] = x . [gate | up]^T. At decode a separate up stack joins the gate's launch (w2), so one grid
+// covers both.
+Expected<void> forward_gate_up(const DeviceContext& ctx, const MoeForwardArgs& a, const ForwardBuffers& b,
+                               bool decode) {
+  const bool up_in_gate_launch = decode && a.up.n != 0;
+  const MoeGemmArgs gate{.x = a.x, .ldx = a.hidden, .sorted_pairs = b.sorted_pairs, .top_k = a.top_k, .gather = true,
+                         .expert_offsets = b.offsets, .w = a.gate_up, .y = b.gate_up, .ldy = 2 * a.inter,
+                         .rows = a.tokens * a.top_k, .w2 = up_in_gate_launch ? a.up : MoeExpertWeights{},
+                         .y2_offset = a.inter};
+  TERN_TRY(moe_gemm(ctx, gate, a.variant));
+  if (a.up.n == 0 || up_in_gate_launch) return {};
+  MoeGemmArgs up = gate;
+  up.w = a.up;
+  up.y = b.gate_up + a.inter;
+  return moe_gemm(ctx, up, a.variant);
+}
+
+// expert_out [rows, H] = silu_mul(gate_up) . down^T. At decode the down GEMM computes silu(gate) * up itself while
+// loading its input (x_silu_mul), where its shared memory allows.
+Expected<void> forward_down(const DeviceContext& ctx, const MoeForwardArgs& a, const ForwardBuffers& b, bool decode) {
+  const int64_t rows = a.tokens * a.top_k;
+  const bool fold_silu = decode && moe_gemm_silu_smem_bytes(a.inter) <= ctx.props().shared_mem_per_block_optin;
+  if (!fold_silu) TERN_TRY(silu_mul(ctx, {.gate_up = b.gate_up, .y = b.act, .rows = rows, .inter = a.inter}));
+  return moe_gemm(ctx,
+                  {.x = fold_silu ? b.gate_up : b.act, .ldx = fold_silu ? 2 * a.inter : a.inter,
+                   .sorted_pairs = b.sorted_pairs, .top_k = a.top_k, .gather = false, .expert_offsets = b.offsets,
+                   .w = a.down, .y = b.expert_out, .ldy = a.hidden, .rows = rows, .x_silu_mul = fold_silu},
+                  a.variant);
+}
+
+}  // namespace
+
+// Every step is a checked launch, so a bad weight view or buffer is reported by the step that would use it. Decode
+// (kDecode, or kAuto with few tokens, as moe_gemm decides) takes the fused launches.
 Expected<void> moe_forward(const DeviceContext& ctx, const MoeForwardArgs& a) {
   TERN_TRY(forward_validate(a));
   if (a.tokens == 0) return {};
-  const ForwardLayout l = forward_layout(a.tokens, a.top_k, a.n_experts, a.inter, a.hidden);
-  auto* base = static_cast<unsigned char*>(a.workspace);
-  auto* ids = reinterpret_cast<int32_t*>(base + l.ids);
-  auto* weights = reinterpret_cast<float*>(base + l.weights);
-  auto* offsets = reinterpret_cast<int32_t*>(base + l.offsets);
-  auto* sorted_pairs = reinterpret_cast<int32_t*>(base + l.sorted_pairs);
-  auto* pair_row = reinterpret_cast<int32_t*>(base + l.pair_row);
-  auto* gate_up = reinterpret_cast<uint16_t*>(base + l.gate_up);
-  auto* act = reinterpret_cast<uint16_t*>(base + l.act);
-  auto* expert_out = reinterpret_cast<uint16_t*>(base + l.expert_out);
-  const int64_t rows = a.tokens * a.top_k;
-  TERN_TRY(moe_route(ctx, {.logits = a.router_logits, .logits_stride = a.logits_stride, .topk_ids = ids,
-                           .topk_weights = weights, .tokens = a.tokens, .n_experts = a.n_experts, .top_k = a.top_k,
-                           .renormalize = a.renormalize}));
-  TERN_TRY(moe_align(ctx, {.topk_ids = ids, .tokens = a.tokens, .top_k = a.top_k, .n_experts = a.n_experts,
-                           .expert_offsets = offsets, .sorted_pairs = sorted_pairs, .pair_row = pair_row,
-                           .workspace = base + l.align, .workspace_bytes = l.total - l.align}));
-  TERN_TRY(moe_gemm(ctx, {.x = a.x, .ldx = a.hidden, .sorted_pairs = sorted_pairs, .top_k = a.top_k, .gather = true,
-                          .expert_offsets = offsets, .w = a.gate_up, .y = gate_up, .ldy = 2 * a.inter, .rows = rows},
-                    a.variant));
-  if (a.up.n != 0) {
-    TERN_TRY(moe_gemm(ctx, {.x = a.x, .ldx = a.hidden, .sorted_pairs = sorted_pairs, .top_k = a.top_k,
-                            .gather = true, .expert_offsets = offsets, .w = a.up, .y = gate_up + a.inter,
-                            .ldy = 2 * a.inter, .rows = rows},
-                      a.variant));
-  }
-  TERN_TRY(silu_mul(ctx, {.gate_up = gate_up, .y = act, .rows = rows, .inter = a.inter}));
-  TERN_TRY(moe_gemm(ctx, {.x = act, .ldx = a.inter, .sorted_pairs = sorted_pairs, .top_k = a.top_k, .gather = false,
-                          .expert_offsets = offsets, .w = a.down, .y = expert_out, .ldy = a.hidden, .rows = rows},
-                    a.variant));
-  return moe_combine(ctx, {.expert_out = expert_out, .pair_row = pair_row, .topk_ids = ids, .topk_weights = weights,
-                           .shared_out = a.shared_out, .shared_gate = a.shared_gate,
+  const ForwardBuffers b = forward_buffers(a);
+  const bool decode = a.variant == MoeGemmVariant::kDecode ||
+                      (a.variant == MoeGemmVariant::kAuto && a.tokens <= kMoeDecodeMaxTokens);
+  TERN_TRY(forward_route(ctx, a, b, decode));
+  TERN_TRY(forward_gate_up(ctx, a, b, decode));
+  TERN_TRY(forward_down(ctx, a, b, decode));
+  return moe_combine(ctx, {.expert_out = b.expert_out, .pair_row = b.pair_row, .topk_ids = b.ids,
+                           .topk_weights = b.weights, .shared_out = a.shared_out, .shared_gate = a.shared_gate,
                            .shared_gate_stride = a.shared_gate_stride, .y = a.y, .tokens = a.tokens,
                            .top_k = a.top_k, .hidden = a.hidden});
 }

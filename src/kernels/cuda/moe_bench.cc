@@ -3,9 +3,12 @@
 //   moe_bench [--quick | --decode]
 // Decode (tokens 1..64, both GEMM variants): the grouped gate_up (n = 1024, k = 2048) and down (n = 2048, k = 512)
 // GEMMs, reported as GB/s of the active experts' weight bytes (packed + block scales for NVFP4) against a
-// device-to-device copy kernel's bandwidth (read + written). --decode: only the decode kernel at T = 1 and 8.
+// device-to-device copy kernel's bandwidth (read + written); also, decode only, gate and up as two [512, 2048]
+// stacks in one launch (gate+up) and the down GEMM with silu_mul folded in (down+silu). --decode: only the decode
+// kernel at T = 1 and 8.
 // Every timing rotates over 16 random routings so consecutive launches read different experts and the L2 stays
-// cold. Prefill (4096 tokens): TFLOP/s of the same GEMMs. Route, align and combine are timed at both sizes.
+// cold. Prefill (4096 tokens): TFLOP/s of the same GEMMs. Route, align (apart and in one launch where the pairs
+// fit one block) and combine are timed at both sizes.
 // Each timing is a CUDA graph of back-to-back launches, replayed after a warm-up; the median replay is reported.
 #include <cuda_runtime.h>
 
@@ -133,17 +136,23 @@ struct GemmTiming {
   double ms, bytes, flops;
 };
 
-// The grouped GEMM of one projection over the rotating routings; x [tokens or rows, k], y [rows, n].
+// The grouped GEMM of one projection over the rotating routings; x [tokens or rows, k], y [rows, n]. tweak adjusts
+// the arguments (a second projection, x_silu_mul); the bytes and flops count w2 when it is set.
 GemmTiming time_gemm(const DeviceContext& ctx, const BenchWeights& w, const Routings& r, int64_t tokens, bool gather,
-                     MoeGemmVariant variant, const DeviceBuffer& x, const DeviceBuffer& y) {
+                     MoeGemmVariant variant, const DeviceBuffer& x, const DeviceBuffer& y,
+                     const std::function<void(MoeGemmArgs&)>& tweak = nullptr) {
   const int64_t rows = tokens * kTopK;
+  MoeExpertWeights w2;
   const double ms = time_ms(ctx, 4 * kSlots, [&](int s) {
-    const MoeGemmArgs a{.x = x.as<uint16_t>(), .ldx = w.view.k, .sorted_pairs = r.sorted_pairs.as<int32_t>() + s * rows,
-                        .top_k = kTopK, .gather = gather, .expert_offsets = r.offsets.as<int32_t>() + s * (kExperts + 1),
-                        .w = w.view, .y = y.as<uint16_t>(), .ldy = w.view.n, .rows = rows};
+    MoeGemmArgs a{.x = x.as<uint16_t>(), .ldx = w.view.k, .sorted_pairs = r.sorted_pairs.as<int32_t>() + s * rows,
+                  .top_k = kTopK, .gather = gather, .expert_offsets = r.offsets.as<int32_t>() + s * (kExperts + 1),
+                  .w = w.view, .y = y.as<uint16_t>(), .ldy = w.view.n, .rows = rows};
+    if (tweak) tweak(a);
+    w2 = a.w2;
     if (!moe_gemm(ctx, a, variant)) std::abort();
   });
-  return {ms, r.mean_active * expert_bytes(w.view), 2.0 * static_cast<double>(rows * w.view.n * w.view.k)};
+  const double flops = 2.0 * static_cast<double>(rows * (w.view.n + w2.n) * w.view.k);
+  return {ms, r.mean_active * (expert_bytes(w.view) + (w2.n != 0 ? expert_bytes(w2) : 0.0)), flops};
 }
 
 double copy_bandwidth(const DeviceContext& ctx) {
@@ -164,17 +173,33 @@ void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::v
     return float_to_bf16(std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng));
   });
   const DeviceBuffer y(static_cast<size_t>(max_rows * kHidden) * 2);
+  // Gate and up as two stacks (as NVFP4 checkpoints store them), timed as one decode launch (MoeGemmArgs::w2).
+  const BenchWeights gate = make_weights(format, kInter, kHidden, rng), up = make_weights(format, kInter, kHidden, rng);
+  auto print = [&](const char* variant, int64_t tokens, const char* proj, double active, const GemmTiming& t) {
+    const double gbs = t.bytes / (t.ms * 1e6);
+    std::printf("%-6s %-7s T=%-5lld %-9s %6.1f active experts %9.2f us %7.0f GB/s %5.1f%% of copy\n", name, variant,
+                static_cast<long long>(tokens), proj, active, t.ms * 1e3, gbs, 100.0 * gbs / copy_gbs);
+  };
   for (int64_t tokens : decode_tokens) {
     const Routings r = make_routings(tokens, rng);
+    print("decode", tokens, "gate+up", r.mean_active,
+          time_gemm(ctx, gate, r, tokens, true, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a) {
+            a.w2 = up.view;
+            a.y2_offset = kInter;
+            a.ldy = 2 * kInter;
+          }));
+    // The down projection reading [gate | up] rows and applying silu_mul itself (MoeGemmArgs::x_silu_mul).
+    print("decode", tokens, "down+silu", r.mean_active,
+          time_gemm(ctx, down, r, tokens, false, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a) {
+            a.ldx = 2 * kInter;
+            a.x_silu_mul = true;
+          }));
     for (const auto& [proj, w, gather] : {std::tuple{"gate_up", &gate_up, true}, std::tuple{"down", &down, false}}) {
       // Both variants, so kMoeDecodeMaxTokens can be checked against where they cross.
       for (const MoeGemmVariant v : {MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill}) {
         if (decode_only && v != MoeGemmVariant::kDecode) continue;
-        const GemmTiming t = time_gemm(ctx, *w, r, tokens, gather, v, x, y);
-        const double gbs = t.bytes / (t.ms * 1e6);
-        std::printf("%-6s %-7s T=%-5lld %-8s %6.1f active experts %9.2f us %7.0f GB/s %5.1f%% of copy\n", name,
-                    v == MoeGemmVariant::kDecode ? "decode" : "prefill", static_cast<long long>(tokens), proj,
-                    r.mean_active, t.ms * 1e3, gbs, 100.0 * gbs / copy_gbs);
+        print(v == MoeGemmVariant::kDecode ? "decode" : "prefill", tokens, proj, r.mean_active,
+              time_gemm(ctx, *w, r, tokens, gather, v, x, y));
       }
     }
   }
@@ -210,14 +235,26 @@ void bench_small_kernels(const DeviceContext& ctx, std::mt19937& rng) {
                            .n_experts = kExperts, .expert_offsets = off.as<int32_t>(),
                            .sorted_pairs = sorted.as<int32_t>(), .pair_row = pr.as<int32_t>()})) std::abort();
     });
+    // Route and align in one launch where the pairs fit one block (as moe_forward does at decode).
+    const double route_align_ms = rows > kMoeRouteAlignMaxPairs ? 0.0 : time_ms(ctx, 20, [&](int) {
+      const MoeRouteArgs route{.logits = logits.as<uint16_t>(), .logits_stride = kExperts,
+                               .topk_ids = ids.as<int32_t>(), .topk_weights = weights.as<float>(), .tokens = tokens,
+                               .n_experts = kExperts, .top_k = kTopK};
+      if (!moe_route_align(ctx, route, {.topk_ids = ids.as<int32_t>(), .tokens = tokens, .top_k = kTopK,
+                                        .n_experts = kExperts, .expert_offsets = off.as<int32_t>(),
+                                        .sorted_pairs = sorted.as<int32_t>(), .pair_row = pr.as<int32_t>()})) {
+        std::abort();
+      }
+    });
     const double combine_ms = time_ms(ctx, 20, [&](int s) {
       if (!moe_combine(ctx, {.expert_out = out.as<uint16_t>(), .pair_row = r.pair_row.as<int32_t>() + s * rows,
                              .topk_ids = r.ids.as<int32_t>() + s * rows, .topk_weights = r.weights.as<float>(),
                              .y = y.as<uint16_t>(), .tokens = tokens, .top_k = kTopK, .hidden = kHidden})) std::abort();
     });
     const double combine_gbs = 2.0 * static_cast<double>(rows * kHidden + tokens * kHidden) / (combine_ms * 1e6);
-    std::printf("T=%-5lld route %8.2f us   align %8.2f us   combine %8.2f us (%5.0f GB/s)\n",
-                static_cast<long long>(tokens), route_ms * 1e3, align_ms * 1e3, combine_ms * 1e3, combine_gbs);
+    std::printf("T=%-5lld route %8.2f us   align %8.2f us   route+align %8.2f us   combine %8.2f us (%5.0f GB/s)\n",
+                static_cast<long long>(tokens), route_ms * 1e3, align_ms * 1e3, route_align_ms * 1e3,
+                combine_ms * 1e3, combine_gbs);
   }
 }
 

@@ -2,9 +2,11 @@
 // weight, bf16 or NVFP4, in one launch, with no host synchronisation. Both variants size their grid for the worst
 // case and each block looks its work up in expert_offsets:
 //   decode:  grid (blocks of weight-row tiles, active-expert slots). Slot s takes the s-th expert that has rows;
-//            slots past the active count exit at once. The weight streams once per 8 (T > 8: 16) of the expert's
-//            rows with 16-byte loads straight into mma fragments, K split over the warps of a block
-//            (nvfp4_device.cuh's decode scheme and block layout; bf16 the same way, unconverted).
+//            slots past the active count exit at once. With a second projection (w2) its tiles follow those of w
+//            along x, so gate and up stored apart still fill the SMs in one launch. The weight streams once per 8
+//            (T > 8: 16) of the expert's rows with 16-byte loads straight into mma fragments, K split over the warps
+//            of a block (nvfp4_device.cuh's decode scheme and block layout; bf16 the same way, unconverted). With
+//            x_silu_mul each block first computes the act rows of its pass into shared memory.
 //   prefill: grid (row tiles, 128-column weight tiles). The worst case needs ceil(rows / BM) + n_experts row tiles
 //            (every expert's last tile may be partial); tile i belongs to the expert whose tile range holds i.
 //            x rows are gathered through sorted_pairs by cp.async, W tiles go to shared memory as bf16 (NVFP4
@@ -12,6 +14,7 @@
 // NVFP4 semantics are W4A16 (model-specs.md 1.5): exact bf16 weight factors, weight_scale_2 applied to the fp32 sum.
 #include <algorithm>
 #include "kernels/cuda/module_attributes.h"
+#include <limits>
 #include <type_traits>
 
 #include "kernels/cuda/moe_launch.h"
@@ -44,6 +47,18 @@ struct GemmParams {
   uint16_t* y;
   int64_t ldy;
   bool y_pairs;  // (col, col + 1) of y may be stored as one 4-byte word
+  // The decode kernel's second projection (MoeGemmArgs::w2): blocks x >= w2_block compute it into y2. Without one,
+  // w2_block is past the grid. The prefill kernel reads only the fields above.
+  int w2_block;
+  int n2;
+  const uint16_t* wbf2;
+  int64_t wbf_stride2;
+  const uint8_t* packed2;
+  int64_t packed_stride2;
+  const uint8_t* scales2;
+  int64_t scales_stride2;
+  const float* global_scales2;
+  uint16_t* y2;
 };
 
 // The element offset of permuted row r's activations in x.
@@ -148,15 +163,18 @@ __device__ __forceinline__ uint32_t word_of(const uint4 (&v)[2], int m) {  // bf
   return uint4_word(v[m / 4], m % 4);
 }
 
-template <int kTokenTiles>
-__device__ __forceinline__ void bf16_decode_load(const GemmParams& p, const uint16_t* w, int n0, int step,
-                                                 const int64_t (&xoff)[kTokenTiles], Bf16DecodeChunk<kTokenTiles>& c) {
+// x rows at x + xoff[tt]: global memory (read-only for the kernel's life), or with kXShared the act rows a block
+// staged in shared memory.
+template <int kTokenTiles, bool kXShared>
+__device__ __forceinline__ void bf16_decode_load(const GemmParams& p, const uint16_t* w, int n, int n0, int step,
+                                                 const uint16_t* x, const int64_t (&xoff)[kTokenTiles],
+                                                 Bf16DecodeChunk<kTokenTiles>& c) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int k0 = step * kBf16DecodeStepK + t * 16;  // k is a multiple of 16: the 16 values are all in or all out
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = n0 + g + 8 * r;
-    const bool ok = row < p.n && k0 < p.k;
+    const bool ok = row < n && k0 < p.k;
     const uint4* src = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * p.k + k0);
     c.w[r][0] = ok ? __ldcs(src) : make_uint4(0, 0, 0, 0);
     c.w[r][1] = ok ? __ldcs(src + 1) : make_uint4(0, 0, 0, 0);
@@ -164,9 +182,9 @@ __device__ __forceinline__ void bf16_decode_load(const GemmParams& p, const uint
 #pragma unroll
   for (int tt = 0; tt < kTokenTiles; ++tt) {
     const bool ok = xoff[tt] >= 0 && k0 < p.k;
-    const uint4* src = reinterpret_cast<const uint4*>(p.x + xoff[tt] + k0);
-    c.x[tt][0] = ok ? __ldg(src) : make_uint4(0, 0, 0, 0);
-    c.x[tt][1] = ok ? __ldg(src + 1) : make_uint4(0, 0, 0, 0);
+    const uint4* src = reinterpret_cast<const uint4*>(x + xoff[tt] + k0);
+    c.x[tt][0] = ok ? (kXShared ? src[0] : __ldg(src)) : make_uint4(0, 0, 0, 0);
+    c.x[tt][1] = ok ? (kXShared ? src[1] : __ldg(src + 1)) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -185,18 +203,18 @@ __device__ __forceinline__ void bf16_decode_mma(const Bf16DecodeChunk<kTokenTile
   }
 }
 
-// The bf16 K loop of a warp: steps split, split + kSplitK, ..., kBf16DecodeUnroll at a time.
-template <int kSplitK, int kTokenTiles>
-__device__ __forceinline__ void bf16_decode_k_loop(const GemmParams& p, int e, int n0, int split,
-                                                   const int64_t (&xoff)[kTokenTiles],
+// The bf16 K loop of a warp over the expert's [n, k] weight w: steps split, split + kSplitK, ...,
+// kBf16DecodeUnroll at a time.
+template <int kSplitK, int kTokenTiles, bool kXShared>
+__device__ __forceinline__ void bf16_decode_k_loop(const GemmParams& p, const uint16_t* w, int n, int n0, int split,
+                                                   const uint16_t* x, const int64_t (&xoff)[kTokenTiles],
                                                    float (&acc)[kTokenTiles][1][4]) {
-  const uint16_t* w = p.wbf + e * p.wbf_stride;
   const int n_steps = (p.k + kBf16DecodeStepK - 1) / kBf16DecodeStepK;
   for (int s = split; s < n_steps; s += kSplitK * kBf16DecodeUnroll) {
     Bf16DecodeChunk<kTokenTiles> chunks[kBf16DecodeUnroll];
 #pragma unroll
     for (int u = 0; u < kBf16DecodeUnroll; ++u) {
-      bf16_decode_load<kTokenTiles>(p, w, n0, s + u * kSplitK, xoff, chunks[u]);
+      bf16_decode_load<kTokenTiles, kXShared>(p, w, n, n0, s + u * kSplitK, x, xoff, chunks[u]);
     }
 #pragma unroll
     for (int u = 0; u < kBf16DecodeUnroll; ++u) bf16_decode_mma<kTokenTiles>(chunks[u], acc);
@@ -212,50 +230,132 @@ __host__ __device__ constexpr int moe_decode_min_blocks(bool nvfp4, int m_tiles,
   return decode_min_blocks(split_k, token_tiles);
 }
 
-template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
+// SiLU-and-mul of the input (MoeGemmArgs::x_silu_mul). x rows hold [gate | up]; each block computes the act rows
+// of its pass once into shared memory, [8 * kTokenTiles][k + kActPad] bf16, and its warps read their x fragments
+// from there. The math is silu_mul's (elementwise.cu): silu(g) = g / (1 + expf(-g)) in fp32, times up, one bf16
+// rounding, written as the same expression so the compiler makes the same operations of it.
+
+constexpr int kActPad = 8;  // bf16 after each act row, so the rows of a warp's 8 tokens start in different banks
+// The largest split-K reduction buffer of any decode kernel (32 warps x 128 floats), which shares the block's
+// shared memory with the act rows.
+constexpr size_t kDecodeMaxRedBytes = kDecodeMaxSplitK * 128 * sizeof(float);
+
+__device__ __forceinline__ float silu_mul_f32(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// Two bf16 of act from the matching words of gate and up (element 0 in the low half).
+__device__ __forceinline__ uint32_t silu_mul_bf16x2(uint32_t gate, uint32_t up) {
+  const float lo = silu_mul_f32(__uint_as_float(gate << 16), __uint_as_float(up << 16));
+  const float hi = silu_mul_f32(__uint_as_float(gate & 0xFFFF0000u), __uint_as_float(up & 0xFFFF0000u));
+  return static_cast<uint32_t>(float_to_bf16_bits(lo)) | (static_cast<uint32_t>(float_to_bf16_bits(hi)) << 16);
+}
+
+// Act row i of the pass (permuted row r0 + i, i < 8 * kTokenTiles, while below row_end) into act, 8 values per
+// thread and step. Every thread of the block calls it: the first barrier keeps the previous pass's readers ahead of
+// the rewrite, the second makes the rows visible.
+template <int kTokenTiles>
+__device__ __forceinline__ void stage_silu_act(const GemmParams& p, int r0, int row_end, uint16_t* act) {
+  const int chunks = p.k / 8, rows = min(8 * kTokenTiles, row_end - r0);
+  __syncthreads();
+  for (int i = threadIdx.x; i < rows * chunks; i += blockDim.x) {
+    const int row = i / chunks, c = i % chunks;
+    const uint4* gate = reinterpret_cast<const uint4*>(p.x + x_row_offset(p, r0 + row) + c * 8);
+    const uint4 g = __ldg(gate), u = __ldg(gate + p.k / 8);
+    *reinterpret_cast<uint4*>(act + row * (p.k + kActPad) + c * 8) =
+        make_uint4(silu_mul_bf16x2(g.x, u.x), silu_mul_bf16x2(g.y, u.y), silu_mul_bf16x2(g.z, u.z),
+                   silu_mul_bf16x2(g.w, u.w));
+  }
+  __syncthreads();
+}
+
+// decode_load_x from the staged act rows (xoff: element offsets of the rows in act, -1: no token).
+template <int kTokenTiles>
+__device__ __forceinline__ void load_act_x(const uint16_t* act, const int64_t (&xoff)[kTokenTiles], int k, int step,
+                                           uint4 (&xv)[kTokenTiles][4]) {
+  const int k0 = step * kDecodeStepK + (threadIdx.x % 4) * 32;
+  const int valid = k - k0;  // a multiple of 16, so 16-byte pieces are whole
+#pragma unroll
+  for (int tt = 0; tt < kTokenTiles; ++tt) {
+    const uint4* src = reinterpret_cast<const uint4*>(act + xoff[tt] + k0);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) xv[tt][j] = xoff[tt] >= 0 && 8 * j < valid ? src[j] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kSiluX>
 __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
                                   moe_decode_min_blocks(kIsNvfp4, kMTiles, kSplitK, kTokenTiles))
     moe_decode_kernel(const GemmParams p) {
   static_assert(kIsNvfp4 || kMTiles == 1);
   constexpr int kTiles = decode_block_tiles(kSplitK), kRows = 16 * kMTiles;
   __shared__ __align__(16) float red[decode_red_floats<kSplitK, kMTiles, kTokenTiles>()];
+  static_assert(sizeof(red) <= kDecodeMaxRedBytes);
+  extern __shared__ __align__(16) unsigned char smem[];  // kSiluX: the act rows
+  uint16_t* act = reinterpret_cast<uint16_t*>(smem);
   const ActiveExpert ae = find_active_expert(p.offsets, p.n_experts, blockIdx.y);
   if (ae.expert < 0) return;  // every warp found the same: the whole block leaves
   const int e = ae.expert;
+  // Block-uniform: which projection this block computes, and its block index within that projection's tiles.
+  const bool second = static_cast<int>(blockIdx.x) >= p.w2_block;
+  const int block = second ? static_cast<int>(blockIdx.x) - p.w2_block : static_cast<int>(blockIdx.x);
+  const int n = second ? p.n2 : p.n;
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4;
   const int split = warp % kSplitK;
-  const int n0 = (blockIdx.x * kTiles + warp / kSplitK) * kRows;
-  auto weight = [&] { return DecodeWeightPtrs{p.packed + e * p.packed_stride, p.scales + e * p.scales_stride}; };
+  const int n0 = (block * kTiles + warp / kSplitK) * kRows;
+  auto weight = [&] {
+    return second ? DecodeWeightPtrs{p.packed2 + e * p.packed_stride2, p.scales2 + e * p.scales_stride2}
+                  : DecodeWeightPtrs{p.packed + e * p.packed_stride, p.scales + e * p.scales_stride};
+  };
+  auto bf16_weight = [&] { return second ? p.wbf2 + e * p.wbf_stride2 : p.wbf + e * p.wbf_stride; };
+  constexpr bool kPrefetch = decode_prefetch(kMTiles, kTokenTiles);
   for (int r0 = ae.row_begin; r0 < ae.row_end; r0 += 8 * kTokenTiles) {
     float acc[kTokenTiles][kMTiles][4] = {};
-    int64_t xoff[kTokenTiles];  // the x row of the lane's token in each token tile, -1: past the expert's rows
+    int64_t xoff[kTokenTiles];  // the x (or act) row of the lane's token in each token tile, -1: past the rows
     auto find_x_rows = [&] {
 #pragma unroll
       for (int tt = 0; tt < kTokenTiles; ++tt) {
         const int r = r0 + tt * 8 + g;
-        xoff[tt] = r < ae.row_end ? x_row_offset(p, r) : -1;
+        xoff[tt] = r >= ae.row_end ? -1 : kSiluX ? int64_t{tt * 8 + g} * (p.k + kActPad) : x_row_offset(p, r);
       }
     };
-    if (n0 < p.n) {  // warp-uniform; a tile past n still takes part in the reduction's barriers
+    // Stage 1: the K loop of each warp whose tile is inside n (warp-uniform; a tile past n still takes part in
+    // the barriers of the staging and the reduction).
+    if constexpr (kSiluX && kIsNvfp4) {
+      // The first weight loads leave before the act rows are computed, which they do not depend on.
+      DecodeW<kMTiles> w;
+      if (n0 < n) decode_load_w<kMTiles, kVec16>(weight().packed, weight().scales, n, p.k, n0, split, w);
+      stage_silu_act<kTokenTiles>(p, r0, ae.row_end, act);
+      find_x_rows();
+      auto load_x = [&](int step, uint4 (&xv)[kTokenTiles][4]) { load_act_x<kTokenTiles>(act, xoff, p.k, step, xv); };
+      if (n0 < n) {
+        decode_k_loop_with_x<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, load_x, n, p.k, n0, split, kSplitK, w,
+                                                                      acc);
+      }
+    } else if constexpr (kSiluX) {
+      stage_silu_act<kTokenTiles>(p, r0, ae.row_end, act);
+      find_x_rows();
+      if (n0 < n) bf16_decode_k_loop<kSplitK, kTokenTiles, true>(p, bf16_weight(), n, n0, split, act, xoff, acc);
+    } else if (n0 < n) {
       if constexpr (kIsNvfp4) {
         // The first weight loads leave before the gathered row lookups, which they do not depend on.
         DecodeW<kMTiles> w;
         const DecodeWeightPtrs first = weight();
-        decode_load_w<kMTiles, kVec16>(first.packed, first.scales, p.n, p.k, n0, split, w);
+        decode_load_w<kMTiles, kVec16>(first.packed, first.scales, n, p.k, n0, split, w);
         find_x_rows();
-        constexpr bool kPrefetch = decode_prefetch(kMTiles, kTokenTiles);
-        decode_k_loop<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, p.n, p.k, n0, p.x, xoff, split, kSplitK, w, acc);
+        decode_k_loop<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, n, p.k, n0, p.x, xoff, split, kSplitK, w, acc);
       } else {
         find_x_rows();
-        bf16_decode_k_loop<kSplitK, kTokenTiles>(p, e, n0, split, xoff, acc);
+        bf16_decode_k_loop<kSplitK, kTokenTiles, false>(p, bf16_weight(), n, n0, split, p.x, xoff, acc);
       }
     }
-    const float out_scale = kIsNvfp4 ? p.global_scales[e] * static_cast<float>(1 << kDecodeShift) : 1.0f;
+    // Stage 2: the split-K sums, scaled, to y.
+    const float out_scale =
+        kIsNvfp4 ? (second ? p.global_scales2 : p.global_scales)[e] * static_cast<float>(1 << kDecodeShift) : 1.0f;
+    uint16_t* y = second ? p.y2 : p.y;
     decode_reduce_store<kSplitK, kMTiles, kTokenTiles>(acc, red, [&](int tile, int row, int token, float sum) {
-      const int col = (blockIdx.x * kTiles + tile) * kRows + row;
+      const int col = (block * kTiles + tile) * kRows + row;
       const int prow = r0 + token;
-      if (col < p.n && prow < ae.row_end) {
-        p.y[static_cast<int64_t>(prow) * p.ldy + col] = float_to_bf16_bits(sum * out_scale);
+      if (col < n && prow < ae.row_end) {
+        y[static_cast<int64_t>(prow) * p.ldy + col] = float_to_bf16_bits(sum * out_scale);
       }
     });
   }
@@ -422,41 +522,84 @@ GemmParams make_params(const MoeGemmArgs& a) {
                     .global_scales = w.global_scales,
                     .y = a.y,
                     .ldy = a.ldy,
-                    .y_pairs = w.n % 2 == 0 && a.ldy % 2 == 0 && is_aligned(a.y, 4)};
+                    .y_pairs = w.n % 2 == 0 && a.ldy % 2 == 0 && is_aligned(a.y, 4),
+                    .w2_block = std::numeric_limits<int>::max(),  // the decode launch sets it
+                    .n2 = static_cast<int>(a.w2.n),
+                    .wbf2 = a.w2.bf16,
+                    .wbf_stride2 = a.w2.bf16_expert_stride,
+                    .packed2 = a.w2.packed,
+                    .packed_stride2 = a.w2.packed_expert_stride,
+                    .scales2 = a.w2.scales,
+                    .scales_stride2 = a.w2.scales_expert_stride,
+                    .global_scales2 = a.w2.global_scales,
+                    .y2 = a.y + a.y2_offset};
 }
 
-template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
-void decode_launch_kernel(const GemmParams& p, int64_t slots, cudaStream_t stream) {
+// The arguments of w2 alone, for the prefill variant's second launch.
+MoeGemmArgs second_projection(const MoeGemmArgs& a) {
+  MoeGemmArgs b = a;
+  b.w = a.w2;
+  b.y = a.y + a.y2_offset;
+  b.w2 = MoeExpertWeights{};
+  b.y2_offset = 0;
+  return b;
+}
+
+// A decode launch's parameters: the kernel's, the active-expert slots (grid y), and the shared memory a block gets
+// without opting in.
+struct DecodeLaunch {
+  GemmParams p;
+  int64_t slots;
+  size_t default_smem;
+  cudaStream_t stream;
+};
+
+constexpr size_t silu_act_bytes(int64_t k, int token_tiles) {
+  return static_cast<size_t>(8 * token_tiles * (k + kActPad)) * sizeof(uint16_t);
+}
+
+// Grid x: the tiles of w, then those of w2 (none without it), so both projections share one wave of blocks.
+template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kSiluX>
+void decode_launch_kernel(const DecodeLaunch& l) {
   constexpr int kTileRows = 16 * kMTiles * decode_block_tiles(kSplitK);
-  const dim3 grid(static_cast<unsigned>((p.n + kTileRows - 1) / kTileRows), static_cast<unsigned>(slots));
-  moe_decode_kernel<kIsNvfp4, kMTiles, kSplitK, kTokenTiles, kVec16>
-      <<<grid, decode_block_warps(kSplitK) * 32, 0, stream>>>(p);
+  GemmParams p = l.p;
+  const int64_t blocks = (p.n + kTileRows - 1) / kTileRows, blocks2 = (p.n2 + kTileRows - 1) / kTileRows;
+  p.w2_block = static_cast<int>(blocks);
+  const dim3 grid(static_cast<unsigned>(blocks + blocks2), static_cast<unsigned>(l.slots));
+  auto* kernel = moe_decode_kernel<kIsNvfp4, kMTiles, kSplitK, kTokenTiles, kVec16, kSiluX>;
+  const size_t act_bytes = kSiluX ? silu_act_bytes(p.k, kTokenTiles) : 0;
+  constexpr size_t kRedBytes = decode_red_floats<kSplitK, kMTiles, kTokenTiles>() * sizeof(float);
+  if (act_bytes + kRedBytes > l.default_smem) {
+    TERN_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(act_bytes)));
+  }
+  kernel<<<grid, decode_block_warps(kSplitK) * 32, act_bytes, l.stream>>>(p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
-template <bool kIsNvfp4, int kMTiles, int kTokenTiles, bool kVec16>
-void decode_launch_split(const GemmParams& p, int split_k, int64_t slots, cudaStream_t stream) {
+template <bool kIsNvfp4, int kMTiles, int kTokenTiles, bool kVec16, bool kSiluX>
+void decode_launch_split(const DecodeLaunch& l, int split_k) {
   switch (split_k) {
     case 1:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 1, kTokenTiles, kVec16>(p, slots, stream);
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 1, kTokenTiles, kVec16, kSiluX>(l);
     case 2:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 2, kTokenTiles, kVec16>(p, slots, stream);
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 2, kTokenTiles, kVec16, kSiluX>(l);
     case 4:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 4, kTokenTiles, kVec16>(p, slots, stream);
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 4, kTokenTiles, kVec16, kSiluX>(l);
     case 8:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 8, kTokenTiles, kVec16>(p, slots, stream);
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 8, kTokenTiles, kVec16, kSiluX>(l);
     case 16:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 16, kTokenTiles, kVec16>(p, slots, stream);
+      return decode_launch_kernel<kIsNvfp4, kMTiles, 16, kTokenTiles, kVec16, kSiluX>(l);
   }
   if constexpr (kIsNvfp4 && decode_max_split_k(kMTiles, kTokenTiles) == 32) {
-    decode_launch_kernel<kIsNvfp4, kMTiles, 32, kTokenTiles, kVec16>(p, slots, stream);
+    decode_launch_kernel<kIsNvfp4, kMTiles, 32, kTokenTiles, kVec16, kSiluX>(l);
   }
 }
 
 // bf16: K split over 4..16 warps per 16-row tile, more when tiles are scarce (at least ~16 resident warps per SM
-// for enough loads in flight), never more warps than 64-k steps.
+// for enough loads in flight), never more warps than 64-k steps. Tiles of w2 count with those of w.
 int bf16_decode_split(const DeviceProps& props, const MoeGemmArgs& a, int64_t slots) {
-  const int64_t tiles = (a.w.n + 15) / 16 * slots;
+  const int64_t tiles = ((a.w.n + 15) / 16 + (a.w2.n + 15) / 16) * slots;
   const int64_t steps = (a.w.k + kBf16DecodeStepK - 1) / kBf16DecodeStepK;
   int split = 16;
   if (tiles >= 2LL * props.num_sms) split = 8;
@@ -465,25 +608,32 @@ int bf16_decode_split(const DeviceProps& props, const MoeGemmArgs& a, int64_t sl
   return split;
 }
 
-template <int kTokenTiles>
-void decode_launch_format(const GemmParams& p, const MoeGemmArgs& a, const DeviceProps& props, cudaStream_t stream) {
+template <int kTokenTiles, bool kSiluX>
+void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, cudaStream_t stream) {
   // The active experts are unknown on the host; min(n_experts, rows) bounds them.
   const int64_t slots = std::min(a.w.n_experts, a.rows);
+  const DecodeLaunch l{make_params(a), slots, props.shared_mem_per_block, stream};
   if (a.w.format == MoeWeightFormat::kBf16) {
-    return decode_launch_split<!kNvfp4, 1, kTokenTiles, false>(p, bf16_decode_split(props, a, slots), slots, stream);
+    return decode_launch_split<!kNvfp4, 1, kTokenTiles, false, kSiluX>(l, bf16_decode_split(props, a, slots));
   }
-  // 16-byte weight loads need 16-byte aligned rows (k % 32) in every expert; the 2-byte scale loads 2-byte ones.
-  const bool vec16 = a.w.k % 32 == 0 && is_aligned(a.w.packed, 16) && a.w.packed_expert_stride % 16 == 0 &&
-                     is_aligned(a.w.scales, 2) && a.w.scales_expert_stride % 2 == 0;
+  // 16-byte weight loads need 16-byte aligned rows (k % 32) in every expert of both projections; the 2-byte scale
+  // loads 2-byte ones.
+  auto vec16_ok = [](const MoeExpertWeights& w) {
+    return w.n == 0 || (is_aligned(w.packed, 16) && w.packed_expert_stride % 16 == 0 && is_aligned(w.scales, 2) &&
+                        w.scales_expert_stride % 2 == 0);
+  };
+  const bool vec16 = a.w.k % 32 == 0 && vec16_ok(a.w) && vec16_ok(a.w2);
   // Two m16 tiles per warp only with 16-byte loads (the byte-wise path serves odd k and is not worth the code) and
-  // one token tile (with two, the MoE kernel's 32-row tiles would spill).
+  // one token tile (with two, the MoE kernel's 32-row tiles would spill). The shape is chosen for the rows of both
+  // projections, which share the grid.
   constexpr bool kTwoMTilesOk = kTokenTiles == 1;
-  const DecodeShape shape = decode_choose_shape(props.num_sms, a.w.n, a.w.k, slots, kTokenTiles, vec16 && kTwoMTilesOk);
-  if (!vec16) return decode_launch_split<kNvfp4, 1, kTokenTiles, false>(p, shape.split_k, slots, stream);
+  const DecodeShape shape =
+      decode_choose_shape(props.num_sms, a.w.n + a.w2.n, a.w.k, slots, kTokenTiles, vec16 && kTwoMTilesOk);
+  if (!vec16) return decode_launch_split<kNvfp4, 1, kTokenTiles, false, kSiluX>(l, shape.split_k);
   if constexpr (kTwoMTilesOk) {
-    if (shape.m_tiles == 2) return decode_launch_split<kNvfp4, 2, kTokenTiles, true>(p, shape.split_k, slots, stream);
+    if (shape.m_tiles == 2) return decode_launch_split<kNvfp4, 2, kTokenTiles, true, kSiluX>(l, shape.split_k);
   }
-  decode_launch_split<kNvfp4, 1, kTokenTiles, true>(p, shape.split_k, slots, stream);
+  decode_launch_split<kNvfp4, 1, kTokenTiles, true, kSiluX>(l, shape.split_k);
 }
 
 template <bool kIsNvfp4, int kBm, int kStages>
@@ -517,21 +667,33 @@ void prefill_launch_format(const GemmParams& p, const MoeGemmArgs& a, const Devi
   prefill_launch_stages<!kNvfp4, kBm>(p, a, stages, stream);
 }
 
-}  // namespace
-
-void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& a) {
-  const GemmParams p = make_params(a);
-  // One 8-row tile per pass covers every expert while tokens <= 8 (a token picks an expert once).
-  if (a.rows <= 8 * a.top_k) return decode_launch_format<1>(p, a, ctx.props(), ctx.stream());
-  decode_launch_format<2>(p, a, ctx.props(), ctx.stream());
-}
-
-// Row tiles of 128 halve the W dequantisation per output, but each expert's last tile is partial: while experts
-// average fewer than 128 rows, 64-row tiles waste less.
-void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& a) {
+void prefill_launch_projection(const DeviceContext& ctx, const MoeGemmArgs& a) {
   const GemmParams p = make_params(a);
   if (a.rows >= 128 * a.w.n_experts) return prefill_launch_format<128>(p, a, ctx.props(), ctx.stream());
   prefill_launch_format<64>(p, a, ctx.props(), ctx.stream());
+}
+
+}  // namespace
+
+void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& a) {
+  // One 8-row tile per pass covers every expert while tokens <= 8 (a token picks an expert once).
+  const bool one_tile = a.rows <= 8 * a.top_k;
+  if (a.x_silu_mul) {
+    if (one_tile) return decode_launch_format<1, true>(a, ctx.props(), ctx.stream());
+    return decode_launch_format<2, true>(a, ctx.props(), ctx.stream());
+  }
+  if (one_tile) return decode_launch_format<1, false>(a, ctx.props(), ctx.stream());
+  decode_launch_format<2, false>(a, ctx.props(), ctx.stream());
+}
+
+size_t moe_gemm_silu_smem_bytes(int64_t k) { return silu_act_bytes(k, 2) + kDecodeMaxRedBytes; }
+
+// Row tiles of 128 halve the W dequantisation per output, but each expert's last tile is partial: while experts
+// average fewer than 128 rows, 64-row tiles waste less. Prefill is bound by arithmetic, not by filling the SMs, so
+// w2 is simply a second launch.
+void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& a) {
+  prefill_launch_projection(ctx, a);
+  if (a.w2.n != 0) prefill_launch_projection(ctx, second_projection(a));
 }
 
 // What the driver loaded of this module for the current device (module_attributes.h).

@@ -8,8 +8,9 @@
 //   logits [T, E]        = x . router^T                      gemm_bf16
 //   topk ids, weights    = moe_route(logits)                 softmax (fp32), top-k, optional renormalisation
 //   offsets, permutation = moe_align(ids)                    counting sort of the T*k (token, j) pairs by expert
+//                                                            (at decode both in one launch: moe_route_align)
 //   gate_up [T*k, 2I]    = moe_gemm(x gathered, W_gate_up)   one launch for all experts
-//   act [T*k, I]         = silu_mul(gate_up)
+//   act [T*k, I]         = silu_mul(gate_up)                 at decode: inside the down GEMM (x_silu_mul)
 //   expert_out [T*k, H]  = moe_gemm(act, W_down)
 //   y [T, H]             = moe_combine(expert_out, weights)  + sigmoid(shared_gate) * shared_out
 // Nothing here synchronises with the host: the host knows tokens, top_k and n_experts, never the per-expert counts,
@@ -73,6 +74,16 @@ struct MoeExpertWeights {
 // Grouped GEMM over all experts in one launch: for each permuted row r of expert e,
 // y[r, 0..n) = x[src(r)] . W_e^T, src(r) = sorted_pairs[r] / top_k when gather (x holds token rows), else r (x holds
 // permuted rows already, as the down projection's input does). Rows past expert_offsets[n_experts] are not written.
+//
+// w2 (optional, n = 0: none) is a second projection of the same experts, k and format, computed in the same launch:
+// y[r, y2_offset + 0..w2.n) = x[src(r)] . W2_e^T. NVFP4 checkpoints store gate and up as two stacks with their own
+// global scales; with w = gate, w2 = up and y2_offset = I one decode grid spreads both over the SMs. (The prefill
+// variant, compute-bound, runs w2 as a second launch.)
+//
+// x_silu_mul (decode variant only): x holds [gate | up] rows of 2k values (ldx >= 2k) and the GEMM's input row is
+// act = silu(gate) * up, computed in fp32 and rounded once to bf16 exactly as silu_mul (elementwise.h) rounds, so
+// the result is bit-identical to silu_mul followed by this GEMM on its output. Each block stages the act rows of its
+// pass in shared memory (moe_gemm_silu_smem_bytes).
 struct MoeGemmArgs {
   const uint16_t* x = nullptr;  // [tokens or rows, ldx] bf16
   int64_t ldx = 0;
@@ -82,8 +93,11 @@ struct MoeGemmArgs {
   const int32_t* expert_offsets = nullptr;  // [n_experts + 1]
   MoeExpertWeights w;
   uint16_t* y = nullptr;  // [rows, ldy] bf16: columns [0, n) of each row are written (gate and up can share one
-  int64_t ldy = 0;        // [rows, 2I] buffer, the up launch writing at y + I)
+  int64_t ldy = 0;        // [rows, 2I] buffer, the up projection writing at y + I)
   int64_t rows = 0;       // tokens * top_k
+  MoeExpertWeights w2;    // optional second projection (see above)
+  int64_t y2_offset = 0;  // elements from a row of y to w2's column 0: w.n <= y2_offset <= ldy - w2.n
+  bool x_silu_mul = false;  // x holds [gate | up] rows (see above)
 };
 
 // y[t] = sum_j topk_weights[t,j] * expert_out[pair_row[t*top_k+j]] summed in fp32 in ascending expert index order
@@ -111,9 +125,19 @@ enum class MoeGemmVariant {
 // expert's weight about once per 16 rows while prefill's 64-row tiles would be mostly padding.
 inline constexpr int64_t kMoeDecodeMaxTokens = 64;
 
+// Shared memory of a decode block with x_silu_mul for k (the act rows of one pass plus the largest split-K
+// reduction buffer); the launcher rejects a k whose blocks would not fit the device's per-block opt-in limit.
+size_t moe_gemm_silu_smem_bytes(int64_t k);
+
+// Route and align in one single-block launch (moe_route's choices, then moe_align's counting sort of the ids just
+// chosen, kept in shared memory) for up to this many pairs (tokens * top_k), as at decode; the outputs are the two
+// kernels' bits.
+inline constexpr int64_t kMoeRouteAlignMaxPairs = 2048;
+
 // Unchecked launches on ctx.stream() for arguments the checked launchers have validated (counts >= 1).
 void moe_route_launch(const DeviceContext& ctx, const MoeRouteArgs& args);
 void moe_align_launch(const DeviceContext& ctx, const MoeAlignArgs& args);
+void moe_route_align_launch(const DeviceContext& ctx, const MoeRouteArgs& route, const MoeAlignArgs& align);
 void moe_combine_launch(const DeviceContext& ctx, const MoeCombineArgs& args);
 void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& args);
 void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& args);

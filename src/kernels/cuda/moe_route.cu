@@ -36,10 +36,15 @@ __device__ __forceinline__ void warp_argmax(float& key, int& index) {
   }
 }
 
-__global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const MoeRouteArgs a) {
+// One token's choices: lane j < top_k gets the j-th (descending probability) expert and its weight. The whole warp
+// calls it.
+struct RouteChoice {
+  int id;
+  float weight;
+};
+
+__device__ __forceinline__ RouteChoice route_token(const MoeRouteArgs& a, int64_t token) {
   const int lane = threadIdx.x % 32;
-  const int64_t token = int64_t{blockIdx.x} * kRouteWarps + threadIdx.x / 32;
-  if (token >= a.tokens) return;  // the whole warp
   const int n_experts = static_cast<int>(a.n_experts), top_k = static_cast<int>(a.top_k);
   const uint16_t* logits = a.logits + token * a.logits_stride;
 
@@ -88,9 +93,17 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const MoeRo
       my_id = index;
     }
   }
-  if (lane < top_k) {
-    a.topk_ids[token * top_k + lane] = my_id;
-    a.topk_weights[token * top_k + lane] = a.renormalize ? my_p / top_sum : my_p;
+  return {my_id, a.renormalize ? my_p / top_sum : my_p};
+}
+
+__global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const MoeRouteArgs a) {
+  const int lane = threadIdx.x % 32;
+  const int64_t token = int64_t{blockIdx.x} * kRouteWarps + threadIdx.x / 32;
+  if (token >= a.tokens) return;  // the whole warp
+  const RouteChoice c = route_token(a, token);
+  if (lane < a.top_k) {
+    a.topk_ids[token * a.top_k + lane] = c.id;
+    a.topk_weights[token * a.top_k + lane] = c.weight;
   }
 }
 
@@ -124,7 +137,8 @@ __device__ void align_scan_buckets(int* totals, int n) {
   }
 }
 
-__global__ void __launch_bounds__(kAlignWarps * 32) moe_align_kernel(const MoeAlignArgs a) {
+// The sort of the pairs' ids (a.topk_ids, or the fused kernel's copy in shared memory) by the whole block.
+__device__ __forceinline__ void align_pairs(const int32_t* ids, const MoeAlignArgs& a) {
   __shared__ int counts[kAlignWarps][kMoeMaxExperts + 1];
   __shared__ int bucket_start[kMoeMaxExperts + 1];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -138,7 +152,7 @@ __global__ void __launch_bounds__(kAlignWarps * 32) moe_align_kernel(const MoeAl
   // Stage 1: per-warp counts. Lanes past the chunk form their own group (bucket -1) and add nothing.
   for (int base = begin; base < end; base += 32) {
     const int pair = base + lane;
-    const int b = pair < end ? align_bucket(a.topk_ids[pair], n_experts) : -1;
+    const int b = pair < end ? align_bucket(ids[pair], n_experts) : -1;
     const unsigned peers = __match_any_sync(kFullMask, b);
     if (b >= 0 && lane == __ffs(peers) - 1) counts[warp][b] += __popc(peers);
     __syncwarp();  // the next step's leader of the same bucket may be another lane
@@ -163,7 +177,7 @@ __global__ void __launch_bounds__(kAlignWarps * 32) moe_align_kernel(const MoeAl
   // Stage 3: scatter.
   for (int base = begin; base < end; base += 32) {
     const int pair = base + lane;
-    const int b = pair < end ? align_bucket(a.topk_ids[pair], n_experts) : -1;
+    const int b = pair < end ? align_bucket(ids[pair], n_experts) : -1;
     const unsigned peers = __match_any_sync(kFullMask, b);
     if (b >= 0) {
       const int row = bucket_start[b] + counts[warp][b] + __popc(peers & lanemask_lt(lane));
@@ -174,6 +188,28 @@ __global__ void __launch_bounds__(kAlignWarps * 32) moe_align_kernel(const MoeAl
     if (b >= 0 && lane == __ffs(peers) - 1) counts[warp][b] += __popc(peers);
     __syncwarp();
   }
+}
+
+__global__ void __launch_bounds__(kAlignWarps * 32) moe_align_kernel(const MoeAlignArgs a) {
+  align_pairs(a.topk_ids, a);
+}
+
+// Route and align in one block: warp w routes tokens w, w + kAlignWarps, ..., writing the choices out and the ids
+// also to shared memory, from where the block sorts them once all are in. route_token and align_pairs are the two
+// kernels' code, so every output is the same bits.
+__global__ void __launch_bounds__(kAlignWarps * 32) moe_route_align_kernel(const MoeRouteArgs r, const MoeAlignArgs a) {
+  __shared__ int32_t ids[kMoeRouteAlignMaxPairs];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t token = warp; token < r.tokens; token += kAlignWarps) {  // warp-uniform
+    const RouteChoice c = route_token(r, token);
+    if (lane < r.top_k) {
+      r.topk_ids[token * r.top_k + lane] = c.id;
+      r.topk_weights[token * r.top_k + lane] = c.weight;
+      ids[token * r.top_k + lane] = c.id;
+    }
+  }
+  __syncthreads();
+  align_pairs(ids, a);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -249,6 +285,11 @@ void moe_route_launch(const DeviceContext& ctx, const MoeRouteArgs& a) {
 // steps of 32 pairs twice, tens of microseconds against milliseconds of expert GEMMs.
 void moe_align_launch(const DeviceContext& ctx, const MoeAlignArgs& a) {
   moe_align_kernel<<<1, kAlignWarps * 32, 0, ctx.stream()>>>(a);
+  TERN_CUDA_CHECK_LAUNCH();
+}
+
+void moe_route_align_launch(const DeviceContext& ctx, const MoeRouteArgs& route, const MoeAlignArgs& align) {
+  moe_route_align_kernel<<<1, kAlignWarps * 32, 0, ctx.stream()>>>(route, align);
   TERN_CUDA_CHECK_LAUNCH();
 }
 

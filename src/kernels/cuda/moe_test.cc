@@ -121,16 +121,22 @@ struct RouteCase {
   bool renormalize, coarse;  // coarse: logits on a grid of quarters, so many probabilities tie exactly
 };
 
-void check_route(const DeviceContext& ctx, const RouteCase& c, std::mt19937& rng) {
+// [tokens, n_experts + 3] logits; the padding columns would win every selection if they were read.
+std::vector<uint16_t> random_logits(const RouteCase& c, std::mt19937& rng) {
   const int64_t stride = c.n_experts + 3;
   std::normal_distribution<float> dist(0.0f, 2.0f);
   std::vector<uint16_t> logits(static_cast<size_t>(c.tokens * stride));
   for (int64_t i = 0; i < c.tokens * stride; ++i) {
     const float v = dist(rng);
-    // The padding columns would win every selection if they were read.
     logits[i] = i % stride >= c.n_experts ? float_to_bf16(100.0f)
                                           : float_to_bf16(c.coarse ? std::round(v * 2.0f) / 4.0f : v);
   }
+  return logits;
+}
+
+void check_route(const DeviceContext& ctx, const RouteCase& c, std::mt19937& rng) {
+  const int64_t stride = c.n_experts + 3;
+  const std::vector<uint16_t> logits = random_logits(c, rng);
   const DeviceBuffer d_logits = upload(logits);
   const size_t pairs = static_cast<size_t>(c.tokens * c.top_k);
   const DeviceBuffer ids = poisoned(pairs * 4), weights = poisoned(pairs * 4);
@@ -217,6 +223,88 @@ TEST(MoeAlign, OutOfRangeIdsGoAfterTheLastExpert) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Route and align in one launch
+
+// The outputs of routing and alignment, poisoned.
+struct RoutingBuffers {
+  DeviceBuffer ids, weights, offsets, sorted_pairs, pair_row;
+
+  RoutingBuffers(int64_t pairs, int64_t n_experts)
+      : ids(poisoned(static_cast<size_t>(pairs) * 4)), weights(poisoned(static_cast<size_t>(pairs) * 4)),
+        offsets(poisoned(static_cast<size_t>(n_experts + 1) * 4)),
+        sorted_pairs(poisoned(static_cast<size_t>(pairs) * 4)), pair_row(poisoned(static_cast<size_t>(pairs) * 4)) {}
+  MoeRouteArgs route(const DeviceBuffer& logits, const RouteCase& c) const {
+    return {.logits = logits.as<uint16_t>(), .logits_stride = c.n_experts + 3, .topk_ids = ids.as<int32_t>(),
+            .topk_weights = weights.as<float>(), .tokens = c.tokens, .n_experts = c.n_experts, .top_k = c.top_k,
+            .renormalize = c.renormalize};
+  }
+  MoeAlignArgs align(const RouteCase& c) const {
+    return {.topk_ids = ids.as<int32_t>(), .tokens = c.tokens, .top_k = c.top_k, .n_experts = c.n_experts,
+            .expert_offsets = offsets.as<int32_t>(), .sorted_pairs = sorted_pairs.as<int32_t>(),
+            .pair_row = pair_row.as<int32_t>()};
+  }
+};
+
+// moe_route_align against moe_route + moe_align (every output bit for bit) and against the host routing and sort.
+void check_route_align(const DeviceContext& ctx, const RouteCase& c, std::mt19937& rng) {
+  const size_t pairs = static_cast<size_t>(c.tokens * c.top_k), n_off = static_cast<size_t>(c.n_experts + 1);
+  const std::vector<uint16_t> logits = random_logits(c, rng);
+  const DeviceBuffer d_logits = upload(logits);
+  const RoutingBuffers two(c.tokens * c.top_k, c.n_experts), one(c.tokens * c.top_k, c.n_experts);
+  ASSERT_TRUE(moe_route(ctx, two.route(d_logits, c)).has_value());
+  ASSERT_TRUE(moe_align(ctx, two.align(c)).has_value());
+  const auto status = moe_route_align(ctx, one.route(d_logits, c), one.align(c));
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const std::string what = "T=" + std::to_string(c.tokens) + " E=" + std::to_string(c.n_experts) + " k=" +
+                           std::to_string(c.top_k) + (c.coarse ? " ties" : "");
+  const auto ids = download<int32_t>(one.ids, pairs);
+  const auto weights = download<float>(one.weights, pairs);
+  const auto offsets = download<int32_t>(one.offsets, n_off);
+  const auto sorted = download<int32_t>(one.sorted_pairs, pairs);
+  const auto pair_row = download<int32_t>(one.pair_row, pairs);
+  EXPECT_EQ(ids, download<int32_t>(two.ids, pairs)) << what;
+  EXPECT_EQ(download<uint32_t>(one.weights, pairs), download<uint32_t>(two.weights, pairs)) << what << " weight bits";
+  EXPECT_EQ(offsets, download<int32_t>(two.offsets, n_off)) << what;
+  EXPECT_EQ(sorted, download<int32_t>(two.sorted_pairs, pairs)) << what;
+  EXPECT_EQ(pair_row, download<int32_t>(two.pair_row, pairs)) << what;
+
+  const HostRouting want = route_reference(logits, c.n_experts + 3, c.tokens, c.n_experts, c.top_k, c.renormalize);
+  EXPECT_EQ(ids, want.ids) << what;
+  for (size_t i = 0; i < pairs; ++i) {
+    // check_route's bound
+    EXPECT_LE(std::fabs(weights[i] - want.weights[i]), 4e-6 * want.weights[i]) << what << " pair " << i;
+  }
+  const HostAlign want_align = align_reference(want.ids, c.n_experts);
+  EXPECT_EQ(offsets, want_align.offsets) << what;
+  EXPECT_EQ(sorted, want_align.sorted_pairs) << what;
+  EXPECT_EQ(pair_row, want_align.pair_row) << what;
+}
+
+// Decode token counts over the routing shapes of check_route, up to the one-block limit (64 tokens x top-32 = 2048
+// pairs), coarse logits for exact ties; and no tokens (all-zero offsets).
+TEST(MoeRouteAlign, MatchesTwoKernelsAndHost) {
+  DeviceContext ctx;
+  std::mt19937 rng(2011);
+  struct Shape {
+    int64_t n_experts, top_k;
+    bool renormalize, coarse;
+  };
+  for (const Shape& s : {Shape{8, 2, true, false}, Shape{256, 8, true, false}, Shape{256, 8, true, true},
+                         Shape{512, 10, false, true}, Shape{64, 1, true, false}, Shape{40, 32, true, true}}) {
+    for (int64_t tokens : {1, 2, 7, 64}) {
+      check_route_align(ctx, {tokens, s.n_experts, s.top_k, s.renormalize, s.coarse}, rng);
+    }
+  }
+  const RouteCase none{0, 16, 4, true, false};
+  const DeviceBuffer logits = poisoned(256);
+  const RoutingBuffers out(0, 16);
+  ASSERT_TRUE(moe_route_align(ctx, out.route(logits, none), out.align(none)).has_value());
+  ctx.synchronize();
+  EXPECT_EQ(download<int32_t>(out.offsets, 17), std::vector<int32_t>(17, 0));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Grouped GEMM
 
 // All experts' weights of one projection [E][n][k] on the host (the reference's dequantized view) and the device.
@@ -294,6 +382,13 @@ ExpertWeights make_routed_nvfp4(int64_t n_experts, int64_t n, int64_t k, const s
   return w;
 }
 
+// The experts a routing uses, ascending.
+std::vector<int32_t> distinct(std::vector<int32_t> ids) {
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  return ids;
+}
+
 const char* variant_name(MoeGemmVariant v) {
   return v == MoeGemmVariant::kDecode ? "decode" : v == MoeGemmVariant::kPrefill ? "prefill" : "auto";
 }
@@ -303,6 +398,64 @@ struct GemmCase {
   bool gather, skew;
   int64_t col0 = 0, ldy_extra = 0;  // write columns [col0, col0 + n) of rows ldy = col0 + n + ldy_extra wide
 };
+
+// fp64 product of every permuted row with its expert's weight: [rows, w.n], x read at src(r) (gather: token rows).
+// act (optional, as x_silu_mul reads x): x holds [gate | up] rows of 2k and the input is silu(gate) * up in fp64.
+gemm_test::Reference expert_reference(const ExpertWeights& w, const std::vector<uint16_t>& x, int64_t ldx,
+                                      const HostAlign& al, bool gather, int64_t top_k, bool act = false) {
+  const int64_t rows = static_cast<int64_t>(al.sorted_pairs.size()), n = w.n, k = w.k;
+  gemm_test::Reference ref{std::vector<double>(static_cast<size_t>(rows * n)),
+                           std::vector<double>(static_cast<size_t>(rows * n))};
+  std::vector<double> in(static_cast<size_t>(k));
+  for (int64_t e = 0; e < w.n_experts; ++e) {
+    for (int64_t r = al.offsets[e]; r < al.offsets[e + 1]; ++r) {
+      const int64_t src = gather ? al.sorted_pairs[r] / top_k : r;
+      for (int64_t q = 0; q < k; ++q) {
+        const double g = bf16_to_float(x[src * ldx + q]);
+        in[q] = act ? g / (1.0 + std::exp(-g)) * bf16_to_float(x[src * ldx + k + q]) : g;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const float* wr = &w.dequant[static_cast<size_t>(e)][static_cast<size_t>(j * k)];
+        double s = 0, a = 0;
+        for (int64_t q = 0; q < k; ++q) {
+          const double p = in[q] * wr[q];
+          s += p;
+          a += std::fabs(p);
+        }
+        ref.y[r * n + j] = s;
+        ref.abs[r * n + j] = a;
+      }
+    }
+  }
+  return ref;
+}
+
+// Columns [col0, col0 + n) of y [rows, ldy] as [rows, n].
+std::vector<uint16_t> y_columns(const std::vector<uint16_t>& y, int64_t rows, int64_t ldy, int64_t col0, int64_t n) {
+  std::vector<uint16_t> got(static_cast<size_t>(rows * n));
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(&y[r * ldy + col0], n, &got[r * n]);
+  return got;
+}
+
+// Elements of y [rows, ldy] outside the column windows [lo, hi) that are no longer poison.
+int64_t written_outside(const std::vector<uint16_t>& y, int64_t rows, int64_t ldy,
+                        const std::vector<std::pair<int64_t, int64_t>>& windows) {
+  int64_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < ldy; ++j) {
+      const bool inside =
+          std::any_of(windows.begin(), windows.end(), [&](auto w) { return j >= w.first && j < w.second; });
+      bad += !inside && y[r * ldy + j] != gemm_test::kPoison;
+    }
+  }
+  return bad;
+}
+
+std::string gemm_name(const ExpertWeights& w, MoeGemmVariant variant, int64_t tokens, int64_t top_k) {
+  return std::string(w.format == MoeWeightFormat::kNvfp4 ? "nvfp4 " : "bf16 ") + variant_name(variant) +
+         " E=" + std::to_string(w.n_experts) + " n=" + std::to_string(w.n) + " k=" + std::to_string(w.k) +
+         " T=" + std::to_string(tokens) + " top" + std::to_string(top_k);
+}
 
 // Runs one grouped GEMM on the routing `ids` and checks every written element and that the rest of y is untouched.
 void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const GemmCase& c, MoeGemmVariant variant,
@@ -321,43 +474,10 @@ void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const Gemm
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
   const auto y = download<uint16_t>(d_y, static_cast<size_t>(rows * ldy));
-  // Reference per permuted row, and the written block gathered into [rows, n] for gemm_test::check_gemm.
-  gemm_test::Reference ref{std::vector<double>(static_cast<size_t>(rows * n)),
-                           std::vector<double>(static_cast<size_t>(rows * n))};
-  std::vector<uint16_t> got(static_cast<size_t>(rows * n));
-  int64_t untouched_bad = 0;
-  for (int64_t e = 0; e < w.n_experts; ++e) {
-    for (int64_t r = al.offsets[e]; r < al.offsets[e + 1]; ++r) {
-      const int64_t src = c.gather ? al.sorted_pairs[r] / c.top_k : r;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* wr = &w.dequant[static_cast<size_t>(e)][static_cast<size_t>(j * k)];
-        double s = 0, a = 0;
-        for (int64_t q = 0; q < k; ++q) {
-          const double p = static_cast<double>(bf16_to_float(x[src * ldx + q])) * wr[q];
-          s += p;
-          a += std::fabs(p);
-        }
-        ref.y[r * n + j] = s;
-        ref.abs[r * n + j] = a;
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < ldy; ++j) {
-      const uint16_t v = y[r * ldy + j];
-      if (j >= c.col0 && j < c.col0 + n) {
-        got[r * n + j - c.col0] = v;
-      } else if (v != gemm_test::kPoison) {
-        ++untouched_bad;
-      }
-    }
-  }
-  EXPECT_EQ(untouched_bad, 0) << "columns outside [col0, col0 + n) were written";
-  const std::string what = std::string(w.format == MoeWeightFormat::kNvfp4 ? "nvfp4 " : "bf16 ") +
-                           variant_name(variant) + " E=" + std::to_string(w.n_experts) + " n=" + std::to_string(n) +
-                           " k=" + std::to_string(k) + " T=" + std::to_string(c.tokens) +
-                           " top" + std::to_string(c.top_k) + (c.skew ? " skewed" : "");
-  gemm_test::check_gemm(got, ref, rows, n, what);
+  EXPECT_EQ(written_outside(y, rows, ldy, {{c.col0, c.col0 + n}}), 0)
+      << "columns outside [col0, col0 + n) were written";
+  gemm_test::check_gemm(y_columns(y, rows, ldy, c.col0, n), expert_reference(w, x, ldx, al, c.gather, c.top_k), rows,
+                        n, gemm_name(w, variant, c.tokens, c.top_k) + (c.skew ? " skewed" : ""));
 }
 
 // The same on a fresh random routing (skew: see random_ids).
@@ -393,6 +513,138 @@ void check_gemm_shapes(MoeWeightFormat format) {
 TEST(MoeGemm, Bf16BothVariants) { check_gemm_shapes(MoeWeightFormat::kBf16); }
 TEST(MoeGemm, Nvfp4BothVariants) { check_gemm_shapes(MoeWeightFormat::kNvfp4); }
 
+// MoeGemmArgs::w2 on the routing `ids`: w into columns [0, w.n) and w2 into [y2_offset, y2_offset + w2.n) of
+// y [rows, ldy] in one call, each against its fp64 product, nothing else written.
+void check_gemm_pair(const DeviceContext& ctx, const ExpertWeights& w, const ExpertWeights& w2,
+                     const std::vector<int32_t>& ids, int64_t top_k, int64_t y2_offset, int64_t ldy,
+                     MoeGemmVariant variant, std::mt19937& rng) {
+  const int64_t rows = static_cast<int64_t>(ids.size()), tokens = rows / top_k, ldx = w.k + 8;
+  const HostAlign al = align_reference(ids, w.n_experts);
+  const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(tokens * ldx), rng);
+  const DeviceBuffer d_x = upload(x), d_off = upload(al.offsets), d_sorted = upload(al.sorted_pairs);
+  const DeviceBuffer d_y = poisoned(static_cast<size_t>(rows * ldy) * 2);
+  const auto status = moe_gemm(ctx,
+                               {.x = d_x.as<uint16_t>(), .ldx = ldx, .sorted_pairs = d_sorted.as<int32_t>(),
+                                .top_k = top_k, .gather = true, .expert_offsets = d_off.as<int32_t>(), .w = w.view(),
+                                .y = d_y.as<uint16_t>(), .ldy = ldy, .rows = rows, .w2 = w2.view(),
+                                .y2_offset = y2_offset},
+                               variant);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const auto y = download<uint16_t>(d_y, static_cast<size_t>(rows * ldy));
+  EXPECT_EQ(written_outside(y, rows, ldy, {{0, w.n}, {y2_offset, y2_offset + w2.n}}), 0)
+      << "columns outside both projections were written";
+  const std::string what = gemm_name(w, variant, tokens, top_k) + " +w2 n=" + std::to_string(w2.n);
+  gemm_test::check_gemm(y_columns(y, rows, ldy, 0, w.n), expert_reference(w, x, ldx, al, true, top_k), rows, w.n,
+                        what + " (w)");
+  gemm_test::check_gemm(y_columns(y, rows, ldy, y2_offset, w2.n), expert_reference(w2, x, ldx, al, true, top_k), rows,
+                        w2.n, what + " (w2)");
+}
+
+// Gate and up as two stacks (NVFP4: each expert of each with its own global scale) in one launch, at 1, 2, 7 and
+// 64 tokens: the fixture, then n, n2 and k off every tile and step (k % 32 != 0 takes NVFP4's 8-byte loads) with
+// a gap between the two column windows; then the 35B shape (two [512, 2048] stacks) with only routed experts set.
+TEST(MoeGemm, SecondProjectionInTheSameLaunch) {
+  DeviceContext ctx;
+  std::mt19937 rng(2008);
+  const MoeGemmVariant variants[] = {MoeGemmVariant::kDecode, MoeGemmVariant::kAuto, MoeGemmVariant::kPrefill};
+  struct Shape {
+    int64_t n_experts, n, n2, k, top_k, gap;
+  };
+  for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
+    for (const Shape& s : {Shape{8, 32, 32, 64, 2, 0}, Shape{64, 136, 120, 784, 8, 3}}) {
+      const ExpertWeights w = make_expert_weights(f, s.n_experts, s.n, s.k, 1.0f, rng);
+      const ExpertWeights w2 = make_expert_weights(f, s.n_experts, s.n2, s.k, 1.0f, rng);
+      for (int64_t tokens : {1, 2, 7, 64}) {
+        for (MoeGemmVariant v : variants) {
+          check_gemm_pair(ctx, w, w2, random_ids(tokens, s.top_k, s.n_experts, false, rng), s.top_k, s.n + s.gap,
+                          s.n + s.gap + s.n2 + s.gap, v, rng);
+        }
+      }
+    }
+  }
+  for (int64_t tokens : {1, 2, 7}) {
+    const std::vector<int32_t> ids = random_ids(tokens, 8, 256, false, rng);
+    const ExpertWeights gate = make_routed_nvfp4(256, 512, 2048, distinct(ids), rng);
+    const ExpertWeights up = make_routed_nvfp4(256, 512, 2048, distinct(ids), rng);
+    for (MoeGemmVariant v : {MoeGemmVariant::kDecode, MoeGemmVariant::kAuto}) {
+      check_gemm_pair(ctx, gate, up, ids, 8, 512, 1024, v, rng);
+    }
+  }
+}
+
+// MoeGemmArgs::x_silu_mul on permuted [gate | up] rows (ldx = 2k, as moe_forward's gate_up buffer) and the routing
+// `ids`: the decode kernel's y must equal, bit for bit, silu_mul followed by the same decode GEMM on its output,
+// and match the fp64 product of silu(gate) * up. Against fp64 the act's bf16 rounding (relative 2^-9, plus the
+// fp32 silu's few ulp) adds at most 2^-9 S to gemm_test's bound; dropping a 16-k block still moves y by about
+// 16 S / k, at least 2^-7 S here.
+void check_gemm_silu(const DeviceContext& ctx, const ExpertWeights& w, const std::vector<int32_t>& ids,
+                     int64_t top_k, std::mt19937& rng) {
+  const int64_t rows = static_cast<int64_t>(ids.size()), n = w.n, k = w.k;
+  const HostAlign al = align_reference(ids, w.n_experts);
+  const std::vector<uint16_t> gate_up = gemm_test::random_bf16(static_cast<size_t>(rows * 2 * k), rng);
+  const DeviceBuffer d_gu = upload(gate_up), d_off = upload(al.offsets);
+  const DeviceBuffer act = poisoned(static_cast<size_t>(rows * k) * 2);
+  const DeviceBuffer y_fused = poisoned(static_cast<size_t>(rows * n) * 2);
+  const DeviceBuffer y_split = poisoned(static_cast<size_t>(rows * n) * 2);
+  const MoeGemmArgs base{.x = d_gu.as<uint16_t>(), .ldx = 2 * k, .top_k = top_k, .expert_offsets = d_off.as<int32_t>(),
+                         .w = w.view(), .y = y_fused.as<uint16_t>(), .ldy = n, .rows = rows, .x_silu_mul = true};
+  auto status = moe_gemm(ctx, base, MoeGemmVariant::kDecode);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ASSERT_TRUE(
+      silu_mul(ctx, {.gate_up = d_gu.as<uint16_t>(), .y = act.as<uint16_t>(), .rows = rows, .inter = k}).has_value());
+  MoeGemmArgs split = base;
+  split.x = act.as<uint16_t>();
+  split.ldx = k;
+  split.y = y_split.as<uint16_t>();
+  split.x_silu_mul = false;
+  status = moe_gemm(ctx, split, MoeGemmVariant::kDecode);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const auto got = download<uint16_t>(y_fused, static_cast<size_t>(rows * n));
+  const std::string what = gemm_name(w, MoeGemmVariant::kDecode, rows / top_k, top_k) + " silu(x)";
+  EXPECT_EQ(got, download<uint16_t>(y_split, static_cast<size_t>(rows * n)))
+      << what << ": differs from silu_mul + GEMM";
+  const gemm_test::Reference ref = expert_reference(w, gate_up, 2 * k, al, false, top_k, true);
+  int64_t bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = bf16_to_float(got[i]), err = std::fabs(g - ref.y[i]);
+    const double allowed = gemm_test::kRelTol * std::fabs(ref.y[i]) + (gemm_test::kAbsTol + 0x1p-9) * ref.abs[i];
+    if (std::isfinite(g)) worst = std::max(worst, err / allowed);
+    if ((!std::isfinite(g) || err > allowed) && ++bad <= 5) {
+      ADD_FAILURE() << what << ": y[" << i / n << "," << i % n << "] = " << g << ", reference " << ref.y[i]
+                    << " (allowed error " << allowed << ")";
+    }
+  }
+  std::printf("%-48s max error / allowed = %.3f\n", what.c_str(), worst);
+}
+
+// The down projection with SiLU-and-mul folded in, at 1, 2, 7 and 64 tokens: the fixture (at 64 tokens each expert
+// takes several 16-row passes, so the act rows are restaged), n and k off every tile and step (k % 32 != 0: NVFP4's
+// 8-byte loads), a skewed routing, and the 35B down shape ([2048, 512]; NVFP4 with only the routed experts set).
+TEST(MoeGemm, SiluMulFoldedIntoTheDecodeKernel) {
+  DeviceContext ctx;
+  std::mt19937 rng(2010);
+  struct Shape {
+    int64_t n_experts, n, k, top_k;
+    bool skew;
+  };
+  for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
+    for (const Shape& s : {Shape{8, 32, 64, 2, false}, Shape{64, 136, 784, 8, false}, Shape{16, 130, 256, 4, true},
+                           Shape{16, 2048, 512, 8, false}}) {
+      const ExpertWeights w = make_expert_weights(f, s.n_experts, s.n, s.k, 1.0f, rng);
+      for (int64_t tokens : {1, 2, 7, 64}) {
+        check_gemm_silu(ctx, w, random_ids(tokens, s.top_k, s.n_experts, s.skew, rng), s.top_k, rng);
+      }
+    }
+  }
+  for (int64_t tokens : {1, 2, 7}) {
+    const std::vector<int32_t> ids = random_ids(tokens, 8, 256, false, rng);
+    check_gemm_silu(ctx, make_routed_nvfp4(256, 2048, 512, distinct(ids), rng), ids, 8, rng);
+  }
+}
+
 // Qwen3.5-35B-A3B's expert GEMMs at decode sizes (256 experts, top-8, hidden 2048, moe_intermediate 512): gate_up
 // [1024, 2048] on gathered token rows and down [2048, 512] on permuted rows, T = 1 and 8, through the decode kernel
 // and kAuto. Only the routed experts carry weights (make_routed_nvfp4). Then a ragged shape that takes the same
@@ -408,10 +660,7 @@ TEST(MoeGemm, Nvfp4DecodeModelShapes) {
        {Shape{256, 1024, 2048, 8, true}, Shape{256, 2048, 512, 8, false}, Shape{64, 1000, 672, 8, true}}) {
     for (int64_t tokens : {1, 8}) {
       const std::vector<int32_t> ids = random_ids(tokens, s.top_k, s.n_experts, false, rng);
-      std::vector<int32_t> used(ids);
-      std::sort(used.begin(), used.end());
-      used.erase(std::unique(used.begin(), used.end()), used.end());
-      const ExpertWeights w = make_routed_nvfp4(s.n_experts, s.n, s.k, used, rng);
+      const ExpertWeights w = make_routed_nvfp4(s.n_experts, s.n, s.k, distinct(ids), rng);
       for (MoeGemmVariant v : {MoeGemmVariant::kDecode, MoeGemmVariant::kAuto}) {
         check_gemm_ids(ctx, w, {tokens, s.top_k, s.gather, false}, v, ids, rng);
       }
@@ -453,14 +702,26 @@ CpuMatrix cpu_view(const ExpertWeights& w, int64_t e, int64_t row0, int64_t rows
   return m;
 }
 
-void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat format, std::mt19937& rng) {
+// How moe_forward runs: the token counts, the GEMM variant, and whether gate and up come as two stacks
+// (MoeForwardArgs::up; NVFP4: each quantized on its own, so every expert has two global scales).
+struct BlockRun {
+  std::vector<int64_t> tokens = {1, 3, 37, 1000};
+  MoeGemmVariant variant = MoeGemmVariant::kAuto;
+  bool split = false;
+};
+
+void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat format, std::mt19937& rng,
+                 const BlockRun& run = {}) {
   const int64_t h = s.hidden, inter = s.inter, e_count = s.n_experts;
   const std::vector<uint16_t> router = make_router(s, rng);
   // gate/up and down scaled by 1/sqrt(fan-in) keep every intermediate O(1). NVFP4 gate_up is quantized per expert
   // as one [2I, H] matrix: gate and up share weight_scale_2, as ModelOpt exports them.
   // (NVFP4 rows spread over 2^+-1 only: the block's intermediates stay O(1), as a trained model's do.)
   const ExpertWeights gate_up =
-      make_expert_weights(format, e_count, 2 * inter, h, 1.0f / std::sqrt(float(h)), rng, 1.0f);
+      make_expert_weights(format, e_count, (run.split ? 1 : 2) * inter, h, 1.0f / std::sqrt(float(h)), rng, 1.0f);
+  const ExpertWeights up = run.split
+                               ? make_expert_weights(format, e_count, inter, h, 1.0f / std::sqrt(float(h)), rng, 1.0f)
+                               : ExpertWeights{.format = format, .n_experts = 0, .n = 0, .k = 0};
   const ExpertWeights down = make_expert_weights(format, e_count, h, inter, 1.0f / std::sqrt(float(inter)), rng, 1.0f);
   const int64_t si = std::max<int64_t>(s.shared_inter, 8);
   const ExpertWeights shared_gu = make_expert_weights(MoeWeightFormat::kBf16, 1, 2 * si, h, 1.0f / std::sqrt(float(h)), rng);
@@ -469,7 +730,8 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
   MoeWeights cpu_w{.router = Linear("router", {.format = CpuWeightFormat::kBf16, .rows = e_count, .cols = h,
                                                .data = router.data()})};
   for (int64_t e = 0; e < e_count; ++e) {
-    cpu_w.experts.push_back({Linear("gate", cpu_view(gate_up, e, 0, inter)), Linear("up", cpu_view(gate_up, e, inter, inter)),
+    cpu_w.experts.push_back({Linear("gate", cpu_view(gate_up, e, 0, inter)),
+                             Linear("up", run.split ? cpu_view(up, e, 0, inter) : cpu_view(gate_up, e, inter, inter)),
                              Linear("down", cpu_view(down, e, 0, h))});
   }
   if (s.shared_inter > 0) {
@@ -482,7 +744,7 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
   const Moe cpu(MoeShape{.top_k = s.top_k, .renormalize = true}, std::move(cpu_w));
   const DeviceBuffer d_router = upload(router);
 
-  for (int64_t tokens : {1, 3, 37, 1000}) {
+  for (int64_t tokens : run.tokens) {
     const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(tokens * h), rng);
     const std::vector<float> xf = gemm_test::bf16_to_floats(x);
     std::vector<float> want(static_cast<size_t>(tokens * h));
@@ -510,9 +772,10 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
     const auto status = moe_forward(
         ctx, {.x = d_x.as<uint16_t>(), .router_logits = logits.as<uint16_t>(), .logits_stride = e_count + 1,
               .tokens = tokens, .hidden = h, .inter = inter, .n_experts = e_count, .top_k = s.top_k,
-              .gate_up = gate_up.view(), .down = down.view(), .shared_out = shared ? s_out.as<uint16_t>() : nullptr,
+              .gate_up = gate_up.view(), .up = run.split ? up.view() : MoeExpertWeights{}, .down = down.view(),
+              .shared_out = shared ? s_out.as<uint16_t>() : nullptr,
               .shared_gate = shared ? logits.as<uint16_t>() + e_count : nullptr, .shared_gate_stride = e_count + 1,
-              .y = d_y.as<uint16_t>(), .workspace = ws.data(), .workspace_bytes = ws_bytes});
+              .y = d_y.as<uint16_t>(), .workspace = ws.data(), .workspace_bytes = ws_bytes, .variant = run.variant});
     ASSERT_TRUE(status.has_value()) << status.error().message;
     ctx.synchronize();
     const auto got = download<uint16_t>(d_y, static_cast<size_t>(tokens * h));
@@ -536,9 +799,10 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
         }
       }
     }
-    std::printf("block %s H=%ld I=%ld E=%ld top%ld shared=%ld T=%ld: max error / allowed = %.3f\n",
-                format == MoeWeightFormat::kNvfp4 ? "nvfp4" : "bf16", long(h), long(inter), long(e_count),
-                long(s.top_k), long(s.shared_inter), long(tokens), worst);
+    std::printf("block %s %s%s H=%ld I=%ld E=%ld top%ld shared=%ld T=%ld: max error / allowed = %.3f\n",
+                format == MoeWeightFormat::kNvfp4 ? "nvfp4" : "bf16", variant_name(run.variant),
+                run.split ? " split" : "", long(h), long(inter), long(e_count), long(s.top_k), long(s.shared_inter),
+                long(tokens), worst);
     EXPECT_EQ(bad, 0) << tokens << " tokens";
   }
 }
@@ -551,6 +815,25 @@ TEST(MoeBlock, MatchesCpuMoeForward) {
   const BlockShape shapes[] = {{64, 32, 8, 2, 32}, {512, 128, 256, 8, 128}, {256, 64, 512, 10, 0}};
   for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
     for (const BlockShape& s : shapes) check_block(ctx, s, f, rng);
+  }
+}
+
+// The decode paths of moe_forward (kAuto at these token counts and kDecode) against Moe::forward: gate and up
+// together or as two stacks (then one launch), with and without the shared expert; and the same blocks through
+// kPrefill, whose launches stay separate.
+TEST(MoeBlock, DecodePathsMatchCpuMoeForward) {
+  DeviceContext ctx;
+  std::mt19937 rng(2009);
+  const BlockShape shapes[] = {{64, 32, 8, 2, 32}, {512, 128, 256, 8, 128}, {256, 64, 64, 4, 0}};
+  for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
+    for (const BlockShape& s : shapes) {
+      for (MoeGemmVariant v : {MoeGemmVariant::kAuto, MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill}) {
+        for (bool split : {false, true}) {
+          if (v == MoeGemmVariant::kDecode && !split) continue;  // the same launches as kAuto here
+          check_block(ctx, s, f, rng, {.tokens = {1, 2, 7, 64}, .variant = v, .split = split});
+        }
+      }
+    }
   }
 }
 
@@ -588,6 +871,21 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
   expect_error([&] { auto a = gemm; a.w.bf16_expert_stride = 100; return moe_gemm(ctx, a); }, "bf16_expert_stride=100");
   expect_error([&] { auto a = gemm; a.w.format = MoeWeightFormat::kNvfp4; return moe_gemm(ctx, a); },
                "packed weight is null");
+  const MoeGemmArgs pair = [&] { auto a = gemm; a.w2 = w; a.y2_offset = 16; a.ldy = 32; return a; }();
+  ASSERT_TRUE(moe_gemm(ctx, [&] { auto a = pair; a.rows = 0; return a; }()).has_value());
+  expect_error([&] { auto a = pair; a.w2.k = 32; return moe_gemm(ctx, a); },
+               "w2 (4 experts, k=32, bf16) must have w's");
+  expect_error([&] { auto a = pair; a.w2.format = MoeWeightFormat::kNvfp4; return moe_gemm(ctx, a); },
+               "w2: packed weight is null");
+  expect_error([&] { auto a = pair; a.y2_offset = 8; return moe_gemm(ctx, a); },
+               "y2_offset=8 must be in [n=16, ldy - w2.n=16]");
+  expect_error([&] { auto a = pair; a.ldy = 24; return moe_gemm(ctx, a); },
+               "y2_offset=16 must be in [n=16, ldy - w2.n=8]");
+  const MoeGemmArgs silu = [&] { auto a = gemm; a.gather = false; a.ldx = 128; a.x_silu_mul = true; return a; }();
+  ASSERT_TRUE(moe_gemm(ctx, [&] { auto a = silu; a.rows = 0; return a; }(), MoeGemmVariant::kDecode).has_value());
+  expect_error([&] { return moe_gemm(ctx, silu, MoeGemmVariant::kPrefill); }, "x_silu_mul needs the decode variant");
+  expect_error([&] { auto a = silu; a.ldx = 120; return moe_gemm(ctx, a); },
+               "ldx=120 must be at least 2k=128 with x_silu_mul");
 
   const MoeCombineArgs comb{.expert_out = u16, .pair_row = i32, .topk_ids = i32, .topk_weights = buf.as<float>(),
                             .y = buf.as<uint16_t>(), .tokens = 1, .top_k = 2, .hidden = 64};
@@ -597,6 +895,20 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
     return moe_align(ctx, {.topk_ids = i32, .tokens = 1, .top_k = 2, .n_experts = 0, .expert_offsets = i32,
                            .sorted_pairs = i32, .pair_row = i32});
   }, "n_experts=0");
+  const MoeAlignArgs align{.topk_ids = i32, .tokens = 1, .top_k = 2, .n_experts = 8, .expert_offsets = i32 + 64,
+                           .sorted_pairs = i32 + 128, .pair_row = i32 + 192};
+  expect_error([&] { auto a = align; a.topk_ids = i32 + 8; return moe_route_align(ctx, route, a); },
+               "align must sort the route's topk_ids");
+  expect_error([&] { auto a = align; a.tokens = 2; return moe_route_align(ctx, route, a); },
+               "align must sort the route's topk_ids");
+  expect_error([&] {
+    auto r = route;
+    auto a = align;
+    r.tokens = a.tokens = 129;
+    r.top_k = a.top_k = 16;
+    r.n_experts = a.n_experts = r.logits_stride = 16;
+    return moe_route_align(ctx, r, a);
+  }, "tokens * top_k = 2064 is more than the 2048 pairs");
 }
 
 }  // namespace

@@ -322,11 +322,13 @@ __device__ __forceinline__ void decode_mma_step(const DecodeW<kMTiles>& w, const
 // (the caller loads it before computing the x offsets, so those loads leave first). weight() returns the
 // DecodeWeightPtrs; the MoE kernel computes them from the expert on demand rather than holding four more
 // registers through the loop. kPrefetch: the next step's weight loads leave before this step's mmas, for warps
-// that walk many steps (no K split) and have the registers for a second DecodeW.
-template <int kMTiles, int kTokenTiles, bool kVec16, bool kPrefetch, class WeightOf>
-__device__ __forceinline__ void decode_k_loop(WeightOf&& weight, int n, int k, int n0, const uint16_t* x,
-                                              const int64_t (&xoff)[kTokenTiles], int first, int stride,
-                                              DecodeW<kMTiles>& w, float (&acc)[kTokenTiles][kMTiles][4]) {
+// that walk many steps (no K split) and have the registers for a second DecodeW. decode_k_loop reads x rows from
+// global memory (decode_load_x); decode_k_loop_with_x leaves each step's x to load_x(step, xv), which fills xv as
+// decode_load_x would (the MoE kernel's activations computed into shared memory).
+template <int kMTiles, int kTokenTiles, bool kVec16, bool kPrefetch, class WeightOf, class LoadX>
+__device__ __forceinline__ void decode_k_loop_with_x(WeightOf&& weight, LoadX&& load_x, int n, int k, int n0,
+                                                     int first, int stride, DecodeW<kMTiles>& w,
+                                                     float (&acc)[kTokenTiles][kMTiles][4]) {
   const int n_steps = (k + kDecodeStepK - 1) / kDecodeStepK;
   for (int step = first; step < n_steps; step += stride) {
     const bool more = step + stride < n_steps;
@@ -336,7 +338,7 @@ __device__ __forceinline__ void decode_k_loop(WeightOf&& weight, int n, int k, i
       decode_load_w<kMTiles, kVec16>(ptrs.packed, ptrs.scales, n, k, n0, step + stride, next);
     }
     uint4 xv[kTokenTiles][4];
-    decode_load_x<kTokenTiles>(x, xoff, k, step, xv);
+    load_x(step, xv);
     decode_mma_step<kMTiles, kTokenTiles>(w, xv, acc);
     if (kPrefetch && more) {
       w = next;
@@ -345,6 +347,14 @@ __device__ __forceinline__ void decode_k_loop(WeightOf&& weight, int n, int k, i
       decode_load_w<kMTiles, kVec16>(ptrs.packed, ptrs.scales, n, k, n0, step + stride, w);
     }
   }
+}
+
+template <int kMTiles, int kTokenTiles, bool kVec16, bool kPrefetch, class WeightOf>
+__device__ __forceinline__ void decode_k_loop(WeightOf&& weight, int n, int k, int n0, const uint16_t* x,
+                                              const int64_t (&xoff)[kTokenTiles], int first, int stride,
+                                              DecodeW<kMTiles>& w, float (&acc)[kTokenTiles][kMTiles][4]) {
+  auto load_x = [&](int step, uint4 (&xv)[kTokenTiles][4]) { decode_load_x<kTokenTiles>(x, xoff, k, step, xv); };
+  decode_k_loop_with_x<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, load_x, n, k, n0, first, stride, w, acc);
 }
 
 // Prefetching doubles the weight registers: only the two-token-tile kernels (128-register budget) with 16-row tiles.
