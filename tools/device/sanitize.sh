@@ -5,6 +5,8 @@
 # summary. Exit status: the number of runs with findings or failures. Logs go to $OUT (or ./sanitize-out).
 #
 # usage: tools/device/sanitize.sh BIN_DIR [TOOL...]      (default tools: memcheck racecheck)
+#        ONLY=REGEX tools/device/sanitize.sh ...           only the cases whose "binary:filter" matches REGEX
+#        CASE_TIMEOUT=SECONDS (default 300) per case and tool
 set -uo pipefail
 bin=$(cd "${1:?usage: sanitize.sh BIN_DIR [TOOL...]}" && pwd)
 shift
@@ -20,20 +22,23 @@ mkdir -p "$out"
 cases=(
   "cuda_gemm_nvfp4_test:GemmNvfp4W4a16.SmallShapes:GemmNvfp4W4a16.RejectsBadArguments:GemmNvfp4W4a16.DecodeModelShapes"
   "cuda_gemm_bf16_test:*"
+  "cuda_gemv_bf16_test:GemvBf16.MatchesReferenceOnSmallOddShapes:GemvBf16.WritesOnlyItsColumnsOfAWiderOutput:GemvBf16.EveryGroupSizeMatchesReference"
   "ops_elementwise_cuda_test:*RmsNorm*:*Rope*:*SiluMul*:*Embedding*"
   "cuda_attention_test:CudaAttention.DecodeMatchesCpuOnRaggedBatches:CudaAttention.PrefillMatchesCpuOnRaggedBatches:CudaAttention.PrepareMatchesCpuLayers"
   "cuda_gdn_test:GdnKernels.DeltaRuleMatchesCpuOnRaggedBatches:GdnKernels.ConvMatchesCpuOnRaggedBatchesAndContinues"
   "cuda_moe_test:MoeRoute.*:MoeAlign.*:MoeBlock.*:MoeGemm.Nvfp4DecodeModelShapes"
-  "cuda_sampling_test:CudaSampling.GreedyMatchesCpuIncludingTies:CudaSampling.PenaltiesMatchCpu:CudaSampling.NonFiniteLogitsFailOnlyTheirRow"
+  "cuda_moe_test:MoeRouteAlign.*:MoeGemm.SecondProjectionInTheSameLaunch:MoeGemm.SiluMulFoldedIntoTheDecodeKernel"
+  "cuda_sampling_test:CudaSampling.GreedyMatchesCpuIncludingTies:CudaSampling.PenaltiesMatchCpu:CudaSampling.NonFiniteLogitsFailOnlyTheirRow:CudaSampling.NonFiniteLogitsInOneOrTwoRows"
   "cuda_nvfp4_quantize_test:*"
 )
 failed=0
 for tool in "${tools[@]}"; do
   for c in "${cases[@]}"; do
+    [[ -n "${ONLY:-}" && ! "$c" =~ $ONLY ]] && continue
     test=${c%%:*} filter=${c#*:}
     [[ -x "$bin/$test" ]] || { echo "$tool $test: not in $bin"; failed=$((failed + 1)); continue; }
     log="$out/${tool}_$test.log"
-    timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 99 "$bin/$test" --gtest_filter="$filter" > "$log" 2>&1
+    timeout "${CASE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 99 "$bin/$test" --gtest_filter="$filter" > "$log" 2>&1
     rc=$?
     summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY" "$log" | tail -1)
     echo "$tool $test: exit $rc ${summary:-(no summary: see $log)}"
