@@ -50,20 +50,19 @@ bool linear_is_nvfp4(const std::optional<SafetensorsSet>& tensors, const std::op
   return quant && !quant->is_excluded(module);
 }
 
-// The projection a linear is computed in by the CUDA model (models/gpu/gpu_model.cc fuses the BF16 linears that
-// read the same input into one GEMM): "" for one of its own. GDN's and the MoE block's fused outputs have their row
-// stride rounded up to 8 columns.
-std::pair<std::string, int64_t> fused_group(const LinearSpec& l) {
+// The projection a linear is computed in by the CUDA model (models/gpu/gpu_model.cc fuses the linears that read the
+// same input into one projection, whose adjacent BF16 parts are one GEMM): "" for one of its own.
+std::string fused_group(const LinearSpec& l) {
   const auto ends = [&](std::string_view suffix) { return l.module.ends_with(suffix); };
   const bool gate_or_up = ends(".gate_proj") || ends(".up_proj");
-  if (l.role == LinearRole::kAttention && (ends(".q_proj") || ends(".k_proj") || ends(".v_proj"))) return {"attn", 1};
-  if (l.role == LinearRole::kLinearAttention && !ends(".out_proj")) return {"gdn", 8};
-  if (l.role == LinearRole::kMlp && gate_or_up) return {"mlp", 1};
+  if (l.role == LinearRole::kAttention && (ends(".q_proj") || ends(".k_proj") || ends(".v_proj"))) return "attn";
+  if (l.role == LinearRole::kLinearAttention && !ends(".out_proj")) return "gdn";
+  if (l.role == LinearRole::kMlp && gate_or_up) return "mlp";
   if (l.role == LinearRole::kRouter || l.role == LinearRole::kSharedExpertGate ||
       (l.role == LinearRole::kSharedExpert && gate_or_up)) {
-    return {"moe", 8};
+    return "moe";
   }
-  return {"", 1};
+  return "";
 }
 
 Expected<ModelGemms> model_gemm_shapes(const std::filesystem::path& dir, const ModelConfig& config) {
@@ -73,10 +72,10 @@ Expected<ModelGemms> model_gemm_shapes(const std::filesystem::path& dir, const M
   const std::string prefix = tensors ? weight_schema_text_prefix(*tensors) : weight_schema_default_text_prefix(config);
   const WeightSchema schema = weight_schema_build(config, prefix);
   ModelGemms g;
-  // Per (layer, group): summed out_features, in_features, row multiple, parts, and whether any part is NVFP4.
+  // Per (layer, group): the BF16 parts' summed out_features (the GEMM's n; an NVFP4 part is a GEMM of its own),
+  // their in_features and count.
   struct Fused {
-    int64_t n = 0, k = 0, multiple = 1, parts = 0;
-    bool nvfp4 = false;
+    int64_t n = 0, k = 0, parts = 0;
   };
   std::map<std::pair<int64_t, std::string>, Fused> fused;
   for (const LinearSpec& l : schema.linears) {
@@ -86,14 +85,13 @@ Expected<ModelGemms> model_gemm_shapes(const std::filesystem::path& dir, const M
     }
     const bool nvfp4 = linear_is_nvfp4(tensors, quant, l.module, l.out_features, l.in_features);
     (nvfp4 ? g.nvfp4 : g.bf16).insert({l.out_features, l.in_features});
-    if (const auto [group, multiple] = fused_group(l); !group.empty()) {
+    if (const std::string group = fused_group(l); !group.empty() && !nvfp4) {
       Fused& f = fused[{l.layer, group}];
-      f = {.n = f.n + l.out_features, .k = l.in_features, .multiple = multiple, .parts = f.parts + 1,
-           .nvfp4 = f.nvfp4 || nvfp4};
+      f = {.n = f.n + l.out_features, .k = l.in_features, .parts = f.parts + 1};
     }
   }
   for (const auto& [key, f] : fused) {  // the shapes the model's fused BF16 GEMMs run at
-    if (f.parts > 1 && !f.nvfp4) g.bf16.insert({(f.n + f.multiple - 1) / f.multiple * f.multiple, f.k});
+    if (f.parts > 1) g.bf16.insert({f.n, f.k});
   }
   for (const ExpertGroupSpec& e : schema.expert_groups) {
     const bool fused = tensors && tensors->find(e.prefix + ".gate_up_proj") != nullptr;
