@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <bit>
 #include <sstream>
+#include <string>
+#include <utility>
 
 #include "core/formats.h"
 #include "kernels/cuda/device.h"
@@ -117,42 +119,41 @@ BinaryImage cuda_binary_image() {
   return image;
 }
 
+namespace {
+
+// A gemm_bf16 implementation: the harness's inputs uploaded, `gemm` timed into a poisoned output.
+using Bf16Gemm = Expected<void> (*)(const DeviceContext&, const GemmBf16Args&);
+Implementation bf16_implementation(std::string name, int priority, std::shared_ptr<DeviceContext> context,
+                                   Bf16Gemm gemm) {
+  return Implementation{
+      .op = "gemm_bf16",
+      .name = std::move(name),
+      .backend = Backend::kCuda,
+      .priority = priority,
+      .tolerance = kBf16OutputTolerance,
+      .unsupported_reason = cuda_unsupported_reason,
+      .run = [context, gemm](const OpInputs& base) -> Expected<RunOutput> {
+        const auto& in = static_cast<const GemmInputs&>(base);
+        const GemmDeviceInputs d = gemm_upload(in, context->stream());
+        return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
+          return gemm(*context, {.x = d.x.as<uint16_t>(), .w = d.w_bf16.as<uint16_t>(), .y = y, .m = in.m,
+                                 .n = in.n, .k = in.k});
+        });
+      },
+  };
+}
+
+// The decode GEMV for m <= kGemvPreferredMaxRows and cuBLASLt above it: one implementation, so a model calls one
+// entry point at every batch size, and its self-test (run over every batch size the model uses) verifies both paths.
+Expected<void> gemv_or_cublaslt(const DeviceContext& ctx, const GemmBf16Args& args) {
+  return args.m <= kGemvPreferredMaxRows ? gemv_bf16(ctx, args) : gemm_bf16(ctx, args);
+}
+
+}  // namespace
+
 Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceContext> context) {
-  TERN_TRY(registry.add(Implementation{
-      .op = "gemm_bf16",
-      .name = "cublaslt",
-      .backend = Backend::kCuda,
-      .priority = 10,
-      .tolerance = kBf16OutputTolerance,
-      .unsupported_reason = cuda_unsupported_reason,
-      .run = [context](const OpInputs& base) -> Expected<RunOutput> {
-        const auto& in = static_cast<const GemmInputs&>(base);
-        const GemmDeviceInputs d = gemm_upload(in, context->stream());
-        return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
-          return gemm_bf16(*context, {.x = d.x.as<uint16_t>(), .w = d.w_bf16.as<uint16_t>(), .y = y, .m = in.m,
-                                      .n = in.n, .k = in.k});
-        });
-      },
-  }));
-  // The decode GEMV for m <= kGemvPreferredMaxRows and cuBLASLt above it: one implementation, so a model calls one entry
-  // point at every batch size, and its self-test (run over every batch size the model uses) verifies both paths.
-  TERN_TRY(registry.add(Implementation{
-      .op = "gemm_bf16",
-      .name = "gemv",
-      .backend = Backend::kCuda,
-      .priority = 20,
-      .tolerance = kBf16OutputTolerance,
-      .unsupported_reason = cuda_unsupported_reason,
-      .run = [context](const OpInputs& base) -> Expected<RunOutput> {
-        const auto& in = static_cast<const GemmInputs&>(base);
-        const GemmDeviceInputs d = gemm_upload(in, context->stream());
-        return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
-          const GemmBf16Args args{.x = d.x.as<uint16_t>(), .w = d.w_bf16.as<uint16_t>(), .y = y, .m = in.m,
-                                  .n = in.n, .k = in.k};
-          return in.m <= kGemvPreferredMaxRows ? gemv_bf16(*context, args) : gemm_bf16(*context, args);
-        });
-      },
-  }));
+  TERN_TRY(registry.add(bf16_implementation("cublaslt", 10, context, gemm_bf16)));
+  TERN_TRY(registry.add(bf16_implementation("gemv", 20, context, gemv_or_cublaslt)));
   TERN_TRY(registry.add(Implementation{
       .op = "gemm_nvfp4",
       .name = "w4a16",

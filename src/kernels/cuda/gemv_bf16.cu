@@ -10,6 +10,7 @@
 
 #include "kernels/cuda/gemv_bf16_launch.h"
 #include "kernels/cuda/module_attributes.h"
+#include "kernels/cuda/ptx.cuh"
 
 namespace tern {
 namespace {
@@ -19,15 +20,9 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kCols = 4;  // output columns (rows of W) per group of threads
 constexpr int kVec = 8;   // bf16 values per 16-byte chunk
 
-// W is read once: it bypasses L1, leaving L1 to x (which every block reads), and asks L2 for the surrounding 256
-// bytes, which the neighbouring lanes read at the same time anyway.
-__device__ __forceinline__ uint4 ld_weight_16(const uint16_t* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
+// W is read once (ptx::ld_stream_16): L1 stays with x, which every block reads; the 256 bytes L2 fetches are the
+// neighbouring lanes' reads of the same step.
+__device__ __forceinline__ uint4 ld_weight_16(const uint16_t* p) { return ptx::ld_stream_16(p); }
 
 // bf16 is the upper half of an fp32: widening is a shift (even element) or a mask (odd element).
 __device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&v)[kVec]) {

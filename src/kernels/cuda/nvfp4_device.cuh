@@ -166,13 +166,7 @@ struct DecodeW {
 // The packed weight is read once: it bypasses L1 (x, which every warp of a tile reads, stays there) and asks L2
 // for the surrounding 256 bytes, the neighbouring steps that the other warps of the tile read next. (An L2
 // evict-first policy would hold a 64-bit register for the kernel's life, which the 64-register budget lacks.)
-__device__ __forceinline__ uint4 ld_weight_16(const uint8_t* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
+__device__ __forceinline__ uint4 ld_weight_16(const uint8_t* p) { return ptx::ld_stream_16(p); }
 __device__ __forceinline__ uint2 ld_weight_8(const uint8_t* p) {
   uint2 v;
   asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
