@@ -115,8 +115,8 @@ struct DeviceModelOptions {
   // "cuda-decode" / "cuda-prefill" and "cuda-recurrent" / "cuda-chunked" pin one.
   std::string attention_variant = "auto";
   std::string gdn_variant = "auto";
-  // BF16 projections of at most kGemvPreferredMaxRows rows (decode) through tern's own GEMV instead of cuBLASLt: set when the
-  // self-test chose gemm_bf16's "gemv" implementation (or the user forced it).
+  // BF16 projections of at most kGemvPreferredMaxRows rows (decode) through tern's own GEMV instead of cuBLASLt: set
+  // when the self-test chose gemm_bf16's "gemv" implementation (or the user forced it).
   bool bf16_gemv = false;
   // Decode steps (one token per sequence) replayed as CUDA graphs, one per batch size and context bucket, instead
   // of ~10 launches per layer from the host. Off: every step launched eagerly (--enforce-eager).

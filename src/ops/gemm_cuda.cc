@@ -136,8 +136,8 @@ Implementation bf16_implementation(std::string name, int priority, std::shared_p
         const auto& in = static_cast<const GemmInputs&>(base);
         const GemmDeviceInputs d = gemm_upload(in, context->stream());
         return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
-          return gemm(*context, {.x = d.x.as<uint16_t>(), .w = d.w_bf16.as<uint16_t>(), .y = y, .m = in.m,
-                                 .n = in.n, .k = in.k});
+          return gemm(*context,
+                      {.x = d.x.as<uint16_t>(), .w = d.w_bf16.as<uint16_t>(), .y = y, .m = in.m, .n = in.n, .k = in.k});
         });
       },
   };

@@ -1,6 +1,6 @@
 // The CUDA implementations of the GEMM ops (built only with CUDA): "cublaslt" and "gemv" (the decode GEMV up to
-// kGemvPreferredMaxRows rows, cuBLASLt above) for gemm_bf16 and "w4a16" for gemm_nvfp4, run through the same harness and
-// verdicts as the CPU ones.
+// kGemvPreferredMaxRows rows, cuBLASLt above) for gemm_bf16 and "w4a16" for gemm_nvfp4, run through the same harness
+// and verdicts as the CPU ones.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -71,8 +71,8 @@ std::vector<Fault> nvfp4_faults() {
 std::vector<Fault> gemv_faults() {
   auto gemv = [](const DeviceContext& ctx, const GemmInputs& in, const GemmDeviceInputs& d, uint16_t* y, int64_t m,
                  int64_t n, int64_t k) {
-    return gemv_bf16(ctx, {.x = d.x.as<uint16_t>(), .w = d.w_bf16.as<uint16_t>(), .y = y, .m = m, .n = n, .k = k,
-                           .ldy = in.n});
+    return gemv_bf16(
+        ctx, {.x = d.x.as<uint16_t>(), .w = d.w_bf16.as<uint16_t>(), .y = y, .m = m, .n = n, .k = k, .ldy = in.n});
   };
   return {
       {"gemv-skips-the-last-row", "never written",

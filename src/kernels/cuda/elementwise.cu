@@ -62,8 +62,8 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const NormParams
   const int64_t row = int64_t{blockIdx.x} * (kNormThreads / p.group) + threadIdx.x / p.group;
   const bool active = row < p.a.rows;
   const int64_t base = row * p.a.dim;
-  const int64_t gate_base = p.a.gate_stride == 0 ? base
-                                                 : (row / p.a.gate_heads) * p.a.gate_stride + (row % p.a.gate_heads) * p.a.dim;
+  const int64_t gate_base =
+      p.a.gate_stride == 0 ? base : (row / p.a.gate_heads) * p.a.gate_stride + (row % p.a.gate_heads) * p.a.dim;
   float h[kChunks][kVec], w[kChunks][kVec], z[kGated ? kChunks : 1][kVec];
   float sum = 0.0f;
   // Stage 1: load (and add the residual), sum of squares of the fp32 values. The weight and gate are loaded here

@@ -176,8 +176,14 @@ void bench_gemv_group_sizes(const DeviceContext& ctx, int slots, const std::func
   for (int threads : {32, 64, 128, 256}) {
     const double ms = time_ms(ctx, slots, [&](int i) {
       const GemmBf16Args a = args(i);
-      gemv_bf16_launch(ctx, GemvBf16Params{.x = a.x, .w = a.w, .y = a.y, .m = static_cast<int>(a.m), .n = a.n,
-                                           .k = a.k, .ldy = a.n, .group_threads = threads});
+      gemv_bf16_launch(ctx, GemvBf16Params{.x = a.x,
+                                           .w = a.w,
+                                           .y = a.y,
+                                           .m = static_cast<int>(a.m),
+                                           .n = a.n,
+                                           .k = a.k,
+                                           .ldy = a.n,
+                                           .group_threads = threads});
     });
     std::printf("  %3d%s %8.2f us", threads, threads == chosen ? "*" : " ", ms * 1e3);
   }

@@ -12,7 +12,9 @@ constexpr int64_t kMinBlocksPerSm = 2;
 constexpr int64_t kBlockThreads = 256;  // gemv_bf16.cu's kThreads
 constexpr int64_t kGroupCols = 4;       // gemv_bf16.cu's kCols
 
-bool is_aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+bool is_aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
 
 Expected<void> gemv_bf16_validate(const GemmBf16Args& a) {
   if (a.m < 0 || a.n <= 0 || a.k <= 0) return make_error("gemv_bf16: bad shape m={} n={} k={}", a.m, a.n, a.k);

@@ -22,7 +22,9 @@ constexpr int kVec = 8;   // bf16 values per 16-byte chunk
 
 // W is read once (ptx::ld_stream_16): L1 stays with x, which every block reads; the 256 bytes L2 fetches are the
 // neighbouring lanes' reads of the same step.
-__device__ __forceinline__ uint4 ld_weight_16(const uint16_t* p) { return ptx::ld_stream_16(p); }
+__device__ __forceinline__ uint4 ld_weight_16(const uint16_t* p) {
+  return ptx::ld_stream_16(p);
+}
 
 // bf16 is the upper half of an fp32: widening is a shift (even element) or a mask (odd element).
 __device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&v)[kVec]) {
@@ -133,7 +135,8 @@ void gemv_bf16_launch(const DeviceContext& ctx, const GemvBf16Params& p) {
                                                    launch_rows<5>, launch_rows<6>, launch_rows<7>, launch_rows<8>};
   static_assert(kGemvMaxRows * kWarps * kCols <= kThreads, "stage 3 needs a thread per output of a block");
   if (p.m < 1 || p.m > kGemvMaxRows) return;  // gemv_bf16() rejects these first
-  const int threads = p.group_threads > 0 ? p.group_threads : gemv_bf16_group_threads(p.m, p.n, p.k, ctx.props().num_sms);
+  const int threads =
+      p.group_threads > 0 ? p.group_threads : gemv_bf16_group_threads(p.m, p.n, p.k, ctx.props().num_sms);
   kByRows[p.m - 1](p, threads, ctx.stream());
 }
 

@@ -65,12 +65,21 @@ void run_and_check(const DeviceContext& ctx, const Operand& w, const Case& c, st
   dy.fill(0xFF);
   uint16_t* y = dy.as<uint16_t>() + c.pad;
   if (c.group_threads > 0) {
-    gemv_bf16_launch(ctx, GemvBf16Params{.x = x.device.as<uint16_t>(), .w = w.device.as<uint16_t>(), .y = y,
-                                         .m = static_cast<int>(c.m), .n = c.n, .k = c.k, .ldy = ldy,
+    gemv_bf16_launch(ctx, GemvBf16Params{.x = x.device.as<uint16_t>(),
+                                         .w = w.device.as<uint16_t>(),
+                                         .y = y,
+                                         .m = static_cast<int>(c.m),
+                                         .n = c.n,
+                                         .k = c.k,
+                                         .ldy = ldy,
                                          .group_threads = c.group_threads});
   } else {
-    const auto status = gemv_bf16(ctx, GemmBf16Args{.x = x.device.as<uint16_t>(), .w = w.device.as<uint16_t>(),
-                                                    .y = y, .m = c.m, .n = c.n, .k = c.k,
+    const auto status = gemv_bf16(ctx, GemmBf16Args{.x = x.device.as<uint16_t>(),
+                                                    .w = w.device.as<uint16_t>(),
+                                                    .y = y,
+                                                    .m = c.m,
+                                                    .n = c.n,
+                                                    .k = c.k,
                                                     .ldy = c.pad > 0 ? ldy : 0});
     ASSERT_TRUE(status.has_value()) << status.error().message;
   }
@@ -78,8 +87,8 @@ void run_and_check(const DeviceContext& ctx, const Operand& w, const Case& c, st
   std::vector<uint16_t> host(static_cast<size_t>(c.m * ldy));
   TERN_CUDA_CHECK(cudaMemcpy(host.data(), dy.data(), host.size() * 2, cudaMemcpyDeviceToHost));
   const auto ref = gemm_test::reference_gemm(x.values, w.values, c.m, c.n, c.k);
-  const std::string what = "gemv m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) +
-                           " k=" + std::to_string(c.k) + (c.pad > 0 ? " ldy=" + std::to_string(ldy) : "") +
+  const std::string what = "gemv m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
+                           (c.pad > 0 ? " ldy=" + std::to_string(ldy) : "") +
                            (c.group_threads > 0 ? " T=" + std::to_string(c.group_threads) : "");
   gemm_test::check_gemm(gemm_test::strided_columns(host, c.m, c.n, ldy, c.pad, what), ref, c.m, c.n, what);
 }
@@ -129,8 +138,8 @@ TEST(GemvBf16, MatchesReferenceOnQwen3_8bShapes) {
   DeviceContext ctx;
   std::mt19937 rng(2005);
   // qkv, o_proj, gate|up, down_proj, lm_head (hidden 4096, 32 q / 8 kv heads of 128, intermediate 12288).
-  for (auto [n, k] : {std::pair<int64_t, int64_t>{6144, 4096}, {4096, 4096}, {24576, 4096}, {4096, 12288},
-                      {151936, 4096}}) {
+  for (auto [n, k] :
+       {std::pair<int64_t, int64_t>{6144, 4096}, {4096, 4096}, {24576, 4096}, {4096, 12288}, {151936, 4096}}) {
     run_shape(ctx, n, k, {1, 8}, rng);
   }
 }
@@ -143,8 +152,15 @@ TEST(GemvBf16, MatchesReferenceOnQwen3_5_35bA3bShapes) {
   //   GDN in_proj_qkv (2 x 16 x 128 + 32 x 128), in_proj_z (32 x 128), in_proj_b|a (2 x 32), out_proj (4096 -> 2048);
   //   the router with the shared expert's gate (256 + 1), the shared expert's gate|up (2 x 512) and down (512 ->
   //   2048); the lm_head (vocabulary 248320).
-  for (auto [n, k] : {std::pair<int64_t, int64_t>{9216, 2048}, {2048, 4096}, {8192, 2048}, {4096, 2048}, {64, 2048},
-                      {257, 2048}, {1024, 2048}, {2048, 512}, {248320, 2048}}) {
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{9216, 2048},
+                      {2048, 4096},
+                      {8192, 2048},
+                      {4096, 2048},
+                      {64, 2048},
+                      {257, 2048},
+                      {1024, 2048},
+                      {2048, 512},
+                      {248320, 2048}}) {
     run_shape(ctx, n, k, {1, 3, 8}, rng);
   }
 }
@@ -153,8 +169,9 @@ TEST(GemvBf16, ZeroRowsWritesNothing) {
   DeviceContext ctx;
   DeviceBuffer buf(1 << 16);
   buf.fill(0xFF);
-  const auto status = gemv_bf16(ctx, GemmBf16Args{.x = buf.as<uint16_t>(), .w = buf.as<uint16_t>(),
-                                                  .y = buf.as<uint16_t>(), .m = 0, .n = 64, .k = 64});
+  const auto status = gemv_bf16(
+      ctx, GemmBf16Args{
+               .x = buf.as<uint16_t>(), .w = buf.as<uint16_t>(), .y = buf.as<uint16_t>(), .m = 0, .n = 64, .k = 64});
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
   std::vector<uint16_t> host(buf.size_bytes() / 2);
@@ -167,8 +184,8 @@ TEST(GemvBf16, RejectsBadArguments) {
   DeviceBuffer bx(1 << 12), bw(1 << 14), by(1 << 12);
   bx.fill(0);
   bw.fill(0);
-  const GemmBf16Args good{.x = bx.as<uint16_t>(), .w = bw.as<uint16_t>(), .y = by.as<uint16_t>(), .m = 4, .n = 64,
-                          .k = 64};
+  const GemmBf16Args good{
+      .x = bx.as<uint16_t>(), .w = bw.as<uint16_t>(), .y = by.as<uint16_t>(), .m = 4, .n = 64, .k = 64};
   ASSERT_TRUE(gemv_bf16(ctx, good).has_value());  // each case below differs from this in one argument
   auto expect_error = [&](GemmBf16Args a, const std::string& needle) {
     const auto r = gemv_bf16(ctx, a);
@@ -220,12 +237,12 @@ TEST(GemvBf16, RejectsBadArguments) {
 // The group size is host arithmetic (no device needed): always one of the four sizes, grown from one warp only
 // while the grid has fewer than two blocks per SM and k has more chunks than the group has threads.
 TEST(GemvBf16, GroupSizeFollowsTheShape) {
-  EXPECT_EQ(gemv_bf16_group_threads(2, 1, 8, 132), 32);        // one chunk: one warp
-  EXPECT_EQ(gemv_bf16_group_threads(2, 24576, 4096, 132), 32);  // 768 blocks already
-  EXPECT_EQ(gemv_bf16_group_threads(2, 6144, 4096, 132), 64);   // 192 -> 384 blocks
-  EXPECT_EQ(gemv_bf16_group_threads(8, 4096, 4096, 132), 128);  // 128 -> 256 -> 512 blocks
-  EXPECT_EQ(gemv_bf16_group_threads(2, 2048, 512, 132), 64);    // 64 chunks: no more threads than that
-  EXPECT_EQ(gemv_bf16_group_threads(2, 257, 2048, 132), 256);   // 65 blocks at most
+  EXPECT_EQ(gemv_bf16_group_threads(2, 1, 8, 132), 32);          // one chunk: one warp
+  EXPECT_EQ(gemv_bf16_group_threads(2, 24576, 4096, 132), 32);   // 768 blocks already
+  EXPECT_EQ(gemv_bf16_group_threads(2, 6144, 4096, 132), 64);    // 192 -> 384 blocks
+  EXPECT_EQ(gemv_bf16_group_threads(8, 4096, 4096, 132), 128);   // 128 -> 256 -> 512 blocks
+  EXPECT_EQ(gemv_bf16_group_threads(2, 2048, 512, 132), 64);     // 64 chunks: no more threads than that
+  EXPECT_EQ(gemv_bf16_group_threads(2, 257, 2048, 132), 256);    // 65 blocks at most
   EXPECT_EQ(gemv_bf16_group_threads(1, 24576, 4096, 132), 256);  // one row: the whole block
   EXPECT_EQ(gemv_bf16_group_threads(1, 2048, 512, 132), 64);     // ... but no more threads than chunks
   EXPECT_EQ(gemv_bf16_group_threads(1, 1, 8, 132), 32);

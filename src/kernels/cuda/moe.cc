@@ -297,12 +297,23 @@ ForwardBuffers forward_buffers(const MoeForwardArgs& a) {
 
 // Route and align: one launch at decode, where the pairs fit one block.
 Expected<void> forward_route(const DeviceContext& ctx, const MoeForwardArgs& a, const ForwardBuffers& b, bool decode) {
-  const MoeRouteArgs route{.logits = a.router_logits, .logits_stride = a.logits_stride, .topk_ids = b.ids,
-                           .topk_weights = b.weights, .tokens = a.tokens, .n_experts = a.n_experts, .top_k = a.top_k,
+  const MoeRouteArgs route{.logits = a.router_logits,
+                           .logits_stride = a.logits_stride,
+                           .topk_ids = b.ids,
+                           .topk_weights = b.weights,
+                           .tokens = a.tokens,
+                           .n_experts = a.n_experts,
+                           .top_k = a.top_k,
                            .renormalize = a.renormalize};
-  const MoeAlignArgs align{.topk_ids = b.ids, .tokens = a.tokens, .top_k = a.top_k, .n_experts = a.n_experts,
-                           .expert_offsets = b.offsets, .sorted_pairs = b.sorted_pairs, .pair_row = b.pair_row,
-                           .workspace = b.align, .workspace_bytes = b.align_bytes};
+  const MoeAlignArgs align{.topk_ids = b.ids,
+                           .tokens = a.tokens,
+                           .top_k = a.top_k,
+                           .n_experts = a.n_experts,
+                           .expert_offsets = b.offsets,
+                           .sorted_pairs = b.sorted_pairs,
+                           .pair_row = b.pair_row,
+                           .workspace = b.align,
+                           .workspace_bytes = b.align_bytes};
   if (decode && a.tokens * a.top_k <= kMoeRouteAlignMaxPairs) return moe_route_align(ctx, route, align);
   TERN_TRY(moe_route(ctx, route));
   return moe_align(ctx, align);
@@ -313,9 +324,17 @@ Expected<void> forward_route(const DeviceContext& ctx, const MoeForwardArgs& a, 
 Expected<void> forward_gate_up(const DeviceContext& ctx, const MoeForwardArgs& a, const ForwardBuffers& b,
                                bool decode) {
   const bool up_in_gate_launch = decode && a.up.n != 0;
-  const MoeGemmArgs gate{.x = a.x, .ldx = a.hidden, .sorted_pairs = b.sorted_pairs, .top_k = a.top_k, .gather = true,
-                         .expert_offsets = b.offsets, .w = a.gate_up, .y = b.gate_up, .ldy = 2 * a.inter,
-                         .rows = a.tokens * a.top_k, .w2 = up_in_gate_launch ? a.up : MoeExpertWeights{},
+  const MoeGemmArgs gate{.x = a.x,
+                         .ldx = a.hidden,
+                         .sorted_pairs = b.sorted_pairs,
+                         .top_k = a.top_k,
+                         .gather = true,
+                         .expert_offsets = b.offsets,
+                         .w = a.gate_up,
+                         .y = b.gate_up,
+                         .ldy = 2 * a.inter,
+                         .rows = a.tokens * a.top_k,
+                         .w2 = up_in_gate_launch ? a.up : MoeExpertWeights{},
                          .y2_offset = a.inter};
   TERN_TRY(moe_gemm(ctx, gate, a.variant));
   if (a.up.n == 0 || up_in_gate_launch) return {};
@@ -332,9 +351,17 @@ Expected<void> forward_down(const DeviceContext& ctx, const MoeForwardArgs& a, c
   const bool fold_silu = decode && moe_gemm_silu_smem_bytes(a.inter) <= ctx.props().shared_mem_per_block_optin;
   if (!fold_silu) TERN_TRY(silu_mul(ctx, {.gate_up = b.gate_up, .y = b.act, .rows = rows, .inter = a.inter}));
   return moe_gemm(ctx,
-                  {.x = fold_silu ? b.gate_up : b.act, .ldx = fold_silu ? 2 * a.inter : a.inter,
-                   .sorted_pairs = b.sorted_pairs, .top_k = a.top_k, .gather = false, .expert_offsets = b.offsets,
-                   .w = a.down, .y = b.expert_out, .ldy = a.hidden, .rows = rows, .x_silu_mul = fold_silu},
+                  {.x = fold_silu ? b.gate_up : b.act,
+                   .ldx = fold_silu ? 2 * a.inter : a.inter,
+                   .sorted_pairs = b.sorted_pairs,
+                   .top_k = a.top_k,
+                   .gather = false,
+                   .expert_offsets = b.offsets,
+                   .w = a.down,
+                   .y = b.expert_out,
+                   .ldy = a.hidden,
+                   .rows = rows,
+                   .x_silu_mul = fold_silu},
                   a.variant);
 }
 
@@ -346,15 +373,22 @@ Expected<void> moe_forward(const DeviceContext& ctx, const MoeForwardArgs& a) {
   TERN_TRY(forward_validate(a));
   if (a.tokens == 0) return {};
   const ForwardBuffers b = forward_buffers(a);
-  const bool decode = a.variant == MoeGemmVariant::kDecode ||
-                      (a.variant == MoeGemmVariant::kAuto && a.tokens <= kMoeDecodeMaxTokens);
+  const bool decode =
+      a.variant == MoeGemmVariant::kDecode || (a.variant == MoeGemmVariant::kAuto && a.tokens <= kMoeDecodeMaxTokens);
   TERN_TRY(forward_route(ctx, a, b, decode));
   TERN_TRY(forward_gate_up(ctx, a, b, decode));
   TERN_TRY(forward_down(ctx, a, b, decode));
-  return moe_combine(ctx, {.expert_out = b.expert_out, .pair_row = b.pair_row, .topk_ids = b.ids,
-                           .topk_weights = b.weights, .shared_out = a.shared_out, .shared_gate = a.shared_gate,
-                           .shared_gate_stride = a.shared_gate_stride, .y = a.y, .tokens = a.tokens,
-                           .top_k = a.top_k, .hidden = a.hidden});
+  return moe_combine(ctx, {.expert_out = b.expert_out,
+                           .pair_row = b.pair_row,
+                           .topk_ids = b.ids,
+                           .topk_weights = b.weights,
+                           .shared_out = a.shared_out,
+                           .shared_gate = a.shared_gate,
+                           .shared_gate_stride = a.shared_gate_stride,
+                           .y = a.y,
+                           .tokens = a.tokens,
+                           .top_k = a.top_k,
+                           .hidden = a.hidden});
 }
 
 }  // namespace tern

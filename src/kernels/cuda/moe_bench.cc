@@ -144,9 +144,16 @@ GemmTiming time_gemm(const DeviceContext& ctx, const BenchWeights& w, const Rout
   const int64_t rows = tokens * kTopK;
   MoeExpertWeights w2;
   const double ms = time_ms(ctx, 4 * kSlots, [&](int s) {
-    MoeGemmArgs a{.x = x.as<uint16_t>(), .ldx = w.view.k, .sorted_pairs = r.sorted_pairs.as<int32_t>() + s * rows,
-                  .top_k = kTopK, .gather = gather, .expert_offsets = r.offsets.as<int32_t>() + s * (kExperts + 1),
-                  .w = w.view, .y = y.as<uint16_t>(), .ldy = w.view.n, .rows = rows};
+    MoeGemmArgs a{.x = x.as<uint16_t>(),
+                  .ldx = w.view.k,
+                  .sorted_pairs = r.sorted_pairs.as<int32_t>() + s * rows,
+                  .top_k = kTopK,
+                  .gather = gather,
+                  .expert_offsets = r.offsets.as<int32_t>() + s * (kExperts + 1),
+                  .w = w.view,
+                  .y = y.as<uint16_t>(),
+                  .ldy = w.view.n,
+                  .rows = rows};
     if (tweak) tweak(a);
     w2 = a.w2;
     if (!moe_gemm(ctx, a, variant)) std::abort();
@@ -237,12 +244,21 @@ void bench_small_kernels(const DeviceContext& ctx, std::mt19937& rng) {
     });
     // Route and align in one launch where the pairs fit one block (as moe_forward does at decode).
     const double route_align_ms = rows > kMoeRouteAlignMaxPairs ? 0.0 : time_ms(ctx, 20, [&](int) {
-      const MoeRouteArgs route{.logits = logits.as<uint16_t>(), .logits_stride = kExperts,
-                               .topk_ids = ids.as<int32_t>(), .topk_weights = weights.as<float>(), .tokens = tokens,
-                               .n_experts = kExperts, .top_k = kTopK};
-      if (!moe_route_align(ctx, route, {.topk_ids = ids.as<int32_t>(), .tokens = tokens, .top_k = kTopK,
-                                        .n_experts = kExperts, .expert_offsets = off.as<int32_t>(),
-                                        .sorted_pairs = sorted.as<int32_t>(), .pair_row = pr.as<int32_t>()})) {
+      const MoeRouteArgs route{.logits = logits.as<uint16_t>(),
+                               .logits_stride = kExperts,
+                               .topk_ids = ids.as<int32_t>(),
+                               .topk_weights = weights.as<float>(),
+                               .tokens = tokens,
+                               .n_experts = kExperts,
+                               .top_k = kTopK};
+      if (!moe_route_align(ctx, route,
+                           {.topk_ids = ids.as<int32_t>(),
+                            .tokens = tokens,
+                            .top_k = kTopK,
+                            .n_experts = kExperts,
+                            .expert_offsets = off.as<int32_t>(),
+                            .sorted_pairs = sorted.as<int32_t>(),
+                            .pair_row = pr.as<int32_t>()})) {
         std::abort();
       }
     });
@@ -253,8 +269,8 @@ void bench_small_kernels(const DeviceContext& ctx, std::mt19937& rng) {
     });
     const double combine_gbs = 2.0 * static_cast<double>(rows * kHidden + tokens * kHidden) / (combine_ms * 1e6);
     std::printf("T=%-5lld route %8.2f us   align %8.2f us   route+align %8.2f us   combine %8.2f us (%5.0f GB/s)\n",
-                static_cast<long long>(tokens), route_ms * 1e3, align_ms * 1e3, route_align_ms * 1e3,
-                combine_ms * 1e3, combine_gbs);
+                static_cast<long long>(tokens), route_ms * 1e3, align_ms * 1e3, route_align_ms * 1e3, combine_ms * 1e3,
+                combine_gbs);
   }
 }
 

@@ -13,9 +13,9 @@
 //            dequantised as in the dense prefill kernel), mma.sync m16n8k16 with fp32 accumulation.
 // NVFP4 semantics are W4A16 (model-specs.md 1.5): exact bf16 weight factors, weight_scale_2 applied to the fp32 sum.
 #include <algorithm>
-#include "kernels/cuda/module_attributes.h"
 #include <limits>
 #include <type_traits>
+#include "kernels/cuda/module_attributes.h"
 
 #include "kernels/cuda/moe_launch.h"
 #include "kernels/cuda/nvfp4_device.cuh"
@@ -240,7 +240,9 @@ constexpr int kActPad = 8;  // bf16 after each act row, so the rows of a warp's 
 // shared memory with the act rows.
 constexpr size_t kDecodeMaxRedBytes = kDecodeMaxSplitK * 128 * sizeof(float);
 
-__device__ __forceinline__ float silu_mul_f32(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+__device__ __forceinline__ float silu_mul_f32(float g, float u) {
+  return g / (1.0f + expf(-g)) * u;
+}
 
 // Two bf16 of act from the matching words of gate and up (element 0 in the low half).
 __device__ __forceinline__ uint32_t silu_mul_bf16x2(uint32_t gate, uint32_t up) {
@@ -260,9 +262,8 @@ __device__ __forceinline__ void stage_silu_act(const GemmParams& p, int r0, int 
     const int row = i / chunks, c = i % chunks;
     const uint4* gate = reinterpret_cast<const uint4*>(p.x + x_row_offset(p, r0 + row) + c * 8);
     const uint4 g = __ldg(gate), u = __ldg(gate + p.k / 8);
-    *reinterpret_cast<uint4*>(act + row * (p.k + kActPad) + c * 8) =
-        make_uint4(silu_mul_bf16x2(g.x, u.x), silu_mul_bf16x2(g.y, u.y), silu_mul_bf16x2(g.z, u.z),
-                   silu_mul_bf16x2(g.w, u.w));
+    *reinterpret_cast<uint4*>(act + row * (p.k + kActPad) + c * 8) = make_uint4(
+        silu_mul_bf16x2(g.x, u.x), silu_mul_bf16x2(g.y, u.y), silu_mul_bf16x2(g.z, u.z), silu_mul_bf16x2(g.w, u.w));
   }
   __syncthreads();
 }
@@ -325,7 +326,7 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
       if (n0 < n) decode_load_w<kMTiles, kVec16>(weight().packed, weight().scales, n, p.k, n0, split, w);
       stage_silu_act<kTokenTiles>(p, r0, ae.row_end, act);
       find_x_rows();
-      auto load_x = [&](int step, uint4 (&xv)[kTokenTiles][4]) { load_act_x<kTokenTiles>(act, xoff, p.k, step, xv); };
+      auto load_x = [&](int step, uint4(&xv)[kTokenTiles][4]) { load_act_x<kTokenTiles>(act, xoff, p.k, step, xv); };
       if (n0 < n) {
         decode_k_loop_with_x<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, load_x, n, p.k, n0, split, kSplitK, w,
                                                                       acc);
@@ -686,7 +687,9 @@ void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& a) {
   decode_launch_format<2, false>(a, ctx.props(), ctx.stream());
 }
 
-size_t moe_gemm_silu_smem_bytes(int64_t k) { return silu_act_bytes(k, 2) + kDecodeMaxRedBytes; }
+size_t moe_gemm_silu_smem_bytes(int64_t k) {
+  return silu_act_bytes(k, 2) + kDecodeMaxRedBytes;
+}
 
 // Row tiles of 128 halve the W dequantisation per output, but each expert's last tile is partial: while experts
 // average fewer than 128 rows, 64-row tiles waste less. Prefill is bound by arithmetic, not by filling the SMs, so

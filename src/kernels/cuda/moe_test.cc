@@ -230,17 +230,28 @@ struct RoutingBuffers {
   DeviceBuffer ids, weights, offsets, sorted_pairs, pair_row;
 
   RoutingBuffers(int64_t pairs, int64_t n_experts)
-      : ids(poisoned(static_cast<size_t>(pairs) * 4)), weights(poisoned(static_cast<size_t>(pairs) * 4)),
+      : ids(poisoned(static_cast<size_t>(pairs) * 4)),
+        weights(poisoned(static_cast<size_t>(pairs) * 4)),
         offsets(poisoned(static_cast<size_t>(n_experts + 1) * 4)),
-        sorted_pairs(poisoned(static_cast<size_t>(pairs) * 4)), pair_row(poisoned(static_cast<size_t>(pairs) * 4)) {}
+        sorted_pairs(poisoned(static_cast<size_t>(pairs) * 4)),
+        pair_row(poisoned(static_cast<size_t>(pairs) * 4)) {}
   MoeRouteArgs route(const DeviceBuffer& logits, const RouteCase& c) const {
-    return {.logits = logits.as<uint16_t>(), .logits_stride = c.n_experts + 3, .topk_ids = ids.as<int32_t>(),
-            .topk_weights = weights.as<float>(), .tokens = c.tokens, .n_experts = c.n_experts, .top_k = c.top_k,
+    return {.logits = logits.as<uint16_t>(),
+            .logits_stride = c.n_experts + 3,
+            .topk_ids = ids.as<int32_t>(),
+            .topk_weights = weights.as<float>(),
+            .tokens = c.tokens,
+            .n_experts = c.n_experts,
+            .top_k = c.top_k,
             .renormalize = c.renormalize};
   }
   MoeAlignArgs align(const RouteCase& c) const {
-    return {.topk_ids = ids.as<int32_t>(), .tokens = c.tokens, .top_k = c.top_k, .n_experts = c.n_experts,
-            .expert_offsets = offsets.as<int32_t>(), .sorted_pairs = sorted_pairs.as<int32_t>(),
+    return {.topk_ids = ids.as<int32_t>(),
+            .tokens = c.tokens,
+            .top_k = c.top_k,
+            .n_experts = c.n_experts,
+            .expert_offsets = offsets.as<int32_t>(),
+            .sorted_pairs = sorted_pairs.as<int32_t>(),
             .pair_row = pair_row.as<int32_t>()};
   }
 };
@@ -256,8 +267,8 @@ void check_route_align(const DeviceContext& ctx, const RouteCase& c, std::mt1993
   const auto status = moe_route_align(ctx, one.route(d_logits, c), one.align(c));
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
-  const std::string what = "T=" + std::to_string(c.tokens) + " E=" + std::to_string(c.n_experts) + " k=" +
-                           std::to_string(c.top_k) + (c.coarse ? " ties" : "");
+  const std::string what = "T=" + std::to_string(c.tokens) + " E=" + std::to_string(c.n_experts) +
+                           " k=" + std::to_string(c.top_k) + (c.coarse ? " ties" : "");
   const auto ids = download<int32_t>(one.ids, pairs);
   const auto weights = download<float>(one.weights, pairs);
   const auto offsets = download<int32_t>(one.offsets, n_off);
@@ -467,17 +478,24 @@ void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const Gemm
   const DeviceBuffer d_x = upload(x), d_off = upload(al.offsets), d_sorted = upload(al.sorted_pairs);
   const int64_t ldy = c.col0 + n + c.ldy_extra;
   const DeviceBuffer d_y = poisoned(static_cast<size_t>(rows * ldy) * 2);
-  const MoeGemmArgs args{.x = d_x.as<uint16_t>(), .ldx = ldx, .sorted_pairs = d_sorted.as<int32_t>(),
-                         .top_k = c.top_k, .gather = c.gather, .expert_offsets = d_off.as<int32_t>(), .w = w.view(),
-                         .y = d_y.as<uint16_t>() + c.col0, .ldy = ldy, .rows = rows};
+  const MoeGemmArgs args{.x = d_x.as<uint16_t>(),
+                         .ldx = ldx,
+                         .sorted_pairs = d_sorted.as<int32_t>(),
+                         .top_k = c.top_k,
+                         .gather = c.gather,
+                         .expert_offsets = d_off.as<int32_t>(),
+                         .w = w.view(),
+                         .y = d_y.as<uint16_t>() + c.col0,
+                         .ldy = ldy,
+                         .rows = rows};
   const auto status = moe_gemm(ctx, args, variant);
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
   const auto y = download<uint16_t>(d_y, static_cast<size_t>(rows * ldy));
   EXPECT_EQ(written_outside(y, rows, ldy, {{c.col0, c.col0 + n}}), 0)
       << "columns outside [col0, col0 + n) were written";
-  gemm_test::check_gemm(y_columns(y, rows, ldy, c.col0, n), expert_reference(w, x, ldx, al, c.gather, c.top_k), rows,
-                        n, gemm_name(w, variant, c.tokens, c.top_k) + (c.skew ? " skewed" : ""));
+  gemm_test::check_gemm(y_columns(y, rows, ldy, c.col0, n), expert_reference(w, x, ldx, al, c.gather, c.top_k), rows, n,
+                        gemm_name(w, variant, c.tokens, c.top_k) + (c.skew ? " skewed" : ""));
 }
 
 // The same on a fresh random routing (skew: see random_ids).
@@ -524,9 +542,17 @@ void check_gemm_pair(const DeviceContext& ctx, const ExpertWeights& w, const Exp
   const DeviceBuffer d_x = upload(x), d_off = upload(al.offsets), d_sorted = upload(al.sorted_pairs);
   const DeviceBuffer d_y = poisoned(static_cast<size_t>(rows * ldy) * 2);
   const auto status = moe_gemm(ctx,
-                               {.x = d_x.as<uint16_t>(), .ldx = ldx, .sorted_pairs = d_sorted.as<int32_t>(),
-                                .top_k = top_k, .gather = true, .expert_offsets = d_off.as<int32_t>(), .w = w.view(),
-                                .y = d_y.as<uint16_t>(), .ldy = ldy, .rows = rows, .w2 = w2.view(),
+                               {.x = d_x.as<uint16_t>(),
+                                .ldx = ldx,
+                                .sorted_pairs = d_sorted.as<int32_t>(),
+                                .top_k = top_k,
+                                .gather = true,
+                                .expert_offsets = d_off.as<int32_t>(),
+                                .w = w.view(),
+                                .y = d_y.as<uint16_t>(),
+                                .ldy = ldy,
+                                .rows = rows,
+                                .w2 = w2.view(),
                                 .y2_offset = y2_offset},
                                variant);
   ASSERT_TRUE(status.has_value()) << status.error().message;
@@ -578,8 +604,8 @@ TEST(MoeGemm, SecondProjectionInTheSameLaunch) {
 // and match the fp64 product of silu(gate) * up. Against fp64 the act's bf16 rounding (relative 2^-9, plus the
 // fp32 silu's few ulp) adds at most 2^-9 S to gemm_test's bound; dropping a 16-k block still moves y by about
 // 16 S / k, at least 2^-7 S here.
-void check_gemm_silu(const DeviceContext& ctx, const ExpertWeights& w, const std::vector<int32_t>& ids,
-                     int64_t top_k, std::mt19937& rng) {
+void check_gemm_silu(const DeviceContext& ctx, const ExpertWeights& w, const std::vector<int32_t>& ids, int64_t top_k,
+                     std::mt19937& rng) {
   const int64_t rows = static_cast<int64_t>(ids.size()), n = w.n, k = w.k;
   const HostAlign al = align_reference(ids, w.n_experts);
   const std::vector<uint16_t> gate_up = gemm_test::random_bf16(static_cast<size_t>(rows * 2 * k), rng);
@@ -587,8 +613,15 @@ void check_gemm_silu(const DeviceContext& ctx, const ExpertWeights& w, const std
   const DeviceBuffer act = poisoned(static_cast<size_t>(rows * k) * 2);
   const DeviceBuffer y_fused = poisoned(static_cast<size_t>(rows * n) * 2);
   const DeviceBuffer y_split = poisoned(static_cast<size_t>(rows * n) * 2);
-  const MoeGemmArgs base{.x = d_gu.as<uint16_t>(), .ldx = 2 * k, .top_k = top_k, .expert_offsets = d_off.as<int32_t>(),
-                         .w = w.view(), .y = y_fused.as<uint16_t>(), .ldy = n, .rows = rows, .x_silu_mul = true};
+  const MoeGemmArgs base{.x = d_gu.as<uint16_t>(),
+                         .ldx = 2 * k,
+                         .top_k = top_k,
+                         .expert_offsets = d_off.as<int32_t>(),
+                         .w = w.view(),
+                         .y = y_fused.as<uint16_t>(),
+                         .ldy = n,
+                         .rows = rows,
+                         .x_silu_mul = true};
   auto status = moe_gemm(ctx, base, MoeGemmVariant::kDecode);
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ASSERT_TRUE(
@@ -769,13 +802,24 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
     const size_t ws_bytes = moe_forward_workspace_bytes(tokens, s.top_k, e_count, inter, h);
     const DeviceBuffer ws = poisoned(ws_bytes), d_y = poisoned(static_cast<size_t>(tokens * h) * 2);
     const bool shared = s.shared_inter > 0;
-    const auto status = moe_forward(
-        ctx, {.x = d_x.as<uint16_t>(), .router_logits = logits.as<uint16_t>(), .logits_stride = e_count + 1,
-              .tokens = tokens, .hidden = h, .inter = inter, .n_experts = e_count, .top_k = s.top_k,
-              .gate_up = gate_up.view(), .up = run.split ? up.view() : MoeExpertWeights{}, .down = down.view(),
-              .shared_out = shared ? s_out.as<uint16_t>() : nullptr,
-              .shared_gate = shared ? logits.as<uint16_t>() + e_count : nullptr, .shared_gate_stride = e_count + 1,
-              .y = d_y.as<uint16_t>(), .workspace = ws.data(), .workspace_bytes = ws_bytes, .variant = run.variant});
+    const auto status = moe_forward(ctx, {.x = d_x.as<uint16_t>(),
+                                          .router_logits = logits.as<uint16_t>(),
+                                          .logits_stride = e_count + 1,
+                                          .tokens = tokens,
+                                          .hidden = h,
+                                          .inter = inter,
+                                          .n_experts = e_count,
+                                          .top_k = s.top_k,
+                                          .gate_up = gate_up.view(),
+                                          .up = run.split ? up.view() : MoeExpertWeights{},
+                                          .down = down.view(),
+                                          .shared_out = shared ? s_out.as<uint16_t>() : nullptr,
+                                          .shared_gate = shared ? logits.as<uint16_t>() + e_count : nullptr,
+                                          .shared_gate_stride = e_count + 1,
+                                          .y = d_y.as<uint16_t>(),
+                                          .workspace = ws.data(),
+                                          .workspace_bytes = ws_bytes,
+                                          .variant = run.variant});
     ASSERT_TRUE(status.has_value()) << status.error().message;
     ctx.synchronize();
     const auto got = download<uint16_t>(d_y, static_cast<size_t>(tokens * h));
@@ -871,21 +915,72 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
   expect_error([&] { auto a = gemm; a.w.bf16_expert_stride = 100; return moe_gemm(ctx, a); }, "bf16_expert_stride=100");
   expect_error([&] { auto a = gemm; a.w.format = MoeWeightFormat::kNvfp4; return moe_gemm(ctx, a); },
                "packed weight is null");
-  const MoeGemmArgs pair = [&] { auto a = gemm; a.w2 = w; a.y2_offset = 16; a.ldy = 32; return a; }();
-  ASSERT_TRUE(moe_gemm(ctx, [&] { auto a = pair; a.rows = 0; return a; }()).has_value());
-  expect_error([&] { auto a = pair; a.w2.k = 32; return moe_gemm(ctx, a); },
-               "w2 (4 experts, k=32, bf16) must have w's");
-  expect_error([&] { auto a = pair; a.w2.format = MoeWeightFormat::kNvfp4; return moe_gemm(ctx, a); },
-               "w2: packed weight is null");
-  expect_error([&] { auto a = pair; a.y2_offset = 8; return moe_gemm(ctx, a); },
-               "y2_offset=8 must be in [n=16, ldy - w2.n=16]");
-  expect_error([&] { auto a = pair; a.ldy = 24; return moe_gemm(ctx, a); },
-               "y2_offset=16 must be in [n=16, ldy - w2.n=8]");
-  const MoeGemmArgs silu = [&] { auto a = gemm; a.gather = false; a.ldx = 128; a.x_silu_mul = true; return a; }();
-  ASSERT_TRUE(moe_gemm(ctx, [&] { auto a = silu; a.rows = 0; return a; }(), MoeGemmVariant::kDecode).has_value());
+  const MoeGemmArgs pair = [&] {
+    auto a = gemm;
+    a.w2 = w;
+    a.y2_offset = 16;
+    a.ldy = 32;
+    return a;
+  }();
+  ASSERT_TRUE(moe_gemm(ctx,
+                       [&] {
+                         auto a = pair;
+                         a.rows = 0;
+                         return a;
+                       }())
+                  .has_value());
+  expect_error(
+      [&] {
+        auto a = pair;
+        a.w2.k = 32;
+        return moe_gemm(ctx, a);
+      },
+      "w2 (4 experts, k=32, bf16) must have w's");
+  expect_error(
+      [&] {
+        auto a = pair;
+        a.w2.format = MoeWeightFormat::kNvfp4;
+        return moe_gemm(ctx, a);
+      },
+      "w2: packed weight is null");
+  expect_error(
+      [&] {
+        auto a = pair;
+        a.y2_offset = 8;
+        return moe_gemm(ctx, a);
+      },
+      "y2_offset=8 must be in [n=16, ldy - w2.n=16]");
+  expect_error(
+      [&] {
+        auto a = pair;
+        a.ldy = 24;
+        return moe_gemm(ctx, a);
+      },
+      "y2_offset=16 must be in [n=16, ldy - w2.n=8]");
+  const MoeGemmArgs silu = [&] {
+    auto a = gemm;
+    a.gather = false;
+    a.ldx = 128;
+    a.x_silu_mul = true;
+    return a;
+  }();
+  ASSERT_TRUE(moe_gemm(
+                  ctx,
+                  [&] {
+                    auto a = silu;
+                    a.rows = 0;
+                    return a;
+                  }(),
+                  MoeGemmVariant::kDecode)
+                  .has_value());
   expect_error([&] { return moe_gemm(ctx, silu, MoeGemmVariant::kPrefill); }, "x_silu_mul needs the decode variant");
-  expect_error([&] { auto a = silu; a.ldx = 120; return moe_gemm(ctx, a); },
-               "ldx=120 must be at least 2k=128 with x_silu_mul");
+  expect_error(
+      [&] {
+        auto a = silu;
+        a.ldx = 120;
+        return moe_gemm(ctx, a);
+      },
+      "ldx=120 must be at least 2k=128 with x_silu_mul");
 
   const MoeCombineArgs comb{.expert_out = u16, .pair_row = i32, .topk_ids = i32, .topk_weights = buf.as<float>(),
                             .y = buf.as<uint16_t>(), .tokens = 1, .top_k = 2, .hidden = 64};
@@ -895,20 +990,37 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
     return moe_align(ctx, {.topk_ids = i32, .tokens = 1, .top_k = 2, .n_experts = 0, .expert_offsets = i32,
                            .sorted_pairs = i32, .pair_row = i32});
   }, "n_experts=0");
-  const MoeAlignArgs align{.topk_ids = i32, .tokens = 1, .top_k = 2, .n_experts = 8, .expert_offsets = i32 + 64,
-                           .sorted_pairs = i32 + 128, .pair_row = i32 + 192};
-  expect_error([&] { auto a = align; a.topk_ids = i32 + 8; return moe_route_align(ctx, route, a); },
-               "align must sort the route's topk_ids");
-  expect_error([&] { auto a = align; a.tokens = 2; return moe_route_align(ctx, route, a); },
-               "align must sort the route's topk_ids");
-  expect_error([&] {
-    auto r = route;
-    auto a = align;
-    r.tokens = a.tokens = 129;
-    r.top_k = a.top_k = 16;
-    r.n_experts = a.n_experts = r.logits_stride = 16;
-    return moe_route_align(ctx, r, a);
-  }, "tokens * top_k = 2064 is more than the 2048 pairs");
+  const MoeAlignArgs align{.topk_ids = i32,
+                           .tokens = 1,
+                           .top_k = 2,
+                           .n_experts = 8,
+                           .expert_offsets = i32 + 64,
+                           .sorted_pairs = i32 + 128,
+                           .pair_row = i32 + 192};
+  expect_error(
+      [&] {
+        auto a = align;
+        a.topk_ids = i32 + 8;
+        return moe_route_align(ctx, route, a);
+      },
+      "align must sort the route's topk_ids");
+  expect_error(
+      [&] {
+        auto a = align;
+        a.tokens = 2;
+        return moe_route_align(ctx, route, a);
+      },
+      "align must sort the route's topk_ids");
+  expect_error(
+      [&] {
+        auto r = route;
+        auto a = align;
+        r.tokens = a.tokens = 129;
+        r.top_k = a.top_k = 16;
+        r.n_experts = a.n_experts = r.logits_stride = 16;
+        return moe_route_align(ctx, r, a);
+      },
+      "tokens * top_k = 2064 is more than the 2048 pairs");
 }
 
 }  // namespace

@@ -166,7 +166,9 @@ struct DecodeW {
 // The packed weight is read once: it bypasses L1 (x, which every warp of a tile reads, stays there) and asks L2
 // for the surrounding 256 bytes, the neighbouring steps that the other warps of the tile read next. (An L2
 // evict-first policy would hold a 64-bit register for the kernel's life, which the 64-register budget lacks.)
-__device__ __forceinline__ uint4 ld_weight_16(const uint8_t* p) { return ptx::ld_stream_16(p); }
+__device__ __forceinline__ uint4 ld_weight_16(const uint8_t* p) {
+  return ptx::ld_stream_16(p);
+}
 __device__ __forceinline__ uint2 ld_weight_8(const uint8_t* p) {
   uint2 v;
   asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
@@ -320,8 +322,8 @@ __device__ __forceinline__ void decode_mma_step(const DecodeW<kMTiles>& w, const
 // global memory (decode_load_x); decode_k_loop_with_x leaves each step's x to load_x(step, xv), which fills xv as
 // decode_load_x would (the MoE kernel's activations computed into shared memory).
 template <int kMTiles, int kTokenTiles, bool kVec16, bool kPrefetch, class WeightOf, class LoadX>
-__device__ __forceinline__ void decode_k_loop_with_x(WeightOf&& weight, LoadX&& load_x, int n, int k, int n0,
-                                                     int first, int stride, DecodeW<kMTiles>& w,
+__device__ __forceinline__ void decode_k_loop_with_x(WeightOf&& weight, LoadX&& load_x, int n, int k, int n0, int first,
+                                                     int stride, DecodeW<kMTiles>& w,
                                                      float (&acc)[kTokenTiles][kMTiles][4]) {
   const int n_steps = (k + kDecodeStepK - 1) / kDecodeStepK;
   for (int step = first; step < n_steps; step += stride) {
@@ -347,7 +349,7 @@ template <int kMTiles, int kTokenTiles, bool kVec16, bool kPrefetch, class Weigh
 __device__ __forceinline__ void decode_k_loop(WeightOf&& weight, int n, int k, int n0, const uint16_t* x,
                                               const int64_t (&xoff)[kTokenTiles], int first, int stride,
                                               DecodeW<kMTiles>& w, float (&acc)[kTokenTiles][kMTiles][4]) {
-  auto load_x = [&](int step, uint4 (&xv)[kTokenTiles][4]) { decode_load_x<kTokenTiles>(x, xoff, k, step, xv); };
+  auto load_x = [&](int step, uint4(&xv)[kTokenTiles][4]) { decode_load_x<kTokenTiles>(x, xoff, k, step, xv); };
   decode_k_loop_with_x<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, load_x, n, k, n0, first, stride, w, acc);
 }
 

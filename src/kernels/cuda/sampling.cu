@@ -718,7 +718,7 @@ __global__ void __launch_bounds__(kSplitThreads) sample_partials_kernel(const Sa
     };
     issue(0);
     for (int64_t st = 0; st < n_stages; ++st) {
-      issue(st + 1);  // into the other buffer, whose stage this thread finished summing
+      issue(st + 1);            // into the other buffer, whose stage this thread finished summing
       ptx::cp_async_wait<1>();  // this thread's copies of stage st have landed (each thread reads only its own)
       for (int j = 0; j < kStageGroups; ++j) {
         const int64_t k = st * kStageGroups + j;

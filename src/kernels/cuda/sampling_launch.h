@@ -81,7 +81,9 @@ inline constexpr size_t sampling_counts_bytes(int64_t vocab) { return sampling_a
 inline constexpr size_t sampling_chunk_sums_bytes(int64_t vocab) {
   return sampling_align256(static_cast<size_t>(sampling_chunks(vocab)) * 8);
 }
-inline constexpr size_t sampling_partials_bytes() { return sampling_align256(kSampleSlots * kSampleSlotBytes); }
+inline constexpr size_t sampling_partials_bytes() {
+  return sampling_align256(kSampleSlots * kSampleSlotBytes);
+}
 inline constexpr size_t sampling_row_workspace_bytes(int64_t vocab) {
   return sampling_counts_bytes(vocab) + sampling_chunk_sums_bytes(vocab) + sampling_partials_bytes();
 }

@@ -236,7 +236,9 @@ int check_batch(const DeviceContext& ctx, const Batch& b, int steps = 2) {
 const std::vector<int64_t> kVocabs = {512, 151936, 154880};
 
 // A row count that takes the single-kernel path (at least one row per SM).
-int64_t large_batch_rows(const DeviceContext& ctx) { return ctx.props().num_sms + 3; }
+int64_t large_batch_rows(const DeviceContext& ctx) {
+  return ctx.props().num_sms + 3;
+}
 
 // Prompt and output ids for row r, drawn mostly from the row's 64 best tokens (where penalties change the outcome),
 // with repeats.
@@ -292,8 +294,8 @@ TEST(CudaSampling, CpuSamplerTakesOneDrawPerRandomStep) {
 void check_greedy_ties(const DeviceContext& ctx, int64_t rows) {
   for (int64_t vocab : kVocabs) {
     std::vector<SamplingParams> params;
-    for (int r = 0; r < rows; ++r) params.push_back({.temperature = r % 2 ? 0.0f : 9e-6f, .top_k = 5, .top_p = 0.5f,
-                                                    .logprobs = r % 5});
+    for (int r = 0; r < rows; ++r)
+      params.push_back({.temperature = r % 2 ? 0.0f : 9e-6f, .top_k = 5, .top_p = 0.5f, .logprobs = r % 5});
     Batch b = make_batch(vocab, params, 11);
     // Rows 0..7: the maximum appears at several ids, the lowest one written last, so no scan order finds it first.
     for (int64_t r = 0; r < 8; ++r) {
@@ -381,7 +383,10 @@ std::vector<SamplingParams> mixed_params() {
       {.top_k = 50, .logprobs = 20},
       {.temperature = 0.7f, .top_p = 0.9f},
       {.min_p = 0.05f, .logprobs = 1},
-      {.temperature = 0.8f, .top_p = 0.95f, .repetition_penalty = 1.1f, .presence_penalty = 0.5f,
+      {.temperature = 0.8f,
+       .top_p = 0.95f,
+       .repetition_penalty = 1.1f,
+       .presence_penalty = 0.5f,
        .frequency_penalty = 0.2f},
       {.temperature = 0.0f, .repetition_penalty = 1.3f, .frequency_penalty = 0.4f, .logprobs = 3},
       {.temperature = 0.0f, .presence_penalty = -2.0f},  // raises the output ids: the argmax can move to one of them
@@ -409,8 +414,8 @@ TEST(CudaSampling, SmallAndLargeBatchesMatchCpu) {
   int cases = 0, near_cut = 0;
   uint32_t seed = 100;
   // (vocab, stride): aligned rows, a vocabulary with a tail past the last 16-byte group, unaligned strided rows.
-  for (const auto& [vocab, stride] : std::vector<std::pair<int64_t, int64_t>>{{151936, 151936}, {154883, 154883},
-                                                                              {1001, 1003}, {512, 512}}) {
+  for (const auto& [vocab, stride] :
+       std::vector<std::pair<int64_t, int64_t>>{{151936, 151936}, {154883, 154883}, {1001, 1003}, {512, 512}}) {
     for (const int64_t rows : {int64_t{1}, int64_t{2}, int64_t{8}}) {
       // Every combination at every row count, starting each batch at the next one.
       for (size_t first = 0; first < n_combos; first += static_cast<size_t>(rows)) {
@@ -448,8 +453,8 @@ TEST(CudaSampling, PenaltiesMatchCpu) {
 
 // Five special rows, then plain rows up to `rows` in all.
 void check_non_finite_rows(const DeviceContext& ctx, int64_t rows) {
-  std::vector<SamplingParams> params = {{}, {.temperature = 0.0f, .logprobs = 3}, {.top_k = 5}, {.logprobs = 2},
-                                        {.repetition_penalty = 1.3f}};
+  std::vector<SamplingParams> params = {
+      {}, {.temperature = 0.0f, .logprobs = 3}, {.top_k = 5}, {.logprobs = 2}, {.repetition_penalty = 1.3f}};
   while (static_cast<int64_t>(params.size()) < rows) params.push_back({.temperature = 0.0f, .logprobs = 1});
   Batch b = make_batch(151936, params, 31);
   const float nan = std::nanf("");

@@ -92,7 +92,8 @@ struct GpuMoe {
   MoeShape shape;
   int64_t n_experts = 0;
   // [shared expert gate | shared expert up | router | shared_expert_gate] as one GEMM over the block's input (the
-  // shared expert's columns first, so its rows start 16-byte aligned for silu_mul); without a shared expert, the router.
+  // shared expert's columns first, so its rows start 16-byte aligned for silu_mul); without a shared expert, the
+  // router.
   DeviceProjection router;
   int64_t logits_col = 0;  // the router's first column
   DeviceExperts experts;
@@ -146,7 +147,10 @@ class Arena {
 class GpuBackend final : public ForwardBackend {
  public:
   GpuBackend(const CausalLm& model, const DeviceModelOptions& options)
-      : options_(options), ctx_(options.device), weights_(ctx_.stream(), options.bf16_gemv), pool_(std::make_shared<CachePool>()) {
+      : options_(options),
+        ctx_(options.device),
+        weights_(ctx_.stream(), options.bf16_gemv),
+        pool_(std::make_shared<CachePool>()) {
     config_hidden_ = model.config().hidden_size;
   }
 
@@ -472,10 +476,10 @@ Expected<void> GpuBackend::allocate_activations() {
     }
   }
   // Every bf16 buffer with its element count, once: sized first, then carved in this order.
-  const std::pair<uint16_t**, int64_t> buffers[] = {
-      {&x_, t * h},       {&normed_, t * h},    {&out_, t * h},     {&proj_, t * proj},     {&q_, t * heads},
-      {&gate_, t * heads}, {&attn_, t * heads},  {&conv_, t * conv},
-      {&act_, t * act},    {&router_, t * router}, {&shared_out_, t * h}, {&last_, t * h}};
+  const std::pair<uint16_t**, int64_t> buffers[] = {{&x_, t * h},           {&normed_, t * h},     {&out_, t * h},
+                                                    {&proj_, t * proj},     {&q_, t * heads},      {&gate_, t * heads},
+                                                    {&attn_, t * heads},    {&conv_, t * conv},    {&act_, t * act},
+                                                    {&router_, t * router}, {&shared_out_, t * h}, {&last_, t * h}};
   size_t bytes = Arena::aligned(moe_workspace_bytes_) + Arena::aligned(8);
   for (const auto& [ptr, count] : buffers) bytes += Arena::aligned(static_cast<size_t>(count) * 2);
   TERN_TRY(arena_.reserve(bytes));
@@ -655,20 +659,21 @@ Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const StepPlan& plan,
                                         .seqs = seqs,
                                         .channels = c,
                                         .kernel = s.conv_kernel}));
-  TERN_TRY(gdn_delta_rule(ctx_, GdnDeltaRuleArgs{.qkv = conv_,
-                                                 .qkv_stride = c,
-                                                 .a = proj_ + g.a_col,
-                                                 .b = proj_ + g.b_col,
-                                                 .ab_stride = g.in_proj.width,
-                                                 .a_log = g.a_log,
-                                                 .dt_bias = g.dt_bias,
-                                                 .state = g.state,
-                                                 .out = attn_,
-                                                 .seqs = seqs,
-                                                 .n_key_heads = s.n_key_heads,
-                                                 .n_value_heads = hv,
-                                                 .key_dim = s.key_dim,
-                                                 .value_dim = s.value_dim},
+  TERN_TRY(gdn_delta_rule(ctx_,
+                          GdnDeltaRuleArgs{.qkv = conv_,
+                                           .qkv_stride = c,
+                                           .a = proj_ + g.a_col,
+                                           .b = proj_ + g.b_col,
+                                           .ab_stride = g.in_proj.width,
+                                           .a_log = g.a_log,
+                                           .dt_bias = g.dt_bias,
+                                           .state = g.state,
+                                           .out = attn_,
+                                           .seqs = seqs,
+                                           .n_key_heads = s.n_key_heads,
+                                           .n_value_heads = hv,
+                                           .key_dim = s.key_dim,
+                                           .value_dim = s.value_dim},
                           gdn_variant_));
   if (after_core) TERN_TRY(after_core());
   TERN_TRY(rms_norm(ctx_, RmsNormArgs{.x = attn_,
@@ -692,8 +697,10 @@ Expected<void> GpuBackend::run_mlp(const GpuMlp& m, const uint16_t* x, int64_t r
 Expected<void> GpuBackend::run_moe(const GpuMoe& m, int64_t tokens) {
   TERN_TRY(m.router.forward(ctx_, normed_, tokens, router_));
   if (m.shared_down) {
-    TERN_TRY(silu_mul(ctx_, SiluMulArgs{.gate_up = router_, .y = act_, .rows = tokens, .inter = m.shared_inter,
-                                        .gate_up_stride = m.router.width}));
+    TERN_TRY(silu_mul(
+        ctx_,
+        SiluMulArgs{
+            .gate_up = router_, .y = act_, .rows = tokens, .inter = m.shared_inter, .gate_up_stride = m.router.width}));
     TERN_TRY(device_matrix_forward(ctx_, *m.shared_down, act_, tokens, shared_out_, config_hidden_));
   }
   const DeviceExperts& e = m.experts;

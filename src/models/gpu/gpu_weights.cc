@@ -4,8 +4,8 @@
 
 #include "core/formats.h"
 #include "kernels/cuda/gemm_bf16.h"
-#include "kernels/cuda/gemv_bf16.h"
 #include "kernels/cuda/gemm_nvfp4_w4a16.h"
+#include "kernels/cuda/gemv_bf16.h"
 
 namespace tern {
 namespace {
