@@ -31,9 +31,10 @@ struct GemvBf16Params {
 // shared-memory sums grow with the rows).
 int gemv_bf16_group_threads(int m, int64_t n, int64_t k, int num_sms);
 
-// Rows up to which the GEMV beats cuBLASLt on the H200 (`gemm_bench --gemv-sweep`): at 1 row by up to 1.45x on the
-// smaller projections, at 2 about even, from 4 rows on cuBLASLt's tensor-core kernels win. Models call it up to here.
-inline constexpr int64_t kGemvPreferredMaxRows = 2;
+// Rows up to which the GEMV beats cuBLASLt on the H200 (`gemm_bench --gemv-sweep`): at one row by up to 1.45x on the
+// smaller projections; at two rows cuBLASLt was faster on 6 of the 9 Qwen shapes measured (by 2-22%), and from four
+// rows on all of them (its tensor-core kernels). Models call the GEMV up to here.
+inline constexpr int64_t kGemvPreferredMaxRows = 1;
 
 // Unchecked launch on ctx.stream() for arguments gemv_bf16() has validated (group_threads 0 or one of the four).
 void gemv_bf16_launch(const DeviceContext& ctx, const GemvBf16Params& p);
