@@ -5,6 +5,7 @@
 #
 #   tools/device/bundle.sh BUILD_DIR BUNDLE_DIR BINARY...     e.g. build-gpu .device tern gpu_model_test
 #   BUNDLE_DIR/run.sh [-t SECONDS] BINARY[:gtest_filter]...    on the GPU machine: each with a timeout, logs to $OUT
+#   BUNDLE_DIR/check_all.sh [-s REGEX] [-b CONFIGS] [-x FLAGS]   every test in the bundle, sanitizers, bench, ncu
 set -euo pipefail
 build=${1:?usage: bundle.sh BUILD_DIR BUNDLE_DIR BINARY...}
 bundle=${2:?usage: bundle.sh BUILD_DIR BUNDLE_DIR BINARY...}
@@ -20,4 +21,5 @@ for name in "$@"; do
   done
 done
 cp "$(dirname "$0")/bundle_run.sh" "$bundle/run.sh"
+cp "$(dirname "$0")/check_all.sh" "$(dirname "$0")/sanitize.sh" "$(dirname "$0")/ncu_summary.py" "$bundle/"
 du -sh "$bundle"
