@@ -67,6 +67,9 @@ void add_model_options(CLI::App& cmd, ModelCliOptions& o) {
   cmd.add_option("--cuda-device", o.cuda_device, "CUDA device ordinal for --device cuda");
   cmd.add_option("--dummy-seed", o.dummy_seed, "Seed of --load-format dummy weights");
   cmd.add_flag("--enforce-eager", o.enforce_eager, "Launch every decode step's kernels from the host (no CUDA graphs)");
+  cmd.add_flag("--no-pdl", o.no_pdl,
+               "Launch each kernel only after the previous one finished (no programmatic "
+               "dependent launch)");
   cmd.add_option("--selftest", o.selftest, "Start-up self-test of every kernel on the model's shapes: fast, full, off, or "
                  "auto (fast on a GPU, off on the CPU)")->check(CLI::IsMember({"auto", "off", "fast", "full"}));
   add_backend_options(cmd, o.backends);
@@ -88,6 +91,7 @@ Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOption
   options.device_options = sizes;
   options.device_options.device = o.cuda_device;
   options.device_options.cuda_graphs = !o.enforce_eager;
+  options.device_options.programmatic_launch = !o.no_pdl;
   TERN_TRY(selftest_before_load(o, cuda, options.device_options));
   options.load_format = o.load_format == "dummy" ? LoadFormat::kDummy : LoadFormat::kAuto;
   options.nvfp4_quantize_activations = o.nvfp4_activations == "quantize";

@@ -23,6 +23,7 @@ struct ModelCliOptions {
   uint64_t dummy_seed = 0;
   std::string selftest = "auto";  // auto (fast on a GPU, off on the CPU) | off | fast | full
   bool enforce_eager = false;     // no CUDA graphs for decode steps
+  bool no_pdl = false;            // no programmatic dependent launch
   BackendFlags backends;
 };
 

@@ -192,6 +192,8 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--dummy-seed", o->model.dummy_seed, "Seed of --load-format dummy weights");
   cmd->add_flag("--enforce-eager", o->model.enforce_eager,
                 "Launch every decode step's kernels from the host (no CUDA graphs)");
+  cmd->add_flag("--no-pdl", o->model.no_pdl,
+                "Launch each kernel only after the previous one finished (no programmatic dependent launch)");
   cmd->callback([o] { throw CLI::RuntimeError(run_serve(*o)); });
 }
 

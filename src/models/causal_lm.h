@@ -121,6 +121,10 @@ struct DeviceModelOptions {
   // Decode steps (one token per sequence) replayed as CUDA graphs, one per batch size and context bucket, instead
   // of ~10 launches per layer from the host. Off: every step launched eagerly (--enforce-eager).
   bool cuda_graphs = true;
+  // Programmatic dependent launch: each kernel may be scheduled while the previous one finishes (it waits before
+  // touching memory), hiding launch and block-scheduling latency between the many short kernels of a decode step.
+  // Used where a probe at load shows the device takes it (sm_90 and later); off: plain stream order (--no-pdl).
+  bool programmatic_launch = true;
 };
 
 struct ModelLoadOptions {

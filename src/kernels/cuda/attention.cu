@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "kernels/cuda/attention_launch.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/ptx.cuh"
 
 namespace tern {
@@ -71,6 +72,7 @@ constexpr int kPrepareThreads = kPrepareWarps * 32;
 
 template <int kHeadDim>
 __global__ void __launch_bounds__(kPrepareThreads) attention_prepare_kernel(const AttentionPrepareArgs a) {
+  ptx::grid_dependency_begin();
   constexpr int kPerLane = kHeadDim / 32, kWarps = kPrepareWarps;
   __shared__ float cos_s[kHeadDim / 2], sin_s[kHeadDim / 2];
   __shared__ float row_s[kWarps][kHeadDim];
@@ -386,6 +388,7 @@ __device__ __forceinline__ void decode_merge_store(const DecodeParams& p, const 
 
 template <int kHeadDim, int kStages>
 __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const DecodeParams p) {
+  ptx::grid_dependency_begin();
   constexpr int kLd = kHeadDim + 8, kPieces = kHeadDim / 8, kStageElems = 2 * kDecodeKeys * kLd;
   extern __shared__ __align__(16) uint16_t smem[];
   uint16_t* q_s = smem;                                                                 // [16][kLd]
@@ -477,6 +480,7 @@ constexpr int kReduceBatch = 16;
 
 template <int kHeadDim>
 __global__ void __launch_bounds__(kReduceThreads) paged_decode_reduce_kernel(const DecodeParams p) {
+  ptx::grid_dependency_begin();
   constexpr int kVecs = kHeadDim / 4, kRowsPerBlock = kReduceThreads / kVecs;
   const int64_t row = int64_t{blockIdx.x} * kRowsPerBlock + threadIdx.x / kVecs;
   if (row >= p.a.tokens * p.a.n_heads) return;
@@ -654,6 +658,7 @@ __device__ __forceinline__ void prefill_softmax(float (&s)[kKvTile / 8][4], floa
 
 template <int kHeadDim, int kKvTile, int kStages>
 __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const PrefillParams p) {
+  ptx::grid_dependency_begin();
   constexpr int kLd = kHeadDim + 8, kRows = 16 * kPrefillWarps, kChunks = kHeadDim / 8;
   extern __shared__ __align__(16) uint16_t smem[];
   uint16_t* q_s = smem;                 // [kRows][kLd]
@@ -752,7 +757,7 @@ void prefill_launch_tiles(const DeviceContext& ctx, const PrefillParams& p, size
   const int64_t rows = 16 * kPrefillWarps;
   const dim3 grid(static_cast<unsigned>((p.a.max_query_len + rows - 1) / rows), static_cast<unsigned>(p.a.n_heads),
                   static_cast<unsigned>(p.a.n_seqs));
-  kernel<<<grid, kPrefillThreads, smem, ctx.stream()>>>(p);
+  launch_kernel(ctx, kernel, grid, dim3(kPrefillThreads), smem, p);
 }
 
 template <int kHeadDim>
@@ -768,7 +773,7 @@ template <int kHeadDim>
 void prepare_launch_hd(const DeviceContext& ctx, const AttentionPrepareArgs& a) {
   const int64_t n_rows = a.n_heads + 2 * a.n_kv_heads;
   const dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>((n_rows + kPrepareWarps - 1) / kPrepareWarps));
-  attention_prepare_kernel<kHeadDim><<<grid, kPrepareThreads, 0, ctx.stream()>>>(a);
+  launch_kernel(ctx, attention_prepare_kernel<kHeadDim>, grid, dim3(kPrepareThreads), 0, a);
 }
 
 template <int kHeadDim, int kStages>
@@ -776,7 +781,7 @@ void decode_launch_tiles(const DeviceContext& ctx, const DecodeParams& p, size_t
   auto* kernel = paged_decode_kernel<kHeadDim, kStages>;
   TERN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>(p.a.tokens * p.a.cache.n_kv_heads), static_cast<unsigned>(p.n_splits));
-  kernel<<<grid, kDecodeThreads, smem, ctx.stream()>>>(p);
+  launch_kernel(ctx, kernel, grid, dim3(kDecodeThreads), smem, p);
 }
 
 template <int kHeadDim>
@@ -789,7 +794,7 @@ void decode_launch_hd(const DeviceContext& ctx, const DecodeParams& p, const Att
   if (p.n_splits > 1) {
     const int64_t rows = p.a.tokens * p.a.n_heads, rows_per_block = kReduceThreads / (kHeadDim / 4);
     const auto blocks = static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block);
-    paged_decode_reduce_kernel<kHeadDim><<<blocks, kReduceThreads, 0, ctx.stream()>>>(p);
+    launch_kernel(ctx, paged_decode_reduce_kernel<kHeadDim>, dim3(blocks), dim3(kReduceThreads), 0, p);
   }
 }
 

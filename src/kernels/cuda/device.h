@@ -99,6 +99,12 @@ class DeviceContext {
   size_t cublas_workspace_bytes() const { return workspace_.size_bytes(); }
   void synchronize() const { TERN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
+  // Programmatic dependent launch (launch.cuh): while on, tern's kernels are launched so that each may start while
+  // the previous kernel of the stream finishes, and waits in ptx::grid_dependency_wait() before touching memory.
+  // Off by default; a model turns it on after programmatic_launch_probe() succeeded on the device.
+  void set_programmatic_launch(bool on) { programmatic_launch_ = on; }
+  bool programmatic_launch() const { return programmatic_launch_; }
+
   // Per-shape cuBLASLt plans of gemm_bf16 (type-erased; gemm_bf16.cc owns the type). A context is used by one
   // thread at a time, like its stream.
   mutable std::shared_ptr<void> gemm_plans;
@@ -108,6 +114,12 @@ class DeviceContext {
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t cublaslt_ = nullptr;
   DeviceBuffer workspace_;
+  bool programmatic_launch_ = false;
 };
+
+// Whether this device takes programmatic launches (launch.cuh): two dependent launches of a tiny kernel, the second
+// reading what the first wrote after its wait. False, with the error cleared, where the launch is refused or the
+// read saw the old value.
+bool programmatic_launch_probe(DeviceContext& ctx);
 
 }  // namespace tern

@@ -1,7 +1,9 @@
 // Elementwise kernels of the GPU model path; contracts in elementwise_launch.h. All are memory-bound: the vectorised
 // ones move 16 bytes (8 bf16) per access and do their math in fp32, rounding to bf16 once per output.
 #include <cuda_bf16.h>
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
+#include "kernels/cuda/ptx.cuh"
 
 #include <algorithm>
 
@@ -57,6 +59,7 @@ struct NormParams {
 
 template <int kChunks, bool kResidual, bool kGated>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const NormParams p) {
+  ptx::grid_dependency_begin();
   __shared__ float warp_sums[kNormThreads / 32];
   const int g = threadIdx.x % p.group;
   const int64_t row = int64_t{blockIdx.x} * (kNormThreads / p.group) + threadIdx.x / p.group;
@@ -118,13 +121,13 @@ template <int kChunks>
 void rms_norm_dispatch(const DeviceContext& ctx, const NormParams& p, int grid) {
   const bool residual = p.a.residual != nullptr, gated = p.a.gate != nullptr;
   if (residual && gated) {
-    rms_norm_kernel<kChunks, true, true><<<grid, kNormThreads, 0, ctx.stream()>>>(p);
+    launch_kernel(ctx, rms_norm_kernel<kChunks, true, true>, dim3(grid), dim3(kNormThreads), 0, p);
   } else if (residual) {
-    rms_norm_kernel<kChunks, true, false><<<grid, kNormThreads, 0, ctx.stream()>>>(p);
+    launch_kernel(ctx, rms_norm_kernel<kChunks, true, false>, dim3(grid), dim3(kNormThreads), 0, p);
   } else if (gated) {
-    rms_norm_kernel<kChunks, false, true><<<grid, kNormThreads, 0, ctx.stream()>>>(p);
+    launch_kernel(ctx, rms_norm_kernel<kChunks, false, true>, dim3(grid), dim3(kNormThreads), 0, p);
   } else {
-    rms_norm_kernel<kChunks, false, false><<<grid, kNormThreads, 0, ctx.stream()>>>(p);
+    launch_kernel(ctx, rms_norm_kernel<kChunks, false, false>, dim3(grid), dim3(kNormThreads), 0, p);
   }
 }
 
@@ -137,6 +140,7 @@ constexpr int kRopeThreads = 256;
 
 template <bool kInterleaved>
 __global__ void __launch_bounds__(kRopeThreads) rope_kernel(const RopeArgs a) {
+  ptx::grid_dependency_begin();
   __shared__ float cos_s[kRopeMaxRotaryDim / 2], sin_s[kRopeMaxRotaryDim / 2];
   const int64_t t = blockIdx.x;
   const int half = static_cast<int>(a.rotary_dim / 2);
@@ -174,6 +178,7 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kernel(const RopeArgs a) {
 constexpr int kStreamThreads = 256;
 
 __global__ void __launch_bounds__(kStreamThreads) silu_mul_kernel(const SiluMulArgs a) {
+  ptx::grid_dependency_begin();
   const int64_t chunks_per_row = a.inter / kVec;
   for (int64_t idx = int64_t{blockIdx.x} * kStreamThreads + threadIdx.x; idx < a.rows * chunks_per_row;
        idx += int64_t{gridDim.x} * kStreamThreads) {
@@ -188,6 +193,7 @@ __global__ void __launch_bounds__(kStreamThreads) silu_mul_kernel(const SiluMulA
 }
 
 __global__ void __launch_bounds__(kStreamThreads) embedding_kernel(const EmbeddingArgs a) {
+  ptx::grid_dependency_begin();
   const int64_t chunks_per_row = a.hidden / kVec;
   for (int64_t idx = int64_t{blockIdx.x} * kStreamThreads + threadIdx.x; idx < a.tokens * chunks_per_row;
        idx += int64_t{gridDim.x} * kStreamThreads) {
@@ -204,6 +210,7 @@ __global__ void __launch_bounds__(kStreamThreads) embedding_kernel(const Embeddi
 }
 
 __global__ void __launch_bounds__(kStreamThreads) residual_add_kernel(const ResidualAddArgs a) {
+  ptx::grid_dependency_begin();
   for (int64_t idx = int64_t{blockIdx.x} * kStreamThreads + threadIdx.x; idx < a.n / kVec;
        idx += int64_t{gridDim.x} * kStreamThreads) {
     float x[kVec], r[kVec];
@@ -239,9 +246,9 @@ void rope_launch(const DeviceContext& ctx, const RopeArgs& args) {
   // Tokens on x (up to 2^31 - 1), the token's slices on y.
   const dim3 grid(static_cast<unsigned>(args.tokens), static_cast<unsigned>((slots + kRopeThreads - 1) / kRopeThreads));
   if (args.interleaved) {
-    rope_kernel<true><<<grid, kRopeThreads, 0, ctx.stream()>>>(args);
+    launch_kernel(ctx, rope_kernel<true>, grid, dim3(kRopeThreads), 0, args);
   } else {
-    rope_kernel<false><<<grid, kRopeThreads, 0, ctx.stream()>>>(args);
+    launch_kernel(ctx, rope_kernel<false>, grid, dim3(kRopeThreads), 0, args);
   }
   TERN_CUDA_CHECK_LAUNCH();
 }
@@ -249,19 +256,21 @@ void rope_launch(const DeviceContext& ctx, const RopeArgs& args) {
 void silu_mul_launch(const DeviceContext& ctx, const SiluMulArgs& args) {
   SiluMulArgs a = args;
   if (a.gate_up_stride == 0) a.gate_up_stride = 2 * a.inter;
-  silu_mul_kernel<<<grid_for(ctx, a.rows * a.inter / kVec, kStreamThreads), kStreamThreads, 0, ctx.stream()>>>(a);
+  launch_kernel(ctx, silu_mul_kernel, dim3(grid_for(ctx, a.rows * a.inter / kVec, kStreamThreads)),
+                dim3(kStreamThreads), 0, a);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
 void embedding_launch(const DeviceContext& ctx, const EmbeddingArgs& args) {
   TERN_CUDA_CHECK(cudaMemsetAsync(args.bad, 0xFF, sizeof(unsigned long long), ctx.stream()));
-  embedding_kernel<<<grid_for(ctx, args.tokens * args.hidden / kVec, kStreamThreads), kStreamThreads, 0,
-                     ctx.stream()>>>(args);
+  launch_kernel(ctx, embedding_kernel, dim3(grid_for(ctx, args.tokens * args.hidden / kVec, kStreamThreads)),
+                dim3(kStreamThreads), 0, args);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
 void residual_add_launch(const DeviceContext& ctx, const ResidualAddArgs& args) {
-  residual_add_kernel<<<grid_for(ctx, args.n / kVec, kStreamThreads), kStreamThreads, 0, ctx.stream()>>>(args);
+  launch_kernel(ctx, residual_add_kernel, dim3(grid_for(ctx, args.n / kVec, kStreamThreads)), dim3(kStreamThreads), 0,
+                args);
   TERN_CUDA_CHECK_LAUNCH();
 }
 

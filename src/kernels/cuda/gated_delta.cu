@@ -9,7 +9,9 @@
 // holding dk/4 rows of its column in registers, and the warps never wait for each other: per token a warp
 // normalises q and k into its own shared-memory buffer, reduces S^T k and S^T q with two shuffles, and moves on.
 #include <cuda_bf16.h>
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
+#include "kernels/cuda/ptx.cuh"
 
 #include <algorithm>
 
@@ -60,6 +62,7 @@ struct ConvParams {
 
 template <int kK>
 __global__ void __launch_bounds__(kConvThreads) gdn_conv1d_kernel(const ConvParams p) {
+  ptx::grid_dependency_begin();
   constexpr int kHist = kK - 1;
   const GdnConvArgs& a = p.a;
   const SeqView sq = seq_view(a.seqs, blockIdx.x);
@@ -183,6 +186,7 @@ __device__ __forceinline__ void token_normalise(const TokenRaw<kDk / 32>& r, flo
 
 template <int kDk>
 __global__ void __launch_bounds__(kRecThreads) gdn_recurrent_kernel(const GdnDeltaRuleArgs a) {
+  ptx::grid_dependency_begin();
   constexpr int kRows = kDk / kSplit;  // rows of S per lane: d = i * kSplit + r
   constexpr int kPerLane = kDk / 32;
   // [warp][token parity][q | k][d]: double-buffered so one __syncwarp per token separates writes from reads.
@@ -464,6 +468,7 @@ __device__ void chunk_state_update(const ChunkHead& h, float* sm) {
 
 template <int kDk, int kChunk>
 __global__ void __launch_bounds__(kChunkThreads) gdn_chunked_kernel(const GdnDeltaRuleArgs a) {
+  ptx::grid_dependency_begin();
   using L = ChunkLayout<kDk, kChunk>;
   extern __shared__ float4 chunk_smem[];
   float* sm = reinterpret_cast<float*>(chunk_smem);
@@ -506,7 +511,7 @@ void chunked_launch(const DeviceContext& ctx, const GdnDeltaRuleArgs& args, dim3
   const int bytes = static_cast<int>(gdn_chunked_smem_bytes(kDk, kChunk));
   TERN_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunked_kernel<kDk, kChunk>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  gdn_chunked_kernel<kDk, kChunk><<<grid, kChunkThreads, bytes, ctx.stream()>>>(args);
+  launch_kernel(ctx, gdn_chunked_kernel<kDk, kChunk>, grid, dim3(kChunkThreads), bytes, args);
 }
 
 template <int kChunk>
@@ -554,13 +559,27 @@ void gdn_conv1d_launch(const DeviceContext& ctx, const GdnConvArgs& args) {
   const dim3 grid(static_cast<unsigned>(args.seqs.n_seqs),
                   static_cast<unsigned>((args.channels + p.ch_tile - 1) / p.ch_tile));
   switch (args.kernel) {
-    case 2: gdn_conv1d_kernel<2><<<grid, kConvThreads, 0, ctx.stream()>>>(p); break;
-    case 3: gdn_conv1d_kernel<3><<<grid, kConvThreads, 0, ctx.stream()>>>(p); break;
-    case 4: gdn_conv1d_kernel<4><<<grid, kConvThreads, 0, ctx.stream()>>>(p); break;
-    case 5: gdn_conv1d_kernel<5><<<grid, kConvThreads, 0, ctx.stream()>>>(p); break;
-    case 6: gdn_conv1d_kernel<6><<<grid, kConvThreads, 0, ctx.stream()>>>(p); break;
-    case 7: gdn_conv1d_kernel<7><<<grid, kConvThreads, 0, ctx.stream()>>>(p); break;
-    default: gdn_conv1d_kernel<8><<<grid, kConvThreads, 0, ctx.stream()>>>(p); break;
+    case 2:
+      launch_kernel(ctx, gdn_conv1d_kernel<2>, grid, dim3(kConvThreads), 0, p);
+      break;
+    case 3:
+      launch_kernel(ctx, gdn_conv1d_kernel<3>, grid, dim3(kConvThreads), 0, p);
+      break;
+    case 4:
+      launch_kernel(ctx, gdn_conv1d_kernel<4>, grid, dim3(kConvThreads), 0, p);
+      break;
+    case 5:
+      launch_kernel(ctx, gdn_conv1d_kernel<5>, grid, dim3(kConvThreads), 0, p);
+      break;
+    case 6:
+      launch_kernel(ctx, gdn_conv1d_kernel<6>, grid, dim3(kConvThreads), 0, p);
+      break;
+    case 7:
+      launch_kernel(ctx, gdn_conv1d_kernel<7>, grid, dim3(kConvThreads), 0, p);
+      break;
+    default:
+      launch_kernel(ctx, gdn_conv1d_kernel<8>, grid, dim3(kConvThreads), 0, p);
+      break;
   }
   TERN_CUDA_CHECK_LAUNCH();
 }
@@ -569,9 +588,15 @@ void gdn_delta_rule_launch_recurrent(const DeviceContext& ctx, const GdnDeltaRul
   const dim3 grid(static_cast<unsigned>(args.seqs.n_seqs), static_cast<unsigned>(args.n_value_heads),
                   static_cast<unsigned>(args.value_dim / kGdnValueSlice));
   switch (args.key_dim) {
-    case 32: gdn_recurrent_kernel<32><<<grid, kRecThreads, 0, ctx.stream()>>>(args); break;
-    case 64: gdn_recurrent_kernel<64><<<grid, kRecThreads, 0, ctx.stream()>>>(args); break;
-    default: gdn_recurrent_kernel<128><<<grid, kRecThreads, 0, ctx.stream()>>>(args); break;
+    case 32:
+      launch_kernel(ctx, gdn_recurrent_kernel<32>, grid, dim3(kRecThreads), 0, args);
+      break;
+    case 64:
+      launch_kernel(ctx, gdn_recurrent_kernel<64>, grid, dim3(kRecThreads), 0, args);
+      break;
+    default:
+      launch_kernel(ctx, gdn_recurrent_kernel<128>, grid, dim3(kRecThreads), 0, args);
+      break;
   }
   TERN_CUDA_CHECK_LAUNCH();
 }

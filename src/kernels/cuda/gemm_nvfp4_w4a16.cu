@@ -4,8 +4,10 @@
 // schemes they share with the grouped MoE GEMM are in nvfp4_device.cuh.
 #include "kernels/cuda/gemm_nvfp4_w4a16_launch.h"
 
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/nvfp4_device.cuh"
+#include "kernels/cuda/ptx.cuh"
 
 namespace tern {
 
@@ -30,6 +32,7 @@ struct DecodeParams {
 template <int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
 __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32, decode_min_blocks(kSplitK, kTokenTiles))
     nvfp4_decode_kernel(const DecodeParams p) {
+  ptx::grid_dependency_begin();
   constexpr int kTiles = decode_block_tiles(kSplitK), kRows = 16 * kMTiles;
   __shared__ __align__(16) float red[decode_red_floats<kSplitK, kMTiles, kTokenTiles>()];
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4;
@@ -119,6 +122,7 @@ __device__ __forceinline__ void prefill_store_y(const PrefillParams& p, int m0, 
 
 template <int kBm, int kStages>
 __global__ void __launch_bounds__(kPrefillThreads) nvfp4_prefill_kernel(PrefillParams p) {
+  ptx::grid_dependency_begin();
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);             // [kStages][kBm][kPrefillLd]
   uint16_t* ws = xs + kStages * kBm * kPrefillLd;                // [2][kPrefillBn][kPrefillLd]
@@ -161,38 +165,39 @@ __global__ void __launch_bounds__(kPrefillThreads) nvfp4_prefill_kernel(PrefillP
 bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
 template <int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
-void decode_launch_kernel(const DecodeParams& p, cudaStream_t stream) {
+void decode_launch_kernel(const DecodeParams& p, const DeviceContext& ctx) {
   constexpr int kTileRows = 16 * kMTiles * decode_block_tiles(kSplitK);
   const dim3 grid(static_cast<unsigned>((p.n + kTileRows - 1) / kTileRows));
-  nvfp4_decode_kernel<kMTiles, kSplitK, kTokenTiles, kVec16><<<grid, decode_block_warps(kSplitK) * 32, 0, stream>>>(p);
+  launch_kernel(ctx, nvfp4_decode_kernel<kMTiles, kSplitK, kTokenTiles, kVec16>, grid,
+                dim3(decode_block_warps(kSplitK) * 32), 0, p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
 template <int kMTiles, int kTokenTiles, bool kVec16>
-void decode_launch_split(const DecodeParams& p, int split_k, cudaStream_t stream) {
+void decode_launch_split(const DecodeParams& p, int split_k, const DeviceContext& ctx) {
   switch (split_k) {
     case 1:
-      return decode_launch_kernel<kMTiles, 1, kTokenTiles, kVec16>(p, stream);
+      return decode_launch_kernel<kMTiles, 1, kTokenTiles, kVec16>(p, ctx);
     case 2:
-      return decode_launch_kernel<kMTiles, 2, kTokenTiles, kVec16>(p, stream);
+      return decode_launch_kernel<kMTiles, 2, kTokenTiles, kVec16>(p, ctx);
     case 4:
-      return decode_launch_kernel<kMTiles, 4, kTokenTiles, kVec16>(p, stream);
+      return decode_launch_kernel<kMTiles, 4, kTokenTiles, kVec16>(p, ctx);
     case 8:
-      return decode_launch_kernel<kMTiles, 8, kTokenTiles, kVec16>(p, stream);
+      return decode_launch_kernel<kMTiles, 8, kTokenTiles, kVec16>(p, ctx);
     case 16:
-      return decode_launch_kernel<kMTiles, 16, kTokenTiles, kVec16>(p, stream);
+      return decode_launch_kernel<kMTiles, 16, kTokenTiles, kVec16>(p, ctx);
   }
   if constexpr (decode_max_split_k(kMTiles, kTokenTiles) == 32) {
-    decode_launch_kernel<kMTiles, 32, kTokenTiles, kVec16>(p, stream);
+    decode_launch_kernel<kMTiles, 32, kTokenTiles, kVec16>(p, ctx);
   }
 }
 
 // Two m16 tiles per warp only with 16-byte loads: the byte-wise path serves odd k and is not worth the code.
 template <int kTokenTiles>
-void decode_launch_tiles(const DecodeParams& p, const DecodeShape& shape, bool vec16, cudaStream_t stream) {
-  if (!vec16) return decode_launch_split<1, kTokenTiles, false>(p, shape.split_k, stream);
-  if (shape.m_tiles == 2) return decode_launch_split<2, kTokenTiles, true>(p, shape.split_k, stream);
-  decode_launch_split<1, kTokenTiles, true>(p, shape.split_k, stream);
+void decode_launch_tiles(const DecodeParams& p, const DecodeShape& shape, bool vec16, const DeviceContext& ctx) {
+  if (!vec16) return decode_launch_split<1, kTokenTiles, false>(p, shape.split_k, ctx);
+  if (shape.m_tiles == 2) return decode_launch_split<2, kTokenTiles, true>(p, shape.split_k, ctx);
+  decode_launch_split<1, kTokenTiles, true>(p, shape.split_k, ctx);
 }
 
 }  // namespace
@@ -211,20 +216,20 @@ void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Arg
   const bool vec16 = a.w.k % 32 == 0 && is_aligned(a.w.packed, 16) && is_aligned(a.w.scales, 2);
   const int token_tiles = a.m <= 8 ? 1 : 2;
   const DecodeShape shape = decode_choose_shape(ctx.props().num_sms, a.w.n, a.w.k, 1, token_tiles, vec16);
-  if (token_tiles == 1) return decode_launch_tiles<1>(p, shape, vec16, ctx.stream());
-  decode_launch_tiles<2>(p, shape, vec16, ctx.stream());
+  if (token_tiles == 1) return decode_launch_tiles<1>(p, shape, vec16, ctx);
+  decode_launch_tiles<2>(p, shape, vec16, ctx);
 }
 
 namespace {
 
 template <int kBm, int kStages>
-void prefill_launch_tiles(const PrefillParams& p, cudaStream_t stream) {
+void prefill_launch_tiles(const PrefillParams& p, const DeviceContext& ctx) {
   constexpr size_t kSmem = prefill_smem_bytes(kBm, kStages);
   TERN_CUDA_CHECK(cudaFuncSetAttribute(nvfp4_prefill_kernel<kBm, kStages>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   const dim3 grid(static_cast<unsigned>((p.n + kPrefillBn - 1) / kPrefillBn),
                   static_cast<unsigned>((p.m + kBm - 1) / kBm));
-  nvfp4_prefill_kernel<kBm, kStages><<<grid, kPrefillThreads, kSmem, stream>>>(p);
+  launch_kernel(ctx, nvfp4_prefill_kernel<kBm, kStages>, grid, dim3(kPrefillThreads), kSmem, p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
@@ -254,13 +259,13 @@ void nvfp4_w4a16_launch_prefill(const DeviceContext& ctx, const GemmNvfp4W4a16Ar
   };
   const int stages = fits(4) ? 4 : fits(3) ? 3 : 2;
   if (bm == 128) {
-    if (stages == 4) return prefill_launch_tiles<128, 4>(p, ctx.stream());
-    if (stages == 3) return prefill_launch_tiles<128, 3>(p, ctx.stream());
-    return prefill_launch_tiles<128, 2>(p, ctx.stream());
+    if (stages == 4) return prefill_launch_tiles<128, 4>(p, ctx);
+    if (stages == 3) return prefill_launch_tiles<128, 3>(p, ctx);
+    return prefill_launch_tiles<128, 2>(p, ctx);
   }
-  if (stages == 4) return prefill_launch_tiles<64, 4>(p, ctx.stream());
-  if (stages == 3) return prefill_launch_tiles<64, 3>(p, ctx.stream());
-  return prefill_launch_tiles<64, 2>(p, ctx.stream());
+  if (stages == 4) return prefill_launch_tiles<64, 4>(p, ctx);
+  if (stages == 3) return prefill_launch_tiles<64, 3>(p, ctx);
+  return prefill_launch_tiles<64, 2>(p, ctx);
 }
 
 // What the driver loaded of this module for the current device (module_attributes.h).

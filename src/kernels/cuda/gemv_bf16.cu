@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/gemv_bf16_launch.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/ptx.cuh"
 
@@ -58,6 +59,7 @@ __device__ __forceinline__ void fma_chunk(float (&acc)[kRows][kCols], const uint
 // One block: kThreads / group_threads groups, each owning kCols consecutive output columns.
 template <int kRows>
 __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Params p, const int group_threads) {
+  ptx::grid_dependents_launch();  // the wait follows the weight prefetch below
   __shared__ float partial[kWarps][kRows * kCols];
   const int t = static_cast<int>(threadIdx.x);
   const int groups = kThreads / group_threads;
@@ -76,6 +78,14 @@ __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Param
     for (int r = 0; r < kCols; ++r) acc[i][r] = 0.0f;
   }
   const int n_chunks = static_cast<int>(p.k / kVec);
+  // W is a model weight, which no kernel writes: its first two chunks per row head for L2 while a programmatic
+  // launch (launch.cuh) still waits for the previous kernel, whose output x is; then the wait, before any x.
+#pragma unroll
+  for (int r = 0; r < kCols; ++r) {
+    if (j < n_chunks) ptx::prefetch_l2(wrow[r] + int64_t{j} * kVec);
+    if (j + group_threads < n_chunks) ptx::prefetch_l2(wrow[r] + int64_t{j + group_threads} * kVec);
+  }
+  ptx::grid_dependency_wait();
   int c = j;
   for (; c + group_threads < n_chunks; c += 2 * group_threads) {
     uint4 w0[kCols], w1[kCols];
@@ -120,24 +130,24 @@ __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Param
 }
 
 template <int kRows>
-void launch_rows(const GemvBf16Params& p, int group_threads, cudaStream_t stream) {
+void launch_rows(const GemvBf16Params& p, int group_threads, const DeviceContext& ctx) {
   const int64_t cols_per_block = int64_t{kThreads / group_threads} * kCols;
   const auto grid = static_cast<unsigned>((p.n + cols_per_block - 1) / cols_per_block);
-  gemv_bf16_kernel<kRows><<<grid, kThreads, 0, stream>>>(p, group_threads);
+  launch_kernel(ctx, gemv_bf16_kernel<kRows>, dim3(grid), dim3(kThreads), 0, p, group_threads);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
 void gemv_bf16_launch(const DeviceContext& ctx, const GemvBf16Params& p) {
-  using Launch = void (*)(const GemvBf16Params&, int, cudaStream_t);
+  using Launch = void (*)(const GemvBf16Params&, int, const DeviceContext&);
   static constexpr Launch kByRows[kGemvMaxRows] = {launch_rows<1>, launch_rows<2>, launch_rows<3>, launch_rows<4>,
                                                    launch_rows<5>, launch_rows<6>, launch_rows<7>, launch_rows<8>};
   static_assert(kGemvMaxRows * kWarps * kCols <= kThreads, "stage 3 needs a thread per output of a block");
   if (p.m < 1 || p.m > kGemvMaxRows) return;  // gemv_bf16() rejects these first
   const int threads =
       p.group_threads > 0 ? p.group_threads : gemv_bf16_group_threads(p.m, p.n, p.k, ctx.props().num_sms);
-  kByRows[p.m - 1](p, threads, ctx.stream());
+  kByRows[p.m - 1](p, threads, ctx);
 }
 
 // What the driver loaded of this module for the current device (module_attributes.h).

@@ -15,7 +15,9 @@
 #include <algorithm>
 #include <limits>
 #include <type_traits>
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
+#include "kernels/cuda/ptx.cuh"
 
 #include "kernels/cuda/moe_launch.h"
 #include "kernels/cuda/nvfp4_device.cuh"
@@ -286,6 +288,7 @@ template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16,
 __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
                                   moe_decode_min_blocks(kIsNvfp4, kMTiles, kSplitK, kTokenTiles))
     moe_decode_kernel(const GemmParams p) {
+  ptx::grid_dependency_begin();
   static_assert(kIsNvfp4 || kMTiles == 1);
   constexpr int kTiles = decode_block_tiles(kSplitK), kRows = 16 * kMTiles;
   __shared__ __align__(16) float red[decode_red_floats<kSplitK, kMTiles, kTokenTiles>()];
@@ -436,6 +439,7 @@ __device__ __forceinline__ void prefill_store_y(const GemmParams& p, const TileW
 
 template <bool kIsNvfp4, int kBm, int kStages>
 __global__ void __launch_bounds__(kPrefillThreads) moe_prefill_kernel(const GemmParams p) {
+  ptx::grid_dependency_begin();
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);                              // [kStages][kBm][kPrefillLd]
   uint16_t* ws = xs + kStages * kBm * kPrefillLd;                                 // [2][kPrefillBn][kPrefillLd]
@@ -552,7 +556,7 @@ struct DecodeLaunch {
   GemmParams p;
   int64_t slots;
   size_t default_smem;
-  cudaStream_t stream;
+  const DeviceContext* ctx;
 };
 
 constexpr size_t silu_act_bytes(int64_t k, int token_tiles) {
@@ -574,7 +578,7 @@ void decode_launch_kernel(const DecodeLaunch& l) {
     TERN_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(act_bytes)));
   }
-  kernel<<<grid, decode_block_warps(kSplitK) * 32, act_bytes, l.stream>>>(p);
+  launch_kernel(*l.ctx, kernel, grid, dim3(decode_block_warps(kSplitK) * 32), act_bytes, p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
@@ -610,10 +614,10 @@ int bf16_decode_split(const DeviceProps& props, const MoeGemmArgs& a, int64_t sl
 }
 
 template <int kTokenTiles, bool kSiluX>
-void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, cudaStream_t stream) {
+void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, const DeviceContext& ctx) {
   // The active experts are unknown on the host; min(n_experts, rows) bounds them.
   const int64_t slots = std::min(a.w.n_experts, a.rows);
-  const DecodeLaunch l{make_params(a), slots, props.shared_mem_per_block, stream};
+  const DecodeLaunch l{make_params(a), slots, props.shared_mem_per_block, &ctx};
   if (a.w.format == MoeWeightFormat::kBf16) {
     return decode_launch_split<!kNvfp4, 1, kTokenTiles, false, kSiluX>(l, bf16_decode_split(props, a, slots));
   }
@@ -638,25 +642,26 @@ void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, cudaSt
 }
 
 template <bool kIsNvfp4, int kBm, int kStages>
-void prefill_launch_tiles(const GemmParams& p, int64_t rows, int64_t n_experts, cudaStream_t stream) {
+void prefill_launch_tiles(const GemmParams& p, int64_t rows, int64_t n_experts, const DeviceContext& ctx) {
   constexpr size_t kSmem = prefill_smem_bytes<kBm>(kStages);
   TERN_CUDA_CHECK(cudaFuncSetAttribute(moe_prefill_kernel<kIsNvfp4, kBm, kStages>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   const dim3 grid(static_cast<unsigned>((rows + kBm - 1) / kBm + n_experts),
                   static_cast<unsigned>((p.n + kPrefillBn - 1) / kPrefillBn));
-  moe_prefill_kernel<kIsNvfp4, kBm, kStages><<<grid, kPrefillThreads, kSmem, stream>>>(p);
+  launch_kernel(ctx, moe_prefill_kernel<kIsNvfp4, kBm, kStages>, grid, dim3(kPrefillThreads), kSmem, p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
 template <bool kIsNvfp4, int kBm>
-void prefill_launch_stages(const GemmParams& p, const MoeGemmArgs& a, int stages, cudaStream_t stream) {
-  if (stages == 4) return prefill_launch_tiles<kIsNvfp4, kBm, 4>(p, a.rows, a.w.n_experts, stream);
-  if (stages == 3) return prefill_launch_tiles<kIsNvfp4, kBm, 3>(p, a.rows, a.w.n_experts, stream);
-  prefill_launch_tiles<kIsNvfp4, kBm, 2>(p, a.rows, a.w.n_experts, stream);
+void prefill_launch_stages(const GemmParams& p, const MoeGemmArgs& a, int stages, const DeviceContext& ctx) {
+  if (stages == 4) return prefill_launch_tiles<kIsNvfp4, kBm, 4>(p, a.rows, a.w.n_experts, ctx);
+  if (stages == 3) return prefill_launch_tiles<kIsNvfp4, kBm, 3>(p, a.rows, a.w.n_experts, ctx);
+  prefill_launch_tiles<kIsNvfp4, kBm, 2>(p, a.rows, a.w.n_experts, ctx);
 }
 
 template <int kBm>
-void prefill_launch_format(const GemmParams& p, const MoeGemmArgs& a, const DeviceProps& props, cudaStream_t stream) {
+void prefill_launch_format(const GemmParams& p, const MoeGemmArgs& a, const DeviceProps& props,
+                           const DeviceContext& ctx) {
   // As many x stages (up to 4) as fit twice in one SM's shared memory, so two blocks overlap each other's
   // barriers, and at least within the per-block opt-in limit.
   auto fits = [&](int stages) {
@@ -664,14 +669,14 @@ void prefill_launch_format(const GemmParams& p, const MoeGemmArgs& a, const Devi
     return bytes <= props.shared_mem_per_block_optin && 2 * bytes <= props.shared_mem_per_sm;
   };
   const int stages = fits(4) ? 4 : fits(3) ? 3 : 2;
-  if (a.w.format == MoeWeightFormat::kNvfp4) return prefill_launch_stages<kNvfp4, kBm>(p, a, stages, stream);
-  prefill_launch_stages<!kNvfp4, kBm>(p, a, stages, stream);
+  if (a.w.format == MoeWeightFormat::kNvfp4) return prefill_launch_stages<kNvfp4, kBm>(p, a, stages, ctx);
+  prefill_launch_stages<!kNvfp4, kBm>(p, a, stages, ctx);
 }
 
 void prefill_launch_projection(const DeviceContext& ctx, const MoeGemmArgs& a) {
   const GemmParams p = make_params(a);
-  if (a.rows >= 128 * a.w.n_experts) return prefill_launch_format<128>(p, a, ctx.props(), ctx.stream());
-  prefill_launch_format<64>(p, a, ctx.props(), ctx.stream());
+  if (a.rows >= 128 * a.w.n_experts) return prefill_launch_format<128>(p, a, ctx.props(), ctx);
+  prefill_launch_format<64>(p, a, ctx.props(), ctx);
 }
 
 }  // namespace
@@ -680,11 +685,11 @@ void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& a) {
   // One 8-row tile per pass covers every expert while tokens <= 8 (a token picks an expert once).
   const bool one_tile = a.rows <= 8 * a.top_k;
   if (a.x_silu_mul) {
-    if (one_tile) return decode_launch_format<1, true>(a, ctx.props(), ctx.stream());
-    return decode_launch_format<2, true>(a, ctx.props(), ctx.stream());
+    if (one_tile) return decode_launch_format<1, true>(a, ctx.props(), ctx);
+    return decode_launch_format<2, true>(a, ctx.props(), ctx);
   }
-  if (one_tile) return decode_launch_format<1, false>(a, ctx.props(), ctx.stream());
-  decode_launch_format<2, false>(a, ctx.props(), ctx.stream());
+  if (one_tile) return decode_launch_format<1, false>(a, ctx.props(), ctx);
+  decode_launch_format<2, false>(a, ctx.props(), ctx);
 }
 
 size_t moe_gemm_silu_smem_bytes(int64_t k) {

@@ -1,7 +1,9 @@
 // The small MoE kernels: routing (softmax + top-k), the alignment of pairs by expert, and the weighted combine of
 // the expert outputs. Contracts in moe_launch.h; the grouped expert GEMM is in moe_gemm.cu.
 #include <cuda_bf16.h>
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
+#include "kernels/cuda/ptx.cuh"
 
 #include <algorithm>
 
@@ -97,6 +99,7 @@ __device__ __forceinline__ RouteChoice route_token(const MoeRouteArgs& a, int64_
 }
 
 __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const MoeRouteArgs a) {
+  ptx::grid_dependency_begin();
   const int lane = threadIdx.x % 32;
   const int64_t token = int64_t{blockIdx.x} * kRouteWarps + threadIdx.x / 32;
   if (token >= a.tokens) return;  // the whole warp
@@ -191,6 +194,7 @@ __device__ __forceinline__ void align_pairs(const int32_t* ids, const MoeAlignAr
 }
 
 __global__ void __launch_bounds__(kAlignWarps * 32) moe_align_kernel(const MoeAlignArgs a) {
+  ptx::grid_dependency_begin();
   align_pairs(a.topk_ids, a);
 }
 
@@ -198,6 +202,7 @@ __global__ void __launch_bounds__(kAlignWarps * 32) moe_align_kernel(const MoeAl
 // also to shared memory, from where the block sorts them once all are in. route_token and align_pairs are the two
 // kernels' code, so every output is the same bits.
 __global__ void __launch_bounds__(kAlignWarps * 32) moe_route_align_kernel(const MoeRouteArgs r, const MoeAlignArgs a) {
+  ptx::grid_dependency_begin();
   __shared__ int32_t ids[kMoeRouteAlignMaxPairs];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t token = warp; token < r.tokens; token += kAlignWarps) {  // warp-uniform
@@ -237,6 +242,7 @@ __device__ __forceinline__ void store_bf16x8(uint16_t* p, const float (&v)[kVec]
 }
 
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const MoeCombineArgs a) {
+  ptx::grid_dependency_begin();
   __shared__ int order[kMoeMaxTopK];  // order[s]: the j of the token's s-th smallest expert id
   const int64_t token = blockIdx.x;
   const int top_k = static_cast<int>(a.top_k);
@@ -277,26 +283,26 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const MoeC
 
 void moe_route_launch(const DeviceContext& ctx, const MoeRouteArgs& a) {
   const auto blocks = static_cast<unsigned>((a.tokens + kRouteWarps - 1) / kRouteWarps);
-  moe_route_kernel<<<blocks, kRouteWarps * 32, 0, ctx.stream()>>>(a);
+  launch_kernel(ctx, moe_route_kernel, dim3(blocks), dim3(kRouteWarps * 32), 0, a);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
 // One block: at decode sizes the whole sort is a few microseconds; at 8192 tokens x top-10 each warp walks 160
 // steps of 32 pairs twice, tens of microseconds against milliseconds of expert GEMMs.
 void moe_align_launch(const DeviceContext& ctx, const MoeAlignArgs& a) {
-  moe_align_kernel<<<1, kAlignWarps * 32, 0, ctx.stream()>>>(a);
+  launch_kernel(ctx, moe_align_kernel, dim3(1), dim3(kAlignWarps * 32), 0, a);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
 void moe_route_align_launch(const DeviceContext& ctx, const MoeRouteArgs& route, const MoeAlignArgs& align) {
-  moe_route_align_kernel<<<1, kAlignWarps * 32, 0, ctx.stream()>>>(route, align);
+  launch_kernel(ctx, moe_route_align_kernel, dim3(1), dim3(kAlignWarps * 32), 0, route, align);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
 void moe_combine_launch(const DeviceContext& ctx, const MoeCombineArgs& a) {
   const int64_t slices = (a.hidden / kVec + kCombineThreads - 1) / kCombineThreads;
   const dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(slices));
-  moe_combine_kernel<<<grid, kCombineThreads, 0, ctx.stream()>>>(a);
+  launch_kernel(ctx, moe_combine_kernel, grid, dim3(kCombineThreads), 0, a);
   TERN_CUDA_CHECK_LAUNCH();
 }
 

@@ -9,6 +9,30 @@
 
 namespace tern::ptx {
 
+// Programmatic dependent launch (sm_90 and later). A kernel launched with programmatic stream serialization
+// (launch.cuh) may start while the previous kernel of its stream is still running: it lets the next kernel launch
+// as soon as all of its own blocks have started (grid_dependents_launch), and waits for the previous kernel to
+// complete and its writes to be visible (grid_dependency_wait) before reading or writing memory that kernel (or an
+// earlier one) uses. Without that launch attribute both are no-ops. Every kernel launched through launch_kernel waits
+// before its first access to memory that kernels write (most begin with grid_dependency_begin(); the GEMV first
+// prefetches its constant weights), and every one waits in all its blocks, so the wait also chains: a kernel cannot
+// complete before its predecessor has.
+__device__ __forceinline__ void grid_dependents_launch() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void grid_dependency_begin() {
+  grid_dependents_launch();
+  grid_dependency_wait();
+}
+
+// The line holding p into L2, without a register or a wait (a hint: nothing breaks if it is dropped).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/sampling_launch.h"
 
@@ -695,6 +696,7 @@ __device__ char* row_workspace(const SampleParams& p, int64_t row) {
 constexpr int kStageGroups = 16;
 
 __global__ void __launch_bounds__(kSplitThreads) sample_partials_kernel(const SampleParams p) {
+  ptx::grid_dependency_begin();
   __shared__ uint4 stage[2][kStageGroups][kSplitThreads];
   const SampleArgs& a = p.a;
   const int64_t row = blockIdx.x;
@@ -737,6 +739,7 @@ __global__ void __launch_bounds__(kSplitThreads) sample_partials_kernel(const Sa
 }
 
 __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const SampleParams p) {
+  ptx::grid_dependency_begin();
   extern __shared__ u64 dynamic_shared[];
   __shared__ Scratch s;
   const SampleArgs& a = p.a;
@@ -809,13 +812,13 @@ void sample_rows_launch(const DeviceContext& ctx, const SampleArgs& args) {
                        split};
   if (split) {
     const dim3 grid(static_cast<unsigned>(args.rows), kSampleSplitBlocks);
-    sample_partials_kernel<<<grid, kSplitThreads, 0, ctx.stream()>>>(p);
+    launch_kernel(ctx, sample_partials_kernel, grid, dim3(kSplitThreads), 0, p);
     TERN_CUDA_CHECK_LAUNCH();
   }
   const size_t shared = sampling_dynamic_shared_bytes(args.vocab);
   TERN_CUDA_CHECK(
       cudaFuncSetAttribute(sample_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-  sample_rows_kernel<<<static_cast<unsigned>(args.rows), kThreads, shared, ctx.stream()>>>(p);
+  launch_kernel(ctx, sample_rows_kernel, dim3(static_cast<unsigned>(args.rows)), dim3(kThreads), shared, p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 

@@ -163,10 +163,11 @@ class GpuBackend final : public ForwardBackend {
   int64_t kv_cache_tokens() const override { return kv_blocks_ * options_.kv_block_size; }
   std::string describe() const override {
     const auto captured = std::count_if(graphs_.begin(), graphs_.end(), [](const auto& g) { return g.second.exec; });
-    return fmt::format("cuda:{} {} ({:.2f} GiB of weights, KV cache {} tokens in blocks of {}, {})", options_.device,
+    return fmt::format("cuda:{} {} ({:.2f} GiB of weights, KV cache {} tokens in blocks of {}, {}{})", options_.device,
                        ctx_.props().name, static_cast<double>(weights_.bytes()) / (1 << 30),
                        kv_blocks_ * options_.kv_block_size, options_.kv_block_size,
-                       graphs_enabled_ ? fmt::format("{} decode graphs", captured) : std::string("eager decode"));
+                       graphs_enabled_ ? fmt::format("{} decode graphs", captured) : std::string("eager decode"),
+                       ctx_.programmatic_launch() ? ", programmatic launch" : "");
   }
 
  private:
@@ -329,6 +330,7 @@ Expected<GpuMoe> GpuBackend::build_moe(const Moe& moe, const std::string& name) 
 }
 
 Expected<void> GpuBackend::build(const CausalLm& model) {
+  if (options_.programmatic_launch) ctx_.set_programmatic_launch(programmatic_launch_probe(ctx_));
   const std::string& av = options_.attention_variant;
   const std::string& gv = options_.gdn_variant;
   if (av != "auto" && av != "cuda-decode" && av != "cuda-prefill") {
