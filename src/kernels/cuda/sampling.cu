@@ -5,9 +5,10 @@
 // one-warp blocks per row: kSampleSlotsPerThread slots per thread of the row's block, slot s taking the 16-byte
 // groups s, s + 4096, ...; each thread of the row's block merges its slots (together exactly the ids of its own
 // walk) before the block combines the threads. The double sums then add in another order than the unsplit walk
-// (both are compared with the CPU Sampler's fp64 sum within the same tolerance). Nothing is sorted: thresholds come from three-digit radix selects (11 + 11 + 10
-// bits) over an order-preserving integer key, counted or weighted by the fixed-point mass, and searches in id order
-// (the top_p boundary among equal weights, the draw itself, the lowest ids of a logprob tie) from per-chunk sums.
+// (both are compared with the CPU Sampler's fp64 sum within the same tolerance). Nothing is sorted: thresholds come
+// from three-digit radix selects (11 + 11 + 10 bits) over an order-preserving integer key, counted or weighted by the
+// fixed-point mass, and searches in id order (the top_p boundary among equal weights, the draw itself, the lowest ids
+// of a logprob tie) from per-chunk sums.
 #include <cuda_runtime.h>
 #include "kernels/cuda/module_attributes.h"
 
@@ -23,8 +24,8 @@ namespace {
 using u64 = unsigned long long;  // the type atomicAdd and the shuffles take
 
 constexpr int kThreads = kSampleSlots;
-constexpr int kSplitSlots = kThreads * kSampleSlotsPerThread;      // partial slots of a row
-constexpr int kSplitThreads = kSplitSlots / kSampleSplitBlocks;     // one warp per split block
+constexpr int kSplitSlots = kThreads * kSampleSlotsPerThread;    // partial slots of a row
+constexpr int kSplitThreads = kSplitSlots / kSampleSplitBlocks;  // one warp per split block
 static_assert(kSplitThreads * kSampleSplitBlocks == kSplitSlots && kSplitThreads == 32);
 constexpr int kLoadBatch = 4;  // 16-byte loads a thread has in flight in a walk
 constexpr int kWarps = kThreads / 32;
@@ -707,8 +708,9 @@ __device__ char* row_workspace(const SampleParams& p, int64_t row) {
 
 // The first walk of small batches: block (row, b) computes the RawStats of slots [b, b + 1) * kSplitThreads, slot s
 // over the 16-byte groups s, s + kSplitSlots, ... and then the tail ids s, s + kSplitSlots, ..., with raw logits as
-// the values (the row's block redoes the best where a penalty is active). The groups are staged through shared memory with cp.async, kStageGroups per
-// thread at a time in two buffers, so that many loads are in flight while the previous stage is summed.
+// the values (the row's block redoes the best where a penalty is active). The groups are staged through shared memory
+// with cp.async, kStageGroups per thread at a time in two buffers, so that many loads are in flight while the previous
+// stage is summed.
 constexpr int kStageGroups = 16;
 
 __global__ void __launch_bounds__(kSplitThreads) sample_partials_kernel(const SampleParams p) {
@@ -785,7 +787,8 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const SampleParam
     const PartialSlots slots = PartialSlots::at(workspace + p.partials_offset);
     mine = slots.load(static_cast<int>(threadIdx.x));
 #pragma unroll
-    for (int j = 1; j < kSampleSlotsPerThread; ++j) mine = raw_merge(mine, slots.load(static_cast<int>(threadIdx.x) + j * kThreads));
+    for (int j = 1; j < kSampleSlotsPerThread; ++j)
+      mine = raw_merge(mine, slots.load(static_cast<int>(threadIdx.x) + j * kThreads));
     if (v.listed != nullptr) mine.best = penalised_thread_best(v);
   } else {
     mine = raw_thread_stats(v);
