@@ -1,11 +1,14 @@
 // Token sampling on the GPU; contract in sampling_launch.h. One 512-thread block owns a row and walks it several
 // times: the first walk reads it from memory (status, max, log-sum-exp, penalised argmax), later walks mostly hit
-// the L2. With few rows, one block per row would leave most SMs idle for the first walk, so a first kernel spreads
-// it over kSampleSplitBlocks blocks per row; each of their threads stands for one thread of the row's block and
-// computes exactly that thread's partials (same ids, same order, same operations), and the row's block combines
-// them as it combines its own. Nothing is sorted: thresholds come from three-digit radix selects (11 + 11 + 10
-// bits) over an order-preserving integer key, counted or weighted by the fixed-point mass, and searches in id order
-// (the top_p boundary among equal weights, the draw itself, the lowest ids of a logprob tie) from per-chunk sums.
+// the L2. With few rows, one block per row would leave most SMs idle for the first walk (a single warp per SM is
+// bound by the latency of each thread's long serial walk), so a first kernel spreads it over kSampleSplitBlocks
+// one-warp blocks per row: kSampleSlotsPerThread slots per thread of the row's block, slot s taking the 16-byte
+// groups s, s + 4096, ...; each thread of the row's block merges its slots (together exactly the ids of its own
+// walk) before the block combines the threads. The double sums then add in another order than the unsplit walk
+// (both are compared with the CPU Sampler's fp64 sum within the same tolerance). Nothing is sorted: thresholds come
+// from three-digit radix selects (11 + 11 + 10 bits) over an order-preserving integer key, counted or weighted by the
+// fixed-point mass, and searches in id order (the top_p boundary among equal weights, the draw itself, the lowest ids
+// of a logprob tie) from per-chunk sums.
 #include <cuda_runtime.h>
 #include "kernels/cuda/module_attributes.h"
 
@@ -22,8 +25,9 @@ namespace {
 using u64 = unsigned long long;  // the type atomicAdd and the shuffles take
 
 constexpr int kThreads = kSampleSlots;
-constexpr int kSplitThreads = kThreads / kSampleSplitBlocks;  // threads of the row's block per split block
-static_assert(kSplitThreads * kSampleSplitBlocks == kThreads && kSplitThreads % 32 == 0);
+constexpr int kSplitSlots = kThreads * kSampleSlotsPerThread;    // partial slots of a row
+constexpr int kSplitThreads = kSplitSlots / kSampleSplitBlocks;  // one warp per split block
+static_assert(kSplitThreads * kSampleSplitBlocks == kSplitSlots && kSplitThreads == 32);
 constexpr int kLoadBatch = 4;  // 16-byte loads a thread has in flight in a walk
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
@@ -641,6 +645,20 @@ __device__ Best penalised_thread_best(const RowView& v) {
   return best;
 }
 
+// Two shares of a row's first walk as one: the sums rescaled to the larger max (a share that saw no finite logit
+// has max -inf and adds nothing); first bad id and best are order-free (a min and a total order).
+__device__ RawStats raw_merge(const RawStats& a, const RawStats& b) {
+  RawStats r;
+  r.first_bad = min(a.first_bad, b.first_bad);
+  r.max = fmaxf(a.max, b.max);
+  const auto scaled = [&](const RawStats& t) {
+    return t.max == -INFINITY ? 0.0 : t.sum * exp(static_cast<double>(t.max) - static_cast<double>(r.max));
+  };
+  r.sum = scaled(a) + scaled(b);
+  r.best = better(b.best, a.best) ? b.best : a.best;
+  return r;
+}
+
 // The row's statistics from every thread's share, and log(sum of exp(x - max)).
 __device__ RawStats raw_combine(const RawStats& t, Scratch& s, double& log_sum) {
   RawStats row;
@@ -653,7 +671,8 @@ __device__ RawStats raw_combine(const RawStats& t, Scratch& s, double& log_sum) 
   return row;
 }
 
-// The per-thread partials of the first walk in the row's workspace, one slot per thread of the row's block.
+// The split first walk's partials in the row's workspace: kSplitSlots slots, kSampleSlotsPerThread per thread of
+// the row's block.
 struct PartialSlots {
   double* sum;
   float* max;
@@ -662,9 +681,9 @@ struct PartialSlots {
   int32_t* best_id;
 
   __device__ static PartialSlots at(char* base) {
-    return {reinterpret_cast<double*>(base), reinterpret_cast<float*>(base + kThreads * 8),
-            reinterpret_cast<int32_t*>(base + kThreads * 12), reinterpret_cast<float*>(base + kThreads * 16),
-            reinterpret_cast<int32_t*>(base + kThreads * 20)};
+    return {reinterpret_cast<double*>(base), reinterpret_cast<float*>(base + kSplitSlots * 8),
+            reinterpret_cast<int32_t*>(base + kSplitSlots * 12), reinterpret_cast<float*>(base + kSplitSlots * 16),
+            reinterpret_cast<int32_t*>(base + kSplitSlots * 20)};
   }
   __device__ void store(int slot, const RawStats& t) const {
     sum[slot] = t.sum;
@@ -688,11 +707,11 @@ __device__ char* row_workspace(const SampleParams& p, int64_t row) {
   return static_cast<char*>(p.a.workspace) + row * p.row_workspace_bytes;
 }
 
-// The first walk of small batches: block (row, b) computes the RawStats of threads [b, b + 1) * kSplitThreads of
-// the row's block, each over exactly the ids and in exactly the order row_for_each gives that thread (16-byte
-// groups slot, slot + kThreads, ..., then the tail), with raw logits as the values (the row's block redoes the
-// best where a penalty is active). The groups are staged through shared memory with cp.async, kStageGroups per
-// thread at a time in two buffers, so that many loads are in flight while the previous stage is summed.
+// The first walk of small batches: block (row, b) computes the RawStats of slots [b, b + 1) * kSplitThreads, slot s
+// over the 16-byte groups s, s + kSplitSlots, ... and then the tail ids s, s + kSplitSlots, ..., with raw logits as
+// the values (the row's block redoes the best where a penalty is active). The groups are staged through shared memory
+// with cp.async, kStageGroups per thread at a time in two buffers, so that many loads are in flight while the previous
+// stage is summed.
 constexpr int kStageGroups = 16;
 
 __global__ void __launch_bounds__(kSplitThreads) sample_partials_kernel(const SampleParams p) {
@@ -709,12 +728,12 @@ __global__ void __launch_bounds__(kSplitThreads) sample_partials_kernel(const Sa
   if (reinterpret_cast<uintptr_t>(raw) % 16 == 0) {
     const int64_t n_vec = a.vocab / 8;
     const uint4* groups = reinterpret_cast<const uint4*>(raw);
-    const int64_t n_mine = slot < n_vec ? (n_vec - 1 - slot) / kThreads + 1 : 0;  // groups slot + k * kThreads
+    const int64_t n_mine = slot < n_vec ? (n_vec - 1 - slot) / kSplitSlots + 1 : 0;  // groups slot + k * kSplitSlots
     const int64_t n_stages = (n_mine + kStageGroups - 1) / kStageGroups;
     const auto issue = [&](int64_t st) {
       for (int j = 0; j < kStageGroups; ++j) {
         const int64_t k = st * kStageGroups + j;
-        if (k < n_mine) ptx::cp_async_16_zfill(&stage[st & 1][j][threadIdx.x], groups + slot + k * kThreads, true);
+        if (k < n_mine) ptx::cp_async_16_zfill(&stage[st & 1][j][threadIdx.x], groups + slot + k * kSplitSlots, true);
       }
       ptx::cp_async_commit();  // possibly empty: one group per stage keeps the wait count uniform
     };
@@ -725,14 +744,14 @@ __global__ void __launch_bounds__(kSplitThreads) sample_partials_kernel(const Sa
       for (int j = 0; j < kStageGroups; ++j) {
         const int64_t k = st * kStageGroups + j;
         if (k >= n_mine) break;
-        group_for_each(slot + k * kThreads, stage[st & 1][j][threadIdx.x],
+        group_for_each(slot + k * kSplitSlots, stage[st & 1][j][threadIdx.x],
                        [&](int64_t id, float x) { push(t, id, x); });
       }
     }
     ptx::cp_async_wait<0>();
     tail_start = n_vec * 8;
   }
-  for (int64_t id = tail_start + slot; id < a.vocab; id += kThreads) {
+  for (int64_t id = tail_start + slot; id < a.vocab; id += kSplitSlots) {
     push(t, id, __uint_as_float(uint32_t{raw[id]} << 16));
   }
   PartialSlots::at(row_workspace(p, row) + p.partials_offset).store(slot, t);
@@ -768,7 +787,11 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const SampleParam
   // other failure, as on the CPU.
   RawStats mine;
   if (p.from_partials) {
-    mine = PartialSlots::at(workspace + p.partials_offset).load(static_cast<int>(threadIdx.x));
+    const PartialSlots slots = PartialSlots::at(workspace + p.partials_offset);
+    mine = slots.load(static_cast<int>(threadIdx.x));
+#pragma unroll
+    for (int j = 1; j < kSampleSlotsPerThread; ++j)
+      mine = raw_merge(mine, slots.load(static_cast<int>(threadIdx.x) + j * kThreads));
     if (v.listed != nullptr) mine.best = penalised_thread_best(v);
   } else {
     mine = raw_thread_stats(v);

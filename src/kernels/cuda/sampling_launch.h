@@ -70,10 +70,12 @@ struct SampleArgs {
 
 // Workspace per row: the output count of every penalised id (int32 [vocab]; only the listed ids are touched, so
 // it is never cleared), the mass of each 128-id chunk for the ordered searches (uint64 [ceil(vocab / 128)]) and,
-// for small batches, the first walk's per-thread partial results (kSampleSlots slots of first non-finite id, max,
-// sum, best value and best id: 24 bytes each), written by the split first walk and read by the row's block.
+// for small batches, the first walk's partial results (kSampleSlotsPerThread slots per thread of the row's block,
+// each: first non-finite id, max, sum, best value and best id, 24 bytes), written by the split first walk and
+// merged by the row's block.
 inline constexpr int64_t kSampleChunkIds = 128;  // one warp, four ids per lane
 inline constexpr int kSampleSlots = 512;         // threads of the block that finishes a row
+inline constexpr int kSampleSlotsPerThread = 8;  // split first walk: 4096 partial slots per row
 inline constexpr size_t kSampleSlotBytes = 24;
 inline constexpr size_t sampling_align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 inline constexpr int64_t sampling_chunks(int64_t vocab) { return (vocab + kSampleChunkIds - 1) / kSampleChunkIds; }
@@ -82,7 +84,7 @@ inline constexpr size_t sampling_chunk_sums_bytes(int64_t vocab) {
   return sampling_align256(static_cast<size_t>(sampling_chunks(vocab)) * 8);
 }
 inline constexpr size_t sampling_partials_bytes() {
-  return sampling_align256(kSampleSlots * kSampleSlotBytes);
+  return sampling_align256(kSampleSlots * kSampleSlotsPerThread * kSampleSlotBytes);
 }
 inline constexpr size_t sampling_row_workspace_bytes(int64_t vocab) {
   return sampling_counts_bytes(vocab) + sampling_chunk_sums_bytes(vocab) + sampling_partials_bytes();
@@ -98,8 +100,9 @@ inline constexpr size_t sampling_dynamic_shared_bytes(int64_t vocab) {
 
 // Unchecked launch on ctx.stream() for arguments sampling.cc has validated (rows >= 1). One block per row; with
 // fewer rows than the device has SMs, a first kernel spreads each row's first walk over kSampleSplitBlocks blocks
-// that compute exactly the per-thread partials the row's block would, so the results are the same bits.
-inline constexpr int kSampleSplitBlocks = 16;
+// of one warp, whose threads each own one of the row's kSampleSlots * kSampleSlotsPerThread partial slots; each
+// thread of the row's block then merges its kSampleSlotsPerThread slots (the ids its own walk would visit).
+inline constexpr int kSampleSplitBlocks = kSampleSlots * kSampleSlotsPerThread / 32;
 void sample_rows_launch(const DeviceContext& ctx, const SampleArgs& args);
 
 }  // namespace tern
