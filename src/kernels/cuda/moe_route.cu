@@ -239,7 +239,8 @@ __global__ void __launch_bounds__(32) moe_route_align_warp_kernel(const MoeRoute
   if (lane < rows) {
     int row = 0;
 #pragma unroll
-    for (int q = 0; q < kRouteAlignWarpPairs; ++q) row += q < rows && (buckets[q] < bucket || (buckets[q] == bucket && q < lane));
+    for (int q = 0; q < kRouteAlignWarpPairs; ++q)
+      row += q < rows && (buckets[q] < bucket || (buckets[q] == bucket && q < lane));
     a.sorted_pairs[row] = lane;
     a.pair_row[lane] = row;
   }
