@@ -217,6 +217,47 @@ __global__ void __launch_bounds__(kAlignWarps * 32) moe_route_align_kernel(const
   align_pairs(ids, a);
 }
 
+// Route and align of at most 32 pairs (a decode step of a few tokens) in one warp: lane p ends up holding pair p's
+// bucket, and the sort becomes counting in registers: pair p's row is the number of pairs before it in (bucket,
+// pair index) order, which is the order the block sort's stable scatter gives, and expert_offsets[e] the number of
+// pairs in buckets below e. No shared memory, no block barrier: at one token the block version's passes over
+// n_experts + 1 buckets and its barriers were most of its time.
+constexpr int kRouteAlignWarpPairs = 32;
+
+__global__ void __launch_bounds__(32) moe_route_align_warp_kernel(const MoeRouteArgs r, const MoeAlignArgs a) {
+  ptx::grid_dependency_begin();
+  const int lane = threadIdx.x;
+  const int top_k = static_cast<int>(r.top_k), rows = static_cast<int>(r.tokens) * top_k;
+  const int n_experts = static_cast<int>(a.n_experts);
+  int bucket = INT_MAX;  // lanes past the pairs sort after all of them and are never written
+  for (int token = 0; token < static_cast<int>(r.tokens); ++token) {  // warp-uniform
+    const RouteChoice c = route_token(r, token);
+    if (lane < top_k) {
+      r.topk_ids[int64_t{token} * top_k + lane] = c.id;
+      r.topk_weights[int64_t{token} * top_k + lane] = c.weight;
+    }
+    const int id = __shfl_sync(kFullMask, c.id, (lane - token * top_k) & 31);
+    if (lane >= token * top_k && lane < (token + 1) * top_k) bucket = align_bucket(id, n_experts);
+  }
+  int buckets[kRouteAlignWarpPairs];
+#pragma unroll
+  for (int q = 0; q < kRouteAlignWarpPairs; ++q) buckets[q] = __shfl_sync(kFullMask, bucket, q);
+  if (lane < rows) {
+    int row = 0;
+#pragma unroll
+    for (int q = 0; q < kRouteAlignWarpPairs; ++q)
+      row += q < rows && (buckets[q] < bucket || (buckets[q] == bucket && q < lane));
+    a.sorted_pairs[row] = lane;
+    a.pair_row[lane] = row;
+  }
+  for (int e = lane; e <= n_experts; e += 32) {
+    int below = 0;
+#pragma unroll
+    for (int q = 0; q < kRouteAlignWarpPairs; ++q) below += q < rows && buckets[q] < e;
+    a.expert_offsets[e] = below;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Combine: block (token, 1024-column slice). The first top_k threads rank the token's pairs by expert id; every
 // thread then sums its 8 columns over the pairs in that order, in fp32, and adds the gated shared expert.
@@ -295,7 +336,11 @@ void moe_align_launch(const DeviceContext& ctx, const MoeAlignArgs& a) {
 }
 
 void moe_route_align_launch(const DeviceContext& ctx, const MoeRouteArgs& route, const MoeAlignArgs& align) {
-  launch_kernel(ctx, moe_route_align_kernel, dim3(1), dim3(kAlignWarps * 32), 0, route, align);
+  if (route.tokens * route.top_k <= kRouteAlignWarpPairs) {
+    launch_kernel(ctx, moe_route_align_warp_kernel, dim3(1), dim3(32), 0, route, align);
+  } else {
+    launch_kernel(ctx, moe_route_align_kernel, dim3(1), dim3(kAlignWarps * 32), 0, route, align);
+  }
   TERN_CUDA_CHECK_LAUNCH();
 }
 
