@@ -78,9 +78,8 @@ __device__ __forceinline__ void x_chunk(const GemvBf16Params& p, int i, int64_t 
 
 // acc[i][r] += x[i, chunk] . w_r[chunk] for one 8-element chunk c.
 template <int kRows, bool kNorm>
-__device__ __forceinline__ void fma_chunk(float (&acc)[kRows][kCols], const uint4 (&w)[kCols],
-                                          const GemvBf16Params& p, int64_t c, const float (&inv)[kRows],
-                                          bool write) {
+__device__ __forceinline__ void fma_chunk(float (&acc)[kRows][kCols], const uint4 (&w)[kCols], const GemvBf16Params& p,
+                                          int64_t c, const float (&inv)[kRows], bool write) {
   float wf[kCols][kVec];
 #pragma unroll
   for (int r = 0; r < kCols; ++r) unpack_bf16x8(w[r], wf[r]);

@@ -20,9 +20,9 @@ struct GemvNormArgs {
   const uint16_t* weight = nullptr;    // [k] bf16, 16-byte aligned
   const uint16_t* residual = nullptr;  // optional [m, k], added to x first
   float eps = 1e-6f;
-  bool zero_centred = false;           // weight applied as (1 + w)
-  uint16_t* h_out = nullptr;           // optional [m, k]: bf16(x + residual)
-  uint16_t* x_out = nullptr;           // optional [m, k]: the normed rows the product used
+  bool zero_centred = false;  // weight applied as (1 + w)
+  uint16_t* h_out = nullptr;  // optional [m, k]: bf16(x + residual)
+  uint16_t* x_out = nullptr;  // optional [m, k]: the normed rows the product used
 };
 
 // As gemv_bf16, plus errors for a null or unaligned norm weight, unaligned residual / outputs, a bad eps, and an

@@ -7,9 +7,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cmath>
 #include <random>
 #include <string>
 #include <thread>
@@ -117,9 +117,10 @@ TEST(GemvBf16, MatchesReferenceOnSmallOddShapes) {
 // the GEMM tolerance. Every output starts as NaN.
 void check_rmsnorm_case(const DeviceContext& ctx, int64_t m, int64_t n, int64_t k, bool residual, bool zero_centred,
                         std::mt19937& rng) {
-  const std::string what = "gemv+rmsnorm m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" +
-                           std::to_string(k) + (residual ? " +residual" : "") + (zero_centred ? " (1+w)" : "");
-  const Operand x = random_operand(static_cast<size_t>(m * k), rng), r = random_operand(static_cast<size_t>(m * k), rng);
+  const std::string what = "gemv+rmsnorm m=" + std::to_string(m) + " n=" + std::to_string(n) +
+                           " k=" + std::to_string(k) + (residual ? " +residual" : "") + (zero_centred ? " (1+w)" : "");
+  const Operand x = random_operand(static_cast<size_t>(m * k), rng),
+                r = random_operand(static_cast<size_t>(m * k), rng);
   const Operand w = random_operand(static_cast<size_t>(n * k), rng), nw = random_operand(static_cast<size_t>(k), rng);
   constexpr float kEps = 1e-6f;
   std::vector<float> h(static_cast<size_t>(m * k)), xn(h.size());
@@ -140,10 +141,15 @@ void check_rmsnorm_case(const DeviceContext& ctx, int64_t m, int64_t n, int64_t 
   DeviceBuffer dy(static_cast<size_t>(m * n) * 2), dh(h.size() * 2), dx(h.size() * 2);
   for (const DeviceBuffer* b : {&dy, &dh, &dx}) b->fill(0xFF);
   const auto status = gemv_bf16_rmsnorm(
-      ctx, GemmBf16Args{.x = x.device.as<uint16_t>(), .w = w.device.as<uint16_t>(), .y = dy.as<uint16_t>(), .m = m, .n = n,
-                        .k = k},
-      GemvNormArgs{.weight = nw.device.as<uint16_t>(), .residual = residual ? r.device.as<uint16_t>() : nullptr,
-                   .eps = kEps, .zero_centred = zero_centred, .h_out = dh.as<uint16_t>(), .x_out = dx.as<uint16_t>()});
+      ctx,
+      GemmBf16Args{
+          .x = x.device.as<uint16_t>(), .w = w.device.as<uint16_t>(), .y = dy.as<uint16_t>(), .m = m, .n = n, .k = k},
+      GemvNormArgs{.weight = nw.device.as<uint16_t>(),
+                   .residual = residual ? r.device.as<uint16_t>() : nullptr,
+                   .eps = kEps,
+                   .zero_centred = zero_centred,
+                   .h_out = dh.as<uint16_t>(),
+                   .x_out = dx.as<uint16_t>()});
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
   std::vector<uint16_t> y(static_cast<size_t>(m * n)), h_got(h.size()), x_got(h.size());
