@@ -1,6 +1,7 @@
 // Argument checks and the group size of the BF16 GEMV; the kernel is in gemv_bf16.cu.
 #include "kernels/cuda/gemv_bf16.h"
 
+#include <cmath>
 #include <limits>
 
 namespace tern {
@@ -35,6 +36,31 @@ Expected<void> gemv_bf16_validate(const GemmBf16Args& a) {
   return {};
 }
 
+// [a, a + bytes) and [b, b + bytes) share a byte (null pointers share none).
+bool overlaps(const void* a, const void* b, size_t bytes) {
+  if (a == nullptr || b == nullptr) return false;
+  const auto pa = reinterpret_cast<uintptr_t>(a), pb = reinterpret_cast<uintptr_t>(b);
+  return pa < pb + bytes && pb < pa + bytes;
+}
+
+Expected<void> gemv_norm_validate(const GemmBf16Args& a, const GemvNormArgs& n) {
+  if (n.weight == nullptr) return make_error("gemv_bf16_rmsnorm: the norm weight is a null pointer");
+  if (!is_aligned(n.weight, 16)) return make_error("gemv_bf16_rmsnorm: the norm weight is not 16-byte aligned");
+  if (!is_aligned(n.residual, 16) || !is_aligned(n.h_out, 16) || !is_aligned(n.x_out, 16)) {
+    return make_error("gemv_bf16_rmsnorm: residual, h_out and x_out must be 16-byte aligned");
+  }
+  if (!(n.eps > 0.0f) || !std::isfinite(n.eps)) {
+    return make_error("gemv_bf16_rmsnorm: eps={} must be positive and finite", n.eps);
+  }
+  const auto bytes = static_cast<size_t>(a.m * a.k) * 2;
+  for (const uint16_t* out : {static_cast<const uint16_t*>(n.h_out), static_cast<const uint16_t*>(n.x_out)}) {
+    if (overlaps(out, a.x, bytes) || overlaps(out, n.residual, bytes)) {
+      return make_error("gemv_bf16_rmsnorm: h_out and x_out must not overlap x or residual, which every block reads");
+    }
+  }
+  return {};
+}
+
 }  // namespace
 
 int gemv_bf16_group_threads(int m, int64_t n, int64_t k, int num_sms) {
@@ -65,6 +91,26 @@ Expected<void> gemv_bf16(const DeviceContext& ctx, const GemmBf16Args& args) {
                                        .n = args.n,
                                        .k = args.k,
                                        .ldy = args.ldy > 0 ? args.ldy : args.n});
+  return {};
+}
+
+Expected<void> gemv_bf16_rmsnorm(const DeviceContext& ctx, const GemmBf16Args& args, const GemvNormArgs& norm) {
+  TERN_TRY(gemv_bf16_validate(args));
+  TERN_TRY(gemv_norm_validate(args, norm));
+  if (args.m == 0) return {};
+  gemv_bf16_launch(ctx, GemvBf16Params{.x = args.x,
+                                       .w = args.w,
+                                       .y = args.y,
+                                       .m = static_cast<int>(args.m),
+                                       .n = args.n,
+                                       .k = args.k,
+                                       .ldy = args.ldy > 0 ? args.ldy : args.n,
+                                       .norm_weight = norm.weight,
+                                       .residual = norm.residual,
+                                       .norm_eps = norm.eps,
+                                       .norm_zero_centred = norm.zero_centred,
+                                       .h_out = norm.h_out,
+                                       .x_out = norm.x_out});
   return {};
 }
 

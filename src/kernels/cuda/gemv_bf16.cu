@@ -37,17 +37,57 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&v)[kVec]
   }
 }
 
-// acc[i][r] += x[i, chunk] . w_r[chunk] for one 8-element chunk; x points at row 0's chunk, rows k apart.
-template <int kRows>
-__device__ __forceinline__ void fma_chunk(float (&acc)[kRows][kCols], const uint4 (&w)[kCols], const uint16_t* x,
-                                          int64_t k) {
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {  // round to nearest even, as rms_norm
+  return uint32_t{__bfloat16_as_ushort(__float2bfloat16_rn(lo))} |
+         (uint32_t{__bfloat16_as_ushort(__float2bfloat16_rn(hi))} << 16);
+}
+
+// Row i's 8 values of chunk c as the product uses them: x itself, or with kNorm its RMSNorm (h = x + residual, then
+// scale and weight, one bf16 rounding); `write` (block 0, group 0, which covers every chunk once) stores h and x'.
+template <int kRows, bool kNorm>
+__device__ __forceinline__ void x_chunk(const GemvBf16Params& p, int i, int64_t c, const float (&inv)[kRows],
+                                        bool write, float (&xf)[kVec]) {
+  const int64_t at = i * p.k + c * kVec;
+  unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p.x + at)), xf);
+  if constexpr (kNorm) {
+    if (p.residual != nullptr) {
+      float r[kVec];
+      unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p.residual + at)), r);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) xf[e] += r[e];
+    }
+    float w[kVec];
+    unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p.norm_weight + c * kVec)), w);
+    const float offset = p.norm_zero_centred ? 1.0f : 0.0f;
+    uint32_t h_bits[4], y_bits[4];
+#pragma unroll
+    for (int e = 0; e < kVec; e += 2) {
+      h_bits[e / 2] = pack_bf16x2(xf[e], xf[e + 1]);
+      const float y0 = (xf[e] * inv[i]) * (offset + w[e]), y1 = (xf[e + 1] * inv[i]) * (offset + w[e + 1]);
+      y_bits[e / 2] = pack_bf16x2(y0, y1);
+      xf[e] = __uint_as_float(y_bits[e / 2] << 16);
+      xf[e + 1] = __uint_as_float(y_bits[e / 2] & 0xFFFF0000u);
+    }
+    if (write && p.h_out != nullptr) {
+      *reinterpret_cast<uint4*>(p.h_out + at) = make_uint4(h_bits[0], h_bits[1], h_bits[2], h_bits[3]);
+    }
+    if (write && p.x_out != nullptr) {
+      *reinterpret_cast<uint4*>(p.x_out + at) = make_uint4(y_bits[0], y_bits[1], y_bits[2], y_bits[3]);
+    }
+  }
+}
+
+// acc[i][r] += x[i, chunk] . w_r[chunk] for one 8-element chunk c.
+template <int kRows, bool kNorm>
+__device__ __forceinline__ void fma_chunk(float (&acc)[kRows][kCols], const uint4 (&w)[kCols], const GemvBf16Params& p,
+                                          int64_t c, const float (&inv)[kRows], bool write) {
   float wf[kCols][kVec];
 #pragma unroll
   for (int r = 0; r < kCols; ++r) unpack_bf16x8(w[r], wf[r]);
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     float xf[kVec];
-    unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(x + i * k)), xf);
+    x_chunk<kRows, kNorm>(p, i, c, inv, write, xf);
 #pragma unroll
     for (int r = 0; r < kCols; ++r) {
 #pragma unroll
@@ -56,8 +96,53 @@ __device__ __forceinline__ void fma_chunk(float (&acc)[kRows][kCols], const uint
   }
 }
 
+// With kNorm, every group first sums the squares of its rows' h over the whole k (each group covers k once with
+// its threads), so each group has its own copy of the norm's scale; the fp32 sum runs in another order than
+// rms_norm's, so a rounded x' can differ from rms_norm's in its last bit.
+template <int kRows, bool kNorm>
+__device__ __forceinline__ void norm_scales(const GemvBf16Params& p, int group, int group_threads, int j,
+                                            float (&inv)[kRows]) {
+  __shared__ float ss_part[kWarps][kRows];
+  const int n_chunks = static_cast<int>(p.k / kVec);
+  float ss[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) ss[i] = 0.0f;
+  for (int c = j; c < n_chunks; c += group_threads) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int64_t at = i * p.k + int64_t{c} * kVec;
+      float h[kVec];
+      unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p.x + at)), h);
+      if (p.residual != nullptr) {
+        float r[kVec];
+        unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p.residual + at)), r);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) h[e] += r[e];
+      }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) ss[i] += h[e] * h[e];
+    }
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    float v = ss[i];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+    if (lane == 0) ss_part[warp][i] = v;
+  }
+  __syncthreads();
+  const int warps_per_group = group_threads / 32;
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    float total = 0.0f;
+    for (int w = 0; w < warps_per_group; ++w) total += ss_part[group * warps_per_group + w][i];
+    inv[i] = 1.0f / sqrtf(total / static_cast<float>(p.k) + p.norm_eps);
+  }
+}
+
 // One block: kThreads / group_threads groups, each owning kCols consecutive output columns.
-template <int kRows>
+template <int kRows, bool kNorm>
 __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Params p, const int group_threads) {
   ptx::grid_dependents_launch();  // the wait follows the weight prefetch below
   __shared__ float partial[kWarps][kRows * kCols];
@@ -86,6 +171,9 @@ __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Param
     if (j + group_threads < n_chunks) ptx::prefetch_l2(wrow[r] + int64_t{j + group_threads} * kVec);
   }
   ptx::grid_dependency_wait();
+  float inv[kRows];
+  if constexpr (kNorm) norm_scales<kRows, kNorm>(p, group, group_threads, j, inv);
+  const bool write = kNorm && blockIdx.x == 0 && group == 0;
   int c = j;
   for (; c + group_threads < n_chunks; c += 2 * group_threads) {
     uint4 w0[kCols], w1[kCols];
@@ -93,14 +181,14 @@ __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Param
     for (int r = 0; r < kCols; ++r) w0[r] = ld_weight_16(wrow[r] + int64_t{c} * kVec);
 #pragma unroll
     for (int r = 0; r < kCols; ++r) w1[r] = ld_weight_16(wrow[r] + int64_t{c + group_threads} * kVec);
-    fma_chunk<kRows>(acc, w0, p.x + int64_t{c} * kVec, p.k);
-    fma_chunk<kRows>(acc, w1, p.x + int64_t{c + group_threads} * kVec, p.k);
+    fma_chunk<kRows, kNorm>(acc, w0, p, c, inv, write);
+    fma_chunk<kRows, kNorm>(acc, w1, p, c + group_threads, inv, write);
   }
   if (c < n_chunks) {  // an odd number of chunks left for this thread
     uint4 w0[kCols];
 #pragma unroll
     for (int r = 0; r < kCols; ++r) w0[r] = ld_weight_16(wrow[r] + int64_t{c} * kVec);
-    fma_chunk<kRows>(acc, w0, p.x + int64_t{c} * kVec, p.k);
+    fma_chunk<kRows, kNorm>(acc, w0, p, c, inv, write);
   }
 
   // Stage 2: each warp's sum of every accumulator (a group is whole warps: group_threads is a multiple of 32).
@@ -133,7 +221,11 @@ template <int kRows>
 void launch_rows(const GemvBf16Params& p, int group_threads, const DeviceContext& ctx) {
   const int64_t cols_per_block = int64_t{kThreads / group_threads} * kCols;
   const auto grid = static_cast<unsigned>((p.n + cols_per_block - 1) / cols_per_block);
-  launch_kernel(ctx, gemv_bf16_kernel<kRows>, dim3(grid), dim3(kThreads), 0, p, group_threads);
+  if (p.norm_weight != nullptr) {
+    launch_kernel(ctx, gemv_bf16_kernel<kRows, true>, dim3(grid), dim3(kThreads), 0, p, group_threads);
+  } else {
+    launch_kernel(ctx, gemv_bf16_kernel<kRows, false>, dim3(grid), dim3(kThreads), 0, p, group_threads);
+  }
   TERN_CUDA_CHECK_LAUNCH();
 }
 
@@ -152,7 +244,7 @@ void gemv_bf16_launch(const DeviceContext& ctx, const GemvBf16Params& p) {
 
 // What the driver loaded of this module for the current device (module_attributes.h).
 cudaError_t gemv_bf16_module_attributes(cudaFuncAttributes* out) {
-  return cudaFuncGetAttributes(out, gemv_bf16_kernel<kGemvMaxRows>);
+  return cudaFuncGetAttributes(out, gemv_bf16_kernel<kGemvMaxRows, false>);
 }
 
 }  // namespace tern

@@ -14,4 +14,19 @@ namespace tern {
 // m == 0 is a no-op.
 Expected<void> gemv_bf16(const DeviceContext& ctx, const GemmBf16Args& args);
 
+// An RMSNorm of x fused in front of the product (GemvBf16Params in gemv_bf16_launch.h has the arithmetic): a decode
+// step's norm then needs no launch of its own and no round trip of its output through memory.
+struct GemvNormArgs {
+  const uint16_t* weight = nullptr;    // [k] bf16, 16-byte aligned
+  const uint16_t* residual = nullptr;  // optional [m, k], added to x first
+  float eps = 1e-6f;
+  bool zero_centred = false;  // weight applied as (1 + w)
+  uint16_t* h_out = nullptr;  // optional [m, k]: bf16(x + residual)
+  uint16_t* x_out = nullptr;  // optional [m, k]: the normed rows the product used
+};
+
+// As gemv_bf16, plus errors for a null or unaligned norm weight, unaligned residual / outputs, a bad eps, and an
+// h_out or x_out that overlaps x or residual (every block reads those while block 0 writes the outputs).
+Expected<void> gemv_bf16_rmsnorm(const DeviceContext& ctx, const GemmBf16Args& args, const GemvNormArgs& norm);
+
 }  // namespace tern

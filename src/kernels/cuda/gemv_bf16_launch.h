@@ -22,6 +22,16 @@ struct GemvBf16Params {
   int64_t k = 0;                // a positive multiple of 8, at most 2^31 - 1
   int64_t ldy = 0;              // >= n (the launcher does not read 0 as n)
   int group_threads = 0;        // 0: gemv_bf16_group_threads() chooses; tests force 32, 64, 128 or 256
+  // Optional RMSNorm of x before the product, with rms_norm's arithmetic (elementwise_launch.h): h = x + residual in
+  // fp32, x' = bf16((h * (1 / sqrt(mean(h^2) + eps))) * (offset + norm_weight)), offset 1 when zero-centred; the
+  // product uses x'. Block 0 writes bf16(h) to h_out and x' to x_out where set; neither may overlap x or residual,
+  // which every block reads.
+  const uint16_t* norm_weight = nullptr;  // [k]; null: no norm
+  const uint16_t* residual = nullptr;     // optional [m, k]
+  float norm_eps = 1e-6f;
+  bool norm_zero_centred = false;
+  uint16_t* h_out = nullptr;  // optional [m, k]
+  uint16_t* x_out = nullptr;  // optional [m, k]
 };
 
 // Threads of a block that share one group of output columns, splitting k between them (32, 64, 128 or 256). One row

@@ -7,7 +7,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <thread>
@@ -107,6 +109,95 @@ TEST(GemvBf16, MatchesReferenceOnSmallOddShapes) {
   for (int64_t n : {1, 3, 37, 1000}) {
     for (int64_t k : {8, 24, 1032, 4104}) run_shape(ctx, n, k, {1, 2, 3, 4, 5, 6, 7, 8}, rng);
   }
+}
+
+// The RMSNorm fused in front: h_out must be bf16(x + residual) exactly; x_out the reference norm, computed here in
+// fp64 from the same bf16 inputs, within one bf16 step (the kernel's fp32 sum of squares runs in its own order, so a
+// value on a rounding boundary may round the other way); y the fp64 product of the reference's normed rows within
+// the GEMM tolerance. Every output starts as NaN.
+void check_rmsnorm_case(const DeviceContext& ctx, int64_t m, int64_t n, int64_t k, bool residual, bool zero_centred,
+                        std::mt19937& rng) {
+  const std::string what = "gemv+rmsnorm m=" + std::to_string(m) + " n=" + std::to_string(n) +
+                           " k=" + std::to_string(k) + (residual ? " +residual" : "") + (zero_centred ? " (1+w)" : "");
+  const Operand x = random_operand(static_cast<size_t>(m * k), rng),
+                r = random_operand(static_cast<size_t>(m * k), rng);
+  const Operand w = random_operand(static_cast<size_t>(n * k), rng), nw = random_operand(static_cast<size_t>(k), rng);
+  constexpr float kEps = 1e-6f;
+  std::vector<float> h(static_cast<size_t>(m * k)), xn(h.size());
+  for (int64_t i = 0; i < m; ++i) {
+    double ss = 0;
+    for (int64_t e = 0; e < k; ++e) {
+      const size_t at = static_cast<size_t>(i * k + e);
+      h[at] = x.values[at] + (residual ? r.values[at] : 0.0f);  // the fp32 sum of two bf16 values, as the kernel
+      ss += static_cast<double>(h[at]) * h[at];
+    }
+    const double inv = 1.0 / std::sqrt(ss / static_cast<double>(k) + kEps);
+    for (int64_t e = 0; e < k; ++e) {
+      const size_t at = static_cast<size_t>(i * k + e);
+      const double offset = zero_centred ? 1.0 : 0.0;
+      xn[at] = bf16_to_float(float_to_bf16(static_cast<float>(h[at] * inv * (offset + nw.values[e]))));
+    }
+  }
+  DeviceBuffer dy(static_cast<size_t>(m * n) * 2), dh(h.size() * 2), dx(h.size() * 2);
+  for (const DeviceBuffer* b : {&dy, &dh, &dx}) b->fill(0xFF);
+  const auto status = gemv_bf16_rmsnorm(
+      ctx,
+      GemmBf16Args{
+          .x = x.device.as<uint16_t>(), .w = w.device.as<uint16_t>(), .y = dy.as<uint16_t>(), .m = m, .n = n, .k = k},
+      GemvNormArgs{.weight = nw.device.as<uint16_t>(),
+                   .residual = residual ? r.device.as<uint16_t>() : nullptr,
+                   .eps = kEps,
+                   .zero_centred = zero_centred,
+                   .h_out = dh.as<uint16_t>(),
+                   .x_out = dx.as<uint16_t>()});
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  std::vector<uint16_t> y(static_cast<size_t>(m * n)), h_got(h.size()), x_got(h.size());
+  TERN_CUDA_CHECK(cudaMemcpy(y.data(), dy.data(), y.size() * 2, cudaMemcpyDeviceToHost));
+  TERN_CUDA_CHECK(cudaMemcpy(h_got.data(), dh.data(), h_got.size() * 2, cudaMemcpyDeviceToHost));
+  TERN_CUDA_CHECK(cudaMemcpy(x_got.data(), dx.data(), x_got.size() * 2, cudaMemcpyDeviceToHost));
+  int64_t bad_h = 0, bad_x = 0;
+  for (size_t at = 0; at < h.size(); ++at) {
+    bad_h += h_got[at] != float_to_bf16(h[at]);
+    const uint16_t want = float_to_bf16(xn[at]);
+    const bool finite = std::isfinite(bf16_to_float(x_got[at]));
+    const bool same_sign = (x_got[at] & 0x8000) == (want & 0x8000);
+    bad_x += !finite || !same_sign || std::abs(int{x_got[at] & 0x7FFF} - int{want & 0x7FFF}) > 1;
+  }
+  EXPECT_EQ(bad_h, 0) << what << ": h_out differs from bf16(x + residual)";
+  EXPECT_EQ(bad_x, 0) << what << ": x_out more than one bf16 step from the reference norm";
+  gemm_test::check_gemm(y, gemm_test::reference_gemm(xn, w.values, m, n, k), m, n, what);
+}
+
+TEST(GemvBf16, RmsNormPrologueMatchesReference) {
+  DeviceContext ctx;
+  std::mt19937 rng(2010);
+  struct Shape {
+    int64_t m, n, k;
+  };
+  // k = 1032 and 4104: an odd chunk count per thread; n = 37, 257: partial column groups; m up to 3.
+  for (const Shape& s : {Shape{1, 37, 1032}, Shape{1, 4096, 4096}, Shape{2, 1000, 2048}, Shape{3, 257, 4104}}) {
+    for (bool residual : {false, true}) {
+      for (bool zero_centred : {false, true}) check_rmsnorm_case(ctx, s.m, s.n, s.k, residual, zero_centred, rng);
+    }
+  }
+}
+
+TEST(GemvBf16, RmsNormRejectsOverlapsAndBadArguments) {
+  DeviceContext ctx;
+  DeviceBuffer buf(1 << 16);
+  auto* p = buf.as<uint16_t>();
+  const GemmBf16Args args{.x = p, .w = p + 4096, .y = p + 8192, .m = 1, .n = 8, .k = 64};
+  auto expect_error = [&](const GemvNormArgs& n, const std::string& text) {
+    const auto status = gemv_bf16_rmsnorm(ctx, args, n);
+    ASSERT_FALSE(status.has_value()) << text;
+    EXPECT_NE(status.error().message.find(text), std::string::npos) << status.error().message;
+  };
+  expect_error(GemvNormArgs{}, "the norm weight is a null pointer");
+  expect_error(GemvNormArgs{.weight = p + 1}, "the norm weight is not 16-byte aligned");
+  expect_error(GemvNormArgs{.weight = p + 2048, .eps = 0.0f}, "eps=0 must be positive and finite");
+  expect_error(GemvNormArgs{.weight = p + 2048, .h_out = p + 32}, "must not overlap x or residual");
+  expect_error(GemvNormArgs{.weight = p + 2048, .residual = p + 1024, .x_out = p + 1024}, "must not overlap");
 }
 
 TEST(GemvBf16, WritesOnlyItsColumnsOfAWiderOutput) {
