@@ -144,7 +144,7 @@ __device__ __forceinline__ void norm_scales(const GemvBf16Params& p, int group, 
 // One block: kThreads / group_threads groups, each owning kCols consecutive output columns.
 template <int kRows, bool kNorm>
 __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Params p, const int group_threads) {
-  ptx::grid_dependents_launch();  // the wait follows the weight prefetch below
+  ptx::grid_dependency_begin();
   __shared__ float partial[kWarps][kRows * kCols];
   const int t = static_cast<int>(threadIdx.x);
   const int groups = kThreads / group_threads;
@@ -163,14 +163,6 @@ __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Param
     for (int r = 0; r < kCols; ++r) acc[i][r] = 0.0f;
   }
   const int n_chunks = static_cast<int>(p.k / kVec);
-  // W is a model weight, which no kernel writes: its first two chunks per row head for L2 while a programmatic
-  // launch (launch.cuh) still waits for the previous kernel, whose output x is; then the wait, before any x.
-#pragma unroll
-  for (int r = 0; r < kCols; ++r) {
-    if (j < n_chunks) ptx::prefetch_l2(wrow[r] + int64_t{j} * kVec);
-    if (j + group_threads < n_chunks) ptx::prefetch_l2(wrow[r] + int64_t{j + group_threads} * kVec);
-  }
-  ptx::grid_dependency_wait();
   float inv[kRows];
   if constexpr (kNorm) norm_scales<kRows, kNorm>(p, group, group_threads, j, inv);
   const bool write = kNorm && blockIdx.x == 0 && group == 0;
