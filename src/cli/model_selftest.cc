@@ -36,6 +36,7 @@ using Shapes = std::set<std::pair<int64_t, int64_t>>;  // {N, K}
 
 struct ModelGemms {
   Shapes bf16, nvfp4;
+  Shapes normed_bf16;  // the BF16 GEMMs that read an RMSNorm's output: each block's first projection, the lm_head
   bool experts_nvfp4 = false;
 };
 
@@ -81,10 +82,12 @@ Expected<ModelGemms> model_gemm_shapes(const std::filesystem::path& dir, const M
   for (const LinearSpec& l : schema.linears) {
     if (l.role == LinearRole::kLmHead && schema.tied_embeddings && tensors && !tensors->find("lm_head.weight")) {
       g.bf16.insert({l.out_features, l.in_features});
+      g.normed_bf16.insert({l.out_features, l.in_features});
       continue;
     }
     const bool nvfp4 = linear_is_nvfp4(tensors, quant, l.module, l.out_features, l.in_features);
     (nvfp4 ? g.nvfp4 : g.bf16).insert({l.out_features, l.in_features});
+    if (l.role == LinearRole::kLmHead && !nvfp4) g.normed_bf16.insert({l.out_features, l.in_features});
     if (const std::string group = fused_group(l); !group.empty() && !nvfp4) {
       Fused& f = fused[{l.layer, group}];
       f = {.n = f.n + l.out_features, .k = l.in_features, .parts = f.parts + 1};
@@ -92,6 +95,7 @@ Expected<ModelGemms> model_gemm_shapes(const std::filesystem::path& dir, const M
   }
   for (const auto& [key, f] : fused) {  // the shapes the model's fused BF16 GEMMs run at
     if (f.parts > 1) g.bf16.insert({f.n, f.k});
+    g.normed_bf16.insert({f.n, f.k});  // every group is a block's first projection
   }
   for (const ExpertGroupSpec& e : schema.expert_groups) {
     const bool fused = tensors && tensors->find(e.prefix + ".gate_up_proj") != nullptr;
@@ -171,6 +175,13 @@ void add_model_cases(CaseTable& t, const ModelConfig& c, const ModelGemms& g, co
   const std::vector<std::pair<int64_t, int64_t>> bf16(g.bf16.begin(), g.bf16.end()), fp4(g.nvfp4.begin(), g.nvfp4.end());
   for (int64_t rows : {1, 8}) add_case(t, "sampling", sampling_case(rows, c.vocab_size));
   if (!bf16.empty()) t.push_back({"gemm_bf16", gemm_selftest_cases(bf16, batches)});
+  // The norm in front of the decode GEMV (one row), on every projection that follows a norm; the first layer's has
+  // no residual to add.
+  for (auto [n, k] : g.normed_bf16) add_case(t, "rms_norm_gemv", rms_norm_gemv_case(n, k, norm_form, true));
+  if (!g.normed_bf16.empty()) {
+    const auto [n, k] = *g.normed_bf16.begin();
+    add_case(t, "rms_norm_gemv", rms_norm_gemv_case(n, k, norm_form, false));
+  }
   if (!fp4.empty()) t.push_back({"gemm_nvfp4", gemm_selftest_cases(fp4, batches)});
 }
 

@@ -118,6 +118,9 @@ struct DeviceModelOptions {
   // BF16 projections of at most kGemvPreferredMaxRows rows (decode) through tern's own GEMV instead of cuBLASLt: set
   // when the self-test chose gemm_bf16's "gemv" implementation (or the user forced it).
   bool bf16_gemv = false;
+  // At one row, each RMSNorm fused into the BF16 GEMV that reads its output (gemv_bf16_rmsnorm: no launch of its
+  // own): set when the self-test verified op `rms_norm_gemv`; takes effect with bf16_gemv.
+  bool norm_gemv = false;
   // Decode steps (one token per sequence) replayed as CUDA graphs, one per batch size and context bucket, instead
   // of ~10 launches per layer from the host. Off: every step launched eagerly (--enforce-eager).
   bool cuda_graphs = true;

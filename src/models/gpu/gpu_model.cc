@@ -14,6 +14,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/gemv_bf16.h"
 #include "kernels/cuda/moe.h"
 #include "layers/attention.h"
 #include "layers/gated_deltanet.h"
@@ -54,6 +55,13 @@ struct GpuNorm {
   const uint16_t* weight = nullptr;
   float eps = 1e-6f;
   bool zero_centred = false;
+};
+
+// The input of a block's first projection: the RMSNorm of the residual stream (x_, plus `residual`, the previous
+// block's output, when set). The norm's output lands in normed_ and the new stream in x_, whichever path runs it.
+struct NormedInput {
+  const GpuNorm* norm = nullptr;
+  const uint16_t* residual = nullptr;
 };
 
 struct GpuAttention {
@@ -190,11 +198,17 @@ class GpuBackend final : public ForwardBackend {
   // loaded kernels), the second is captured, later ones replay it. A capture that fails turns graphs off, loudly.
   Expected<int64_t> run_decode(const StepPlan& plan);
   void drop_graphs();
-  Expected<void> run_attention(const GpuAttention& a, const StepPlan& plan);
-  Expected<void> run_gdn(const GpuGdn& g, const StepPlan& plan, const std::function<Expected<void>()>& after_core);
-  Expected<void> run_mlp(const GpuMlp& m, const uint16_t* x, int64_t rows, uint16_t* y);
-  Expected<void> run_moe(const GpuMoe& m, int64_t tokens);
+  Expected<void> run_attention(const GpuAttention& a, const NormedInput& in, const StepPlan& plan);
+  Expected<void> run_gdn(const GpuGdn& g, const NormedInput& in, const StepPlan& plan,
+                         const std::function<Expected<void>()>& after_core);
+  Expected<void> run_mlp(const GpuMlp& m, const NormedInput& in, int64_t rows, uint16_t* y);
+  Expected<void> run_moe(const GpuMoe& m, const NormedInput& in, int64_t tokens);
   Expected<void> rms_norm_rows(const GpuNorm& n, uint16_t* x, const uint16_t* residual, int64_t rows, uint16_t* y);
+  // The norm of `in`, then w's product of normed_ into y (row stride ldy). At one row, where the self-test verified
+  // the GEMV with the norm in front, one kernel does both and writes the new stream to the spare row (its block 0
+  // writes it while the other blocks still read x_), which then becomes x_.
+  Expected<void> norm_forward(const NormedInput& in, const DeviceMatrix& w, int64_t rows, uint16_t* y, int64_t ldy);
+  Expected<void> norm_project(const NormedInput& in, const DeviceProjection& p, int64_t rows, uint16_t* y);
   // Waits for the stream and hands rows x cols of a bf16 matrix with row stride ld to the tracer as fp32.
   Expected<void> trace(const Tracer* tracer, const std::string& name, const uint16_t* data, int64_t rows, int64_t cols,
                        int64_t ld);
@@ -218,7 +232,9 @@ class GpuBackend final : public ForwardBackend {
 
   // Activations (bf16 unless said), all [max_batch_tokens, ...].
   Arena arena_;
-  uint16_t *x_ = nullptr, *normed_ = nullptr, *out_ = nullptr, *proj_ = nullptr, *q_ = nullptr, *gate_ = nullptr,
+  // x_ is the residual stream: x_rows_ at the start of every step; at one row it alternates with x_spare_ (norm_forward).
+  uint16_t *x_rows_ = nullptr, *x_spare_ = nullptr, *x_ = nullptr;
+  uint16_t *normed_ = nullptr, *out_ = nullptr, *proj_ = nullptr, *q_ = nullptr, *gate_ = nullptr,
            *attn_ = nullptr, *conv_ = nullptr, *act_ = nullptr;
   uint16_t *router_ = nullptr, *shared_out_ = nullptr, *last_ = nullptr;
   unsigned long long* bad_id_ = nullptr;  // the embedding kernel's report (ids are checked on the host first)
@@ -478,7 +494,7 @@ Expected<void> GpuBackend::allocate_activations() {
     }
   }
   // Every bf16 buffer with its element count, once: sized first, then carved in this order.
-  const std::pair<uint16_t**, int64_t> buffers[] = {{&x_, t * h},           {&normed_, t * h},     {&out_, t * h},
+  const std::pair<uint16_t**, int64_t> buffers[] = {{&x_rows_, t * h},     {&x_spare_, h},           {&normed_, t * h},     {&out_, t * h},
                                                     {&proj_, t * proj},     {&q_, t * heads},      {&gate_, t * heads},
                                                     {&attn_, t * heads},    {&conv_, t * conv},    {&act_, t * act},
                                                     {&router_, t * router}, {&shared_out_, t * h}, {&last_, t * h}};
@@ -596,10 +612,36 @@ Expected<void> GpuBackend::rms_norm_rows(const GpuNorm& n, uint16_t* x, const ui
                                     .zero_centred = n.zero_centred});
 }
 
-Expected<void> GpuBackend::run_attention(const GpuAttention& a, const StepPlan& plan) {
+Expected<void> GpuBackend::norm_forward(const NormedInput& in, const DeviceMatrix& w, int64_t rows, uint16_t* y,
+                                        int64_t ldy) {
+  if (!options_.norm_gemv || rows != 1 || w.nvfp4 || !w.gemv) {
+    TERN_TRY(rms_norm_rows(*in.norm, x_, in.residual, rows, normed_));
+    return device_matrix_forward(ctx_, w, normed_, rows, y, ldy);
+  }
+  uint16_t* h = in.residual != nullptr ? x_spare_ : nullptr;
+  TERN_TRY(gemv_bf16_rmsnorm(ctx_, GemmBf16Args{.x = x_, .w = w.bf16, .y = y, .m = 1, .n = w.n, .k = w.k, .ldy = ldy},
+                             GemvNormArgs{.weight = in.norm->weight,
+                                          .residual = in.residual,
+                                          .eps = in.norm->eps,
+                                          .zero_centred = in.norm->zero_centred,
+                                          .h_out = h,
+                                          .x_out = normed_}));
+  if (h != nullptr) std::swap(x_, x_spare_);
+  return {};
+}
+
+Expected<void> GpuBackend::norm_project(const NormedInput& in, const DeviceProjection& p, int64_t rows, uint16_t* y) {
+  TERN_TRY(norm_forward(in, p.parts.front(), rows, y + p.offsets.front(), p.width));
+  for (size_t i = 1; i < p.parts.size(); ++i) {
+    TERN_TRY(device_matrix_forward(ctx_, p.parts[i], normed_, rows, y + p.offsets[i], p.width));
+  }
+  return {};
+}
+
+Expected<void> GpuBackend::run_attention(const GpuAttention& a, const NormedInput& in, const StepPlan& plan) {
   const AttentionShape& s = a.shape;
   const int64_t t = plan.tokens, q_width = s.n_heads * s.head_dim * (s.gated ? 2 : 1), kv_width = s.n_kv_heads * s.head_dim;
-  TERN_TRY(a.qkv.forward(ctx_, normed_, t, proj_));
+  TERN_TRY(norm_project(in, a.qkv, t, proj_));
   const AttentionPrepareArgs prep{.q_proj = proj_,
                                   .q_proj_stride = a.qkv.width,
                                   .k = proj_ + q_width,
@@ -642,11 +684,11 @@ Expected<void> GpuBackend::run_attention(const GpuAttention& a, const StepPlan& 
   return device_matrix_forward(ctx_, a.o_proj, attn_, t, out_, config_hidden_);
 }
 
-Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const StepPlan& plan,
+Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const NormedInput& in, const StepPlan& plan,
                                    const std::function<Expected<void>()>& after_core) {
   const GatedDeltaNetShape& s = g.shape;
   const int64_t t = plan.tokens, c = g.channels(), hv = s.n_value_heads;
-  TERN_TRY(g.in_proj.forward(ctx_, normed_, t, proj_));
+  TERN_TRY(norm_project(in, g.in_proj, t, proj_));
   const GdnSequences seqs{.query_start = d_query_start_,
                           .state_slot = d_state_slot_,
                           .seq_past = d_seq_past_,
@@ -690,14 +732,14 @@ Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const StepPlan& plan,
   return device_matrix_forward(ctx_, g.out_proj, attn_, t, out_, config_hidden_);
 }
 
-Expected<void> GpuBackend::run_mlp(const GpuMlp& m, const uint16_t* x, int64_t rows, uint16_t* y) {
-  TERN_TRY(m.gate_up.forward(ctx_, x, rows, proj_));
+Expected<void> GpuBackend::run_mlp(const GpuMlp& m, const NormedInput& in, int64_t rows, uint16_t* y) {
+  TERN_TRY(norm_project(in, m.gate_up, rows, proj_));
   TERN_TRY(silu_mul(ctx_, SiluMulArgs{.gate_up = proj_, .y = act_, .rows = rows, .inter = m.inter}));
   return device_matrix_forward(ctx_, m.down, act_, rows, y, config_hidden_);
 }
 
-Expected<void> GpuBackend::run_moe(const GpuMoe& m, int64_t tokens) {
-  TERN_TRY(m.router.forward(ctx_, normed_, tokens, router_));
+Expected<void> GpuBackend::run_moe(const GpuMoe& m, const NormedInput& in, int64_t tokens) {
+  TERN_TRY(norm_project(in, m.router, tokens, router_));
   if (m.shared_down) {
     TERN_TRY(silu_mul(
         ctx_,
@@ -743,48 +785,51 @@ Expected<void> GpuBackend::trace(const Tracer* tracer, const std::string& name, 
 
 Expected<int64_t> GpuBackend::run_body(const StepPlan& plan, LogitsFor which, const Tracer* tracer) {
   const int64_t t = plan.tokens, h = config_hidden_;
+  x_ = x_rows_;
   TERN_TRY(embedding_lookup(ctx_, EmbeddingArgs{.ids = d_ids_, .table = embed_.bf16, .y = x_,
                                                 .bad = bad_id_, .tokens = t, .vocab = embed_.n, .hidden = h}));
   for (size_t i = 0; i < layers_.size(); ++i) {
     const GpuLayer& l = layers_[i];
-    TERN_TRY(rms_norm_rows(l.input_norm, x_, i == 0 ? nullptr : out_, t, normed_));
+    const NormedInput mixer_in{.norm = &l.input_norm, .residual = i == 0 ? nullptr : out_};
     const int64_t li = static_cast<int64_t>(i);
-    if (l.attention) TERN_TRY(run_attention(*l.attention, plan));
+    if (l.attention) TERN_TRY(run_attention(*l.attention, mixer_in, plan));
     if (l.gdn) {
-      TERN_TRY(run_gdn(*l.gdn, plan, tracer ? [&] {
+      TERN_TRY(run_gdn(*l.gdn, mixer_in, plan, tracer ? [&] {
         return trace(tracer, trace_name(li, "gdn_core"), attn_, t, l.gdn->shape.n_value_heads * l.gdn->shape.value_dim,
                      l.gdn->shape.n_value_heads * l.gdn->shape.value_dim);
       } : std::function<Expected<void>()>{}));
     }
     TERN_TRY(trace(tracer, trace_name(li, "mixer_out"), out_, t, h, h));
-    TERN_TRY(rms_norm_rows(l.post_norm, x_, out_, t, normed_));
-    if (l.mlp) TERN_TRY(run_mlp(*l.mlp, normed_, t, out_));
+    const NormedInput ffn_in{.norm = &l.post_norm, .residual = out_};
+    if (l.mlp) TERN_TRY(run_mlp(*l.mlp, ffn_in, t, out_));
     if (l.moe) {
-      TERN_TRY(run_moe(*l.moe, t));
+      TERN_TRY(run_moe(*l.moe, ffn_in, t));
       TERN_TRY(trace(tracer, trace_name(li, "router_logits"), router_ + l.moe->logits_col, t, l.moe->n_experts,
                      l.moe->router.width));
     }
     TERN_TRY(trace(tracer, trace_name(li, "ffn_out"), out_, t, h, h));
   }
-  TERN_TRY(rms_norm_rows(final_norm_, x_, out_, t, normed_));
-  const uint16_t* rows = normed_;
-  int64_t n = t;
-  if (which == LogitsFor::kLastToken && !plan.decode) {
-    // The embedding gather picks each sequence's last row out of the normed activations (a decode step's rows
-    // are its sequences already).
-    TERN_TRY(embedding_lookup(ctx_, EmbeddingArgs{.ids = d_last_rows_, .table = normed_, .y = last_, .bad = bad_id_,
-                                                  .tokens = plan.n_seqs, .vocab = t, .hidden = h}));
-    rows = last_;
-    n = plan.n_seqs;
-  }
-  TERN_TRY(trace(tracer, "final_norm", rows, n, h, h));
+  // A prefill's logits for its last tokens are of each sequence's last row, gathered out of the normed rows (the
+  // embedding gather); a decode step's rows are its sequences already.
+  const bool gather = which == LogitsFor::kLastToken && !plan.decode && t > 1;
+  const int64_t n = gather ? plan.n_seqs : t;
   const size_t logit_bytes = static_cast<size_t>(n * vocab_) * 2;
   if (logits_.size_bytes() < logit_bytes) {
     drop_graphs();
     if (!DeviceBuffer::try_allocate(logit_bytes, logits_))
       return make_error("out of device memory for {} rows of logits", n);
   }
-  TERN_TRY(device_matrix_forward(ctx_, lm_head_, rows, n, logits_.as<uint16_t>(), vocab_));
+  const NormedInput head_in{.norm = &final_norm_, .residual = out_};
+  if (!gather) {
+    TERN_TRY(norm_forward(head_in, lm_head_, t, logits_.as<uint16_t>(), vocab_));
+    TERN_TRY(trace(tracer, "final_norm", normed_, t, h, h));
+    return t;
+  }
+  TERN_TRY(rms_norm_rows(*head_in.norm, x_, head_in.residual, t, normed_));
+  TERN_TRY(embedding_lookup(ctx_, EmbeddingArgs{.ids = d_last_rows_, .table = normed_, .y = last_, .bad = bad_id_,
+                                                .tokens = n, .vocab = t, .hidden = h}));
+  TERN_TRY(trace(tracer, "final_norm", last_, n, h, h));
+  TERN_TRY(device_matrix_forward(ctx_, lm_head_, last_, n, logits_.as<uint16_t>(), vocab_));
   return n;
 }
 

@@ -11,6 +11,7 @@
 // The tight check is layer by layer against the CPU path (IntermediatesTrackTheCpuPath): each traced intermediate
 // within 1/16 of its largest value, where a wrong kernel (a missed head, a wrong expert, a skipped norm) is off by
 // O(1).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -68,6 +69,31 @@ Bf16Noise bf16_noise(const std::string& fixture) {
 
 class GpuModelReference : public testing::TestWithParam<Case> {};
 
+// One position's logits against the reference's (its top ids and their logits): finite everywhere, each reference
+// id within `bound` of the largest reference logit, and our first choice as good as the reference's best. Returns
+// the worst relative error.
+double expect_position_matches(const float* row, int64_t vocab, const nlohmann::json& position, double bound,
+                               const std::string& where) {
+  const auto ids = position["ids"].get<std::vector<int32_t>>();
+  const auto want = position["logits"].get<std::vector<double>>();
+  for (int64_t v = 0; v < vocab; ++v) {
+    if (!std::isfinite(row[v])) {
+      ADD_FAILURE() << where << " id " << v << " is not finite";
+      return 1.0;
+    }
+  }
+  double max_ref = 0.0, worst = 0.0;
+  for (double v : want) max_ref = std::max(max_ref, std::abs(v));
+  for (size_t j = 0; j < ids.size(); ++j) {
+    const double err = std::abs(row[ids[j]] - want[j]) / max_ref;
+    worst = std::max(worst, err);
+    EXPECT_LE(err, bound) << where << " id " << ids[j] << " ours " << row[ids[j]] << " reference " << want[j];
+  }
+  // Whatever we rank first is within tolerance of the reference's best.
+  EXPECT_GE(row[argmax(row, vocab)], want[0] - bound * max_ref) << where;
+  return worst;
+}
+
 TEST_P(GpuModelReference, TeacherForcedLogitsMatchTransformers) {
   const Case& c = GetParam();
   auto model = load_cuda(c.fixture);
@@ -85,23 +111,40 @@ TEST_P(GpuModelReference, TeacherForcedLogitsMatchTransformers) {
     ASSERT_EQ(logits->size(), prompt.size() * vocab);
     const auto& positions = ref["teacher_forced"][p]["positions"];
     for (size_t t = 0; t < prompt.size(); ++t) {
-      const auto ids = positions[t]["ids"].get<std::vector<int32_t>>();
-      const auto want = positions[t]["logits"].get<std::vector<double>>();
-      const float* row = &(*logits)[t * vocab];
-      for (int64_t v = 0; v < vocab; ++v) ASSERT_TRUE(std::isfinite(row[v])) << "position " << t << " id " << v;
-      double max_ref = 0.0;
-      for (double v : want) max_ref = std::max(max_ref, std::abs(v));
-      for (size_t j = 0; j < ids.size(); ++j) {
-        const double err = std::abs(row[ids[j]] - want[j]) / max_ref;
-        worst = std::max(worst, err);
-        EXPECT_LE(err, bound) << "prompt " << p << " position " << t << " id " << ids[j] << " ours "
-                                            << row[ids[j]] << " reference " << want[j];
-      }
-      // Whatever we rank first is within tolerance of the reference's best.
-      EXPECT_GE(row[argmax(row, vocab)], want[0] - bound * max_ref) << "position " << t;
+      const std::string where = fmt::format("prompt {} position {}", p, t);
+      worst = std::max(worst, expect_position_matches(&(*logits)[t * vocab], vocab, positions[t], bound, where));
     }
   }
   std::cout << c.fixture << ": max |logit - reference| / max |reference logit| = " << worst
+            << " (transformers in bf16: " << bound << ")\n";
+}
+
+// The kernels the self-test picks for one row (the decode GEMV, with each RMSNorm fused in front of it, the residual
+// stream alternating between two buffers) give transformers' logits at every position of a prompt fed one token per
+// step, the later steps replayed from a CUDA graph, within the same bound.
+TEST_P(GpuModelReference, OneRowStepsWithTheFusedNormGemvMatchTransformers) {
+  const Case& c = GetParam();
+  auto model = load_cuda(c.fixture, DeviceModelOptions{.bf16_gemv = true, .norm_gemv = true});
+  ASSERT_TRUE(model);
+  const auto ref = read_json(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture + "/" + c.reference);
+  const int64_t vocab = model->config().vocab_size;
+  const double bound = bf16_noise(c.fixture).max_rel_logit_error;
+  double worst = 0.0;
+  for (size_t p = 0; p < ref["prompts"].size(); ++p) {
+    const auto prompt = ref["prompts"][p].get<std::vector<int32_t>>();
+    const auto& positions = ref["teacher_forced"][p]["positions"];
+    SequenceCache seq = model->new_sequence();
+    for (size_t t = 0; t < prompt.size(); ++t) {
+      const std::vector<SequenceInput> batch{{&seq, std::span<const int32_t>(&prompt[t], 1)}};
+      auto logits = model->forward(batch, LogitsFor::kLastToken);
+      ASSERT_TRUE(logits.has_value()) << logits.error().message;
+      ASSERT_EQ(logits->size(), static_cast<size_t>(vocab));
+      const std::string where = fmt::format("prompt {} position {} (one row per step)", p, t);
+      worst = std::max(worst, expect_position_matches(logits->data(), vocab, positions[t], bound, where));
+    }
+  }
+  EXPECT_NE(model->backend()->describe().find("decode graphs"), std::string::npos);
+  std::cout << c.fixture << ": one row per step, max |logit - reference| / max |reference logit| = " << worst
             << " (transformers in bf16: " << bound << ")\n";
 }
 
