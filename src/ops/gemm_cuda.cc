@@ -34,6 +34,14 @@ DeviceDescription describe(const DeviceProps& p) {
 
 // bf16 output: rounding is half an ulp of each element (2^-9 relative); the accumulation order of tensor cores
 // adds a little. 2^-8 of the largest output bounds both and still rejects a wrong scale of 1%.
+//
+// rms_norm_gemv, against an fp64 reference with x' unrounded: h and x' are rounded to bf16 once, at most 2^-8 of
+// themselves and so of the largest output. y is rounded once too, and inherits x''s rounding: the errors d_k of x'_k
+// enter y_j as sum_k d_k W[j, k], a sum of independent signs near 0.2% of y's rms (the rms of d / x' is about
+// 2^-7.5 / sqrt(12)) and 0.7% at the worst of 2.5e5 columns. The harness keeps |y| below 2 (half an ulp <= 2^-8)
+// while h or x' exceed 2.5, so y's rounding plus that (~0.002 at y's rms of 0.3) stays within 2^-8 * 2.5 = 0.0098.
+// Simulating the kernel's roundings on the GPU test's shapes, y's error peaks near half the bound, x''s near 0.8;
+// the fp32 sums (of squares, of products) add ~1e-6 relative.
 constexpr Tolerance kBf16OutputTolerance{.rel = 1.0 / 256, .abs = 0.0};
 
 }  // namespace
@@ -119,6 +127,26 @@ BinaryImage cuda_binary_image() {
   return image;
 }
 
+Expected<RunOutput> rms_norm_gemv_cuda_run(const DeviceContext& ctx, const RmsNormGemvInputs& in,
+                                           const RmsNormGemvTweak& tweak) {
+  const DeviceBuffer x = cuda_upload(in.x, ctx.stream()), residual = cuda_upload(in.residual_in, ctx.stream());
+  const DeviceBuffer norm_weight = cuda_upload(in.norm_weight, ctx.stream()), w = cuda_upload(in.w_bf16, ctx.stream());
+  // K is a multiple of 8, so x_out and y stay 16-byte aligned within the buffer.
+  const int64_t x_at = in.residual ? in.k : 0;
+  return cuda_run_timed(ctx, 1, rms_norm_gemv_output_size(in), [&](uint16_t* out) {
+    GemmBf16Args args{.x = x.as<uint16_t>(), .w = w.as<uint16_t>(), .y = out + x_at + in.k, .m = 1, .n = in.n,
+                      .k = in.k, .ldy = in.n};
+    GemvNormArgs norm{.weight = norm_weight.as<uint16_t>(),
+                      .residual = in.residual ? residual.as<uint16_t>() : nullptr,
+                      .eps = in.eps,
+                      .zero_centred = in.form == RmsNormForm::kZeroCentred,
+                      .h_out = in.residual ? out : nullptr,
+                      .x_out = out + x_at};
+    if (tweak) tweak(args, norm);
+    return gemv_bf16_rmsnorm(ctx, args, norm);
+  });
+}
+
 namespace {
 
 // A gemm_bf16 implementation: the harness's inputs uploaded, `gemm` timed into a poisoned output.
@@ -172,6 +200,17 @@ Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceCont
         return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
           return gemm_nvfp4_w4a16(*context, {.x = d.x.as<uint16_t>(), .w = w, .y = y, .m = in.m});
         });
+      },
+  }));
+  TERN_TRY(registry.add(Implementation{
+      .op = "rms_norm_gemv",
+      .name = "cuda",
+      .backend = Backend::kCuda,
+      .priority = 10,
+      .tolerance = kBf16OutputTolerance,
+      .unsupported_reason = cuda_unsupported_reason,
+      .run = [context](const OpInputs& base) -> Expected<RunOutput> {
+        return rms_norm_gemv_cuda_run(*context, static_cast<const RmsNormGemvInputs&>(base));
       },
   }));
   return {};

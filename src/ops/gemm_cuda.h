@@ -1,24 +1,26 @@
 // The CUDA implementations of the GEMM ops (built only with CUDA): "cublaslt" and "gemv" (the decode GEMV up to
-// kGemvPreferredMaxRows rows, cuBLASLt above) for gemm_bf16 and "w4a16" for gemm_nvfp4, run through the same harness
-// and verdicts as the CPU ones.
+// kGemvPreferredMaxRows rows, cuBLASLt above) for gemm_bf16, "w4a16" for gemm_nvfp4 and "cuda" (the GEMV with its
+// fused RMSNorm) for rms_norm_gemv, run through the same harnesses and verdicts as the CPU ones.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <functional>
-#include <string>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/error.h"
 #include "kernels/cuda/device.h"
+#include "kernels/cuda/gemv_bf16.h"
 #include "ops/device.h"
 #include "ops/registry.h"
 
 namespace tern {
 
 struct GemmInputs;
+struct RmsNormGemvInputs;
 
 // The CUDA devices present (empty when there is no driver or no GPU).
 std::vector<DeviceDescription> cuda_devices_describe();
@@ -59,6 +61,14 @@ Expected<double> cuda_time_best(const DeviceContext& ctx, const std::function<vo
 // launch skips keep the poison pattern; a launch error or a failed kernel is an error.
 Expected<RunOutput> cuda_run_timed(const DeviceContext& ctx, int64_t m, int64_t n,
                                    const std::function<Expected<void>(uint16_t* y)>& launch);
+
+// Adjusts the fused kernel's arguments before each launch (the GPU tests inject faults that way).
+using RmsNormGemvTweak = std::function<void(GemmBf16Args&, GemvNormArgs&)>;
+
+// Uploads an rms_norm_gemv case and times gemv_bf16_rmsnorm into one poisoned bf16 buffer laid out as the harness's
+// output: h_out at 0 (with a residual), x_out after it, y (ldy = N) after x_out; returns it widened to float.
+Expected<RunOutput> rms_norm_gemv_cuda_run(const DeviceContext& ctx, const RmsNormGemvInputs& inputs,
+                                           const RmsNormGemvTweak& tweak = {});
 
 // Registers the implementations; they run on `context`'s device and stream.
 Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceContext> context);

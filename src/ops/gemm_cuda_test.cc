@@ -1,8 +1,11 @@
 // The GEMM ops on the GPU through the registry (label gpu): the real implementations pass their self-test on
-// model-sized shapes, and test-only registrations of broken variants — each one fault class — are rejected.
+// model-sized shapes (rms_norm_gemv included), and test-only registrations of broken variants — each one fault
+// class — are rejected.
 #include "ops/gemm_cuda.h"
 
 #include <gtest/gtest.h>
+
+#include <cstdio>
 
 #include "kernels/cuda/gemm_bf16.h"
 #include "kernels/cuda/gemm_nvfp4_w4a16.h"
@@ -84,6 +87,24 @@ std::vector<Fault> gemv_faults() {
   };
 }
 
+// The fused RMSNorm + GEMV called with one argument wrong (cases have a residual and the zero-centred form).
+struct NormGemvFault {
+  std::string name;
+  std::string expected_reason;
+  RmsNormGemvTweak tweak;
+};
+
+std::vector<NormGemvFault> norm_gemv_faults() {
+  return {
+      {"norm-gemv-drops-the-residual", "exceeds the tolerance",
+       [](GemmBf16Args&, GemvNormArgs& n) { n.residual = nullptr; }},
+      {"norm-gemv-plain-weight", "exceeds the tolerance",
+       [](GemmBf16Args&, GemvNormArgs& n) { n.zero_centred = false; }},
+      {"norm-gemv-no-x-out", "never written", [](GemmBf16Args&, GemvNormArgs& n) { n.x_out = nullptr; }},
+      {"norm-gemv-skips-the-last-column", "never written", [](GemmBf16Args& a, GemvNormArgs&) { a.n -= 1; }},
+  };
+}
+
 class CudaGemmOps : public CudaOpTest<gemm_register_cpu, gemm_register_cuda> {
  protected:
   // Registers each fault as an implementation of `op` that outranks the real ones.
@@ -107,9 +128,28 @@ class CudaGemmOps : public CudaOpTest<gemm_register_cpu, gemm_register_cuda> {
     }
   }
 
+  void add_norm_gemv_faults(const std::vector<NormGemvFault>& faults) {
+    for (const NormGemvFault& f : faults) {
+      ASSERT_TRUE(registry_
+                      .add(Implementation{
+                          .op = "rms_norm_gemv",
+                          .name = f.name,
+                          .backend = Backend::kCuda,
+                          .priority = 100,
+                          .tolerance = {.rel = 1.0 / 256},
+                          .run = [this, tweak = f.tweak](const OpInputs& base) -> Expected<RunOutput> {
+                            return rms_norm_gemv_cuda_run(*context_, static_cast<const RmsNormGemvInputs&>(base),
+                                                          tweak);
+                          },
+                      })
+                      .has_value());
+    }
+  }
+
   // Every fault is a candidate of `s` that failed with its expected reason.
-  static void expect_rejected(const Selection& s, const std::vector<Fault>& faults) {
-    for (const Fault& f : faults) {
+  template <class F>
+  static void expect_rejected(const Selection& s, const std::vector<F>& faults) {
+    for (const F& f : faults) {
       const CandidateReport* c = s.candidate(f.name);
       ASSERT_NE(c, nullptr) << f.name;
       EXPECT_EQ(c->status, CandidateStatus::kFailed) << f.name;
@@ -158,6 +198,41 @@ TEST_F(CudaGemmOps, InjectedGemvFaultsAreRejectedOnTheGpu) {
   ASSERT_TRUE(s.has_value()) << s.error().message;
   EXPECT_TRUE(s->chosen == "gemv" || s->chosen == "cublaslt") << s->chosen;
   expect_rejected(*s, gemv_faults());
+}
+
+TEST_F(CudaGemmOps, RmsNormGemvPassesOnModelShapes) {
+  const std::vector<SelfTestCase> cases = {
+      // Qwen3-8B (hidden 4096): qkv after input_layernorm, gate|up after post_attention_layernorm.
+      rms_norm_gemv_case(6144, 4096, RmsNormForm::kPlain, true),
+      rms_norm_gemv_case(6144, 4096, RmsNormForm::kPlain, false),
+      rms_norm_gemv_case(24576, 4096, RmsNormForm::kPlain, true),
+      // Qwen3.5 (hidden 2048, zero-centred norms): attention and GDN input projections.
+      rms_norm_gemv_case(8192, 2048, RmsNormForm::kZeroCentred, true),
+      rms_norm_gemv_case(12352, 2048, RmsNormForm::kZeroCentred, false),
+      // An lm_head after the final norm, and a ragged one (a partial column group, an odd chunk count).
+      rms_norm_gemv_case(151936, 4096, RmsNormForm::kPlain, true),
+      rms_norm_gemv_case(37, 1032, RmsNormForm::kZeroCentred, true),
+  };
+  auto s = registry_select(registry_, "rms_norm_gemv", devices_[0], cases, {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_EQ(s->chosen, "cuda") << s->candidates.front().reason;
+  const CandidateReport* cpu = s->candidate("cpu");
+  ASSERT_NE(cpu, nullptr);
+  EXPECT_EQ(cpu->status, CandidateStatus::kUnsupported);
+  if (const CandidateReport* c = s->candidate("cuda")) {
+    std::printf("rms_norm_gemv cuda: %zu cases, max error %.3g (bound %.3g), %.1f us in all\n", cases.size(),
+                c->max_error, c->bound, c->seconds * 1e6);
+  }
+}
+
+TEST_F(CudaGemmOps, InjectedRmsNormGemvFaultsAreRejectedOnTheGpu) {
+  add_norm_gemv_faults(norm_gemv_faults());
+  const std::vector<SelfTestCase> cases = {rms_norm_gemv_case(1000, 2048, RmsNormForm::kZeroCentred, true),
+                                           rms_norm_gemv_case(37, 4104, RmsNormForm::kZeroCentred, true)};
+  auto s = registry_select(registry_, "rms_norm_gemv", devices_[0], cases, {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_EQ(s->chosen, "cuda");
+  expect_rejected(*s, norm_gemv_faults());
 }
 
 }  // namespace

@@ -2,13 +2,36 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <string>
 
 #include "core/formats.h"
 #include "core/nvfp4.h"
 #include "kernels/cpu/matmul.h"
+#include "layers/norms.h"
 
 namespace tern {
+namespace {
+
+// Inputs of real model sizes run to hundreds of millions of elements (an lm_head), so values come from a
+// counter-based hash, in parallel: fresh for every seed, non-zero, symmetric, the same whatever the thread count.
+// center + scale * uniform(-1, 1), nudged by 1e-3, as bf16 bits.
+uint16_t hashed_bf16(uint64_t seed, uint64_t stream, int64_t i, float scale, float center = 0.0f) {
+  uint64_t z = (seed ^ (stream << 56)) + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  const float u = static_cast<float>(z >> 40) * 0x1p-24f;  // [0, 1)
+  return float_to_bf16(center + scale * (2.0f * u - 1.0f) + (z & 1 ? 1e-3f : -1e-3f));
+}
+
+std::string cpu_only(const DeviceDescription& d, const SelfTestCase&) {
+  return d.backend == Backend::kCpu ? "" : "runs on the CPU backend only";
+}
+
+}  // namespace
 
 Expected<void> gemm_fill_inputs(const SelfTestCase& c, uint64_t seed, bool nvfp4, GemmInputs& in) {
   if (c.dims.size() != 3 || c.dims[0] <= 0 || c.dims[1] <= 0 || c.dims[2] <= 0) {
@@ -19,16 +42,7 @@ Expected<void> gemm_fill_inputs(const SelfTestCase& c, uint64_t seed, bool nvfp4
   in.k = c.dims[2];
   in.nvfp4 = nvfp4;
   if (nvfp4 && in.k % kNvfp4BlockSize != 0) return make_error("NVFP4 gemm case '{}': K must be a multiple of 16", c.label);
-  // Inputs of real model sizes run to hundreds of millions of elements (an lm_head), so values come from a
-  // counter-based hash, in parallel: fresh for every seed, non-zero, symmetric, the same whatever the thread count.
-  auto value = [seed](uint64_t stream, int64_t i, float scale) {
-    uint64_t z = (seed ^ (stream << 56)) + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    const float u = static_cast<float>(z >> 40) * 0x1p-24f;  // [0, 1)
-    return float_to_bf16(scale * (2.0f * u - 1.0f) + (z & 1 ? 1e-3f : -1e-3f));
-  };
+  auto value = [seed](uint64_t stream, int64_t i, float scale) { return hashed_bf16(seed, stream, i, scale); };
   in.x_bf16.resize(static_cast<size_t>(in.m * in.k));
   in.x.resize(in.x_bf16.size());
   for (int64_t i = 0; i < in.m * in.k; ++i) {
@@ -104,6 +118,95 @@ Expected<RunOutput> run_cpu_gemm(const OpInputs& base) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// rms_norm_gemv
+
+Expected<std::unique_ptr<OpInputs>> rms_norm_gemv_make(const SelfTestCase& c, uint64_t seed) {
+  const std::vector<int64_t>& d = c.dims;
+  if (d.size() != 4) return make_error("rms_norm_gemv case '{}' needs dims {{N, K, form, residual}}", c.label);
+  if (d[0] <= 0) return make_error("rms_norm_gemv case '{}': N={} must be positive", c.label, d[0]);
+  if (d[1] <= 0 || d[1] % 8 != 0) {
+    return make_error("rms_norm_gemv case '{}': K={} must be a positive multiple of 8 (16-byte rows)", c.label, d[1]);
+  }
+  if (d[2] != static_cast<int64_t>(RmsNormForm::kPlain) && d[2] != static_cast<int64_t>(RmsNormForm::kZeroCentred)) {
+    return make_error(
+        "rms_norm_gemv case '{}': form={} is not plain (0) or zero-centred (1); the gated norm is not fused", c.label,
+        d[2]);
+  }
+  if (d[3] != 0 && d[3] != 1) return make_error("rms_norm_gemv case '{}': residual={} is not 0 or 1", c.label, d[3]);
+  auto in = std::make_unique<RmsNormGemvInputs>();
+  in->n = d[0];
+  in->k = d[1];
+  in->form = static_cast<RmsNormForm>(d[2]);
+  in->residual = d[3] == 1;
+  in->x.resize(static_cast<size_t>(in->k));
+  in->norm_weight.resize(in->x.size());
+  // Zero-centred checkpoints store small offsets from 1; plain weights sit around 1 (as rms_norm's harness).
+  const float w_center = in->form == RmsNormForm::kZeroCentred ? 0.0f : 1.0f;
+  for (int64_t i = 0; i < in->k; ++i) {
+    in->x[i] = hashed_bf16(seed, 1, i, 2.0f);
+    in->norm_weight[i] = hashed_bf16(seed, 3, i, 0.5f, w_center);
+    if (in->residual) in->residual_in.push_back(hashed_bf16(seed, 2, i, 2.0f));
+  }
+  // x' has an rms near 1 and reaches 2.5-3.6 (h: 4 with a residual). W uniform in +-0.5/sqrt(K) gives y an rms of
+  // 0.3 and a largest value of 1.1-1.4 over up to 2.5e5 columns: close to the norm's outputs, so the tolerance
+  // (relative to the largest output) checks h, x' and y alike, yet below 2, where a bf16 ulp doubles, so a GPU's
+  // rounding of y plus the x' rounding it inherits stays within its bound (see gemm_cuda.cc).
+  const float w_scale = 0.5f / std::sqrt(static_cast<float>(in->k));
+  in->w_bf16.resize(static_cast<size_t>(in->n * in->k));
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < in->n * in->k; ++i) in->w_bf16[i] = hashed_bf16(seed, 4, i, w_scale);
+  return in;
+}
+
+std::vector<float> rms_norm_gemv_reference(const OpInputs& base) {
+  const auto& in = static_cast<const RmsNormGemvInputs&>(base);
+  std::vector<float> out(static_cast<size_t>(rms_norm_gemv_output_size(in)));
+  const int64_t x_at = in.residual ? in.k : 0, y_at = x_at + in.k;
+  std::vector<double> xn(static_cast<size_t>(in.k));
+  double sum = 0.0;
+  for (int64_t i = 0; i < in.k; ++i) {
+    xn[i] = double(bf16_to_float(in.x[i])) + (in.residual ? double(bf16_to_float(in.residual_in[i])) : 0.0);
+    if (in.residual) out[i] = static_cast<float>(xn[i]);
+    sum += xn[i] * xn[i];
+  }
+  const double inv = 1.0 / std::sqrt(sum / double(in.k) + double(in.eps));
+  const double offset = in.form == RmsNormForm::kZeroCentred ? 1.0 : 0.0;
+  for (int64_t i = 0; i < in.k; ++i) {
+    xn[i] *= inv * (offset + bf16_to_float(in.norm_weight[i]));
+    out[x_at + i] = static_cast<float>(xn[i]);
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < in.n; ++j) {
+    const uint16_t* w_row = in.w_bf16.data() + j * in.k;
+    double acc = 0.0;
+    for (int64_t i = 0; i < in.k; ++i) acc += xn[i] * bf16_to_float(w_row[i]);
+    out[y_at + j] = static_cast<float>(acc);
+  }
+  return out;
+}
+
+// The CPU model path's arithmetic: h in fp32, layers' RmsNorm, cpu_matmul on the unrounded fp32 x'.
+Expected<RunOutput> rms_norm_gemv_cpu(const OpInputs& base) {
+  const auto& in = static_cast<const RmsNormGemvInputs&>(base);
+  std::vector<float> h(static_cast<size_t>(in.k)), weight(h.size());
+  for (int64_t i = 0; i < in.k; ++i) {
+    h[i] = bf16_to_float(in.x[i]) + (in.residual ? bf16_to_float(in.residual_in[i]) : 0.0f);
+    weight[i] = bf16_to_float(in.norm_weight[i]);
+  }
+  const RmsNorm norm{.weight = std::move(weight), .eps = in.eps, .zero_centred = in.form == RmsNormForm::kZeroCentred};
+  const CpuMatrix w{.format = CpuWeightFormat::kBf16, .rows = in.n, .cols = in.k, .data = in.w_bf16.data()};
+  RunOutput out{.values = std::vector<float>(static_cast<size_t>(rms_norm_gemv_output_size(in)))};
+  poison_f32(out.values);
+  float* xn = out.values.data() + (in.residual ? in.k : 0);
+  const auto start = std::chrono::steady_clock::now();
+  if (in.residual) std::copy(h.begin(), h.end(), out.values.begin());
+  norm.forward(h.data(), 1, xn);
+  cpu_matmul(xn, 1, w, xn + in.k);
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return out;
+}
+
 }  // namespace
 
 Expected<void> gemm_register_cpu(Registry& registry) {
@@ -121,13 +224,25 @@ Expected<void> gemm_register_cpu(Registry& registry) {
         .name = "cpu",
         .backend = Backend::kCpu,
         .tolerance = {.rel = 1e-5, .abs = 0.0},
-        .unsupported_reason = [](const DeviceDescription& d, const SelfTestCase&) -> std::string {
-          return d.backend == Backend::kCpu ? "" : "runs on the CPU backend only";
-        },
+        .unsupported_reason = cpu_only,
         .run = run_cpu_gemm,
     }));
   }
+  TERN_TRY(registry.add_harness(
+      OpHarness{.op = "rms_norm_gemv", .make_inputs = rms_norm_gemv_make, .reference = rms_norm_gemv_reference}));
+  // fp32 against fp64: the sum of squares and the dot product, K terms each, stay within ~1e-6 of the output's
+  // scale (see gemm_bf16 above); 1e-5 leaves margin and still rejects a missing residual or 1 + w by far.
+  TERN_TRY(registry.add(Implementation{.op = "rms_norm_gemv",
+                                       .name = "cpu",
+                                       .backend = Backend::kCpu,
+                                       .tolerance = {.rel = 1e-5, .abs = 0.0},
+                                       .unsupported_reason = cpu_only,
+                                       .run = rms_norm_gemv_cpu}));
   return {};
+}
+
+int64_t rms_norm_gemv_output_size(const RmsNormGemvInputs& in) {
+  return (in.residual ? 2 * in.k : in.k) + in.n;
 }
 
 std::vector<SelfTestCase> gemm_selftest_cases(const std::vector<std::pair<int64_t, int64_t>>& shapes,
@@ -137,6 +252,14 @@ std::vector<SelfTestCase> gemm_selftest_cases(const std::vector<std::pair<int64_
     for (auto [n, k] : shapes) cases.push_back({fmt::format("M={} N={} K={}", m, n, k), {m, n, k}});
   }
   return cases;
+}
+
+SelfTestCase rms_norm_gemv_case(int64_t n, int64_t k, RmsNormForm form, bool residual) {
+  const char* form_name = form == RmsNormForm::kPlain         ? "plain"
+                          : form == RmsNormForm::kZeroCentred ? "zero-centred"
+                                                              : "gated";
+  return {fmt::format("N={} K={} {}{}", n, k, form_name, residual ? " +residual" : ""),
+          {n, k, static_cast<int64_t>(form), residual ? 1 : 0}};
 }
 
 }  // namespace tern
