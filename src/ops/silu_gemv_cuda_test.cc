@@ -20,8 +20,8 @@ struct Fault {
   std::string name;
   std::string expected_reason;
   // Queues a wrong product of the uploaded gate|up row and W into y.
-  std::function<Expected<void>(const DeviceContext&, const SiluGemvInputs&, const uint16_t* gate_up,
-                               const uint16_t* w, uint16_t* y)>
+  std::function<Expected<void>(const DeviceContext&, const SiluGemvInputs&, const uint16_t* gate_up, const uint16_t* w,
+                               uint16_t* y)>
       launch;
 };
 

@@ -45,7 +45,9 @@ Expected<std::unique_ptr<OpInputs>> silu_gemv_make(const SelfTestCase& c, uint64
   return in;
 }
 
-double silu_f64(double x) { return x / (1.0 + std::exp(-x)); }
+double silu_f64(double x) {
+  return x / (1.0 + std::exp(-x));
+}
 
 std::vector<float> silu_gemv_reference(const OpInputs& base) {
   const auto& in = static_cast<const SiluGemvInputs&>(base);
