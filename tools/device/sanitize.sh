@@ -22,7 +22,7 @@ mkdir -p "$out"
 cases=(
   "cuda_gemm_nvfp4_test:GemmNvfp4W4a16.SmallShapes:GemmNvfp4W4a16.RejectsBadArguments:GemmNvfp4W4a16.DecodeModelShapes"
   "cuda_gemm_bf16_test:*"
-  "cuda_gemv_bf16_test:GemvBf16.MatchesReferenceOnSmallOddShapes:GemvBf16.WritesOnlyItsColumnsOfAWiderOutput:GemvBf16.EveryGroupSizeMatchesReference:GemvBf16.RmsNormPrologueMatchesReference"
+  "cuda_gemv_bf16_test:GemvBf16.MatchesReferenceOnSmallOddShapes:GemvBf16.WritesOnlyItsColumnsOfAWiderOutput:GemvBf16.EveryGroupSizeMatchesReference:GemvBf16.RmsNormPrologueMatchesReference:GemvBf16.SiluMulPrologueMatchesReference:GemvBf16.SiluMulEveryGroupSizeMatches"
   "ops_elementwise_cuda_test:*RmsNorm*:*Rope*:*SiluMul*:*Embedding*"
   "cuda_attention_test:CudaAttention.DecodeMatchesCpuOnRaggedBatches:CudaAttention.PrefillMatchesCpuOnRaggedBatches:CudaAttention.PrepareMatchesCpuLayers"
   "cuda_gdn_test:GdnKernels.DeltaRuleMatchesCpuOnRaggedBatches:GdnKernels.ConvMatchesCpuOnRaggedBatchesAndContinues"

@@ -61,6 +61,14 @@ Expected<void> gemv_norm_validate(const GemmBf16Args& a, const GemvNormArgs& n) 
   return {};
 }
 
+Expected<void> gemv_silu_validate(const GemmBf16Args& a, int64_t ldx) {
+  if (ldx < 2 * a.k) {
+    return make_error("gemv_bf16_silu_mul: ldx={} is less than 2k={} (a row holds gate and up, k each)", ldx, 2 * a.k);
+  }
+  if (ldx % 8 != 0) return make_error("gemv_bf16_silu_mul: ldx={} is not a multiple of 8 (16-byte rows)", ldx);
+  return {};
+}
+
 }  // namespace
 
 int gemv_bf16_group_threads(int m, int64_t n, int64_t k, int num_sms) {
@@ -111,6 +119,21 @@ Expected<void> gemv_bf16_rmsnorm(const DeviceContext& ctx, const GemmBf16Args& a
                                        .norm_zero_centred = norm.zero_centred,
                                        .h_out = norm.h_out,
                                        .x_out = norm.x_out});
+  return {};
+}
+
+Expected<void> gemv_bf16_silu_mul(const DeviceContext& ctx, const GemmBf16Args& args, int64_t ldx) {
+  TERN_TRY(gemv_bf16_validate(args));
+  TERN_TRY(gemv_silu_validate(args, ldx));
+  if (args.m == 0) return {};
+  gemv_bf16_launch(ctx, GemvBf16Params{.x = args.x,
+                                       .w = args.w,
+                                       .y = args.y,
+                                       .m = static_cast<int>(args.m),
+                                       .n = args.n,
+                                       .k = args.k,
+                                       .ldy = args.ldy > 0 ? args.ldy : args.n,
+                                       .silu_ldx = ldx});
   return {};
 }
 

@@ -6,12 +6,15 @@
 // between its threads in 16-byte chunks, lane-contiguous so each warp load covers 512 contiguous bytes of a row.
 // A thread keeps an fp32 accumulator per (row of x, column) in registers, so m is a template parameter; the group's
 // partial sums meet through warp shuffles and, when T > 32, shared memory, and y is rounded to bf16 once.
+// A prologue (a template parameter, so the plain kernel carries none of it) may turn x into the rows the product
+// uses as each chunk is read: an RMSNorm, or the SiLU-and-mul of [gate | up] rows.
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/gemv_bf16_launch.h"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/silu_mul.cuh"
 
 namespace tern {
 namespace {
@@ -20,6 +23,9 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kCols = 4;  // output columns (rows of W) per group of threads
 constexpr int kVec = 8;   // bf16 values per 16-byte chunk
+
+// What the kernel makes of x before the product (GemvBf16Params: norm_weight, silu_ldx).
+enum class Prologue { kNone, kRmsNorm, kSiluMul };
 
 // W is read once (ptx::ld_stream_16): L1 stays with x, which every block reads; the 256 bytes L2 fetches are the
 // neighbouring lanes' reads of the same step.
@@ -42,14 +48,24 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {  // round 
          (uint32_t{__bfloat16_as_ushort(__float2bfloat16_rn(hi))} << 16);
 }
 
-// Row i's 8 values of chunk c as the product uses them: x itself, or with kNorm its RMSNorm (h = x + residual, then
-// scale and weight, one bf16 rounding); `write` (block 0, group 0, which covers every chunk once) stores h and x'.
-template <int kRows, bool kNorm>
+// Row i's 8 values of chunk c as the product uses them: x itself; with kRmsNorm its RMSNorm (h = x + residual,
+// then scale and weight, one bf16 rounding), where `write` (block 0, group 0, which covers every chunk once) stores
+// h and x'; with kSiluMul the act of row i's gate and up, silu_mul's bits. Every group recomputes the act of the
+// chunks it reads (there is no staging), which adds arithmetic per weight but no memory traffic.
+template <int kRows, Prologue kPrologue>
 __device__ __forceinline__ void x_chunk(const GemvBf16Params& p, int i, int64_t c, const float (&inv)[kRows],
                                         bool write, float (&xf)[kVec]) {
+  if constexpr (kPrologue == Prologue::kSiluMul) {
+    const uint4* gate = reinterpret_cast<const uint4*>(p.x + i * p.silu_ldx + c * kVec);
+    const uint4 g = __ldg(gate), u = __ldg(gate + p.k / kVec);
+    unpack_bf16x8(make_uint4(silu_mul_bf16x2(g.x, u.x), silu_mul_bf16x2(g.y, u.y), silu_mul_bf16x2(g.z, u.z),
+                             silu_mul_bf16x2(g.w, u.w)),
+                  xf);
+    return;
+  }
   const int64_t at = i * p.k + c * kVec;
   unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p.x + at)), xf);
-  if constexpr (kNorm) {
+  if constexpr (kPrologue == Prologue::kRmsNorm) {
     if (p.residual != nullptr) {
       float r[kVec];
       unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p.residual + at)), r);
@@ -78,7 +94,7 @@ __device__ __forceinline__ void x_chunk(const GemvBf16Params& p, int i, int64_t 
 }
 
 // acc[i][r] += x[i, chunk] . w_r[chunk] for one 8-element chunk c.
-template <int kRows, bool kNorm>
+template <int kRows, Prologue kPrologue>
 __device__ __forceinline__ void fma_chunk(float (&acc)[kRows][kCols], const uint4 (&w)[kCols], const GemvBf16Params& p,
                                           int64_t c, const float (&inv)[kRows], bool write) {
   float wf[kCols][kVec];
@@ -87,7 +103,7 @@ __device__ __forceinline__ void fma_chunk(float (&acc)[kRows][kCols], const uint
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     float xf[kVec];
-    x_chunk<kRows, kNorm>(p, i, c, inv, write, xf);
+    x_chunk<kRows, kPrologue>(p, i, c, inv, write, xf);
 #pragma unroll
     for (int r = 0; r < kCols; ++r) {
 #pragma unroll
@@ -96,10 +112,10 @@ __device__ __forceinline__ void fma_chunk(float (&acc)[kRows][kCols], const uint
   }
 }
 
-// With kNorm, every group first sums the squares of its rows' h over the whole k (each group covers k once with
+// With kRmsNorm, every group first sums the squares of its rows' h over the whole k (each group covers k once with
 // its threads), so each group has its own copy of the norm's scale; the fp32 sum runs in another order than
 // rms_norm's, so a rounded x' can differ from rms_norm's in its last bit.
-template <int kRows, bool kNorm>
+template <int kRows>
 __device__ __forceinline__ void norm_scales(const GemvBf16Params& p, int group, int group_threads, int j,
                                             float (&inv)[kRows]) {
   __shared__ float ss_part[kWarps][kRows];
@@ -142,7 +158,7 @@ __device__ __forceinline__ void norm_scales(const GemvBf16Params& p, int group, 
 }
 
 // One block: kThreads / group_threads groups, each owning kCols consecutive output columns.
-template <int kRows, bool kNorm>
+template <int kRows, Prologue kPrologue>
 __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Params p, const int group_threads) {
   ptx::grid_dependency_begin();
   __shared__ float partial[kWarps][kRows * kCols];
@@ -164,8 +180,8 @@ __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Param
   }
   const int n_chunks = static_cast<int>(p.k / kVec);
   float inv[kRows];
-  if constexpr (kNorm) norm_scales<kRows, kNorm>(p, group, group_threads, j, inv);
-  const bool write = kNorm && blockIdx.x == 0 && group == 0;
+  if constexpr (kPrologue == Prologue::kRmsNorm) norm_scales<kRows>(p, group, group_threads, j, inv);
+  const bool write = kPrologue == Prologue::kRmsNorm && blockIdx.x == 0 && group == 0;
   int c = j;
   for (; c + group_threads < n_chunks; c += 2 * group_threads) {
     uint4 w0[kCols], w1[kCols];
@@ -173,14 +189,14 @@ __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Param
     for (int r = 0; r < kCols; ++r) w0[r] = ld_weight_16(wrow[r] + int64_t{c} * kVec);
 #pragma unroll
     for (int r = 0; r < kCols; ++r) w1[r] = ld_weight_16(wrow[r] + int64_t{c + group_threads} * kVec);
-    fma_chunk<kRows, kNorm>(acc, w0, p, c, inv, write);
-    fma_chunk<kRows, kNorm>(acc, w1, p, c + group_threads, inv, write);
+    fma_chunk<kRows, kPrologue>(acc, w0, p, c, inv, write);
+    fma_chunk<kRows, kPrologue>(acc, w1, p, c + group_threads, inv, write);
   }
   if (c < n_chunks) {  // an odd number of chunks left for this thread
     uint4 w0[kCols];
 #pragma unroll
     for (int r = 0; r < kCols; ++r) w0[r] = ld_weight_16(wrow[r] + int64_t{c} * kVec);
-    fma_chunk<kRows, kNorm>(acc, w0, p, c, inv, write);
+    fma_chunk<kRows, kPrologue>(acc, w0, p, c, inv, write);
   }
 
   // Stage 2: each warp's sum of every accumulator (a group is whole warps: group_threads is a multiple of 32).
@@ -214,9 +230,11 @@ void launch_rows(const GemvBf16Params& p, int group_threads, const DeviceContext
   const int64_t cols_per_block = int64_t{kThreads / group_threads} * kCols;
   const auto grid = static_cast<unsigned>((p.n + cols_per_block - 1) / cols_per_block);
   if (p.norm_weight != nullptr) {
-    launch_kernel(ctx, gemv_bf16_kernel<kRows, true>, dim3(grid), dim3(kThreads), 0, p, group_threads);
+    launch_kernel(ctx, gemv_bf16_kernel<kRows, Prologue::kRmsNorm>, dim3(grid), dim3(kThreads), 0, p, group_threads);
+  } else if (p.silu_ldx > 0) {
+    launch_kernel(ctx, gemv_bf16_kernel<kRows, Prologue::kSiluMul>, dim3(grid), dim3(kThreads), 0, p, group_threads);
   } else {
-    launch_kernel(ctx, gemv_bf16_kernel<kRows, false>, dim3(grid), dim3(kThreads), 0, p, group_threads);
+    launch_kernel(ctx, gemv_bf16_kernel<kRows, Prologue::kNone>, dim3(grid), dim3(kThreads), 0, p, group_threads);
   }
   TERN_CUDA_CHECK_LAUNCH();
 }
@@ -236,7 +254,7 @@ void gemv_bf16_launch(const DeviceContext& ctx, const GemvBf16Params& p) {
 
 // What the driver loaded of this module for the current device (module_attributes.h).
 cudaError_t gemv_bf16_module_attributes(cudaFuncAttributes* out) {
-  return cudaFuncGetAttributes(out, gemv_bf16_kernel<kGemvMaxRows, false>);
+  return cudaFuncGetAttributes(out, gemv_bf16_kernel<kGemvMaxRows, Prologue::kNone>);
 }
 
 }  // namespace tern

@@ -29,4 +29,11 @@ struct GemvNormArgs {
 // h_out or x_out that overlaps x or residual (every block reads those while block 0 writes the outputs).
 Expected<void> gemv_bf16_rmsnorm(const DeviceContext& ctx, const GemmBf16Args& args, const GemvNormArgs& norm);
 
+// The SiLU-and-mul of a dense MLP fused in front of its down projection: args.x holds args.m rows of [gate | up]
+// (the gate|up projection's output), ldx elements apart, args.k is the act width (the intermediate size), and the
+// product uses act[i, c] = bf16(silu(gate[i, c]) * up[i, c]) with silu_mul's arithmetic (elementwise.h), so y is
+// what silu_mul followed by gemv_bf16 would give, bit for bit, without the launch and the act's round trip. As
+// gemv_bf16, plus errors for an ldx under 2k or not a multiple of 8.
+Expected<void> gemv_bf16_silu_mul(const DeviceContext& ctx, const GemmBf16Args& args, int64_t ldx);
+
 }  // namespace tern

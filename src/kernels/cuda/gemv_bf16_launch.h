@@ -32,6 +32,10 @@ struct GemvBf16Params {
   bool norm_zero_centred = false;
   uint16_t* h_out = nullptr;  // optional [m, k]
   uint16_t* x_out = nullptr;  // optional [m, k]
+  // Optional SiLU-and-mul of x before the product, with silu_mul's arithmetic (silu_mul.cuh), instead of the norm:
+  // x holds m rows of [gate | up], silu_ldx elements apart, and the product uses x'[i, c] = bf16(silu(g) * u) with
+  // g = x[i * silu_ldx + c] and u = x[i * silu_ldx + k + c], the bits silu_mul would have written.
+  int64_t silu_ldx = 0;  // 0: none; else >= 2k and a multiple of 8 (16-byte rows)
 };
 
 // Threads of a block that share one group of output columns, splitting k between them (32, 64, 128 or 256). One row

@@ -1,7 +1,7 @@
 // BF16 GEMV against an fp64 CPU product of the same bf16 inputs, with the tolerance, the NaN poison and the
 // untouched-columns check of the cuBLASLt GEMM's test (gemm_test_util.h). Shapes: every m in 1..8 over small odd
 // shapes (the tails of k and n), each group size forced, and the decode projections of Qwen3-8B and
-// Qwen3.5-35B-A3B (lm_heads included). Label: gpu.
+// Qwen3.5-35B-A3B (lm_heads included); the RMSNorm and SiLU-and-mul prologues. Label: gpu.
 #include "kernels/cuda/gemv_bf16.h"
 
 #include <gtest/gtest.h>
@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm_test_util.h"
 
 namespace tern {
@@ -198,6 +199,163 @@ TEST(GemvBf16, RmsNormRejectsOverlapsAndBadArguments) {
   expect_error(GemvNormArgs{.weight = p + 2048, .eps = 0.0f}, "eps=0 must be positive and finite");
   expect_error(GemvNormArgs{.weight = p + 2048, .h_out = p + 32}, "must not overlap x or residual");
   expect_error(GemvNormArgs{.weight = p + 2048, .residual = p + 1024, .x_out = p + 1024}, "must not overlap");
+}
+
+// The SiLU-and-mul prologue. x is m rows of [gate | up] (random non-zero bf16) at row stride ldx; the elements of a
+// row past 2k are NaN, so reading them fails. y is checked twice, from a NaN-filled buffer each time:
+//   - against the fp64 product of the act computed here as silu_mul rounds it (fp32 silu with expf, times up in
+//     fp32, one bf16 rounding), within the GEMM tolerance (the host's expf may differ from the device's in the
+//     last fp32 bit, which can move a rare act by one bf16 step; the tolerance covers that, not a wrong formula);
+//   - bit for bit against silu_mul (elementwise.cu) into a separate act buffer followed by the plain GEMV with the
+//     same group size: the same x bits give the same sums in the same order, so any difference is a wrong act.
+struct SiluCase {
+  int64_t m, n, k, ldx;
+  int group_threads = 0;  // > 0: both launches forced to this group size (unchecked launcher)
+};
+
+std::vector<uint16_t> download_bf16(const DeviceBuffer& d, size_t count) {
+  std::vector<uint16_t> host(count);
+  TERN_CUDA_CHECK(cudaMemcpy(host.data(), d.data(), count * 2, cudaMemcpyDeviceToHost));
+  return host;
+}
+
+// The act of row-strided [gate | up] values with silu_mul's rounding, as floats [m, k].
+std::vector<float> silu_act_host(const std::vector<float>& gate_up, int64_t m, int64_t k, int64_t ldx) {
+  std::vector<float> act(static_cast<size_t>(m * k));
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t c = 0; c < k; ++c) {
+      const float g = gate_up[static_cast<size_t>(i * ldx + c)], u = gate_up[static_cast<size_t>(i * ldx + k + c)];
+      const float silu = g / (1.0f + std::exp(-g));
+      act[static_cast<size_t>(i * k + c)] = bf16_to_float(float_to_bf16(silu * u));
+    }
+  }
+  return act;
+}
+
+// One product of `w` ([n, k]) by the act of x: gemv_bf16_silu_mul, or the launcher with silu_ldx when a group
+// size is forced, else gemv_bf16 / the plain launcher on a given act. Returns y [m, n].
+std::vector<uint16_t> run_gemv(const DeviceContext& ctx, const uint16_t* x, const Operand& w, const SiluCase& c,
+                               int64_t silu_ldx) {
+  DeviceBuffer dy(static_cast<size_t>(c.m * c.n) * 2);
+  dy.fill(0xFF);
+  const GemmBf16Args args{.x = x, .w = w.device.as<uint16_t>(), .y = dy.as<uint16_t>(), .m = c.m, .n = c.n, .k = c.k};
+  if (c.group_threads > 0) {
+    gemv_bf16_launch(ctx, GemvBf16Params{.x = x,
+                                         .w = args.w,
+                                         .y = args.y,
+                                         .m = static_cast<int>(c.m),
+                                         .n = c.n,
+                                         .k = c.k,
+                                         .ldy = c.n,
+                                         .group_threads = c.group_threads,
+                                         .silu_ldx = silu_ldx});
+  } else {
+    const auto status = silu_ldx > 0 ? gemv_bf16_silu_mul(ctx, args, silu_ldx) : gemv_bf16(ctx, args);
+    EXPECT_TRUE(status.has_value()) << status.error().message;
+  }
+  ctx.synchronize();
+  return download_bf16(dy, static_cast<size_t>(c.m * c.n));
+}
+
+void check_silu_case(const DeviceContext& ctx, const Operand& w, const SiluCase& c, std::mt19937& rng) {
+  const std::string what = "gemv+silu m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) +
+                           " k=" + std::to_string(c.k) + " ldx=" + std::to_string(c.ldx) +
+                           (c.group_threads > 0 ? " T=" + std::to_string(c.group_threads) : "");
+  Operand x = random_operand(static_cast<size_t>(c.m * c.ldx), rng);
+  for (int64_t i = 0; i < c.m; ++i) {
+    for (int64_t e = 2 * c.k; e < c.ldx; ++e) x.bits[static_cast<size_t>(i * c.ldx + e)] = gemm_test::kPoison;
+  }
+  x.device.upload(x.bits.data(), x.bits.size() * 2);
+  const std::vector<float> act = silu_act_host(x.values, c.m, c.k, c.ldx);
+
+  const std::vector<uint16_t> fused = run_gemv(ctx, x.device.as<uint16_t>(), w, c, c.ldx);
+  gemm_test::check_gemm(fused, gemm_test::reference_gemm(act, w.values, c.m, c.n, c.k), c.m, c.n, what);
+
+  DeviceBuffer dact(static_cast<size_t>(c.m * c.k) * 2);
+  dact.fill(0xFF);
+  const auto status = silu_mul(ctx, SiluMulArgs{.gate_up = x.device.as<uint16_t>(),
+                                                .y = dact.as<uint16_t>(),
+                                                .rows = c.m,
+                                                .inter = c.k,
+                                                .gate_up_stride = c.ldx});
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  const std::vector<uint16_t> unfused = run_gemv(ctx, dact.as<uint16_t>(), w, c, 0);
+  int64_t differ = 0;
+  for (size_t at = 0; at < fused.size(); ++at) differ += fused[at] != unfused[at];
+  EXPECT_EQ(differ, 0) << what << ": " << differ << " of " << fused.size()
+                       << " outputs differ from silu_mul followed by gemv_bf16";
+}
+
+TEST(GemvBf16, SiluMulPrologueMatchesReference) {
+  DeviceContext ctx;
+  std::mt19937 rng(2011);
+  // k = 8 and 24: fewer chunks than one warp; 1032 and 4104: an odd chunk count per thread; n = 1, 37: a partial
+  // column group; 1000: several blocks. Odd m read rows 2k + 24 apart (a slice of a wider output), even m 2k.
+  for (int64_t n : {1, 37, 1000}) {
+    for (int64_t k : {8, 24, 1032, 4104}) {
+      const Operand w = random_operand(static_cast<size_t>(n * k), rng);
+      for (int64_t m = 1; m <= kGemvMaxRows; ++m) {
+        check_silu_case(ctx, w, SiluCase{.m = m, .n = n, .k = k, .ldx = 2 * k + (m % 2 == 1 ? 24 : 0)}, rng);
+      }
+    }
+  }
+}
+
+TEST(GemvBf16, SiluMulEveryGroupSizeMatches) {
+  DeviceContext ctx;
+  std::mt19937 rng(2012);
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{37, 4104}, {1000, 2048}, {3, 24}}) {
+    const Operand w = random_operand(static_cast<size_t>(n * k), rng);
+    for (int threads : {32, 64, 128, 256}) {
+      for (int64_t m : {1, 4, 8}) {
+        check_silu_case(ctx, w, SiluCase{.m = m, .n = n, .k = k, .ldx = 2 * k + 8, .group_threads = threads}, rng);
+      }
+    }
+  }
+}
+
+TEST(GemvBf16, SiluMulMatchesReferenceOnQwenDownShapes) {
+  DeviceContext ctx;
+  std::mt19937 rng(2013);
+  // Qwen3-8B's down_proj (intermediate 12288 -> 4096) and Qwen3.5-35B-A3B's shared-expert down (512 -> 2048).
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{4096, 12288}, {2048, 512}}) {
+    const Operand w = random_operand(static_cast<size_t>(n * k), rng);
+    for (int64_t m : {1, 2, 8}) check_silu_case(ctx, w, SiluCase{.m = m, .n = n, .k = k, .ldx = 2 * k}, rng);
+  }
+}
+
+TEST(GemvBf16, SiluMulRejectsBadArguments) {
+  DeviceContext ctx;
+  DeviceBuffer bx(1 << 12), bw(1 << 14), by(1 << 12);
+  bx.fill(0);
+  bw.fill(0);
+  const GemmBf16Args good{
+      .x = bx.as<uint16_t>(), .w = bw.as<uint16_t>(), .y = by.as<uint16_t>(), .m = 4, .n = 64, .k = 64};
+  ASSERT_TRUE(gemv_bf16_silu_mul(ctx, good, 128).has_value());  // each case below differs in one argument
+  auto expect_error = [&](GemmBf16Args a, int64_t ldx, const std::string& needle) {
+    const auto r = gemv_bf16_silu_mul(ctx, a, ldx);
+    ASSERT_FALSE(r.has_value()) << needle;
+    EXPECT_NE(r.error().message.find(needle), std::string::npos) << r.error().message;
+  };
+  expect_error(good, 120, "ldx=120 is less than 2k=128");
+  expect_error(good, 0, "ldx=0 is less than 2k=128");
+  expect_error(good, 132, "ldx=132 is not a multiple of 8");
+  auto a = good;
+  a.k = 60;
+  expect_error(a, 120, "k=60 is not a multiple of 8");
+  a = good;
+  a.x = bx.as<uint16_t>() + 4;
+  expect_error(a, 128, "x is not 16-byte aligned");
+  a = good;
+  a.m = kGemvMaxRows + 1;
+  expect_error(a, 128, "m=9 is more rows than the GEMV takes");
+  a = good;
+  a.w = nullptr;
+  expect_error(a, 128, "w is a null pointer");
+  a = good;
+  a.m = 0;
+  EXPECT_TRUE(gemv_bf16_silu_mul(ctx, a, 128).has_value());  // no rows: a no-op, not an error
+  ctx.synchronize();
 }
 
 TEST(GemvBf16, WritesOnlyItsColumnsOfAWiderOutput) {

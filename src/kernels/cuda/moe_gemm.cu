@@ -21,6 +21,7 @@
 
 #include "kernels/cuda/moe_launch.h"
 #include "kernels/cuda/nvfp4_device.cuh"
+#include "kernels/cuda/silu_mul.cuh"
 
 namespace tern {
 
@@ -234,24 +235,12 @@ __host__ __device__ constexpr int moe_decode_min_blocks(bool nvfp4, int m_tiles,
 
 // SiLU-and-mul of the input (MoeGemmArgs::x_silu_mul). x rows hold [gate | up]; each block computes the act rows
 // of its pass once into shared memory, [8 * kTokenTiles][k + kActPad] bf16, and its warps read their x fragments
-// from there. The math is silu_mul's (elementwise.cu): silu(g) = g / (1 + expf(-g)) in fp32, times up, one bf16
-// rounding, written as the same expression so the compiler makes the same operations of it.
+// from there, with silu_mul's arithmetic (silu_mul.cuh).
 
 constexpr int kActPad = 8;  // bf16 after each act row, so the rows of a warp's 8 tokens start in different banks
 // The largest split-K reduction buffer of any decode kernel (32 warps x 128 floats), which shares the block's
 // shared memory with the act rows.
 constexpr size_t kDecodeMaxRedBytes = kDecodeMaxSplitK * 128 * sizeof(float);
-
-__device__ __forceinline__ float silu_mul_f32(float g, float u) {
-  return g / (1.0f + expf(-g)) * u;
-}
-
-// Two bf16 of act from the matching words of gate and up (element 0 in the low half).
-__device__ __forceinline__ uint32_t silu_mul_bf16x2(uint32_t gate, uint32_t up) {
-  const float lo = silu_mul_f32(__uint_as_float(gate << 16), __uint_as_float(up << 16));
-  const float hi = silu_mul_f32(__uint_as_float(gate & 0xFFFF0000u), __uint_as_float(up & 0xFFFF0000u));
-  return static_cast<uint32_t>(float_to_bf16_bits(lo)) | (static_cast<uint32_t>(float_to_bf16_bits(hi)) << 16);
-}
 
 // Act row i of the pass (permuted row r0 + i, i < 8 * kTokenTiles, while below row_end) into act, 8 values per
 // thread and step. Every thread of the block calls it: the first barrier keeps the previous pass's readers ahead of
