@@ -48,7 +48,8 @@ Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceM
     if (s.op == "attention") device.attention_variant = variant_of(s, "cuda-decode", "cuda-prefill");
     if (s.op == "gdn_delta_rule") device.gdn_variant = variant_of(s, "cuda-recurrent", "cuda-chunked");
     if (s.op == "gemm_bf16") device.bf16_gemv = s.chosen == "gemv";
-    if (s.op == "rms_norm_gemv") device.norm_gemv = s.chosen == "cuda";
+    if (s.op == "rms_norm_gemv") device.norm_gemv = s.chosen == "fused";
+    if (s.op == "silu_mul_gemv") device.silu_gemv = s.chosen == "fused";
   }
   if (!r.notes.empty()) return make_error("self-test: {}", r.notes.front());
   return {};

@@ -19,6 +19,7 @@
 #include "ops/gemm_op.h"
 #include "ops/moe_op.h"
 #include "ops/sampling_op.h"
+#include "ops/silu_gemv_op.h"
 #if TERN_HAVE_CUDA
 #include "kernels/cuda/device.h"
 #include "ops/attention_cuda.h"
@@ -27,6 +28,7 @@
 #include "ops/gemm_cuda.h"
 #include "ops/moe_cuda.h"
 #include "ops/sampling_cuda.h"
+#include "ops/silu_gemv_cuda.h"
 #endif
 
 namespace tern {
@@ -37,6 +39,7 @@ using Shapes = std::set<std::pair<int64_t, int64_t>>;  // {N, K}
 struct ModelGemms {
   Shapes bf16, nvfp4;
   Shapes normed_bf16;  // the BF16 GEMMs that read an RMSNorm's output: each block's first projection, the lm_head
+  Shapes silu_bf16;    // the BF16 down projections that read a SiLU-and-mul (dense MLPs, shared experts)
   bool experts_nvfp4 = false;
 };
 
@@ -88,6 +91,8 @@ Expected<ModelGemms> model_gemm_shapes(const std::filesystem::path& dir, const M
     const bool nvfp4 = linear_is_nvfp4(tensors, quant, l.module, l.out_features, l.in_features);
     (nvfp4 ? g.nvfp4 : g.bf16).insert({l.out_features, l.in_features});
     if (l.role == LinearRole::kLmHead && !nvfp4) g.normed_bf16.insert({l.out_features, l.in_features});
+    const bool down = (l.role == LinearRole::kMlp || l.role == LinearRole::kSharedExpert) && l.module.ends_with(".down_proj");
+    if (down && !nvfp4) g.silu_bf16.insert({l.out_features, l.in_features});
     if (const std::string group = fused_group(l); !group.empty() && !nvfp4) {
       Fused& f = fused[{l.layer, group}];
       f = {.n = f.n + l.out_features, .k = l.in_features, .parts = f.parts + 1};
@@ -182,6 +187,7 @@ void add_model_cases(CaseTable& t, const ModelConfig& c, const ModelGemms& g, co
     const auto [n, k] = *g.normed_bf16.begin();
     add_case(t, "rms_norm_gemv", rms_norm_gemv_case(n, k, norm_form, false));
   }
+  for (auto [n, k] : g.silu_bf16) add_case(t, "silu_mul_gemv", silu_mul_gemv_case(n, k));
   if (!fp4.empty()) t.push_back({"gemm_nvfp4", gemm_selftest_cases(fp4, batches)});
 }
 
@@ -192,6 +198,7 @@ Expected<void> register_all(Registry& registry, bool cuda) {
   TERN_TRY(gdn_register_cpu(registry));
   TERN_TRY(moe_register_cpu(registry));
   TERN_TRY(sampling_register_cpu(registry));
+  TERN_TRY(silu_gemv_register_cpu(registry));
 #if TERN_HAVE_CUDA
   if (cuda) {
     auto context = std::make_shared<DeviceContext>(0);
@@ -201,6 +208,7 @@ Expected<void> register_all(Registry& registry, bool cuda) {
     TERN_TRY(gdn_register_cuda(registry, context));
     TERN_TRY(moe_register_cuda(registry, context));
     TERN_TRY(sampling_register_cuda(registry, context));
+    TERN_TRY(silu_gemv_register_cuda(registry, context));
   }
 #else
   (void)cuda;

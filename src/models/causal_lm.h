@@ -121,6 +121,9 @@ struct DeviceModelOptions {
   // At one row, each RMSNorm fused into the BF16 GEMV that reads its output (gemv_bf16_rmsnorm: no launch of its
   // own): set when the self-test verified op `rms_norm_gemv`; takes effect with bf16_gemv.
   bool norm_gemv = false;
+  // At one row, the MLP's SiLU-and-mul folded into the BF16 down GEMV's loads (gemv_bf16_silu_mul): set when the
+  // self-test chose the fused implementation of op `silu_mul_gemv`; takes effect with bf16_gemv.
+  bool silu_gemv = false;
   // Decode steps (one token per sequence) replayed as CUDA graphs, one per batch size and context bucket, instead
   // of ~10 launches per layer from the host. Off: every step launched eagerly (--enforce-eager).
   bool cuda_graphs = true;

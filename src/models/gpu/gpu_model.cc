@@ -209,6 +209,10 @@ class GpuBackend final : public ForwardBackend {
   // writes it while the other blocks still read x_), which then becomes x_.
   Expected<void> norm_forward(const NormedInput& in, const DeviceMatrix& w, int64_t rows, uint16_t* y, int64_t ldy);
   Expected<void> norm_project(const NormedInput& in, const DeviceProjection& p, int64_t rows, uint16_t* y);
+  // SiLU-and-mul of the gate|up rows (row stride ldx), then w's product of it into y (row stride ldy): at one row
+  // inside the GEMV's loads where the self-test found that faster, else through act_.
+  Expected<void> silu_forward(const DeviceMatrix& w, const uint16_t* gate_up, int64_t ldx, int64_t rows, uint16_t* y,
+                              int64_t ldy);
   // Waits for the stream and hands rows x cols of a bf16 matrix with row stride ld to the tracer as fp32.
   Expected<void> trace(const Tracer* tracer, const std::string& name, const uint16_t* data, int64_t rows, int64_t cols,
                        int64_t ld);
@@ -638,6 +642,16 @@ Expected<void> GpuBackend::norm_project(const NormedInput& in, const DeviceProje
   return {};
 }
 
+Expected<void> GpuBackend::silu_forward(const DeviceMatrix& w, const uint16_t* gate_up, int64_t ldx, int64_t rows,
+                                        uint16_t* y, int64_t ldy) {
+  if (options_.silu_gemv && rows == 1 && !w.nvfp4 && w.gemv && ldx % 8 == 0) {
+    return gemv_bf16_silu_mul(ctx_, GemmBf16Args{.x = gate_up, .w = w.bf16, .y = y, .m = 1, .n = w.n, .k = w.k, .ldy = ldy},
+                              ldx);
+  }
+  TERN_TRY(silu_mul(ctx_, SiluMulArgs{.gate_up = gate_up, .y = act_, .rows = rows, .inter = w.k, .gate_up_stride = ldx}));
+  return device_matrix_forward(ctx_, w, act_, rows, y, ldy);
+}
+
 Expected<void> GpuBackend::run_attention(const GpuAttention& a, const NormedInput& in, const StepPlan& plan) {
   const AttentionShape& s = a.shape;
   const int64_t t = plan.tokens, q_width = s.n_heads * s.head_dim * (s.gated ? 2 : 1), kv_width = s.n_kv_heads * s.head_dim;
@@ -734,18 +748,13 @@ Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const NormedInput& in, const
 
 Expected<void> GpuBackend::run_mlp(const GpuMlp& m, const NormedInput& in, int64_t rows, uint16_t* y) {
   TERN_TRY(norm_project(in, m.gate_up, rows, proj_));
-  TERN_TRY(silu_mul(ctx_, SiluMulArgs{.gate_up = proj_, .y = act_, .rows = rows, .inter = m.inter}));
-  return device_matrix_forward(ctx_, m.down, act_, rows, y, config_hidden_);
+  return silu_forward(m.down, proj_, m.gate_up.width, rows, y, config_hidden_);
 }
 
 Expected<void> GpuBackend::run_moe(const GpuMoe& m, const NormedInput& in, int64_t tokens) {
   TERN_TRY(norm_project(in, m.router, tokens, router_));
   if (m.shared_down) {
-    TERN_TRY(silu_mul(
-        ctx_,
-        SiluMulArgs{
-            .gate_up = router_, .y = act_, .rows = tokens, .inter = m.shared_inter, .gate_up_stride = m.router.width}));
-    TERN_TRY(device_matrix_forward(ctx_, *m.shared_down, act_, tokens, shared_out_, config_hidden_));
+    TERN_TRY(silu_forward(*m.shared_down, router_, m.router.width, tokens, shared_out_, config_hidden_));
   }
   const DeviceExperts& e = m.experts;
   return moe_forward(ctx_, MoeForwardArgs{.x = normed_,

@@ -119,12 +119,12 @@ TEST_P(GpuModelReference, TeacherForcedLogitsMatchTransformers) {
             << " (transformers in bf16: " << bound << ")\n";
 }
 
-// The kernels the self-test picks for one row (the decode GEMV, with each RMSNorm fused in front of it, the residual
-// stream alternating between two buffers) give transformers' logits at every position of a prompt fed one token per
+// The kernels the self-test may pick for one row (the decode GEMV, with each RMSNorm fused in front of it and the
+// residual stream alternating between two buffers, and with the SiLU-and-mul folded into the down projection) give transformers' logits at every position of a prompt fed one token per
 // step, the later steps replayed from a CUDA graph, within the same bound.
-TEST_P(GpuModelReference, OneRowStepsWithTheFusedNormGemvMatchTransformers) {
+TEST_P(GpuModelReference, OneRowStepsWithTheFusedGemvsMatchTransformers) {
   const Case& c = GetParam();
-  auto model = load_cuda(c.fixture, DeviceModelOptions{.bf16_gemv = true, .norm_gemv = true});
+  auto model = load_cuda(c.fixture, DeviceModelOptions{.bf16_gemv = true, .norm_gemv = true, .silu_gemv = true});
   ASSERT_TRUE(model);
   const auto ref = read_json(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture + "/" + c.reference);
   const int64_t vocab = model->config().vocab_size;
