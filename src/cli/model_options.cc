@@ -39,6 +39,9 @@ Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceM
   // stderr: stdout carries the commands' results (JSON).
   fmt::print(stderr, "self-test on {}: {} ops in {:.2f} s: {}\n", r.device.name, r.selections.size(), r.seconds,
              r.verdict);
+  std::string chosen;
+  for (const Selection& s : r.selections) chosen += fmt::format("{}{}={}", chosen.empty() ? "" : " ", s.op, s.chosen);
+  fmt::print(stderr, "self-test chose: {}\n", chosen);
   for (const Selection& s : r.selections) {
     if (s.chosen.empty()) {
       std::string why;
