@@ -92,7 +92,8 @@ Expected<ModelGemms> model_gemm_shapes(const std::filesystem::path& dir, const M
     const bool nvfp4 = linear_is_nvfp4(tensors, quant, l.module, l.out_features, l.in_features);
     (nvfp4 ? g.nvfp4 : g.bf16).insert({l.out_features, l.in_features});
     if (l.role == LinearRole::kLmHead && !nvfp4) g.normed_bf16.insert({l.out_features, l.in_features});
-    const bool down = (l.role == LinearRole::kMlp || l.role == LinearRole::kSharedExpert) && l.module.ends_with(".down_proj");
+    const bool down =
+        (l.role == LinearRole::kMlp || l.role == LinearRole::kSharedExpert) && l.module.ends_with(".down_proj");
     if (down && !nvfp4) g.silu_bf16.insert({l.out_features, l.in_features});
     if (const std::string group = fused_group(l); !group.empty() && !nvfp4) {
       Fused& f = fused[{l.layer, group}];
@@ -202,7 +203,9 @@ void add_model_cases(CaseTable& t, const ModelConfig& c, const ModelGemms& g, co
   // no residual to add.
   const std::vector<std::pair<int64_t, int64_t>> normed = lead_first(g.normed_bf16);
   for (auto [n, k] : normed) add_case(t, "rms_norm_gemv", rms_norm_gemv_case(n, k, norm_form, true));
-  if (!normed.empty()) add_case(t, "rms_norm_gemv", rms_norm_gemv_case(normed[0].first, normed[0].second, norm_form, false));
+  if (!normed.empty()) {
+    add_case(t, "rms_norm_gemv", rms_norm_gemv_case(normed[0].first, normed[0].second, norm_form, false));
+  }
   for (auto [n, k] : lead_first(g.silu_bf16)) add_case(t, "silu_mul_gemv", silu_mul_gemv_case(n, k));
   if (!fp4.empty()) t.push_back({"gemm_nvfp4", gemm_selftest_cases(fp4, batches)});
 }

@@ -144,8 +144,10 @@ Expected<RunOutput> rms_norm_gemv_separate_run(const DeviceContext& ctx, const R
                                        .dim = in.k,
                                        .eps = in.eps,
                                        .zero_centred = in.form == RmsNormForm::kZeroCentred}));
-    return gemv_bf16(ctx, GemmBf16Args{.x = out + x_at, .w = w.as<uint16_t>(), .y = out + x_at + in.k, .m = 1,
-                                       .n = in.n, .k = in.k, .ldy = in.n});
+    return gemv_bf16(
+        ctx,
+        GemmBf16Args{
+            .x = out + x_at, .w = w.as<uint16_t>(), .y = out + x_at + in.k, .m = 1, .n = in.n, .k = in.k, .ldy = in.n});
   });
 }
 
@@ -158,8 +160,13 @@ Expected<RunOutput> rms_norm_gemv_cuda_run(const DeviceContext& ctx, const RmsNo
   // K is a multiple of 8, so x_out and y stay 16-byte aligned within the buffer.
   const int64_t x_at = in.residual ? in.k : 0;
   return cuda_run_timed(ctx, 1, rms_norm_gemv_output_size(in), [&](uint16_t* out) {
-    GemmBf16Args args{.x = x.as<uint16_t>(), .w = w.as<uint16_t>(), .y = out + x_at + in.k, .m = 1, .n = in.n,
-                      .k = in.k, .ldy = in.n};
+    GemmBf16Args args{.x = x.as<uint16_t>(),
+                      .w = w.as<uint16_t>(),
+                      .y = out + x_at + in.k,
+                      .m = 1,
+                      .n = in.n,
+                      .k = in.k,
+                      .ldy = in.n};
     GemvNormArgs norm{.weight = norm_weight.as<uint16_t>(),
                       .residual = in.residual ? residual.as<uint16_t>() : nullptr,
                       .eps = in.eps,

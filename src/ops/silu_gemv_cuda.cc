@@ -36,8 +36,8 @@ Expected<RunOutput> run_cuda_silu_gemv(const DeviceContext& ctx, const OpInputs&
   return cuda_run_timed(ctx, 1, in.n, [&](uint16_t* y) -> Expected<void> {
     const GemmBf16Args args{.x = gate_up.as<uint16_t>(), .w = w.as<uint16_t>(), .y = y, .m = 1, .n = in.n, .k = in.k};
     if (fused) return gemv_bf16_silu_mul(ctx, args, 2 * in.k);
-    TERN_TRY(silu_mul(ctx, SiluMulArgs{.gate_up = gate_up.as<uint16_t>(), .y = act.as<uint16_t>(), .rows = 1,
-                                       .inter = in.k}));
+    TERN_TRY(silu_mul(
+        ctx, SiluMulArgs{.gate_up = gate_up.as<uint16_t>(), .y = act.as<uint16_t>(), .rows = 1, .inter = in.k}));
     GemmBf16Args on_act = args;
     on_act.x = act.as<uint16_t>();
     return gemv_bf16(ctx, on_act);

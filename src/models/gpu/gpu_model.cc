@@ -237,10 +237,11 @@ class GpuBackend final : public ForwardBackend {
 
   // Activations (bf16 unless said), all [max_batch_tokens, ...].
   Arena arena_;
-  // x_ is the residual stream: x_rows_ at the start of every step; at one row it alternates with x_spare_ (norm_forward).
+  // x_ is the residual stream: x_rows_ at the start of every step; at one row it alternates with x_spare_
+  // (norm_forward).
   uint16_t *x_rows_ = nullptr, *x_spare_ = nullptr, *x_ = nullptr;
-  uint16_t *normed_ = nullptr, *out_ = nullptr, *proj_ = nullptr, *q_ = nullptr, *gate_ = nullptr,
-           *attn_ = nullptr, *conv_ = nullptr, *act_ = nullptr;
+  uint16_t *normed_ = nullptr, *out_ = nullptr, *proj_ = nullptr, *q_ = nullptr, *gate_ = nullptr, *attn_ = nullptr,
+           *conv_ = nullptr, *act_ = nullptr;
   uint16_t *router_ = nullptr, *shared_out_ = nullptr, *last_ = nullptr;
   unsigned long long* bad_id_ = nullptr;  // the embedding kernel's report (ids are checked on the host first)
   void* attention_workspace_ = nullptr;
@@ -499,10 +500,10 @@ Expected<void> GpuBackend::allocate_activations() {
     }
   }
   // Every bf16 buffer with its element count, once: sized first, then carved in this order.
-  const std::pair<uint16_t**, int64_t> buffers[] = {{&x_rows_, t * h},     {&x_spare_, h},           {&normed_, t * h},     {&out_, t * h},
-                                                    {&proj_, t * proj},     {&q_, t * heads},      {&gate_, t * heads},
-                                                    {&attn_, t * heads},    {&conv_, t * conv},    {&act_, t * act},
-                                                    {&router_, t * router}, {&shared_out_, t * h}, {&last_, t * h}};
+  const std::pair<uint16_t**, int64_t> buffers[] = {
+      {&x_rows_, t * h},      {&x_spare_, h},        {&normed_, t * h},   {&out_, t * h},     {&proj_, t * proj},
+      {&q_, t * heads},       {&gate_, t * heads},   {&attn_, t * heads}, {&conv_, t * conv}, {&act_, t * act},
+      {&router_, t * router}, {&shared_out_, t * h}, {&last_, t * h}};
   size_t bytes = Arena::aligned(moe_workspace_bytes_) + Arena::aligned(8);
   for (const auto& [ptr, count] : buffers) bytes += Arena::aligned(static_cast<size_t>(count) * 2);
   TERN_TRY(arena_.reserve(bytes));
@@ -646,10 +647,11 @@ Expected<void> GpuBackend::norm_project(const NormedInput& in, const DeviceProje
 Expected<void> GpuBackend::silu_forward(const DeviceMatrix& w, const uint16_t* gate_up, int64_t ldx, int64_t rows,
                                         uint16_t* y, int64_t ldy) {
   if (options_.silu_gemv && rows == 1 && !w.nvfp4 && w.gemv && ldx % 8 == 0) {
-    return gemv_bf16_silu_mul(ctx_, GemmBf16Args{.x = gate_up, .w = w.bf16, .y = y, .m = 1, .n = w.n, .k = w.k, .ldy = ldy},
-                              ldx);
+    return gemv_bf16_silu_mul(
+        ctx_, GemmBf16Args{.x = gate_up, .w = w.bf16, .y = y, .m = 1, .n = w.n, .k = w.k, .ldy = ldy}, ldx);
   }
-  TERN_TRY(silu_mul(ctx_, SiluMulArgs{.gate_up = gate_up, .y = act_, .rows = rows, .inter = w.k, .gate_up_stride = ldx}));
+  TERN_TRY(
+      silu_mul(ctx_, SiluMulArgs{.gate_up = gate_up, .y = act_, .rows = rows, .inter = w.k, .gate_up_stride = ldx}));
   return device_matrix_forward(ctx_, w, act_, rows, y, ldy);
 }
 
@@ -840,8 +842,10 @@ Expected<int64_t> GpuBackend::run_body(const StepPlan& plan, LogitsFor which, co
     return t;
   }
   TERN_TRY(rms_norm_rows(*head_in.norm, x_, head_in.residual, t, normed_));
-  TERN_TRY(embedding_lookup(ctx_, EmbeddingArgs{.ids = d_last_rows_, .table = normed_, .y = last_, .bad = bad_id_,
-                                                .tokens = n, .vocab = t, .hidden = h}));
+  TERN_TRY(embedding_lookup(
+      ctx_,
+      EmbeddingArgs{
+          .ids = d_last_rows_, .table = normed_, .y = last_, .bad = bad_id_, .tokens = n, .vocab = t, .hidden = h}));
   TERN_TRY(trace(tracer, "final_norm", last_, n, h, h));
   TERN_TRY(device_matrix_forward(ctx_, lm_head_, last_, n, logits_.as<uint16_t>(), vocab_));
   return n;

@@ -120,8 +120,9 @@ TEST_P(GpuModelReference, TeacherForcedLogitsMatchTransformers) {
 }
 
 // The kernels the self-test may pick for one row (the decode GEMV, with each RMSNorm fused in front of it and the
-// residual stream alternating between two buffers, and with the SiLU-and-mul folded into the down projection) give transformers' logits at every position of a prompt fed one token per
-// step, the later steps replayed from a CUDA graph, within the same bound.
+// residual stream alternating between two buffers, and with the SiLU-and-mul folded into the down projection) give
+// transformers' logits at every position of a prompt fed one token per step, the later steps replayed from a CUDA
+// graph, within the same bound.
 TEST_P(GpuModelReference, OneRowStepsWithTheFusedGemvsMatchTransformers) {
   const Case& c = GetParam();
   auto model = load_cuda(c.fixture, DeviceModelOptions{.bf16_gemv = true, .norm_gemv = true, .silu_gemv = true});
