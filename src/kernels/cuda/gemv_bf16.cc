@@ -69,6 +69,17 @@ Expected<void> gemv_silu_validate(const GemmBf16Args& a, int64_t ldx) {
   return {};
 }
 
+// The product's parameters without a prologue (ldy 0 read as n).
+GemvBf16Params gemv_params(const GemmBf16Args& a) {
+  return GemvBf16Params{.x = a.x,
+                        .w = a.w,
+                        .y = a.y,
+                        .m = static_cast<int>(a.m),
+                        .n = a.n,
+                        .k = a.k,
+                        .ldy = a.ldy > 0 ? a.ldy : a.n};
+}
+
 }  // namespace
 
 int gemv_bf16_group_threads(int m, int64_t n, int64_t k, int num_sms) {
@@ -92,13 +103,7 @@ int gemv_bf16_group_threads(int m, int64_t n, int64_t k, int num_sms) {
 Expected<void> gemv_bf16(const DeviceContext& ctx, const GemmBf16Args& args) {
   TERN_TRY(gemv_bf16_validate(args));
   if (args.m == 0) return {};
-  gemv_bf16_launch(ctx, GemvBf16Params{.x = args.x,
-                                       .w = args.w,
-                                       .y = args.y,
-                                       .m = static_cast<int>(args.m),
-                                       .n = args.n,
-                                       .k = args.k,
-                                       .ldy = args.ldy > 0 ? args.ldy : args.n});
+  gemv_bf16_launch(ctx, gemv_params(args));
   return {};
 }
 
@@ -106,19 +111,14 @@ Expected<void> gemv_bf16_rmsnorm(const DeviceContext& ctx, const GemmBf16Args& a
   TERN_TRY(gemv_bf16_validate(args));
   TERN_TRY(gemv_norm_validate(args, norm));
   if (args.m == 0) return {};
-  gemv_bf16_launch(ctx, GemvBf16Params{.x = args.x,
-                                       .w = args.w,
-                                       .y = args.y,
-                                       .m = static_cast<int>(args.m),
-                                       .n = args.n,
-                                       .k = args.k,
-                                       .ldy = args.ldy > 0 ? args.ldy : args.n,
-                                       .norm_weight = norm.weight,
-                                       .residual = norm.residual,
-                                       .norm_eps = norm.eps,
-                                       .norm_zero_centred = norm.zero_centred,
-                                       .h_out = norm.h_out,
-                                       .x_out = norm.x_out});
+  GemvBf16Params p = gemv_params(args);
+  p.norm_weight = norm.weight;
+  p.residual = norm.residual;
+  p.norm_eps = norm.eps;
+  p.norm_zero_centred = norm.zero_centred;
+  p.h_out = norm.h_out;
+  p.x_out = norm.x_out;
+  gemv_bf16_launch(ctx, p);
   return {};
 }
 
@@ -126,14 +126,9 @@ Expected<void> gemv_bf16_silu_mul(const DeviceContext& ctx, const GemmBf16Args& 
   TERN_TRY(gemv_bf16_validate(args));
   TERN_TRY(gemv_silu_validate(args, ldx));
   if (args.m == 0) return {};
-  gemv_bf16_launch(ctx, GemvBf16Params{.x = args.x,
-                                       .w = args.w,
-                                       .y = args.y,
-                                       .m = static_cast<int>(args.m),
-                                       .n = args.n,
-                                       .k = args.k,
-                                       .ldy = args.ldy > 0 ? args.ldy : args.n,
-                                       .silu_ldx = ldx});
+  GemvBf16Params p = gemv_params(args);
+  p.silu_ldx = ldx;
+  gemv_bf16_launch(ctx, p);
   return {};
 }
 
