@@ -221,9 +221,4 @@ Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatri
   return w.gemv && m <= kGemvPreferredMaxRows ? gemv_bf16(ctx, args) : gemm_bf16(ctx, args);
 }
 
-Expected<void> DeviceProjection::forward(const DeviceContext& ctx, const uint16_t* x, int64_t m, uint16_t* y) const {
-  for (size_t i = 0; i < parts.size(); ++i) TERN_TRY(device_matrix_forward(ctx, parts[i], x, m, y + offsets[i], width));
-  return {};
-}
-
 }  // namespace tern

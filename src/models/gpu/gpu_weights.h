@@ -35,14 +35,14 @@ Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatri
                                      uint16_t* y, int64_t ldy);
 
 // Several linears over the same input computed as one output [m, width] with their outputs side by side (q|k|v,
-// gate|up, router|shared-expert gate). Adjacent BF16 parts are one matrix on the device, so one GEMM.
+// gate|up, router|shared-expert gate). Adjacent BF16 parts are one matrix on the device, so one GEMM. The CUDA model
+// computes every projection after a norm (gpu_model.cc norm_project), the first part with the norm fused in where the
+// self-test chose that.
 struct DeviceProjection {
   std::vector<DeviceMatrix> parts;
   std::vector<int64_t> offsets;  // column of each part in the output
   int64_t width = 0;
   int64_t in_features = 0;
-
-  Expected<void> forward(const DeviceContext& ctx, const uint16_t* x, int64_t m, uint16_t* y) const;
 };
 
 // The routed experts of one MoE layer: gate|up as one [2I, H] matrix per expert when BF16 (one grouped GEMM),
