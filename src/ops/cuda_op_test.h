@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <memory>
 #include <vector>
 
@@ -34,5 +35,23 @@ class CudaOpTest : public ::testing::Test {
   std::shared_ptr<DeviceContext> context_;
   Registry registry_;
 };
+
+// An op whose CUDA implementations are the same work fused into one kernel and as separate kernels: both pass on
+// the GPU (with a non-zero error: bf16 equal to fp64 everywhere is suspicious), the faster is chosen, and the CPU
+// reference implementation is unsupported there. Prints both timings.
+inline void expect_fused_and_separate_pass(const Selection& s, size_t n_cases) {
+  for (const char* name : {"fused", "separate"}) {
+    const CandidateReport* c = s.candidate(name);
+    ASSERT_NE(c, nullptr) << s.op << " " << name;
+    EXPECT_EQ(c->status, CandidateStatus::kPassed) << s.op << " " << name << ": " << c->reason;
+    EXPECT_GT(c->max_error, 0.0) << s.op << " " << name << ": a bf16 result equal to fp64 everywhere is suspicious";
+    std::printf("%s %s: %zu cases, max error %.3g (bound %.3g), %.1f us in all\n", s.op.c_str(), name, n_cases,
+                c->max_error, c->bound, c->seconds * 1e6);
+  }
+  EXPECT_TRUE(s.chosen == "fused" || s.chosen == "separate") << s.op << ": " << s.chosen;
+  const CandidateReport* cpu = s.candidate("cpu");
+  ASSERT_NE(cpu, nullptr) << s.op;
+  EXPECT_EQ(cpu->status, CandidateStatus::kUnsupported) << s.op << ": " << cpu->reason;
+}
 
 }  // namespace tern

@@ -215,19 +215,7 @@ TEST_F(CudaGemmOps, RmsNormGemvPassesOnModelShapes) {
   };
   auto s = registry_select(registry_, "rms_norm_gemv", devices_[0], cases, {});
   ASSERT_TRUE(s.has_value()) << s.error().message;
-  // Both pass; the faster over the cases is chosen.
-  for (const char* name : {"fused", "separate"}) {
-    const CandidateReport* c = s->candidate(name);
-    ASSERT_NE(c, nullptr) << name;
-    EXPECT_EQ(c->status, CandidateStatus::kPassed) << name << ": " << c->reason;
-    EXPECT_GT(c->max_error, 0.0) << name << ": a bf16 result equal to fp64 everywhere is suspicious";
-    std::printf("rms_norm_gemv %s: %zu cases, max error %.3g (bound %.3g), %.1f us in all\n", name, cases.size(),
-                c->max_error, c->bound, c->seconds * 1e6);
-  }
-  EXPECT_TRUE(s->chosen == "fused" || s->chosen == "separate") << s->chosen;
-  const CandidateReport* cpu = s->candidate("cpu");
-  ASSERT_NE(cpu, nullptr);
-  EXPECT_EQ(cpu->status, CandidateStatus::kUnsupported);
+  expect_fused_and_separate_pass(*s, cases.size());
 }
 
 TEST_F(CudaGemmOps, InjectedRmsNormGemvFaultsAreRejectedOnTheGpu) {
