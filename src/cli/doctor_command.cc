@@ -36,12 +36,17 @@ nlohmann::ordered_json selection_json(const Selection& s) {
                           {"reason", c.reason}, {"max_error", c.max_error}, {"tolerance", c.bound},
                           {"seconds", c.seconds}});
   }
-  return {{"op", s.op}, {"chosen", s.chosen.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(s.chosen)},
-          {"tested", s.tested}, {"selftest_seconds", s.selftest_seconds}, {"candidates", candidates}};
+  return {{"op", s.op},
+          {"chosen", s.chosen.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(s.chosen)},
+          {"forced", s.forced},
+          {"tested", s.tested},
+          {"selftest_seconds", s.selftest_seconds},
+          {"candidates", candidates}};
 }
 
 void print_selection(const Selection& s) {
-  fmt::print("  {:<14} -> {}\n", s.op, s.chosen.empty() ? "NO VERIFIED IMPLEMENTATION" : s.chosen);
+  fmt::print("  {:<14} -> {}{}\n", s.op, s.chosen.empty() ? "NO VERIFIED IMPLEMENTATION" : s.chosen,
+             s.forced && !s.chosen.empty() ? " (forced)" : "");
   for (const CandidateReport& c : s.candidates) {
     if (c.status == CandidateStatus::kPassed) {
       fmt::print("      {:<14} passed: max error {:.3g} (tolerance {:.3g}), {:.3f} ms\n", c.name, c.max_error, c.bound,
@@ -58,7 +63,12 @@ int run_doctor(const DoctorOptions& o) {
     fmt::print(stderr, "tern doctor: {}\n", mode.error().message);
     return 2;
   }
-  auto report = model_selftest_run(o.model_dir, {.mode = *mode, .device = o.device, .forced = o.backends.forced()});
+  auto forced = o.backends.forced();
+  if (!forced) {
+    fmt::print(stderr, "tern doctor: {}\n", forced.error().message);
+    return 2;
+  }
+  auto report = model_selftest_run(o.model_dir, {.mode = *mode, .device = o.device, .forced = *forced});
   if (!report) {
     fmt::print(stderr, "tern doctor: {}\n", report.error().message);
     return 2;

@@ -21,7 +21,7 @@ std::string variant_of(const Selection& s, const std::string& a, const std::stri
 Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceModelOptions& device) {
   const std::string mode_name = o.selftest == "auto" ? (cuda ? "fast" : "off") : o.selftest;
   TERN_ASSIGN_OR_RETURN(SelftestMode mode, selftest_mode_parse(mode_name));
-  const auto forced = o.backends.forced();
+  TERN_ASSIGN_OR_RETURN(const auto forced, o.backends.forced());
   bool any_forced = false;
   for (const auto& [op, name] : forced) any_forced = any_forced || name != "auto";
   if (mode == SelftestMode::kOff) {
@@ -86,6 +86,9 @@ void add_backend_options(CLI::App& cmd, BackendFlags& b) {
   cmd.add_option("--gemm-backend", b.gemm, "auto, or an implementation of `gemm_bf16`");
   cmd.add_option("--fp4-gemm-backend", b.fp4_gemm, "auto, or an implementation of `gemm_nvfp4`");
   cmd.add_option("--gdn-backend", b.gdn, "auto, or an implementation of `gdn_delta_rule`");
+  cmd.add_option("--kernel", b.kernels,
+                 "OP=IMPL: force an implementation of any op by the names `tern doctor` "
+                 "lists (repeatable; it must pass its self-test)");
 }
 
 Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOptions& o,

@@ -237,9 +237,23 @@ Expected<void> register_all(Registry& registry, bool cuda) {
 
 }  // namespace
 
-std::map<std::string, std::string> BackendFlags::forced() const {
-  return {{"attention", attention}, {"moe", moe}, {"gemm_bf16", gemm}, {"gemm_nvfp4", fp4_gemm},
-          {"gdn_delta_rule", gdn}};
+Expected<std::map<std::string, std::string>> BackendFlags::forced() const {
+  std::map<std::string, std::string> out{
+      {"attention", attention}, {"moe", moe}, {"gemm_bf16", gemm}, {"gemm_nvfp4", fp4_gemm}, {"gdn_delta_rule", gdn}};
+  for (const std::string& entry : kernels) {
+    const size_t eq = entry.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == entry.size()) {
+      return make_error("--kernel '{}': expected OP=IMPL (e.g. gdn_conv_delta_rule=separate; tern doctor lists both)",
+                        entry);
+    }
+    const std::string op = entry.substr(0, eq), name = entry.substr(eq + 1);
+    std::string& slot = out[op];
+    if (!slot.empty() && slot != "auto" && slot != name) {
+      return make_error("--kernel '{}': op '{}' is already forced to '{}'", entry, op, slot);
+    }
+    slot = name;
+  }
+  return out;
 }
 
 Expected<ModelSelftestReport> model_selftest_run(const std::string& model_dir, const ModelSelftestOptions& o) {
@@ -265,6 +279,18 @@ Expected<ModelSelftestReport> model_selftest_run(const std::string& model_dir, c
     TERN_ASSIGN_OR_RETURN(ModelConfig config, model_config_load(model_dir));
     TERN_ASSIGN_OR_RETURN(ModelGemms gemms, model_gemm_shapes(model_dir, config));
     add_model_cases(table, config, gemms, o.batch_sizes, r.notes);
+  }
+  for (const auto& [op, name] : o.forced) {
+    if (name == "auto") continue;
+    bool used = false;
+    std::string ops;
+    for (const auto& entry : table) {
+      used = used || entry.first == op;
+      ops += (ops.empty() ? "" : ", ") + entry.first;
+    }
+    if (!used)
+      return make_error("'{}' is forced to '{}', but the self-test runs no op '{}' here (its ops: {})", op, name, op,
+                        ops);
   }
   Registry registry;
   TERN_TRY(register_all(registry, cuda));

@@ -32,14 +32,18 @@ struct ModelSelftestReport {
   std::string verdict;
 };
 
-// `model_dir` empty: generic shapes (a 4096 x 4096 GEMM). Errors: an unreadable model, a bad --device, an unknown
-// forced implementation, or a forced implementation that fails (the message says which and why).
+// `model_dir` empty: generic shapes (a 4096 x 4096 GEMM). Errors: an unreadable model, a bad --device, an
+// implementation forced for an op the model does not run, an unknown forced implementation, or a forced
+// implementation that fails (the message says which and why).
 Expected<ModelSelftestReport> model_selftest_run(const std::string& model_dir, const ModelSelftestOptions& options);
 
-// The backend flags shared by serve, generate and doctor, as op -> implementation name.
+// The backend flags shared by serve, generate and doctor, as op -> implementation name: the named ones and any op
+// through `--kernel OP=IMPL` (repeatable).
 struct BackendFlags {
   std::string attention = "auto", moe = "auto", gemm = "auto", fp4_gemm = "auto", gdn = "auto";
-  std::map<std::string, std::string> forced() const;
+  std::vector<std::string> kernels;  // "OP=IMPL"
+  // Errors: a --kernel entry without '=' or with an empty side, or one op forced to two different implementations.
+  Expected<std::map<std::string, std::string>> forced() const;
 };
 
 }  // namespace tern
