@@ -160,7 +160,7 @@ __device__ __forceinline__ void norm_scales(const GemvBf16Params& p, int group, 
 // One block: kThreads / group_threads groups, each owning kCols consecutive output columns.
 template <int kRows, Prologue kPrologue>
 __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Params p, const int group_threads) {
-  ptx::grid_dependency_begin();
+  ptx::grid_dependents_launch();  // the wait comes after the first weight loads (below)
   __shared__ float partial[kWarps][kRows * kCols];
   const int t = static_cast<int>(threadIdx.x);
   const int groups = kThreads / group_threads;
@@ -179,10 +179,30 @@ __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Param
     for (int r = 0; r < kCols; ++r) acc[i][r] = 0.0f;
   }
   const int n_chunks = static_cast<int>(p.k / kVec);
+  // W does not change while a model runs, so the first step's weight loads leave before the programmatic-launch
+  // wait and overlap the previous kernel's tail; x, the residual and y are touched only after it. The first step is
+  // the loop's first iteration peeled, so the sums are the same. Not with the RMSNorm prologue: there the loads
+  // also overlapped the block's norm pass, which made the fused kernel win the self-test's one-wave lead case on the
+  // H200 while it lost ~1 ms a step in Qwen3-8B, whose gate_up and lm_head grids run many waves of that pass.
+  int c = j;
+  const bool first_step = c + group_threads < n_chunks;
+  uint4 first0[kCols], first1[kCols];
+  if constexpr (kPrologue == Prologue::kRmsNorm) ptx::grid_dependency_wait();
+  if (first_step) {
+#pragma unroll
+    for (int r = 0; r < kCols; ++r) first0[r] = ld_weight_16(wrow[r] + int64_t{c} * kVec);
+#pragma unroll
+    for (int r = 0; r < kCols; ++r) first1[r] = ld_weight_16(wrow[r] + int64_t{c + group_threads} * kVec);
+  }
+  if constexpr (kPrologue != Prologue::kRmsNorm) ptx::grid_dependency_wait();
   float inv[kRows];
   if constexpr (kPrologue == Prologue::kRmsNorm) norm_scales<kRows>(p, group, group_threads, j, inv);
   const bool write = kPrologue == Prologue::kRmsNorm && blockIdx.x == 0 && group == 0;
-  int c = j;
+  if (first_step) {
+    fma_chunk<kRows, kPrologue>(acc, first0, p, c, inv, write);
+    fma_chunk<kRows, kPrologue>(acc, first1, p, c + group_threads, inv, write);
+    c += 2 * group_threads;
+  }
   for (; c + group_threads < n_chunks; c += 2 * group_threads) {
     uint4 w0[kCols], w1[kCols];
 #pragma unroll
