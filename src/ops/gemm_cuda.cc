@@ -240,7 +240,7 @@ Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceCont
         .op = "rms_norm_gemv",
         .name = fused ? "fused" : "separate",
         .backend = Backend::kCuda,
-        .priority = fused ? 10 : 5,
+        .priority = fused ? 5 : 10,  // the fused kernel must win by kSelectMargin
         .tolerance = kBf16OutputTolerance,
         .unsupported_reason = cuda_unsupported_reason,
         .run = [context, fused](const OpInputs& base) -> Expected<RunOutput> {

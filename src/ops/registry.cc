@@ -143,9 +143,10 @@ Expected<Selection> registry_select(const Registry& registry, std::string_view o
   sel.selftest_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   const CandidateReport* best = nullptr;
-  for (const CandidateReport& r : sel.candidates) {  // candidates are in priority order: ties keep the first
+  for (const CandidateReport& r : sel.candidates) {  // candidates are in priority order: near-ties keep the first
     const bool usable = sel.tested ? r.status == CandidateStatus::kPassed : r.status == CandidateStatus::kNotTested;
-    if (usable && (best == nullptr || (sel.tested && r.seconds < best->seconds))) best = &r;
+    const bool faster = sel.tested && best != nullptr && r.seconds < best->seconds * (1.0 - kSelectMargin);
+    if (usable && (best == nullptr || faster)) best = &r;
   }
   if (best != nullptr) sel.chosen = best->name;
   if (sel.forced && best == nullptr) {

@@ -120,6 +120,18 @@ TEST(Registry, ChoosesTheFastestVerifiedImplementation) {
   EXPECT_LE(report_of(*s, "fast").max_error, report_of(*s, "fast").bound);
 }
 
+TEST(Registry, ANearTieKeepsTheHigherPriorityImplementation) {
+  for (const double faster_by : {kSelectMargin / 2, kSelectMargin * 2}) {
+    Registry r;
+    ASSERT_TRUE(r.add_harness(axpy_harness()).has_value());
+    ASSERT_TRUE(r.add(axpy_impl("preferred", 2, 1e-3, correct)).has_value());
+    ASSERT_TRUE(r.add(axpy_impl("challenger", 1, 1e-3 * (1.0 - faster_by), correct)).has_value());
+    auto s = registry_select(r, "axpy", cpu_device_describe(), kCases, {});
+    ASSERT_TRUE(s.has_value()) << s.error().message;
+    EXPECT_EQ(s->chosen, faster_by < kSelectMargin ? "preferred" : "challenger") << "faster by " << faster_by;
+  }
+}
+
 TEST(Registry, RejectsEveryInjectedFaultWithItsReason) {
   const DeviceDescription rtx = *simulated_device("rtx-pro-6000");
   Registry r = make_registry(true);
