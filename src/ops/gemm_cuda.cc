@@ -60,6 +60,9 @@ GemmDeviceInputs gemm_upload(const GemmInputs& in, cudaStream_t stream) {
 Expected<double> cuda_time_best(const DeviceContext& ctx, const std::function<void()>& prepare,
                                 const std::function<Expected<void>()>& launch) {
   constexpr int kTimedRuns = 5;
+  // Every run starts from a cold L2, as a model's decode step does (its weights, KV cache and states are many times
+  // the L2); back to back, a case whose weights fit the L2 would be timed at L2 speed.
+  DeviceBuffer flush(static_cast<size_t>(std::max(2 * int64_t{ctx.props().l2_bytes}, int64_t{1})));
   cudaEvent_t start, stop;
   TERN_CUDA_CHECK(cudaEventCreate(&start));
   TERN_CUDA_CHECK(cudaEventCreate(&stop));
@@ -67,6 +70,7 @@ Expected<double> cuda_time_best(const DeviceContext& ctx, const std::function<vo
   Expected<void> status;
   for (int run = 0; run <= kTimedRuns && status; ++run) {
     prepare();
+    TERN_CUDA_CHECK(cudaMemsetAsync(flush.data(), run, flush.size_bytes(), ctx.stream()));
     TERN_CUDA_CHECK(cudaEventRecord(start, ctx.stream()));
     status = launch();
     TERN_CUDA_CHECK(cudaEventRecord(stop, ctx.stream()));
@@ -234,13 +238,17 @@ Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceCont
       },
   }));
   // The norm inside the GEMV ("fused"), or the same two steps as two kernels ("separate": rms_norm, then the GEMV
-  // on its output): the self-test times both on the model's shapes, and the model fuses only where that was faster.
+  // on its output): the self-test verifies and times both on the model's shapes; the fused one runs only when forced.
   for (const bool fused : {true, false}) {
     TERN_TRY(registry.add(Implementation{
         .op = "rms_norm_gemv",
         .name = fused ? "fused" : "separate",
         .backend = Backend::kCuda,
-        .priority = fused ? 5 : 10,  // the fused kernel must win by kSelectMargin
+        .priority = fused ? 5 : 10,
+        // Opt-in: on the H200 the fused kernel timed within 5% of the pair on Qwen3-8B's lead case (qkv, 1.5 waves
+        // of blocks) but made its decode steps 0.6-1 ms (13-21%) slower, as every block repeats the norm pass and
+        // gate_up and the lm_head run many waves of blocks.
+        .opt_in = fused,
         .tolerance = kBf16OutputTolerance,
         .unsupported_reason = cuda_unsupported_reason,
         .run = [context, fused](const OpInputs& base) -> Expected<RunOutput> {

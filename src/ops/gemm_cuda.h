@@ -50,9 +50,9 @@ struct GemmDeviceInputs {
 };
 GemmDeviceInputs gemm_upload(const GemmInputs& inputs, cudaStream_t stream);
 
-// Seconds of the fastest of 5 calls of `launch` after one warm-up, timed with events on ctx.stream(). `prepare`
-// (poisoning outputs, restoring state) is queued before each call, outside the timed span. A launch error ends it
-// with that error; a failed kernel with its CUDA error.
+// Seconds of the fastest of 5 calls of `launch` after one warm-up, timed with events on ctx.stream(), each after
+// the L2 is overwritten. `prepare` (poisoning outputs, restoring state) is queued before each call, outside the
+// timed span. A launch error ends it with that error; a failed kernel with its CUDA error.
 Expected<double> cuda_time_best(const DeviceContext& ctx, const std::function<void()>& prepare,
                                 const std::function<Expected<void>()>& launch);
 

@@ -129,7 +129,7 @@ Expected<Selection> registry_select(const Registry& registry, std::string_view o
   }
   for (const Implementation* impl : impls) {
     if (sel.forced && impl->name != options.forced) continue;
-    CandidateReport& report = sel.candidates.emplace_back(CandidateReport{.name = impl->name});
+    CandidateReport& report = sel.candidates.emplace_back(CandidateReport{.name = impl->name, .opt_in = impl->opt_in});
     for (size_t c = 0; c < cases.size() && report.reason.empty(); ++c) {
       const std::string why = impl->unsupported_reason ? impl->unsupported_reason(device, cases[c]) : "";
       if (!why.empty()) {
@@ -144,7 +144,8 @@ Expected<Selection> registry_select(const Registry& registry, std::string_view o
 
   const CandidateReport* best = nullptr;
   for (const CandidateReport& r : sel.candidates) {  // candidates are in priority order: near-ties keep the first
-    const bool usable = sel.tested ? r.status == CandidateStatus::kPassed : r.status == CandidateStatus::kNotTested;
+    const bool ran_ok = sel.tested ? r.status == CandidateStatus::kPassed : r.status == CandidateStatus::kNotTested;
+    const bool usable = ran_ok && (!r.opt_in || sel.forced);
     const bool faster = sel.tested && best != nullptr && r.seconds < best->seconds * (1.0 - kSelectMargin);
     if (usable && (best == nullptr || faster)) best = &r;
   }

@@ -48,9 +48,9 @@ struct RunOutput {
 };
 
 // A lower-priority implementation is chosen over a higher-priority one that passed only when its self-test time
-// is shorter by more than this fraction. Closer timings are noise: on the H200 the fused and separate rms_norm_gemv
-// timed 0.019 and 0.018 ms on Qwen3-8B's lead case, starts picked either, and the fused one made decode steps 20%
-// slower (it loses on the model's larger grids, which the fast self-test does not time).
+// is shorter by more than this fraction: closer timings are within the run-to-run noise of one GPU (on the H200,
+// Qwen3-8B's fused and separate rms_norm_gemv timed 0.018-0.021 ms each over several starts, and which came first
+// flipped).
 inline constexpr double kSelectMargin = 0.05;
 
 struct Implementation {
@@ -58,6 +58,9 @@ struct Implementation {
   std::string name;
   Backend backend = Backend::kCpu;
   int priority = 0;            // order for --selftest off and for near-ties (higher first; kSelectMargin)
+  // Self-tested and reported, but chosen only when forced (--kernel OP=IMPL): for a kernel whose self-test time does
+  // not predict its cost in the model.
+  bool opt_in = false;
   Tolerance tolerance;         // for this implementation's number format
   // "" when it can run this case on this device (resources, instructions, machine code), else the reason.
   std::function<std::string(const DeviceDescription&, const SelfTestCase&)> unsupported_reason;
@@ -87,6 +90,7 @@ struct CandidateReport {
   double max_error = 0.0;    // worst over the cases
   double bound = 0.0;
   double seconds = 0.0;      // summed over the cases
+  bool opt_in = false;       // Implementation::opt_in: never chosen unless forced
 };
 
 struct Selection {

@@ -132,6 +132,23 @@ TEST(Registry, ANearTieKeepsTheHigherPriorityImplementation) {
   }
 }
 
+TEST(Registry, AnOptInImplementationRunsOnlyWhenForced) {
+  Registry r;
+  ASSERT_TRUE(r.add_harness(axpy_harness()).has_value());
+  ASSERT_TRUE(r.add(axpy_impl("plain", 2, 2e-3, correct)).has_value());
+  Implementation opt = axpy_impl("experimental", 1, 1e-3, correct);
+  opt.opt_in = true;
+  ASSERT_TRUE(r.add(std::move(opt)).has_value());
+  auto s = registry_select(r, "axpy", cpu_device_describe(), kCases, {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_EQ(s->chosen, "plain") << "twice as fast, but opt-in";
+  EXPECT_EQ(report_of(*s, "experimental").status, CandidateStatus::kPassed) << "still self-tested";
+  EXPECT_TRUE(report_of(*s, "experimental").opt_in);
+  auto forced = registry_select(r, "axpy", cpu_device_describe(), kCases, {.forced = "experimental"});
+  ASSERT_TRUE(forced.has_value()) << forced.error().message;
+  EXPECT_EQ(forced->chosen, "experimental");
+}
+
 TEST(Registry, RejectsEveryInjectedFaultWithItsReason) {
   const DeviceDescription rtx = *simulated_device("rtx-pro-6000");
   Registry r = make_registry(true);

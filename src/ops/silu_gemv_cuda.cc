@@ -54,7 +54,7 @@ Expected<void> silu_gemv_register_cuda(Registry& registry, std::shared_ptr<Devic
         .op = "silu_mul_gemv",
         .name = fused ? "fused" : "separate",
         .backend = Backend::kCuda,
-        .priority = fused ? 5 : 10,  // the fused kernel must win by kSelectMargin
+        .priority = fused ? 5 : 10,  // the fused kernel must win by kSelectMargin (registry.h)
         .tolerance = kBf16ActOutputTolerance,
         .unsupported_reason = silu_gemv_unsupported_reason,
         .run = [context, fused](const OpInputs& base) { return run_cuda_silu_gemv(*context, base, fused); },
