@@ -32,8 +32,12 @@ nlohmann::ordered_json device_json(const DeviceDescription& d) {
 nlohmann::ordered_json selection_json(const Selection& s) {
   nlohmann::ordered_json candidates = nlohmann::ordered_json::array();
   for (const CandidateReport& c : s.candidates) {
-    candidates.push_back({{"name", c.name}, {"status", std::string(candidate_status_name(c.status))},
-                          {"reason", c.reason}, {"opt_in", c.opt_in}, {"max_error", c.max_error}, {"tolerance", c.bound},
+    candidates.push_back({{"name", c.name},
+                          {"status", std::string(candidate_status_name(c.status))},
+                          {"reason", c.reason},
+                          {"opt_in", c.opt_in},
+                          {"max_error", c.max_error},
+                          {"tolerance", c.bound},
                           {"seconds", c.seconds}});
   }
   return {{"op", s.op},
@@ -49,8 +53,8 @@ void print_selection(const Selection& s) {
              s.forced && !s.chosen.empty() ? " (forced)" : "");
   for (const CandidateReport& c : s.candidates) {
     if (c.status == CandidateStatus::kPassed) {
-      fmt::print("      {:<14} passed: max error {:.3g} (tolerance {:.3g}), {:.3f} ms{}\n", c.name, c.max_error, c.bound,
-                 c.seconds * 1e3, c.opt_in ? fmt::format(" (opt-in: --kernel {}={})", s.op, c.name) : "");
+      fmt::print("      {:<14} passed: max error {:.3g} (tolerance {:.3g}), {:.3f} ms{}\n", c.name, c.max_error,
+                 c.bound, c.seconds * 1e3, c.opt_in ? fmt::format(" (opt-in: --kernel {}={})", s.op, c.name) : "");
     } else {
       fmt::print("      {:<14} {}: {}\n", c.name, candidate_status_name(c.status), c.reason);
     }

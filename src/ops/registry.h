@@ -58,13 +58,13 @@ struct Implementation {
   std::string name;
   Backend backend = Backend::kCpu;
   int priority = 0;            // order for --selftest off and for near-ties (higher first; kSelectMargin)
-  // Self-tested and reported, but chosen only when forced (--kernel OP=IMPL): for a kernel whose self-test time does
-  // not predict its cost in the model.
-  bool opt_in = false;
   Tolerance tolerance;         // for this implementation's number format
   // "" when it can run this case on this device (resources, instructions, machine code), else the reason.
   std::function<std::string(const DeviceDescription&, const SelfTestCase&)> unsupported_reason;
   std::function<Expected<RunOutput>(const OpInputs&)> run;
+  // Self-tested and reported, but chosen only when forced (--kernel OP=IMPL): for a kernel whose self-test time does
+  // not predict its cost in the model.
+  bool opt_in = false;
 };
 
 class Registry {
