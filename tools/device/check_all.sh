@@ -51,8 +51,10 @@ for r in d.get("rows", []):
         print(f"  prefill {r['tokens']}: {r['ms']:.2f} ms, {r['pct_of_gemm']:.1f}% of GEMM")
 PY
     if [[ $ncu -eq 1 ]] && command -v ncu > /dev/null; then
+      # --clock-control none: kernels at the clocks the GPU runs at in service (ncu locks them to base by default).
       # shellcheck disable=SC2086
-      timeout 200 ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --log-file "$out/ncu_$cfg.csv" \
+      timeout 200 ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+        --log-file "$out/ncu_$cfg.csv" \
         "$here/tern" bench --model "bench/configs/$cfg" --load-format dummy --prefill 16 --batch 1 --context 1024 \
         --steps 2 --enforce-eager --profile-step $extra > "$out/ncu_$cfg.out" 2>&1
       python3 "$here/ncu_summary.py" "$out/ncu_$cfg.csv" --width 60 2> /dev/null | head -14
