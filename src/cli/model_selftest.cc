@@ -243,8 +243,7 @@ Expected<std::map<std::string, std::string>> BackendFlags::forced() const {
   for (const std::string& entry : kernels) {
     const size_t eq = entry.find('=');
     if (eq == std::string::npos || eq == 0 || eq + 1 == entry.size()) {
-      return make_error("--kernel '{}': expected OP=IMPL (e.g. gdn_conv_delta_rule=separate; tern doctor lists both)",
-                        entry);
+      return make_error("--kernel '{}': expected OP=IMPL (e.g. silu_mul_gemv=separate; tern doctor lists both)", entry);
     }
     const std::string op = entry.substr(0, eq), name = entry.substr(eq + 1);
     std::string& slot = out[op];
@@ -288,9 +287,10 @@ Expected<ModelSelftestReport> model_selftest_run(const std::string& model_dir, c
       used = used || entry.first == op;
       ops += (ops.empty() ? "" : ", ") + entry.first;
     }
-    if (!used)
+    if (!used) {
       return make_error("'{}' is forced to '{}', but the self-test runs no op '{}' here (its ops: {})", op, name, op,
                         ops);
+    }
   }
   Registry registry;
   TERN_TRY(register_all(registry, cuda));

@@ -181,9 +181,9 @@ __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Param
   const int n_chunks = static_cast<int>(p.k / kVec);
   // W does not change while a model runs, so the first step's weight loads leave before the programmatic-launch
   // wait and overlap the previous kernel's tail; x, the residual and y are touched only after it. The first step is
-  // the loop's first iteration peeled, so the sums are the same. Not with the RMSNorm prologue: there the loads
-  // also overlapped the block's norm pass, which made the fused kernel win the self-test's one-wave lead case on the
-  // H200 while it lost ~1 ms a step in Qwen3-8B, whose gate_up and lm_head grids run many waves of that pass.
+  // the loop's first iteration peeled, so the sums are the same. The RMSNorm prologue keeps the wait first, as it
+  // was measured: the fused norm kernel is opt-in (gemm_cuda.cc), and its self-test time already misleads (early
+  // loads would overlap each block's norm pass in the one-wave lead case, not in the model's many-wave grids).
   int c = j;
   const bool first_step = c + group_threads < n_chunks;
   uint4 first0[kCols], first1[kCols];
