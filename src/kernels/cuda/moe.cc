@@ -61,6 +61,17 @@ Expected<void> align_validate(const MoeAlignArgs& a) {
   return {};
 }
 
+// A route and the align that sorts its ids, as one launch does both.
+Expected<void> route_align_validate(const char* k, const MoeRouteArgs& route, const MoeAlignArgs& align) {
+  TERN_TRY(route_validate(route));
+  TERN_TRY(align_validate(align));
+  if (align.topk_ids != route.topk_ids || align.tokens != route.tokens || align.top_k != route.top_k ||
+      align.n_experts != route.n_experts) {
+    return make_error("{}: align must sort the route's topk_ids (same pointer, tokens, top_k and n_experts)", k);
+  }
+  return {};
+}
+
 Expected<void> weights_validate(const char* k, const MoeExpertWeights& w) {
   if (w.n < 1 || w.n > kMaxDim) return make_error("{}: n={} out of range", k, w.n);
   if (w.k < 16 || w.k % 16 != 0 || w.k > kMaxDim) {
@@ -119,9 +130,27 @@ Expected<void> gemm_validate(const MoeGemmArgs& a) {
   }
   TERN_TRY(check_ptr(k, "y", a.y, 4));
   if (a.ldy < w.n || a.ldy > kMaxDim) return make_error("{}: ldy={} must be at least n={}", k, a.ldy, w.n);
-  TERN_TRY(check_ptr(k, "expert_offsets", a.expert_offsets, 4));
-  if (a.gather) TERN_TRY(check_ptr(k, "sorted_pairs (needed to gather)", a.sorted_pairs, 4));
+  if (a.route.logits == nullptr) {
+    TERN_TRY(check_ptr(k, "expert_offsets", a.expert_offsets, 4));
+    if (a.gather) TERN_TRY(check_ptr(k, "sorted_pairs (needed to gather)", a.sorted_pairs, 4));
+  }
   return second_projection_validate(a);
+}
+
+// MoeGemmArgs::route: one token's pairs on the decode kernel, gathered, and a route + align of that token over w's
+// experts.
+Expected<void> route_in_launch_validate(const MoeGemmArgs& a, bool decode) {
+  constexpr const char* k = "moe_gemm";
+  if (!decode || a.x_silu_mul || !a.gather || a.route.tokens != 1 || a.rows != a.top_k || a.route.top_k != a.top_k) {
+    return make_error(
+        "{}: routing in the launch needs the decode variant, one token (route.tokens = 1, rows = "
+        "top_k = route.top_k; got {}, {}, {}, {}), gathered rows and no x_silu_mul",
+        k, a.route.tokens, a.rows, a.top_k, a.route.top_k);
+  }
+  if (a.route.n_experts != a.w.n_experts) {
+    return make_error("{}: route has {} experts, the weights {}", k, a.route.n_experts, a.w.n_experts);
+  }
+  return route_align_validate(k, a.route, a.align);
 }
 
 // MoeGemmArgs::x_silu_mul: the decode kernel, [gate | up] rows inside ldx, and room for the act rows.
@@ -230,12 +259,7 @@ Expected<void> moe_align(const DeviceContext& ctx, const MoeAlignArgs& args) {
 
 Expected<void> moe_route_align(const DeviceContext& ctx, const MoeRouteArgs& route, const MoeAlignArgs& align) {
   constexpr const char* k = "moe_route_align";
-  TERN_TRY(route_validate(route));
-  TERN_TRY(align_validate(align));
-  if (align.topk_ids != route.topk_ids || align.tokens != route.tokens || align.top_k != route.top_k ||
-      align.n_experts != route.n_experts) {
-    return make_error("{}: align must sort the route's topk_ids (same pointer, tokens, top_k and n_experts)", k);
-  }
+  TERN_TRY(route_align_validate(k, route, align));
   if (route.tokens * route.top_k > kMoeRouteAlignMaxPairs) {
     return make_error("{}: tokens * top_k = {} is more than the {} pairs of one block", k, route.tokens * route.top_k,
                       kMoeRouteAlignMaxPairs);
@@ -249,6 +273,7 @@ Expected<void> moe_gemm(const DeviceContext& ctx, const MoeGemmArgs& args, MoeGe
   const bool decode = variant == MoeGemmVariant::kDecode ||
                       (variant == MoeGemmVariant::kAuto && args.rows <= kMoeDecodeMaxTokens * args.top_k);
   if (args.x_silu_mul) TERN_TRY(silu_mul_x_validate(ctx, args, decode));
+  if (args.route.logits != nullptr) TERN_TRY(route_in_launch_validate(args, decode));
   if (args.rows == 0) return {};
   if (decode) {
     moe_gemm_launch_decode(ctx, args);
@@ -295,8 +320,12 @@ ForwardBuffers forward_buffers(const MoeForwardArgs& a) {
           .align_bytes = l.total - l.align};
 }
 
-// Route and align: one launch at decode, where the pairs fit one block.
-Expected<void> forward_route(const DeviceContext& ctx, const MoeForwardArgs& a, const ForwardBuffers& b, bool decode) {
+struct Routing {
+  MoeRouteArgs route;
+  MoeAlignArgs align;
+};
+
+Routing routing_args(const MoeForwardArgs& a, const ForwardBuffers& b) {
   const MoeRouteArgs route{.logits = a.router_logits,
                            .logits_stride = a.logits_stride,
                            .topk_ids = b.ids,
@@ -314,15 +343,21 @@ Expected<void> forward_route(const DeviceContext& ctx, const MoeForwardArgs& a, 
                            .pair_row = b.pair_row,
                            .workspace = b.align,
                            .workspace_bytes = b.align_bytes};
-  if (decode && a.tokens * a.top_k <= kMoeRouteAlignMaxPairs) return moe_route_align(ctx, route, align);
-  TERN_TRY(moe_route(ctx, route));
-  return moe_align(ctx, align);
+  return {route, align};
+}
+
+// Route and align: one launch at decode, where the pairs fit one block.
+Expected<void> forward_route(const DeviceContext& ctx, const MoeForwardArgs& a, const ForwardBuffers& b, bool decode) {
+  const Routing r = routing_args(a, b);
+  if (decode && a.tokens * a.top_k <= kMoeRouteAlignMaxPairs) return moe_route_align(ctx, r.route, r.align);
+  TERN_TRY(moe_route(ctx, r.route));
+  return moe_align(ctx, r.align);
 }
 
 // gate_up [rows, 2I] = x . [gate | up]^T. At decode a separate up stack joins the gate's launch (w2), so one grid
-// covers both.
-Expected<void> forward_gate_up(const DeviceContext& ctx, const MoeForwardArgs& a, const ForwardBuffers& b,
-                               bool decode) {
+// covers both; with route_in_launch that launch also routes the one token (MoeGemmArgs::route).
+Expected<void> forward_gate_up(const DeviceContext& ctx, const MoeForwardArgs& a, const ForwardBuffers& b, bool decode,
+                               bool route_in_launch) {
   const bool up_in_gate_launch = decode && a.up.n != 0;
   const MoeGemmArgs gate{.x = a.x,
                          .ldx = a.hidden,
@@ -335,7 +370,9 @@ Expected<void> forward_gate_up(const DeviceContext& ctx, const MoeForwardArgs& a
                          .ldy = 2 * a.inter,
                          .rows = a.tokens * a.top_k,
                          .w2 = up_in_gate_launch ? a.up : MoeExpertWeights{},
-                         .y2_offset = a.inter};
+                         .y2_offset = a.inter,
+                         .route = route_in_launch ? routing_args(a, b).route : MoeRouteArgs{},
+                         .align = route_in_launch ? routing_args(a, b).align : MoeAlignArgs{}};
   TERN_TRY(moe_gemm(ctx, gate, a.variant));
   if (a.up.n == 0 || up_in_gate_launch) return {};
   MoeGemmArgs up = gate;
@@ -375,8 +412,10 @@ Expected<void> moe_forward(const DeviceContext& ctx, const MoeForwardArgs& a) {
   const ForwardBuffers b = forward_buffers(a);
   const bool decode =
       a.variant == MoeGemmVariant::kDecode || (a.variant == MoeGemmVariant::kAuto && a.tokens <= kMoeDecodeMaxTokens);
-  TERN_TRY(forward_route(ctx, a, b, decode));
-  TERN_TRY(forward_gate_up(ctx, a, b, decode));
+  // One token at decode: the gate/up launch routes it, and route and align are no launch of their own.
+  const bool route_in_launch = decode && a.tokens == 1;
+  if (!route_in_launch) TERN_TRY(forward_route(ctx, a, b, decode));
+  TERN_TRY(forward_gate_up(ctx, a, b, decode, route_in_launch));
   TERN_TRY(forward_down(ctx, a, b, decode));
   return moe_combine(ctx, {.expert_out = b.expert_out,
                            .pair_row = b.pair_row,

@@ -29,10 +29,11 @@ Expected<void> moe_combine(const DeviceContext& ctx, const MoeCombineArgs& args)
 
 // The routed part of one MoE block from the router logits on: route, align, the fused gate/up grouped GEMM,
 // silu_mul, the down grouped GEMM and the combine (moe_launch.h's pipeline). At decode (kDecode, or kAuto with at
-// most kMoeDecodeMaxTokens tokens) route and align are one launch (moe_route_align), a separate up stack joins the
-// gate's launch (MoeGemmArgs::w2) and the down GEMM applies silu_mul to its input itself (MoeGemmArgs::x_silu_mul);
-// the fused steps give the same bits as the separate ones, except that gate and up in one grid may split K
-// differently (a different fp32 summation order). The router GEMM and the shared expert
+// most kMoeDecodeMaxTokens tokens) route and align are one launch (moe_route_align; at one token no launch: the
+// gate/up launch routes the token itself, MoeGemmArgs::route), a separate up stack joins the gate's launch
+// (MoeGemmArgs::w2) and the down GEMM applies silu_mul to its input itself (MoeGemmArgs::x_silu_mul); the fused
+// steps give the same bits as the separate ones, except that gate and up in one grid may split K differently (a
+// different fp32 summation order). The router GEMM and the shared expert
 // are dense layers the caller runs first; their outputs come in as router_logits and shared_out / shared_gate (the
 // shared expert gate may be an extra column of the router's output, hence its stride).
 struct MoeForwardArgs {

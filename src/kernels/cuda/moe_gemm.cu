@@ -2,11 +2,12 @@
 // weight, bf16 or NVFP4, in one launch, with no host synchronisation. Both variants size their grid for the worst
 // case and each block looks its work up in expert_offsets:
 //   decode:  grid (blocks of weight-row tiles, active-expert slots). Slot s takes the s-th expert that has rows;
-//            slots past the active count exit at once. With a second projection (w2) its tiles follow those of w
-//            along x, so gate and up stored apart still fill the SMs in one launch. The weight streams once per 8
-//            (T > 8: 16) of the expert's rows with 16-byte loads straight into mma fragments, K split over the warps
-//            of a block (nvfp4_device.cuh's decode scheme and block layout; bf16 the same way, unconverted). With
-//            x_silu_mul each block first computes the act rows of its pass into shared memory.
+//            slots past the active count exit at once. At one token the blocks may route it themselves
+//            (MoeGemmArgs::route; moe_route_block.cuh) instead of reading the offsets. With a second projection (w2)
+//            its tiles follow those of w along x, so gate and up stored apart still fill the SMs in one launch. The
+//            weight streams once per 8 (T > 8: 16) of the expert's rows with 16-byte loads straight into mma fragments,
+//            K split over the warps of a block (nvfp4_device.cuh's decode scheme and block layout; bf16 the same way,
+//            unconverted). With x_silu_mul each block first computes the act rows of its pass into shared memory.
 //   prefill: grid (row tiles, 128-column weight tiles). The worst case needs ceil(rows / BM) + n_experts row tiles
 //            (every expert's last tile may be partial); tile i belongs to the expert whose tile range holds i.
 //            x rows are gathered through sorted_pairs by cp.async, W tiles go to shared memory as bf16 (NVFP4
@@ -20,6 +21,7 @@
 #include "kernels/cuda/ptx.cuh"
 
 #include "kernels/cuda/moe_launch.h"
+#include "kernels/cuda/moe_route_block.cuh"
 #include "kernels/cuda/nvfp4_device.cuh"
 #include "kernels/cuda/silu_mul.cuh"
 
@@ -62,11 +64,15 @@ struct GemmParams {
   int64_t scales_stride2;
   const float* global_scales2;
   uint16_t* y2;
+  // MoeGemmArgs::route and align (decode kernel): route.logits set routes the one token in the launch.
+  MoeRouteArgs route;
+  MoeAlignArgs align;
 };
 
 // The element offset of permuted row r's activations in x.
 __device__ __forceinline__ int64_t x_row_offset(const GemmParams& p, int r) {
-  const int src = p.gather ? p.sorted_pairs[r] / p.top_k : r;
+  // Routed in the launch, every row is a pair of the one token (sorted_pairs is being written meanwhile).
+  const int src = p.gather ? (p.route.logits != nullptr ? 0 : p.sorted_pairs[r] / p.top_k) : r;
   return static_cast<int64_t>(src) * p.ldx;
 }
 
@@ -111,6 +117,18 @@ __device__ __noinline__ ActiveExpert find_active_expert(const int32_t* off, int 
   const bool mine = (group_mask >> lane & 1u) != 0 && __popc(group_mask & ((1u << lane) - 1u)) == rank;
   const int owner = __ffs(__ballot_sync(kFullMask, mine)) - 1;
   return {group * 32 + owner, __shfl_sync(kFullMask, lane_begin, owner), __shfl_sync(kFullMask, lane_end, owner)};
+}
+
+// MoeGemmArgs::route: the block routes the one token (moe_route_block.cuh); slot s takes the expert of permuted
+// row s, the s-th smallest winner. The block of slot 0 and tile 0 writes the routing for the later launches.
+__device__ __forceinline__ ActiveExpert route_one_token(const GemmParams& p) {
+  __shared__ moe_route_block::Smem s;
+  moe_route_block::route(p.route.logits, p.n_experts, p.top_k, s);
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
+    moe_route_block::write_routing(s, p.n_experts, p.top_k, p.route.renormalize, p.route, p.align);
+  }
+  const int row = static_cast<int>(blockIdx.y);
+  return {moe_route_block::expert_of_row(s, p.top_k, row), row, row + 1};
 }
 
 struct TileWork {
@@ -284,7 +302,12 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
   static_assert(sizeof(red) <= kDecodeMaxRedBytes);
   extern __shared__ __align__(16) unsigned char smem[];  // kSiluX: the act rows
   uint16_t* act = reinterpret_cast<uint16_t*>(smem);
-  const ActiveExpert ae = find_active_expert(p.offsets, p.n_experts, blockIdx.y);
+  ActiveExpert ae;
+  if constexpr (kSiluX) {
+    ae = find_active_expert(p.offsets, p.n_experts, blockIdx.y);
+  } else {
+    ae = p.route.logits != nullptr ? route_one_token(p) : find_active_expert(p.offsets, p.n_experts, blockIdx.y);
+  }
   if (ae.expert < 0) return;  // every warp found the same: the whole block leaves
   const int e = ae.expert;
   // Block-uniform: which projection this block computes, and its block index within that projection's tiles.
@@ -526,7 +549,9 @@ GemmParams make_params(const MoeGemmArgs& a) {
                     .scales2 = a.w2.scales,
                     .scales_stride2 = a.w2.scales_expert_stride,
                     .global_scales2 = a.w2.global_scales,
-                    .y2 = a.y + a.y2_offset};
+                    .y2 = a.y + a.y2_offset,
+                    .route = a.route,
+                    .align = a.align};
 }
 
 // The arguments of w2 alone, for the prefill variant's second launch.

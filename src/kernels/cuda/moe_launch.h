@@ -98,6 +98,13 @@ struct MoeGemmArgs {
   MoeExpertWeights w2;    // optional second projection (see above)
   int64_t y2_offset = 0;  // elements from a row of y to w2's column 0: w.n <= y2_offset <= ldy - w2.n
   bool x_silu_mul = false;  // x holds [gate | up] rows (see above)
+  // Routing in the launch (decode variant, one token: rows == top_k, gather, no x_silu_mul). When route.logits is
+  // set, every block routes the token itself (route.tokens == 1), as moe_route would, and finds its expert among
+  // the winners; one block writes what moe_route and moe_align would (route's topk_ids and topk_weights, align's
+  // expert_offsets, sorted_pairs and pair_row, align sorting route's ids) for the launches after it. expert_offsets
+  // and sorted_pairs above are then not read. At one token this saves the route launch and its wait.
+  MoeRouteArgs route;
+  MoeAlignArgs align;
 };
 
 // y[t] = sum_j topk_weights[t,j] * expert_out[pair_row[t*top_k+j]] summed in fp32 in ascending expert index order

@@ -679,6 +679,102 @@ TEST(MoeGemm, SiluMulFoldedIntoTheDecodeKernel) {
   }
 }
 
+// MoeGemmArgs::route: one token's gate/up launch that routes the token itself, against moe_route_align followed by
+// the same launch on its offsets. Every output must be the same bits: the routing (ids, weight bits, offsets,
+// sorted_pairs, pair_row) and y, whose columns are also checked against the fp64 product, and nothing outside
+// them written. Routing shapes as MoeRouteAlign's (coarse logits tie exactly), one with a NaN logit (every
+// probability NaN: the k lowest indices win, with NaN weights), and Qwen3.5-35B-A3B's gate and up stacks with only
+// the routed experts set.
+void check_route_in_launch(const DeviceContext& ctx, const RouteCase& c, const ExpertWeights& w,
+                           const ExpertWeights& w2, std::vector<uint16_t> logits, std::mt19937& rng) {
+  const int64_t k = c.top_k, ldx = w.k + 8, ldy = w.n + w2.n, n_off = c.n_experts + 1;
+  const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(ldx), rng);
+  const DeviceBuffer d_x = upload(x), d_logits = upload(logits);
+  const RoutingBuffers two(k, c.n_experts), one(k, c.n_experts);
+  const DeviceBuffer y_two = poisoned(static_cast<size_t>(k * ldy) * 2),
+                     y_one = poisoned(static_cast<size_t>(k * ldy) * 2);
+  MoeGemmArgs args{.x = d_x.as<uint16_t>(),
+                   .ldx = ldx,
+                   .sorted_pairs = two.sorted_pairs.as<int32_t>(),
+                   .top_k = k,
+                   .gather = true,
+                   .expert_offsets = two.offsets.as<int32_t>(),
+                   .w = w.view(),
+                   .y = y_two.as<uint16_t>(),
+                   .ldy = ldy,
+                   .rows = k,
+                   .w2 = w2.view(),
+                   .y2_offset = w.n};
+  ASSERT_TRUE(moe_route_align(ctx, two.route(d_logits, c), two.align(c)).has_value());
+  auto status = moe_gemm(ctx, args, MoeGemmVariant::kDecode);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  args.sorted_pairs = nullptr;
+  args.expert_offsets = nullptr;
+  args.y = y_one.as<uint16_t>();
+  args.route = one.route(d_logits, c);
+  args.align = one.align(c);
+  status = moe_gemm(ctx, args, MoeGemmVariant::kAuto);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+
+  const std::string what = gemm_name(w, MoeGemmVariant::kDecode, 1, k) + " routed in the launch" +
+                           (c.coarse ? " ties" : "") + (c.renormalize ? "" : " raw weights");
+  const auto ids = download<int32_t>(one.ids, static_cast<size_t>(k));
+  EXPECT_EQ(ids, download<int32_t>(two.ids, static_cast<size_t>(k))) << what;
+  EXPECT_EQ(download<uint32_t>(one.weights, static_cast<size_t>(k)),
+            download<uint32_t>(two.weights, static_cast<size_t>(k)))
+      << what << " weight bits";
+  EXPECT_EQ(download<int32_t>(one.offsets, static_cast<size_t>(n_off)),
+            download<int32_t>(two.offsets, static_cast<size_t>(n_off)))
+      << what;
+  EXPECT_EQ(download<int32_t>(one.sorted_pairs, static_cast<size_t>(k)),
+            download<int32_t>(two.sorted_pairs, static_cast<size_t>(k)))
+      << what;
+  EXPECT_EQ(download<int32_t>(one.pair_row, static_cast<size_t>(k)),
+            download<int32_t>(two.pair_row, static_cast<size_t>(k)))
+      << what;
+  const auto y = download<uint16_t>(y_one, static_cast<size_t>(k * ldy));
+  EXPECT_EQ(y, download<uint16_t>(y_two, static_cast<size_t>(k * ldy))) << what << ": y differs from route + GEMM";
+
+  const HostRouting want = route_reference(logits, c.n_experts + 3, 1, c.n_experts, k, c.renormalize);
+  EXPECT_EQ(ids, want.ids) << what;
+  const HostAlign al = align_reference(want.ids, c.n_experts);
+  gemm_test::check_gemm(y_columns(y, k, ldy, 0, w.n), expert_reference(w, x, ldx, al, true, k), k, w.n, what + " (w)");
+  gemm_test::check_gemm(y_columns(y, k, ldy, w.n, w2.n), expert_reference(w2, x, ldx, al, true, k), k, w2.n,
+                        what + " (w2)");
+}
+
+TEST(MoeGemm, RoutesOneTokenInTheLaunch) {
+  DeviceContext ctx;
+  std::mt19937 rng(2012);
+  struct Shape {
+    int64_t n_experts, top_k;
+    bool renormalize, coarse;
+  };
+  for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
+    for (const Shape& s :
+         {Shape{8, 2, true, false}, Shape{256, 8, true, false}, Shape{256, 8, true, true}, Shape{512, 10, false, true},
+          Shape{64, 1, true, false}, Shape{40, 32, true, true}, Shape{33, 4, false, false}}) {
+      const RouteCase c{1, s.n_experts, s.top_k, s.renormalize, s.coarse};
+      const ExpertWeights w = make_expert_weights(f, s.n_experts, 32, 64, 1.0f, rng);
+      const ExpertWeights w2 = make_expert_weights(f, s.n_experts, 24, 64, 1.0f, rng);
+      check_route_in_launch(ctx, c, w, w2, random_logits(c, rng), rng);
+    }
+  }
+  const RouteCase nan_case{1, 64, 4, true, false};
+  std::vector<uint16_t> logits = random_logits(nan_case, rng);
+  logits[17] = 0x7FC0;
+  const ExpertWeights w = make_expert_weights(MoeWeightFormat::kBf16, 64, 32, 64, 1.0f, rng);
+  check_route_in_launch(ctx, nan_case, w, w, logits, rng);
+
+  const RouteCase model{1, 256, 8, true, false};
+  logits = random_logits(model, rng);
+  const std::vector<int32_t> used = distinct(route_reference(logits, 259, 1, 256, 8, true).ids);
+  const ExpertWeights gate = make_routed_nvfp4(256, 512, 2048, used, rng);
+  const ExpertWeights up = make_routed_nvfp4(256, 512, 2048, used, rng);
+  check_route_in_launch(ctx, model, gate, up, logits, rng);
+}
+
 // Qwen3.5-35B-A3B's expert GEMMs at decode sizes (256 experts, top-8, hidden 2048, moe_intermediate 512): gate_up
 // [1024, 2048] on gathered token rows and down [2048, 512] on permuted rows, T = 1 and 8, through the decode kernel
 // and kAuto. Only the routed experts carry weights (make_routed_nvfp4). Then a ragged shape that takes the same
@@ -1022,6 +1118,41 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
         return moe_route_align(ctx, r, a);
       },
       "tokens * top_k = 2064 is more than the 2048 pairs");
+
+  // Routing in the launch: one token's pairs, the decode kernel, a consistent route and align over w's experts.
+  const MoeGemmArgs routed = [&] {
+    auto a = gemm;
+    a.rows = 2;
+    a.route = route;
+    a.route.n_experts = a.align.n_experts = 4;
+    a.align = align;
+    a.align.n_experts = 4;
+    return a;
+  }();
+  expect_error([&] { return moe_gemm(ctx, routed, MoeGemmVariant::kPrefill); },
+               "routing in the launch needs the decode variant, one token");
+  expect_error(
+      [&] {
+        auto a = routed;
+        a.rows = 4;
+        a.route.tokens = a.align.tokens = 2;
+        return moe_gemm(ctx, a);
+      },
+      "route.tokens = 1, rows = top_k = route.top_k; got 2, 4, 2, 2");
+  expect_error(
+      [&] {
+        auto a = routed;
+        a.route.n_experts = a.align.n_experts = 8;
+        return moe_gemm(ctx, a);
+      },
+      "route has 8 experts, the weights 4");
+  expect_error(
+      [&] {
+        auto a = routed;
+        a.align.topk_ids = i32 + 8;
+        return moe_gemm(ctx, a);
+      },
+      "moe_gemm: align must sort the route's topk_ids");
 }
 
 }  // namespace
