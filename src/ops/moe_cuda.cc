@@ -4,6 +4,7 @@
 
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm_bf16.h"
+#include "kernels/cuda/gemv_bf16.h"
 #include "ops/gemm_cuda.h"
 
 namespace tern {
@@ -60,7 +61,14 @@ MoeExpertWeights expert_view(const MoeInputs& in, const DeviceBuffer& w, const D
   return v;
 }
 
-// The dense layers around the routed experts: router logits (+ the shared gate column) and the shared expert.
+// The model's decode path at one token with a shared expert (GpuBackend::run_moe): the shared expert's down
+// projection runs after the experts, with SiLU-and-mul folded in front and the combine folded behind it.
+bool fold_combine(const MoeInputs& in) {
+  return in.shared && in.tokens == 1;
+}
+
+// The dense layers around the routed experts: router logits (+ the shared gate column) and the shared expert (its
+// down projection only when the combine is not folded into it).
 Expected<void> moe_dense_layers(const DeviceContext& ctx, const MoeInputs& in, const MoeDeviceInputs& d) {
   const uint16_t* x = d.x.as<uint16_t>();
   TERN_TRY(gemm_bf16(ctx, {.x = x, .w = d.router.as<uint16_t>(), .y = d.logits.as<uint16_t>(), .m = in.tokens,
@@ -68,6 +76,7 @@ Expected<void> moe_dense_layers(const DeviceContext& ctx, const MoeInputs& in, c
   if (!in.shared) return {};
   TERN_TRY(gemm_bf16(ctx, {.x = x, .w = d.shared_gate_up.as<uint16_t>(), .y = d.shared_gu_out.as<uint16_t>(),
                            .m = in.tokens, .n = 2 * in.inter, .k = in.hidden}));
+  if (fold_combine(in)) return {};
   TERN_TRY(silu_mul(ctx, {.gate_up = d.shared_gu_out.as<uint16_t>(), .y = d.shared_act.as<uint16_t>(),
                           .rows = in.tokens, .inter = in.inter}));
   return gemm_bf16(ctx, {.x = d.shared_act.as<uint16_t>(), .w = d.shared_down.as<uint16_t>(),
@@ -96,7 +105,18 @@ Expected<RunOutput> moe_cuda_run(const DeviceContext& ctx, const MoeInputs& in, 
                      .shared_gate = in.shared ? d.logits.as<uint16_t>() + e : nullptr, .shared_gate_stride = e + 1,
                      .y = y, .workspace = d.workspace.data(), .workspace_bytes = d.workspace_bytes, .variant = variant};
     if (tweak) tweak(a);
-    return moe_forward(ctx, a);
+    if (!fold_combine(in) || a.shared_out == nullptr) return moe_forward(ctx, a);
+    TERN_ASSIGN_OR_RETURN(const MoeCombineArgs c, moe_forward_experts(ctx, a));
+    if (c.tokens == 0) return {};
+    return gemv_bf16_silu_mul_moe_combine(ctx,
+                                          {.x = d.shared_gu_out.as<uint16_t>(),
+                                           .w = d.shared_down.as<uint16_t>(),
+                                           .y = c.y,
+                                           .m = 1,
+                                           .n = in.hidden,
+                                           .k = in.inter,
+                                           .ldy = in.hidden},
+                                          2 * in.inter, c);
   });
 }
 

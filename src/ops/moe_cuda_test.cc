@@ -104,7 +104,7 @@ TEST_F(CudaMoeOp, InjectedFaultsAreRejectedOnTheGpu) {
                                         }})
                     .has_value());
   }
-  for (const int64_t tokens : {3, 100}) {  // decode and prefill GEMMs
+  for (const int64_t tokens : {1, 3, 100}) {  // decode (one token: the combine folded), decode and prefill GEMMs
     const SelfTestCase c = moe_case(tokens, 256, 64, 32, 4, true, true);
     auto s = registry_select(registry_, "moe", devices_[0], std::span(&c, 1), {});
     ASSERT_TRUE(s.has_value()) << s.error().message;

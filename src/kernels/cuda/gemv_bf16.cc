@@ -2,7 +2,9 @@
 #include "kernels/cuda/gemv_bf16.h"
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <utility>
 
 namespace tern {
 namespace {
@@ -70,6 +72,35 @@ Expected<void> gemv_silu_validate(const GemmBf16Args& a, int64_t ldx) {
 }
 
 // The product's parameters without a prologue (ldy 0 read as n).
+// gemv_bf16_silu_mul_moe_combine's combine: the product's tokens and hidden size, a top_k the epilogue takes, and
+// the pointers it reads (shared_out and y are not used).
+Expected<void> gemv_combine_validate(const GemmBf16Args& a, const MoeCombineArgs& c) {
+  constexpr const char* k = "gemv_bf16_silu_mul_moe_combine";
+  if (c.tokens != a.m || c.hidden != a.n) {
+    return make_error("{}: the combine's {} tokens x hidden {} are not the product's m={} x n={}", k, c.tokens,
+                      c.hidden, a.m, a.n);
+  }
+  if (c.top_k < 1 || c.top_k > kGemvCombineMaxTopK) {
+    return make_error("{}: top_k={} must be in [1, {}]", k, c.top_k, kGemvCombineMaxTopK);
+  }
+  const std::pair<const void*, const char*> ptrs[] = {{c.expert_out, "expert_out"},
+                                                      {c.pair_row, "pair_row"},
+                                                      {c.topk_ids, "topk_ids"},
+                                                      {c.topk_weights, "topk_weights"},
+                                                      {c.shared_gate, "shared_gate"}};
+  for (const auto& [ptr, name] : ptrs) {
+    if (ptr == nullptr) return make_error("{}: {} is null", k, name);
+  }
+  if (reinterpret_cast<uintptr_t>(c.expert_out) % 2 != 0 || reinterpret_cast<uintptr_t>(c.shared_gate) % 2 != 0 ||
+      reinterpret_cast<uintptr_t>(c.pair_row) % 4 != 0 || reinterpret_cast<uintptr_t>(c.topk_ids) % 4 != 0 ||
+      reinterpret_cast<uintptr_t>(c.topk_weights) % 4 != 0) {
+    return make_error("{}: a combine pointer is misaligned (bf16 ones 2 bytes, ids, rows and weights 4)", k);
+  }
+  if (c.shared_gate_stride < 1)
+    return make_error("{}: shared_gate_stride={} must be positive", k, c.shared_gate_stride);
+  return {};
+}
+
 GemvBf16Params gemv_params(const GemmBf16Args& a) {
   return GemvBf16Params{.x = a.x,
                         .w = a.w,
@@ -129,6 +160,25 @@ Expected<void> gemv_bf16_silu_mul(const DeviceContext& ctx, const GemmBf16Args& 
   GemvBf16Params p = gemv_params(args);
   p.silu_ldx = ldx;
   gemv_bf16_launch(ctx, p);
+  return {};
+}
+
+Expected<void> gemv_bf16_silu_mul_moe_combine(const DeviceContext& ctx, const GemmBf16Args& args, int64_t ldx,
+                                              const MoeCombineArgs& combine) {
+  TERN_TRY(gemv_bf16_validate(args));
+  TERN_TRY(gemv_silu_validate(args, ldx));
+  TERN_TRY(gemv_combine_validate(args, combine));
+  if (args.m == 0) return {};
+  GemvBf16Params p = gemv_params(args);
+  p.silu_ldx = ldx;
+  const GemvMoeCombine epilogue{.expert_out = combine.expert_out,
+                                .pair_row = combine.pair_row,
+                                .topk_ids = combine.topk_ids,
+                                .topk_weights = combine.topk_weights,
+                                .top_k = static_cast<int>(combine.top_k),
+                                .gate = combine.shared_gate,
+                                .gate_stride = combine.shared_gate_stride};
+  gemv_bf16_launch(ctx, p, &epilogue);
   return {};
 }
 

@@ -7,7 +7,8 @@
 // A thread keeps an fp32 accumulator per (row of x, column) in registers, so m is a template parameter; the group's
 // partial sums meet through warp shuffles and, when T > 32, shared memory, and y is rounded to bf16 once.
 // A prologue (a template parameter, so the plain kernel carries none of it) may turn x into the rows the product
-// uses as each chunk is read: an RMSNorm, or the SiLU-and-mul of [gate | up] rows.
+// uses as each chunk is read: an RMSNorm, or the SiLU-and-mul of [gate | up] rows. An epilogue may fold the MoE
+// block's combine into the shared expert's down projection (GemvMoeCombine).
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/gemv_bf16_launch.h"
@@ -157,11 +158,28 @@ __device__ __forceinline__ void norm_scales(const GemvBf16Params& p, int group, 
   }
 }
 
-// One block: kThreads / group_threads groups, each owning kCols consecutive output columns.
-template <int kRows, Prologue kPrologue>
-__global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Params p, const int group_threads) {
+// The routed part of the combine for output (row i, column col): the token's pairs in ascending expert order
+// (order[i][s]: the pair j of the s-th smallest id), weighted, summed in fp32 as moe_combine does.
+template <int kRows>
+__device__ __forceinline__ float combine_routed(const GemvMoeCombine& c, int64_t n,
+                                                const int (&order)[kRows][kGemvCombineMaxTopK], int i, int64_t col) {
+  float acc = 0.0f;
+  for (int s = 0; s < c.top_k; ++s) {
+    const int pair = i * c.top_k + order[i][s];
+    const float v = __uint_as_float(uint32_t{c.expert_out[int64_t{c.pair_row[pair]} * n + col]} << 16);
+    acc = fmaf(v, c.topk_weights[pair], acc);
+  }
+  return acc;
+}
+
+// One block: kThreads / group_threads groups, each owning kCols consecutive output columns. kCombine: the MoE
+// combine epilogue (cb); the kernels below pass their parameters in.
+template <int kRows, Prologue kPrologue, bool kCombine>
+__device__ __forceinline__ void gemv_bf16_block(const GemvBf16Params& p, const GemvMoeCombine& cb,
+                                                const int group_threads) {
   ptx::grid_dependents_launch();  // the wait comes after the first weight loads (below)
   __shared__ float partial[kWarps][kRows * kCols];
+  __shared__ int order[kCombine ? kRows : 1][kGemvCombineMaxTopK];
   const int t = static_cast<int>(threadIdx.x);
   const int groups = kThreads / group_threads;
   const int group = t / group_threads, j = t % group_threads;
@@ -219,6 +237,19 @@ __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Param
     fma_chunk<kRows, kPrologue>(acc, w0, p, c, inv, write);
   }
 
+  // With the combine: thread t < m * top_k ranks pair t among its token's pairs by expert id (ties by j, as
+  // moe_combine), for stage 3's summation order; stage 2's barrier publishes it.
+  if constexpr (kCombine) {
+    if (t < kRows * cb.top_k) {
+      const int k = cb.top_k, i = t / k, j = t % k;
+      const int32_t* ids = cb.topk_ids + i * k;
+      const int id = ids[j];
+      int rank = 0;
+      for (int q = 0; q < k; ++q) rank += ids[q] < id || (ids[q] == id && q < j);
+      order[i][rank] = j;
+    }
+  }
+
   // Stage 2: each warp's sum of every accumulator (a group is whole warps: group_threads is a multiple of 32).
   const int warp = t / 32, lane = t % 32;
 #pragma unroll
@@ -241,16 +272,38 @@ __global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Param
     float sum = 0.0f;
     for (int w = 0; w < warps_per_group; ++w) sum += partial[g * warps_per_group + w][idx];
     const int64_t col = (int64_t{blockIdx.x} * groups + g) * kCols + idx % kCols;
+    if constexpr (kCombine) {
+      if (col < p.n) {
+        const int i = idx / kCols;
+        const float shared = __bfloat162float(__float2bfloat16_rn(sum));  // the product as it would be stored
+        const float g_logit = __uint_as_float(uint32_t{cb.gate[i * cb.gate_stride]} << 16);
+        const float sig = 1.0f / (1.0f + expf(-g_logit));  // moe_combine's form, accurate expf
+        sum = fmaf(sig, shared, combine_routed<kRows>(cb, p.n, order, i, col));
+      }
+    }
     if (col < p.n) p.y[(idx / kCols) * p.ldy + col] = __bfloat16_as_ushort(__float2bfloat16_rn(sum));
   }
 }
 
+template <int kRows, Prologue kPrologue>
+__global__ void __launch_bounds__(kThreads) gemv_bf16_kernel(const GemvBf16Params p, const int group_threads) {
+  gemv_bf16_block<kRows, kPrologue, false>(p, GemvMoeCombine{}, group_threads);
+}
+
 template <int kRows>
-void launch_rows(const GemvBf16Params& p, int group_threads, const DeviceContext& ctx) {
+__global__ void __launch_bounds__(kThreads)
+    gemv_bf16_combine_kernel(const GemvBf16Params p, const GemvMoeCombine cb, const int group_threads) {
+  gemv_bf16_block<kRows, Prologue::kSiluMul, true>(p, cb, group_threads);
+}
+
+template <int kRows>
+void launch_rows(const GemvBf16Params& p, const GemvMoeCombine* cb, int group_threads, const DeviceContext& ctx) {
   const int64_t cols_per_block = int64_t{kThreads / group_threads} * kCols;
   const auto grid = static_cast<unsigned>((p.n + cols_per_block - 1) / cols_per_block);
   if (p.norm_weight != nullptr) {
     launch_kernel(ctx, gemv_bf16_kernel<kRows, Prologue::kRmsNorm>, dim3(grid), dim3(kThreads), 0, p, group_threads);
+  } else if (p.silu_ldx > 0 && cb != nullptr) {
+    launch_kernel(ctx, gemv_bf16_combine_kernel<kRows>, dim3(grid), dim3(kThreads), 0, p, *cb, group_threads);
   } else if (p.silu_ldx > 0) {
     launch_kernel(ctx, gemv_bf16_kernel<kRows, Prologue::kSiluMul>, dim3(grid), dim3(kThreads), 0, p, group_threads);
   } else {
@@ -261,15 +314,15 @@ void launch_rows(const GemvBf16Params& p, int group_threads, const DeviceContext
 
 }  // namespace
 
-void gemv_bf16_launch(const DeviceContext& ctx, const GemvBf16Params& p) {
-  using Launch = void (*)(const GemvBf16Params&, int, const DeviceContext&);
+void gemv_bf16_launch(const DeviceContext& ctx, const GemvBf16Params& p, const GemvMoeCombine* combine) {
+  using Launch = void (*)(const GemvBf16Params&, const GemvMoeCombine*, int, const DeviceContext&);
   static constexpr Launch kByRows[kGemvMaxRows] = {launch_rows<1>, launch_rows<2>, launch_rows<3>, launch_rows<4>,
                                                    launch_rows<5>, launch_rows<6>, launch_rows<7>, launch_rows<8>};
   static_assert(kGemvMaxRows * kWarps * kCols <= kThreads, "stage 3 needs a thread per output of a block");
   if (p.m < 1 || p.m > kGemvMaxRows) return;  // gemv_bf16() rejects these first
   const int threads =
       p.group_threads > 0 ? p.group_threads : gemv_bf16_group_threads(p.m, p.n, p.k, ctx.props().num_sms);
-  kByRows[p.m - 1](p, threads, ctx);
+  kByRows[p.m - 1](p, combine, threads, ctx);
 }
 
 // What the driver loaded of this module for the current device (module_attributes.h).

@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "kernels/cuda/gemm_bf16.h"
 #include "kernels/cuda/gemv_bf16_launch.h"
+#include "kernels/cuda/moe_launch.h"
 
 namespace tern {
 
@@ -35,5 +36,14 @@ Expected<void> gemv_bf16_rmsnorm(const DeviceContext& ctx, const GemmBf16Args& a
 // what silu_mul followed by gemv_bf16 would give, bit for bit, without the launch and the act's round trip. As
 // gemv_bf16, plus errors for an ldx under 2k or not a multiple of 8.
 Expected<void> gemv_bf16_silu_mul(const DeviceContext& ctx, const GemmBf16Args& args, int64_t ldx);
+
+// gemv_bf16_silu_mul as the MoE block's shared-expert down projection with the block's combine folded into its
+// epilogue (GemvMoeCombine in gemv_bf16_launch.h): args.y is what gemv_bf16_silu_mul into combine.shared_out
+// followed by moe_combine(combine) would write to combine.y, bit for bit, without the combine's launch and the
+// shared output's round trip (combine.shared_out and combine.y are not used; combine comes from
+// moe_forward_experts). As gemv_bf16_silu_mul, plus errors for a combine whose tokens or hidden are not args.m and
+// args.n, a top_k outside [1, kGemvCombineMaxTopK], null or unaligned combine pointers and a bad gate stride.
+Expected<void> gemv_bf16_silu_mul_moe_combine(const DeviceContext& ctx, const GemmBf16Args& args, int64_t ldx,
+                                              const MoeCombineArgs& combine);
 
 }  // namespace tern

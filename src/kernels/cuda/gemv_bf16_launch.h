@@ -12,6 +12,22 @@ namespace tern {
 // The most rows of x one GEMV call takes: its accumulators (rows x 4 output columns per thread) live in registers.
 inline constexpr int64_t kGemvMaxRows = 8;
 
+// The MoE block's combine as the epilogue of its shared expert's down projection (gemv_bf16_launch's combine): each
+// row i of x is a token, and y[i, c] = bf16(sum of topk_weights[i, j] * expert_out[pair_row[i, j], c] over the
+// token's top_k pairs in ascending expert id order, fp32, then + sigmoid(gate[i]) * bf16(product[i, c])),
+// moe_combine's arithmetic (moe_launch.h) with the product, rounded as it would have been stored, as shared_out.
+inline constexpr int kGemvCombineMaxTopK = 32;
+
+struct GemvMoeCombine {
+  const uint16_t* expert_out = nullptr;  // [pairs, n] bf16 (permuted rows); null: no combine
+  const int32_t* pair_row = nullptr;     // [m, top_k]
+  const int32_t* topk_ids = nullptr;     // [m, top_k]: only the summation order is taken from them
+  const float* topk_weights = nullptr;   // [m, top_k]
+  int top_k = 0;                         // 1 .. kGemvCombineMaxTopK
+  const uint16_t* gate = nullptr;        // [m] bf16 at gate_stride elements apart
+  int64_t gate_stride = 1;
+};
+
 // y[m, ldy] (columns [0, n)) = x[m, k] . w[n, k]^T, bf16 row-major, fp32 accumulation.
 struct GemvBf16Params {
   const uint16_t* x = nullptr;  // [m, k], 16-byte aligned
@@ -51,6 +67,8 @@ int gemv_bf16_group_threads(int m, int64_t n, int64_t k, int num_sms);
 inline constexpr int64_t kGemvPreferredMaxRows = 1;
 
 // Unchecked launch on ctx.stream() for arguments gemv_bf16() has validated (group_threads 0 or one of the four).
-void gemv_bf16_launch(const DeviceContext& ctx, const GemvBf16Params& p);
+// combine (optional, with the SiLU prologue only): the MoE combine epilogue, in a kernel of its own so the others
+// carry none of it.
+void gemv_bf16_launch(const DeviceContext& ctx, const GemvBf16Params& p, const GemvMoeCombine* combine = nullptr);
 
 }  // namespace tern

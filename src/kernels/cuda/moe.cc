@@ -406,10 +406,21 @@ Expected<void> forward_down(const DeviceContext& ctx, const MoeForwardArgs& a, c
 
 // Every step is a checked launch, so a bad weight view or buffer is reported by the step that would use it. Decode
 // (kDecode, or kAuto with few tokens, as moe_gemm decides) takes the fused launches.
-Expected<void> moe_forward(const DeviceContext& ctx, const MoeForwardArgs& a) {
+Expected<MoeCombineArgs> moe_forward_experts(const DeviceContext& ctx, const MoeForwardArgs& a) {
   TERN_TRY(forward_validate(a));
-  if (a.tokens == 0) return {};
   const ForwardBuffers b = forward_buffers(a);
+  const MoeCombineArgs combine{.expert_out = b.expert_out,
+                               .pair_row = b.pair_row,
+                               .topk_ids = b.ids,
+                               .topk_weights = b.weights,
+                               .shared_out = a.shared_out,
+                               .shared_gate = a.shared_gate,
+                               .shared_gate_stride = a.shared_gate_stride,
+                               .y = a.y,
+                               .tokens = a.tokens,
+                               .top_k = a.top_k,
+                               .hidden = a.hidden};
+  if (a.tokens == 0) return combine;
   const bool decode =
       a.variant == MoeGemmVariant::kDecode || (a.variant == MoeGemmVariant::kAuto && a.tokens <= kMoeDecodeMaxTokens);
   // One token at decode: the gate/up launch routes it, and route and align are no launch of their own.
@@ -417,17 +428,13 @@ Expected<void> moe_forward(const DeviceContext& ctx, const MoeForwardArgs& a) {
   if (!route_in_launch) TERN_TRY(forward_route(ctx, a, b, decode));
   TERN_TRY(forward_gate_up(ctx, a, b, decode, route_in_launch));
   TERN_TRY(forward_down(ctx, a, b, decode));
-  return moe_combine(ctx, {.expert_out = b.expert_out,
-                           .pair_row = b.pair_row,
-                           .topk_ids = b.ids,
-                           .topk_weights = b.weights,
-                           .shared_out = a.shared_out,
-                           .shared_gate = a.shared_gate,
-                           .shared_gate_stride = a.shared_gate_stride,
-                           .y = a.y,
-                           .tokens = a.tokens,
-                           .top_k = a.top_k,
-                           .hidden = a.hidden});
+  return combine;
+}
+
+Expected<void> moe_forward(const DeviceContext& ctx, const MoeForwardArgs& a) {
+  TERN_ASSIGN_OR_RETURN(const MoeCombineArgs combine, moe_forward_experts(ctx, a));
+  if (a.tokens == 0) return {};
+  return moe_combine(ctx, combine);
 }
 
 }  // namespace tern

@@ -57,5 +57,9 @@ struct MoeForwardArgs {
 
 size_t moe_forward_workspace_bytes(int64_t tokens, int64_t top_k, int64_t n_experts, int64_t inter, int64_t hidden);
 Expected<void> moe_forward(const DeviceContext& ctx, const MoeForwardArgs& args);
+// moe_forward up to the combine, which it returns unlaunched (its inputs in the workspace, args' shared expert and
+// y), for a caller that folds it into another launch (gemv_bf16_silu_mul_moe_combine). tokens == 0 launches
+// nothing and returns a combine of no tokens.
+Expected<MoeCombineArgs> moe_forward_experts(const DeviceContext& ctx, const MoeForwardArgs& args);
 
 }  // namespace tern

@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const MoeC
     float v[kVec];
     load_bf16x8(a.expert_out + int64_t{a.pair_row[pair0 + j]} * a.hidden + col, v);
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) acc[i] += v[i] * w;
+    for (int i = 0; i < kVec; ++i) acc[i] = fmaf(v[i], w, acc[i]);  // explicit, as gemv_bf16's combine epilogue
   }
   if (a.shared_out != nullptr) {
     const float g = bf16_to_f32(a.shared_gate[token * a.shared_gate_stride]);
@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const MoeC
     float v[kVec];
     load_bf16x8(a.shared_out + token * a.hidden + col, v);
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) acc[i] += sig * v[i];
+    for (int i = 0; i < kVec; ++i) acc[i] = fmaf(sig, v[i], acc[i]);
   }
   store_bf16x8(a.y + token * a.hidden + col, acc);
 }

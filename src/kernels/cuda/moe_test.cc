@@ -19,6 +19,7 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm_bf16.h"
 #include "kernels/cuda/gemm_test_util.h"
+#include "kernels/cuda/gemv_bf16.h"
 #include "layers/moe.h"
 
 namespace tern {
@@ -799,6 +800,102 @@ TEST(MoeGemm, Nvfp4DecodeModelShapes) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// The combine folded into the shared expert's down projection (gemv_bf16_silu_mul_moe_combine)
+
+// m tokens of top_k pairs on random distinct experts: the fused launch against gemv_bf16_silu_mul into shared_out
+// followed by moe_combine (every bit, and nothing of y past n written), and against the block's fp64 value. Against
+// fp64 the bf16 act (2^-9 relative per term), the shared output's rounding (2^-9) and y's own add up to about
+// 2^-8 of the summed magnitudes; leaving out one expert's term moves y by about its own magnitude.
+void check_combine_gemv(const DeviceContext& ctx, int64_t m, int64_t top_k, int64_t n, int64_t k, std::mt19937& rng) {
+  const int64_t n_experts = 64, pairs = m * top_k, ldx = 2 * k + 8, gate_stride = 3, ldy = n + 5;
+  const std::vector<int32_t> ids = random_ids(m, top_k, n_experts, false, rng);
+  const HostAlign al = align_reference(ids, n_experts);
+  const std::vector<uint16_t> gate_up = gemm_test::random_bf16(static_cast<size_t>(m * ldx), rng);
+  const std::vector<uint16_t> w = gemm_test::random_bf16(static_cast<size_t>(n * k), rng);
+  const std::vector<uint16_t> expert_out = gemm_test::random_bf16(static_cast<size_t>(pairs * n), rng);
+  const std::vector<uint16_t> gates = gemm_test::random_bf16(static_cast<size_t>(m * gate_stride), rng);
+  std::uniform_real_distribution<float> unit(0.05f, 1.0f);
+  std::vector<float> weights(static_cast<size_t>(pairs));
+  for (float& v : weights) v = unit(rng) / static_cast<float>(top_k);
+  const DeviceBuffer d_gu = upload(gate_up), d_w = upload(w), d_eo = upload(expert_out), d_gates = upload(gates);
+  const DeviceBuffer d_ids = upload(ids), d_rows = upload(al.pair_row), d_weights = upload(weights);
+  const DeviceBuffer shared = poisoned(static_cast<size_t>(m * n) * 2);
+  const DeviceBuffer y_two = poisoned(static_cast<size_t>(m * ldy) * 2),
+                     y_one = poisoned(static_cast<size_t>(m * ldy) * 2);
+  const GemmBf16Args args{
+      .x = d_gu.as<uint16_t>(), .w = d_w.as<uint16_t>(), .y = shared.as<uint16_t>(), .m = m, .n = n, .k = k, .ldy = n};
+  ASSERT_TRUE(gemv_bf16_silu_mul(ctx, args, ldx).has_value());
+  const MoeCombineArgs comb{.expert_out = d_eo.as<uint16_t>(),
+                            .pair_row = d_rows.as<int32_t>(),
+                            .topk_ids = d_ids.as<int32_t>(),
+                            .topk_weights = d_weights.as<float>(),
+                            .shared_out = shared.as<uint16_t>(),
+                            .shared_gate = d_gates.as<uint16_t>(),
+                            .shared_gate_stride = gate_stride,
+                            .y = y_two.as<uint16_t>(),
+                            .tokens = m,
+                            .top_k = top_k,
+                            .hidden = n};
+  // moe_combine writes rows of hidden; y_two is read back at ldy = n for it.
+  ASSERT_TRUE(moe_combine(ctx, comb).has_value());
+  GemmBf16Args fused = args;
+  fused.y = y_one.as<uint16_t>();
+  fused.ldy = ldy;
+  const auto status = gemv_bf16_silu_mul_moe_combine(ctx, fused, ldx, comb);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const std::string what = "combine in the GEMV: T=" + std::to_string(m) + " top" + std::to_string(top_k) +
+                           " n=" + std::to_string(n) + " k=" + std::to_string(k);
+  const auto got = download<uint16_t>(y_one, static_cast<size_t>(m * ldy));
+  const auto want = download<uint16_t>(y_two, static_cast<size_t>(m * n));
+  EXPECT_EQ(y_columns(got, m, ldy, 0, n), want) << what << ": differs from gemv_bf16_silu_mul + moe_combine";
+  EXPECT_EQ(written_outside(got, m, ldy, {{0, n}}), 0) << what << ": columns past n written";
+
+  int64_t bad = 0;
+  for (int64_t t = 0; t < m; ++t) {
+    std::vector<double> act(static_cast<size_t>(k));
+    for (int64_t c = 0; c < k; ++c) {
+      const double g = bf16_to_float(gate_up[t * ldx + c]), u = bf16_to_float(gate_up[t * ldx + k + c]);
+      act[c] = g / (1.0 + std::exp(-g)) * u;
+    }
+    const double sig = 1.0 / (1.0 + std::exp(-static_cast<double>(bf16_to_float(gates[t * gate_stride]))));
+    for (int64_t col = 0; col < n; ++col) {
+      double shared_v = 0.0, shared_abs = 0.0, routed = 0.0, routed_abs = 0.0;
+      for (int64_t c = 0; c < k; ++c) {
+        const double p = act[c] * bf16_to_float(w[col * k + c]);
+        shared_v += p;
+        shared_abs += std::fabs(p);
+      }
+      for (int64_t j = 0; j < top_k; ++j) {
+        const double v = weights[t * top_k + j] * bf16_to_float(expert_out[al.pair_row[t * top_k + j] * n + col]);
+        routed += v;
+        routed_abs += std::fabs(v);
+      }
+      const double ref = routed + sig * shared_v, g = bf16_to_float(got[t * ldy + col]);
+      const double allowed = 0x1p-8 * (routed_abs + sig * shared_abs + std::fabs(ref));
+      if ((!std::isfinite(g) || std::fabs(g - ref) > allowed) && ++bad <= 5) {
+        ADD_FAILURE() << what << ": y[" << t << "," << col << "] = " << g << ", reference " << ref << " (allowed "
+                      << allowed << ")";
+      }
+    }
+  }
+}
+
+TEST(MoeCombine, FoldedIntoTheSharedExpertGemv) {
+  DeviceContext ctx;
+  std::mt19937 rng(2013);
+  struct Shape {
+    int64_t m, top_k, n, k;
+  };
+  // Qwen3.5-35B-A3B's shared expert down ([2048, 512], top-8) at 1 and 2 tokens; top-1 and top-32; a k of
+  // one chunk beyond 64, and every row count up to the GEMV's eight.
+  for (const Shape& s : {Shape{1, 8, 2048, 512}, Shape{2, 8, 2048, 512}, Shape{1, 1, 200, 64}, Shape{3, 32, 136, 72},
+                         Shape{8, 4, 96, 136}, Shape{5, 10, 1000, 48}}) {
+    check_combine_gemv(ctx, s.m, s.top_k, s.n, s.k, rng);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // The whole block against layers/moe.h
 
 struct BlockShape {
@@ -1153,6 +1250,53 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
         return moe_gemm(ctx, a);
       },
       "moe_gemm: align must sort the route's topk_ids");
+}
+
+TEST(MoeCombine, FoldedCombineBadArgumentsAreErrors) {
+  DeviceContext ctx;
+  DeviceBuffer buf(1 << 16);
+  const GemmBf16Args args{
+      .x = buf.as<uint16_t>(), .w = buf.as<uint16_t>(), .y = buf.as<uint16_t>(), .m = 1, .n = 64, .k = 64, .ldy = 64};
+  const MoeCombineArgs c{.expert_out = buf.as<uint16_t>(),
+                         .pair_row = buf.as<int32_t>(),
+                         .topk_ids = buf.as<int32_t>(),
+                         .topk_weights = buf.as<float>(),
+                         .shared_gate = buf.as<uint16_t>(),
+                         .tokens = 1,
+                         .top_k = 8,
+                         .hidden = 64};
+  auto call = [&](const MoeCombineArgs& a, int64_t ldx = 128) {
+    return gemv_bf16_silu_mul_moe_combine(ctx, args, ldx, a);
+  };
+  expect_error(
+      [&] {
+        auto a = c;
+        a.top_k = 33;
+        return call(a);
+      },
+      "top_k=33 must be in [1, 32]");
+  expect_error(
+      [&] {
+        auto a = c;
+        a.pair_row = nullptr;
+        return call(a);
+      },
+      "pair_row is null");
+  expect_error(
+      [&] {
+        auto a = c;
+        a.shared_gate_stride = 0;
+        return call(a);
+      },
+      "shared_gate_stride=0 must be positive");
+  expect_error(
+      [&] {
+        auto a = c;
+        a.hidden = 32;
+        return call(a);
+      },
+      "the combine's 1 tokens x hidden 32 are not the product's m=1 x n=64");
+  expect_error([&] { return call(c, 120); }, "ldx=120 is less than 2k=128");
 }
 
 }  // namespace

@@ -209,6 +209,8 @@ class GpuBackend final : public ForwardBackend {
   // writes it while the other blocks still read x_), which then becomes x_.
   Expected<void> norm_forward(const NormedInput& in, const DeviceMatrix& w, int64_t rows, uint16_t* y, int64_t ldy);
   Expected<void> norm_project(const NormedInput& in, const DeviceProjection& p, int64_t rows, uint16_t* y);
+  // The fused SiLU GEMV (gemv_bf16_silu_mul) serves w's product on rows of [gate | up] ldx apart.
+  bool silu_gemv_applies(const DeviceMatrix& w, int64_t ldx, int64_t rows) const;
   // SiLU-and-mul of the gate|up rows (row stride ldx), then w's product of it into y (row stride ldy): at one row
   // inside the GEMV's loads where the self-test found that faster, else through act_.
   Expected<void> silu_forward(const DeviceMatrix& w, const uint16_t* gate_up, int64_t ldx, int64_t rows, uint16_t* y,
@@ -644,9 +646,13 @@ Expected<void> GpuBackend::norm_project(const NormedInput& in, const DeviceProje
   return {};
 }
 
+bool GpuBackend::silu_gemv_applies(const DeviceMatrix& w, int64_t ldx, int64_t rows) const {
+  return options_.silu_gemv && rows == 1 && !w.nvfp4 && w.gemv && ldx % 8 == 0;
+}
+
 Expected<void> GpuBackend::silu_forward(const DeviceMatrix& w, const uint16_t* gate_up, int64_t ldx, int64_t rows,
                                         uint16_t* y, int64_t ldy) {
-  if (options_.silu_gemv && rows == 1 && !w.nvfp4 && w.gemv && ldx % 8 == 0) {
+  if (silu_gemv_applies(w, ldx, rows)) {
     return gemv_bf16_silu_mul(
         ctx_, GemmBf16Args{.x = gate_up, .w = w.bf16, .y = y, .m = 1, .n = w.n, .k = w.k, .ldy = ldy}, ldx);
   }
@@ -756,28 +762,37 @@ Expected<void> GpuBackend::run_mlp(const GpuMlp& m, const NormedInput& in, int64
 
 Expected<void> GpuBackend::run_moe(const GpuMoe& m, const NormedInput& in, int64_t tokens) {
   TERN_TRY(norm_project(in, m.router, tokens, router_));
-  if (m.shared_down) {
+  // At one token, with the fused SiLU GEMV for the shared expert's down projection, that GEMV runs last and does the
+  // combine in its epilogue (the same bits as silu_forward + the combine launch, one launch fewer).
+  const bool fold_combine = m.shared_down && silu_gemv_applies(*m.shared_down, m.router.width, tokens);
+  if (m.shared_down && !fold_combine) {
     TERN_TRY(silu_forward(*m.shared_down, router_, m.router.width, tokens, shared_out_, config_hidden_));
   }
   const DeviceExperts& e = m.experts;
-  return moe_forward(ctx_, MoeForwardArgs{.x = normed_,
-                                          .router_logits = router_ + m.logits_col,
-                                          .logits_stride = m.router.width,
-                                          .tokens = tokens,
-                                          .hidden = config_hidden_,
-                                          .inter = e.inter,
-                                          .n_experts = m.n_experts,
-                                          .top_k = m.shape.top_k,
-                                          .renormalize = m.shape.renormalize,
-                                          .gate_up = e.nvfp4 ? e.gate : e.gate_up,
-                                          .up = e.nvfp4 ? e.up : MoeExpertWeights{},
-                                          .down = e.down,
-                                          .shared_out = m.shared_down ? shared_out_ : nullptr,
-                                          .shared_gate = m.shared_down ? router_ + m.logits_col + m.n_experts : nullptr,
-                                          .shared_gate_stride = m.router.width,
-                                          .y = out_,
-                                          .workspace = moe_workspace_,
-                                          .workspace_bytes = moe_workspace_bytes_});
+  const MoeForwardArgs args{.x = normed_,
+                            .router_logits = router_ + m.logits_col,
+                            .logits_stride = m.router.width,
+                            .tokens = tokens,
+                            .hidden = config_hidden_,
+                            .inter = e.inter,
+                            .n_experts = m.n_experts,
+                            .top_k = m.shape.top_k,
+                            .renormalize = m.shape.renormalize,
+                            .gate_up = e.nvfp4 ? e.gate : e.gate_up,
+                            .up = e.nvfp4 ? e.up : MoeExpertWeights{},
+                            .down = e.down,
+                            .shared_out = m.shared_down ? shared_out_ : nullptr,
+                            .shared_gate = m.shared_down ? router_ + m.logits_col + m.n_experts : nullptr,
+                            .shared_gate_stride = m.router.width,
+                            .y = out_,
+                            .workspace = moe_workspace_,
+                            .workspace_bytes = moe_workspace_bytes_};
+  if (!fold_combine) return moe_forward(ctx_, args);
+  TERN_ASSIGN_OR_RETURN(const MoeCombineArgs c, moe_forward_experts(ctx_, args));
+  const DeviceMatrix& w = *m.shared_down;
+  return gemv_bf16_silu_mul_moe_combine(
+      ctx_, GemmBf16Args{.x = router_, .w = w.bf16, .y = c.y, .m = 1, .n = w.n, .k = w.k, .ldy = config_hidden_},
+      m.router.width, c);
 }
 
 Expected<void> GpuBackend::trace(const Tracer* tracer, const std::string& name, const uint16_t* data, int64_t rows,
