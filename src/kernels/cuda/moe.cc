@@ -359,6 +359,7 @@ Expected<void> forward_route(const DeviceContext& ctx, const MoeForwardArgs& a, 
 Expected<void> forward_gate_up(const DeviceContext& ctx, const MoeForwardArgs& a, const ForwardBuffers& b, bool decode,
                                bool route_in_launch) {
   const bool up_in_gate_launch = decode && a.up.n != 0;
+  const Routing routing = route_in_launch ? routing_args(a, b) : Routing{};
   const MoeGemmArgs gate{.x = a.x,
                          .ldx = a.hidden,
                          .sorted_pairs = b.sorted_pairs,
@@ -371,8 +372,8 @@ Expected<void> forward_gate_up(const DeviceContext& ctx, const MoeForwardArgs& a
                          .rows = a.tokens * a.top_k,
                          .w2 = up_in_gate_launch ? a.up : MoeExpertWeights{},
                          .y2_offset = a.inter,
-                         .route = route_in_launch ? routing_args(a, b).route : MoeRouteArgs{},
-                         .align = route_in_launch ? routing_args(a, b).align : MoeAlignArgs{}};
+                         .route = routing.route,
+                         .align = routing.align};
   TERN_TRY(moe_gemm(ctx, gate, a.variant));
   if (a.up.n == 0 || up_in_gate_launch) return {};
   MoeGemmArgs up = gate;
