@@ -45,14 +45,14 @@ struct ModelGemms {
 };
 
 // Whether a linear is NVFP4: from the checkpoint's tensors when there are any, else from the quantization config
-// (a config-only directory, as used with --load-format dummy).
+// as the exporter applies it (a config-only directory, as used with --load-format dummy).
 bool linear_is_nvfp4(const std::optional<SafetensorsSet>& tensors, const std::optional<QuantConfig>& quant,
                      const std::string& module, int64_t out, int64_t in) {
   if (tensors) {
     auto w = linear_weight_resolve(*tensors, module, out, in);
     return w && w->format == WeightFormat::kNvfp4;
   }
-  return quant && !quant->is_excluded(module);
+  return quant && !quant->producer_excludes(module);  // as the dummy weights are made (layers/weights.cc)
 }
 
 // The projection a linear is computed in by the CUDA model (models/gpu/gpu_model.cc fuses the linears that read the

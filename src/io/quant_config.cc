@@ -447,6 +447,14 @@ Expected<bool> QuantConfig::is_excluded_checked(std::string_view module_name) co
                      [&](const std::string& p) { return quant_fnmatch(module_name, p); });
 }
 
+bool QuantConfig::producer_excludes(std::string_view module_name) const {
+  for (std::string_view vision : {"vision_tower", "vision_model", "visual"}) {
+    if (contains_text(module_name, vision)) return true;
+  }
+  return std::any_of(exclude_modules.begin(), exclude_modules.end(),
+                     [&](const std::string& p) { return quant_fnmatch(module_name, p); });
+}
+
 bool QuantConfig::is_excluded(std::string_view module_name) const {
   const Expected<bool> excluded = is_excluded_checked(module_name);
   return excluded.has_value() && *excluded;

@@ -38,6 +38,12 @@ struct QuantConfig {
   bool is_excluded(std::string_view module_name) const;
   // Like is_excluded, but a fused name whose parts disagree is an error (vLLM refuses to load such a layer).
   Expected<bool> is_excluded_checked(std::string_view module_name) const;
+  // True when the exporter leaves `module_name` unquantized: ModelOpt matches its exclude patterns as shell-style
+  // wildcards against the module's whole name (no vLLM rewrite), and never quantizes vision modules. This is what a
+  // checkpoint holds, so weights made without one (--load-format dummy) follow it. It differs from is_excluded for
+  // a pattern like "*shared_expert*": vLLM rewrites it to "*shared_expert" and "*shared_expert.*", which miss
+  // "mlp.shared_expert_gate", while the export (and every Qwen3.5 NVFP4 recipe) keeps that gate in BF16.
+  bool producer_excludes(std::string_view module_name) const;
 };
 
 // Python fnmatch.fnmatchcase semantics on a whole name: '*' any run of characters (dots included), '?' one

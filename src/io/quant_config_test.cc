@@ -332,6 +332,33 @@ TEST(QuantExclude, FollowsVllmRules) {
   }
 }
 
+// What the exporter leaves unquantized: Python fnmatch.fnmatchcase of each pattern against the whole module name
+// (the expected values are fnmatchcase's), and vision modules.
+TEST(QuantExclude, ProducerMatchesPatternsAsShellWildcards) {
+  const std::vector<std::string> qwen35 = {"lm_head",     "model.visual*", "mtp*",           "*linear_attn*",
+                                           "*self_attn*", "*mlp.gate",     "*shared_expert*"};
+  const ExcludeCase cases[] = {
+      {qwen35, "model.language_model.layers.0.mlp.shared_expert_gate", true,
+       "'*shared_expert*' spans '_gate' (vLLM's rewrite to '*shared_expert' and '*shared_expert.*' does not)"},
+      {qwen35, "model.language_model.layers.0.mlp.shared_expert.down_proj", true, "'*shared_expert*'"},
+      {qwen35, "model.language_model.layers.0.mlp.gate", true, "'*mlp.gate' (the router)"},
+      {qwen35, "model.language_model.layers.0.mlp.experts.3.gate_proj", false, "no pattern matches an expert"},
+      {qwen35, "model.language_model.layers.3.linear_attn.in_proj_qkv", true, "'*linear_attn*'"},
+      {{"lm_head"}, "model.lm_head_extra", false, "no substring rule: 'lm_head' is the whole name"},
+      {{"model.layers.1"}, "model.layers.10.mlp.gate_proj", false, "no substring rule"},
+      {{}, "model.visual.blocks.0.attn.qkv", true, "vision modules are never quantized"},
+  };
+  for (const ExcludeCase& c : cases) {
+    QuantConfig q;
+    q.quant_algo = "NVFP4";
+    q.exclude_modules = c.patterns;
+    EXPECT_EQ(q.producer_excludes(c.module), c.expected) << c.module << " (" << c.why << ")";
+  }
+  QuantConfig q;
+  q.exclude_modules = qwen35;
+  EXPECT_FALSE(q.is_excluded("model.language_model.layers.0.mlp.shared_expert_gate")) << "vLLM's reading differs";
+}
+
 TEST(QuantExclude, FusedNameWithMixedPartsIsAnError) {
   QuantConfig q;
   q.exclude_modules = {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"};

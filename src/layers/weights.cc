@@ -263,7 +263,8 @@ std::unique_ptr<WeightStore> WeightStore::make_dummy(const ModelConfig& config, 
     store->add_owned(p.name, DType::kBF16, p.shape, std::move(bytes));
   }
   const bool nvfp4_config = quant && quant->quant_algo.find("NVFP4") != std::string::npos;
-  auto quantized = [&](const std::string& module) { return nvfp4_config && !quant->is_excluded(module); };
+  // As the exporter would have written them (QuantConfig::producer_excludes).
+  auto quantized = [&](const std::string& module) { return nvfp4_config && !quant->producer_excludes(module); };
   for (const LinearSpec& l : schema.linears) {
     if (l.role == LinearRole::kLmHead && schema.tied_embeddings) continue;
     store->add_dummy_linear(l.module, l.out_features, l.in_features, quantized(l.module), seed);

@@ -240,8 +240,8 @@ class GpuBackend final : public ForwardBackend {
   // Activations (bf16 unless said), all [max_batch_tokens, ...].
   Arena arena_;
   // x_ is the residual stream: x_rows_ at the start of every step; at one row it alternates with x_spare_
-  // (norm_forward).
-  uint16_t *x_rows_ = nullptr, *x_spare_ = nullptr, *x_ = nullptr;
+  // (norm_forward), which starts every step as x_row_ (one row), whatever the parity of the last step's swaps.
+  uint16_t *x_rows_ = nullptr, *x_row_ = nullptr, *x_spare_ = nullptr, *x_ = nullptr;
   uint16_t *normed_ = nullptr, *out_ = nullptr, *proj_ = nullptr, *q_ = nullptr, *gate_ = nullptr, *attn_ = nullptr,
            *conv_ = nullptr, *act_ = nullptr;
   uint16_t *router_ = nullptr, *shared_out_ = nullptr, *last_ = nullptr;
@@ -503,7 +503,7 @@ Expected<void> GpuBackend::allocate_activations() {
   }
   // Every bf16 buffer with its element count, once: sized first, then carved in this order.
   const std::pair<uint16_t**, int64_t> buffers[] = {
-      {&x_rows_, t * h},      {&x_spare_, h},        {&normed_, t * h},   {&out_, t * h},     {&proj_, t * proj},
+      {&x_rows_, t * h},      {&x_row_, h},          {&normed_, t * h},   {&out_, t * h},     {&proj_, t * proj},
       {&q_, t * heads},       {&gate_, t * heads},   {&attn_, t * heads}, {&conv_, t * conv}, {&act_, t * act},
       {&router_, t * router}, {&shared_out_, t * h}, {&last_, t * h}};
   size_t bytes = Arena::aligned(moe_workspace_bytes_) + Arena::aligned(8);
@@ -813,6 +813,7 @@ Expected<void> GpuBackend::trace(const Tracer* tracer, const std::string& name, 
 Expected<int64_t> GpuBackend::run_body(const StepPlan& plan, LogitsFor which, const Tracer* tracer) {
   const int64_t t = plan.tokens, h = config_hidden_;
   x_ = x_rows_;
+  x_spare_ = x_row_;
   // Programmatic launch hides the gaps between a decode step's short kernels; in a prefill, whose kernels run many
   // waves, the next kernel's early blocks hold SM slots the running one still fills: on the H200 it made the
   // Qwen3.5-35B-A3B NVFP4 4k prefill 14% slower (231 against 203 ms), and the 8B's no faster.
