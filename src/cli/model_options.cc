@@ -53,6 +53,7 @@ Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceM
     if (s.op == "gemm_bf16") device.bf16_gemv = s.chosen == "gemv";
     if (s.op == "rms_norm_gemv") device.norm_gemv = s.chosen == "fused";
     if (s.op == "silu_mul_gemv") device.silu_gemv = s.chosen == "fused";
+    if (s.op == "gdn_delta_rule_norm") device.gdn_norm_in_rule = s.chosen == "fused";
   }
   if (!r.notes.empty()) return make_error("self-test: {}", r.notes.front());
   return {};

@@ -185,6 +185,8 @@ void add_model_cases(CaseTable& t, const ModelConfig& c, const ModelGemms& g, co
       add_case(t, "gdn_delta_rule", gdn_delta_rule_case(b, 1, hk, hv, dk, dv));
     }
     add_case(t, "gdn_conv", gdn_conv_case(2, prefill, channels, c.linear_conv_kernel_dim));
+    // The gated norm in the recurrent kernel, as the model runs it: one sequence, one token.
+    add_case(t, "gdn_delta_rule_norm", gdn_delta_rule_case(1, 1, hk, hv, dk, dv));
     add_case(t, "gdn_delta_rule", gdn_delta_rule_case(2, prefill, hk, hv, dk, dv));
   }
   if (has_moe && c.router_scoring == RouterScoring::kSoftmax) {

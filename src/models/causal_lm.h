@@ -124,6 +124,10 @@ struct DeviceModelOptions {
   // At one row, the MLP's SiLU-and-mul folded into the BF16 down GEMV's loads (gemv_bf16_silu_mul): set when the
   // self-test chose the fused implementation of op `silu_mul_gemv`; takes effect with bf16_gemv.
   bool silu_gemv = false;
+  // At one sequence of one token, a GDN layer's gated RMSNorm done by its recurrent delta-rule kernel (a cluster of
+  // each head's value slices; GdnGatedNorm): set when the self-test chose the fused implementation of op
+  // `gdn_delta_rule_norm`.
+  bool gdn_norm_in_rule = false;
   // Decode steps (one token per sequence) replayed as CUDA graphs, one per batch size and context bucket, instead
   // of ~10 launches per layer from the host. Off: every step launched eagerly (--enforce-eager).
   bool cuda_graphs = true;

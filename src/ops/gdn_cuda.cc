@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/formats.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gated_delta.h"
 #include "ops/gemm_cuda.h"
 
@@ -79,22 +80,76 @@ Expected<RunOutput> gdn_conv_cuda_run(const DeviceContext& ctx, const GdnConvInp
                                       });
 }
 
+namespace {
+
+// A delta-rule case's inputs on the device, and the kernel arguments over them.
+struct DeviceDeltaRule {
+  DeviceBuffer qkv, a, b, a_log, dt_bias;
+  DeviceBatch batch;
+  DeviceDeltaRule(const GdnDeltaRuleInputs& in, cudaStream_t s)
+      : qkv(cuda_upload(in.qkv, s)),
+        a(cuda_upload(in.a, s)),
+        b(cuda_upload(in.b, s)),
+        a_log(cuda_upload(in.a_log, s)),
+        dt_bias(cuda_upload(in.dt_bias, s)),
+        batch(batch_upload(in.batch, s)) {}
+  GdnDeltaRuleArgs args(const GdnDeltaRuleInputs& in, uint16_t* out, float* state) const {
+    return GdnDeltaRuleArgs{.qkv = qkv.as<uint16_t>(),
+                            .qkv_stride = in.qkv_stride,
+                            .a = a.as<uint16_t>(),
+                            .b = b.as<uint16_t>(),
+                            .ab_stride = in.ab_stride,
+                            .a_log = a_log.as<float>(),
+                            .dt_bias = dt_bias.as<float>(),
+                            .state = state,
+                            .out = out,
+                            .seqs = batch.seqs,
+                            .n_key_heads = in.n_key_heads,
+                            .n_value_heads = in.n_value_heads,
+                            .key_dim = in.key_dim,
+                            .value_dim = in.value_dim};
+  }
+};
+
+}  // namespace
+
 Expected<RunOutput> gdn_delta_rule_cuda_run(const DeviceContext& ctx, const GdnDeltaRuleInputs& in, GdnVariant variant,
                                             const GdnArgsTweak<GdnDeltaRuleArgs>& tweak) {
-  const DeviceBuffer qkv = cuda_upload(in.qkv, ctx.stream()), a = cuda_upload(in.a, ctx.stream()),
-                    b = cuda_upload(in.b, ctx.stream());
-  const DeviceBuffer a_log = cuda_upload(in.a_log, ctx.stream()), dt_bias = cuda_upload(in.dt_bias, ctx.stream());
-  const DeviceBatch batch = batch_upload(in.batch, ctx.stream());
+  const DeviceDeltaRule d(in, ctx.stream());
   const int64_t out_count = in.batch.tokens * in.n_value_heads * in.value_dim;
   return run_timed_in_place<float>(ctx, out_count, in.state, [&](uint16_t* out, float* state) {
-    GdnDeltaRuleArgs args{.qkv = qkv.as<uint16_t>(), .qkv_stride = in.qkv_stride, .a = a.as<uint16_t>(),
-                          .b = b.as<uint16_t>(), .ab_stride = in.ab_stride, .a_log = a_log.as<float>(),
-                          .dt_bias = dt_bias.as<float>(), .state = state, .out = out, .seqs = batch.seqs,
-                          .n_key_heads = in.n_key_heads, .n_value_heads = in.n_value_heads,
-                          .key_dim = in.key_dim, .value_dim = in.value_dim};
+    GdnDeltaRuleArgs args = d.args(in, out, state);
     if (tweak) tweak(args);
     return gdn_delta_rule(ctx, args, variant);
   });
+}
+
+Expected<RunOutput> gdn_delta_rule_norm_cuda_run(const DeviceContext& ctx, const GdnDeltaRuleNormInputs& in, bool fused,
+                                                 const GdnArgsTweak<GdnDeltaRuleArgs>& tweak) {
+  const DeviceDeltaRule d(in, ctx.stream());
+  const DeviceBuffer gate = cuda_upload(in.gate, ctx.stream()), weight = cuda_upload(in.weight, ctx.stream());
+  const GdnGatedNorm norm{
+      .gate = gate.as<uint16_t>(), .gate_stride = in.gate_stride, .weight = weight.as<uint16_t>(), .eps = in.eps};
+  const int64_t rows = in.batch.tokens * in.n_value_heads;
+  return run_timed_in_place<float>(ctx, rows * in.value_dim, in.state,
+                                   [&](uint16_t* out, float* state) -> Expected<void> {
+                                     GdnDeltaRuleArgs args = d.args(in, out, state);
+                                     if (fused) args.norm = norm;
+                                     if (tweak) tweak(args);
+                                     TERN_TRY(gdn_delta_rule(ctx, args, GdnVariant::kRecurrent));
+                                     if (fused) return {};
+                                     // The model's separate path: rms_norm's gated form in place on the delta rule's
+                                     // output.
+                                     return rms_norm(ctx, RmsNormArgs{.x = out,
+                                                                      .gate = norm.gate,
+                                                                      .gate_stride = norm.gate_stride,
+                                                                      .gate_heads = in.n_value_heads,
+                                                                      .weight = norm.weight,
+                                                                      .y = out,
+                                                                      .rows = rows,
+                                                                      .dim = in.value_dim,
+                                                                      .eps = norm.eps});
+                                   });
 }
 
 Expected<void> gdn_register_cuda(Registry& registry, std::shared_ptr<DeviceContext> context) {
@@ -104,6 +159,20 @@ Expected<void> gdn_register_cuda(Registry& registry, std::shared_ptr<DeviceConte
       .run = [context](const OpInputs& b) {
         return gdn_conv_cuda_run(*context, static_cast<const GdnConvInputs&>(b));
       }}));
+  // The gated norm in the recurrent kernel ("fused", a cluster per head) or the kernel then rms_norm ("separate"),
+  // timed on the model's one-sequence decode shape.
+  for (const bool fused : {true, false}) {
+    TERN_TRY(registry.add(Implementation{.op = "gdn_delta_rule_norm",
+                                         .name = fused ? "fused" : "separate",
+                                         .backend = Backend::kCuda,
+                                         .priority = fused ? 10 : 5,
+                                         .tolerance = kGdnDeltaRuleNormBf16Tolerance,
+                                         .unsupported_reason = cuda_unsupported_reason,
+                                         .run = [context, fused](const OpInputs& b) {
+                                           return gdn_delta_rule_norm_cuda_run(
+                                               *context, static_cast<const GdnDeltaRuleNormInputs&>(b), fused);
+                                         }}));
+  }
   TERN_TRY(registry.add(Implementation{
       .op = "gdn_delta_rule", .name = "cuda-recurrent", .backend = Backend::kCuda, .priority = 10,
       .tolerance = kGdnDeltaRuleBf16Tolerance, .unsupported_reason = cuda_unsupported_reason,

@@ -1,7 +1,8 @@
 // The CUDA implementations of the Gated DeltaNet ops (built only with CUDA): "cuda" for gdn_conv, "cuda-recurrent"
-// and "cuda-chunked" for gdn_delta_rule, run through the harnesses of ops/gdn_op.h and the same verdicts as the CPU
-// ones. The runners upload a case's inputs, let a caller adjust the kernel arguments (the GPU tests inject faults
-// that way), and time the kernel with the states restored before every run, since the kernels update them in place.
+// and "cuda-chunked" for gdn_delta_rule, "fused" and "separate" for gdn_delta_rule_norm, run through the harnesses of
+// ops/gdn_op.h and the same verdicts as the CPU ones. The runners upload a case's inputs, let a caller adjust the
+// kernel arguments (the GPU tests inject faults that way), and time the kernel with the states restored before every
+// run, since the kernels update them in place.
 #pragma once
 
 #include <functional>
@@ -22,6 +23,9 @@ Expected<RunOutput> gdn_conv_cuda_run(const DeviceContext& ctx, const GdnConvInp
                                       const GdnArgsTweak<GdnConvArgs>& tweak = {});
 Expected<RunOutput> gdn_delta_rule_cuda_run(const DeviceContext& ctx, const GdnDeltaRuleInputs& in, GdnVariant variant,
                                             const GdnArgsTweak<GdnDeltaRuleArgs>& tweak = {});
+// gdn_delta_rule_norm: the gated norm in the recurrent kernel (fused) or the recurrent kernel then rms_norm.
+Expected<RunOutput> gdn_delta_rule_norm_cuda_run(const DeviceContext& ctx, const GdnDeltaRuleNormInputs& in, bool fused,
+                                                 const GdnArgsTweak<GdnDeltaRuleArgs>& tweak = {});
 
 // Registers the implementations on `context`'s device and stream.
 Expected<void> gdn_register_cuda(Registry& registry, std::shared_ptr<DeviceContext> context);

@@ -55,6 +55,64 @@ TEST_F(CudaGdnOps, DeltaRulePassesOnRaggedBatches) {
   expect_all_cuda_pass("gdn_delta_rule", cases);
 }
 
+// The gated norm in the recurrent kernel: clusters of 1, 2 and 4 value slices (dv 32, 64, 128), sequences of many
+// tokens (a cluster sync per token), new and continued sequences; both implementations pass against fp64, a norm
+// reading the gate as its weight is rejected, and the argument errors name the problem.
+TEST_F(CudaGdnOps, DeltaRuleNormPassesOnRaggedBatches) {
+  std::vector<SelfTestCase> cases;
+  for (int64_t d : {32, 64, 128}) {
+    cases.push_back(gdn_delta_rule_case(1, 1, 16, 32, 128, d));
+    cases.push_back(gdn_delta_rule_case(5, 7, 2, 4, 64, d));
+  }
+  cases.push_back(gdn_delta_rule_case(3, 40, 1, 2, 32, 128));
+  expect_all_cuda_pass("gdn_delta_rule_norm", cases);
+
+  ASSERT_TRUE(registry_
+                  .add(Implementation{.op = "gdn_delta_rule_norm",
+                                      .name = "weight-is-gate",
+                                      .backend = Backend::kCuda,
+                                      .priority = 100,
+                                      .tolerance = kGdnDeltaRuleNormBf16Tolerance,
+                                      .run =
+                                          [this](const OpInputs& in) {
+                                            return gdn_delta_rule_norm_cuda_run(
+                                                *context_, static_cast<const GdnDeltaRuleNormInputs&>(in), true,
+                                                [](GdnDeltaRuleArgs& a) { a.norm.weight = a.norm.gate; });
+                                          }})
+                  .has_value());
+  const SelfTestCase one = gdn_delta_rule_case(2, 3, 2, 4, 64, 64);
+  auto s = registry_select(registry_, "gdn_delta_rule_norm", devices_[0], std::span(&one, 1), {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  const CandidateReport* bad = s->candidate("weight-is-gate");
+  ASSERT_NE(bad, nullptr);
+  EXPECT_EQ(bad->status, CandidateStatus::kFailed) << bad->reason;
+
+  auto in = registry_.harness("gdn_delta_rule_norm")->make_inputs(one, 3);
+  ASSERT_TRUE(in.has_value());
+  const auto& norm_in = static_cast<const GdnDeltaRuleNormInputs&>(**in);
+  auto expect_error = [&](GdnVariant v, std::function<void(GdnDeltaRuleArgs&)> tweak, const std::string& text) {
+    auto r = v == GdnVariant::kChunked
+                 ? gdn_delta_rule_cuda_run(*context_, norm_in, v,
+                                           [&](GdnDeltaRuleArgs& a) {
+                                             a.norm =
+                                                 GdnGatedNorm{.gate = a.qkv, .gate_stride = 1 << 20, .weight = a.qkv};
+                                             tweak(a);
+                                           })
+                 : gdn_delta_rule_norm_cuda_run(*context_, norm_in, true, tweak);
+    ASSERT_FALSE(r.has_value()) << text;
+    EXPECT_NE(r.error().message.find(text), std::string::npos) << r.error().message;
+  };
+  expect_error(
+      GdnVariant::kChunked, [](GdnDeltaRuleArgs&) {}, "the gated norm runs in the recurrent kernel only");
+  expect_error(
+      GdnVariant::kRecurrent, [](GdnDeltaRuleArgs& a) { a.norm.weight = nullptr; }, "gate but no weight");
+  expect_error(
+      GdnVariant::kRecurrent, [](GdnDeltaRuleArgs& a) { a.norm.gate_stride = 8; },
+      "gate_stride=8 is less than Hv * dv = 256");
+  expect_error(
+      GdnVariant::kRecurrent, [](GdnDeltaRuleArgs& a) { a.norm.eps = 0.0f; }, "eps=0 must be positive");
+}
+
 struct Fault {
   std::string op, name, expected_reason;
   std::function<Expected<RunOutput>(const DeviceContext&, const OpInputs&)> run;

@@ -231,6 +231,52 @@ void delta_rule_prepare_f32(const GdnDeltaRuleInputs& in, const SeqRows& r, std:
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// gdn_delta_rule_norm
+
+Expected<std::unique_ptr<OpInputs>> delta_rule_norm_make(const SelfTestCase& c, uint64_t seed) {
+  TERN_ASSIGN_OR_RETURN(std::unique_ptr<OpInputs> base, delta_rule_make(c, seed));
+  auto in = std::make_unique<GdnDeltaRuleNormInputs>();
+  static_cast<GdnDeltaRuleInputs&>(*in) = std::move(static_cast<GdnDeltaRuleInputs&>(*base));
+  const int64_t width = in->n_value_heads * in->value_dim;
+  in->gate_stride = width + 16;  // z sits in a wider projection row, as in the model
+  in->gate = random_bf16_vector(seed, 7, in->batch.tokens * in->gate_stride, 4.0f);
+  in->weight.resize(static_cast<size_t>(in->value_dim));
+  for (int64_t e = 0; e < in->value_dim; ++e) in->weight[e] = float_to_bf16(0.5f + uniform(seed, 8, e));
+  return in;
+}
+
+// The gated norm of every [dv] row of out (the first tokens * Hv * dv values), fp64 or fp32 by T.
+template <class T>
+void gated_norm_rows(const GdnDeltaRuleNormInputs& in, std::vector<float>& out) {
+  const int64_t hv = in.n_value_heads, dv = in.value_dim;
+  for (int64_t t = 0; t < in.batch.tokens; ++t) {
+    for (int64_t j = 0; j < hv; ++j) {
+      float* row = &out[(t * hv + j) * dv];
+      T sum = 0;
+      for (int64_t e = 0; e < dv; ++e) sum += T(row[e]) * T(row[e]);
+      const T inv = T(1) / std::sqrt(sum / T(dv) + T(in.eps));
+      for (int64_t e = 0; e < dv; ++e) {
+        const T z = bf16_to_float(in.gate[t * in.gate_stride + j * dv + e]);
+        row[e] = static_cast<float>(T(row[e]) * inv * T(bf16_to_float(in.weight[e])) * (z / (T(1) + std::exp(-z))));
+      }
+    }
+  }
+}
+
+std::vector<float> delta_rule_norm_reference(const OpInputs& base) {
+  std::vector<float> out = delta_rule_reference(base);
+  gated_norm_rows<double>(static_cast<const GdnDeltaRuleNormInputs&>(base), out);
+  return out;
+}
+
+std::vector<float> delta_rule_norm_cpu(const OpInputs& base) {
+  const auto& in = static_cast<const GdnDeltaRuleNormInputs&>(base);
+  std::vector<float> out = gdn_delta_rule_cpu(in);
+  gated_norm_rows<float>(in, out);
+  return out;
+}
+
 std::string cpu_only(const DeviceDescription& d, const SelfTestCase&) {
   return d.backend == Backend::kCpu ? "" : "runs on the CPU backend only";
 }
@@ -304,6 +350,8 @@ Expected<void> gdn_register_cpu(Registry& r) {
   TERN_TRY(add_op(r, "gdn_conv", conv_make, conv_reference, kConvFp32, [](const OpInputs& b) {
     return gdn_conv_cpu(static_cast<const GdnConvInputs&>(b));
   }));
+  TERN_TRY(add_op(r, "gdn_delta_rule_norm", delta_rule_norm_make, delta_rule_norm_reference, kDeltaFp32,
+                  delta_rule_norm_cpu));
   TERN_TRY(add_op(r, "gdn_delta_rule", delta_rule_make, delta_rule_reference, kDeltaFp32, [](const OpInputs& b) {
     return gdn_delta_rule_cpu(static_cast<const GdnDeltaRuleInputs&>(b));
   }));

@@ -6,6 +6,9 @@
 //   gdn_delta_rule  dims {n_seqs, max_query_len, n_key_heads, n_value_heads, key_dim, value_dim}: l2norm of q/k, q
 //                   scale, g and beta from a/b, and the recurrence over a ragged batch, from and into the state.
 //                   Output: [out (tokens x Hv x dv) | state of every slot after the call (n_slots x Hv x dk x dv)].
+//   gdn_delta_rule_norm  dims as gdn_delta_rule: the delta rule followed by the layer's gated RMSNorm of each token's
+//                   head output, y = o * 1/sqrt(mean(o^2) + eps) * weight * silu(z), z a random gate row.
+//                   Output: [y (tokens x Hv x dv) | states as gdn_delta_rule].
 // The batch (gdn_batch_make): sequence 0 has max_query_len rows, the others 1..max_query_len drawn from the seed;
 // odd sequences continue (seq_past > 0, a random state in their slot), even ones are new (their slot holds NaN,
 // which must be ignored); slots are assigned in reverse and slot 0 belongs to no sequence, so it must come back
@@ -49,6 +52,13 @@ struct GdnDeltaRuleInputs : OpInputs {
   int64_t width() const { return 2 * n_key_heads * key_dim + n_value_heads * value_dim; }
 };
 
+struct GdnDeltaRuleNormInputs : GdnDeltaRuleInputs {
+  std::vector<uint16_t> gate;    // z [tokens, gate_stride] bf16
+  int64_t gate_stride = 0;       // >= Hv * dv
+  std::vector<uint16_t> weight;  // [dv] bf16
+  float eps = 1e-6f;
+};
+
 // The CPU path's results in the op's output layout (used by the "cpu" implementations and the GPU kernel tests).
 std::vector<float> gdn_conv_cpu(const GdnConvInputs& in);
 std::vector<float> gdn_delta_rule_cpu(const GdnDeltaRuleInputs& in);
@@ -63,5 +73,9 @@ SelfTestCase gdn_delta_rule_case(int64_t n_seqs, int64_t max_query_len, int64_t 
 // bf16 outputs next to fp32 states in one vector, judged against max|ref| of the whole vector (see gdn_op.cc).
 inline constexpr Tolerance kGdnConvBf16Tolerance{.rel = 1.0 / 256 + 1.0 / 65536, .abs = 0.0};
 inline constexpr Tolerance kGdnDeltaRuleBf16Tolerance{.rel = 1.0 / 256 + 1.0 / 1024, .abs = 0.0};
+// The normed rows: o rounded to bf16 before the norm (2^-9 of y) and y rounded (2^-9) against an unrounded fp64
+// reference, at most 2^-8 of the largest output; 2^-7 leaves a 2x margin and still rejects a missing gate, weight
+// or scale by far.
+inline constexpr Tolerance kGdnDeltaRuleNormBf16Tolerance{.rel = 1.0 / 128, .abs = 0.0};
 
 }  // namespace tern

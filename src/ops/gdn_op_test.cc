@@ -95,6 +95,9 @@ Implementation broken(const Registry& r, const std::string& op, std::string name
       .run = [run = cpu->run, op, corrupt_inputs, corrupt_out](const OpInputs& base) -> Expected<RunOutput> {
         std::unique_ptr<OpInputs> copy;
         if (op == "gdn_conv") copy = std::make_unique<GdnConvInputs>(static_cast<const GdnConvInputs&>(base));
+        if (op == "gdn_delta_rule_norm") {
+          copy = std::make_unique<GdnDeltaRuleNormInputs>(static_cast<const GdnDeltaRuleNormInputs&>(base));
+        }
         if (op == "gdn_delta_rule") {
           copy = std::make_unique<GdnDeltaRuleInputs>(static_cast<const GdnDeltaRuleInputs&>(base));
         }
@@ -165,6 +168,58 @@ TEST(GdnOp, InjectedFaultsAreRejected) {
       EXPECT_NE(it->reason.find(f.expected_reason), std::string::npos) << f.name << ": " << it->reason;
     }
   }
+}
+
+// The delta rule with the gated norm: the CPU path passes against fp64 on ragged batches, and a norm that drops the
+// gate, the weight or the scale is rejected.
+TEST(GdnOp, DeltaRuleNormCpuPassesAndFaultsAreRejected) {
+  Registry r;
+  ASSERT_TRUE(gdn_register_cpu(r).has_value());
+  auto as = [](OpInputs& b) -> GdnDeltaRuleNormInputs& { return static_cast<GdnDeltaRuleNormInputs&>(b); };
+  const std::vector<CpuFault> faults = {
+      {"gdn_delta_rule_norm", "gate-ignored", "exceeds the tolerance",
+       [&](OpInputs& b) { std::fill(as(b).gate.begin(), as(b).gate.end(), float_to_bf16(30.0f)); }, nullptr},
+      {"gdn_delta_rule_norm", "weight-ignored", "exceeds the tolerance",
+       [&](OpInputs& b) { std::fill(as(b).weight.begin(), as(b).weight.end(), float_to_bf16(1.0f)); }, nullptr},
+      {"gdn_delta_rule_norm", "eps-huge", "exceeds the tolerance", [&](OpInputs& b) { as(b).eps = 1.0f; }, nullptr},
+  };
+  for (const CpuFault& f : faults) {
+    ASSERT_TRUE(r.add(broken(r, f.op, f.name, f.corrupt_inputs, f.corrupt_out)).has_value());
+  }
+  auto s = registry_select(r, "gdn_delta_rule_norm", cpu_device_describe(), delta_cases(), {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_EQ(s->chosen, "cpu") << s->candidate("cpu")->reason;
+  EXPECT_GT(s->candidate("cpu")->max_error, 0.0) << "an fp32 result equal to fp64 everywhere is suspicious";
+  for (const CpuFault& f : faults) {
+    const CandidateReport* c = s->candidate(f.name);
+    ASSERT_NE(c, nullptr) << f.name;
+    EXPECT_EQ(c->status, CandidateStatus::kFailed) << f.name;
+    EXPECT_NE(c->reason.find(f.expected_reason), std::string::npos) << f.name << ": " << c->reason;
+  }
+}
+
+// The fp64 reference's norm, recomputed by hand for one row.
+TEST(GdnOp, DeltaRuleNormReferenceNormsEachHeadRow) {
+  Registry r;
+  ASSERT_TRUE(gdn_register_cpu(r).has_value());
+  const SelfTestCase c = gdn_delta_rule_case(2, 3, 1, 2, 32, 32);
+  auto plain = r.harness("gdn_delta_rule")->make_inputs(c, 9);
+  auto normed = r.harness("gdn_delta_rule_norm")->make_inputs(c, 9);
+  ASSERT_TRUE(plain.has_value() && normed.has_value());
+  const std::vector<float> o = r.harness("gdn_delta_rule")->reference(**plain);
+  const std::vector<float> y = r.harness("gdn_delta_rule_norm")->reference(**normed);
+  const auto& in = static_cast<const GdnDeltaRuleNormInputs&>(**normed);
+  ASSERT_EQ(o.size(), y.size());
+  const int64_t row = 3, dv = 32;  // token 1, head 1
+  double sum = 0.0;
+  for (int64_t e = 0; e < dv; ++e) sum += double(o[row * dv + e]) * o[row * dv + e];
+  const double inv = 1.0 / std::sqrt(sum / dv + double(in.eps));
+  for (int64_t e = 0; e < dv; ++e) {
+    const double z = bf16_to_float(in.gate[1 * in.gate_stride + 1 * dv + e]);
+    const double want = o[row * dv + e] * inv * bf16_to_float(in.weight[e]) * z / (1.0 + std::exp(-z));
+    EXPECT_NEAR(y[row * dv + e], want, 1e-5 * std::fabs(want) + 1e-6) << e;
+  }
+  EXPECT_EQ(o.back(), y.back()) << "the states are the delta rule's";
 }
 
 TEST(GdnOp, BatchLayout) {

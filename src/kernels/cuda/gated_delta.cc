@@ -1,6 +1,7 @@
 // Argument checks and dispatch of the Gated DeltaNet kernels; the kernels are in gated_delta.cu.
 #include "kernels/cuda/gated_delta.h"
 
+#include <cmath>
 #include <limits>
 
 namespace tern {
@@ -58,6 +59,16 @@ Expected<void> delta_rule_validate(const GdnDeltaRuleArgs& a) {
       a.state == nullptr || a.out == nullptr) {
     return make_error("{}: null pointer (qkv, a, b, a_log, dt_bias, state or out)", k);
   }
+  if (a.norm.gate != nullptr) {
+    if (a.norm.weight == nullptr) return make_error("{}: the gated norm has a gate but no weight", k);
+    if (a.norm.gate_stride < a.n_value_heads * a.value_dim) {
+      return make_error("{}: the gated norm's gate_stride={} is less than Hv * dv = {}", k, a.norm.gate_stride,
+                        a.n_value_heads * a.value_dim);
+    }
+    if (!(a.norm.eps > 0.0f) || !std::isfinite(a.norm.eps)) {
+      return make_error("{}: the gated norm's eps={} must be positive and finite", k, a.norm.eps);
+    }
+  }
   return {};
 }
 
@@ -78,8 +89,12 @@ Expected<void> gdn_delta_rule(const DeviceContext& ctx, const GdnDeltaRuleArgs& 
                       ctx.props().shared_mem_per_block_optin);
   }
   if (args.seqs.n_seqs == 0) return {};
-  const bool chunked = variant == GdnVariant::kChunked ||
-                       (variant == GdnVariant::kAuto && chunk_fits && args.seqs.max_query_len > kGdnRecurrentMaxQueryLen);
+  if (variant == GdnVariant::kChunked && args.norm.gate != nullptr) {
+    return make_error("gdn_delta_rule: the gated norm runs in the recurrent kernel only");
+  }
+  const bool chunked =
+      variant == GdnVariant::kChunked || (variant == GdnVariant::kAuto && chunk_fits && args.norm.gate == nullptr &&
+                                          args.seqs.max_query_len > kGdnRecurrentMaxQueryLen);
   if (chunked) {
     gdn_delta_rule_launch_chunked(ctx, args);
   } else {

@@ -8,6 +8,9 @@
 // (delta[e] and out[e] only involve column e), so each warp owns 8 columns with 4 lanes per column, each lane
 // holding dk/4 rows of its column in registers, and the warps never wait for each other: per token a warp
 // normalises q and k into its own shared-memory buffer, reduces S^T k and S^T q with two shuffles, and moves on.
+// With the gated norm (GdnGatedNorm) they do wait: per token the block, then the cluster of the head's value slices,
+// add the sums of squares before each column is normed.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
@@ -184,15 +187,44 @@ __device__ __forceinline__ void token_normalise(const TokenRaw<kDk / 32>& r, flo
   }
 }
 
-template <int kDk>
+// The gated norm of one token's head output o (every lane of a column holds it after the shuffles): the block's
+// share of the sum of squares of bf16(o) goes to part[parity], the cluster (the head's value slices) syncs, and
+// each block adds every block's share in rank order. Called by all threads of every block of the cluster.
+__device__ __forceinline__ float gated_norm_inv(float o_rounded, int r, int warp, int lane, int parity,
+                                                float (&warp_part)[2][kRecWarps], float (&part)[2], float dv,
+                                                float eps) {
+  namespace cg = cooperative_groups;
+  float ss = r == 0 ? o_rounded * o_rounded : 0.0f;  // lanes 0..7: the warp's 8 columns once each
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, off);
+  if (lane == 0) warp_part[parity][warp] = ss;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float p = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kRecWarps; ++w) p += warp_part[parity][w];
+    part[parity] = p;
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  float total = 0.0f;
+  for (unsigned rank = 0; rank < cluster.num_blocks(); ++rank) total += *cluster.map_shared_rank(&part[parity], rank);
+  return 1.0f / sqrtf(total / dv + eps);
+}
+
+template <int kDk, bool kNorm>
 __global__ void __launch_bounds__(kRecThreads) gdn_recurrent_kernel(const GdnDeltaRuleArgs a) {
   ptx::grid_dependency_begin();
+  // kNorm: per token parity, each warp's and the block's share of the head's sum of squares. The parities let one
+  // cluster sync per token separate a token's writes from the previous token's remote reads.
+  __shared__ float warp_part[kNorm ? 2 : 1][kNorm ? kRecWarps : 1];
+  __shared__ float part[kNorm ? 2 : 1];
   constexpr int kRows = kDk / kSplit;  // rows of S per lane: d = i * kSplit + r
   constexpr int kPerLane = kDk / 32;
   // [warp][token parity][q | k][d]: double-buffered so one __syncwarp per token separates writes from reads.
   __shared__ float qk_s[kRecWarps][2][2][kDk];
   const SeqView sq = seq_view(a.seqs, blockIdx.x);
-  if (!sq.valid) return;
+  if (!sq.valid) return;  // every block of a cluster has this sequence, so none is left waiting at its syncs
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / kColsPerWarp;
   const int64_t j = blockIdx.y, hv = a.n_value_heads, dv = a.value_dim;
@@ -232,8 +264,23 @@ __global__ void __launch_bounds__(kRecThreads) gdn_recurrent_kernel(const GdnDel
     }
     o += __shfl_xor_sync(0xFFFFFFFFu, o, kColsPerWarp);
     o += __shfl_xor_sync(0xFFFFFFFFu, o, 2 * kColsPerWarp);
-    if (r == 0) a.out[((sq.begin + t) * hv + j) * dv + e] = f32_to_bf16(o);
+    const int64_t out_at = ((sq.begin + t) * hv + j) * dv + e;
+    if constexpr (kNorm) {
+      const float ob = bf16_to_f32(f32_to_bf16(o));  // the output as rms_norm would read it
+      const float inv = gated_norm_inv(ob, r, warp, lane, static_cast<int>(t & 1), warp_part, part,
+                                       static_cast<float>(dv), a.norm.eps);
+      if (r == 0) {
+        const float z = bf16_to_f32(a.norm.gate[(sq.begin + t) * a.norm.gate_stride + j * dv + e]);
+        float y = (ob * inv) * bf16_to_f32(a.norm.weight[e]);
+        y *= silu_f32(z);
+        a.out[out_at] = f32_to_bf16(y);
+      }
+    } else {
+      if (r == 0) a.out[out_at] = f32_to_bf16(o);
+    }
   }
+  // With the norm, no block may leave while another still reads its part (the last token's remote reads).
+  if constexpr (kNorm) cooperative_groups::this_cluster().sync();
 #pragma unroll
   for (int i = 0; i < kRows; ++i) st[(i * kSplit + r) * dv] = s[i];
 }
@@ -584,18 +631,45 @@ void gdn_conv1d_launch(const DeviceContext& ctx, const GdnConvArgs& args) {
   TERN_CUDA_CHECK_LAUNCH();
 }
 
+// With the gated norm: a cluster of a head's value slices (grid z, 1 to 4 blocks), with programmatic launch where
+// the context has it on.
+template <int kDk>
+void launch_recurrent_norm(const DeviceContext& ctx, const GdnDeltaRuleArgs& args, dim3 grid) {
+  cudaLaunchAttribute attrs[2]{};
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = 1;
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = grid.z;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(kRecThreads);
+  config.stream = ctx.stream();
+  config.attrs = attrs;
+  config.numAttrs = ctx.programmatic_launch() ? 2 : 1;
+  (void)cudaLaunchKernelEx(&config, gdn_recurrent_kernel<kDk, true>, args);
+}
+
 void gdn_delta_rule_launch_recurrent(const DeviceContext& ctx, const GdnDeltaRuleArgs& args) {
   const dim3 grid(static_cast<unsigned>(args.seqs.n_seqs), static_cast<unsigned>(args.n_value_heads),
                   static_cast<unsigned>(args.value_dim / kGdnValueSlice));
+  if (args.norm.gate != nullptr) {
+    if (args.key_dim == 32) launch_recurrent_norm<32>(ctx, args, grid);
+    if (args.key_dim == 64) launch_recurrent_norm<64>(ctx, args, grid);
+    if (args.key_dim == 128) launch_recurrent_norm<128>(ctx, args, grid);
+    TERN_CUDA_CHECK_LAUNCH();
+    return;
+  }
   switch (args.key_dim) {
     case 32:
-      launch_kernel(ctx, gdn_recurrent_kernel<32>, grid, dim3(kRecThreads), 0, args);
+      launch_kernel(ctx, gdn_recurrent_kernel<32, false>, grid, dim3(kRecThreads), 0, args);
       break;
     case 64:
-      launch_kernel(ctx, gdn_recurrent_kernel<64>, grid, dim3(kRecThreads), 0, args);
+      launch_kernel(ctx, gdn_recurrent_kernel<64, false>, grid, dim3(kRecThreads), 0, args);
       break;
     default:
-      launch_kernel(ctx, gdn_recurrent_kernel<128>, grid, dim3(kRecThreads), 0, args);
+      launch_kernel(ctx, gdn_recurrent_kernel<128, false>, grid, dim3(kRecThreads), 0, args);
       break;
   }
   TERN_CUDA_CHECK_LAUNCH();

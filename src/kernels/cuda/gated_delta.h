@@ -10,6 +10,8 @@
 namespace tern {
 
 Expected<void> gdn_conv1d(const DeviceContext& ctx, const GdnConvArgs& args);
+// With args.norm (GdnGatedNorm) the recurrent kernel runs whatever the rows per sequence (kAuto), and kChunked is an
+// error; a norm without weight, a short gate stride or a bad eps are errors too.
 Expected<void> gdn_delta_rule(const DeviceContext& ctx, const GdnDeltaRuleArgs& args,
                               GdnVariant variant = GdnVariant::kAuto);
 

@@ -40,6 +40,18 @@ struct GdnConvArgs {
   int64_t kernel = 0;
 };
 
+// Optional gated RMSNorm of the delta rule's output, per token and value head (the Gated DeltaNet's norm before its
+// output projection), done by the recurrent kernel: y = bf16(o) * (1 / sqrt(mean(bf16(o)^2) + eps)) * weight *
+// silu(z), with rms_norm's expressions (elementwise_launch.h, gated form). The head's value slices are one thread
+// block cluster that sums the squares through distributed shared memory, so out gets the normed rows directly. The
+// fp32 sum of squares runs in another order than rms_norm's, so a value may differ from rms_norm's in its last bit.
+struct GdnGatedNorm {
+  const uint16_t* gate = nullptr;    // z [tokens, Hv * dv] bf16 at gate_stride elements per token; null: no norm
+  int64_t gate_stride = 0;           // >= Hv * dv
+  const uint16_t* weight = nullptr;  // [dv] bf16
+  float eps = 1e-6f;
+};
+
 // The gated delta rule: l2norm of q/k, q scale dk^-0.5, g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b),
 // and per value head j (key head j / (Hv / Hk)): S = S * exp(g); delta = beta * (v - S^T k); S += k (x) delta;
 // out = S^T q, from and into the state.
@@ -58,6 +70,7 @@ struct GdnDeltaRuleArgs {
   int64_t n_value_heads = 0;
   int64_t key_dim = 0;
   int64_t value_dim = 0;
+  GdnGatedNorm norm;  // the recurrent kernel only
 };
 
 enum class GdnVariant {

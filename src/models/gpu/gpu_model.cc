@@ -726,6 +726,11 @@ Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const NormedInput& in, const
                                         .seqs = seqs,
                                         .channels = c,
                                         .kernel = s.conv_kernel}));
+  // One sequence of one token: the gated norm in the delta rule's kernel (measured slower at 8 sequences).
+  const bool norm_in_rule = options_.gdn_norm_in_rule && plan.decode && plan.n_seqs == 1 && !after_core &&
+                            gdn_variant_ != GdnVariant::kChunked;
+  const GdnGatedNorm norm{
+      .gate = proj_ + g.z_col, .gate_stride = g.in_proj.width, .weight = g.norm_weight, .eps = s.norm_eps};
   TERN_TRY(gdn_delta_rule(ctx_,
                           GdnDeltaRuleArgs{.qkv = conv_,
                                            .qkv_stride = c,
@@ -740,18 +745,20 @@ Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const NormedInput& in, const
                                            .n_key_heads = s.n_key_heads,
                                            .n_value_heads = hv,
                                            .key_dim = s.key_dim,
-                                           .value_dim = s.value_dim},
+                                           .value_dim = s.value_dim,
+                                           .norm = norm_in_rule ? norm : GdnGatedNorm{}},
                           gdn_variant_));
   if (after_core) TERN_TRY(after_core());
-  TERN_TRY(rms_norm(ctx_, RmsNormArgs{.x = attn_,
-                                      .gate = proj_ + g.z_col,
-                                      .gate_stride = g.in_proj.width,
-                                      .gate_heads = hv,
-                                      .weight = g.norm_weight,
-                                      .y = attn_,
-                                      .rows = t * hv,
-                                      .dim = s.value_dim,
-                                      .eps = s.norm_eps}));
+  if (!norm_in_rule)
+    TERN_TRY(rms_norm(ctx_, RmsNormArgs{.x = attn_,
+                                        .gate = proj_ + g.z_col,
+                                        .gate_stride = g.in_proj.width,
+                                        .gate_heads = hv,
+                                        .weight = g.norm_weight,
+                                        .y = attn_,
+                                        .rows = t * hv,
+                                        .dim = s.value_dim,
+                                        .eps = s.norm_eps}));
   return device_matrix_forward(ctx_, g.out_proj, attn_, t, out_, config_hidden_);
 }
 

@@ -120,12 +120,13 @@ TEST_P(GpuModelReference, TeacherForcedLogitsMatchTransformers) {
 }
 
 // The kernels the self-test may pick for one row (the decode GEMV, with each RMSNorm fused in front of it and the
-// residual stream alternating between two buffers, and with the SiLU-and-mul folded into the down projection) give
-// transformers' logits at every position of a prompt fed one token per step, the later steps replayed from a CUDA
-// graph, within the same bound.
+// residual stream alternating between two buffers, with the SiLU-and-mul folded into the down projection, and with
+// a GDN layer's gated norm in its delta-rule kernel) give transformers' logits at every position of a prompt fed one
+// token per step, the later steps replayed from a CUDA graph, within the same bound.
 TEST_P(GpuModelReference, OneRowStepsWithTheFusedGemvsMatchTransformers) {
   const Case& c = GetParam();
-  auto model = load_cuda(c.fixture, DeviceModelOptions{.bf16_gemv = true, .norm_gemv = true, .silu_gemv = true});
+  auto model = load_cuda(
+      c.fixture, DeviceModelOptions{.bf16_gemv = true, .norm_gemv = true, .silu_gemv = true, .gdn_norm_in_rule = true});
   ASSERT_TRUE(model);
   const auto ref = read_json(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture + "/" + c.reference);
   const int64_t vocab = model->config().vocab_size;
