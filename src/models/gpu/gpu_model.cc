@@ -749,7 +749,7 @@ Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const NormedInput& in, const
                                            .norm = norm_in_rule ? norm : GdnGatedNorm{}},
                           gdn_variant_));
   if (after_core) TERN_TRY(after_core());
-  if (!norm_in_rule)
+  if (!norm_in_rule) {
     TERN_TRY(rms_norm(ctx_, RmsNormArgs{.x = attn_,
                                         .gate = proj_ + g.z_col,
                                         .gate_stride = g.in_proj.width,
@@ -759,6 +759,7 @@ Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const NormedInput& in, const
                                         .rows = t * hv,
                                         .dim = s.value_dim,
                                         .eps = s.norm_eps}));
+  }
   return device_matrix_forward(ctx_, g.out_proj, attn_, t, out_, config_hidden_);
 }
 
