@@ -410,6 +410,14 @@ Expected<bool> layer_skipped(std::string_view prefix, const std::vector<std::str
   return is_listed(prefix);
 }
 
+// Vision towers stay unquantized whatever the exclude list says (vLLM and the exporter alike).
+bool is_vision_module(std::string_view module_name) {
+  for (std::string_view vision : {"vision_tower", "vision_model", "visual"}) {
+    if (contains_text(module_name, vision)) return true;
+  }
+  return false;
+}
+
 // apply_vllm_mapper: "foo*" (no '.' right before the '*') becomes "foo" and "foo.*".
 std::vector<std::string> expand_patterns(const std::vector<std::string>& patterns) {
   std::vector<std::string> out;
@@ -427,9 +435,7 @@ std::vector<std::string> expand_patterns(const std::vector<std::string>& pattern
 }  // namespace
 
 Expected<bool> QuantConfig::is_excluded_checked(std::string_view module_name) const {
-  for (std::string_view vision : {"vision_tower", "vision_model", "visual"}) {
-    if (contains_text(module_name, vision)) return true;
-  }
+  if (is_vision_module(module_name)) return true;
   const std::vector<std::string> patterns = expand_patterns(exclude_modules);
   if (patterns.empty()) return false;
   TERN_ASSIGN_OR_RETURN(const bool skipped, layer_skipped(module_name, patterns));
@@ -448,9 +454,7 @@ Expected<bool> QuantConfig::is_excluded_checked(std::string_view module_name) co
 }
 
 bool QuantConfig::producer_excludes(std::string_view module_name) const {
-  for (std::string_view vision : {"vision_tower", "vision_model", "visual"}) {
-    if (contains_text(module_name, vision)) return true;
-  }
+  if (is_vision_module(module_name)) return true;
   return std::any_of(exclude_modules.begin(), exclude_modules.end(),
                      [&](const std::string& p) { return quant_fnmatch(module_name, p); });
 }

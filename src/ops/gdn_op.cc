@@ -8,6 +8,7 @@
 
 #include "core/formats.h"
 #include "kernels/cpu/gated_delta.h"
+#include "layers/norms.h"
 
 namespace tern {
 namespace {
@@ -246,34 +247,37 @@ Expected<std::unique_ptr<OpInputs>> delta_rule_norm_make(const SelfTestCase& c, 
   return in;
 }
 
-// The gated norm of every [dv] row of out (the first tokens * Hv * dv values), fp64 or fp32 by T.
-template <class T>
-void gated_norm_rows(const GdnDeltaRuleNormInputs& in, std::vector<float>& out) {
+// The delta rule's fp64 reference, then the gated norm of every [dv] row of its output in fp64.
+std::vector<float> delta_rule_norm_reference(const OpInputs& base) {
+  const auto& in = static_cast<const GdnDeltaRuleNormInputs&>(base);
+  std::vector<float> out = delta_rule_reference(in);
   const int64_t hv = in.n_value_heads, dv = in.value_dim;
   for (int64_t t = 0; t < in.batch.tokens; ++t) {
     for (int64_t j = 0; j < hv; ++j) {
       float* row = &out[(t * hv + j) * dv];
-      T sum = 0;
-      for (int64_t e = 0; e < dv; ++e) sum += T(row[e]) * T(row[e]);
-      const T inv = T(1) / std::sqrt(sum / T(dv) + T(in.eps));
+      double sum = 0.0;
+      for (int64_t e = 0; e < dv; ++e) sum += double(row[e]) * row[e];
+      const double inv = 1.0 / std::sqrt(sum / double(dv) + double(in.eps));
       for (int64_t e = 0; e < dv; ++e) {
-        const T z = bf16_to_float(in.gate[t * in.gate_stride + j * dv + e]);
-        row[e] = static_cast<float>(T(row[e]) * inv * T(bf16_to_float(in.weight[e])) * (z / (T(1) + std::exp(-z))));
+        const double z = bf16_to_float(in.gate[t * in.gate_stride + j * dv + e]);
+        row[e] = static_cast<float>(row[e] * inv * bf16_to_float(in.weight[e]) * (z / (1.0 + std::exp(-z))));
       }
     }
   }
-}
-
-std::vector<float> delta_rule_norm_reference(const OpInputs& base) {
-  std::vector<float> out = delta_rule_reference(base);
-  gated_norm_rows<double>(static_cast<const GdnDeltaRuleNormInputs&>(base), out);
   return out;
 }
 
+// The CPU path: its delta rule, then layers' gated_rms_norm on the output rows.
 std::vector<float> delta_rule_norm_cpu(const OpInputs& base) {
   const auto& in = static_cast<const GdnDeltaRuleNormInputs&>(base);
   std::vector<float> out = gdn_delta_rule_cpu(in);
-  gated_norm_rows<float>(in, out);
+  const int64_t width = in.n_value_heads * in.value_dim;
+  std::vector<float> z(static_cast<size_t>(in.batch.tokens * width)), weight(static_cast<size_t>(in.value_dim));
+  for (int64_t t = 0; t < in.batch.tokens; ++t) {
+    for (int64_t i = 0; i < width; ++i) z[t * width + i] = bf16_to_float(in.gate[t * in.gate_stride + i]);
+  }
+  for (int64_t e = 0; e < in.value_dim; ++e) weight[e] = bf16_to_float(in.weight[e]);
+  gated_rms_norm(out.data(), z.data(), in.batch.tokens * in.n_value_heads, weight, in.eps, out.data());
   return out;
 }
 
