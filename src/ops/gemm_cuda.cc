@@ -61,8 +61,9 @@ Expected<double> cuda_time_best(const DeviceContext& ctx, const std::function<vo
                                 const std::function<Expected<void>()>& launch) {
   constexpr int kTimedRuns = 5;
   // Every run starts from a cold L2, as a model's decode step does (its weights, KV cache and states are many times
-  // the L2); back to back, a case whose weights fit the L2 would be timed at L2 speed.
-  DeviceBuffer flush(static_cast<size_t>(std::max(2 * int64_t{ctx.props().l2_bytes}, int64_t{1})));
+  // the L2); back to back, a case whose weights fit the L2 would be timed at L2 speed. The context keeps the buffer
+  // (allocating and freeing it per call cost each self-test case a device-wide synchronisation).
+  const DeviceBuffer& flush = ctx.l2_flush_buffer();
   cudaEvent_t start, stop;
   TERN_CUDA_CHECK(cudaEventCreate(&start));
   TERN_CUDA_CHECK(cudaEventCreate(&stop));

@@ -1,5 +1,6 @@
 #include "kernels/cuda/device.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace tern {
@@ -78,6 +79,11 @@ DeviceContext::DeviceContext(int device) : props_(device_query_props(device)) {
   TERN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   TERN_CUBLAS_CHECK(cublasLtCreate(&cublaslt_));
   workspace_ = DeviceBuffer(kCublasWorkspaceBytes);
+}
+
+const DeviceBuffer& DeviceContext::l2_flush_buffer() const {
+  if (l2_flush_.data() == nullptr) l2_flush_ = DeviceBuffer(static_cast<size_t>(std::max(2 * props_.l2_bytes, 1)));
+  return l2_flush_;
 }
 
 DeviceContext::~DeviceContext() {

@@ -105,6 +105,10 @@ class DeviceContext {
   void set_programmatic_launch(bool on) { programmatic_launch_ = on; }
   bool programmatic_launch() const { return programmatic_launch_; }
 
+  // Twice the L2 in bytes, allocated on first use and kept for the context's life: timing code (cuda_time_best)
+  // overwrites it before each timed run so the run starts from a cold L2, as a decode step does.
+  const DeviceBuffer& l2_flush_buffer() const;
+
   // Per-shape cuBLASLt plans of gemm_bf16 (type-erased; gemm_bf16.cc owns the type). A context is used by one
   // thread at a time, like its stream.
   mutable std::shared_ptr<void> gemm_plans;
@@ -114,6 +118,7 @@ class DeviceContext {
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t cublaslt_ = nullptr;
   DeviceBuffer workspace_;
+  mutable DeviceBuffer l2_flush_;
   bool programmatic_launch_ = false;
 };
 

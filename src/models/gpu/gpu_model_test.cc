@@ -47,6 +47,11 @@ nlohmann::json read_json(const std::string& path) {
   return nlohmann::json::parse(in);
 }
 
+// The transformers outputs recorded for a fixture (tests/fixtures/README.md).
+nlohmann::json reference_of(const Case& c) {
+  return read_json(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture + "/" + c.reference);
+}
+
 std::unique_ptr<CausalLm> load_cuda(const std::string& fixture, DeviceModelOptions sizes = {}) {
   ModelLoadOptions options;
   options.device = ModelDevice::kCuda;
@@ -98,7 +103,7 @@ TEST_P(GpuModelReference, TeacherForcedLogitsMatchTransformers) {
   const Case& c = GetParam();
   auto model = load_cuda(c.fixture);
   ASSERT_TRUE(model);
-  const auto ref = read_json(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture + "/" + c.reference);
+  const auto ref = reference_of(c);
   const int64_t vocab = model->config().vocab_size;
   const double bound = bf16_noise(c.fixture).max_rel_logit_error;
   double worst = 0.0;
@@ -128,7 +133,7 @@ TEST_P(GpuModelReference, OneRowStepsWithTheFusedGemvsMatchTransformers) {
   auto model = load_cuda(
       c.fixture, DeviceModelOptions{.bf16_gemv = true, .norm_gemv = true, .silu_gemv = true, .gdn_norm_in_rule = true});
   ASSERT_TRUE(model);
-  const auto ref = read_json(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture + "/" + c.reference);
+  const auto ref = reference_of(c);
   const int64_t vocab = model->config().vocab_size;
   const double bound = bf16_noise(c.fixture).max_rel_logit_error;
   double worst = 0.0;
@@ -154,7 +159,7 @@ TEST_P(GpuModelReference, GreedyContinuationMatchesTransformers) {
   const Case& c = GetParam();
   auto model = load_cuda(c.fixture);
   ASSERT_TRUE(model);
-  const auto ref = read_json(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture + "/" + c.reference);
+  const auto ref = reference_of(c);
   const Bf16Noise noise = bf16_noise(c.fixture);
   const int64_t vocab = model->config().vocab_size;
   for (size_t p = 0; p < ref["prompts"].size(); ++p) {
@@ -243,7 +248,7 @@ TEST_P(GpuModelReference, IntermediatesTrackTheCpuPath) {
   auto gpu = load_cuda(c.fixture);
   auto cpu = model_load(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture, {});
   ASSERT_TRUE(gpu && cpu.has_value());
-  const auto ref = read_json(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture + "/" + c.reference);
+  const auto ref = reference_of(c);
   const auto prompt = ref["prompts"][0].get<std::vector<int32_t>>();
   std::vector<std::pair<std::string, std::vector<float>>> seen_cpu, seen_gpu;
   auto collect = [](auto& into) {
