@@ -751,14 +751,14 @@ Expected<void> GpuBackend::run_gdn(const GpuGdn& g, const NormedInput& in, const
   if (after_core) TERN_TRY(after_core());
   if (!norm_in_rule) {
     TERN_TRY(rms_norm(ctx_, RmsNormArgs{.x = attn_,
-                                        .gate = proj_ + g.z_col,
-                                        .gate_stride = g.in_proj.width,
+                                        .gate = norm.gate,
+                                        .gate_stride = norm.gate_stride,
                                         .gate_heads = hv,
-                                        .weight = g.norm_weight,
+                                        .weight = norm.weight,
                                         .y = attn_,
                                         .rows = t * hv,
                                         .dim = s.value_dim,
-                                        .eps = s.norm_eps}));
+                                        .eps = norm.eps}));
   }
   return device_matrix_forward(ctx_, g.out_proj, attn_, t, out_, config_hidden_);
 }
