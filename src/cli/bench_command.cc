@@ -63,7 +63,7 @@ std::vector<int32_t> random_ids(int64_t n, int64_t vocab, std::mt19937_64& rng) 
 // What the model is compared against: measured on the GPU that runs it; nothing on the CPU.
 std::optional<nlohmann::ordered_json> measure_roofline(const CausalLm& model, int device) {
 #if TERN_HAVE_CUDA
-  if (model.backend() == nullptr) return std::nullopt;
+  if (model.runner().device() != ModelDevice::kCuda) return std::nullopt;
   DeviceContext ctx(device);
   auto r = roofline_measure(ctx);
   if (!r) {
@@ -220,7 +220,7 @@ int run_bench(const BenchOptions& o) {
   CausalLm& m = **model;
   const StepTraffic traffic = step_traffic_of(m);
   nlohmann::ordered_json report{{"model", o.model.model_dir},
-                                {"device", m.backend() ? m.backend()->describe() : std::string("cpu")},
+                                {"device", m.runner().describe()},
                                 {"load_s", load_s}};
   const auto roof = measure_roofline(m, o.model.cuda_device);
   report["roofline"] = roof ? *roof : nlohmann::ordered_json(nullptr);
@@ -241,7 +241,7 @@ int run_bench(const BenchOptions& o) {
     if (!s) return fail(fmt::format("decode at batch {}: {}", batch, s.error().message));
     report["rows"].push_back(decode_row(traffic, batch, o, *s, roof));
   }
-  report["device"] = m.backend() ? m.backend()->describe() : std::string("cpu");  // now with its graphs
+  report["device"] = m.runner().describe();  // now with its graphs
   if (o.json) {
     fmt::print("{}\n", report.dump(1));
   } else {

@@ -118,8 +118,8 @@ int run_serve(ServeOptions& o) {
                                  .kv_cache_tokens = total_given ? o.max_total_tokens : 0};
   auto model = load_model_from_options(o.model, sizes);
   if (!model) return fail(model.error().message);
-  if (const ForwardBackend* backend = (*model)->backend(); backend && !total_given && backend->kv_cache_tokens() > 0) {
-    o.max_total_tokens = std::min(o.max_total_tokens, backend->kv_cache_tokens());
+  if (const ModelRunner& runner = (*model)->runner(); !total_given && runner.kv_cache_tokens() > 0) {
+    o.max_total_tokens = std::min(o.max_total_tokens, runner.kv_cache_tokens());
     if (o.max_total_tokens < o.context_length) {
       return fail(
           fmt::format("the KV cache that fits in device memory holds {} tokens, less than one full context "
@@ -130,7 +130,7 @@ int run_serve(ServeOptions& o) {
     if (!econfig) return fail(econfig.error().message);
   }
   spdlog::info("weights loaded in {:.2f} s", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  if (const ForwardBackend* backend = (*model)->backend()) spdlog::info("running on {}", backend->describe());
+  if ((*model)->runner().device() != ModelDevice::kCpu) spdlog::info("running on {}", (*model)->runner().describe());
   const ModelConfig config = (*model)->config();
   if (o.server.served_model_name.empty()) o.server.served_model_name = dir.filename().string();
   o.server.context_length = o.context_length;

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kernels/cpu/attention.h"
+#include "layers/block_ops.h"
 
 namespace tern {
 
@@ -57,6 +58,10 @@ void Attention::attend_sequence(const BatchSlice& seq, LayerCache& cache, float*
                             .n_kv_heads = shape_.n_kv_heads, .head_dim = hd,
                             .scale = 1.0f / std::sqrt(static_cast<float>(hd))};
   cpu_attention_causal(s, q, cache.k.data(), cache.v.data(), out);
+}
+
+Expected<std::unique_ptr<Block>> Attention::place(BlockOps& ops, const RmsNorm& norm) const {
+  return ops.attention(norm, *this);
 }
 
 }  // namespace tern

@@ -27,6 +27,7 @@ class Attention final : public Mixer {
   Attention(AttentionShape shape, AttentionWeights weights, Rope rope)
       : shape_(shape), w_(std::move(weights)), rope_(std::move(rope)) {}
   void forward(const float* x, float* y, const Batch& batch, int64_t layer, const Tracer* tracer) const override;
+  Expected<std::unique_ptr<Block>> place(BlockOps& ops, const RmsNorm& norm) const override;
 
   const AttentionShape& shape() const { return shape_; }
   const AttentionWeights& weights() const { return w_; }

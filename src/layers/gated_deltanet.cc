@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "kernels/cpu/gated_delta.h"
+#include "layers/block_ops.h"
 #include "layers/norms.h"
 
 namespace tern {
@@ -98,6 +99,10 @@ void GatedDeltaNet::run_sequence(const BatchSlice& seq, LayerCache& cache, const
                                  .value_dim = s_.value_dim};
   cpu_gated_delta_rule(shape, conv.data(), conv.data() + key_width, c, conv.data() + 2 * key_width, c, g.data(),
                        beta.data(), cache.recurrent_state.data(), out);
+}
+
+Expected<std::unique_ptr<Block>> GatedDeltaNet::place(BlockOps& ops, const RmsNorm& norm) const {
+  return ops.gated_deltanet(norm, *this);
 }
 
 }  // namespace tern

@@ -32,6 +32,7 @@ class GatedDeltaNet final : public Mixer {
  public:
   GatedDeltaNet(GatedDeltaNetShape shape, GatedDeltaNetWeights weights) : s_(shape), w_(std::move(weights)) {}
   void forward(const float* x, float* y, const Batch& batch, int64_t layer, const Tracer* tracer) const override;
+  Expected<std::unique_ptr<Block>> place(BlockOps& ops, const RmsNorm& norm) const override;
 
   const GatedDeltaNetShape& shape() const { return s_; }
   const GatedDeltaNetWeights& weights() const { return w_; }

@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "layers/norms.h"
+#include "layers/block_ops.h"
 
 namespace tern {
 namespace {
@@ -92,6 +93,14 @@ void Moe::forward(const float* x, float* y, int64_t rows, const std::string& tra
     const float g = 1.0f / (1.0f + std::exp(-gate[i]));
     for (int64_t d = 0; d < hidden; ++d) y[i * hidden + d] += g * shared[i * hidden + d];
   }
+}
+
+Expected<std::unique_ptr<Block>> Mlp::place(BlockOps& ops, const RmsNorm& norm) const {
+  return ops.mlp(norm, *this);
+}
+
+Expected<std::unique_ptr<Block>> Moe::place(BlockOps& ops, const RmsNorm& norm) const {
+  return ops.moe(norm, *this);
 }
 
 }  // namespace tern

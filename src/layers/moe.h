@@ -22,6 +22,7 @@ class Mlp final : public FeedForward {
   explicit Mlp(MlpWeights weights) : w_(std::move(weights)) {}
   void forward(const float* x, float* y, int64_t rows, const std::string& trace_prefix,
                const Tracer* tracer) const override;
+  Expected<std::unique_ptr<Block>> place(BlockOps& ops, const RmsNorm& norm) const override;
 
   const MlpWeights& weights() const { return w_; }
 
@@ -46,6 +47,7 @@ class Moe final : public FeedForward {
   Moe(MoeShape shape, MoeWeights weights) : s_(shape), w_(std::move(weights)) {}
   void forward(const float* x, float* y, int64_t rows, const std::string& trace_prefix,
                const Tracer* tracer) const override;
+  Expected<std::unique_ptr<Block>> place(BlockOps& ops, const RmsNorm& norm) const override;
 
   const MoeShape& shape() const { return s_; }
   const MoeWeights& weights() const { return w_; }

@@ -2,10 +2,11 @@
 
 #include <fmt/format.h>
 
+#include "models/cpu/cpu_runner.h"
 #include "models/weight_schema.h"
 
 #if TERN_MODELS_CUDA
-#include "models/gpu/gpu_model.h"
+#include "models/gpu/gpu_runner.h"
 #endif
 
 namespace tern {
@@ -13,8 +14,36 @@ namespace tern {
 SequenceCache CausalLm::new_sequence() const {
   SequenceCache cache;
   cache.layers.resize(layers.size());
-  if (backend_) cache.device = backend_->new_sequence();
+  cache.device = runner_->new_sequence();
   return cache;
+}
+
+Expected<void> CausalLm::place(std::unique_ptr<ModelRunner> runner) {
+  BlockOps& ops = runner->ops();
+  TERN_ASSIGN_OR_RETURN(embedding_block_, ops.embedding(embed_tokens));
+  for (DecoderLayer& layer : layers) {
+    TERN_ASSIGN_OR_RETURN(layer.mixer_block, layer.mixer->place(ops, layer.input_norm));
+    TERN_ASSIGN_OR_RETURN(layer.ffn_block, layer.ffn->place(ops, layer.post_attention_norm));
+  }
+  TERN_ASSIGN_OR_RETURN(head_block_, ops.lm_head(final_norm, lm_head));
+  TERN_TRY(runner->finish_load());
+  runner_ = std::move(runner);
+  return {};
+}
+
+Expected<void> CausalLm::run_blocks() const {
+  BlockOps& ops = runner_->ops();
+  TERN_TRY(embedding_block_->forward(-1));
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const int64_t li = static_cast<int64_t>(i);
+    TERN_TRY(layers[i].mixer_block->forward(li));
+    TERN_TRY(ops.all_reduce_output());
+    TERN_TRY(ops.trace_output(trace_name(li, "mixer_out")));
+    TERN_TRY(layers[i].ffn_block->forward(li));
+    TERN_TRY(ops.all_reduce_output());
+    TERN_TRY(ops.trace_output(trace_name(li, "ffn_out")));
+  }
+  return head_block_->forward(-1);
 }
 
 Expected<SampleResults> CausalLm::forward_sample(std::span<const SequenceInput> batch,
@@ -22,78 +51,16 @@ Expected<SampleResults> CausalLm::forward_sample(std::span<const SequenceInput> 
   if (rows.size() != batch.size()) {
     return make_error("forward_sample: {} sampling rows for {} sequences", rows.size(), batch.size());
   }
-  if (backend_) {
-    TERN_ASSIGN_OR_RETURN(SampleResults results, backend_->forward_sample(batch, rows));
-    for (const SequenceInput& in : batch) in.cache->length += static_cast<int64_t>(in.tokens.size());
-    return results;
-  }
-  TERN_ASSIGN_OR_RETURN(const std::vector<float> logits, forward(batch, LogitsFor::kLastToken));
-  const size_t vocab = batch.empty() ? 0 : logits.size() / batch.size();
-  SampleResults results;
-  results.reserve(rows.size());
-  for (size_t i = 0; i < rows.size(); ++i) {
-    if (rows[i].sampler == nullptr) {
-      results.emplace_back(SampledToken{});
-      continue;
-    }
-    results.push_back(rows[i].sampler->sample(std::span<const float>(logits).subspan(i * vocab, vocab),
-                                              rows[i].prompt_ids, rows[i].output_ids));
-  }
+  TERN_ASSIGN_OR_RETURN(SampleResults results, runner_->forward_sample(batch, rows, [this] { return run_blocks(); }));
+  for (const SequenceInput& in : batch) in.cache->length += static_cast<int64_t>(in.tokens.size());
   return results;
 }
 
 Expected<std::vector<float>> CausalLm::forward(std::span<const SequenceInput> batch, LogitsFor which,
                                                const Tracer* tracer) const {
-  if (backend_) {
-    TERN_ASSIGN_OR_RETURN(std::vector<float> logits, backend_->forward(batch, which, tracer));
-    for (const SequenceInput& in : batch) in.cache->length += static_cast<int64_t>(in.tokens.size());
-    return logits;
-  }
-  const int64_t hidden = config_.hidden_size, vocab = lm_head.out_features();
-  Batch b;
-  for (const SequenceInput& in : batch) {
-    b.sequences.push_back({b.n_rows, static_cast<int64_t>(in.tokens.size()), in.cache->length, in.cache});
-    b.n_rows += static_cast<int64_t>(in.tokens.size());
-  }
-  std::vector<float> x(b.n_rows * hidden), normed(b.n_rows * hidden), out(b.n_rows * hidden);
-  int64_t row = 0;
-  for (const SequenceInput& in : batch) {
-    for (int32_t id : in.tokens) {
-      if (id < 0 || id >= embed_tokens.rows) return make_error("token id {} is outside the vocabulary [0, {})", id,
-                                                               embed_tokens.rows);
-      cpu_matrix_row(embed_tokens, id, &x[row++ * hidden]);
-    }
-  }
-  for (size_t l = 0; l < layers.size(); ++l) {
-    const DecoderLayer& layer = layers[l];
-    const int64_t li = static_cast<int64_t>(l);
-    layer.input_norm.forward(x.data(), b.n_rows, normed.data());
-    layer.mixer->forward(normed.data(), out.data(), b, li, tracer);
-    if (tracer) (*tracer)(trace_name(li, "mixer_out"), out.data(), b.n_rows, hidden);
-    for (size_t i = 0; i < x.size(); ++i) x[i] += out[i];
-    layer.post_attention_norm.forward(x.data(), b.n_rows, normed.data());
-    layer.ffn->forward(normed.data(), out.data(), b.n_rows, trace_name(li, ""), tracer);
-    if (tracer) (*tracer)(trace_name(li, "ffn_out"), out.data(), b.n_rows, hidden);
-    for (size_t i = 0; i < x.size(); ++i) x[i] += out[i];
-    if (tracer) (*tracer)(trace_name(li, "out"), x.data(), b.n_rows, hidden);
-  }
-  for (const BatchSlice& s : b.sequences) s.cache->length += s.n_rows;
-
-  // Only the rows whose logits are wanted go through the final norm and lm_head.
-  std::vector<float> rows;
-  if (which == LogitsFor::kAllTokens) {
-    rows = std::move(x);
-  } else {
-    for (const BatchSlice& s : b.sequences) {
-      const float* last = &x[(s.row_begin + s.n_rows - 1) * hidden];
-      rows.insert(rows.end(), last, last + hidden);
-    }
-  }
-  const int64_t n = static_cast<int64_t>(rows.size()) / hidden;
-  final_norm.forward(rows.data(), n, rows.data());
-  if (tracer) (*tracer)("final_norm", rows.data(), n, hidden);
-  std::vector<float> logits(n * vocab);
-  lm_head.forward(rows.data(), n, logits.data());
+  TERN_ASSIGN_OR_RETURN(std::vector<float> logits,
+                        runner_->forward(batch, which, tracer, [this] { return run_blocks(); }));
+  for (const SequenceInput& in : batch) in.cache->length += static_cast<int64_t>(in.tokens.size());
   return logits;
 }
 
@@ -128,15 +95,19 @@ Expected<std::unique_ptr<CausalLm>> model_load(const std::filesystem::path& dir,
                         architecture_name(config.architecture));
   }
   if (!built) return wrap_error(built.error(), dir.string());
+  std::unique_ptr<ModelRunner> runner;
   if (options.device == ModelDevice::kCuda) {
 #if TERN_MODELS_CUDA
-    auto backend = gpu_backend_create(*model, options.device_options);
-    if (!backend) return wrap_error(backend.error(), dir.string());
-    model->set_backend(std::move(*backend));
+    auto cuda = gpu_runner_create(config, options.device_options);
+    if (!cuda) return wrap_error(cuda.error(), dir.string());
+    runner = std::move(*cuda);
 #else
     return make_error("this tern was built without CUDA: --device cuda is not available");
 #endif
+  } else {
+    runner = cpu_runner_create(config);
   }
+  if (auto placed = model->place(std::move(runner)); !placed) return wrap_error(placed.error(), dir.string());
   return model;
 }
 

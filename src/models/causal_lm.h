@@ -1,6 +1,7 @@
-// A decoder-only language model on the CPU: embeddings, decoder layers (norm -> mixer -> residual, norm -> feed-forward
-// -> residual), final norm, lm_head. The architecture files (qwen3.cc, qwen3_moe.cc, qwen3_5_moe.cc) build one from a
-// config and a WeightStore; model_load picks the right one.
+// A decoder-only language model: embeddings, decoder layers (norm -> mixer -> residual, norm -> feed-forward
+// -> residual), final norm, lm_head, written once for every device. The architecture files (qwen3.cc, qwen3_moe.cc,
+// qwen3_5_moe.cc) build its host blocks from a config and a WeightStore; model_load picks the right one and places
+// the blocks on the device (a ModelRunner: the CPU, or a CUDA GPU), where the one layer loop runs them.
 //
 //   TERN_ASSIGN_OR_RETURN(auto model, model_load("/models/qwen3", {}));
 //   SequenceCache seq = model->new_sequence();
@@ -20,50 +21,17 @@
 #include "layers/linear.h"
 #include "layers/norms.h"
 #include "layers/weights.h"
-#include "runtime/sampler.h"
+#include "models/model_runner.h"
 
 namespace tern {
 
+// One decoder layer: norm -> mixer -> residual, norm -> feed-forward -> residual. The host blocks (the builder's)
+// and, once placed, the same blocks as the runner's device runs them.
 struct DecoderLayer {
   RmsNorm input_norm, post_attention_norm;
   std::unique_ptr<Mixer> mixer;
   std::unique_ptr<FeedForward> ffn;
-};
-
-struct SequenceInput {
-  SequenceCache* cache = nullptr;
-  std::span<const int32_t> tokens;  // appended after what the cache holds
-};
-
-enum class LogitsFor { kAllTokens, kLastToken };
-
-// How one sequence of a step picks its next token: its own Sampler (parameters and random stream) and the ids its
-// penalties read. A null sampler: the sequence is mid-prompt and samples nothing this step.
-struct SampleRow {
-  Sampler* sampler = nullptr;
-  std::span<const int32_t> prompt_ids, output_ids;
-};
-// Per sequence of the step: the token, or why this sequence could not sample (a non-finite logit, a penalty id
-// outside the vocabulary); an entry for a null sampler holds an unused token.
-using SampleResults = std::vector<Expected<SampledToken>>;
-
-// Runs the forward pass on a device instead of the CPU (models/gpu); CausalLm::forward hands every call to it.
-class ForwardBackend {
- public:
-  virtual ~ForwardBackend() = default;
-  virtual std::shared_ptr<DeviceSequenceState> new_sequence() = 0;
-  // `tracer` (optional) receives the intermediates the CPU path names ("layers.N.mixer_out", "layers.N.ffn_out",
-  // "layers.N.gdn_core", "layers.N.router_logits", "final_norm"), widened to fp32; it synchronizes after each.
-  virtual Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which,
-                                               const Tracer* tracer) = 0;
-  // forward(kLastToken) with each sequence's token sampled on the device: only ids and logprobs come back. The
-  // same tokens as the Sampler on forward's logits, up to the last-ulp differences runtime/sampler.h bounds.
-  virtual Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch,
-                                                 std::span<const SampleRow> rows) = 0;
-  virtual std::string describe() const = 0;  // one line: device and what it holds
-  // Tokens the KV cache holds over all sequences (what DeviceModelOptions::kv_cache_tokens asked for, or what fit in
-  // device memory when it was 0); 0 when the model has no attention layers.
-  virtual int64_t kv_cache_tokens() const = 0;
+  std::unique_ptr<Block> mixer_block, ffn_block;
 };
 
 class CausalLm {
@@ -74,17 +42,17 @@ class CausalLm {
   const ModelConfig& config() const { return config_; }
   SequenceCache new_sequence() const;
 
-  // From now on forward() runs there (set by model_load for a device; the host weights stay mapped, since the
-  // backend may read them). Null for the CPU.
-  void set_backend(std::unique_ptr<ForwardBackend> backend) { backend_ = std::move(backend); }
-  const ForwardBackend* backend() const { return backend_.get(); }
+  // Makes every block for `runner`'s device and from then on runs each step there (model_load does this once the
+  // builder has made the host blocks; the host weights stay mapped, since the device's blocks may read them).
+  Expected<void> place(std::unique_ptr<ModelRunner> runner);
+  const ModelRunner& runner() const { return *runner_; }
 
   // Runs the tokens of every sequence (each extends its cache) and returns logits [rows, vocab]: one row per token
   // in batch order (kAllTokens) or one per sequence (kLastToken). Errors on an out-of-range token id.
   Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which,
                                        const Tracer* tracer = nullptr) const;
   // One step that ends in a token per sequence (rows.size() == batch.size()): sampled where the logits are (on the
-  // device backend's GPU; on the CPU through each row's Sampler). An error fails the whole step; a row's own
+  // GPU for the CUDA runner; on the CPU through each row's Sampler). An error fails the whole step; a row's own
   // failure (non-finite logits) is in its entry.
   Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch, std::span<const SampleRow> rows) const;
 
@@ -96,13 +64,17 @@ class CausalLm {
   std::vector<std::string> notices;  // worth telling the user once (e.g. skipped vision weights)
 
  private:
+  // The layer loop, the same on every device: embedding, each layer's mixer and feed-forward block (each followed
+  // by the sum over tensor-parallel ranks), the final norm and lm_head.
+  Expected<void> run_blocks() const;
+
   ModelConfig config_;
   std::unique_ptr<WeightStore> weights_;  // owns the memory the views above point into
-  std::unique_ptr<ForwardBackend> backend_;
+  std::unique_ptr<Block> embedding_block_, head_block_;
+  std::unique_ptr<ModelRunner> runner_;
 };
 
 enum class LoadFormat { kAuto, kDummy };
-enum class ModelDevice { kCpu, kCuda };
 
 // Sizes of what a device backend allocates up front.
 struct DeviceModelOptions {

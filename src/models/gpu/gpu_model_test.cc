@@ -150,7 +150,7 @@ TEST_P(GpuModelReference, OneRowStepsWithTheFusedGemvsMatchTransformers) {
       worst = std::max(worst, expect_position_matches(logits->data(), vocab, positions[t], bound, where));
     }
   }
-  EXPECT_NE(model->backend()->describe().find("decode graphs"), std::string::npos);
+  EXPECT_NE(model->runner().describe().find("decode graphs"), std::string::npos);
   std::cout << c.fixture << ": one row per step, max |logit - reference| / max |reference logit| = " << worst
             << " (transformers in bf16: " << bound << ")\n";
 }
@@ -332,9 +332,9 @@ TEST_P(GpuModelReference, DecodeGraphsReplayTheEagerSteps) {
   });
   EXPECT_EQ(step, 10u);
   // Batch sizes 3 and 2 both reached replay (each shape: one eager step, one capture, then replays).
-  const std::string described = graphed->backend()->describe();
+  const std::string described = graphed->runner().describe();
   EXPECT_NE(described.find(", 2 decode graphs, programmatic launch"), std::string::npos) << described;
-  EXPECT_NE(eager->backend()->describe().find("eager decode)"), std::string::npos);
+  EXPECT_NE(eager->runner().describe().find("eager decode)"), std::string::npos);
 }
 
 // forward_sample samples on the GPU what the CPU Sampler samples from forward's logits of the same step: per row

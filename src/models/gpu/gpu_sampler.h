@@ -14,7 +14,7 @@
 #include "core/error.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/sampling_launch.h"
-#include "models/causal_lm.h"
+#include "models/model_runner.h"
 
 namespace tern {
 

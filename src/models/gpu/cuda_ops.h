@@ -1,0 +1,146 @@
+// The model's blocks on a CUDA device (BlockOps for models/gpu/gpu_runner.h): weights uploaded once in their stored
+// format (gpu_weights.h), bf16 activations with fp32 math inside every kernel, a paged KV cache per attention layer
+// and fp32 Gated DeltaNet states in per-sequence slots.
+//
+// Each block reads the residual stream through its norm and leaves its output in the arena's `out` rows; the next
+// block's norm adds it to the stream (the RMSNorm kernel's residual input), so the stream is updated without a
+// launch of its own. The fusions the self-test verified (DeviceModelOptions) are decided here, per call, by shape:
+// the norm inside a one-row BF16 GEMV, the SiLU-and-mul inside the down GEMV, the MoE combine inside the shared
+// expert's down GEMV, the GDN gated norm inside the recurrent delta rule.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/gated_delta.h"
+#include "layers/block_ops.h"
+#include "models/causal_lm.h"
+#include "models/gpu/gpu_weights.h"
+
+namespace tern {
+
+// A step as the blocks see it: its sizes and the device copy of its metadata (gpu_runner.cc plans and uploads it).
+struct CudaStep {
+  bool decode = false;  // one token per sequence, the last-token logits wanted: replayable as a CUDA graph
+  int64_t tokens = 0, n_seqs = 0, max_query_len = 0, max_seq_len = 0, max_blocks = 0;
+  const int32_t *ids = nullptr, *positions = nullptr, *slot_mapping = nullptr, *query_start = nullptr,
+                *seq_lens = nullptr, *block_tables = nullptr, *state_slot = nullptr, *seq_past = nullptr,
+                *last_rows = nullptr;
+  LogitsFor which = LogitsFor::kLastToken;
+  const Tracer* tracer = nullptr;
+  uint16_t* logits = nullptr;  // [logit_rows(), vocab] bf16
+
+  // A prefill's last-token logits are of each sequence's last row, gathered out of the normed rows; a decode step's
+  // rows are its sequences already.
+  bool gathers_last_rows() const { return which == LogitsFor::kLastToken && !decode && tokens > 1; }
+  int64_t logit_rows() const { return gathers_last_rows() ? n_seqs : tokens; }
+};
+
+struct GpuNorm;
+struct GpuAttention;
+struct GpuGdn;
+struct GpuMlp;
+struct GpuMoe;
+
+class CudaOps final : public BlockOps {
+ public:
+  // hidden: the model's hidden size; options.bf16_gemv and the other self-test choices decide the fusions.
+  CudaOps(DeviceContext& ctx, const DeviceModelOptions& options, int64_t hidden);
+  ~CudaOps() override;
+
+  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table) override;
+  Expected<std::unique_ptr<Block>> attention(const RmsNorm& norm, const Attention& a) override;
+  Expected<std::unique_ptr<Block>> gated_deltanet(const RmsNorm& norm, const GatedDeltaNet& g) override;
+  Expected<std::unique_ptr<Block>> mlp(const RmsNorm& norm, const Mlp& m) override;
+  Expected<std::unique_ptr<Block>> moe(const RmsNorm& norm, const Moe& m) override;
+  Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head) override;
+  Expected<void> all_reduce_output() override { return {}; }
+  Expected<void> trace_output(std::string_view name) override;
+
+  // Once every block is made: the activation arena for max_batch_tokens rows, the GDN state slots, and the KV
+  // cache (DeviceModelOptions::kv_cache_tokens, or what fits in half of the free memory).
+  Expected<void> allocate();
+  // The step the next body runs; the stream restarts at the embedding.
+  void begin_step(const CudaStep& step) { step_ = step; }
+
+  int64_t kv_blocks() const { return kv_blocks_; }
+  bool has_gdn() const { return !gdns_.empty(); }
+  int64_t vocab() const { return vocab_; }                    // lm_head's rows: the logits' width
+  int64_t embedding_rows() const { return embedding_rows_; }  // the token ids the embedding takes
+  size_t weight_bytes() const { return weights_.bytes(); }
+
+  // ---- What the blocks call (cuda_ops.cc) ----
+  const CudaStep& step() const { return step_; }
+  Expected<void> run_embedding(const DeviceMatrix& table);
+  Expected<void> run_attention(const GpuAttention& a, const GpuNorm& norm);
+  Expected<void> run_gdn(const GpuGdn& g, const GpuNorm& norm, int64_t layer);
+  Expected<void> run_mlp(const GpuMlp& m, const GpuNorm& norm);
+  Expected<void> run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t layer);
+  Expected<void> run_head(const DeviceMatrix& head, const GpuNorm& norm);
+
+ private:
+  // The input of a block's first projection: the RMSNorm of the residual stream (x_, plus the previous block's
+  // output out_ once a block has run). The norm's output lands in normed_ and the new stream in x_, whichever path
+  // runs it.
+  struct NormedInput {
+    const GpuNorm* norm = nullptr;
+    const uint16_t* residual = nullptr;
+  };
+  NormedInput normed_input(const GpuNorm& norm) const { return {&norm, stream_started_ ? out_ : nullptr}; }
+  Expected<GpuNorm> norm(const RmsNorm& n);
+  Expected<void> allocate_caches();
+  Expected<void> allocate_activations();
+  Expected<void> rms_norm_rows(const GpuNorm& n, uint16_t* x, const uint16_t* residual, int64_t rows, uint16_t* y);
+  // The norm of `in`, then w's product of normed_ into y (row stride ldy). At one row, where the self-test verified
+  // the GEMV with the norm in front, one kernel does both and writes the new stream to the spare row (its block 0
+  // writes it while the other blocks still read x_), which then becomes x_.
+  Expected<void> norm_forward(const NormedInput& in, const DeviceMatrix& w, int64_t rows, uint16_t* y, int64_t ldy);
+  Expected<void> norm_project(const NormedInput& in, const DeviceProjection& p, int64_t rows, uint16_t* y);
+  // The fused SiLU GEMV (gemv_bf16_silu_mul) serves w's product on rows of [gate | up] ldx apart.
+  bool silu_gemv_applies(const DeviceMatrix& w, int64_t ldx, int64_t rows) const;
+  // SiLU-and-mul of the gate|up rows (row stride ldx), then w's product of it into y (row stride ldy): at one row
+  // inside the GEMV's loads where the self-test found that faster, else through act_.
+  Expected<void> silu_forward(const DeviceMatrix& w, const uint16_t* gate_up, int64_t ldx, int64_t rows, uint16_t* y,
+                              int64_t ldy);
+  // Waits for the stream and hands rows x cols of a bf16 matrix with row stride ld to the step's tracer as fp32.
+  Expected<void> trace(std::string_view name, const uint16_t* data, int64_t rows, int64_t cols, int64_t ld);
+
+  DeviceContext& ctx_;
+  DeviceModelOptions options_;
+  DeviceWeights weights_;
+  int64_t hidden_ = 0, vocab_ = 0, embedding_rows_ = 0;
+  AttentionVariant attention_variant_ = AttentionVariant::kAuto;
+  GdnVariant gdn_variant_ = GdnVariant::kAuto;
+
+  // The device blocks made so far (owned by their Blocks, which the model keeps), for sizing buffers and caches.
+  std::vector<GpuAttention*> attentions_;
+  std::vector<GpuGdn*> gdns_;
+  std::vector<const GpuMlp*> mlps_;
+  std::vector<const GpuMoe*> moes_;
+
+  int64_t kv_blocks_ = 0;
+  std::vector<DeviceBuffer> cache_buffers_;
+  DeviceBuffer arena_;
+
+  CudaStep step_;
+  bool stream_started_ = false;  // a block has run since the embedding: its output waits in out_
+
+  // Activations (bf16 unless said), all [max_batch_tokens, ...]. x_ is the residual stream: x_rows_ at the start of
+  // every step; at one row the norm-fused GEMV writes the new stream to x_spare_ and the two swap, and x_spare_
+  // starts every step as x_row_ (one row).
+  uint16_t *x_rows_ = nullptr, *x_row_ = nullptr, *x_spare_ = nullptr, *x_ = nullptr;
+  uint16_t *normed_ = nullptr, *out_ = nullptr, *proj_ = nullptr, *q_ = nullptr, *gate_ = nullptr, *attn_ = nullptr,
+           *conv_ = nullptr, *act_ = nullptr;
+  uint16_t *router_ = nullptr, *shared_out_ = nullptr, *last_ = nullptr;
+  unsigned long long* bad_id_ = nullptr;  // the embedding kernel's report (ids are checked on the host first)
+  void* attention_workspace_ = nullptr;
+  size_t attention_workspace_bytes_ = 0;
+  void* moe_workspace_ = nullptr;
+  size_t moe_workspace_bytes_ = 0;
+};
+
+}  // namespace tern

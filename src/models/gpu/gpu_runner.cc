@@ -1,0 +1,357 @@
+#include "models/gpu/gpu_runner.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <bit>
+#include <map>
+
+#include "core/formats.h"
+#include "models/gpu/cuda_ops.h"
+#include "models/gpu/gpu_sampler.h"
+
+namespace tern {
+namespace {
+
+// ---- Cache bookkeeping: KV blocks and Gated DeltaNet state slots, shared with the sequences holding them. ----
+
+struct CachePool {
+  std::vector<int32_t> free_blocks;  // a stack: the most recently freed block is reused first
+  std::vector<int32_t> free_slots;
+};
+
+class GpuSequence final : public DeviceSequenceState {
+ public:
+  explicit GpuSequence(std::shared_ptr<CachePool> pool) : pool_(std::move(pool)) {}
+  ~GpuSequence() override {
+    pool_->free_blocks.insert(pool_->free_blocks.end(), blocks.rbegin(), blocks.rend());
+    if (slot >= 0) pool_->free_slots.push_back(slot);
+  }
+  GpuSequence(const GpuSequence&) = delete;
+  GpuSequence& operator=(const GpuSequence&) = delete;
+
+  std::vector<int32_t> blocks;
+  int32_t slot = -1;
+
+ private:
+  std::shared_ptr<CachePool> pool_;
+};
+
+// Per-step metadata, host side, laid out as one int32 array copied to the device in one transfer. A decode step
+// (one token per sequence, logits of the last rows) rounds its block-table width up to a power of two and sizes
+// attention for that many blocks, so the kernels' launch shapes depend only on (n_seqs, max_blocks): the key under
+// which the step's CUDA graph is kept. Its outputs do not depend on whether a graph replays it.
+struct HostStepPlan {
+  bool decode = false;
+  int64_t tokens = 0, n_seqs = 0, max_query_len = 0, max_seq_len = 0, max_blocks = 0;
+  std::vector<int32_t> ids, positions, slot_mapping, query_start, seq_lens, block_tables, state_slot, seq_past,
+      last_rows;
+};
+
+class GpuRunner final : public ModelRunner {
+ public:
+  GpuRunner(const ModelConfig& config, const DeviceModelOptions& options)
+      : options_(options),
+        ctx_(options.device),
+        ops_(ctx_, options, config.hidden_size),
+        pool_(std::make_shared<CachePool>()) {}
+  ~GpuRunner() override {
+    drop_graphs();
+    if (meta_host_ != nullptr) cudaFreeHost(meta_host_);
+  }
+
+  BlockOps& ops() override { return ops_; }
+  Expected<void> finish_load() override;
+  std::shared_ptr<DeviceSequenceState> new_sequence() override { return std::make_shared<GpuSequence>(pool_); }
+  Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which, const Tracer* tracer,
+                                       const StepBody& body) override;
+  Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch, std::span<const SampleRow> rows,
+                                         const StepBody& body) override;
+  int64_t kv_cache_tokens() const override { return ops_.kv_blocks() * options_.kv_block_size; }
+  ModelDevice device() const override { return ModelDevice::kCuda; }
+  std::string describe() const override {
+    const auto captured = std::count_if(graphs_.begin(), graphs_.end(), [](const auto& g) { return g.second.exec; });
+    return fmt::format("cuda:{} {} ({:.2f} GiB of weights, KV cache {} tokens in blocks of {}, {}{})", options_.device,
+                       ctx_.props().name, static_cast<double>(ops_.weight_bytes()) / (1 << 30), kv_cache_tokens(),
+                       options_.kv_block_size,
+                       graphs_enabled_ ? fmt::format("{} decode graphs", captured) : std::string("eager decode"),
+                       pdl_ ? ", programmatic launch in decode steps" : "");
+  }
+
+ private:
+  Expected<HostStepPlan> plan_step(std::span<const SequenceInput> batch, bool decode);
+  // Uploads the plan and hands its device view to the blocks, with the logits buffer grown for its rows.
+  Expected<void> begin_step(const HostStepPlan& plan, LogitsFor which, const Tracer* tracer);
+  // The body, on the stream, with no synchronisation. Programmatic launch hides the gaps between a decode step's
+  // short kernels; in a prefill, whose kernels run many waves, it costs (docs/perf/gpu.md §programmatic launch), so
+  // it is on in decode steps only.
+  Expected<void> run_body(const StepBody& body);
+  // run_body through the decode step's CUDA graph: the first step of a shape runs eagerly (cuBLASLt plans, lazily
+  // loaded kernels), the second is captured, later ones replay it. A capture that fails turns graphs off, loudly.
+  Expected<void> run_decode(const HostStepPlan& plan, const StepBody& body);
+  void drop_graphs();
+
+  DeviceModelOptions options_;
+  DeviceContext ctx_;
+  CudaOps ops_;
+  std::shared_ptr<CachePool> pool_;
+  bool pdl_ = false;  // programmatic launch wanted and taken by the device (decode steps only: run_body)
+
+  DeviceBuffer logits_;  // [rows, vocab] bf16: max_sequences rows, grown on demand (drops graphs)
+  DeviceBuffer meta_buffer_;
+  int32_t* meta_ = nullptr;            // device copy of the step plan
+  int32_t* meta_host_ = nullptr;       // pinned staging
+  size_t meta_capacity_ = 0;           // int32 elements
+  std::vector<uint16_t> logits_host_;  // bf16 staging of the logits
+  // Decode graphs by (n_seqs, block-table width); they bake in every buffer address, so a reallocated meta_ or
+  // logits_ drops them all.
+  struct DecodeGraph {
+    bool warmed = false;
+    cudaGraphExec_t exec = nullptr;
+  };
+  std::map<std::pair<int64_t, int64_t>, DecodeGraph> graphs_;
+  bool graphs_enabled_ = true;
+  GpuSampler sampler_;  // sized for max_sequences rows
+};
+
+Expected<void> GpuRunner::finish_load() {
+  pdl_ = options_.programmatic_launch && programmatic_launch_probe(ctx_);
+  graphs_enabled_ = options_.cuda_graphs;
+  TERN_TRY(ops_.allocate());
+  TERN_TRY(sampler_.allocate(options_.max_sequences, ops_.vocab()));
+  // Logits of a decode step at the largest batch, allocated now so that no decode graph sees this buffer move.
+  if (!DeviceBuffer::try_allocate(static_cast<size_t>(options_.max_sequences * ops_.vocab()) * 2, logits_)) {
+    return make_error("out of device memory for the logits of {} sequences", options_.max_sequences);
+  }
+  for (int64_t b = ops_.kv_blocks() - 1; b >= 0; --b) pool_->free_blocks.push_back(static_cast<int32_t>(b));
+  for (int64_t s = options_.max_sequences - 1; s >= 0; --s) pool_->free_slots.push_back(static_cast<int32_t>(s));
+  return {};
+}
+
+Expected<HostStepPlan> GpuRunner::plan_step(std::span<const SequenceInput> batch, bool decode) {
+  HostStepPlan p;
+  p.decode = decode;
+  p.n_seqs = static_cast<int64_t>(batch.size());
+  if (p.n_seqs > options_.max_sequences) {
+    return make_error("{} sequences in one step; this model was set up for at most {}", p.n_seqs,
+                      options_.max_sequences);
+  }
+  const int64_t bs = options_.kv_block_size, kv_blocks = ops_.kv_blocks(), vocab = ops_.embedding_rows();
+  for (const SequenceInput& in : batch) {
+    for (const int32_t id : in.tokens) {
+      if (id < 0 || id >= vocab) return make_error("token id {} is outside the vocabulary [0, {})", id, vocab);
+    }
+  }
+  p.query_start.push_back(0);
+  for (const SequenceInput& in : batch) {
+    auto* seq = dynamic_cast<GpuSequence*>(in.cache->device.get());
+    if (seq == nullptr) return make_error("a sequence was not created by this CUDA model (new_sequence())");
+    const int64_t past = in.cache->length, n = static_cast<int64_t>(in.tokens.size());
+    const int64_t need_blocks = (past + n + bs - 1) / bs;
+    while (static_cast<int64_t>(seq->blocks.size()) < need_blocks) {
+      if (pool_->free_blocks.empty()) {
+        return make_error("the KV cache is full ({} tokens); finish or cancel requests, or raise --max-total-tokens",
+                          kv_blocks * bs);
+      }
+      seq->blocks.push_back(pool_->free_blocks.back());
+      pool_->free_blocks.pop_back();
+    }
+    if (ops_.has_gdn() && seq->slot < 0) {
+      if (pool_->free_slots.empty()) {
+        return make_error("no free state slot: {} sequences are alive", options_.max_sequences);
+      }
+      seq->slot = pool_->free_slots.back();
+      pool_->free_slots.pop_back();
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pos = past + i;
+      p.ids.push_back(in.tokens[i]);
+      p.positions.push_back(static_cast<int32_t>(pos));
+      p.slot_mapping.push_back(kv_blocks == 0 ? 0 : static_cast<int32_t>(seq->blocks[pos / bs] * bs + pos % bs));
+    }
+    p.tokens += n;
+    p.query_start.push_back(static_cast<int32_t>(p.tokens));
+    p.seq_lens.push_back(static_cast<int32_t>(past + n));
+    p.state_slot.push_back(seq->slot);
+    p.seq_past.push_back(static_cast<int32_t>(past));
+    p.last_rows.push_back(static_cast<int32_t>(std::max<int64_t>(p.tokens - 1, 0)));
+    p.max_query_len = std::max(p.max_query_len, n);
+    p.max_seq_len = std::max(p.max_seq_len, past + n);
+    p.max_blocks = std::max(p.max_blocks, need_blocks);
+  }
+  if (p.tokens > options_.max_batch_tokens) {
+    return make_error("{} tokens in one step; this model was set up for at most {} (--max-batch-tokens)", p.tokens,
+                      options_.max_batch_tokens);
+  }
+  p.max_blocks = std::max<int64_t>(p.max_blocks, 1);
+  if (decode && kv_blocks > 0) {
+    p.max_blocks = std::min(std::bit_ceil(static_cast<uint64_t>(p.max_blocks)), static_cast<uint64_t>(kv_blocks));
+    p.max_seq_len = p.max_blocks * bs;
+  }
+  p.block_tables.assign(static_cast<size_t>(p.n_seqs * p.max_blocks), 0);
+  for (int64_t s = 0; s < p.n_seqs; ++s) {
+    const auto& blocks = static_cast<GpuSequence*>(batch[s].cache->device.get())->blocks;
+    std::copy(blocks.begin(), blocks.end(), p.block_tables.begin() + s * p.max_blocks);
+  }
+  return p;
+}
+
+Expected<void> GpuRunner::begin_step(const HostStepPlan& p, LogitsFor which, const Tracer* tracer) {
+  CudaStep step{.decode = p.decode,
+                .tokens = p.tokens,
+                .n_seqs = p.n_seqs,
+                .max_query_len = p.max_query_len,
+                .max_seq_len = p.max_seq_len,
+                .max_blocks = p.max_blocks,
+                .which = which,
+                .tracer = tracer};
+  const std::vector<int32_t>* parts[] = {&p.ids,          &p.positions,  &p.slot_mapping, &p.query_start, &p.seq_lens,
+                                         &p.block_tables, &p.state_slot, &p.seq_past,     &p.last_rows};
+  const int32_t** targets[] = {&step.ids,         &step.positions, &step.slot_mapping,
+                               &step.query_start, &step.seq_lens,  &step.block_tables,
+                               &step.state_slot,  &step.seq_past,  &step.last_rows};
+  size_t total = 0;
+  for (const auto* v : parts) total += (v->size() + 3) / 4 * 4;  // 16-byte aligned parts
+  if (total > meta_capacity_) {
+    drop_graphs();
+    if (meta_host_ != nullptr) TERN_CUDA_CHECK(cudaFreeHost(meta_host_));
+    meta_capacity_ = std::max(total, 2 * meta_capacity_);
+    TERN_CUDA_CHECK(cudaMallocHost(&meta_host_, meta_capacity_ * 4));
+    meta_buffer_ = DeviceBuffer(meta_capacity_ * 4);  // the previous step has finished (forward synchronizes)
+    meta_ = meta_buffer_.as<int32_t>();
+  }
+  size_t offset = 0;
+  for (size_t i = 0; i < std::size(parts); ++i) {
+    std::copy(parts[i]->begin(), parts[i]->end(), meta_host_ + offset);
+    *targets[i] = meta_ + offset;
+    offset += (parts[i]->size() + 3) / 4 * 4;
+  }
+  TERN_CUDA_CHECK(cudaMemcpyAsync(meta_, meta_host_, total * 4, cudaMemcpyHostToDevice, ctx_.stream()));
+  const size_t logit_bytes = static_cast<size_t>(step.logit_rows() * ops_.vocab()) * 2;
+  if (logits_.size_bytes() < logit_bytes) {
+    drop_graphs();
+    if (!DeviceBuffer::try_allocate(logit_bytes, logits_)) {
+      return make_error("out of device memory for {} rows of logits", step.logit_rows());
+    }
+  }
+  step.logits = logits_.as<uint16_t>();
+  ops_.begin_step(step);
+  return {};
+}
+
+Expected<void> GpuRunner::run_body(const StepBody& body) {
+  ctx_.set_programmatic_launch(pdl_ && ops_.step().decode);
+  return body();
+}
+
+void GpuRunner::drop_graphs() {
+  for (auto& [key, g] : graphs_) {
+    if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
+  }
+  graphs_.clear();
+}
+
+Expected<void> GpuRunner::run_decode(const HostStepPlan& plan, const StepBody& body) {
+  if (!graphs_enabled_) return run_body(body);
+  DecodeGraph& g = graphs_[{plan.n_seqs, plan.max_blocks}];
+  if (g.exec == nullptr && !g.warmed) {
+    g.warmed = true;
+    return run_body(body);
+  }
+  if (g.exec == nullptr) {
+    cudaGraph_t graph = nullptr;
+    TERN_CUDA_CHECK(cudaStreamBeginCapture(ctx_.stream(), cudaStreamCaptureModeThreadLocal));
+    const Expected<void> ran = run_body(body);
+    const cudaError_t ended = cudaStreamEndCapture(ctx_.stream(), &graph);
+    cudaError_t made = ended;
+    if (ran && ended == cudaSuccess) made = cudaGraphInstantiate(&g.exec, graph, 0);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (!ran || made != cudaSuccess) {
+      (void)cudaGetLastError();
+      g.exec = nullptr;
+      graphs_enabled_ = false;
+      spdlog::warn(
+          "CUDA graph capture of a decode step ({} sequences) failed ({}); decode steps run eagerly from "
+          "now on",
+          plan.n_seqs, ran ? cudaGetErrorString(made) : ran.error().message);
+      return run_body(body);
+    }
+  }
+  TERN_CUDA_CHECK(cudaGraphLaunch(g.exec, ctx_.stream()));
+  return {};
+}
+
+Expected<std::vector<float>> GpuRunner::forward(std::span<const SequenceInput> batch, LogitsFor which,
+                                                const Tracer* tracer, const StepBody& body) {
+  const bool decode =
+      which == LogitsFor::kLastToken && tracer == nullptr &&
+      std::all_of(batch.begin(), batch.end(), [](const SequenceInput& in) { return in.tokens.size() == 1; });
+  TERN_ASSIGN_OR_RETURN(const HostStepPlan plan, plan_step(batch, decode));
+  if (plan.tokens == 0) return std::vector<float>{};
+  TERN_TRY(begin_step(plan, which, tracer));
+  TERN_TRY(decode ? run_decode(plan, body) : run_body(body));
+  const int64_t n = ops_.step().logit_rows(), vocab = ops_.vocab();
+  logits_host_.resize(static_cast<size_t>(n * vocab));
+  TERN_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), logits_host_.size() * 2, cudaMemcpyDeviceToHost,
+                                  ctx_.stream()));
+  const cudaError_t status = cudaStreamSynchronize(ctx_.stream());
+  if (status != cudaSuccess) return make_error("CUDA error in the forward step: {}", cudaGetErrorString(status));
+  std::vector<float> logits(logits_host_.size());
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = bf16_to_float(logits_host_[i]);
+  return logits;
+}
+
+Expected<SampleResults> GpuRunner::forward_sample(std::span<const SequenceInput> batch, std::span<const SampleRow> rows,
+                                                  const StepBody& body) {
+  for (const SampleRow& r : rows) {
+    if (r.sampler != nullptr) TERN_TRY(sampling_params_validate(r.sampler->params()));
+  }
+  const bool decode =
+      std::all_of(batch.begin(), batch.end(), [](const SequenceInput& in) { return in.tokens.size() == 1; });
+  TERN_ASSIGN_OR_RETURN(const HostStepPlan plan, plan_step(batch, decode));
+  if (plan.tokens == 0) return make_error("forward_sample: the step has no tokens");
+  TERN_TRY(begin_step(plan, LogitsFor::kLastToken, nullptr));
+  TERN_TRY(sampler_.upload(ctx_, rows));
+  TERN_TRY(decode ? run_decode(plan, body) : run_body(body));
+  const int64_t n = ops_.step().logit_rows();
+  TERN_TRY(sampler_.launch(ctx_, logits_.as<uint16_t>(), n));
+  return sampler_.download(ctx_, rows, logits_.as<uint16_t>(), n);
+}
+
+}  // namespace
+
+int gpu_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+Expected<std::unique_ptr<ModelRunner>> gpu_runner_create(const ModelConfig& config, const DeviceModelOptions& options) {
+  const int n_devices = gpu_device_count();
+  if (n_devices == 0) return make_error("--device cuda: no CUDA device is available");
+  if (options.device < 0 || options.device >= n_devices) {
+    return make_error("--device cuda: device {} does not exist ({} present)", options.device, n_devices);
+  }
+  if (options.max_batch_tokens < 1 || options.max_sequences < 1 || options.kv_block_size < 8 ||
+      (options.kv_block_size & (options.kv_block_size - 1)) != 0) {
+    return make_error(
+        "bad device options: max_batch_tokens {} and max_sequences {} must be >= 1, kv_block_size {} a "
+        "power of two >= 8",
+        options.max_batch_tokens, options.max_sequences, options.kv_block_size);
+  }
+  const std::string& av = options.attention_variant;
+  const std::string& gv = options.gdn_variant;
+  if (av != "auto" && av != "cuda-decode" && av != "cuda-prefill") {
+    return make_error("attention variant '{}' is not one the CUDA model runs (auto, cuda-decode, cuda-prefill)", av);
+  }
+  if (gv != "auto" && gv != "cuda-recurrent" && gv != "cuda-chunked") {
+    return make_error("GDN variant '{}' is not one the CUDA model runs (auto, cuda-recurrent, cuda-chunked)", gv);
+  }
+  return std::unique_ptr<ModelRunner>(std::make_unique<GpuRunner>(config, options));
+}
+
+}  // namespace tern
