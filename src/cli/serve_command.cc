@@ -70,7 +70,8 @@ Expected<EngineConfig> engine_config(ServeOptions& o, const ModelConfig& config)
   if (o.max_running < 1 || o.max_queued < 0 || o.chunked_prefill < 1) {
     return make_error("--max-running-requests and --chunked-prefill-size must be >= 1, --max-queued-requests >= 0");
   }
-  constexpr int32_t kBlock = 16;
+  // The runner's block size: the scheduler hands it the block ids it allocates (runtime/scheduler.h).
+  const auto kBlock = static_cast<int32_t>(DeviceModelOptions{}.kv_block_size);
   EngineConfig e;
   e.context_length = o.context_length;
   e.scheduler = {.max_running = o.max_running, .max_waiting = o.max_queued, .token_budget = o.chunked_prefill,

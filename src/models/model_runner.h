@@ -21,6 +21,12 @@ namespace tern {
 struct SequenceInput {
   SequenceCache* cache = nullptr;
   std::span<const int32_t> tokens;  // appended after what the cache holds
+  // Where the sequence's state lives on a device with a paged KV cache, when a scheduler allocated it (the serving
+  // engine: runtime/scheduler.h owns the ids): the KV blocks holding its tokens, in order (at least enough for
+  // cache->length + tokens.size()), and its recurrent-state slot. Empty / -1: the sequence's own cache lease
+  // (ModelRunner::new_sequence) takes them from the runner as it grows, for callers without a scheduler.
+  std::span<const int32_t> kv_blocks;
+  int32_t state_slot = -1;
 };
 
 enum class LogitsFor { kAllTokens, kLastToken };

@@ -152,8 +152,11 @@ void Engine::step() {
   batch.reserve(plan.items.size());
   for (const StepItem& item : plan.items) {
     Active& a = *active_.at(item.id);
-    batch.push_back({&a.cache, std::span<const int32_t>(a.tokens).subspan(static_cast<size_t>(item.begin),
-                                                                         static_cast<size_t>(item.count))});
+    batch.push_back({.cache = &a.cache,
+                     .tokens = std::span<const int32_t>(a.tokens).subspan(static_cast<size_t>(item.begin),
+                                                                          static_cast<size_t>(item.count)),
+                     .kv_blocks = scheduler_.kv_blocks_of(item.id),
+                     .state_slot = scheduler_.state_slot_of(item.id)});
   }
   std::vector<SampleRow> rows;
   rows.reserve(plan.items.size());

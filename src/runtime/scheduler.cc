@@ -7,7 +7,9 @@
 namespace tern {
 
 Scheduler::Scheduler(const SchedulerConfig& config)
-    : config_(config), blocks_(config.num_blocks, config.block_size) {}
+    : config_(config),
+      blocks_(config.num_blocks, config.block_size),
+      slots_(config.num_state_slots > 0 ? config.num_state_slots : config.max_running, 1) {}
 
 bool Scheduler::add(uint64_t id, int64_t num_tokens) {
   TERN_CHECK(!seqs_.contains(id) && num_tokens > 0);
@@ -21,6 +23,7 @@ void Scheduler::remove(uint64_t id) {
   auto it = seqs_.find(id);
   if (it == seqs_.end()) return;
   blocks_.release(it->second.blocks);
+  release_slot(it->second);
   seqs_.erase(it);
   std::erase(running_, id);
   std::erase(waiting_, id);
@@ -42,10 +45,18 @@ bool Scheduler::reserve(Seq& seq, int64_t num_cached) {
   return true;
 }
 
+void Scheduler::release_slot(Seq& seq) {
+  if (seq.state_slot < 0) return;
+  const int32_t slot[] = {seq.state_slot};
+  slots_.release(slot);
+  seq.state_slot = -1;
+}
+
 void Scheduler::preempt(uint64_t id, StepPlan& plan) {
   Seq& seq = seqs_.at(id);
   blocks_.release(seq.blocks);
   seq.blocks.clear();
+  release_slot(seq);
   seq.num_computed = 0;
   std::erase(running_, id);
   waiting_.push_front(id);
@@ -81,11 +92,12 @@ StepPlan Scheduler::schedule() {
   }
   // After a preemption, blocks are short: admitting now would only preempt again.
   if (!plan.preempted.empty()) return plan;
-  while (budget > 0 && !waiting_.empty() && num_running() < config_.max_running) {
+  while (budget > 0 && !waiting_.empty() && num_running() < config_.max_running && slots_.num_free() > 0) {
     const uint64_t id = waiting_.front();
     Seq& seq = seqs_.at(id);
     const int64_t count = std::min(seq.num_tokens - seq.num_computed, budget);
     if (!reserve(seq, seq.num_computed + count)) break;
+    seq.state_slot = slots_.allocate(1)->front();
     waiting_.pop_front();
     running_.push_back(id);
     plan.items.push_back({id, seq.num_computed, count, seq.num_computed + count == seq.num_tokens});

@@ -7,6 +7,10 @@
 // blocks are freed, its cache must be dropped, and it goes back to the front of the queue to be recomputed
 // (prompt and output so far) later.
 //
+// The scheduler owns the cache ids the model runs on: the KV blocks of each sequence (kv_blocks_of, in token order)
+// and, for models with recurrent state, its state slot (state_slot_of: one per running sequence, taken at
+// admission, given back on preemption or removal). The model runner reads them from each step's inputs.
+//
 //   Scheduler s(config);
 //   s.add(id, prompt_len);                  // false: the queue is full
 //   StepPlan plan = s.schedule();           // run plan.items; drop the caches of plan.preempted
@@ -17,6 +21,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <span>
 #include <vector>
 
 #include "runtime/kv_block_allocator.h"
@@ -29,6 +34,7 @@ struct SchedulerConfig {
   int64_t token_budget = 2048;  // tokens per step (the chunked-prefill size)
   int32_t block_size = 16;
   int32_t num_blocks = 4096;
+  int32_t num_state_slots = 0;  // recurrent-state slots; 0: one per running sequence (max_running)
 };
 
 struct StepItem {
@@ -55,6 +61,10 @@ class Scheduler {
   int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
   int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
   const KvBlockAllocator& blocks() const { return blocks_; }
+  // The physical KV blocks holding `id`'s cached and planned tokens, in order; valid until the next schedule().
+  std::span<const int32_t> kv_blocks_of(uint64_t id) const { return seqs_.at(id).blocks; }
+  // `id`'s recurrent-state slot while it runs, -1 while it waits.
+  int32_t state_slot_of(uint64_t id) const { return seqs_.at(id).state_slot; }
   bool contains(uint64_t id) const { return seqs_.contains(id); }
 
  private:
@@ -62,13 +72,16 @@ class Scheduler {
     int64_t num_tokens = 0;    // prompt + output tokens known so far
     int64_t num_computed = 0;  // tokens in the cache (or planned into it)
     std::vector<int32_t> blocks;
+    int32_t state_slot = -1;
   };
   bool reserve(Seq& seq, int64_t num_cached);
   void preempt(uint64_t id, StepPlan& plan);
+  void release_slot(Seq& seq);
   bool schedule_running(uint64_t id, int64_t& budget, StepPlan& plan);
 
   SchedulerConfig config_;
   KvBlockAllocator blocks_;
+  KvBlockAllocator slots_;  // state slots, as blocks of one
   std::map<uint64_t, Seq> seqs_;
   std::vector<uint64_t> running_;  // admission order
   std::deque<uint64_t> waiting_;

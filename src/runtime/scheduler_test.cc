@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <vector>
+
 namespace tern {
 namespace {
 
@@ -106,6 +109,61 @@ TEST(Scheduler, AdmissionWaitsForFreeBlocks) {
   EXPECT_EQ(p.items[0].id, 2u);
   s.remove(2);
   EXPECT_EQ(s.blocks().num_used(), 0);
+}
+
+// The ids the model runs on come from the scheduler: each running sequence's blocks cover its planned tokens and
+// are its own, its state slot is unique among the running, and both go back on preemption and removal.
+TEST(Scheduler, OwnsTheBlockIdsAndStateSlotsOfRunningSequences) {
+  SchedulerConfig c = small_config();
+  c.max_running = 3;
+  c.num_state_slots = 2;  // fewer slots than running places: the slots bound admission
+  Scheduler s(c);
+  ASSERT_TRUE(s.add(1, 5));
+  ASSERT_TRUE(s.add(2, 3));
+  ASSERT_TRUE(s.add(3, 1));
+  StepPlan p = s.schedule();
+  ASSERT_EQ(p.items.size(), 2u);  // seq 3 waits for a slot although a running place and budget are left
+  EXPECT_EQ(s.state_slot_of(3), -1);
+  const int32_t slot1 = s.state_slot_of(1), slot2 = s.state_slot_of(2);
+  EXPECT_GE(slot1, 0);
+  EXPECT_GE(slot2, 0);
+  EXPECT_LT(slot1, 2);
+  EXPECT_LT(slot2, 2);
+  EXPECT_NE(slot1, slot2);
+  ASSERT_EQ(s.kv_blocks_of(1).size(), 2u);  // 5 tokens in blocks of 4
+  ASSERT_EQ(s.kv_blocks_of(2).size(), 1u);
+  std::vector<int32_t> all(s.kv_blocks_of(1).begin(), s.kv_blocks_of(1).end());
+  all.push_back(s.kv_blocks_of(2)[0]);
+  for (int32_t b : all) {
+    EXPECT_GE(b, 0);
+    EXPECT_LT(b, c.num_blocks);
+  }
+  std::sort(all.begin(), all.end());
+  EXPECT_EQ(std::adjacent_find(all.begin(), all.end()), all.end()) << "a block given to two sequences";
+  s.remove(1);
+  p = s.schedule();  // seq 2 waits for a token (not appended); seq 3 takes the freed slot
+  ASSERT_EQ(p.items.size(), 1u);
+  EXPECT_EQ(p.items[0].id, 3u);
+  EXPECT_EQ(s.state_slot_of(3), slot1);
+  EXPECT_EQ(s.blocks().num_used(), 2);
+}
+
+TEST(Scheduler, PreemptionGivesBackTheStateSlot) {
+  SchedulerConfig c{.max_running = 2, .max_waiting = 3, .token_budget = 8, .block_size = 4, .num_blocks = 2};
+  Scheduler s(c);
+  ASSERT_TRUE(s.add(1, 4));
+  ASSERT_TRUE(s.add(2, 4));
+  StepPlan p = s.schedule();
+  ASSERT_EQ(p.items.size(), 2u);
+  s.append_token(1);
+  s.append_token(2);
+  p = s.schedule();  // seq 1 needs a second block, none is free: seq 2, admitted last, is preempted
+  ASSERT_EQ(p.preempted.size(), 1u);
+  EXPECT_EQ(p.preempted[0], 2u);
+  EXPECT_EQ(s.state_slot_of(2), -1);
+  EXPECT_TRUE(s.kv_blocks_of(2).empty());
+  EXPECT_GE(s.state_slot_of(1), 0);
+  EXPECT_EQ(s.kv_blocks_of(1).size(), 2u);
 }
 
 }  // namespace

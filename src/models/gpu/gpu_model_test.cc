@@ -239,6 +239,58 @@ TEST_P(GpuModelReference, CachedAndBatchedStepsMatchOnePass) {
   }
 }
 
+// A scheduler's cache ids (runtime/scheduler.h owns them in the serving engine) drive the same steps as a
+// sequence's own lease: KV blocks out of order and a state slot of the other end give bit-identical logits, over a
+// prefill and decode steps replayed from a CUDA graph. Ids that do not fit the cache are errors naming them.
+TEST_P(GpuModelReference, StepsOnASchedulersIdsMatchTheLeasedSteps) {
+  auto model = load_cuda(GetParam().fixture);
+  ASSERT_TRUE(model);
+  const std::vector<int32_t> tokens{400, 5, 60, 7, 80, 9, 100, 21, 33, 250, 11, 4, 90, 17, 300, 42, 99, 5, 61, 2};
+  const std::vector<int32_t> blocks{200, 3, 255, 17};  // 64 tokens in blocks of 16, none in the lease's order
+  const int32_t slot = 63;                             // the lease takes slot 0 first
+  auto run = [&](bool scheduled) {
+    std::vector<std::vector<float>> out;
+    SequenceCache cache = model->new_sequence();
+    for (size_t done = 0; done < tokens.size();) {
+      const size_t n = done == 0 ? 12 : 1;
+      SequenceInput in{.cache = &cache, .tokens = std::span(tokens).subspan(done, n)};
+      if (scheduled) {
+        in.kv_blocks = blocks;
+        in.state_slot = slot;
+      }
+      const std::vector<SequenceInput> batch{in};
+      auto logits = model->forward(batch, LogitsFor::kLastToken);
+      EXPECT_TRUE(logits.has_value()) << logits.error().message;
+      if (!logits) break;
+      out.push_back(*logits);
+      done += n;
+    }
+    return out;
+  };
+  const auto leased = run(false), scheduled = run(true);
+  ASSERT_EQ(leased.size(), 9u);
+  ASSERT_EQ(scheduled.size(), leased.size());
+  for (size_t step = 0; step < leased.size(); ++step) {
+    ASSERT_EQ(scheduled[step], leased[step]) << "step " << step;
+    for (float v : leased[step]) ASSERT_TRUE(std::isfinite(v));
+  }
+
+  SequenceCache cache = model->new_sequence();
+  const std::vector<int32_t> outside{3, 4096};
+  const std::vector<int32_t> one{200};
+  auto fails = [&](std::span<const int32_t> ids, int32_t s) {
+    const std::vector<SequenceInput> batch{
+        {.cache = &cache, .tokens = std::span(tokens).first(20), .kv_blocks = ids, .state_slot = s}};
+    auto r = model->forward(batch, LogitsFor::kLastToken);
+    return r ? std::string() : r.error().message;
+  };
+  EXPECT_NE(fails(outside, slot).find("KV block 4096"), std::string::npos) << fails(outside, slot);
+  EXPECT_NE(fails(one, slot).find("1 KV blocks"), std::string::npos) << fails(one, slot);
+  if (model->config().architecture == Architecture::kQwen35Moe) {
+    EXPECT_NE(fails(blocks, 64).find("state slot 64"), std::string::npos) << fails(blocks, 64);
+  }
+}
+
 // Layer by layer against the CPU path on the same prompt: every traced intermediate (mixer and feed-forward
 // outputs, GDN core, router logits, final norm) within 2^-4 of the tensor's largest CPU value. The CPU path is
 // fp32 and matches transformers to 1e-3 (model_reference_test), so this locates a wrong kernel in the layer

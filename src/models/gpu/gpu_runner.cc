@@ -80,6 +80,13 @@ class GpuRunner final : public ModelRunner {
   }
 
  private:
+  // A sequence's KV blocks (at least need_blocks) and state slot: the scheduler's, checked, when the input carries
+  // them; else its lease's, grown from this runner's pool.
+  struct SequenceIds {
+    std::span<const int32_t> blocks;
+    int32_t state_slot = -1;
+  };
+  Expected<SequenceIds> sequence_ids(const SequenceInput& in, int64_t need_blocks);
   Expected<HostStepPlan> plan_step(std::span<const SequenceInput> batch, bool decode);
   // Uploads the plan and hands its device view to the blocks, with the logits buffer grown for its rows.
   Expected<void> begin_step(const HostStepPlan& plan, LogitsFor which, const Tracer* tracer);
@@ -129,6 +136,42 @@ Expected<void> GpuRunner::finish_load() {
   return {};
 }
 
+Expected<GpuRunner::SequenceIds> GpuRunner::sequence_ids(const SequenceInput& in, int64_t need_blocks) {
+  const int64_t bs = options_.kv_block_size, kv_blocks = ops_.kv_blocks();
+  const bool needs_blocks = kv_blocks > 0, needs_slot = ops_.has_gdn();
+  if (!in.kv_blocks.empty() || in.state_slot >= 0) {  // a scheduler's ids: checked, never allocated here
+    if (needs_blocks && static_cast<int64_t>(in.kv_blocks.size()) < need_blocks) {
+      return make_error("a sequence of {} tokens came with {} KV blocks of {} tokens", need_blocks * bs,
+                        in.kv_blocks.size(), bs);
+    }
+    for (const int32_t b : in.kv_blocks) {
+      if (b < 0 || b >= kv_blocks) return make_error("KV block {} is outside the cache's {} blocks", b, kv_blocks);
+    }
+    if (needs_slot && (in.state_slot < 0 || in.state_slot >= options_.max_sequences)) {
+      return make_error("state slot {} is outside the {} this model holds", in.state_slot, options_.max_sequences);
+    }
+    return SequenceIds{in.kv_blocks, in.state_slot};
+  }
+  auto* seq = dynamic_cast<GpuSequence*>(in.cache->device.get());
+  if (seq == nullptr) return make_error("a sequence was not created by this CUDA model (new_sequence())");
+  while (needs_blocks && static_cast<int64_t>(seq->blocks.size()) < need_blocks) {
+    if (pool_->free_blocks.empty()) {
+      return make_error("the KV cache is full ({} tokens); finish or cancel requests, or raise --max-total-tokens",
+                        kv_blocks * bs);
+    }
+    seq->blocks.push_back(pool_->free_blocks.back());
+    pool_->free_blocks.pop_back();
+  }
+  if (needs_slot && seq->slot < 0) {
+    if (pool_->free_slots.empty()) {
+      return make_error("no free state slot: {} sequences are alive", options_.max_sequences);
+    }
+    seq->slot = pool_->free_slots.back();
+    pool_->free_slots.pop_back();
+  }
+  return SequenceIds{seq->blocks, seq->slot};
+}
+
 Expected<HostStepPlan> GpuRunner::plan_step(std::span<const SequenceInput> batch, bool decode) {
   HostStepPlan p;
   p.decode = decode;
@@ -144,36 +187,22 @@ Expected<HostStepPlan> GpuRunner::plan_step(std::span<const SequenceInput> batch
     }
   }
   p.query_start.push_back(0);
+  std::vector<std::span<const int32_t>> tables;
   for (const SequenceInput& in : batch) {
-    auto* seq = dynamic_cast<GpuSequence*>(in.cache->device.get());
-    if (seq == nullptr) return make_error("a sequence was not created by this CUDA model (new_sequence())");
     const int64_t past = in.cache->length, n = static_cast<int64_t>(in.tokens.size());
     const int64_t need_blocks = (past + n + bs - 1) / bs;
-    while (static_cast<int64_t>(seq->blocks.size()) < need_blocks) {
-      if (pool_->free_blocks.empty()) {
-        return make_error("the KV cache is full ({} tokens); finish or cancel requests, or raise --max-total-tokens",
-                          kv_blocks * bs);
-      }
-      seq->blocks.push_back(pool_->free_blocks.back());
-      pool_->free_blocks.pop_back();
-    }
-    if (ops_.has_gdn() && seq->slot < 0) {
-      if (pool_->free_slots.empty()) {
-        return make_error("no free state slot: {} sequences are alive", options_.max_sequences);
-      }
-      seq->slot = pool_->free_slots.back();
-      pool_->free_slots.pop_back();
-    }
+    TERN_ASSIGN_OR_RETURN(const SequenceIds ids, sequence_ids(in, need_blocks));
+    tables.push_back(ids.blocks);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t pos = past + i;
       p.ids.push_back(in.tokens[i]);
       p.positions.push_back(static_cast<int32_t>(pos));
-      p.slot_mapping.push_back(kv_blocks == 0 ? 0 : static_cast<int32_t>(seq->blocks[pos / bs] * bs + pos % bs));
+      p.slot_mapping.push_back(kv_blocks == 0 ? 0 : static_cast<int32_t>(ids.blocks[pos / bs] * bs + pos % bs));
     }
     p.tokens += n;
     p.query_start.push_back(static_cast<int32_t>(p.tokens));
     p.seq_lens.push_back(static_cast<int32_t>(past + n));
-    p.state_slot.push_back(seq->slot);
+    p.state_slot.push_back(ids.state_slot);
     p.seq_past.push_back(static_cast<int32_t>(past));
     p.last_rows.push_back(static_cast<int32_t>(std::max<int64_t>(p.tokens - 1, 0)));
     p.max_query_len = std::max(p.max_query_len, n);
@@ -191,7 +220,7 @@ Expected<HostStepPlan> GpuRunner::plan_step(std::span<const SequenceInput> batch
   }
   p.block_tables.assign(static_cast<size_t>(p.n_seqs * p.max_blocks), 0);
   for (int64_t s = 0; s < p.n_seqs; ++s) {
-    const auto& blocks = static_cast<GpuSequence*>(batch[s].cache->device.get())->blocks;
+    const std::span<const int32_t> blocks = tables[s].first(std::min<size_t>(tables[s].size(), p.max_blocks));
     std::copy(blocks.begin(), blocks.end(), p.block_tables.begin() + s * p.max_blocks);
   }
   return p;
