@@ -9,6 +9,7 @@
 
 #include "cli/model_options.h"
 #include "cli/model_selftest.h"
+#include "cli/version_command.h"
 #include "ops/registry.h"
 #include "ops/cuda_modules.h"
 
@@ -87,8 +88,10 @@ int run_doctor(const DoctorOptions& o) {
 #if TERN_HAVE_CUDA
   modules = cuda_modules_describe();
 #endif
+  const std::vector<LibraryVersion> libraries = linked_library_versions();
   if (o.json) {
     nlohmann::ordered_json j;
+    j["build"] = build_info_json(libraries);
     j["devices"] = nlohmann::ordered_json::array();
     for (const DeviceDescription& d : devices) j["devices"].push_back(device_json(d));
     j["selftest_device"] = device.name;
@@ -105,6 +108,7 @@ int run_doctor(const DoctorOptions& o) {
     j["verdict"] = verdict;
     fmt::print("{}\n", j.dump(2));
   } else {
+    fmt::print("{}\n", build_info_text(libraries));
     fmt::print("devices\n");
     for (const DeviceDescription& d : devices) {
       if (d.backend == Backend::kCpu) {

@@ -10,10 +10,11 @@
 #include "cli/serve_command.h"
 #include "cli/template_command.h"
 #include "cli/tokenize_command.h"
+#include "cli/version_command.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"tern: serves large language models from their Hugging Face checkpoints"};
-  app.require_subcommand(1);
+  app.require_subcommand(1);  // --version answers before this is checked
   tern::register_info_command(app);
   tern::register_doctor_command(app);
   tern::register_tokenize_commands(app);
@@ -23,6 +24,7 @@ int main(int argc, char** argv) {
   tern::register_serve_command(app);
   tern::register_bench_command(app);
   tern::register_loadgen_command(app);
+  tern::register_version_command(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "cli/model_options.h"
+#include "cli/version_command.h"
 #include "runtime/engine.h"
 #include "server/http_server.h"
 
@@ -82,6 +83,7 @@ Expected<EngineConfig> engine_config(ServeOptions& o, const ModelConfig& config)
 
 int run_serve(ServeOptions& o) {
   std::signal(SIGPIPE, SIG_IGN);
+  spdlog::info("{}", build_info_line(linked_library_versions()));
   if (o.model.model_dir.empty()) {
     o.model.model_dir = TERN_DEMO_MODEL_DIR;
     spdlog::info("no --model given: serving the bundled demo checkpoint {} (a tiny test model; its output is not "
