@@ -87,19 +87,89 @@ const void* WeightStore::aligned_data(const TensorView& t) {
   return owned_bytes_.back().data();
 }
 
-Expected<CpuMatrix> WeightStore::matrix_of(const TensorView& t, int64_t rows, int64_t cols, int64_t row_offset) {
-  CpuMatrix m{.rows = rows, .cols = cols};
+void WeightStore::set_sharding(const WeightSchema& schema, ShardRank rank) {
+  rank_ = rank;
+  shards_.clear();
+  for (const LinearSpec& l : schema.linears) shards_[l.module] = l.shard;
+  for (const ParamSpec& p : schema.params) shards_[p.name] = p.shard;
+}
+
+Expected<Shard> WeightStore::shard_of(const std::string& name) const {
+  if (auto it = shards_.find(name); it != shards_.end()) return it->second;
+  if (rank_.world == 1) return Shard::replicated();
+  return make_error("tensor '{}' has no shard declaration in the weight schema (world size {})", name, rank_.world);
+}
+
+const std::byte* WeightStore::gather(const std::byte* base, int64_t rows, int64_t row_bytes, bool by_rows,
+                                     const std::vector<ShardPiece>& pieces) {
+  if (by_rows && pieces.size() == 1) return base + pieces[0].offset * row_bytes;
+  if (!by_rows && pieces.size() == 1 && pieces[0].offset == 0 && pieces[0].length == row_bytes) return base;
+  std::vector<std::byte> out;
+  auto take = [&](int64_t begin, int64_t length) { out.insert(out.end(), base + begin, base + begin + length); };
+  for (int64_t r = 0; r < (by_rows ? 1 : rows); ++r) {
+    for (const ShardPiece& p : pieces) {
+      if (by_rows) {
+        take(p.offset * row_bytes, p.length * row_bytes);
+      } else {
+        take(r * row_bytes + p.offset, p.length);
+      }
+    }
+  }
+  owned_bytes_.push_back(std::move(out));
+  return owned_bytes_.back().data();
+}
+
+namespace {
+
+// Pieces of elements as pieces of bytes, `num / den` bytes an element (NVFP4: 1/2 for codes, 1/16 for scales).
+std::vector<ShardPiece> in_bytes(std::vector<ShardPiece> pieces, int64_t num, int64_t den) {
+  for (ShardPiece& p : pieces) p = {p.offset * num / den, p.length * num / den};
+  return pieces;
+}
+
+}  // namespace
+
+Expected<CpuMatrix> WeightStore::dense_slice(const TensorView& t, int64_t rows, int64_t cols, int64_t row_offset,
+                                             const Shard& shard, const std::string& what) {
+  CpuMatrix m;
   switch (t.dtype) {
     case DType::kBF16: m.format = CpuWeightFormat::kBf16; break;
     case DType::kF16: m.format = CpuWeightFormat::kF16; break;
     case DType::kF32: m.format = CpuWeightFormat::kF32; break;
     default: return make_error("tensor '{}': {} is not a dense float matrix", t.name, dtype_name(t.dtype));
   }
-  m.data = static_cast<const std::byte*>(aligned_data(t)) + row_offset * cols * dtype_size(t.dtype);
+  const bool by_rows = shard.dim != ShardDim::kInput;
+  TERN_ASSIGN_OR_RETURN(const std::vector<ShardPiece> pieces, shard_pieces(shard, by_rows ? rows : cols, rank_, what));
+  const auto es = static_cast<int64_t>(dtype_size(t.dtype));
+  const auto* base = static_cast<const std::byte*>(aligned_data(t)) + row_offset * cols * es;
+  m.rows = by_rows ? shard_pieces_length(pieces) : rows;
+  m.cols = by_rows ? cols : shard_pieces_length(pieces);
+  m.data = gather(base, rows, cols * es, by_rows, by_rows ? pieces : in_bytes(pieces, es, 1));
   return m;
 }
 
+Expected<std::vector<float>> WeightStore::float_rows(const TensorView& t, int64_t dim0, const Shard& shard) {
+  TERN_ASSIGN_OR_RETURN(const std::vector<ShardPiece> pieces,
+                        shard_pieces(shard.dim == ShardDim::kInput ? Shard::replicated() : shard, dim0, rank_, t.name));
+  TERN_ASSIGN_OR_RETURN(CpuMatrix m, dense_slice(t, 1, t.numel(), 0, Shard::replicated(), t.name));
+  std::vector<float> all(static_cast<size_t>(t.numel()));
+  cpu_matrix_row(m, 0, all.data());
+  if (pieces.size() == 1 && pieces[0].length == dim0) return all;
+  const int64_t row = dim0 > 0 ? t.numel() / dim0 : 0;
+  std::vector<float> v;
+  for (const ShardPiece& p : pieces) {
+    v.insert(v.end(), all.begin() + p.offset * row, all.begin() + (p.offset + p.length) * row);
+  }
+  return v;
+}
+
 Expected<Linear> WeightStore::linear(const std::string& module, int64_t out, int64_t in, bool quantize_input) {
+  TERN_ASSIGN_OR_RETURN(const Shard shard, shard_of(module));
+  return sharded_linear(module, out, in, quantize_input, shard);
+}
+
+Expected<Linear> WeightStore::sharded_linear(const std::string& module, int64_t out, int64_t in, bool quantize_input,
+                                             const Shard& shard) {
   LinearWeight lw;
   if (checkpoint_) {
     auto resolved = linear_weight_resolve(*checkpoint_, module, out, in);
@@ -113,11 +183,31 @@ Expected<Linear> WeightStore::linear(const std::string& module, int64_t out, int
     lw.weight_scale_2 = find(module + ".weight_scale_2");
     lw.input_scale = find(module + ".input_scale");
   }
+  const std::string weight_name = module + ".weight";
   Linear linear;
   if (lw.format == WeightFormat::kNvfp4) {
     TERN_ASSIGN_OR_RETURN(const float global_scale, scalar_of(*lw.weight_scale_2));
-    CpuMatrix m{CpuWeightFormat::kNvfp4, out, in, lw.weight->data.data(),
-                reinterpret_cast<const uint8_t*>(lw.weight_scale->data.data()), global_scale};
+    const bool by_rows = shard.dim != ShardDim::kInput;
+    TERN_ASSIGN_OR_RETURN(const std::vector<ShardPiece> pieces,
+                          shard_pieces(shard, by_rows ? out : in, rank_, weight_name));
+    for (const ShardPiece& p : pieces) {
+      if (!by_rows && (p.offset % 16 != 0 || p.length % 16 != 0)) {
+        return make_error(
+            "tensor '{}': NVFP4 input columns [{}, {}) of rank {} (world size {}) straddle its 16-element scale "
+            "blocks",
+            weight_name, p.offset, p.offset + p.length, rank_.rank, rank_.world);
+      }
+    }
+    const auto* codes = gather(lw.weight->data.data(), out, in / 2, by_rows, by_rows ? pieces : in_bytes(pieces, 1, 2));
+    const auto* scales =
+        gather(lw.weight_scale->data.data(), out, in / 16, by_rows, by_rows ? pieces : in_bytes(pieces, 1, 16));
+    const int64_t length = shard_pieces_length(pieces);
+    CpuMatrix m{.format = CpuWeightFormat::kNvfp4,
+                .rows = by_rows ? length : out,
+                .cols = by_rows ? in : length,
+                .data = codes,
+                .block_scales = reinterpret_cast<const uint8_t*>(scales),
+                .global_scale = global_scale};
     linear = Linear(module, m);
     if (quantize_input) {
       if (lw.input_scale == nullptr) return make_error("'{}': W4A4 needs '{}.input_scale'", module, module);
@@ -125,11 +215,12 @@ Expected<Linear> WeightStore::linear(const std::string& module, int64_t out, int
       linear.set_input_quantization(input_scale);
     }
   } else {
-    TERN_ASSIGN_OR_RETURN(CpuMatrix m, matrix_of(*lw.weight, out, in, 0));
+    TERN_ASSIGN_OR_RETURN(CpuMatrix m, dense_slice(*lw.weight, out, in, 0, shard, weight_name));
     linear = Linear(module, m);
   }
-  if (lw.bias != nullptr) {
-    TERN_ASSIGN_OR_RETURN(std::vector<float> bias, vector(lw.bias->name, {out}));
+  // A row-parallel layer's bias is added once, after the reduction: rank 0 holds it.
+  if (lw.bias != nullptr && (shard.dim != ShardDim::kInput || rank_.rank == 0)) {
+    TERN_ASSIGN_OR_RETURN(std::vector<float> bias, float_rows(*lw.bias, out, shard));
     linear.set_bias(std::move(bias));
   }
   return linear;
@@ -141,10 +232,8 @@ Expected<std::vector<float>> WeightStore::vector(const std::string& name, const 
   if (t->shape != shape && !(shape.size() == 1 && t->numel() == shape[0])) {
     return make_error("tensor '{}' must have shape {}, found {}", name, shape_string(shape), shape_string(t->shape));
   }
-  TERN_ASSIGN_OR_RETURN(CpuMatrix m, matrix_of(*t, 1, t->numel(), 0));
-  std::vector<float> v(static_cast<size_t>(t->numel()));
-  cpu_matrix_row(m, 0, v.data());
-  return v;
+  TERN_ASSIGN_OR_RETURN(const Shard shard, shard_of(name));
+  return float_rows(*t, shape.empty() ? 1 : shape[0], shard);
 }
 
 Expected<CpuMatrix> WeightStore::dense_matrix(const std::string& name, int64_t rows, int64_t cols) {
@@ -153,7 +242,8 @@ Expected<CpuMatrix> WeightStore::dense_matrix(const std::string& name, int64_t r
   if (t->shape != std::vector<int64_t>{rows, cols}) {
     return make_error("tensor '{}' must have shape [{}, {}], found {}", name, rows, cols, shape_string(t->shape));
   }
-  return matrix_of(*t, rows, cols, 0);
+  TERN_ASSIGN_OR_RETURN(const Shard shard, shard_of(name));
+  return dense_slice(*t, rows, cols, 0, shard, name);
 }
 
 Expected<std::vector<MlpWeights>> WeightStore::experts(const ExpertGroupSpec& g, bool quantize_input) {
@@ -170,19 +260,22 @@ Expected<std::vector<MlpWeights>> WeightStore::experts(const ExpertGroupSpec& g,
       return make_error("tensor '{}.down_proj' must exist with shape [{}, {}, {}]", g.prefix, e, h, i);
     }
     for (int64_t x = 0; x < e; ++x) {
-      TERN_ASSIGN_OR_RETURN(CpuMatrix gm, matrix_of(*gate_up, i, h, x * 2 * i));
-      TERN_ASSIGN_OR_RETURN(CpuMatrix um, matrix_of(*gate_up, i, h, x * 2 * i + i));
-      TERN_ASSIGN_OR_RETURN(CpuMatrix dm, matrix_of(*down, h, i, x * h));
       const std::string name = fmt::format("{}.{}", g.prefix, x);
+      TERN_ASSIGN_OR_RETURN(CpuMatrix gm, dense_slice(*gate_up, i, h, x * 2 * i, g.gate_up_shard,
+                                                      fmt::format("{} (expert {}, gate)", gate_up->name, x)));
+      TERN_ASSIGN_OR_RETURN(CpuMatrix um, dense_slice(*gate_up, i, h, x * 2 * i + i, g.gate_up_shard,
+                                                      fmt::format("{} (expert {}, up)", gate_up->name, x)));
+      TERN_ASSIGN_OR_RETURN(
+          CpuMatrix dm, dense_slice(*down, h, i, x * h, g.down_shard, fmt::format("{} (expert {})", down->name, x)));
       out.push_back({Linear(name + ".gate_proj", gm), Linear(name + ".up_proj", um), Linear(name + ".down_proj", dm)});
     }
     return out;
   }
   for (int64_t x = 0; x < e; ++x) {
     const std::string name = fmt::format("{}.{}", g.prefix, x);
-    TERN_ASSIGN_OR_RETURN(Linear gate, linear(name + ".gate_proj", i, h, quantize_input));
-    TERN_ASSIGN_OR_RETURN(Linear up, linear(name + ".up_proj", i, h, quantize_input));
-    TERN_ASSIGN_OR_RETURN(Linear down, linear(name + ".down_proj", h, i, quantize_input));
+    TERN_ASSIGN_OR_RETURN(Linear gate, sharded_linear(name + ".gate_proj", i, h, quantize_input, g.gate_up_shard));
+    TERN_ASSIGN_OR_RETURN(Linear up, sharded_linear(name + ".up_proj", i, h, quantize_input, g.gate_up_shard));
+    TERN_ASSIGN_OR_RETURN(Linear down, sharded_linear(name + ".down_proj", h, i, quantize_input, g.down_shard));
     out.push_back({std::move(gate), std::move(up), std::move(down)});
   }
   return out;

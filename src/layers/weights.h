@@ -1,6 +1,12 @@
 // Where a model's weights come from: a checkpoint (mmapped safetensors, used in place; NVFP4 stays packed) or
 // random dummy tensors generated from the weight schema alone (`--load-format dummy`), laid out as a checkpoint
 // would store them (BF16, or ModelOpt NVFP4 for the linears a quantization config does not exclude).
+//
+// Tensor parallelism: a store serves one rank for its whole life. set_sharding (once, before the first read) gives
+// it the schema's shard declarations and the rank; linear(), vector(), dense_matrix() and experts() then return
+// this rank's slice of each tensor as its declaration says (models/shard.h). A slice of whole rows is a view into
+// the checkpoint, like an unsharded tensor; a column split or rows from several segments is a copy the store owns.
+// A store never given a sharding, or given world 1, reads every tensor whole, exactly as before.
 #pragma once
 
 #include <cstdint>
@@ -29,13 +35,20 @@ class WeightStore {
   static std::unique_ptr<WeightStore> make_dummy(const ModelConfig& config, const WeightSchema& schema,
                                                  const std::optional<QuantConfig>& quant, uint64_t seed);
 
+  // The rank is checked at each read (the error names the tensor). At world > 1 a tensor without a declaration in
+  // the schema is an error.
+  void set_sharding(const WeightSchema& schema, ShardRank rank);
+
   // Prefix of the text model in this store's names ("model." or "model.language_model.").
   const std::string& text_prefix() const { return text_prefix_; }
   bool contains(const std::string& name) const { return find(name) != nullptr; }
+  // The tensor as stored, whole: a view into the mapped checkpoint, or a dummy tensor; nullptr if absent.
+  const TensorView* find(const std::string& name) const;
 
+  // Sizes are the full logical ones; the results have this rank's.
   // `<module>.weight` (+ NVFP4 scales, + bias) as a Linear. quantize_input applies to NVFP4 layers only.
   Expected<Linear> linear(const std::string& module, int64_t out, int64_t in, bool quantize_input);
-  // A float parameter of the given shape, copied to fp32.
+  // A float parameter of the given shape, copied to fp32 (this rank's part of dim 0).
   Expected<std::vector<float>> vector(const std::string& name, const std::vector<int64_t>& shape);
   // A dense [rows, cols] matrix used in place (embeddings).
   Expected<CpuMatrix> dense_matrix(const std::string& name, int64_t rows, int64_t cols);
@@ -44,10 +57,20 @@ class WeightStore {
 
  private:
   WeightStore() = default;
-  const TensorView* find(const std::string& name) const;
   // The tensor's data if aligned for its element type, else an aligned copy owned by the store.
   const void* aligned_data(const TensorView& t);
-  Expected<CpuMatrix> matrix_of(const TensorView& t, int64_t rows, int64_t cols, int64_t row_offset);
+  Expected<Shard> shard_of(const std::string& name) const;
+  // This rank's part of a row-major [rows, row_bytes] block at `base`: `pieces` of rows (by_rows) or of each row's
+  // bytes. One piece of rows, or all of every row, is `base` itself (offset); anything else is copied.
+  const std::byte* gather(const std::byte* base, int64_t rows, int64_t row_bytes, bool by_rows,
+                          const std::vector<ShardPiece>& pieces);
+  // This rank's part of the dense [rows, cols] matrix in `t` that starts at row `row_offset`.
+  Expected<CpuMatrix> dense_slice(const TensorView& t, int64_t rows, int64_t cols, int64_t row_offset,
+                                  const Shard& shard, const std::string& what);
+  // This rank's part of dim 0 (of `dim0` entries) of `t`, as fp32.
+  Expected<std::vector<float>> float_rows(const TensorView& t, int64_t dim0, const Shard& shard);
+  Expected<Linear> sharded_linear(const std::string& module, int64_t out, int64_t in, bool quantize_input,
+                                  const Shard& shard);
   void add_owned(std::string name, DType dtype, std::vector<int64_t> shape, std::vector<std::byte> bytes);
   void add_dummy_linear(const std::string& module, int64_t out, int64_t in, bool nvfp4, uint64_t seed);
 
@@ -55,6 +78,8 @@ class WeightStore {
   std::map<std::string, TensorView> owned_views_;
   std::deque<std::vector<std::byte>> owned_bytes_;
   std::string text_prefix_;
+  ShardRank rank_;
+  std::map<std::string, Shard> shards_;  // linear modules and parameter names; empty: every tensor whole
 };
 
 }  // namespace tern

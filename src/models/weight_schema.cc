@@ -12,11 +12,11 @@ class SchemaBuilder {
 
   WeightSchema build() {
     const int64_t h = c_.hidden_size;
-    param("embed_tokens.weight", {c_.vocab_size, h});
+    param("embed_tokens.weight", {c_.vocab_size, h}, Shard::vocab());
     for (int64_t i = 0; i < c_.num_hidden_layers; ++i) add_layer(i);
     param("norm.weight", {h});
     schema_.tied_embeddings = c_.tie_word_embeddings;
-    schema_.linears.push_back({"lm_head", c_.vocab_size, h, LinearRole::kLmHead, -1});
+    schema_.linears.push_back({"lm_head", c_.vocab_size, h, LinearRole::kLmHead, -1, false, Shard::vocab()});
     add_skipped();
     return std::move(schema_);
   }
@@ -25,14 +25,19 @@ class SchemaBuilder {
   std::string layer_name(int64_t layer, std::string_view rest) const {
     return fmt::format("{}layers.{}.{}", schema_.text_prefix, layer, rest);
   }
-  void param(std::string_view rest, std::vector<int64_t> shape) {
-    schema_.params.push_back({schema_.text_prefix + std::string(rest), std::move(shape)});
+  // Without a shard argument a tensor is replicated (norms, routers, MLA's latent projections, the indexer).
+  void param(std::string_view rest, std::vector<int64_t> shape, Shard shard = {}) {
+    schema_.params.push_back({schema_.text_prefix + std::string(rest), std::move(shape), std::move(shard)});
   }
-  void layer_param(int64_t layer, std::string_view rest, std::vector<int64_t> shape) {
-    schema_.params.push_back({layer_name(layer, rest), std::move(shape)});
+  void layer_param(int64_t layer, std::string_view rest, std::vector<int64_t> shape, Shard shard = {}) {
+    schema_.params.push_back({layer_name(layer, rest), std::move(shape), std::move(shard)});
   }
-  void linear(int64_t layer, std::string_view rest, int64_t out, int64_t in, LinearRole role, bool bias = false) {
-    schema_.linears.push_back({layer_name(layer, rest), out, in, role, layer, bias});
+  void linear(int64_t layer, std::string_view rest, int64_t out, int64_t in, LinearRole role, Shard shard = {},
+              bool bias = false) {
+    schema_.linears.push_back({layer_name(layer, rest), out, in, role, layer, bias, std::move(shard)});
+  }
+  void state(int64_t layer, std::string_view rest, std::vector<int64_t> shape, Shard shard) {
+    schema_.states.push_back({layer_name(layer, rest), std::move(shape), std::move(shard)});
   }
 
   void add_layer(int64_t i) {
@@ -52,57 +57,77 @@ class SchemaBuilder {
     }
   }
 
-  // Qwen3 attention, and the gated variant of Qwen3-Next / Qwen3.5 whose q_proj also yields the output gate.
+  // Qwen3 attention, and the gated variant of Qwen3-Next / Qwen3.5 whose q_proj also yields the output gate
+  // ([query | gate] per head, so a head's 2 * head_dim rows move together). Column-parallel by heads, KV heads
+  // replicated when fewer than the ranks, o_proj row-parallel; q_norm / k_norm act per head and are replicated.
   void add_attention(int64_t i) {
-    const int64_t h = c_.hidden_size, hd = c_.head_dim;
-    const int64_t q_out = c_.num_attention_heads * hd * (c_.attention == AttentionKind::kGatedGqa ? 2 : 1);
+    const int64_t h = c_.hidden_size, hd = c_.head_dim, nq = c_.num_attention_heads, nkv = c_.num_key_value_heads;
+    const int64_t q_rows = hd * (c_.attention == AttentionKind::kGatedGqa ? 2 : 1);
     const bool bias = c_.attention_bias;
-    linear(i, "self_attn.q_proj", q_out, h, LinearRole::kAttention, bias);
-    linear(i, "self_attn.k_proj", c_.num_key_value_heads * hd, h, LinearRole::kAttention, bias);
-    linear(i, "self_attn.v_proj", c_.num_key_value_heads * hd, h, LinearRole::kAttention, bias);
-    linear(i, "self_attn.o_proj", h, c_.num_attention_heads * hd, LinearRole::kAttention, bias);
+    const Shard kv = Shard::output({{nkv, hd, true}});
+    linear(i, "self_attn.q_proj", nq * q_rows, h, LinearRole::kAttention, Shard::output({{nq, q_rows}}), bias);
+    linear(i, "self_attn.k_proj", nkv * hd, h, LinearRole::kAttention, kv, bias);
+    linear(i, "self_attn.v_proj", nkv * hd, h, LinearRole::kAttention, kv, bias);
+    linear(i, "self_attn.o_proj", h, nq * hd, LinearRole::kAttention, Shard::input({{nq, hd}}), bias);
     layer_param(i, "self_attn.q_norm.weight", {hd});
     layer_param(i, "self_attn.k_norm.weight", {hd});
+    for (const char* cache : {"self_attn.k_cache", "self_attn.v_cache"}) {
+      state(i, cache, {nkv, hd}, Shard::output({{nkv, 1, true}}));
+    }
   }
 
   // Gated DeltaNet: Qwen3.5 keeps q/k/v, z, b and a in separate projections; Qwen3-Next fuses them per key head.
+  // Split by heads: the q, k channels by key heads and v, z, b, a, A_log, dt_bias by value heads, each part of
+  // in_proj_qkv and of the conv1d channels [q | k | v] divided on its own; out_proj row-parallel by value heads;
+  // the gated norm (per value head) replicated.
   void add_gated_deltanet(int64_t i) {
-    const int64_t h = c_.hidden_size;
-    const int64_t key_dim = c_.linear_num_key_heads * c_.linear_key_head_dim;
-    const int64_t value_dim = c_.linear_num_value_heads * c_.linear_value_head_dim;
-    const int64_t n_v = c_.linear_num_value_heads;
-    if (c_.architecture == Architecture::kQwen3Next) {
-      linear(i, "linear_attn.in_proj_qkvz", 2 * key_dim + 2 * value_dim, h, LinearRole::kLinearAttention);
-      linear(i, "linear_attn.in_proj_ba", 2 * n_v, h, LinearRole::kLinearAttention);
+    const int64_t h = c_.hidden_size, kernel = c_.linear_conv_kernel_dim;
+    const int64_t n_k = c_.linear_num_key_heads, dk = c_.linear_key_head_dim;
+    const int64_t n_v = c_.linear_num_value_heads, dv = c_.linear_value_head_dim;
+    const int64_t key_dim = n_k * dk, value_dim = n_v * dv;
+    const std::vector<ShardSegment> qkv = {{n_k, dk}, {n_k, dk}, {n_v, dv}};
+    const auto role = LinearRole::kLinearAttention;
+    if (c_.architecture == Architecture::kQwen3Next) {  // per key head [q dk | k dk | v r*dv | z r*dv], [b r | a r]
+      const int64_t r = n_k > 0 ? n_v / n_k : 0;
+      linear(i, "linear_attn.in_proj_qkvz", 2 * key_dim + 2 * value_dim, h, role,
+             Shard::output({{n_k, 2 * dk + 2 * r * dv}}));
+      linear(i, "linear_attn.in_proj_ba", 2 * n_v, h, role, Shard::output({{n_k, 2 * r}}));
     } else {
-      linear(i, "linear_attn.in_proj_qkv", 2 * key_dim + value_dim, h, LinearRole::kLinearAttention);
-      linear(i, "linear_attn.in_proj_z", value_dim, h, LinearRole::kLinearAttention);
-      linear(i, "linear_attn.in_proj_b", n_v, h, LinearRole::kLinearAttention);
-      linear(i, "linear_attn.in_proj_a", n_v, h, LinearRole::kLinearAttention);
+      linear(i, "linear_attn.in_proj_qkv", 2 * key_dim + value_dim, h, role, Shard::output(qkv));
+      linear(i, "linear_attn.in_proj_z", value_dim, h, role, Shard::output({{n_v, dv}}));
+      linear(i, "linear_attn.in_proj_b", n_v, h, role, Shard::output({{n_v, 1}}));
+      linear(i, "linear_attn.in_proj_a", n_v, h, role, Shard::output({{n_v, 1}}));
     }
-    layer_param(i, "linear_attn.conv1d.weight", {2 * key_dim + value_dim, 1, c_.linear_conv_kernel_dim});
-    layer_param(i, "linear_attn.dt_bias", {n_v});
-    layer_param(i, "linear_attn.A_log", {n_v});
-    layer_param(i, "linear_attn.norm.weight", {c_.linear_value_head_dim});
-    linear(i, "linear_attn.out_proj", h, value_dim, LinearRole::kLinearAttention);
+    layer_param(i, "linear_attn.conv1d.weight", {2 * key_dim + value_dim, 1, kernel}, Shard::output(qkv));
+    layer_param(i, "linear_attn.dt_bias", {n_v}, Shard::output({{n_v, 1}}));
+    layer_param(i, "linear_attn.A_log", {n_v}, Shard::output({{n_v, 1}}));
+    layer_param(i, "linear_attn.norm.weight", {dv});
+    linear(i, "linear_attn.out_proj", h, value_dim, role, Shard::input({{n_v, dv}}));
+    state(i, "linear_attn.conv_state", {2 * key_dim + value_dim, kernel - 1}, Shard::output(qkv));
+    state(i, "linear_attn.recurrent_state", {n_v, dv, dk}, Shard::output({{n_v, 1}}));
   }
 
-  // Multi-head latent attention (DeepSeek-V3, GLM-5), plus GLM-5's DSA indexer.
+  // Multi-head latent attention (DeepSeek-V3, GLM-5), plus GLM-5's DSA indexer. The latent projections, their
+  // norms, the latent cache and the whole indexer are replicated; q(_b)_proj and kv_b_proj split by heads, o_proj
+  // row-parallel by heads.
   void add_mla(int64_t i) {
     const int64_t h = c_.hidden_size, n_heads = c_.num_attention_heads;
     const int64_t qk_head_dim = c_.qk_nope_head_dim + c_.qk_rope_head_dim;
+    const auto role = LinearRole::kAttention;
+    const Shard q_heads = Shard::output({{n_heads, qk_head_dim}});
     if (c_.q_lora_rank > 0) {
-      linear(i, "self_attn.q_a_proj", c_.q_lora_rank, h, LinearRole::kAttention);
+      linear(i, "self_attn.q_a_proj", c_.q_lora_rank, h, role);
       layer_param(i, "self_attn.q_a_layernorm.weight", {c_.q_lora_rank});
-      linear(i, "self_attn.q_b_proj", n_heads * qk_head_dim, c_.q_lora_rank, LinearRole::kAttention);
+      linear(i, "self_attn.q_b_proj", n_heads * qk_head_dim, c_.q_lora_rank, role, q_heads);
     } else {
-      linear(i, "self_attn.q_proj", n_heads * qk_head_dim, h, LinearRole::kAttention);
+      linear(i, "self_attn.q_proj", n_heads * qk_head_dim, h, role, q_heads);
     }
-    linear(i, "self_attn.kv_a_proj_with_mqa", c_.kv_lora_rank + c_.qk_rope_head_dim, h, LinearRole::kAttention);
+    linear(i, "self_attn.kv_a_proj_with_mqa", c_.kv_lora_rank + c_.qk_rope_head_dim, h, role);
     layer_param(i, "self_attn.kv_a_layernorm.weight", {c_.kv_lora_rank});
-    linear(i, "self_attn.kv_b_proj", n_heads * (c_.qk_nope_head_dim + c_.v_head_dim), c_.kv_lora_rank,
-           LinearRole::kAttention);
-    linear(i, "self_attn.o_proj", h, n_heads * c_.v_head_dim, LinearRole::kAttention);
+    const int64_t kv_b_rows = c_.qk_nope_head_dim + c_.v_head_dim;
+    linear(i, "self_attn.kv_b_proj", n_heads * kv_b_rows, c_.kv_lora_rank, role, Shard::output({{n_heads, kv_b_rows}}));
+    linear(i, "self_attn.o_proj", h, n_heads * c_.v_head_dim, role, Shard::input({{n_heads, c_.v_head_dim}}));
+    state(i, "self_attn.latent_cache", {c_.kv_lora_rank + c_.qk_rope_head_dim}, Shard::replicated());
     if (c_.architecture == Architecture::kGlmMoeDsa) {
       const int64_t index_dim = c_.index_head_dim;
       linear(i, "self_attn.indexer.wq_b", c_.index_n_heads * index_dim, c_.q_lora_rank, LinearRole::kIndexer);
@@ -110,14 +135,16 @@ class SchemaBuilder {
       layer_param(i, "self_attn.indexer.k_norm.weight", {index_dim});
       layer_param(i, "self_attn.indexer.k_norm.bias", {index_dim});
       linear(i, "self_attn.indexer.weights_proj", c_.index_n_heads, h, LinearRole::kIndexer);
+      state(i, "self_attn.indexer.key_cache", {index_dim}, Shard::replicated());
     }
   }
 
+  // Dense and shared-expert MLPs: gate/up column-parallel, down row-parallel, over the intermediate width.
   void add_mlp(int64_t i, std::string_view name, int64_t intermediate, LinearRole role) {
     const int64_t h = c_.hidden_size;
-    linear(i, fmt::format("{}.gate_proj", name), intermediate, h, role);
-    linear(i, fmt::format("{}.up_proj", name), intermediate, h, role);
-    linear(i, fmt::format("{}.down_proj", name), h, intermediate, role);
+    linear(i, fmt::format("{}.gate_proj", name), intermediate, h, role, Shard::output({{intermediate, 1}}));
+    linear(i, fmt::format("{}.up_proj", name), intermediate, h, role, Shard::output({{intermediate, 1}}));
+    linear(i, fmt::format("{}.down_proj", name), h, intermediate, role, Shard::input({{intermediate, 1}}));
   }
 
   void add_moe(int64_t i) {
@@ -126,7 +153,9 @@ class SchemaBuilder {
     if (c_.router_scoring == RouterScoring::kSigmoid && c_.topk_method == "noaux_tc") {
       layer_param(i, "mlp.gate.e_score_correction_bias", {c_.num_experts});
     }
-    schema_.expert_groups.push_back({layer_name(i, "mlp.experts"), i, c_.num_experts, h, c_.moe_intermediate_size});
+    const int64_t inter = c_.moe_intermediate_size;  // the router is replicated, each expert split inside
+    schema_.expert_groups.push_back({layer_name(i, "mlp.experts"), i, c_.num_experts, h, inter,
+                                     Shard::output({{inter, 1}}), Shard::input({{inter, 1}})});
     if (c_.shared_expert_intermediate_size > 0) {  // Qwen3-Next / Qwen3.5: one shared expert behind a sigmoid gate
       add_mlp(i, "mlp.shared_expert", c_.shared_expert_intermediate_size, LinearRole::kSharedExpert);
       linear(i, "mlp.shared_expert_gate", 1, h, LinearRole::kSharedExpertGate);

@@ -1,7 +1,9 @@
 // The text model's weights as an architecture expects them, derived from its config alone: every linear layer with
 // its logical [out, in], every other parameter with its shape, and the routed-expert groups (which checkpoints
 // store either fused, `experts.gate_up_proj` [E, 2I, H] + `experts.down_proj` [E, H, I], or one module per
-// expert). Loading, `tern info` and the model code all read weights through this one description.
+// expert). Loading, `tern info` and the model code all read weights through this one description. Every tensor and
+// cached state also declares how it splits across tensor-parallel ranks (models/shard.h, docs/architecture.md
+// "Sharding seam").
 #pragma once
 
 #include <cstdint>
@@ -11,6 +13,7 @@
 
 #include "io/model_config.h"
 #include "io/safetensors.h"
+#include "models/shard.h"
 
 namespace tern {
 
@@ -24,11 +27,13 @@ struct LinearSpec {
   LinearRole role;
   int64_t layer;          // -1 outside the decoder layers
   bool has_bias = false;
+  Shard shard;            // the bias follows the rows of a kOutput split and stays on rank 0 for kInput
 };
 
 struct ParamSpec {
   std::string name;             // full tensor name
   std::vector<int64_t> shape;
+  Shard shard;                  // along dim 0
 };
 
 struct ExpertGroupSpec {
@@ -37,7 +42,17 @@ struct ExpertGroupSpec {
   int64_t num_experts;
   int64_t hidden;         // H: gate/up in_features, down out_features
   int64_t intermediate;   // I: gate/up out_features, down in_features
+  Shard gate_up_shard;    // each expert's gate_proj and up_proj (TP inside the expert: by output)
+  Shard down_shard;       // each expert's down_proj (by input)
   int64_t parameters_per_expert() const { return 3 * hidden * intermediate; }
+};
+
+// A per-sequence cache a layer keeps, with the shape of one token's (KV) or one sequence's (GDN) state, split along
+// dim 0. Declared for the tensor-parallel execution to size per-rank caches; the loader does not read these.
+struct StateSpec {
+  std::string name;  // e.g. "model.layers.3.self_attn.kv_cache"
+  std::vector<int64_t> shape;
+  Shard shard;
 };
 
 struct WeightSchema {
@@ -45,6 +60,7 @@ struct WeightSchema {
   std::vector<LinearSpec> linears;          // lm_head last
   std::vector<ParamSpec> params;            // embeddings, norms, convolutions, gates' biases, ...
   std::vector<ExpertGroupSpec> expert_groups;
+  std::vector<StateSpec> states;            // caches: KV (K and V each), GDN conv and recurrent state, MLA latent
   std::vector<std::string> skipped_prefixes;  // present in checkpoints but not served: vision tower, MTP layers
   std::vector<std::string> skipped_reasons;   // one per skipped prefix
   bool tied_embeddings = false;             // lm_head may be absent and reuse embed_tokens
