@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
       const int col = (block * kTiles + tile) * kRows + row;
       const int prow = r0 + token;
       if (col < n && prow < ae.row_end) {
-        y[static_cast<int64_t>(prow) * p.ldy + col] = float_to_bf16_bits(sum * out_scale);
+        y[static_cast<int64_t>(prow) * p.ldy + col] = f32_to_bf16(sum * out_scale);
       }
     });
   }
@@ -436,8 +436,8 @@ __device__ __forceinline__ void prefill_store_y(const GemmParams& p, const TileW
         const int col = n0 + (warp % 4) * 32 + ni * 8 + 2 * t;
         if (row >= tw.row_end || col >= p.n) continue;
         uint16_t* dst = p.y + static_cast<int64_t>(row) * p.ldy + col;
-        const uint16_t v0 = float_to_bf16_bits(acc[mi][ni][2 * h] * out_scale);
-        const uint16_t v1 = float_to_bf16_bits(acc[mi][ni][2 * h + 1] * out_scale);
+        const uint16_t v0 = f32_to_bf16(acc[mi][ni][2 * h] * out_scale);
+        const uint16_t v1 = f32_to_bf16(acc[mi][ni][2 * h + 1] * out_scale);
         if (p.y_pairs) {
           *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(v0) | (static_cast<uint32_t>(v1) << 16);
         } else {
