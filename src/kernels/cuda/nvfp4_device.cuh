@@ -217,7 +217,8 @@ __device__ __forceinline__ void decode_load_w(const uint8_t* packed, const uint8
 }
 
 // x for step `step`: the 32 k of the lane's token in each token tile, from x + xoff[tt] (xoff < 0: no token).
-template <int kTokenTiles>
+// x is global memory, read-only for the kernel's life, or with kXShared rows a block staged in shared memory.
+template <int kTokenTiles, bool kXShared = false>
 __device__ __forceinline__ void decode_load_x(const uint16_t* x, const int64_t (&xoff)[kTokenTiles], int k, int step,
                                               uint4 (&xv)[kTokenTiles][4]) {
   const int k0 = step * kDecodeStepK + (threadIdx.x % 4) * 32;
@@ -227,7 +228,7 @@ __device__ __forceinline__ void decode_load_x(const uint16_t* x, const int64_t (
     const uint4* src = reinterpret_cast<const uint4*>(x + xoff[tt] + k0);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      xv[tt][j] = xoff[tt] >= 0 && 8 * j < valid ? __ldg(src + j) : make_uint4(0, 0, 0, 0);
+      xv[tt][j] = xoff[tt] >= 0 && 8 * j < valid ? (kXShared ? src[j] : __ldg(src + j)) : make_uint4(0, 0, 0, 0);
     }
   }
 }
