@@ -24,6 +24,7 @@
 #if TERN_HAVE_CUDA
 #include "kernels/cuda/device.h"
 #include "ops/attention_cuda.h"
+#include "ops/cuda_util.h"
 #include "ops/elementwise_cuda.h"
 #include "ops/gdn_cuda.h"
 #include "ops/gemm_cuda.h"
