@@ -156,9 +156,8 @@ Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceCont
           const auto& in = static_cast<const RmsNormGemvInputs&>(base);
           return fused ? rms_norm_gemv_cuda_run(*context, in) : rms_norm_gemv_separate_run(*context, in);
         },
-        // Opt-in: on the H200 the fused kernel timed within 5% of the pair on Qwen3-8B's lead case (qkv, 1.5 waves
-        // of blocks) but made its decode steps 0.6-1 ms (13-21%) slower, as every block repeats the norm pass and
-        // gate_up and the lm_head run many waves of blocks.
+        // Opt-in: every block repeats the norm pass, which the lead case's few waves of blocks hide and the model's
+        // many-wave gate_up and lm_head do not (see docs/perf/gpu.md §fused-rms-norm-gemv).
         .opt_in = fused,
     }));
   }

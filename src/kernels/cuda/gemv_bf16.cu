@@ -191,9 +191,9 @@ __device__ __forceinline__ void gemv_bf16_block(const GemvBf16Params& p, const G
   const int n_chunks = static_cast<int>(p.k / kVec);
   // W does not change while a model runs, so the first step's weight loads leave before the programmatic-launch
   // wait and overlap the previous kernel's tail; x, the residual and y are touched only after it. The first step is
-  // the loop's first iteration peeled, so the sums are the same. The RMSNorm prologue keeps the wait first, as it
-  // was measured: the fused norm kernel is opt-in (gemm_cuda.cc), and its self-test time already misleads (early
-  // loads would overlap each block's norm pass in the one-wave lead case, not in the model's many-wave grids).
+  // the loop's first iteration peeled, so the sums are the same. The RMSNorm prologue keeps the wait first: the fused
+  // norm kernel is opt-in (gemm_cuda.cc), and early loads would make its self-test time mislead further (they would
+  // overlap each block's norm pass in the one-wave lead case only; see docs/perf/gpu.md §fused-rms-norm-gemv).
   int c = j;
   const bool first_step = c + group_threads < n_chunks;
   uint4 first0[kCols], first1[kCols];

@@ -17,9 +17,8 @@ namespace tern::ptx {
 // begins with grid_dependency_begin(), so it waits before any access to memory and in all its blocks: the wait also
 // chains, and a kernel cannot complete before its predecessor has. The one exception is the BF16 GEMV, which loads
 // its first weights (memory no kernel writes) between the two. Before the wait, a kernel may read nothing that any
-// kernel writes: its predecessor's predecessor may still be running. (Prefetching the GEMV's weights into L2 with
-// prefetch instructions before the wait was measured on the H200: the extra L2 requests slowed the GEMV by 10-20%
-// with or without the attribute.)
+// kernel writes: its predecessor's predecessor may still be running. (No L2 prefetch of the GEMV's weights before
+// the wait either: the extra L2 requests made it slower; see docs/perf/gpu.md §gemv-l2-prefetch.)
 __device__ __forceinline__ void grid_dependents_launch() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
