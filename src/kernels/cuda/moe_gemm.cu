@@ -12,7 +12,7 @@
 //            (every expert's last tile may be partial); tile i belongs to the expert whose tile range holds i.
 //            x rows are gathered through sorted_pairs by cp.async, W tiles go to shared memory as bf16 (NVFP4
 //            dequantised as in the dense prefill kernel), mma.sync m16n8k16 with fp32 accumulation.
-// NVFP4 semantics are W4A16 (model-specs.md 1.5): exact bf16 weight factors, weight_scale_2 applied to the fp32 sum.
+// NVFP4 semantics are W4A16 (docs/model-specs.md §1.5): exact bf16 weight factors, weight_scale_2 times the fp32 sum.
 #include <algorithm>
 #include <limits>
 #include <type_traits>

@@ -1,6 +1,6 @@
 // Device code shared by the dense NVFP4 W4A16 GEMM (gemm_nvfp4_w4a16.cu) and the grouped MoE GEMM (moe_gemm.cu):
-// the bf16 operand loads of the mma.sync (ptx.cuh), and the two ways an NVFP4 weight (ModelOpt layout, shared
-// model-specs.md section 1) reaches the tensor cores:
+// the bf16 operand loads of the mma.sync (ptx.cuh), and the two ways an NVFP4 weight (ModelOpt layout,
+// docs/model-specs.md §1) reaches the tensor cores:
 //   decode:  16-byte loads of the packed weight dequantized straight into mma A fragments in registers;
 //   prefill: a 128 x 32 weight tile dequantized to bf16 in shared memory, then ldmatrix + mma.
 // The weight factor fed to the tensor cores is e2m1 · e4m3 block scale, which is exact in bf16 (at most 2 + 4
