@@ -35,7 +35,8 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&v)[8]) {
     v[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
   }
 }
-// The same from 16-byte aligned memory, and back (each value rounded as f32_to_bf16), in one 16-byte access.
+// The same from 16-byte aligned memory, and back (each value rounded as f32_to_bf16), in one 16-byte access. (The
+// load goes into a local first: unpacking straight from a reference to memory compiled some kernels differently.)
 __device__ __forceinline__ void load_bf16x8(const uint16_t* p, float (&v)[8]) {
   const uint4 raw = *reinterpret_cast<const uint4*>(p);
   unpack_bf16x8(raw, v);
