@@ -24,6 +24,7 @@
 #if TERN_HAVE_CUDA
 #include "kernels/cuda/device.h"
 #include "ops/attention_cuda.h"
+#include "ops/cuda_util.h"
 #include "ops/elementwise_cuda.h"
 #include "ops/gdn_cuda.h"
 #include "ops/gemm_cuda.h"
@@ -129,9 +130,8 @@ void add_case(CaseTable& table, const std::string& op, SelfTestCase c) {
 
 // The shapes with the lead one first: the largest of at most kLeadMaxElements weights (an lm_head is above it).
 // `--selftest fast` runs each op's first case only, and its time decides between implementations: on a
-// microsecond-long kernel that choice was noise on the H200 (the smallest Qwen3.5 projection flipped the decode GEMM
-// between the GEMV and cuBLASLt from one start to the next, 3.0 against 3.4 ms a step), on a projection of tens of
-// MB it is the model's.
+// microsecond-long kernel that choice is noise, on a projection of tens of MB it is the model's (see
+// docs/perf/gpu.md §lead-case).
 std::vector<std::pair<int64_t, int64_t>> lead_first(const Shapes& shapes) {
   constexpr int64_t kLeadMaxElements = int64_t{1} << 26;
   std::vector<std::pair<int64_t, int64_t>> out(shapes.begin(), shapes.end());

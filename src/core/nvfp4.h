@@ -1,4 +1,4 @@
-// NVFP4 as NVIDIA ModelOpt defines it (docs: shared model-specs.md section 1): 16-element blocks of e2m1 values, an
+// NVFP4 as NVIDIA ModelOpt defines it (docs/model-specs.md §1): 16-element blocks of e2m1 values, an
 // e4m3 scale per block and an fp32 scale per tensor. This is the reference every NVFP4 kernel is checked against.
 //
 //   weight:     w[n,k]  = e2m1(q[n,k]) * e4m3(block_scale[n,k/16]) * weight_scale_2

@@ -1,5 +1,5 @@
 // NVFP4 reference tests. Expected codes and scales below were computed by hand from ModelOpt's definition
-// (shared model-specs.md section 1.4/1.5): inputs are chosen so every intermediate is exact in fp32, which makes
+// (docs/model-specs.md §1.4/1.5): inputs are chosen so every intermediate is exact in fp32, which makes
 // the ties land exactly on the e2m1 thresholds.
 #include "core/nvfp4.h"
 

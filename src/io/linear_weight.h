@@ -1,5 +1,5 @@
 // Resolves how a checkpoint stores one linear layer `<module>.weight` ([out, in] logically). The rule is per tensor,
-// from what the files hold (shared model-specs.md section 1.1): a uint8 weight [out, in/2] with an F8_E4M3
+// from what the files hold (docs/model-specs.md §1.1): a uint8 weight [out, in/2] with an F8_E4M3
 // `weight_scale` [out, in/16] and a scalar `weight_scale_2` is ModelOpt NVFP4; a BF16/F16/F32 weight [out, in] is
 // dense. Anything else is an error naming the tensor and what was found.
 #pragma once

@@ -1,4 +1,4 @@
-// The per-tensor storage rule for linear layers (shared model-specs.md section 1.1/1.2): each case writes a tiny
+// The per-tensor storage rule for linear layers (docs/model-specs.md §1.1/1.2): each case writes a tiny
 // safetensors file and checks the verdict and that errors name the offending tensor.
 #include "io/linear_weight.h"
 

@@ -1,7 +1,7 @@
 // config.json -> one typed, validated ModelConfig per checkpoint. Missing fields take the defaults of the matching
 // transformers (v5) configuration class, derived values (layer types, MoE layers, head_dim, rotary dim) are computed
 // the way transformers computes them, and anything unknown or inconsistent is an error naming the field and file.
-// Field meanings and sources: shared docs/model-specs.md sections 2.1, 3.1 and 4.
+// Field meanings and sources: docs/model-specs.md §2.1, §3.1 and §4.
 #pragma once
 
 #include <nlohmann/json.hpp>

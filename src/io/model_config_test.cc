@@ -1,6 +1,6 @@
 // config.json parsing tests. Expected values come from the published configs in tests/data/configs (each file says
 // where its values come from), the transformers v5 configuration classes' defaults and __post_init__ rules, and
-// shared docs/model-specs.md sections 2.1 and 3.1 -- never from this parser's output.
+// docs/model-specs.md §2.1 and §3.1 -- never from this parser's output.
 #include "io/model_config.h"
 
 #include <gtest/gtest.h>

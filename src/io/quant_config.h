@@ -1,4 +1,4 @@
-// NVIDIA ModelOpt quantization configs (shared docs/model-specs.md section 1.1): the older hf_quant_config.json
+// NVIDIA ModelOpt quantization configs (docs/model-specs.md §1.1): the older hf_quant_config.json
 // ({"producer", "quantization": {quant_algo, kv_cache_quant_algo, group_size, exclude_modules}}) and the newer
 // config.json "quantization_config" ({"quant_method": "modelopt", quant_algo, ignore, kv_cache_scheme,
 // config_groups, ...}). Validation follows vLLM's ModelOptQuantConfigBase.from_config / ModelOptNvFp4Config.

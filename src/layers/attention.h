@@ -1,6 +1,6 @@
 // Grouped-query attention of Qwen3 (per-head q/k RMSNorm, then RoPE) and the gated variant of Qwen3.5 / Qwen3-Next
 // (q_proj yields [query | gate] per head, partial RoPE, zero-centred q/k norms, output * sigmoid(gate) before
-// o_proj); shared model-specs.md section 2.5. The KV cache holds keys after norm and RoPE.
+// o_proj); docs/model-specs.md §2.5. The KV cache holds keys after norm and RoPE.
 #pragma once
 
 #include "layers/blocks.h"

@@ -1,4 +1,4 @@
-// Gated DeltaNet token mixer of Qwen3.5 and Qwen3-Next (shared model-specs.md section 2.4): projections, causal
+// Gated DeltaNet token mixer of Qwen3.5 and Qwen3-Next (docs/model-specs.md §2.4): projections, causal
 // depthwise conv + SiLU, l2-normalised q/k, decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), the
 // delta-rule recurrence, a gated RMSNorm per value head and out_proj. The conv and recurrent states of each sequence
 // live in its LayerCache, so prefill and decode continue the same recurrence.

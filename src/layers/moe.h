@@ -1,5 +1,5 @@
 // Feed-forward blocks: the SwiGLU MLP y = down(silu(gate(x)) * up(x)), and the sparse MoE of Qwen3-MoE / Qwen3.5 /
-// Qwen3-Next (model-specs.md section 2.6): softmax router in fp32, top-k, optional renormalisation, routed SwiGLU
+// Qwen3-Next (docs/model-specs.md §2.6): softmax router in fp32, top-k, optional renormalisation, routed SwiGLU
 // experts weighted by their probability, plus an optional shared expert scaled by sigmoid(shared_expert_gate(x)).
 #pragma once
 

@@ -1,4 +1,4 @@
-// RMSNorm variants of Qwen3 / Qwen3.5 (shared model-specs.md section 2.3), in fp32:
+// RMSNorm variants of Qwen3 / Qwen3.5 (docs/model-specs.md §2.3), in fp32:
 //   plain:        y = w * (x * rsqrt(mean(x^2) + eps))
 //   zero-centred: y = (1 + w) * (x * rsqrt(mean(x^2) + eps))          (Qwen3.5 / Qwen3-Next decoder norms, q/k norms)
 //   gated:        y = w * (x * rsqrt(mean(x^2) + eps)) * silu(z)      (Gated DeltaNet output norm)

@@ -102,7 +102,7 @@ class Matcher {
     info_.linear_layers[format] += 3 * e;
   }
 
-  // The exclude list is a cross-check only: the files decide (shared model-specs.md section 1.1).
+  // The exclude list is a cross-check only: the files decide (docs/model-specs.md §1.1).
   void check_exclusion(const LinearWeight& w) {
     if (!info_.quant) return;
     const bool excluded = info_.quant->is_excluded(w.module);

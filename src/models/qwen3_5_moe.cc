@@ -1,7 +1,7 @@
 // Qwen3.5-MoE text model (and Qwen3-Next, which differs only in its fused GDN projections and its optional dense
 // layers): zero-centred RMSNorms, Gated DeltaNet on "linear_attention" layers, gated attention with partial NeoX RoPE
 // on "full_attention" layers, softmax top-k MoE (always renormalised for Qwen3.5) plus a sigmoid-gated shared expert.
-// shared model-specs.md section 2.
+// docs/model-specs.md §2.
 #include "layers/gated_deltanet.h"
 #include "models/builders.h"
 

@@ -5,7 +5,7 @@
 #include <random>
 
 #include "kernels/cuda/attention.h"
-#include "ops/gemm_cuda.h"
+#include "ops/cuda_util.h"
 
 namespace tern {
 namespace {

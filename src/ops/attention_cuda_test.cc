@@ -13,7 +13,7 @@
 #include "ops/attention_cuda.h"
 #include "ops/cuda_fault_test_util.h"
 #include "ops/cuda_op_test.h"
-#include "ops/gemm_cuda.h"
+#include "ops/cuda_util.h"
 
 namespace tern {
 namespace {

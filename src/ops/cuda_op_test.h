@@ -12,7 +12,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda/device.h"
-#include "ops/gemm_cuda.h"
+#include "ops/cuda_util.h"
 #include "ops/registry.h"
 
 namespace tern {

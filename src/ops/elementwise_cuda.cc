@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/elementwise.h"
-#include "ops/gemm_cuda.h"
+#include "ops/cuda_util.h"
 
 namespace tern {
 namespace {

@@ -14,8 +14,8 @@
 #include "kernels/cuda/elementwise.h"
 #include "ops/cuda_fault_test_util.h"
 #include "ops/cuda_op_test.h"
+#include "ops/cuda_util.h"
 #include "ops/elementwise_cuda.h"
-#include "ops/gemm_cuda.h"
 
 namespace tern {
 namespace {

@@ -8,28 +8,10 @@
 #include "core/formats.h"
 #include "layers/norms.h"
 #include "layers/rope.h"
+#include "ops/harness_util.h"
 
 namespace tern {
 namespace {
-
-// Counter-based random values: fresh for every seed and stream, the same whatever the order of generation.
-uint64_t hash_bits(uint64_t seed, uint64_t stream, int64_t i) {
-  uint64_t z = (seed ^ (stream << 56)) + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// center + scale * uniform(-1, 1), nudged away from zero, rounded to bf16.
-std::vector<uint16_t> random_bf16(uint64_t seed, uint64_t stream, int64_t n, float scale, float center = 0.0f) {
-  std::vector<uint16_t> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t z = hash_bits(seed, stream, i);
-    const float u = static_cast<float>(z >> 40) * 0x1p-24f;
-    out[i] = float_to_bf16(center + scale * (2.0f * u - 1.0f) + (z & 1 ? 1e-3f : -1e-3f));
-  }
-  return out;
-}
 
 std::vector<float> widen(const std::vector<uint16_t>& bf16) {
   std::vector<float> out(bf16.size());
@@ -70,12 +52,12 @@ Expected<std::unique_ptr<OpInputs>> rms_norm_make(const SelfTestCase& c, uint64_
   in->form = static_cast<RmsNormForm>(c.dims[3]);
   in->residual = c.dims[4] == 1;
   const int64_t n = in->rows * in->dim;
-  in->x = random_bf16(seed, 1, n, 2.0f);
-  if (in->residual) in->residual_in = random_bf16(seed, 2, n, 2.0f);
-  if (in->form == RmsNormForm::kGated) in->gate = random_bf16(seed, 3, n, 4.0f);
+  in->x = hashed_bf16_vector(seed, 1, n, 2.0f);
+  if (in->residual) in->residual_in = hashed_bf16_vector(seed, 2, n, 2.0f);
+  if (in->form == RmsNormForm::kGated) in->gate = hashed_bf16_vector(seed, 3, n, 4.0f);
   // Zero-centred checkpoints store small offsets from 1; plain weights sit around 1.
   const bool centred = in->form == RmsNormForm::kZeroCentred;
-  in->weight = random_bf16(seed, 4, in->dim, 0.5f, centred ? 0.0f : 1.0f);
+  in->weight = hashed_bf16_vector(seed, 4, in->dim, 0.5f, centred ? 0.0f : 1.0f);
   return in;
 }
 
@@ -145,7 +127,7 @@ Expected<std::unique_ptr<OpInputs>> rope_make(const SelfTestCase& c, uint64_t se
   in->rotary_dim = d[3];
   in->interleaved = d[4] == 1;
   in->theta = static_cast<double>(d[5]);
-  in->x = random_bf16(seed, 1, in->tokens * in->n_heads * in->head_dim, 2.0f);
+  in->x = hashed_bf16_vector(seed, 1, in->tokens * in->n_heads * in->head_dim, 2.0f);
   // Positions up to 2^17 so the angles reach the large-argument range of sin/cos.
   for (int64_t t = 0; t < in->tokens; ++t) in->positions.push_back(static_cast<int32_t>(hash_bits(seed, 2, t) >> 47));
   return in;
@@ -212,8 +194,8 @@ Expected<std::unique_ptr<OpInputs>> silu_mul_make(const SelfTestCase& c, uint64_
   in->rows = c.dims[0];
   in->inter = c.dims[1];
   // Gates over +-6 cover silu's linear, curved and vanishing regions.
-  const std::vector<uint16_t> gate = random_bf16(seed, 1, in->rows * in->inter, 6.0f);
-  const std::vector<uint16_t> up = random_bf16(seed, 2, in->rows * in->inter, 2.0f);
+  const std::vector<uint16_t> gate = hashed_bf16_vector(seed, 1, in->rows * in->inter, 6.0f);
+  const std::vector<uint16_t> up = hashed_bf16_vector(seed, 2, in->rows * in->inter, 2.0f);
   for (int64_t r = 0; r < in->rows; ++r) {
     in->gate_up.insert(in->gate_up.end(), gate.begin() + r * in->inter, gate.begin() + (r + 1) * in->inter);
     in->gate_up.insert(in->gate_up.end(), up.begin() + r * in->inter, up.begin() + (r + 1) * in->inter);
@@ -253,7 +235,7 @@ Expected<std::unique_ptr<OpInputs>> embedding_make(const SelfTestCase& c, uint64
   // real vocabulary of 250k rows costs no more than the rows a case reads).
   in->table.assign(static_cast<size_t>(in->vocab * in->hidden), kBf16QuietNan);
   for (int64_t t = 0; t < in->tokens; ++t) {
-    const std::vector<uint16_t> row = random_bf16(seed ^ static_cast<uint64_t>(in->ids[t]), 1, in->hidden, 0.1f);
+    const std::vector<uint16_t> row = hashed_bf16_vector(seed ^ static_cast<uint64_t>(in->ids[t]), 1, in->hidden, 0.1f);
     std::copy(row.begin(), row.end(), in->table.begin() + in->ids[t] * in->hidden);
   }
   return in;
@@ -286,8 +268,8 @@ Expected<std::unique_ptr<OpInputs>> residual_add_make(const SelfTestCase& c, uin
   TERN_TRY(check_dims(c, 2, "{tokens, hidden}"));
   auto in = std::make_unique<ResidualAddInputs>();
   in->n = c.dims[0] * c.dims[1];
-  in->a = random_bf16(seed, 1, in->n, 2.0f);
-  in->b = random_bf16(seed, 2, in->n, 2.0f);
+  in->a = hashed_bf16_vector(seed, 1, in->n, 2.0f);
+  in->b = hashed_bf16_vector(seed, 2, in->n, 2.0f);
   return in;
 }
 

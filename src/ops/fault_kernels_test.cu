@@ -3,6 +3,8 @@
 
 #include <cuda_bf16.h>
 
+#include "kernels/cuda/common.cuh"
+
 namespace tern {
 namespace {
 
@@ -10,12 +12,9 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kCountRounds = 4;  // increments of every counter per thread of the counting grid
 
-__device__ __forceinline__ float bf16_to_f32(uint16_t bits) {
-  return __uint_as_float(uint32_t{bits} << 16);
-}
-__device__ __forceinline__ uint16_t f32_to_bf16(float v) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-}
+using cuda_common::bf16_to_f32;
+using cuda_common::f32_to_bf16;
+using cuda_common::warp_sum;
 
 // y = w * (x * scale) over one row, rounded to bf16 once.
 __device__ void write_row(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t dim, float scale) {
@@ -55,8 +54,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_scaled_kernel(const uint16_
   const uint16_t* xr = x + row * dim;
   float s = 0.0f;
   for (int64_t i = threadIdx.x; i < dim; i += kThreads) s += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xFFFFFFFFu, s, offset);
+  s = warp_sum(s);
   if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = s;
   __syncthreads();
   float total = 0.0f;

@@ -7,7 +7,7 @@
 #include "core/formats.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gated_delta.h"
-#include "ops/gemm_cuda.h"
+#include "ops/cuda_util.h"
 
 namespace tern {
 namespace {

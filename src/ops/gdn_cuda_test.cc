@@ -12,8 +12,8 @@
 #include "kernels/cuda/gated_delta.h"
 #include "ops/cuda_fault_test_util.h"
 #include "ops/cuda_op_test.h"
+#include "ops/cuda_util.h"
 #include "ops/gdn_cuda.h"
-#include "ops/gemm_cuda.h"
 
 namespace tern {
 namespace {

@@ -9,31 +9,15 @@
 #include "core/formats.h"
 #include "kernels/cpu/gated_delta.h"
 #include "layers/norms.h"
+#include "ops/harness_util.h"
 
 namespace tern {
 namespace {
 
-// Counter-based random values: fresh for every seed and stream, the same whatever the order of generation.
-uint64_t hash_bits(uint64_t seed, uint64_t stream, int64_t i) {
-  uint64_t z = (seed ^ (stream << 56)) + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-float uniform(uint64_t seed, uint64_t stream, int64_t i) {  // [0, 1)
-  return static_cast<float>(hash_bits(seed, stream, i) >> 40) * 0x1p-24f;
-}
-
-// scale * uniform(-1, 1), nudged away from zero, rounded to bf16.
-uint16_t random_bf16(uint64_t seed, uint64_t stream, int64_t i, float scale) {
-  const float u = uniform(seed, stream, i);
-  return float_to_bf16(scale * (2.0f * u - 1.0f) + ((hash_bits(seed, stream + 100, i) & 1) ? 1e-3f : -1e-3f));
-}
-
+// scale * uniform(-1, 1), nudged away from zero (the nudge from stream + 100), rounded to bf16.
 std::vector<uint16_t> random_bf16_vector(uint64_t seed, uint64_t stream, int64_t n, float scale) {
   std::vector<uint16_t> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) out[i] = random_bf16(seed, stream, i, scale);
+  for (int64_t i = 0; i < n; ++i) out[i] = hashed_bf16_nudge_stream(seed, stream, i, scale);
   return out;
 }
 
@@ -76,7 +60,7 @@ Expected<std::unique_ptr<OpInputs>> conv_make(const SelfTestCase& c, uint64_t se
   in->x_stride = in->channels + 24;  // a row stride that is not the width
   in->x = random_bf16_vector(seed, 1, in->batch.tokens * in->x_stride, 2.0f);
   in->weight.resize(static_cast<size_t>(in->channels * in->kernel));
-  for (size_t i = 0; i < in->weight.size(); ++i) in->weight[i] = uniform(seed, 2, static_cast<int64_t>(i)) - 0.5f;
+  for (size_t i = 0; i < in->weight.size(); ++i) in->weight[i] = hash_uniform(seed, 2, static_cast<int64_t>(i)) - 0.5f;
   const int64_t hist = in->kernel - 1;
   in->conv_state = random_bf16_vector(seed, 3, in->batch.n_slots * in->channels * hist, 2.0f);
   for (int64_t s = 0; s < in->batch.n_seqs; ++s) {
@@ -133,13 +117,13 @@ Expected<std::unique_ptr<OpInputs>> delta_rule_make(const SelfTestCase& c, uint6
   // The checkpoints' ranges (Mamba2-style init): A = exp(A_log) in [1, 16], softplus(dt_bias) in [1e-3, 1e-1],
   // so the per-token decay exp(g) spans ~0.05 .. ~1.
   for (int64_t j = 0; j < hv; ++j) {
-    in->a_log.push_back(std::log(1.0f + 15.0f * uniform(seed, 4, j)));
-    const float dt = std::exp(std::log(1e-3f) + uniform(seed, 5, j) * std::log(100.0f));
+    in->a_log.push_back(std::log(1.0f + 15.0f * hash_uniform(seed, 4, j)));
+    const float dt = std::exp(std::log(1e-3f) + hash_uniform(seed, 5, j) * std::log(100.0f));
     in->dt_bias.push_back(std::log(std::expm1(dt)));
   }
   const int64_t head_state = in->key_dim * in->value_dim, slot_state = hv * head_state;
   in->state.resize(static_cast<size_t>(in->batch.n_slots * slot_state));
-  for (size_t i = 0; i < in->state.size(); ++i) in->state[i] = uniform(seed, 6, int64_t(i)) - 0.5f;
+  for (size_t i = 0; i < in->state.size(); ++i) in->state[i] = hash_uniform(seed, 6, int64_t(i)) - 0.5f;
   for (int64_t s = 0; s < in->batch.n_seqs; ++s) {
     const SeqRows r = seq_rows(in->batch, s);
     if (!r.fresh) continue;
@@ -243,7 +227,7 @@ Expected<std::unique_ptr<OpInputs>> delta_rule_norm_make(const SelfTestCase& c, 
   in->gate_stride = width + 16;  // z sits in a wider projection row, as in the model
   in->gate = random_bf16_vector(seed, 7, in->batch.tokens * in->gate_stride, 4.0f);
   in->weight.resize(static_cast<size_t>(in->value_dim));
-  for (int64_t e = 0; e < in->value_dim; ++e) in->weight[e] = float_to_bf16(0.5f + uniform(seed, 8, e));
+  for (int64_t e = 0; e < in->value_dim; ++e) in->weight[e] = float_to_bf16(0.5f + hash_uniform(seed, 8, e));
   return in;
 }
 

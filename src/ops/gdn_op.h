@@ -1,4 +1,4 @@
-// The Gated DeltaNet ops of the model path in the registry (shared model-specs.md section 2.4), bf16 activations:
+// The Gated DeltaNet ops of the model path in the registry (docs/model-specs.md §2.4), bf16 activations:
 //   gdn_conv        dims {n_seqs, max_query_len, channels, kernel}: causal depthwise conv1d + SiLU over a ragged
 //                   batch, continuing from and updating each sequence's conv state.
 //                   Output: [y (tokens x channels) | conv state of every slot after the call (n_slots x channels x

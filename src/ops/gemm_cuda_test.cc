@@ -2,6 +2,7 @@
 // model-sized shapes (rms_norm_gemv included), and test-only registrations of broken variants — each one fault
 // class — are rejected.
 #include "ops/gemm_cuda.h"
+#include "ops/cuda_util.h"
 
 #include <gtest/gtest.h>
 

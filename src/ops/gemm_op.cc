@@ -11,21 +11,14 @@
 #include "core/nvfp4.h"
 #include "kernels/cpu/matmul.h"
 #include "layers/norms.h"
+#include "ops/harness_util.h"
 
 namespace tern {
 namespace {
 
-// Inputs of real model sizes run to hundreds of millions of elements (an lm_head), so values come from a
-// counter-based hash, in parallel: fresh for every seed, non-zero, symmetric, the same whatever the thread count.
-// center + scale * uniform(-1, 1), nudged by 1e-3, as bf16 bits.
-uint16_t hashed_bf16(uint64_t seed, uint64_t stream, int64_t i, float scale, float center = 0.0f) {
-  uint64_t z = (seed ^ (stream << 56)) + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  const float u = static_cast<float>(z >> 40) * 0x1p-24f;  // [0, 1)
-  return float_to_bf16(center + scale * (2.0f * u - 1.0f) + (z & 1 ? 1e-3f : -1e-3f));
-}
+// Inputs of real model sizes run to hundreds of millions of elements (an lm_head), so values come from
+// hashed_bf16 (ops/harness_util.h), in parallel: fresh for every seed, non-zero, symmetric, the same whatever the
+// thread count.
 
 std::string cpu_only(const DeviceDescription& d, const SelfTestCase&) {
   return d.backend == Backend::kCpu ? "" : "runs on the CPU backend only";

@@ -4,6 +4,7 @@
 
 #include "kernels/cuda/gemm_nvfp4_native.h"
 #include "kernels/cuda/nvfp4_scale_layout.h"
+#include "ops/cuda_util.h"
 #include "ops/gemm_cuda.h"
 #include "ops/gemm_w4a4_op.h"
 

@@ -12,6 +12,7 @@
 #include "kernels/cuda/nvfp4_scale_layout.h"
 #include "ops/cuda_fault_test_util.h"
 #include "ops/cuda_op_test.h"
+#include "ops/cuda_util.h"
 #include "ops/gemm_cuda.h"
 #include "ops/gemm_w4a4_op.h"
 

@@ -1,5 +1,5 @@
 // The W4A4 NVFP4 GEMM op of the registry, "gemm_nvfp4_w4a4": y[M, N] = dequant(quant_act(x)) . dequant(W)^T, the
-// semantics of a ModelOpt NVFP4 checkpoint on GPUs with FP4 tensor cores (shared model-specs.md section 1.5): x is
+// semantics of a ModelOpt NVFP4 checkpoint on GPUs with FP4 tensor cores (docs/model-specs.md §1.5): x is
 // quantized per 16-element block with the layer's input_scale (core/nvfp4.h nvfp4_quantize_activation_row), W is
 // the checkpoint's NVFP4 weight. A case's dims are {M, N, K}. The harness draws the gemm_nvfp4 inputs and calibrates
 // input_scale on the case's activations as ModelOpt does, amax / (6 * 448); the reference is an fp64 product of the

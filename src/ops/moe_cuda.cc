@@ -5,7 +5,7 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm_bf16.h"
 #include "kernels/cuda/gemv_bf16.h"
-#include "ops/gemm_cuda.h"
+#include "ops/cuda_util.h"
 
 namespace tern {
 namespace {

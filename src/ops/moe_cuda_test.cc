@@ -9,7 +9,7 @@
 
 #include "ops/cuda_fault_test_util.h"
 #include "ops/cuda_op_test.h"
-#include "ops/gemm_cuda.h"
+#include "ops/cuda_util.h"
 #include "ops/moe_cuda.h"
 
 namespace tern {

@@ -9,6 +9,7 @@
 
 #include "core/formats.h"
 #include "core/nvfp4.h"
+#include "ops/harness_util.h"
 
 namespace tern {
 namespace {
@@ -16,23 +17,11 @@ namespace {
 constexpr uint16_t kBf16Nan = 0x7FC0;
 constexpr uint8_t kE4m3Nan = 0x7F;
 
-// Counter-based random bits: fresh for every seed and stream, the same whatever the order of generation.
-uint64_t hash_bits(uint64_t seed, uint64_t stream, int64_t i) {
-  uint64_t z = (seed ^ (stream << 56)) + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// scale * uniform(-1, 1), nudged away from zero, rounded to bf16; as floats.
+// scale * uniform(-1, 1), nudged away from zero, rounded to bf16 (ops/harness_util.h); as floats.
 std::vector<float> random_values(uint64_t seed, uint64_t stream, int64_t n, float scale) {
   std::vector<float> out(static_cast<size_t>(n));
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t z = hash_bits(seed, stream, i);
-    const float u = static_cast<float>(z >> 40) * 0x1p-24f;
-    out[i] = bf16_to_float(float_to_bf16(scale * (2.0f * u - 1.0f) + (z & 1 ? 1e-3f : -1e-3f)));
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(hashed_bf16_uncentred(seed, stream, i, scale));
   return out;
 }
 

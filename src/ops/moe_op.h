@@ -1,4 +1,4 @@
-// The sparse Mixture-of-Experts block in the registry (shared model-specs.md section 2.6, layers/moe.h):
+// The sparse Mixture-of-Experts block in the registry (docs/model-specs.md §2.6, layers/moe.h):
 //   moe  dims {tokens, hidden, inter, n_experts, top_k, format, shared}: softmax router, top-k renormalised,
 //        SwiGLU experts of width `inter` with weights in `format` (0 bf16, 1 NVFP4 as ModelOpt exports them, W4A16
 //        semantics), plus with shared = 1 a bf16 shared expert of width `inter` scaled by sigmoid(its gate).

@@ -12,9 +12,9 @@
 #include <cstdio>
 
 #include "ops/cuda_op_test.h"
+#include "ops/cuda_util.h"
 #include "ops/elementwise_cuda.h"
 #include "ops/fault_kernels_test.h"
-#include "ops/gemm_cuda.h"
 
 namespace tern {
 namespace {

@@ -48,9 +48,8 @@ struct RunOutput {
 };
 
 // A lower-priority implementation is chosen over a higher-priority one that passed only when its self-test time
-// is shorter by more than this fraction: closer timings are within the run-to-run noise of one GPU (on the H200,
-// Qwen3-8B's fused and separate rms_norm_gemv timed 0.018-0.021 ms each over several starts, and starts chose
-// either).
+// is shorter by more than this fraction: closer timings are within the run-to-run noise of one GPU (see
+// docs/perf/gpu.md §select-margin).
 inline constexpr double kSelectMargin = 0.05;
 
 struct Implementation {

@@ -6,7 +6,7 @@
 #include <bit>
 
 #include "kernels/cuda/sampling.h"
-#include "ops/gemm_cuda.h"
+#include "ops/cuda_util.h"
 
 namespace tern {
 namespace {

@@ -13,7 +13,7 @@
 #include "core/formats.h"
 #include "ops/cuda_fault_test_util.h"
 #include "ops/cuda_op_test.h"
-#include "ops/gemm_cuda.h"
+#include "ops/cuda_util.h"
 #include "ops/sampling_cuda.h"
 
 namespace tern {

@@ -7,7 +7,7 @@
 
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemv_bf16.h"
-#include "ops/gemm_cuda.h"
+#include "ops/cuda_util.h"
 #include "ops/silu_gemv_op.h"
 
 namespace tern {

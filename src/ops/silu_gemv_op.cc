@@ -8,20 +8,13 @@
 #include "core/formats.h"
 #include "kernels/cpu/matmul.h"
 #include "layers/norms.h"
+#include "ops/harness_util.h"
 
 namespace tern {
 namespace {
 
-// uniform(-scale, scale) from a counter-based hash, nudged away from zero by 1e-3 of the scale and
-// rounded to bf16: fresh for every seed and stream, the same whatever the order (or thread) of generation.
-uint16_t hashed_bf16(uint64_t seed, uint64_t stream, int64_t i, float scale) {
-  uint64_t z = (seed ^ (stream << 56)) + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  const float u = static_cast<float>(z >> 40) * 0x1p-24f;  // [0, 1)
-  return float_to_bf16(scale * (2.0f * u - 1.0f + (z & 1 ? 1e-3f : -1e-3f)));
-}
+// Values are uniform(-scale, scale) nudged away from zero by 1e-3 of the scale (hashed_bf16_relative_nudge,
+// ops/harness_util.h): fresh for every seed and stream, the same whatever the order (or thread) of generation.
 
 Expected<std::unique_ptr<OpInputs>> silu_gemv_make(const SelfTestCase& c, uint64_t seed) {
   if (c.dims.size() != 2 || c.dims[0] <= 0 || c.dims[1] <= 0) {
@@ -33,15 +26,15 @@ Expected<std::unique_ptr<OpInputs>> silu_gemv_make(const SelfTestCase& c, uint64
   // Gates over +-6 cover silu's linear, curved and vanishing regions; up over +-2 (the silu_mul harness's ranges).
   in->gate_up.resize(static_cast<size_t>(2 * in->k));
   for (int64_t i = 0; i < in->k; ++i) {
-    in->gate_up[i] = hashed_bf16(seed, 1, i, 6.0f);
-    in->gate_up[in->k + i] = hashed_bf16(seed, 2, i, 2.0f);
+    in->gate_up[i] = hashed_bf16_relative_nudge(seed, 1, i, 6.0f);
+    in->gate_up[in->k + i] = hashed_bf16_relative_nudge(seed, 2, i, 2.0f);
   }
   // A down projection's weights run to 10^8 values: generated in parallel.
   in->w.resize(static_cast<size_t>(in->n * in->k));
   const float w_scale = 1.0f / std::sqrt(static_cast<float>(in->k));
   const int64_t count = in->n * in->k;
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < count; ++i) in->w[i] = hashed_bf16(seed, 3, i, w_scale);
+  for (int64_t i = 0; i < count; ++i) in->w[i] = hashed_bf16_relative_nudge(seed, 3, i, w_scale);
   return in;
 }
 

@@ -1,4 +1,4 @@
-// Gated DeltaNet primitives for one sequence (shared model-specs.md section 2.4), fp32, with the state carried
+// Gated DeltaNet primitives for one sequence (docs/model-specs.md §2.4), fp32, with the state carried
 // between calls so prefill and decode are one recurrence.
 #pragma once
 

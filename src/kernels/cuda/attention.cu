@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "kernels/cuda/attention_launch.h"
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/ptx.cuh"
 
@@ -23,17 +24,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxGroup = 16;
 static_assert(kMaxGroup == kAttentionMaxGroup);
 
-__device__ __forceinline__ float bf16_to_f32(uint16_t bits) {
-  return __uint_as_float(uint32_t{bits} << 16);
-}
-__device__ __forceinline__ uint16_t f32_to_bf16(float v) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-}
-
-// As layers/attention.cc: 1 / (1 + exp(-x)) with the accurate expf.
-__device__ __forceinline__ float sigmoid_f32(float x) {
-  return 1.0f / (1.0f + expf(-x));
-}
+using cuda_common::bf16_to_f32;
+using cuda_common::f32_to_bf16;
+using cuda_common::pack_bf16x2;
+using cuda_common::sigmoid_f32;  // as layers/attention.cc
+using cuda_common::warp_sum;
 
 // The cache slot of key j of a sequence whose block table row is `table`.
 __device__ __forceinline__ int64_t key_slot(const int32_t* table, int j, int log2_bs) {
@@ -116,7 +111,7 @@ __global__ void __launch_bounds__(kPrepareThreads) attention_prepare_kernel(cons
       float sum = 0.0f;
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) sum += x[i] * x[i];
-      for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
+      sum = warp_sum(sum);
       const float inv = 1.0f / sqrtf(sum / static_cast<float>(kHeadDim) + a.eps);
       const float offset = a.zero_centred ? 1.0f : 0.0f;
 #pragma unroll
@@ -150,19 +145,8 @@ using ptx::cp_async_commit;
 using ptx::cp_async_wait;
 using ptx::ldmatrix_x4;
 using ptx::ldmatrix_x4_trans;
+using ptx::mma_bf16_16816;
 using ptx::smem_addr;
-
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  return uint32_t{f32_to_bf16(lo)} | (uint32_t{f32_to_bf16(hi)} << 16);
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Decode (split-K flash decoding on tensor cores). Block (query row t and kv head, split), 4 warps; the group's G
@@ -257,8 +241,8 @@ __device__ __forceinline__ void decode_scores(const uint16_t* q_s, const uint16_
     uint32_t a[4], b[4];
     ldmatrix_x4(a, q_s + (lane % 16) * kLd + kk + (lane / 16) * 8);
     ldmatrix_x4(b, k_s + ((lane / 16) * 8 + lane % 8) * kLd + kk + ((lane / 8) % 2) * 8);
-    mma_bf16_16816(s[0], a, b[0], b[1]);
-    mma_bf16_16816(s[1], a, b[2], b[3]);
+    mma_bf16_16816(s[0], a, {b[0], b[1]});
+    mma_bf16_16816(s[1], a, {b[2], b[3]});
   }
 }
 
@@ -326,10 +310,10 @@ __device__ __forceinline__ void decode_pv(const float (&s)[2][4], const uint16_t
   for (int dn = 0; dn < kHeadDim / 8; dn += 2) {
     uint32_t b[4];
     ldmatrix_x4_trans(b, v_s + (((lane / 8) % 2) * 8 + lane % 8) * kLd + dn * 8 + (lane / 16) * 8);
-    mma_bf16_16816(o[dn], hi, b[0], b[1]);
-    mma_bf16_16816(o[dn + 1], hi, b[2], b[3]);
-    mma_bf16_16816(o[dn], lo, b[0], b[1]);
-    mma_bf16_16816(o[dn + 1], lo, b[2], b[3]);
+    mma_bf16_16816(o[dn], hi, {b[0], b[1]});
+    mma_bf16_16816(o[dn + 1], hi, {b[2], b[3]});
+    mma_bf16_16816(o[dn], lo, {b[0], b[1]});
+    mma_bf16_16816(o[dn + 1], lo, {b[2], b[3]});
   }
 }
 
@@ -587,8 +571,8 @@ __device__ __forceinline__ void prefill_scores(const uint16_t* q_s, const uint16
     for (int n = 0; n < kKvTile / 8; n += 2) {
       uint32_t b[4];
       ldmatrix_x4(b, k_s + (n * 8 + (lane / 16) * 8 + lane % 8) * kLd + kk + ((lane / 8) % 2) * 8);
-      mma_bf16_16816(s[n], a, b[0], b[1]);
-      mma_bf16_16816(s[n + 1], a, b[2], b[3]);
+      mma_bf16_16816(s[n], a, {b[0], b[1]});
+      mma_bf16_16816(s[n + 1], a, {b[2], b[3]});
     }
   }
 }
@@ -608,8 +592,8 @@ __device__ __forceinline__ void prefill_pv(const float (&s)[kKvTile / 8][4], con
     for (int dn = 0; dn < kHeadDim / 8; dn += 2) {
       uint32_t b[4];
       ldmatrix_x4_trans(b, v_s + (kk + ((lane / 8) % 2) * 8 + lane % 8) * kLd + dn * 8 + (lane / 16) * 8);
-      mma_bf16_16816(o[dn], a, b[0], b[1]);
-      mma_bf16_16816(o[dn + 1], a, b[2], b[3]);
+      mma_bf16_16816(o[dn], a, {b[0], b[1]});
+      mma_bf16_16816(o[dn + 1], a, {b[2], b[3]});
     }
   }
 }

@@ -24,6 +24,7 @@
 #include "core/formats.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/device_test_util.h"
 #include "kernels/cuda/elementwise.h"
 #include "layers/norms.h"
 #include "layers/rope.h"
@@ -52,19 +53,8 @@ std::vector<float> widen(const uint16_t* p, size_t n) {
   return out;
 }
 
-template <class T>
-DeviceBuffer upload(const std::vector<T>& host) {
-  DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 16));
-  if (!host.empty()) b.upload(host.data(), host.size() * sizeof(T));
-  return b;
-}
-
-template <class T>
-std::vector<T> download(const DeviceBuffer& b, size_t n) {
-  std::vector<T> host(n);
-  TERN_CUDA_CHECK(cudaMemcpy(host.data(), b.data(), n * sizeof(T), cudaMemcpyDeviceToHost));
-  return host;
-}
+using cuda_test::download;
+using cuda_test::upload;
 
 struct Seq {
   int64_t past, n_q;

@@ -1,6 +1,7 @@
 // Elementwise kernels of the GPU model path; contracts in elementwise_launch.h. All are memory-bound: the vectorised
 // ones move 16 bytes (8 bf16) per access and do their math in fp32, rounding to bf16 once per output.
 #include <cuda_bf16.h>
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/ptx.cuh"
@@ -12,31 +13,13 @@
 namespace tern {
 namespace {
 
-constexpr int kVec = 8;  // bf16 values per 16-byte access
+constexpr int kVec = 8;  // bf16 values per 16-byte access (load_bf16x8, store_bf16x8)
 
-__device__ __forceinline__ void load_bf16x8(const uint16_t* p, float (&v)[kVec]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(words[i] << 16);
-    v[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
-  }
-}
-
-__device__ __forceinline__ uint32_t bf16_bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-
-__device__ __forceinline__ void store_bf16x8(uint16_t* p, const float (&v)[kVec]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = bf16_bits(v[2 * i]) | (bf16_bits(v[2 * i + 1]) << 16);
-  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-__device__ __forceinline__ float bf16_to_f32(uint16_t bits) { return __uint_as_float(uint32_t{bits} << 16); }
-
-// As layers/norms.h: x / (1 + exp(-x)), with the accurate expf (not __expf) so large |x| stay within an ulp.
-__device__ __forceinline__ float silu_f32(float x) { return x / (1.0f + expf(-x)); }
+using cuda_common::bf16_to_f32;
+using cuda_common::f32_to_bf16;
+using cuda_common::load_bf16x8;
+using cuda_common::silu_f32;  // as layers/norms.h
+using cuda_common::store_bf16x8;
 
 // Grid for the grid-stride kernels: enough blocks to fill every SM several times, no more than the work needs.
 int grid_for(const DeviceContext& ctx, int64_t items, int threads) {
@@ -168,8 +151,8 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kernel(const RopeArgs a) {
   hi = kInterleaved ? 2 * j + 1 : j + half;
   const float u = bf16_to_f32(x[lo]), v = bf16_to_f32(x[hi]);
   const float c = cos_s[j], s = sin_s[j];
-  y[lo] = static_cast<uint16_t>(bf16_bits(u * c - v * s));
-  y[hi] = static_cast<uint16_t>(bf16_bits(v * c + u * s));
+  y[lo] = f32_to_bf16(u * c - v * s);
+  y[hi] = f32_to_bf16(v * c + u * s);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@
 // add the sums of squares before each column is normed.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/ptx.cuh"
@@ -23,13 +24,15 @@
 namespace tern {
 namespace {
 
-__device__ __forceinline__ float bf16_to_f32(uint16_t bits) { return __uint_as_float(uint32_t{bits} << 16); }
-__device__ __forceinline__ uint16_t f32_to_bf16(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+using cuda_common::bf16_to_f32;
+using cuda_common::f32_to_bf16;
+using cuda_common::sigmoid_f32;
+using cuda_common::silu_f32;
+using cuda_common::warp_sum;
 
-// As the CPU path: accurate expf / log1pf (not the fast intrinsics), softplus with torch's threshold 20.
-__device__ __forceinline__ float silu_f32(float x) { return x / (1.0f + expf(-x)); }
+// As the CPU path: accurate expf / log1pf (not the fast intrinsics; sigmoid_f32 and silu_f32 too), softplus with
+// torch's threshold 20.
 __device__ __forceinline__ float softplus_f32(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-__device__ __forceinline__ float sigmoid_f32(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // A sequence's rows and slot, read from the device metadata. `valid` is false for metadata that would index out
 // of bounds (a broken caller): such a sequence is skipped rather than corrupting memory.
@@ -159,12 +162,6 @@ __device__ __forceinline__ void token_load(TokenRaw<kPerLane>& r, const GdnDelta
   r.b = a.b[row * a.ab_stride + j];
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-  return v;
-}
-
 // l2-normalised q (times dk^-0.5) and k of one token into q_out[d], k_out[d], as layers/gated_deltanet.cc:
 // x * (1 / sqrt(sum x^2 + 1e-6)), q then scaled. Called by a whole warp.
 template <int kDk>
@@ -195,8 +192,7 @@ __device__ __forceinline__ float gated_norm_inv(float o_rounded, int r, int warp
                                                 float eps) {
   namespace cg = cooperative_groups;
   float ss = r == 0 ? o_rounded * o_rounded : 0.0f;  // lanes 0..7: the warp's 8 columns once each
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, off);
+  ss = warp_sum(ss);
   if (lane == 0) warp_part[parity][warp] = ss;
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -1,5 +1,5 @@
-// Argument structs and unchecked launchers of the Gated DeltaNet token mixer's kernels (shared model-specs.md
-// section 2.4): the causal depthwise conv1d + SiLU over the q|k|v projection, and the gated delta rule (l2-normalised
+// Argument structs and unchecked launchers of the Gated DeltaNet token mixer's kernels (docs/model-specs.md
+// §2.4): the causal depthwise conv1d + SiLU over the q|k|v projection, and the gated delta rule (l2-normalised
 // q/k, decay g and gate beta from the a/b projections, the fp32 recurrence). Activations are bf16 bit patterns, the
 // math and the recurrent state fp32, with the semantics of the CPU path (kernels/cpu/gated_delta.h,
 // layers/gated_deltanet.cc). The .cu side cannot include core/error.h (nvcc rejects fmt's consteval format strings),

@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 
 #include "core/formats.h"
+#include "kernels/cuda/device_test_util.h"
 #include "ops/gdn_op.h"
 #include "ops/registry.h"
 #include "ops/verify.h"
@@ -35,19 +36,8 @@ namespace {
 constexpr uint16_t kPoison = kPoisonBf16Bits;
 constexpr int64_t kSpareRows = 3;  // poisoned rows after the batch's rows, which no kernel may write
 
-template <class T>
-DeviceBuffer to_device(const std::vector<T>& host) {
-  DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 16));
-  b.upload(host.data(), host.size() * sizeof(T));
-  return b;
-}
-
-template <class T>
-std::vector<T> to_host(const DeviceBuffer& b, size_t count) {
-  std::vector<T> host(count);
-  TERN_CUDA_CHECK(cudaMemcpy(host.data(), b.data(), count * sizeof(T), cudaMemcpyDeviceToHost));
-  return host;
-}
+using cuda_test::download;
+using cuda_test::upload;
 
 // A sub-batch: sequence s of the inputs processes its rows [first[s], first[s] + count[s]).
 struct Step {
@@ -90,7 +80,7 @@ struct DeviceMeta {
   }
 };
 DeviceMeta meta_upload(const GdnBatch& b) {
-  return {to_device(b.query_start), to_device(b.state_slot), to_device(b.seq_past)};
+  return {upload(b.query_start), upload(b.state_slot), upload(b.seq_past)};
 }
 
 // Checks got against want with per-element |err| <= rel |want| + abs_of_max max|want|; NaN never passes.
@@ -136,17 +126,17 @@ class GdnKernels : public ::testing::Test {
   // Runs the delta rule over `steps` in order on one device state; returns [out (all rows) | final state].
   std::vector<float> run_delta(const GdnDeltaRuleInputs& in, const std::vector<Step>& steps, GdnVariant variant) {
     const int64_t hv = in.n_value_heads, dv = in.value_dim;
-    DeviceBuffer state = to_device(in.state);
-    const DeviceBuffer a_log = to_device(in.a_log), dt_bias = to_device(in.dt_bias);
+    DeviceBuffer state = upload(in.state);
+    const DeviceBuffer a_log = upload(in.a_log), dt_bias = upload(in.dt_bias);
     std::vector<float> out(static_cast<size_t>(in.batch.tokens * hv * dv), std::bit_cast<float>(kPoisonF32Bits));
     for (const Step& step : steps) {
       const StepBatch sb = step_batch(in.batch, step);
-      const DeviceBuffer qkv = to_device(gather_rows(in.qkv, in.qkv_stride, sb.rows));
-      const DeviceBuffer a = to_device(gather_rows(in.a, in.ab_stride, sb.rows));
-      const DeviceBuffer b = to_device(gather_rows(in.b, in.ab_stride, sb.rows));
+      const DeviceBuffer qkv = upload(gather_rows(in.qkv, in.qkv_stride, sb.rows));
+      const DeviceBuffer a = upload(gather_rows(in.a, in.ab_stride, sb.rows));
+      const DeviceBuffer b = upload(gather_rows(in.b, in.ab_stride, sb.rows));
       const DeviceMeta meta = meta_upload(sb.batch);
       const size_t out_count = static_cast<size_t>((sb.batch.tokens + kSpareRows) * hv * dv);
-      DeviceBuffer dout = to_device(std::vector<uint16_t>(out_count, kPoison));
+      DeviceBuffer dout = upload(std::vector<uint16_t>(out_count, kPoison));
       const GdnDeltaRuleArgs args{.qkv = qkv.as<uint16_t>(), .qkv_stride = in.qkv_stride, .a = a.as<uint16_t>(),
                                   .b = b.as<uint16_t>(), .ab_stride = in.ab_stride, .a_log = a_log.as<float>(),
                                   .dt_bias = dt_bias.as<float>(), .state = state.as<float>(),
@@ -156,7 +146,7 @@ class GdnKernels : public ::testing::Test {
       const auto status = gdn_delta_rule(*ctx_, args, variant);
       EXPECT_TRUE(status.has_value()) << (status ? "" : status.error().message);
       ctx_->synchronize();
-      const std::vector<uint16_t> host = to_host<uint16_t>(dout, out_count);
+      const std::vector<uint16_t> host = download<uint16_t>(dout, out_count);
       for (size_t r = 0; r < sb.rows.size(); ++r) {
         for (int64_t i = 0; i < hv * dv; ++i) {
           const uint16_t v = host[r * hv * dv + i];
@@ -167,7 +157,7 @@ class GdnKernels : public ::testing::Test {
         EXPECT_EQ(host[i], kPoison) << "a row past the batch was written";
       }
     }
-    const std::vector<float> st = to_host<float>(state, in.state.size());
+    const std::vector<float> st = download<float>(state, in.state.size());
     out.insert(out.end(), st.begin(), st.end());
     return out;
   }
@@ -262,22 +252,22 @@ TEST_F(GdnKernels, PrefillThenDecodeContinuesTheState) {
 
 // conv over `steps` in order on one device conv state; returns [y | final conv state].
 std::vector<float> run_conv(const DeviceContext& ctx, const GdnConvInputs& in, const std::vector<Step>& steps) {
-  DeviceBuffer state = to_device(in.conv_state);
-  const DeviceBuffer w = to_device(in.weight);
+  DeviceBuffer state = upload(in.conv_state);
+  const DeviceBuffer w = upload(in.weight);
   std::vector<float> y(static_cast<size_t>(in.batch.tokens * in.channels), std::bit_cast<float>(kPoisonF32Bits));
   for (const Step& step : steps) {
     const StepBatch sb = step_batch(in.batch, step);
-    const DeviceBuffer x = to_device(gather_rows(in.x, in.x_stride, sb.rows));
+    const DeviceBuffer x = upload(gather_rows(in.x, in.x_stride, sb.rows));
     const DeviceMeta meta = meta_upload(sb.batch);
     const size_t count = static_cast<size_t>((sb.batch.tokens + kSpareRows) * in.channels);
-    DeviceBuffer dy = to_device(std::vector<uint16_t>(count, kPoison));
+    DeviceBuffer dy = upload(std::vector<uint16_t>(count, kPoison));
     const GdnConvArgs args{.x = x.as<uint16_t>(), .x_stride = in.x_stride, .weight = w.as<float>(),
                            .conv_state = state.as<uint16_t>(), .y = dy.as<uint16_t>(), .seqs = meta.seqs(sb.batch),
                            .channels = in.channels, .kernel = in.kernel};
     const auto status = gdn_conv1d(ctx, args);
     EXPECT_TRUE(status.has_value()) << (status ? "" : status.error().message);
     ctx.synchronize();
-    const std::vector<uint16_t> host = to_host<uint16_t>(dy, count);
+    const std::vector<uint16_t> host = download<uint16_t>(dy, count);
     for (size_t r = 0; r < sb.rows.size(); ++r) {
       for (int64_t c = 0; c < in.channels; ++c) {
         const uint16_t v = host[r * in.channels + c];
@@ -286,7 +276,7 @@ std::vector<float> run_conv(const DeviceContext& ctx, const GdnConvInputs& in, c
     }
     for (size_t i = sb.rows.size() * in.channels; i < count; ++i) EXPECT_EQ(host[i], kPoison) << "row past the batch";
   }
-  const std::vector<float> st = widen_bf16(to_host<uint16_t>(state, in.conv_state.size()));
+  const std::vector<float> st = widen_bf16(download<uint16_t>(state, in.conv_state.size()));
   y.insert(y.end(), st.begin(), st.end());
   return y;
 }

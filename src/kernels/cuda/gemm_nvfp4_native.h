@@ -1,7 +1,7 @@
 // Native block-scaled FP4 GEMM (W4A4) through cuBLASLt, for GPUs with FP4 tensor cores (sm_100 family, sm_120):
 //   y[M,N] = dequant(quant_act(x)) . dequant(W)^T
 // x [M,K] bf16 is quantized to NVFP4 per 16-element block with the layer's input_scale (nvfp4_quantize.h, the
-// ModelOpt semantics of shared model-specs.md section 1.5); W is the checkpoint's NVFP4 weight whose block scales were
+// ModelOpt semantics of docs/model-specs.md §1.5); W is the checkpoint's NVFP4 weight whose block scales were
 // re-laid once into cuBLASLt's tiled layout (nvfp4_scale_layout.h). cuBLASLt multiplies e2m1 codes times their e4m3
 // block scales (CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3 on both operands), sums in fp32, and applies the two
 // per-tensor scales folded into alpha = weight_scale_2 * input_scale before the single bf16 rounding of y

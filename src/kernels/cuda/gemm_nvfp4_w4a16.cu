@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32, decode_min_b
   decode_reduce_store<kSplitK, kMTiles, kTokenTiles>(acc, red, [&](int tile, int row, int token, float sum) {
     const int col = (blockIdx.x * kTiles + tile) * kRows + row;
     if (col < p.n && token < p.m) {
-      p.y[static_cast<int64_t>(token) * p.ldy + col] = float_to_bf16_bits(sum * p.out_scale);
+      p.y[static_cast<int64_t>(token) * p.ldy + col] = f32_to_bf16(sum * p.out_scale);
     }
   });
 }
@@ -107,8 +107,8 @@ __device__ __forceinline__ void prefill_store_y(const PrefillParams& p, int m0, 
         const int col = n0 + (warp % 4) * 32 + ni * 8 + 2 * t;
         if (row >= p.m || col >= p.n) continue;
         uint16_t* dst = p.y + static_cast<int64_t>(row) * p.ldy + col;
-        const uint16_t v0 = float_to_bf16_bits(acc[mi][ni][2 * h] * p.out_scale);
-        const uint16_t v1 = float_to_bf16_bits(acc[mi][ni][2 * h + 1] * p.out_scale);
+        const uint16_t v0 = f32_to_bf16(acc[mi][ni][2 * h] * p.out_scale);
+        const uint16_t v1 = f32_to_bf16(acc[mi][ni][2 * h + 1] * p.out_scale);
         if (pairs) {
           *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(v0) | (static_cast<uint32_t>(v1) << 16);
         } else {

@@ -1,5 +1,5 @@
 // NVFP4 weight-only GEMM (W4A16): y[M,N] = x[M,K] · dequant(W)^T with x and y bf16 row-major and W in ModelOpt's
-// checkpoint layout (shared model-specs.md section 1): packed e2m1 [N, K/2] with even k in the low nibble, e4m3
+// checkpoint layout (docs/model-specs.md §1): packed e2m1 [N, K/2] with even k in the low nibble, e4m3
 // block scales [N, K/16], fp32 weight_scale_2. Products are exact (bf16 x times e2m1·e4m3, exact in bf16) and
 // accumulate in fp32; weight_scale_2 is applied to the fp32 sum; y is rounded to bf16 once.
 //

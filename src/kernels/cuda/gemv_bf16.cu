@@ -11,6 +11,7 @@
 // block's combine into the shared expert's down projection (GemvMoeCombine).
 #include <cuda_bf16.h>
 
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gemv_bf16_launch.h"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
@@ -34,20 +35,12 @@ __device__ __forceinline__ uint4 ld_weight_16(const uint16_t* p) {
   return ptx::ld_stream_16(p);
 }
 
-// bf16 is the upper half of an fp32: widening is a shift (even element) or a mask (odd element).
-__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&v)[kVec]) {
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(words[i] << 16);
-    v[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
-  }
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {  // round to nearest even, as rms_norm
-  return uint32_t{__bfloat16_as_ushort(__float2bfloat16_rn(lo))} |
-         (uint32_t{__bfloat16_as_ushort(__float2bfloat16_rn(hi))} << 16);
-}
+using cuda_common::bf16_to_f32;
+using cuda_common::f32_to_bf16;
+using cuda_common::pack_bf16x2;  // round to nearest even, as rms_norm
+using cuda_common::sigmoid_f32;
+using cuda_common::unpack_bf16x8;
+using cuda_common::warp_sum;
 
 // Row i's 8 values of chunk c as the product uses them: x itself; with kRmsNorm its RMSNorm (h = x + residual,
 // then scale and weight, one bf16 rounding), where `write` (block 0, group 0, which covers every chunk once) stores
@@ -144,8 +137,7 @@ __device__ __forceinline__ void norm_scales(const GemvBf16Params& p, int group, 
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     float v = ss[i];
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+    v = warp_sum(v);
     if (lane == 0) ss_part[warp][i] = v;
   }
   __syncthreads();
@@ -166,7 +158,7 @@ __device__ __forceinline__ float combine_routed(const GemvMoeCombine& c, int64_t
   float acc = 0.0f;
   for (int s = 0; s < c.top_k; ++s) {
     const int pair = i * c.top_k + order[i][s];
-    const float v = __uint_as_float(uint32_t{c.expert_out[int64_t{c.pair_row[pair]} * n + col]} << 16);
+    const float v = bf16_to_f32(c.expert_out[int64_t{c.pair_row[pair]} * n + col]);
     acc = fmaf(v, c.topk_weights[pair], acc);
   }
   return acc;
@@ -199,9 +191,9 @@ __device__ __forceinline__ void gemv_bf16_block(const GemvBf16Params& p, const G
   const int n_chunks = static_cast<int>(p.k / kVec);
   // W does not change while a model runs, so the first step's weight loads leave before the programmatic-launch
   // wait and overlap the previous kernel's tail; x, the residual and y are touched only after it. The first step is
-  // the loop's first iteration peeled, so the sums are the same. The RMSNorm prologue keeps the wait first, as it
-  // was measured: the fused norm kernel is opt-in (gemm_cuda.cc), and its self-test time already misleads (early
-  // loads would overlap each block's norm pass in the one-wave lead case, not in the model's many-wave grids).
+  // the loop's first iteration peeled, so the sums are the same. The RMSNorm prologue keeps the wait first: the fused
+  // norm kernel is opt-in (gemm_cuda.cc), and early loads would make its self-test time mislead further (they would
+  // overlap each block's norm pass in the one-wave lead case only; see docs/perf/gpu.md §fused-rms-norm-gemv).
   int c = j;
   const bool first_step = c + group_threads < n_chunks;
   uint4 first0[kCols], first1[kCols];
@@ -257,8 +249,7 @@ __device__ __forceinline__ void gemv_bf16_block(const GemvBf16Params& p, const G
 #pragma unroll
     for (int r = 0; r < kCols; ++r) {
       float v = acc[i][r];
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+      v = warp_sum(v);
       if (lane == 0) partial[warp][i * kCols + r] = v;
     }
   }
@@ -276,12 +267,11 @@ __device__ __forceinline__ void gemv_bf16_block(const GemvBf16Params& p, const G
       if (col < p.n) {
         const int i = idx / kCols;
         const float shared = __bfloat162float(__float2bfloat16_rn(sum));  // the product as it would be stored
-        const float g_logit = __uint_as_float(uint32_t{cb.gate[i * cb.gate_stride]} << 16);
-        const float sig = 1.0f / (1.0f + expf(-g_logit));  // moe_combine's form, accurate expf
+        const float sig = sigmoid_f32(bf16_to_f32(cb.gate[i * cb.gate_stride]));  // moe_combine's form
         sum = fmaf(sig, shared, combine_routed<kRows>(cb, p.n, order, i, col));
       }
     }
-    if (col < p.n) p.y[(idx / kCols) * p.ldy + col] = __bfloat16_as_ushort(__float2bfloat16_rn(sum));
+    if (col < p.n) p.y[(idx / kCols) * p.ldy + col] = f32_to_bf16(sum);
   }
 }
 

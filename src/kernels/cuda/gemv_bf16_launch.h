@@ -55,15 +55,14 @@ struct GemvBf16Params {
 };
 
 // Threads of a block that share one group of output columns, splitting k between them (32, 64, 128 or 256). One row
-// of x: the whole block, or as many threads as k has chunks (on an H200 the widest group was the fastest, or within
-// 1% of it, on every Qwen3-8B and Qwen3.5-35B-A3B projection: `gemm_bench --gemv-sweep`). More rows: the fewest that
+// of x: the whole block, or as many threads as k has chunks (the widest group was the fastest on every Qwen
+// projection measured; see docs/perf/gpu.md §gemv-group). More rows: the fewest that
 // still give the grid about two blocks per SM and do not leave most threads without a chunk of k (the warp and
 // shared-memory sums grow with the rows).
 int gemv_bf16_group_threads(int m, int64_t n, int64_t k, int num_sms);
 
-// Rows up to which the GEMV beats cuBLASLt on the H200 (`gemm_bench --gemv-sweep`): at one row by up to 1.45x on the
-// smaller projections; at two rows cuBLASLt was faster on 6 of the 9 Qwen shapes measured (by 2-22%), and from four
-// rows on all of them (its tensor-core kernels). Models call the GEMV up to here.
+// Rows up to which the GEMV beats cuBLASLt: from two rows on, cuBLASLt's tensor-core kernels win on most shapes
+// (see docs/perf/gpu.md §gemv-rows). Models call the GEMV up to here.
 inline constexpr int64_t kGemvPreferredMaxRows = 1;
 
 // Unchecked launch on ctx.stream() for arguments gemv_bf16() has validated (group_threads 0 or one of the four).

@@ -12,7 +12,7 @@
 //            (every expert's last tile may be partial); tile i belongs to the expert whose tile range holds i.
 //            x rows are gathered through sorted_pairs by cp.async, W tiles go to shared memory as bf16 (NVFP4
 //            dequantised as in the dense prefill kernel), mma.sync m16n8k16 with fp32 accumulation.
-// NVFP4 semantics are W4A16 (model-specs.md 1.5): exact bf16 weight factors, weight_scale_2 applied to the fp32 sum.
+// NVFP4 semantics are W4A16 (docs/model-specs.md §1.5): exact bf16 weight factors, weight_scale_2 times the fp32 sum.
 #include <algorithm>
 #include <limits>
 #include <type_traits>
@@ -277,20 +277,6 @@ __device__ __forceinline__ void stage_silu_act(const GemmParams& p, int r0, int 
   __syncthreads();
 }
 
-// decode_load_x from the staged act rows (xoff: element offsets of the rows in act, -1: no token).
-template <int kTokenTiles>
-__device__ __forceinline__ void load_act_x(const uint16_t* act, const int64_t (&xoff)[kTokenTiles], int k, int step,
-                                           uint4 (&xv)[kTokenTiles][4]) {
-  const int k0 = step * kDecodeStepK + (threadIdx.x % 4) * 32;
-  const int valid = k - k0;  // a multiple of 16, so 16-byte pieces are whole
-#pragma unroll
-  for (int tt = 0; tt < kTokenTiles; ++tt) {
-    const uint4* src = reinterpret_cast<const uint4*>(act + xoff[tt] + k0);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) xv[tt][j] = xoff[tt] >= 0 && 8 * j < valid ? src[j] : make_uint4(0, 0, 0, 0);
-  }
-}
-
 template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kSiluX>
 __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
                                   moe_decode_min_blocks(kIsNvfp4, kMTiles, kSplitK, kTokenTiles))
@@ -341,7 +327,9 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
       if (n0 < n) decode_load_w<kMTiles, kVec16>(weight().packed, weight().scales, n, p.k, n0, split, w);
       stage_silu_act<kTokenTiles>(p, r0, ae.row_end, act);
       find_x_rows();
-      auto load_x = [&](int step, uint4(&xv)[kTokenTiles][4]) { load_act_x<kTokenTiles>(act, xoff, p.k, step, xv); };
+      auto load_x = [&](int step, uint4(&xv)[kTokenTiles][4]) {
+        decode_load_x<kTokenTiles, true>(act, xoff, p.k, step, xv);
+      };
       if (n0 < n) {
         decode_k_loop_with_x<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, load_x, n, p.k, n0, split, kSplitK, w,
                                                                       acc);
@@ -371,7 +359,7 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
       const int col = (block * kTiles + tile) * kRows + row;
       const int prow = r0 + token;
       if (col < n && prow < ae.row_end) {
-        y[static_cast<int64_t>(prow) * p.ldy + col] = float_to_bf16_bits(sum * out_scale);
+        y[static_cast<int64_t>(prow) * p.ldy + col] = f32_to_bf16(sum * out_scale);
       }
     });
   }
@@ -436,8 +424,8 @@ __device__ __forceinline__ void prefill_store_y(const GemmParams& p, const TileW
         const int col = n0 + (warp % 4) * 32 + ni * 8 + 2 * t;
         if (row >= tw.row_end || col >= p.n) continue;
         uint16_t* dst = p.y + static_cast<int64_t>(row) * p.ldy + col;
-        const uint16_t v0 = float_to_bf16_bits(acc[mi][ni][2 * h] * out_scale);
-        const uint16_t v1 = float_to_bf16_bits(acc[mi][ni][2 * h + 1] * out_scale);
+        const uint16_t v0 = f32_to_bf16(acc[mi][ni][2 * h] * out_scale);
+        const uint16_t v1 = f32_to_bf16(acc[mi][ni][2 * h + 1] * out_scale);
         if (p.y_pairs) {
           *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(v0) | (static_cast<uint32_t>(v1) << 16);
         } else {
@@ -493,7 +481,8 @@ __global__ void __launch_bounds__(kPrefillThreads) moe_prefill_kernel(const Gemm
   store_w(w, 0);
   if (n_ksteps > 1) w = load_w(1);
 
-  // Stage 2: the K loop.
+  // Stage 2: the K loop, the dense prefill kernel's (gemm_nvfp4_w4a16.cu): change both together. One shared function
+  // would not be a pure refactor: called from it, the dense kernel's W addresses compile to other instructions.
   float acc[kBm / 32][4][4] = {};
   for (int ks = 0; ks < n_ksteps; ++ks) {
     cp_async_wait<kStages - 2>();

@@ -1,5 +1,5 @@
-// Argument structs and unchecked launchers of the sparse Mixture-of-Experts kernels (shared model-specs.md section
-// 2.6; CPU semantics in layers/moe.h). Activations are bf16 (uint16_t bit patterns), the math inside fp32. The .cu
+// Argument structs and unchecked launchers of the sparse Mixture-of-Experts kernels (docs/model-specs.md §2.6;
+// CPU semantics in layers/moe.h). Activations are bf16 (uint16_t bit patterns), the math inside fp32. The .cu
 // side cannot include core/error.h (nvcc rejects fmt's consteval format strings), so validation lives in moe.cc and
 // callers use moe.h.
 //

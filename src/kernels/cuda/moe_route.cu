@@ -1,6 +1,7 @@
 // The small MoE kernels: routing (softmax + top-k), the alignment of pairs by expert, and the weighted combine of
 // the expert outputs. Contracts in moe_launch.h; the grouped expert GEMM is in moe_gemm.cu.
 #include <cuda_bf16.h>
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/ptx.cuh"
@@ -14,8 +15,11 @@ namespace {
 
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
-__device__ __forceinline__ float bf16_to_f32(uint16_t bits) { return __uint_as_float(uint32_t{bits} << 16); }
-__device__ __forceinline__ uint32_t bf16_bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+using cuda_common::bf16_to_f32;
+using cuda_common::load_bf16x8;
+using cuda_common::sigmoid_f32;
+using cuda_common::store_bf16x8;
+
 __device__ __forceinline__ unsigned lanemask_lt(int lane) { return (1u << lane) - 1u; }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -66,6 +70,7 @@ __device__ __forceinline__ RouteChoice route_token(const MoeRouteArgs& a, int64_
     p[i] = lane + 32 * i < n_experts ? expf(p[i] - mx) : 0.0f;
     sum += p[i];
   }
+  // (Not warp_sum: the call changes this kernel's register allocation.)
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullMask, sum, offset);
 #pragma unroll
   for (int i = 0; i < kRoutePerLane; ++i) p[i] /= sum;
@@ -263,24 +268,7 @@ __global__ void __launch_bounds__(32) moe_route_align_warp_kernel(const MoeRoute
 // thread then sums its 8 columns over the pairs in that order, in fp32, and adds the gated shared expert.
 
 constexpr int kCombineThreads = 128;
-constexpr int kVec = 8;
-
-__device__ __forceinline__ void load_bf16x8(const uint16_t* p, float (&v)[kVec]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(words[i] << 16);
-    v[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
-  }
-}
-
-__device__ __forceinline__ void store_bf16x8(uint16_t* p, const float (&v)[kVec]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = bf16_bits(v[2 * i]) | (bf16_bits(v[2 * i + 1]) << 16);
-  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-}
+constexpr int kVec = 8;  // load_bf16x8, store_bf16x8
 
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const MoeCombineArgs a) {
   ptx::grid_dependency_begin();
@@ -311,7 +299,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const MoeC
   }
   if (a.shared_out != nullptr) {
     const float g = bf16_to_f32(a.shared_gate[token * a.shared_gate_stride]);
-    const float sig = 1.0f / (1.0f + expf(-g));  // layers/moe.cc's form, accurate expf
+    const float sig = sigmoid_f32(g);  // layers/moe.cc's form
     float v[kVec];
     load_bf16x8(a.shared_out + token * a.hidden + col, v);
 #pragma unroll

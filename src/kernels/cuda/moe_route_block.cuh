@@ -13,6 +13,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/moe_launch.h"
 
 namespace tern::moe_route_block {
@@ -26,10 +27,6 @@ struct Smem {
   float pick_key[kMoeMaxTopK];  // the winners in selection order; key -1 is a NaN probability
   int pick_id[kMoeMaxTopK];
 };
-
-__device__ __forceinline__ float logit_f32(uint16_t bits) {
-  return __uint_as_float(uint32_t{bits} << 16);
-}
 
 // (key, id) ranks before (other_key, other_id): the selection's total order.
 __device__ __forceinline__ bool ranks_before(float other_key, int other_id, float key, int id) {
@@ -46,7 +43,7 @@ __device__ __forceinline__ void route(const uint16_t* logits, int n_experts, int
   // Maximum (fmaxf skips NaN: -inf when every logit is NaN).
   float mx = -INFINITY;
   for (int e = tid; e < n_experts; e += n_threads) {
-    const float l = logit_f32(logits[e]);
+    const float l = cuda_common::bf16_to_f32(logits[e]);
     s.v[e] = l;
     mx = fmaxf(mx, l);
   }
@@ -63,7 +60,7 @@ __device__ __forceinline__ void route(const uint16_t* logits, int n_experts, int
   if (warp == 0) {
     float sum = 0.0f;
     for (int e = lane; e < n_experts; e += 32) sum += s.v[e];
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(kFull, sum, o);
+    sum = cuda_common::warp_sum(sum);
     if (lane == 0) s.sum = sum;
   }
   __syncthreads();

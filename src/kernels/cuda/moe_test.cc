@@ -16,6 +16,7 @@
 
 #include "core/formats.h"
 #include "core/nvfp4.h"
+#include "kernels/cuda/device_test_util.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm_bf16.h"
 #include "kernels/cuda/gemm_test_util.h"
@@ -25,11 +26,10 @@
 namespace tern {
 namespace {
 
+// Buffers of at least 256 bytes, as poisoned().
 template <class T>
 DeviceBuffer upload(const std::vector<T>& host) {
-  DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 256));
-  if (!host.empty()) b.upload(host.data(), host.size() * sizeof(T));
-  return b;
+  return cuda_test::upload(host, 256);
 }
 
 DeviceBuffer poisoned(size_t bytes) {
@@ -38,12 +38,7 @@ DeviceBuffer poisoned(size_t bytes) {
   return b;
 }
 
-template <class T>
-std::vector<T> download(const DeviceBuffer& b, size_t count) {
-  std::vector<T> host(count);
-  TERN_CUDA_CHECK(cudaMemcpy(host.data(), b.data(), count * sizeof(T), cudaMemcpyDeviceToHost));
-  return host;
-}
+using cuda_test::download;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Host references

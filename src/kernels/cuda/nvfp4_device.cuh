@@ -1,6 +1,6 @@
 // Device code shared by the dense NVFP4 W4A16 GEMM (gemm_nvfp4_w4a16.cu) and the grouped MoE GEMM (moe_gemm.cu):
-// the bf16 mma.sync with its operand loads, and the two ways an NVFP4 weight (ModelOpt layout, shared
-// model-specs.md section 1) reaches the tensor cores:
+// the bf16 operand loads of the mma.sync (ptx.cuh), and the two ways an NVFP4 weight (ModelOpt layout,
+// docs/model-specs.md §1) reaches the tensor cores:
 //   decode:  16-byte loads of the packed weight dequantized straight into mma A fragments in registers;
 //   prefill: a 128 x 32 weight tile dequantized to bf16 in shared memory, then ldmatrix + mma.
 // The weight factor fed to the tensor cores is e2m1 · e4m3 block scale, which is exact in bf16 (at most 2 + 4
@@ -13,20 +13,21 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ptx.cuh"
 
 namespace tern::nvfp4_device {
 
+using cuda_common::f32_to_bf16;
+using ptx::cp_async_16_zfill;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+using ptx::ldmatrix_x4;
+using ptx::mma_bf16_16816;
+using ptx::smem_addr;
+
 // ---------------------------------------------------------------------------------------------------------------
 // Tensor-core and conversion helpers
-
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   uint32_t d;
@@ -56,17 +57,9 @@ __device__ __forceinline__ uint32_t uint4_word(const uint4& v, int j) {
 __device__ __forceinline__ uint32_t e4m3_scale_bf16x2(uint32_t code, float multiplier) {
   const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code & 0xFF), __NV_E4M3);
   const float value = __half2float(__half(h)) * multiplier;
-  const uint32_t bits = __bfloat16_as_ushort(__float2bfloat16_rn(value));
+  const uint32_t bits = f32_to_bf16(value);
   return bits | (bits << 16);
 }
-
-__device__ __forceinline__ uint16_t float_to_bf16_bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-
-using ptx::cp_async_16_zfill;
-using ptx::cp_async_commit;
-using ptx::cp_async_wait;
-using ptx::ldmatrix_x4;
-using ptx::smem_addr;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Decode scheme (few activation rows: a bandwidth problem). A warp owns a tile of 16 * kMTiles weight rows and a
@@ -224,7 +217,8 @@ __device__ __forceinline__ void decode_load_w(const uint8_t* packed, const uint8
 }
 
 // x for step `step`: the 32 k of the lane's token in each token tile, from x + xoff[tt] (xoff < 0: no token).
-template <int kTokenTiles>
+// x is global memory, read-only for the kernel's life, or with kXShared rows a block staged in shared memory.
+template <int kTokenTiles, bool kXShared = false>
 __device__ __forceinline__ void decode_load_x(const uint16_t* x, const int64_t (&xoff)[kTokenTiles], int k, int step,
                                               uint4 (&xv)[kTokenTiles][4]) {
   const int k0 = step * kDecodeStepK + (threadIdx.x % 4) * 32;
@@ -234,7 +228,7 @@ __device__ __forceinline__ void decode_load_x(const uint16_t* x, const int64_t (
     const uint4* src = reinterpret_cast<const uint4*>(x + xoff[tt] + k0);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      xv[tt][j] = xoff[tt] >= 0 && 8 * j < valid ? __ldg(src + j) : make_uint4(0, 0, 0, 0);
+      xv[tt][j] = xoff[tt] >= 0 && 8 * j < valid ? (kXShared ? src[j] : __ldg(src + j)) : make_uint4(0, 0, 0, 0);
     }
   }
 }

@@ -1,6 +1,6 @@
 // NVFP4 quantization of bf16 activations for the native W4A4 GEMM: every 16-element block of a row gets an e4m3
 // scale and 16 e2m1 codes, bit for bit as core/nvfp4.h nvfp4_quantize_activation_row() computes them (ModelOpt /
-// sgl-kernel semantics with act_global_scale = 1 / input_scale; shared model-specs.md section 1.5). The fp32
+// sgl-kernel semantics with act_global_scale = 1 / input_scale; docs/model-specs.md §1.5). The fp32
 // operations run in the reference's order with explicitly rounded intrinsics, and the e4m3 / e2m1 encoders are CUDA's
 // own, which the format probe test checks against core/formats over every code and midpoint.
 //

@@ -1,6 +1,6 @@
 // cuBLASLt's layout of NVFP4 block scales (CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3; cuBLAS documentation, "1D Block
 // Scaling Factors Layout"), which the native block-scaled FP4 GEMM reads for both operands. A checkpoint stores the
-// scales of a weight [rows, k] row-major as [rows, k/16] (shared model-specs.md section 1.2); cuBLASLt wants them
+// scales of a weight [rows, k] row-major as [rows, k/16] (docs/model-specs.md §1.2); cuBLASLt wants them
 //   - padded to a multiple of 128 rows and of 4 block columns, the padding ZERO: the tensor cores read whole tiles,
 //     and a padded scale multiplies the zero data past k, so a NaN pattern there would poison real outputs;
 //   - cut into 128 x 4 tiles of 512 bytes, stored tile row by tile row (all k tiles of rows 0..127 first);

@@ -1,6 +1,6 @@
 // Inline-PTX helpers shared by the tensor-core kernels (attention, the NVFP4 GEMMs, the MoE GEMM): shared-memory
-// addresses, cp.async copies with zero fill, and ldmatrix. All exist on sm_80 and later, so on sm_90a, sm_100a and
-// sm_120a alike. Include from .cu files only.
+// addresses, cp.async copies with zero fill, ldmatrix and the bf16 mma.sync. All exist on sm_80 and later, so on
+// sm_90a, sm_100a and sm_120a alike. Include from .cu files only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,9 +17,8 @@ namespace tern::ptx {
 // begins with grid_dependency_begin(), so it waits before any access to memory and in all its blocks: the wait also
 // chains, and a kernel cannot complete before its predecessor has. The one exception is the BF16 GEMV, which loads
 // its first weights (memory no kernel writes) between the two. Before the wait, a kernel may read nothing that any
-// kernel writes: its predecessor's predecessor may still be running. (Prefetching the GEMV's weights into L2 with
-// prefetch instructions before the wait was measured on the H200: the extra L2 requests slowed the GEMV by 10-20%
-// with or without the attribute.)
+// kernel writes: its predecessor's predecessor may still be running. (No L2 prefetch of the GEMV's weights before
+// the wait either: the extra L2 requests made it slower; see docs/perf/gpu.md §gemv-l2-prefetch.)
 __device__ __forceinline__ void grid_dependents_launch() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
@@ -66,6 +65,16 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
+}
+
+// D = A B + D on the tensor cores: one m16n8k16 tile, bf16 A (row-major fragment, 4 registers) and B (col-major
+// fragment, 2 registers), fp32 accumulators.
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 }  // namespace tern::ptx

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/sampling_launch.h"
@@ -23,6 +24,7 @@ namespace tern {
 namespace {
 
 using u64 = unsigned long long;  // the type atomicAdd and the shuffles take
+using cuda_common::warp_sum;
 
 constexpr int kThreads = kSampleSlots;
 constexpr int kSplitSlots = kThreads * kSampleSlotsPerThread;    // partial slots of a row
@@ -90,7 +92,7 @@ struct RowView {
   const int32_t* counts;
   float repetition, frequency, presence;
 
-  __device__ float raw_at(int64_t id) const { return __uint_as_float(uint32_t{raw[id]} << 16); }
+  __device__ float raw_at(int64_t id) const { return cuda_common::bf16_to_f32(raw[id]); }
 
   __device__ float value(int64_t id, float x) const {
     if (listed == nullptr || ((listed[id >> 5] >> (id & 31)) & 1u) == 0) return x;
@@ -143,11 +145,6 @@ __device__ __forceinline__ void row_for_each(const RowView& v, F&& f) {
 // Block reductions and scans. Each starts with a barrier so that the scratch it writes is no longer being read by
 // a previous call, and returns the block-wide result to every thread.
 
-__device__ u64 warp_sum(u64 v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-  return v;
-}
-
 __device__ u64 warp_inclusive_scan(u64 v) {
   for (int o = 1; o < 32; o <<= 1) {
     const u64 t = __shfl_up_sync(kFullMask, v, o);
@@ -167,7 +164,7 @@ __device__ u64 block_sum(u64 v, Scratch& s) {
 }
 
 __device__ double block_sum(double v, Scratch& s) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  v = warp_sum(v);
   __syncthreads();
   if (lane_id() == 0) s.f64s[warp_id()] = v;
   __syncthreads();
@@ -752,7 +749,7 @@ __global__ void __launch_bounds__(kSplitThreads) sample_partials_kernel(const Sa
     tail_start = n_vec * 8;
   }
   for (int64_t id = tail_start + slot; id < a.vocab; id += kSplitSlots) {
-    push(t, id, __uint_as_float(uint32_t{raw[id]} << 16));
+    push(t, id, cuda_common::bf16_to_f32(raw[id]));
   }
   PartialSlots::at(row_workspace(p, row) + p.partials_offset).store(slot, t);
 }

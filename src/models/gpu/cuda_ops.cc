@@ -531,8 +531,8 @@ Expected<void> CudaOps::run_gdn(const GpuGdn& g, const GpuNorm& input_norm, int6
                                         .seqs = seqs,
                                         .channels = c,
                                         .kernel = s.conv_kernel}));
-  // One sequence of one token: the gated norm in the delta rule's kernel (slower at 8 sequences: docs/perf/gpu.md, model-path rules).
-  // Not when tracing, which reads the core before the norm.
+  // One sequence of one token: the gated norm in the delta rule's kernel (slower at 8 sequences: see docs/perf/gpu.md
+  // §model-path). Not when tracing, which reads the core before the norm.
   const bool norm_in_rule = options_.gdn_norm_in_rule && step_.decode && step_.n_seqs == 1 && step_.tracer == nullptr &&
                             gdn_variant_ != GdnVariant::kChunked;
   const GdnGatedNorm norm{

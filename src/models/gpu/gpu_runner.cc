@@ -91,7 +91,7 @@ class GpuRunner final : public ModelRunner {
   // Uploads the plan and hands its device view to the blocks, with the logits buffer grown for its rows.
   Expected<void> begin_step(const HostStepPlan& plan, LogitsFor which, const Tracer* tracer);
   // The body, on the stream, with no synchronisation. Programmatic launch hides the gaps between a decode step's
-  // short kernels; in a prefill, whose kernels run many waves, it costs (docs/perf/gpu.md, model-path rules), so
+  // short kernels; in a prefill, whose kernels run many waves, it costs (see docs/perf/gpu.md §model-path), so
   // it is on in decode steps only.
   Expected<void> run_body(const StepBody& body);
   // run_body through the decode step's CUDA graph: the first step of a shape runs eagerly (cuBLASLt plans, lazily
