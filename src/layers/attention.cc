@@ -64,4 +64,6 @@ Expected<std::unique_ptr<Block>> Attention::place(BlockOps& ops, const RmsNorm& 
   return ops.attention(norm, *this);
 }
 
+std::vector<const Linear*> Attention::input_projections() const { return {&w_.q_proj, &w_.k_proj, &w_.v_proj}; }
+
 }  // namespace tern

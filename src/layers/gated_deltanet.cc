@@ -105,4 +105,9 @@ Expected<std::unique_ptr<Block>> GatedDeltaNet::place(BlockOps& ops, const RmsNo
   return ops.gated_deltanet(norm, *this);
 }
 
+std::vector<const Linear*> GatedDeltaNet::input_projections() const {
+  if (s_.fused_per_key_head) return {&w_.in_proj_qkvz, &w_.in_proj_ba};
+  return {&w_.in_proj_qkv, &w_.in_proj_z, &w_.in_proj_b, &w_.in_proj_a};
+}
+
 }  // namespace tern

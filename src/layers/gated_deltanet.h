@@ -34,6 +34,9 @@ class GatedDeltaNet final : public Mixer {
   void forward(const float* x, float* y, const Batch& batch, int64_t layer, const Tracer* tracer) const override;
   Expected<std::unique_ptr<Block>> place(BlockOps& ops, const RmsNorm& norm) const override;
 
+  // The projections of the block's normed input, in the order a device computes them side by side (one GEMM for
+  // adjacent parts of one format: cuda_ops.cc, models/selftest_plan.cc).
+  std::vector<const Linear*> input_projections() const;
   const GatedDeltaNetShape& shape() const { return s_; }
   const GatedDeltaNetWeights& weights() const { return w_; }
 

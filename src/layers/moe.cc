@@ -103,4 +103,12 @@ Expected<std::unique_ptr<Block>> Moe::place(BlockOps& ops, const RmsNorm& norm) 
   return ops.moe(norm, *this);
 }
 
+std::vector<const Linear*> Mlp::input_projections() const { return {&w_.gate_proj, &w_.up_proj}; }
+
+std::vector<const Linear*> Moe::input_projections() const {
+  if (!w_.shared_expert) return {&w_.router};
+  const MlpWeights& s = w_.shared_expert->weights();
+  return {&s.gate_proj, &s.up_proj, &w_.router, &w_.shared_expert_gate};
+}
+
 }  // namespace tern

@@ -24,6 +24,9 @@ class Mlp final : public FeedForward {
                const Tracer* tracer) const override;
   Expected<std::unique_ptr<Block>> place(BlockOps& ops, const RmsNorm& norm) const override;
 
+  // The projections of the block's normed input, in the order a device computes them side by side (one GEMM for
+  // adjacent parts of one format: cuda_ops.cc, models/selftest_plan.cc).
+  std::vector<const Linear*> input_projections() const;
   const MlpWeights& weights() const { return w_; }
 
  private:
@@ -49,6 +52,11 @@ class Moe final : public FeedForward {
                const Tracer* tracer) const override;
   Expected<std::unique_ptr<Block>> place(BlockOps& ops, const RmsNorm& norm) const override;
 
+  // The projections of the block's normed input, in the order a device computes them side by side (one GEMM for
+  // adjacent parts of one format: cuda_ops.cc, models/selftest_plan.cc).
+  // With a shared expert: its gate and up first (their rows 16-byte aligned for silu_mul), the router, the
+  // shared expert's gate.
+  std::vector<const Linear*> input_projections() const;
   const MoeShape& shape() const { return s_; }
   const MoeWeights& weights() const { return w_; }
 

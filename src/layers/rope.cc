@@ -4,7 +4,7 @@
 
 namespace tern {
 
-Rope::Rope(int64_t rotary_dim, double theta) : rotary_dim_(rotary_dim) {
+Rope::Rope(int64_t rotary_dim, double theta) : rotary_dim_(rotary_dim), theta_(theta) {
   for (int64_t i = 0; i < rotary_dim / 2; ++i) {
     const float exponent = static_cast<float>(2 * i) / static_cast<float>(rotary_dim);
     inv_freq_.push_back(1.0f / std::pow(static_cast<float>(theta), exponent));

@@ -18,10 +18,12 @@ class Rope {
   void apply(float* x, int64_t n_heads, int64_t head_dim, int64_t position) const;
 
   int64_t rotary_dim() const { return rotary_dim_; }
+  double theta() const { return theta_; }
   const std::vector<float>& inv_freq() const { return inv_freq_; }  // [rotary_dim / 2]
 
  private:
   int64_t rotary_dim_ = 0;
+  double theta_ = 0.0;
   std::vector<float> inv_freq_;
 };
 

@@ -4,7 +4,9 @@
 #include <fmt/ranges.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <tuple>
 
 #include "core/formats.h"
 #include "core/nvfp4.h"
@@ -61,6 +63,27 @@ Expected<float> scalar_of(const TensorView& t) {
   if (t.dtype == DType::kBF16) return bf16_to_float(bits);
   if (t.dtype == DType::kF16) return fp16_to_float(bits);
   return make_error("tensor '{}' must be F32, BF16 or F16, found {}", t.name, dtype_name(t.dtype));
+}
+
+// Every linear a dummy store holds, with whether it is NVFP4: as the exporter would have written them
+// (QuantConfig::producer_excludes); lm_head is absent when tied to the embedding.
+template <class F>
+void for_each_dummy_linear(const WeightSchema& schema, const std::optional<QuantConfig>& quant, F&& f) {
+  const bool nvfp4_config = quant && quant->quant_algo.find("NVFP4") != std::string::npos;
+  auto quantized = [&](const std::string& module) { return nvfp4_config && !quant->producer_excludes(module); };
+  for (const LinearSpec& l : schema.linears) {
+    if (l.role == LinearRole::kLmHead && schema.tied_embeddings) continue;
+    f(l.module, l.out_features, l.in_features, quantized(l.module));
+  }
+  for (const ExpertGroupSpec& g : schema.expert_groups) {
+    for (int64_t x = 0; x < g.num_experts; ++x) {
+      for (auto [name, out, in] : {std::tuple{"gate_proj", g.intermediate, g.hidden},
+                                   {"up_proj", g.intermediate, g.hidden}, {"down_proj", g.hidden, g.intermediate}}) {
+        const std::string module = fmt::format("{}.{}.{}", g.prefix, x, name);
+        f(module, out, in, quantized(module));
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -355,22 +378,45 @@ std::unique_ptr<WeightStore> WeightStore::make_dummy(const ModelConfig& config, 
     }
     store->add_owned(p.name, DType::kBF16, p.shape, std::move(bytes));
   }
-  const bool nvfp4_config = quant && quant->quant_algo.find("NVFP4") != std::string::npos;
-  // As the exporter would have written them (QuantConfig::producer_excludes).
-  auto quantized = [&](const std::string& module) { return nvfp4_config && !quant->producer_excludes(module); };
-  for (const LinearSpec& l : schema.linears) {
-    if (l.role == LinearRole::kLmHead && schema.tied_embeddings) continue;
-    store->add_dummy_linear(l.module, l.out_features, l.in_features, quantized(l.module), seed);
+  for_each_dummy_linear(schema, quant, [&](const std::string& module, int64_t out, int64_t in, bool nvfp4) {
+    store->add_dummy_linear(module, out, in, nvfp4, seed);
+  });
+  return store;
+}
+
+
+void WeightStore::add_zeros(std::string name, DType dtype, std::vector<int64_t> shape, size_t bytes) {
+  TERN_CHECK(bytes <= zeros_bytes_);
+  owned_views_[name] = TensorView{name, dtype, std::move(shape), {zeros_.get(), bytes}, nullptr};
+}
+
+std::unique_ptr<WeightStore> WeightStore::make_shapes_only(const ModelConfig& config, const WeightSchema& schema,
+                                                           const std::optional<QuantConfig>& quant) {
+  (void)config;
+  std::unique_ptr<WeightStore> store(new WeightStore());
+  store->text_prefix_ = schema.text_prefix;
+  // One buffer of zeros as large as the largest tensor; calloc maps it lazily, and nothing writes it.
+  size_t largest = 16;
+  for (const ParamSpec& p : schema.params) largest = std::max(largest, static_cast<size_t>(numel_of(p.shape)) * 2);
+  for_each_dummy_linear(schema, quant, [&](const std::string&, int64_t out, int64_t in, bool) {
+    largest = std::max(largest, static_cast<size_t>(out * in) * 2);
+  });
+  store->zeros_ = std::shared_ptr<std::byte>(static_cast<std::byte*>(std::calloc(largest, 1)), std::free);
+  TERN_CHECK(store->zeros_ != nullptr);
+  store->zeros_bytes_ = largest;
+  for (const ParamSpec& p : schema.params) {
+    store->add_zeros(p.name, DType::kBF16, p.shape, static_cast<size_t>(numel_of(p.shape)) * 2);
   }
-  for (const ExpertGroupSpec& g : schema.expert_groups) {
-    for (int64_t x = 0; x < g.num_experts; ++x) {
-      for (auto [name, out, in] : {std::tuple{"gate_proj", g.intermediate, g.hidden},
-                                   {"up_proj", g.intermediate, g.hidden}, {"down_proj", g.hidden, g.intermediate}}) {
-        const std::string module = fmt::format("{}.{}.{}", g.prefix, x, name);
-        store->add_dummy_linear(module, out, in, quantized(module), seed);
-      }
+  for_each_dummy_linear(schema, quant, [&](const std::string& module, int64_t out, int64_t in, bool nvfp4) {
+    if (!nvfp4) {
+      store->add_zeros(module + ".weight", DType::kBF16, {out, in}, static_cast<size_t>(out * in) * 2);
+      return;
     }
-  }
+    store->add_zeros(module + ".weight", DType::kU8, {out, in / 2}, static_cast<size_t>(out * in / 2));
+    store->add_zeros(module + ".weight_scale", DType::kF8E4M3, {out, in / 16}, static_cast<size_t>(out * in / 16));
+    store->add_zeros(module + ".weight_scale_2", DType::kF32, {}, 4);
+    store->add_zeros(module + ".input_scale", DType::kF32, {}, 4);
+  });
   return store;
 }
 

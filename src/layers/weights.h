@@ -34,6 +34,11 @@ class WeightStore {
   // Deterministic in `seed`; activation input_scale of dummy NVFP4 linears is set for inputs of amax ~8.
   static std::unique_ptr<WeightStore> make_dummy(const ModelConfig& config, const WeightSchema& schema,
                                                  const std::optional<QuantConfig>& quant, uint64_t seed);
+  // The dummy store's tensors (names, shapes, formats) with all-zero contents, every large one a view of one shared
+  // zero buffer that is never written: what a model's blocks are, without the memory or the time of their weights
+  // (the self-test plans its cases from them, models/selftest_plan.h).
+  static std::unique_ptr<WeightStore> make_shapes_only(const ModelConfig& config, const WeightSchema& schema,
+                                                       const std::optional<QuantConfig>& quant);
 
   // The rank is checked at each read (the error names the tensor). At world > 1 a tensor without a declaration in
   // the schema is an error.
@@ -73,6 +78,10 @@ class WeightStore {
                                   const Shard& shard);
   void add_owned(std::string name, DType dtype, std::vector<int64_t> shape, std::vector<std::byte> bytes);
   void add_dummy_linear(const std::string& module, int64_t out, int64_t in, bool nvfp4, uint64_t seed);
+  // Tensors of make_shapes_only: a view of zeros_ (at least `bytes` long).
+  void add_zeros(std::string name, DType dtype, std::vector<int64_t> shape, size_t bytes);
+  std::shared_ptr<std::byte> zeros_;
+  size_t zeros_bytes_ = 0;
 
   std::optional<SafetensorsSet> checkpoint_;
   std::map<std::string, TensorView> owned_views_;

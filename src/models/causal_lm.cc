@@ -31,6 +31,16 @@ Expected<void> CausalLm::place(std::unique_ptr<ModelRunner> runner) {
   return {};
 }
 
+Expected<void> CausalLm::visit_blocks(BlockOps& ops) const {
+  TERN_TRY(ops.embedding(embed_tokens));
+  for (const DecoderLayer& layer : layers) {
+    TERN_TRY(layer.mixer->place(ops, layer.input_norm));
+    TERN_TRY(layer.ffn->place(ops, layer.post_attention_norm));
+  }
+  TERN_TRY(ops.lm_head(final_norm, lm_head));
+  return {};
+}
+
 Expected<void> CausalLm::run_blocks() const {
   BlockOps& ops = runner_->ops();
   TERN_TRY(embedding_block_->forward(-1));
@@ -70,13 +80,17 @@ Expected<std::unique_ptr<WeightStore>> open_weights(const std::filesystem::path&
                                                     const ModelLoadOptions& options) {
   if (options.load_format == LoadFormat::kAuto) return WeightStore::open_checkpoint(dir);
   TERN_ASSIGN_OR_RETURN(std::optional<QuantConfig> quant, quant_config_load(dir));
+  if (options.load_format == LoadFormat::kShapes) {
+    return WeightStore::make_shapes_only(
+        config, weight_schema_build(config, weight_schema_default_text_prefix(config)), quant);
+  }
   return WeightStore::make_dummy(config, weight_schema_build(config, weight_schema_default_text_prefix(config)), quant,
                                  options.dummy_seed);
 }
 
 }  // namespace
 
-Expected<std::unique_ptr<CausalLm>> model_load(const std::filesystem::path& dir, const ModelLoadOptions& options) {
+Expected<std::unique_ptr<CausalLm>> model_build_host(const std::filesystem::path& dir, const ModelLoadOptions& options) {
   TERN_ASSIGN_OR_RETURN(ModelConfig config, model_config_load(dir));
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<WeightStore> weights, open_weights(dir, config, options));
   const WeightSchema schema = weight_schema_build(config, weights->text_prefix());
@@ -95,6 +109,12 @@ Expected<std::unique_ptr<CausalLm>> model_load(const std::filesystem::path& dir,
                         architecture_name(config.architecture));
   }
   if (!built) return wrap_error(built.error(), dir.string());
+  return model;
+}
+
+Expected<std::unique_ptr<CausalLm>> model_load(const std::filesystem::path& dir, const ModelLoadOptions& options) {
+  TERN_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model, model_build_host(dir, options));
+  const ModelConfig& config = model->config();
   std::unique_ptr<ModelRunner> runner;
   if (options.device == ModelDevice::kCuda) {
 #if TERN_MODELS_CUDA

@@ -46,6 +46,9 @@ class CausalLm {
   // builder has made the host blocks; the host weights stay mapped, since the device's blocks may read them).
   Expected<void> place(std::unique_ptr<ModelRunner> runner);
   const ModelRunner& runner() const { return *runner_; }
+  // Hands every host block to `ops` in the model's order (embedding, each layer's mixer and feed-forward block,
+  // lm_head) and drops what it makes: for devices that only look, such as the self-test's planner.
+  Expected<void> visit_blocks(BlockOps& ops) const;
 
   // Runs the tokens of every sequence (each extends its cache) and returns logits [rows, vocab]: one row per token
   // in batch order (kAllTokens) or one per sequence (kLastToken). Errors on an out-of-range token id.
@@ -74,7 +77,9 @@ class CausalLm {
   std::unique_ptr<ModelRunner> runner_;
 };
 
-enum class LoadFormat { kAuto, kDummy };
+// kShapes: the dummy weights' names, shapes and formats with zero contents (WeightStore::make_shapes_only), for
+// looking at a model's blocks without computing with them.
+enum class LoadFormat { kAuto, kDummy, kShapes };
 
 // Sizes of what a device backend allocates up front.
 struct DeviceModelOptions {
@@ -121,6 +126,9 @@ struct ModelLoadOptions {
 int model_cuda_device_count();
 
 Expected<std::unique_ptr<CausalLm>> model_load(const std::filesystem::path& dir, const ModelLoadOptions& options);
+// The model's host blocks only, placed on no device (options.device is not used): what its architecture file
+// builds from the config and the weights.
+Expected<std::unique_ptr<CausalLm>> model_build_host(const std::filesystem::path& dir, const ModelLoadOptions& options);
 
 // Architecture builders (one file each). `quantize_input`: W4A4 for NVFP4 linears.
 Expected<void> qwen3_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema, bool quantize_input);

@@ -183,8 +183,7 @@ Expected<std::unique_ptr<Block>> CudaOps::attention(const RmsNorm& input_norm, c
   GpuAttention g;
   g.shape = a.shape();
   const AttentionWeights& w = a.weights();
-  const Linear* parts[] = {&w.q_proj, &w.k_proj, &w.v_proj};
-  TERN_ASSIGN_OR_RETURN(g.qkv, weights_.projection(parts));
+  TERN_ASSIGN_OR_RETURN(g.qkv, weights_.projection(a.input_projections()));
   TERN_ASSIGN_OR_RETURN(g.o_proj, weights_.matrix(w.o_proj));
   if (w.q_norm.weight.empty() || w.k_norm.weight.empty()) {
     return make_error("{}: attention without q/k norms is not supported on CUDA yet", w.q_proj.name());
@@ -206,8 +205,7 @@ Expected<std::unique_ptr<Block>> CudaOps::gated_deltanet(const RmsNorm& input_no
   if (g.shape.fused_per_key_head) {
     return make_error("{}: the Qwen3-Next fused GDN projections are not supported on CUDA yet", w.out_proj.name());
   }
-  const Linear* parts[] = {&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a};
-  TERN_ASSIGN_OR_RETURN(g.in_proj, weights_.projection(parts, 8));
+  TERN_ASSIGN_OR_RETURN(g.in_proj, weights_.projection(gdn.input_projections(), 8));
   g.z_col = w.in_proj_qkv.out_features();
   g.b_col = g.z_col + w.in_proj_z.out_features();
   g.a_col = g.b_col + w.in_proj_b.out_features();
@@ -229,8 +227,7 @@ Expected<std::unique_ptr<Block>> CudaOps::gated_deltanet(const RmsNorm& input_no
 Expected<std::unique_ptr<Block>> CudaOps::mlp(const RmsNorm& post_norm, const Mlp& mlp) {
   const MlpWeights& w = mlp.weights();
   GpuMlp m;
-  const Linear* parts[] = {&w.gate_proj, &w.up_proj};
-  TERN_ASSIGN_OR_RETURN(m.gate_up, weights_.projection(parts));
+  TERN_ASSIGN_OR_RETURN(m.gate_up, weights_.projection(mlp.input_projections()));
   TERN_ASSIGN_OR_RETURN(m.down, weights_.matrix(w.down_proj));
   m.inter = w.gate_proj.out_features();
   TERN_ASSIGN_OR_RETURN(const GpuNorm n, norm(post_norm));
@@ -244,10 +241,8 @@ Expected<std::unique_ptr<Block>> CudaOps::moe(const RmsNorm& post_norm, const Mo
   m.shape = moe.shape();
   const MoeWeights& w = moe.weights();
   m.n_experts = w.router.out_features();
-  std::vector<const Linear*> router;
   if (w.shared_expert) {
     const MlpWeights& s = w.shared_expert->weights();
-    router = {&s.gate_proj, &s.up_proj};
     m.shared_inter = s.gate_proj.out_features();
     m.logits_col = 2 * m.shared_inter;
     if (m.shared_inter % 8 != 0) {
@@ -256,9 +251,7 @@ Expected<std::unique_ptr<Block>> CudaOps::moe(const RmsNorm& post_norm, const Mo
     }
     TERN_ASSIGN_OR_RETURN(m.shared_down, weights_.matrix(s.down_proj));
   }
-  router.push_back(&w.router);
-  if (w.shared_expert) router.push_back(&w.shared_expert_gate);
-  TERN_ASSIGN_OR_RETURN(m.router, weights_.projection(router, 8));
+  TERN_ASSIGN_OR_RETURN(m.router, weights_.projection(moe.input_projections(), 8));
   // The experts' name for errors: the router's module ("<prefix>layers.N.mlp.gate") with ".gate" replaced.
   const std::string& router_name = w.router.name();
   const std::string block_name =

@@ -1,0 +1,198 @@
+#include "models/selftest_plan.h"
+
+#include <algorithm>
+#include <set>
+
+#include "layers/attention.h"
+#include "layers/block_ops.h"
+#include "layers/gated_deltanet.h"
+#include "layers/moe.h"
+#include "layers/norms.h"
+#include "ops/attention_op.h"
+#include "ops/elementwise_op.h"
+#include "ops/gdn_op.h"
+#include "ops/gemm_op.h"
+#include "ops/moe_op.h"
+#include "ops/sampling_op.h"
+#include "ops/silu_gemv_op.h"
+
+namespace tern {
+namespace {
+
+using Shapes = std::set<std::pair<int64_t, int64_t>>;  // {N, K}
+
+bool is_nvfp4(const Linear& l) {
+  return l.matrix().format == CpuWeightFormat::kNvfp4;
+}
+
+RmsNormForm form_of(const RmsNorm& n) {
+  return n.zero_centred ? RmsNormForm::kZeroCentred : RmsNormForm::kPlain;
+}
+
+// A BlockOps that makes no blocks: each placement records the cases the block's ops need on a GPU.
+class Planner final : public BlockOps {
+ public:
+  explicit Planner(std::vector<int64_t> batches) : batches_(std::move(batches)) {}
+
+  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table) override {
+    vocab_ = table.rows;
+    hidden_ = table.cols;
+    for (int64_t b : batches_) add("embedding", embedding_case(b, table.rows, table.cols));
+    return nullptr;
+  }
+  Expected<std::unique_ptr<Block>> attention(const RmsNorm& norm, const Attention& a) override {
+    block_norm(norm);
+    const AttentionShape& s = a.shape();
+    const RmsNorm& q_norm = a.weights().q_norm;
+    add("rms_norm", rms_norm_case(batches_.front(), s.n_heads, s.head_dim, form_of(q_norm), false));
+    // The CPU path's RoPE is the NeoX (rotate-half) layout.
+    add("rope", rope_case(batches_.front(), s.n_heads, s.head_dim, a.rope().rotary_dim(), false,
+                          static_cast<int64_t>(a.rope().theta())));
+    for (int64_t b : batches_) {
+      add("attention", attention_case(b, 1, 1000, s.n_heads, s.n_kv_heads, s.head_dim, s.gated));
+    }
+    add("attention", attention_case(2, kPrefill, 0, s.n_heads, s.n_kv_heads, s.head_dim, s.gated));
+    projections(a.input_projections());
+    linear(a.weights().o_proj);
+    return nullptr;
+  }
+  Expected<std::unique_ptr<Block>> gated_deltanet(const RmsNorm& norm, const GatedDeltaNet& g) override {
+    block_norm(norm);
+    const GatedDeltaNetShape& s = g.shape();
+    const int64_t channels = 2 * s.n_key_heads * s.key_dim + s.n_value_heads * s.value_dim;
+    add("rms_norm", rms_norm_case(batches_.front(), s.n_value_heads, s.value_dim, RmsNormForm::kGated, false));
+    for (int64_t b : batches_) {
+      add("gdn_conv", gdn_conv_case(b, 1, channels, s.conv_kernel));
+      add("gdn_delta_rule", gdn_delta_rule_case(b, 1, s.n_key_heads, s.n_value_heads, s.key_dim, s.value_dim));
+    }
+    add("gdn_conv", gdn_conv_case(2, kPrefill, channels, s.conv_kernel));
+    // The gated norm in the recurrent kernel, as the model runs it: one sequence, one token.
+    add("gdn_delta_rule_norm", gdn_delta_rule_case(1, 1, s.n_key_heads, s.n_value_heads, s.key_dim, s.value_dim));
+    add("gdn_delta_rule", gdn_delta_rule_case(2, kPrefill, s.n_key_heads, s.n_value_heads, s.key_dim, s.value_dim));
+    projections(g.input_projections());
+    linear(g.weights().out_proj);
+    return nullptr;
+  }
+  Expected<std::unique_ptr<Block>> mlp(const RmsNorm& norm, const Mlp& m) override {
+    block_norm(norm);
+    const MlpWeights& w = m.weights();
+    for (int64_t b : batches_) add("silu_mul", silu_mul_case(b, w.gate_proj.out_features()));
+    projections(m.input_projections());
+    silu_down(w.down_proj);
+    return nullptr;
+  }
+  Expected<std::unique_ptr<Block>> moe(const RmsNorm& norm, const Moe& m) override {
+    block_norm(norm);
+    const MoeWeights& w = m.weights();
+    if (w.experts.empty()) return make_error("{}: an MoE block without experts", w.router.name());
+    const int64_t hidden = w.router.in_features(), inter = w.experts.front().gate_proj.out_features(),
+                  top_k = m.shape().top_k;
+    const bool nvfp4 = is_nvfp4(w.experts.front().gate_proj);
+    for (int64_t b : batches_) add("silu_mul", silu_mul_case(b * top_k, inter));
+    for (int64_t b : batches_) {
+      add("moe", moe_case(b, hidden, inter, w.router.out_features(), top_k, nvfp4, w.shared_expert != nullptr));
+    }
+    projections(m.input_projections());
+    if (w.shared_expert) silu_down(w.shared_expert->weights().down_proj);
+    Shapes& experts = nvfp4 ? nvfp4_ : bf16_;
+    experts.insert({inter, hidden});
+    experts.insert({hidden, inter});
+    return nullptr;
+  }
+  Expected<std::unique_ptr<Block>> lm_head(const RmsNorm&, const Linear& head) override {
+    linear(head);
+    if (!is_nvfp4(head)) normed_.insert({head.out_features(), head.in_features()});
+    for (int64_t rows : {1, 8}) add("sampling", sampling_case(rows, vocab_));
+    return nullptr;
+  }
+  Expected<void> all_reduce_output() override { return {}; }
+  Expected<void> trace_output(std::string_view) override { return {}; }
+
+  // The GEMM ops last: their cases are the shapes every block reported, lead first.
+  SelftestCaseTable finish() {
+    const auto bf16 = selftest_lead_first({bf16_.begin(), bf16_.end()});
+    const auto fp4 = selftest_lead_first({nvfp4_.begin(), nvfp4_.end()});
+    if (!bf16.empty()) table_.push_back({"gemm_bf16", gemm_selftest_cases(bf16, batches_)});
+    // The norm in front of the decode GEMV (one row), on every projection that follows a norm; the first layer's
+    // has no residual to add.
+    const auto normed = selftest_lead_first({normed_.begin(), normed_.end()});
+    for (auto [n, k] : normed) add("rms_norm_gemv", rms_norm_gemv_case(n, k, form_, true));
+    if (!normed.empty()) add("rms_norm_gemv", rms_norm_gemv_case(normed[0].first, normed[0].second, form_, false));
+    for (auto [n, k] : selftest_lead_first({silu_.begin(), silu_.end()})) {
+      add("silu_mul_gemv", silu_mul_gemv_case(n, k));
+    }
+    if (!fp4.empty()) table_.push_back({"gemm_nvfp4", gemm_selftest_cases(fp4, batches_)});
+    return std::move(table_);
+  }
+
+ private:
+  static constexpr int64_t kPrefill = 128;
+
+  // A case once per op, in the order reported.
+  void add(const std::string& op, SelfTestCase c) {
+    auto it = std::find_if(table_.begin(), table_.end(), [&](const auto& e) { return e.first == op; });
+    if (it == table_.end()) {
+      table_.push_back({op, {std::move(c)}});
+      return;
+    }
+    const bool seen =
+        std::any_of(it->second.begin(), it->second.end(), [&](const SelfTestCase& x) { return x.dims == c.dims; });
+    if (!seen) it->second.push_back(std::move(c));
+  }
+  // The decoder norm in front of a block: the residual add and the norm, at every batch size.
+  void block_norm(const RmsNorm& norm) {
+    form_ = form_of(norm);
+    for (int64_t b : batches_) add("rms_norm", rms_norm_case(b, 1, hidden_, form_, true));
+  }
+  void linear(const Linear& l) { (is_nvfp4(l) ? nvfp4_ : bf16_).insert({l.out_features(), l.in_features()}); }
+  // Each part at its own shape, and the BF16 parts as the one GEMM a device computes them in, which is also the
+  // GEMV a decode step may fuse the block's norm into.
+  void projections(const std::vector<const Linear*>& parts) {
+    int64_t n = 0, count = 0;
+    for (const Linear* l : parts) {
+      linear(*l);
+      if (is_nvfp4(*l)) continue;
+      n += l->out_features();
+      ++count;
+    }
+    if (count == 0) return;
+    if (count > 1) bf16_.insert({n, parts.front()->in_features()});
+    normed_.insert({n, parts.front()->in_features()});
+  }
+  // A down projection that reads a SiLU-and-mul (dense MLPs, shared experts).
+  void silu_down(const Linear& down) {
+    linear(down);
+    if (!is_nvfp4(down)) silu_.insert({down.out_features(), down.in_features()});
+  }
+
+  std::vector<int64_t> batches_;
+  int64_t vocab_ = 0, hidden_ = 0;
+  RmsNormForm form_ = RmsNormForm::kPlain;
+  Shapes bf16_, nvfp4_, normed_, silu_;
+  SelftestCaseTable table_;
+};
+
+}  // namespace
+
+std::vector<std::pair<int64_t, int64_t>> selftest_lead_first(const std::vector<std::pair<int64_t, int64_t>>& shapes) {
+  // `--selftest fast` runs each op's first case only, and its time decides between implementations: on a
+  // microsecond-long kernel that choice was noise (see docs/perf/gpu.md §lead-case).
+  constexpr int64_t kLeadMaxElements = int64_t{1} << 26;
+  std::vector<std::pair<int64_t, int64_t>> out = shapes;
+  auto lead = out.begin();
+  for (auto it = out.begin(); it != out.end(); ++it) {
+    const int64_t size = it->first * it->second, best = lead->first * lead->second;
+    if (size <= kLeadMaxElements && (size > best || best > kLeadMaxElements)) lead = it;
+  }
+  if (!out.empty()) std::rotate(out.begin(), lead, lead + 1);
+  return out;
+}
+
+Expected<SelftestCaseTable> selftest_cases_of(const CausalLm& model, const std::vector<int64_t>& batches) {
+  if (batches.empty()) return make_error("the self-test needs at least one batch size");
+  Planner planner(batches);
+  TERN_TRY(model.visit_blocks(planner));
+  return planner.finish();
+}
+
+}  // namespace tern

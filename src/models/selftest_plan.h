@@ -1,0 +1,28 @@
+// The start-up self-test's cases for a model, reported by its blocks: the host blocks are visited by a planning
+// device (a BlockOps that makes no blocks), and each adds the cases of the ops a GPU runs for it, at the shapes and
+// in the weight formats it runs them, including the GEMMs of the projections the CUDA blocks fuse
+// (Block::input_projections: q|k|v, GDN's input projections, gate|up, the MoE block's router group). So a new block
+// brings its own cases, and nothing in cli/ restates a model's ops.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+#include "models/causal_lm.h"
+#include "ops/registry.h"
+
+namespace tern {
+
+// Op name -> its cases, in the order the blocks reported them; each op's first case is the one `--selftest fast`
+// runs (for the GEMMs: the largest projection below lm_head size, cli/model_selftest.cc's lead rule).
+using SelftestCaseTable = std::vector<std::pair<std::string, std::vector<SelfTestCase>>>;
+
+// `batches`: the decode batch sizes to test at (each op's decode-like cases), then one prefill.
+Expected<SelftestCaseTable> selftest_cases_of(const CausalLm& model, const std::vector<int64_t>& batches);
+
+// The shapes with the lead one first: the largest of at most 2^26 weights (an lm_head is above it).
+std::vector<std::pair<int64_t, int64_t>> selftest_lead_first(const std::vector<std::pair<int64_t, int64_t>>& shapes);
+
+}  // namespace tern

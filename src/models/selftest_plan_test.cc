@@ -1,0 +1,115 @@
+// The self-test cases a model's blocks report (models/selftest_plan.h), checked against what the fixtures'
+// config.json implies, computed here from the config's numbers: the fused GEMMs the CUDA blocks run, the norm-fused
+// and SiLU-fused GEMVs, the attention, GDN and MoE cases at the model's head counts and widths.
+#include "models/selftest_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+
+#include "ops/attention_op.h"
+#include "ops/elementwise_op.h"
+#include "ops/gdn_op.h"
+#include "ops/gemm_op.h"
+#include "ops/moe_op.h"
+#include "ops/silu_gemv_op.h"
+
+namespace tern {
+namespace {
+
+std::unique_ptr<CausalLm> host(const std::string& fixture, LoadFormat format = LoadFormat::kAuto) {
+  auto m = model_build_host(std::string(TERN_FIXTURES_DIR) + "/" + fixture, {.load_format = format});
+  EXPECT_TRUE(m.has_value()) << (m ? "" : m.error().message);
+  return m ? std::move(*m) : nullptr;
+}
+
+const std::vector<SelfTestCase>* cases_of(const SelftestCaseTable& t, const std::string& op) {
+  for (const auto& [name, cases] : t) {
+    if (name == op) return &cases;
+  }
+  return nullptr;
+}
+
+bool has(const SelftestCaseTable& t, const std::string& op, const SelfTestCase& want) {
+  const auto* cases = cases_of(t, op);
+  return cases != nullptr &&
+         std::any_of(cases->begin(), cases->end(), [&](const SelfTestCase& c) { return c.dims == want.dims; });
+}
+
+TEST(SelftestPlan, Qwen35BlocksReportTheirOpsAtTheConfigsShapes) {
+  auto model = host("qwen3_5_moe");
+  ASSERT_TRUE(model);
+  const ModelConfig& c = model->config();
+  auto table = selftest_cases_of(*model, {1, 8});
+  ASSERT_TRUE(table.has_value()) << table.error().message;
+  const int64_t h = c.hidden_size, hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+  // Gated attention: q_proj carries [query | gate] per head, so the fused q|k|v GEMM is 2 nq hd + 2 nkv hd wide.
+  const int64_t qkv = 2 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim;
+  const int64_t gdn_in = (2 * hk * dk + hv * dv) + hv * dv + hv + hv;  // qkv | z | b | a
+  const int64_t router = 2 * c.shared_expert_intermediate_size + c.num_experts + 1;
+  EXPECT_TRUE(has(*table, "gemm_bf16", gemm_selftest_cases({{qkv, h}}, {1}).front()));
+  EXPECT_TRUE(has(*table, "gemm_bf16", gemm_selftest_cases({{gdn_in, h}}, {8}).front()));
+  EXPECT_TRUE(has(*table, "gemm_bf16", gemm_selftest_cases({{router, h}}, {1}).front()));
+  for (const int64_t n : {qkv, gdn_in, router, c.vocab_size}) {
+    EXPECT_TRUE(has(*table, "rms_norm_gemv", rms_norm_gemv_case(n, h, RmsNormForm::kZeroCentred, true))) << n;
+  }
+  EXPECT_TRUE(has(*table, "silu_mul_gemv", silu_mul_gemv_case(h, c.shared_expert_intermediate_size)));
+  EXPECT_TRUE(has(*table, "attention",
+                  attention_case(8, 1, 1000, c.num_attention_heads, c.num_key_value_heads, c.head_dim, true)));
+  EXPECT_TRUE(has(*table, "gdn_delta_rule_norm", gdn_delta_rule_case(1, 1, hk, hv, dk, dv)));
+  EXPECT_TRUE(has(*table, "gdn_conv", gdn_conv_case(2, 128, 2 * hk * dk + hv * dv, c.linear_conv_kernel_dim)));
+  EXPECT_TRUE(
+      has(*table, "moe", moe_case(8, h, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, false, true)));
+  EXPECT_TRUE(has(*table, "rms_norm", rms_norm_case(1, 1, h, RmsNormForm::kZeroCentred, true)));
+  EXPECT_TRUE(has(*table, "rms_norm", rms_norm_case(1, hv, dv, RmsNormForm::kGated, false)));
+  EXPECT_EQ(cases_of(*table, "gemm_nvfp4"), nullptr);  // a BF16 checkpoint
+  // Every op once, every case of an op once.
+  std::set<std::string> ops;
+  for (const auto& [op, cases] : *table) {
+    EXPECT_TRUE(ops.insert(op).second) << op;
+    std::set<std::vector<int64_t>> dims;
+    for (const SelfTestCase& x : cases) EXPECT_TRUE(dims.insert(x.dims).second) << op << " " << x.label;
+  }
+}
+
+TEST(SelftestPlan, Nvfp4ExpertsAreTestedInTheirFormat) {
+  auto model = host("qwen3_5_moe_nvfp4");
+  ASSERT_TRUE(model);
+  const ModelConfig& c = model->config();
+  auto table = selftest_cases_of(*model, {1});
+  ASSERT_TRUE(table.has_value()) << table.error().message;
+  const int64_t h = c.hidden_size, i = c.moe_intermediate_size;
+  EXPECT_TRUE(has(*table, "gemm_nvfp4", gemm_selftest_cases({{i, h}}, {1}).front()));
+  EXPECT_TRUE(has(*table, "gemm_nvfp4", gemm_selftest_cases({{h, i}}, {1}).front()));
+  EXPECT_TRUE(has(*table, "moe", moe_case(1, h, i, c.num_experts, c.num_experts_per_tok, true, true)));
+}
+
+// The lead GEMM (what `--selftest fast` times) is the largest projection of at most 2^26 weights, not lm_head.
+TEST(SelftestPlan, LeadShapeIsTheLargestBelowTheLimit) {
+  const auto lead = selftest_lead_first({{4096, 4096}, {151936, 4096}, {12288, 4096}, {1024, 4096}});
+  ASSERT_EQ(lead.size(), 4u);
+  EXPECT_EQ(lead.front(), (std::pair<int64_t, int64_t>{12288, 4096}));
+  EXPECT_TRUE(selftest_lead_first({}).empty());
+}
+
+// A config-only directory plans from the shapes and formats its dummy weights would have, with no weights made.
+TEST(SelftestPlan, ShapesOnlyHostHasTheDummyWeightsShapesAndFormats) {
+  auto dummy = host("qwen3_5_moe_nvfp4", LoadFormat::kDummy);
+  auto shapes = host("qwen3_5_moe_nvfp4", LoadFormat::kShapes);
+  ASSERT_TRUE(dummy && shapes);
+  auto a = selftest_cases_of(*dummy, {1, 8});
+  auto b = selftest_cases_of(*shapes, {1, 8});
+  ASSERT_TRUE(a.has_value() && b.has_value());
+  ASSERT_EQ(a->size(), b->size());
+  for (size_t k = 0; k < a->size(); ++k) {
+    EXPECT_EQ((*a)[k].first, (*b)[k].first);
+    ASSERT_EQ((*a)[k].second.size(), (*b)[k].second.size()) << (*a)[k].first;
+    for (size_t j = 0; j < (*a)[k].second.size(); ++j) EXPECT_EQ((*a)[k].second[j].dims, (*b)[k].second[j].dims);
+  }
+  EXPECT_TRUE(cases_of(*b, "gemm_nvfp4") != nullptr);  // the exporter's formats, not all BF16
+}
+
+}  // namespace
+}  // namespace tern
