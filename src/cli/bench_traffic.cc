@@ -4,6 +4,7 @@
 #include <initializer_list>
 
 #include "layers/attention.h"
+#include "layers/block_ops.h"
 #include "layers/gated_deltanet.h"
 #include "layers/moe.h"
 
@@ -32,53 +33,74 @@ void add_mlp(const MlpWeights& w, double& bytes, double& params) {
   add_linears({&w.gate_proj, &w.up_proj, &w.down_proj}, bytes, params);
 }
 
+// Counts what each block moves and computes per token, placed as a device would place it (no blocks made).
+class TrafficCounter final : public BlockOps {
+ public:
+  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix&) override { return nullptr; }  // one row per token
+  Expected<std::unique_ptr<Block>> attention(const RmsNorm&, const Attention& a) override {
+    const AttentionWeights& w = a.weights();
+    add_linears({&w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj}, t_.dense_weight_bytes, dense_params_);
+    const AttentionShape& s = a.shape();
+    t_.kv_bytes_per_token += 2.0 * static_cast<double>(s.n_kv_heads * s.head_dim) * 2;
+    t_.attention_flops_per_token2 += 2.0 * static_cast<double>(s.n_heads * s.head_dim);
+    return nullptr;
+  }
+  Expected<std::unique_ptr<Block>> gated_deltanet(const RmsNorm&, const GatedDeltaNet& g) override {
+    const GatedDeltaNetWeights& w = g.weights();
+    add_linears({&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a, &w.in_proj_qkvz, &w.in_proj_ba, &w.out_proj},
+                t_.dense_weight_bytes, dense_params_);
+    const GatedDeltaNetShape& s = g.shape();
+    const double state = static_cast<double>(s.n_value_heads * s.key_dim * s.value_dim) * 4;
+    const double conv =
+        static_cast<double>((2 * s.n_key_heads * s.key_dim + s.n_value_heads * s.value_dim) * (s.conv_kernel - 1)) * 2;
+    t_.state_bytes_per_sequence += 2 * (state + conv);  // read and written back
+    return nullptr;
+  }
+  Expected<std::unique_ptr<Block>> mlp(const RmsNorm&, const Mlp& m) override {
+    add_mlp(m.weights(), t_.dense_weight_bytes, dense_params_);
+    return nullptr;
+  }
+  Expected<std::unique_ptr<Block>> moe(const RmsNorm&, const Moe& m) override {
+    const MoeWeights& w = m.weights();
+    add_linears({&w.router}, t_.dense_weight_bytes, dense_params_);
+    if (w.shared_expert) {
+      add_mlp(w.shared_expert->weights(), t_.dense_weight_bytes, dense_params_);
+      add_linears({&w.shared_expert_gate}, t_.dense_weight_bytes, dense_params_);
+    }
+    if (!w.experts.empty()) {
+      double bytes = 0, params = 0;
+      add_mlp(w.experts.front(), bytes, params);
+      t_.expert_bytes = bytes;
+      expert_params_ += params * static_cast<double>(m.shape().top_k);
+      t_.n_experts = static_cast<int64_t>(w.experts.size());
+      t_.top_k = m.shape().top_k;
+      ++t_.moe_layers;
+    }
+    return nullptr;
+  }
+  Expected<std::unique_ptr<Block>> lm_head(const RmsNorm&, const Linear& head) override {
+    add_linears({&head}, t_.dense_weight_bytes, dense_params_);
+    return nullptr;
+  }
+  Expected<void> all_reduce_output() override { return {}; }
+  Expected<void> trace_output(std::string_view) override { return {}; }
+
+  StepTraffic finish() {
+    t_.linear_flops_per_token = 2 * (dense_params_ + expert_params_);
+    return t_;
+  }
+
+ private:
+  StepTraffic t_;
+  double dense_params_ = 0, expert_params_ = 0;
+};
+
 }  // namespace
 
 StepTraffic step_traffic_of(const CausalLm& model) {
-  StepTraffic t;
-  double dense_params = 0, expert_params = 0;
-  add_linears({&model.lm_head}, t.dense_weight_bytes, dense_params);
-  for (const DecoderLayer& layer : model.layers) {
-    if (const auto* a = dynamic_cast<const Attention*>(layer.mixer.get())) {
-      const AttentionWeights& w = a->weights();
-      add_linears({&w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj}, t.dense_weight_bytes, dense_params);
-      const AttentionShape& s = a->shape();
-      t.kv_bytes_per_token += 2.0 * static_cast<double>(s.n_kv_heads * s.head_dim) * 2;
-      t.attention_flops_per_token2 += 2.0 * static_cast<double>(s.n_heads * s.head_dim);
-    } else if (const auto* g = dynamic_cast<const GatedDeltaNet*>(layer.mixer.get())) {
-      const GatedDeltaNetWeights& w = g->weights();
-      add_linears(
-          {&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a, &w.in_proj_qkvz, &w.in_proj_ba, &w.out_proj},
-          t.dense_weight_bytes, dense_params);
-      const GatedDeltaNetShape& s = g->shape();
-      const double state = static_cast<double>(s.n_value_heads * s.key_dim * s.value_dim) * 4;
-      const double conv =
-          static_cast<double>((2 * s.n_key_heads * s.key_dim + s.n_value_heads * s.value_dim) * (s.conv_kernel - 1)) *
-          2;
-      t.state_bytes_per_sequence += 2 * (state + conv);  // read and written back
-    }
-    if (const auto* m = dynamic_cast<const Mlp*>(layer.ffn.get())) {
-      add_mlp(m->weights(), t.dense_weight_bytes, dense_params);
-    } else if (const auto* m = dynamic_cast<const Moe*>(layer.ffn.get())) {
-      const MoeWeights& w = m->weights();
-      add_linears({&w.router}, t.dense_weight_bytes, dense_params);
-      if (w.shared_expert) {
-        add_mlp(w.shared_expert->weights(), t.dense_weight_bytes, dense_params);
-        add_linears({&w.shared_expert_gate}, t.dense_weight_bytes, dense_params);
-      }
-      if (!w.experts.empty()) {
-        double bytes = 0, params = 0;
-        add_mlp(w.experts.front(), bytes, params);
-        t.expert_bytes = bytes;
-        expert_params += params * static_cast<double>(m->shape().top_k);
-        t.n_experts = static_cast<int64_t>(w.experts.size());
-        t.top_k = m->shape().top_k;
-        ++t.moe_layers;
-      }
-    }
-  }
-  t.linear_flops_per_token = 2 * (dense_params + expert_params);
-  return t;
+  TrafficCounter counter;
+  (void)model.visit_blocks(counter);  // the counter's placements never fail
+  return counter.finish();
 }
 
 double expected_distinct_experts(int64_t n_experts, int64_t top_k, int64_t tokens) {
