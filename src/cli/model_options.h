@@ -31,7 +31,7 @@ void add_model_options(CLI::App& cmd, ModelCliOptions& options);
 void add_backend_options(CLI::App& cmd, BackendFlags& backends);
 // Runs the start-up self-test (--selftest) of the device that will run the model, then loads it there. Refuses to
 // load when an op the model needs has no verified implementation, or a forced backend fails its self-test.
-// `sizes`: what a device backend allocates (rows per step, sequences, KV tokens); the CPU ignores them.
+// `sizes`: what a device runner allocates (rows per step, sequences, KV tokens); the CPU ignores them.
 Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOptions& options,
                                                             const DeviceModelOptions& sizes);
 

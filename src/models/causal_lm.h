@@ -81,7 +81,7 @@ class CausalLm {
 // looking at a model's blocks without computing with them.
 enum class LoadFormat { kAuto, kDummy, kShapes };
 
-// Sizes of what a device backend allocates up front.
+// Sizes of what a device runner allocates up front.
 struct DeviceModelOptions {
   int device = 0;                    // CUDA ordinal
   int64_t max_batch_tokens = 8192;   // rows of one forward call

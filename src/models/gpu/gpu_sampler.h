@@ -1,4 +1,4 @@
-// Sampling of a step's last-token logits on the device, for the CUDA backend's forward_sample: each sequence's
+// Sampling of a step's last-token logits on the device, for the CUDA runner's forward_sample: each sequence's
 // parameters and random draw go up, and only ids, logprobs, top logprobs and a status per row come back
 // (kernels/cuda/sampling.h has the semantics, the CPU Sampler's).
 //

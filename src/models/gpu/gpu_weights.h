@@ -36,7 +36,7 @@ Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatri
 
 // Several linears over the same input computed as one output [m, width] with their outputs side by side (q|k|v,
 // gate|up, router|shared-expert gate). Adjacent BF16 parts are one matrix on the device, so one GEMM. The CUDA model
-// computes every projection after a norm (gpu_model.cc norm_project), the first part with the norm fused in where the
+// computes every projection after a norm (cuda_ops.cc norm_project), the first part with the norm fused in where the
 // self-test chose that.
 struct DeviceProjection {
   std::vector<DeviceMatrix> parts;
