@@ -61,8 +61,9 @@ MoeExpertWeights expert_view(const MoeInputs& in, const DeviceBuffer& w, const D
   return v;
 }
 
-// The model's decode path at one token with a shared expert (CudaOps::run_moe in models/gpu/cuda_ops.cc): the shared expert's down
-// projection runs after the experts, with SiLU-and-mul folded in front and the combine folded behind it.
+// The model's decode path at one token with a shared expert (CudaOps::run_moe, models/gpu/cuda_ops.cc): the shared
+// expert's down projection runs after the experts, with SiLU-and-mul folded in front and the combine folded behind
+// it.
 bool fold_combine(const MoeInputs& in) {
   return in.shared && in.tokens == 1;
 }
