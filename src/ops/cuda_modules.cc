@@ -13,11 +13,16 @@ std::vector<CudaModuleReport> cuda_modules_describe() {
     return {};
   }
   using Query = cudaError_t (*)(cudaFuncAttributes*);
-  const std::pair<const char*, Query> modules[] = {
-      {"gemm_nvfp4_w4a16", gemm_nvfp4_module_attributes}, {"elementwise", elementwise_module_attributes},
-      {"attention", attention_module_attributes},         {"gated_delta", gated_delta_module_attributes},
-      {"moe_route", moe_route_module_attributes},         {"moe_gemm", moe_gemm_module_attributes},
-      {"sampling", sampling_module_attributes},           {"gemv_bf16", gemv_bf16_module_attributes}};
+  const std::pair<const char*, Query> modules[] = {{"gemm_nvfp4_w4a16", gemm_nvfp4_module_attributes},
+                                                   {"elementwise", elementwise_module_attributes},
+                                                   {"attention_prepare", attention_prepare_module_attributes},
+                                                   {"attention_decode", attention_decode_module_attributes},
+                                                   {"attention_prefill", attention_prefill_module_attributes},
+                                                   {"gated_delta", gated_delta_module_attributes},
+                                                   {"moe_route", moe_route_module_attributes},
+                                                   {"moe_gemm", moe_gemm_module_attributes},
+                                                   {"sampling", sampling_module_attributes},
+                                                   {"gemv_bf16", gemv_bf16_module_attributes}};
   std::vector<CudaModuleReport> out;
   for (const auto& [name, query] : modules) {
     cudaFuncAttributes a{};

@@ -1,4 +1,5 @@
-// Argument checks of the paged attention kernels; the kernels are in attention.cu.
+// Argument checks of the paged attention kernels; the kernels are in attention_prepare.cu, attention_decode.cu and
+// attention_prefill.cu.
 #include "kernels/cuda/attention.h"
 
 #include <algorithm>

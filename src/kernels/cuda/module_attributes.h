@@ -8,7 +8,9 @@
 
 namespace tern {
 
-cudaError_t attention_module_attributes(cudaFuncAttributes* out);
+cudaError_t attention_prepare_module_attributes(cudaFuncAttributes* out);
+cudaError_t attention_decode_module_attributes(cudaFuncAttributes* out);
+cudaError_t attention_prefill_module_attributes(cudaFuncAttributes* out);
 cudaError_t elementwise_module_attributes(cudaFuncAttributes* out);
 cudaError_t gated_delta_module_attributes(cudaFuncAttributes* out);
 cudaError_t moe_route_module_attributes(cudaFuncAttributes* out);
