@@ -144,7 +144,7 @@ Expected<GpuRunner::SequenceIds> GpuRunner::sequence_ids(const SequenceInput& in
       return make_error("a sequence of {} tokens came with {} KV blocks of {} tokens", need_blocks * bs,
                         in.kv_blocks.size(), bs);
     }
-    for (const int32_t b : in.kv_blocks) {
+    for (const int32_t b : needs_blocks ? in.kv_blocks : std::span<const int32_t>{}) {
       if (b < 0 || b >= kv_blocks) return make_error("KV block {} is outside the cache's {} blocks", b, kv_blocks);
     }
     if (needs_slot && (in.state_slot < 0 || in.state_slot >= options_.max_sequences)) {
