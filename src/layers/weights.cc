@@ -384,15 +384,13 @@ std::unique_ptr<WeightStore> WeightStore::make_dummy(const ModelConfig& config, 
   return store;
 }
 
-
 void WeightStore::add_zeros(std::string name, DType dtype, std::vector<int64_t> shape, size_t bytes) {
   TERN_CHECK(bytes <= zeros_bytes_);
   owned_views_[name] = TensorView{name, dtype, std::move(shape), {zeros_.get(), bytes}, nullptr};
 }
 
-std::unique_ptr<WeightStore> WeightStore::make_shapes_only(const ModelConfig& config, const WeightSchema& schema,
+std::unique_ptr<WeightStore> WeightStore::make_shapes_only(const WeightSchema& schema,
                                                            const std::optional<QuantConfig>& quant) {
-  (void)config;
   std::unique_ptr<WeightStore> store(new WeightStore());
   store->text_prefix_ = schema.text_prefix;
   // One buffer of zeros as large as the largest tensor; calloc maps it lazily, and nothing writes it.

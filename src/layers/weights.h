@@ -37,7 +37,7 @@ class WeightStore {
   // The dummy store's tensors (names, shapes, formats) with all-zero contents, every large one a view of one shared
   // zero buffer that is never written: what a model's blocks are, without the memory or the time of their weights
   // (the self-test plans its cases from them, models/selftest_plan.h).
-  static std::unique_ptr<WeightStore> make_shapes_only(const ModelConfig& config, const WeightSchema& schema,
+  static std::unique_ptr<WeightStore> make_shapes_only(const WeightSchema& schema,
                                                        const std::optional<QuantConfig>& quant);
 
   // The rank is checked at each read (the error names the tensor). At world > 1 a tensor without a declaration in

@@ -18,26 +18,33 @@ SequenceCache CausalLm::new_sequence() const {
   return cache;
 }
 
-Expected<void> CausalLm::place(std::unique_ptr<ModelRunner> runner) {
-  BlockOps& ops = runner->ops();
-  TERN_ASSIGN_OR_RETURN(embedding_block_, ops.embedding(embed_tokens));
-  for (DecoderLayer& layer : layers) {
-    TERN_ASSIGN_OR_RETURN(layer.mixer_block, layer.mixer->place(ops, layer.input_norm));
-    TERN_ASSIGN_OR_RETURN(layer.ffn_block, layer.ffn->place(ops, layer.post_attention_norm));
+Expected<std::vector<std::unique_ptr<Block>>> CausalLm::make_blocks(BlockOps& ops) const {
+  std::vector<std::unique_ptr<Block>> blocks;
+  blocks.reserve(2 * layers.size() + 2);
+  TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), ops.embedding(embed_tokens));
+  for (const DecoderLayer& layer : layers) {
+    TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), layer.mixer->place(ops, layer.input_norm));
+    TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), layer.ffn->place(ops, layer.post_attention_norm));
   }
-  TERN_ASSIGN_OR_RETURN(head_block_, ops.lm_head(final_norm, lm_head));
+  TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), ops.lm_head(final_norm, lm_head));
+  return blocks;
+}
+
+Expected<void> CausalLm::place(std::unique_ptr<ModelRunner> runner) {
+  TERN_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Block>> blocks, make_blocks(runner->ops()));
+  embedding_block_ = std::move(blocks.front());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    layers[i].mixer_block = std::move(blocks[1 + 2 * i]);
+    layers[i].ffn_block = std::move(blocks[2 + 2 * i]);
+  }
+  head_block_ = std::move(blocks.back());
   TERN_TRY(runner->finish_load());
   runner_ = std::move(runner);
   return {};
 }
 
 Expected<void> CausalLm::visit_blocks(BlockOps& ops) const {
-  TERN_TRY(ops.embedding(embed_tokens));
-  for (const DecoderLayer& layer : layers) {
-    TERN_TRY(layer.mixer->place(ops, layer.input_norm));
-    TERN_TRY(layer.ffn->place(ops, layer.post_attention_norm));
-  }
-  TERN_TRY(ops.lm_head(final_norm, lm_head));
+  TERN_TRY(make_blocks(ops));
   return {};
 }
 
@@ -81,8 +88,8 @@ Expected<std::unique_ptr<WeightStore>> open_weights(const std::filesystem::path&
   if (options.load_format == LoadFormat::kAuto) return WeightStore::open_checkpoint(dir);
   TERN_ASSIGN_OR_RETURN(std::optional<QuantConfig> quant, quant_config_load(dir));
   if (options.load_format == LoadFormat::kShapes) {
-    return WeightStore::make_shapes_only(
-        config, weight_schema_build(config, weight_schema_default_text_prefix(config)), quant);
+    return WeightStore::make_shapes_only(weight_schema_build(config, weight_schema_default_text_prefix(config)),
+                                         quant);
   }
   return WeightStore::make_dummy(config, weight_schema_build(config, weight_schema_default_text_prefix(config)), quant,
                                  options.dummy_seed);

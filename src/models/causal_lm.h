@@ -70,6 +70,9 @@ class CausalLm {
   // The layer loop, the same on every device: embedding, each layer's mixer and feed-forward block (each followed
   // by the sum over tensor-parallel ranks), the final norm and lm_head.
   Expected<void> run_blocks() const;
+  // Every host block made for `ops`, in the model's order: embedding, each layer's mixer and feed-forward block,
+  // lm_head.
+  Expected<std::vector<std::unique_ptr<Block>>> make_blocks(BlockOps& ops) const;
 
   ModelConfig config_;
   std::unique_ptr<WeightStore> weights_;  // owns the memory the views above point into

@@ -35,7 +35,6 @@ class Planner final : public BlockOps {
   explicit Planner(std::vector<int64_t> batches) : batches_(std::move(batches)) {}
 
   Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table) override {
-    vocab_ = table.rows;
     hidden_ = table.cols;
     for (int64_t b : batches_) add("embedding", embedding_case(b, table.rows, table.cols));
     return nullptr;
@@ -102,7 +101,7 @@ class Planner final : public BlockOps {
   Expected<std::unique_ptr<Block>> lm_head(const RmsNorm&, const Linear& head) override {
     linear(head);
     if (!is_nvfp4(head)) normed_.insert({head.out_features(), head.in_features()});
-    for (int64_t rows : {1, 8}) add("sampling", sampling_case(rows, vocab_));
+    for (int64_t rows : {1, 8}) add("sampling", sampling_case(rows, head.out_features()));
     return nullptr;
   }
   Expected<void> all_reduce_output() override { return {}; }
@@ -166,7 +165,7 @@ class Planner final : public BlockOps {
   }
 
   std::vector<int64_t> batches_;
-  int64_t vocab_ = 0, hidden_ = 0;
+  int64_t hidden_ = 0;
   RmsNormForm form_ = RmsNormForm::kPlain;
   Shapes bf16_, nvfp4_, normed_, silu_;
   SelftestCaseTable table_;
