@@ -61,9 +61,9 @@ std::vector<int32_t> random_ids(int64_t n, int64_t vocab, std::mt19937_64& rng) 
 }
 
 // What the model is compared against: measured on the GPU that runs it; nothing on the CPU.
-std::optional<nlohmann::ordered_json> measure_roofline(const CausalLm& model, int device) {
+std::optional<nlohmann::ordered_json> measure_roofline(const ModelRunner& model, int device) {
 #if TERN_HAVE_CUDA
-  if (model.runner().device() != ModelDevice::kCuda) return std::nullopt;
+  if (model.device() != ModelDevice::kCuda) return std::nullopt;
   DeviceContext ctx(device);
   auto r = roofline_measure(ctx);
   if (!r) {
@@ -79,7 +79,7 @@ std::optional<nlohmann::ordered_json> measure_roofline(const CausalLm& model, in
 }
 
 // One prompt of `length` tokens in a fresh sequence: median seconds over the repeats after one warm-up.
-Expected<double> time_prefill(CausalLm& model, int64_t length, int64_t repeats, std::mt19937_64& rng) {
+Expected<double> time_prefill(ModelRunner& model, int64_t length, int64_t repeats, std::mt19937_64& rng) {
   std::vector<double> times;
   for (int64_t r = 0; r <= repeats; ++r) {
     const std::vector<int32_t> ids = random_ids(length, model.config().vocab_size, rng);
@@ -94,7 +94,7 @@ Expected<double> time_prefill(CausalLm& model, int64_t length, int64_t repeats, 
 
 // `batch` sequences prefilled to `context` tokens, then greedy decode steps of one token each: the median step
 // time over o.steps steps after two untimed ones (for a CUDA graph: the eager warm-up and the capture).
-Expected<double> time_decode(CausalLm& model, int64_t batch, const BenchOptions& o, int64_t max_chunk,
+Expected<double> time_decode(ModelRunner& model, int64_t batch, const BenchOptions& o, int64_t max_chunk,
                              std::mt19937_64& rng) {
   std::vector<SequenceCache> caches;
   std::vector<std::vector<int32_t>> prompts, outputs(static_cast<size_t>(batch));
@@ -217,10 +217,10 @@ int run_bench(const BenchOptions& o) {
   auto model = load_model_from_options(o.model, sizes);
   if (!model) return fail(model.error().message);
   const double load_s = seconds_since(load_start);
-  CausalLm& m = **model;
-  const StepTraffic traffic = step_traffic_of(m);
+  ModelRunner& m = **model;
+  const StepTraffic traffic = step_traffic_of(m.model());
   nlohmann::ordered_json report{{"model", o.model.model_dir},
-                                {"device", m.runner().describe()},
+                                {"device", m.describe()},
                                 {"load_s", load_s}};
   const auto roof = measure_roofline(m, o.model.cuda_device);
   report["roofline"] = roof ? *roof : nlohmann::ordered_json(nullptr);
@@ -241,7 +241,7 @@ int run_bench(const BenchOptions& o) {
     if (!s) return fail(fmt::format("decode at batch {}: {}", batch, s.error().message));
     report["rows"].push_back(decode_row(traffic, batch, o, *s, roof));
   }
-  report["device"] = m.runner().describe();  // now with its graphs
+  report["device"] = m.describe();  // now with its graphs
   if (o.json) {
     fmt::print("{}\n", report.dump(1));
   } else {

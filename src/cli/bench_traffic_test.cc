@@ -19,7 +19,7 @@ nlohmann::json fixture_config(const std::string& name) {
 }
 
 std::unique_ptr<CausalLm> load(const std::string& name) {
-  auto model = model_load(std::string(TERN_FIXTURES_DIR) + "/" + name, {});
+  auto model = model_build_host(std::string(TERN_FIXTURES_DIR) + "/" + name, {});
   EXPECT_TRUE(model.has_value()) << (model ? "" : model.error().message);
   return model ? std::move(*model) : nullptr;
 }

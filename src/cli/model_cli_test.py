@@ -7,7 +7,7 @@ usage: model_cli_test.py TERN FIXTURE_DIR REFERENCE_JSON [--bf16-noise FILE] [ex
 
 --bf16-noise, for paths with bf16 activations (the CUDA path): the logit bound is the deviation transformers itself
 shows in bf16 (FILE, written by tools/device/bf16_noise.py) instead of 1e-3, and greedy continuations must equal the
-reference only where transformers-bf16 reproduced them (src/models/gpu/gpu_model_test.cc explains why).
+reference only where transformers-bf16 reproduced them (src/runtime/cuda_runner_test.cc explains why).
 """
 import json
 import subprocess

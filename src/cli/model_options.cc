@@ -92,10 +92,10 @@ void add_backend_options(CLI::App& cmd, BackendFlags& b) {
                  "lists (repeatable; it must pass its self-test)");
 }
 
-Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOptions& o,
-                                                            const DeviceModelOptions& sizes) {
+Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOptions& o,
+                                                               const DeviceModelOptions& sizes) {
   ModelLoadOptions options;
-  const bool cuda = o.device == "cuda" || (o.device == "auto" && model_cuda_device_count() > 0);
+  const bool cuda = o.device == "cuda" || (o.device == "auto" && runner_cuda_device_count() > 0);
   options.device = cuda ? ModelDevice::kCuda : ModelDevice::kCpu;
   options.device_options = sizes;
   options.device_options.device = o.cuda_device;
@@ -105,9 +105,9 @@ Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOption
   options.load_format = o.load_format == "dummy" ? LoadFormat::kDummy : LoadFormat::kAuto;
   options.nvfp4_quantize_activations = o.nvfp4_activations == "quantize";
   options.dummy_seed = o.dummy_seed;
-  auto model = model_load(o.model_dir, options);
+  auto model = runner_load(o.model_dir, options);
   if (model) {
-    for (const std::string& notice : (*model)->notices) fmt::print(stderr, "{}: {}\n", o.model_dir, notice);
+    for (const std::string& notice : (*model)->model().notices) fmt::print(stderr, "{}: {}\n", o.model_dir, notice);
   }
   return model;
 }

@@ -11,6 +11,7 @@
 #include "cli/model_selftest.h"
 #include "core/error.h"
 #include "models/causal_lm.h"
+#include "runtime/model_runner.h"
 
 namespace tern {
 
@@ -32,8 +33,8 @@ void add_backend_options(CLI::App& cmd, BackendFlags& backends);
 // Runs the start-up self-test (--selftest) of the device that will run the model, then loads it there. Refuses to
 // load when an op the model needs has no verified implementation, or a forced backend fails its self-test.
 // `sizes`: what a device runner allocates (rows per step, sequences, KV tokens); the CPU ignores them.
-Expected<std::unique_ptr<CausalLm>> load_model_from_options(const ModelCliOptions& options,
-                                                            const DeviceModelOptions& sizes);
+Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOptions& options,
+                                                               const DeviceModelOptions& sizes);
 
 // "1,2,3" -> {1, 2, 3}; an error names the bad item.
 Expected<std::vector<int32_t>> parse_id_list(const std::string& text);

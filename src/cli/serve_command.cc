@@ -121,7 +121,7 @@ int run_serve(ServeOptions& o) {
                                  .kv_cache_tokens = total_given ? o.max_total_tokens : 0};
   auto model = load_model_from_options(o.model, sizes);
   if (!model) return fail(model.error().message);
-  if (const ModelRunner& runner = (*model)->runner(); !total_given && runner.kv_cache_tokens() > 0) {
+  if (const ModelRunner& runner = **model; !total_given && runner.kv_cache_tokens() > 0) {
     o.max_total_tokens = std::min(o.max_total_tokens, runner.kv_cache_tokens());
     if (o.max_total_tokens < o.context_length) {
       return fail(
@@ -133,7 +133,7 @@ int run_serve(ServeOptions& o) {
     if (!econfig) return fail(econfig.error().message);
   }
   spdlog::info("weights loaded in {:.2f} s", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  if ((*model)->runner().device() != ModelDevice::kCpu) spdlog::info("running on {}", (*model)->runner().describe());
+  if ((*model)->device() != ModelDevice::kCpu) spdlog::info("running on {}", (*model)->describe());
   const ModelConfig config = (*model)->config();
   if (o.server.served_model_name.empty()) o.server.served_model_name = dir.filename().string();
   o.server.context_length = o.context_length;

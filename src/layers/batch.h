@@ -9,6 +9,7 @@
 #include <string>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -32,6 +33,21 @@ struct SequenceCache {
   std::shared_ptr<DeviceSequenceState> device;  // set when the model runs on a device
   int64_t length = 0;  // tokens already processed
 };
+
+// One sequence of a step: its cache and the tokens appended after what the cache holds.
+struct SequenceInput {
+  SequenceCache* cache = nullptr;
+  std::span<const int32_t> tokens;
+  // Where the sequence's state lives on a device with a paged KV cache, when a scheduler allocated it (the serving
+  // engine: runtime/scheduler.h owns the ids): the KV blocks holding its tokens, in order (at least enough for
+  // cache->length + tokens.size()), and its recurrent-state slot. Empty / -1: the sequence's own cache lease
+  // (ModelRunner::new_sequence) takes them from the runner as it grows, for callers without a scheduler.
+  std::span<const int32_t> kv_blocks;
+  int32_t state_slot = -1;
+};
+
+// Which rows of a step get logits: every token's, or each sequence's last.
+enum class LogitsFor { kAllTokens, kLastToken };
 
 struct BatchSlice {
   int64_t row_begin = 0;

@@ -1,4 +1,4 @@
-// What a model's blocks ask of a device: one BlockOps per device (CPU: models/cpu/cpu_runner.h; CUDA:
+// What a model's blocks ask of a device: one BlockOps per device (CPU: models/cpu/cpu_ops.h; CUDA:
 // models/gpu/cuda_ops.h), which turns each host block into that device's implementation once, at load. Which
 // kernels run, and which of them are fused (an RMSNorm into the GEMV that reads it, the SiLU-and-mul into the down
 // projection, the MoE combine into the shared expert, the gated norm into the delta rule), is decided inside the

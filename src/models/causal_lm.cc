@@ -2,19 +2,13 @@
 
 #include <fmt/format.h>
 
-#include "models/cpu/cpu_runner.h"
 #include "models/weight_schema.h"
-
-#if TERN_MODELS_CUDA
-#include "models/gpu/gpu_runner.h"
-#endif
 
 namespace tern {
 
-SequenceCache CausalLm::new_sequence() const {
+SequenceCache CausalLm::new_cache() const {
   SequenceCache cache;
   cache.layers.resize(layers.size());
-  cache.device = runner_->new_sequence();
   return cache;
 }
 
@@ -30,16 +24,14 @@ Expected<std::vector<std::unique_ptr<Block>>> CausalLm::make_blocks(BlockOps& op
   return blocks;
 }
 
-Expected<void> CausalLm::place(std::unique_ptr<ModelRunner> runner) {
-  TERN_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Block>> blocks, make_blocks(runner->ops()));
+Expected<void> CausalLm::place(BlockOps& ops) {
+  TERN_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Block>> blocks, make_blocks(ops));
   embedding_block_ = std::move(blocks.front());
   for (size_t i = 0; i < layers.size(); ++i) {
     layers[i].mixer_block = std::move(blocks[1 + 2 * i]);
     layers[i].ffn_block = std::move(blocks[2 + 2 * i]);
   }
   head_block_ = std::move(blocks.back());
-  TERN_TRY(runner->finish_load());
-  runner_ = std::move(runner);
   return {};
 }
 
@@ -48,8 +40,8 @@ Expected<void> CausalLm::visit_blocks(BlockOps& ops) const {
   return {};
 }
 
-Expected<void> CausalLm::run_blocks() const {
-  BlockOps& ops = runner_->ops();
+Expected<void> CausalLm::run_blocks(BlockOps& ops) const {
+  if (!embedding_block_) return make_error("the model's blocks were not placed on a device");
   TERN_TRY(embedding_block_->forward(-1));
   for (size_t i = 0; i < layers.size(); ++i) {
     const int64_t li = static_cast<int64_t>(i);
@@ -61,24 +53,6 @@ Expected<void> CausalLm::run_blocks() const {
     TERN_TRY(ops.trace_output(trace_name(li, "ffn_out")));
   }
   return head_block_->forward(-1);
-}
-
-Expected<SampleResults> CausalLm::forward_sample(std::span<const SequenceInput> batch,
-                                                 std::span<const SampleRow> rows) const {
-  if (rows.size() != batch.size()) {
-    return make_error("forward_sample: {} sampling rows for {} sequences", rows.size(), batch.size());
-  }
-  TERN_ASSIGN_OR_RETURN(SampleResults results, runner_->forward_sample(batch, rows, [this] { return run_blocks(); }));
-  for (const SequenceInput& in : batch) in.cache->length += static_cast<int64_t>(in.tokens.size());
-  return results;
-}
-
-Expected<std::vector<float>> CausalLm::forward(std::span<const SequenceInput> batch, LogitsFor which,
-                                               const Tracer* tracer) const {
-  TERN_ASSIGN_OR_RETURN(std::vector<float> logits,
-                        runner_->forward(batch, which, tracer, [this] { return run_blocks(); }));
-  for (const SequenceInput& in : batch) in.cache->length += static_cast<int64_t>(in.tokens.size());
-  return logits;
 }
 
 namespace {
@@ -117,33 +91,6 @@ Expected<std::unique_ptr<CausalLm>> model_build_host(const std::filesystem::path
   }
   if (!built) return wrap_error(built.error(), dir.string());
   return model;
-}
-
-Expected<std::unique_ptr<CausalLm>> model_load(const std::filesystem::path& dir, const ModelLoadOptions& options) {
-  TERN_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model, model_build_host(dir, options));
-  const ModelConfig& config = model->config();
-  std::unique_ptr<ModelRunner> runner;
-  if (options.device == ModelDevice::kCuda) {
-#if TERN_MODELS_CUDA
-    auto cuda = gpu_runner_create(config, options.device_options);
-    if (!cuda) return wrap_error(cuda.error(), dir.string());
-    runner = std::move(*cuda);
-#else
-    return make_error("this tern was built without CUDA: --device cuda is not available");
-#endif
-  } else {
-    runner = cpu_runner_create(config);
-  }
-  if (auto placed = model->place(std::move(runner)); !placed) return wrap_error(placed.error(), dir.string());
-  return model;
-}
-
-int model_cuda_device_count() {
-#if TERN_MODELS_CUDA
-  return gpu_device_count();
-#else
-  return 0;
-#endif
 }
 
 }  // namespace tern

@@ -1,12 +1,13 @@
 // A decoder-only language model: embeddings, decoder layers (norm -> mixer -> residual, norm -> feed-forward
 // -> residual), final norm, lm_head, written once for every device. The architecture files (qwen3.cc, qwen3_moe.cc,
-// qwen3_5_moe.cc) build its host blocks from a config and a WeightStore; model_load picks the right one and places
-// the blocks on the device (a ModelRunner: the CPU, or a CUDA GPU), where the one layer loop runs them.
+// qwen3_5_moe.cc) build its host blocks from a config and a WeightStore (model_build_host); a device's runner
+// (runtime/model_runner.h) owns the model, places its blocks through the device's BlockOps and runs the one layer
+// loop, run_blocks, in every step.
 //
-//   TERN_ASSIGN_OR_RETURN(auto model, model_load("/models/qwen3", {}));
-//   SequenceCache seq = model->new_sequence();
+//   TERN_ASSIGN_OR_RETURN(auto runner, runner_load("/models/qwen3", {}));  // runtime/model_runner.h
+//   SequenceCache seq = runner->new_sequence();
 //   std::vector<SequenceInput> batch{{&seq, prompt_ids}};
-//   TERN_ASSIGN_OR_RETURN(auto logits, model->forward(batch, LogitsFor::kLastToken));  // [1, vocab]
+//   TERN_ASSIGN_OR_RETURN(auto logits, runner->forward(batch, LogitsFor::kLastToken));  // [1, vocab]
 #pragma once
 
 #include <filesystem>
@@ -17,11 +18,11 @@
 
 #include "core/error.h"
 #include "io/model_config.h"
+#include "layers/block_ops.h"
 #include "layers/blocks.h"
 #include "layers/linear.h"
 #include "layers/norms.h"
-#include "layers/weights.h"
-#include "models/model_runner.h"
+#include "models/weights.h"
 
 namespace tern {
 
@@ -40,24 +41,20 @@ class CausalLm {
                                                                       weights_(std::move(weights)) {}
 
   const ModelConfig& config() const { return config_; }
-  SequenceCache new_sequence() const;
+  // A new sequence's host caches (one LayerCache per layer, empty), without any device state.
+  SequenceCache new_cache() const;
 
-  // Makes every block for `runner`'s device and from then on runs each step there (model_load does this once the
-  // builder has made the host blocks; the host weights stay mapped, since the device's blocks may read them).
-  Expected<void> place(std::unique_ptr<ModelRunner> runner);
-  const ModelRunner& runner() const { return *runner_; }
+  // Makes every block for `ops`'s device and keeps them: from then on run_blocks runs them (a runner does this once
+  // at load; the host weights stay mapped, since the device's blocks may read them).
+  Expected<void> place(BlockOps& ops);
   // Hands every host block to `ops` in the model's order (embedding, each layer's mixer and feed-forward block,
   // lm_head) and drops what it makes: for devices that only look, such as the self-test's planner.
   Expected<void> visit_blocks(BlockOps& ops) const;
 
-  // Runs the tokens of every sequence (each extends its cache) and returns logits [rows, vocab]: one row per token
-  // in batch order (kAllTokens) or one per sequence (kLastToken). Errors on an out-of-range token id.
-  Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which,
-                                       const Tracer* tracer = nullptr) const;
-  // One step that ends in a token per sequence (rows.size() == batch.size()): sampled where the logits are (on the
-  // GPU for the CUDA runner; on the CPU through each row's Sampler). An error fails the whole step; a row's own
-  // failure (non-finite logits) is in its entry.
-  Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch, std::span<const SampleRow> rows) const;
+  // The layer loop, the same on every device: embedding, each layer's mixer and feed-forward block (each followed
+  // by the sum over tensor-parallel ranks), the final norm and lm_head, as placed by place(ops). The runner sets up
+  // the step its blocks read before calling it.
+  Expected<void> run_blocks(BlockOps& ops) const;
 
   // Set by the architecture builders.
   CpuMatrix embed_tokens;
@@ -67,9 +64,6 @@ class CausalLm {
   std::vector<std::string> notices;  // worth telling the user once (e.g. skipped vision weights)
 
  private:
-  // The layer loop, the same on every device: embedding, each layer's mixer and feed-forward block (each followed
-  // by the sum over tensor-parallel ranks), the final norm and lm_head.
-  Expected<void> run_blocks() const;
   // Every host block made for `ops`, in the model's order: embedding, each layer's mixer and feed-forward block,
   // lm_head.
   Expected<std::vector<std::unique_ptr<Block>>> make_blocks(BlockOps& ops) const;
@@ -77,12 +71,13 @@ class CausalLm {
   ModelConfig config_;
   std::unique_ptr<WeightStore> weights_;  // owns the memory the views above point into
   std::unique_ptr<Block> embedding_block_, head_block_;
-  std::unique_ptr<ModelRunner> runner_;
 };
 
 // kShapes: the dummy weights' names, shapes and formats with zero contents (WeightStore::make_shapes_only), for
 // looking at a model's blocks without computing with them.
 enum class LoadFormat { kAuto, kDummy, kShapes };
+
+enum class ModelDevice { kCpu, kCuda };
 
 // Sizes of what a device runner allocates up front.
 struct DeviceModelOptions {
@@ -125,12 +120,8 @@ struct ModelLoadOptions {
   DeviceModelOptions device_options;
 };
 
-// CUDA devices this binary can run the model on (0 when built without CUDA or when none is present).
-int model_cuda_device_count();
-
-Expected<std::unique_ptr<CausalLm>> model_load(const std::filesystem::path& dir, const ModelLoadOptions& options);
-// The model's host blocks only, placed on no device (options.device is not used): what its architecture file
-// builds from the config and the weights.
+// The model's host blocks, placed on no device (options.device and options.device_options are the runner's:
+// runtime/model_runner.h's runner_load): what its architecture file builds from the config and the weights.
 Expected<std::unique_ptr<CausalLm>> model_build_host(const std::filesystem::path& dir, const ModelLoadOptions& options);
 
 // Architecture builders (one file each). `quantize_input`: W4A4 for NVFP4 linears.

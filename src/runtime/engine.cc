@@ -51,7 +51,7 @@ struct Engine::Active {
   }
 };
 
-Engine::Engine(std::unique_ptr<CausalLm> model, std::optional<Tokenizer> tokenizer, const EngineConfig& config,
+Engine::Engine(std::unique_ptr<ModelRunner> model, std::optional<Tokenizer> tokenizer, const EngineConfig& config,
                EngineMetrics& metrics)
     : model_(std::move(model)), tokenizer_(std::move(tokenizer)), config_(config), metrics_(metrics),
       scheduler_(config.scheduler) {

@@ -1,4 +1,4 @@
-// The engine thread: owns the model (CausalLm::forward is not thread-safe), runs continuous batching through the
+// The engine thread: owns the model's runner (ModelRunner is not thread-safe), runs continuous batching through the
 // Scheduler, samples, detokenizes and stop-checks, and hands each request's tokens to its RequestStream. Other
 // threads (HTTP handlers) only submit requests and wait on their streams; they never run the model.
 //
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "models/causal_lm.h"
+#include "runtime/model_runner.h"
 #include "runtime/engine_metrics.h"
 #include "runtime/sampler.h"
 #include "runtime/scheduler.h"
@@ -74,7 +74,7 @@ struct EngineConfig {
 
 class Engine {
  public:
-  Engine(std::unique_ptr<CausalLm> model, std::optional<Tokenizer> tokenizer, const EngineConfig& config,
+  Engine(std::unique_ptr<ModelRunner> model, std::optional<Tokenizer> tokenizer, const EngineConfig& config,
          EngineMetrics& metrics);
   ~Engine();
   Engine(const Engine&) = delete;
@@ -97,7 +97,7 @@ class Engine {
   void finish(uint64_t id, std::string_view reason, std::string error = {});
   void publish_gauges();
 
-  std::unique_ptr<CausalLm> model_;
+  std::unique_ptr<ModelRunner> model_;
   std::optional<Tokenizer> tokenizer_;
   EngineConfig config_;
   EngineMetrics& metrics_;

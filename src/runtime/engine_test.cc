@@ -9,8 +9,8 @@ namespace {
 
 using namespace std::chrono_literals;
 
-std::unique_ptr<CausalLm> load_fixture() {
-  auto model = model_load(std::string(TERN_FIXTURES_DIR) + "/qwen3", {});
+std::unique_ptr<ModelRunner> load_fixture() {
+  auto model = runner_load(std::string(TERN_FIXTURES_DIR) + "/qwen3", {});
   EXPECT_TRUE(model) << (model ? "" : model.error().message);
   return model ? std::move(*model) : nullptr;
 }
@@ -44,7 +44,7 @@ GenerationRequest greedy(std::vector<int32_t> prompt, int32_t max_tokens) {
 }
 
 // The reference is the plain one-sequence loop of `tern generate` (one forward per token, no scheduler).
-std::vector<int32_t> generate_alone(const CausalLm& model, std::vector<int32_t> prompt, int32_t max_tokens) {
+std::vector<int32_t> generate_alone(ModelRunner& model, std::vector<int32_t> prompt, int32_t max_tokens) {
   SequenceCache seq = model.new_sequence();
   Sampler sampler(greedy({}, 1).sampling);
   std::vector<int32_t> out, next = prompt;

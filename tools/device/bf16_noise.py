@@ -2,7 +2,7 @@
 """How far transformers itself moves from the fixtures' fp32 reference when it runs in bf16 on the GPU: per fixture,
 max |logit_bf16 - logit_fp32| / max |logit_fp32| over the reference's top-16 ids, and whether bf16 greedy decoding
 reproduces the 24-token continuation. This is the noise floor a bf16-activation path lives with: the CUDA model
-tests (src/models/gpu/gpu_model_test.cc) allow no more than it. Writes FIXTURES_DIR/<name>/bf16_noise.json. Needs
+tests (src/runtime/cuda_runner_test.cc) allow no more than it. Writes FIXTURES_DIR/<name>/bf16_noise.json. Needs
 torch + transformers and a CUDA device.
 
 usage: bf16_noise.py FIXTURES_DIR

@@ -1,4 +1,4 @@
-// The model's blocks on a CUDA device (BlockOps for models/gpu/gpu_runner.h): weights uploaded once in their stored
+// The model's blocks on a CUDA device (BlockOps for runtime/cuda_runner.h): weights uploaded once in their stored
 // format (gpu_weights.h), bf16 activations with fp32 math inside every kernel, a paged KV cache per attention layer
 // and fp32 Gated DeltaNet states in per-sequence slots.
 //
@@ -23,7 +23,7 @@
 
 namespace tern {
 
-// A step as the blocks see it: its sizes and the device copy of its metadata (gpu_runner.cc plans and uploads it).
+// A step as the blocks see it: its sizes and the device copy of its metadata (runtime/cuda_runner.cc plans and uploads it).
 struct CudaStep {
   bool decode = false;  // one token per sequence, the last-token logits wanted: replayable as a CUDA graph
   int64_t tokens = 0, n_seqs = 0, max_query_len = 0, max_seq_len = 0, max_blocks = 0;

@@ -1,4 +1,4 @@
-#include "layers/weights.h"
+#include "models/weights.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>

@@ -12,7 +12,7 @@
 #include <map>
 #include <numeric>
 
-#include "models/causal_lm.h"
+#include "runtime/model_runner.h"
 
 namespace tern {
 namespace {
@@ -35,10 +35,10 @@ nlohmann::json read_json(const std::string& path) {
   return nlohmann::json::parse(in);
 }
 
-std::unique_ptr<CausalLm> load(const Case& c) {
+std::unique_ptr<ModelRunner> load(const Case& c) {
   ModelLoadOptions options;
   options.nvfp4_quantize_activations = c.w4a4;
-  auto model = model_load(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture, options);
+  auto model = runner_load(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture, options);
   EXPECT_TRUE(model.has_value()) << (model ? "" : model.error().message);
   return model ? std::move(*model) : nullptr;
 }
@@ -206,7 +206,7 @@ namespace {
 
 // Intermediates reach a tracer under stable names, one row per batch row, all finite.
 TEST(ModelTrace, NamedIntermediatesOfEveryBlock) {
-  auto model = model_load(std::string(TERN_FIXTURES_DIR) + "/qwen3_5_moe", {});
+  auto model = runner_load(std::string(TERN_FIXTURES_DIR) + "/qwen3_5_moe", {});
   ASSERT_TRUE(model.has_value()) << model.error().message;
   std::map<std::string, std::pair<int64_t, int64_t>> seen;
   bool all_finite = true;
@@ -239,9 +239,9 @@ namespace {
 // (greedy, and a seeded random row whose stream must advance exactly as the Sampler's); a row without a sampler
 // gets an entry and consumes nothing; a row count that does not match the batch is an error.
 TEST(ModelForwardSample, CpuRowsAreTheirSamplersTokens) {
-  auto model = model_load(std::string(TERN_FIXTURES_DIR) + "/qwen3", {});
+  auto model = runner_load(std::string(TERN_FIXTURES_DIR) + "/qwen3", {});
   ASSERT_TRUE(model.has_value()) << model.error().message;
-  const CausalLm& m = **model;
+  ModelRunner& m = **model;
   const int64_t vocab = m.config().vocab_size;
   const std::vector<SamplingParams> params{{.temperature = 0.0f, .logprobs = 3},
                                            {.temperature = 0.8f, .top_p = 0.9f, .seed = 5}};

@@ -1,4 +1,4 @@
-#include "models/gpu/gpu_sampler.h"
+#include "runtime/cuda_sampler.h"
 
 #include <algorithm>
 #include <utility>
@@ -8,11 +8,11 @@
 
 namespace tern {
 
-GpuSampler::~GpuSampler() {
+CudaSampler::~CudaSampler() {
   if (host_ != nullptr) cudaFreeHost(host_);
 }
 
-Expected<void> GpuSampler::allocate(int64_t max_rows, int64_t vocab) {
+Expected<void> CudaSampler::allocate(int64_t max_rows, int64_t vocab) {
   max_rows_ = max_rows;
   vocab_ = vocab;
   const size_t rows = static_cast<size_t>(max_rows), top = rows * kSampleMaxTopLogprobs;
@@ -41,7 +41,7 @@ Expected<void> GpuSampler::allocate(int64_t max_rows, int64_t vocab) {
   return {};
 }
 
-Expected<void> GpuSampler::upload(const DeviceContext& ctx, std::span<const SampleRow> rows) {
+Expected<void> CudaSampler::upload(const DeviceContext& ctx, std::span<const SampleRow> rows) {
   if (static_cast<int64_t>(rows.size()) > max_rows_) {
     return make_error("{} sampling rows; this model was set up for at most {}", rows.size(), max_rows_);
   }
@@ -78,7 +78,7 @@ Expected<void> GpuSampler::upload(const DeviceContext& ctx, std::span<const Samp
   return {};
 }
 
-Expected<void> GpuSampler::launch(const DeviceContext& ctx, const uint16_t* logits, int64_t n_rows) {
+Expected<void> CudaSampler::launch(const DeviceContext& ctx, const uint16_t* logits, int64_t n_rows) {
   return sample_rows(ctx, SampleArgs{.logits = logits,
                                      .logits_stride = vocab_,
                                      .rows_params = d_.rows,
@@ -94,7 +94,7 @@ Expected<void> GpuSampler::launch(const DeviceContext& ctx, const uint16_t* logi
                                      .workspace_bytes = workspace_.size_bytes()});
 }
 
-Expected<SampledToken> GpuSampler::row_result(const DeviceContext& ctx, size_t i, const SampleRow& row,
+Expected<SampledToken> CudaSampler::row_result(const DeviceContext& ctx, size_t i, const SampleRow& row,
                                               const uint16_t* logits, int64_t n_rows) const {
   const int32_t status = h_.status[i];
   if (status != kSampleStatusOk) {
@@ -119,7 +119,7 @@ Expected<SampledToken> GpuSampler::row_result(const DeviceContext& ctx, size_t i
   return token;
 }
 
-Expected<SampleResults> GpuSampler::download(const DeviceContext& ctx, std::span<const SampleRow> rows,
+Expected<SampleResults> CudaSampler::download(const DeviceContext& ctx, std::span<const SampleRow> rows,
                                              const uint16_t* logits, int64_t n_rows) {
   const size_t n = rows.size();
   const std::pair<const void*, void*> parts[] = {{d_.ids, h_.ids},

@@ -22,7 +22,7 @@
 #include <functional>
 #include <iostream>
 
-#include "models/causal_lm.h"
+#include "runtime/model_runner.h"
 
 namespace tern {
 namespace {
@@ -52,13 +52,13 @@ nlohmann::json reference_of(const Case& c) {
   return read_json(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture + "/" + c.reference);
 }
 
-std::unique_ptr<CausalLm> load_cuda(const std::string& fixture, DeviceModelOptions sizes = {}) {
+std::unique_ptr<ModelRunner> load_cuda(const std::string& fixture, DeviceModelOptions sizes = {}) {
   ModelLoadOptions options;
   options.device = ModelDevice::kCuda;
   options.device_options = sizes;
   if (sizes.kv_cache_tokens == 0) options.device_options.kv_cache_tokens = 4096;
   options.device_options.max_batch_tokens = std::min<int64_t>(options.device_options.max_batch_tokens, 1024);
-  auto model = model_load(std::string(TERN_FIXTURES_DIR) + "/" + fixture, options);
+  auto model = runner_load(std::string(TERN_FIXTURES_DIR) + "/" + fixture, options);
   EXPECT_TRUE(model.has_value()) << (model ? "" : model.error().message);
   return model ? std::move(*model) : nullptr;
 }
@@ -150,7 +150,7 @@ TEST_P(GpuModelReference, OneRowStepsWithTheFusedGemvsMatchTransformers) {
       worst = std::max(worst, expect_position_matches(logits->data(), vocab, positions[t], bound, where));
     }
   }
-  EXPECT_NE(model->runner().describe().find("decode graphs"), std::string::npos);
+  EXPECT_NE(model->describe().find("decode graphs"), std::string::npos);
   std::cout << c.fixture << ": one row per step, max |logit - reference| / max |reference logit| = " << worst
             << " (transformers in bf16: " << bound << ")\n";
 }
@@ -298,7 +298,7 @@ TEST_P(GpuModelReference, StepsOnASchedulersIdsMatchTheLeasedSteps) {
 TEST_P(GpuModelReference, IntermediatesTrackTheCpuPath) {
   const Case& c = GetParam();
   auto gpu = load_cuda(c.fixture);
-  auto cpu = model_load(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture, {});
+  auto cpu = runner_load(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture, {});
   ASSERT_TRUE(gpu && cpu.has_value());
   const auto ref = reference_of(c);
   const auto prompt = ref["prompts"][0].get<std::vector<int32_t>>();
@@ -332,7 +332,7 @@ TEST_P(GpuModelReference, IntermediatesTrackTheCpuPath) {
 
 // Runs three sequences in lockstep: a prefill of each prompt together, then one token per step (the third leaves
 // after step 4, so a second batch size is captured). `step` gets the batch and returns the next token of each.
-void run_lockstep(CausalLm& model, const std::function<std::vector<int32_t>(std::span<const SequenceInput>)>& step) {
+void run_lockstep(ModelRunner& model, const std::function<std::vector<int32_t>(std::span<const SequenceInput>)>& step) {
   const std::vector<std::vector<int32_t>> prompts{{17, 300, 42, 99, 5, 250, 123}, {400, 5, 60}, {250, 11, 9, 480, 2}};
   std::vector<SequenceCache> caches;
   for (size_t i = 0; i < prompts.size(); ++i) caches.push_back(model.new_sequence());
@@ -384,9 +384,9 @@ TEST_P(GpuModelReference, DecodeGraphsReplayTheEagerSteps) {
   });
   EXPECT_EQ(step, 10u);
   // Batch sizes 3 and 2 both reached replay (each shape: one eager step, one capture, then replays).
-  const std::string described = graphed->runner().describe();
+  const std::string described = graphed->describe();
   EXPECT_NE(described.find(", 2 decode graphs, programmatic launch"), std::string::npos) << described;
-  EXPECT_NE(eager->runner().describe().find("eager decode)"), std::string::npos);
+  EXPECT_NE(eager->describe().find("eager decode)"), std::string::npos);
 }
 
 // forward_sample samples on the GPU what the CPU Sampler samples from forward's logits of the same step: per row
@@ -477,7 +477,7 @@ TEST(GpuModel, W4a4IsRefusedWithAReason) {
   options.device = ModelDevice::kCuda;
   options.nvfp4_quantize_activations = true;
   options.device_options.kv_cache_tokens = 1024;
-  auto model = model_load(std::string(TERN_FIXTURES_DIR) + "/qwen3_5_moe_nvfp4", options);
+  auto model = runner_load(std::string(TERN_FIXTURES_DIR) + "/qwen3_5_moe_nvfp4", options);
   ASSERT_FALSE(model.has_value());
   EXPECT_NE(model.error().message.find("W4A4"), std::string::npos) << model.error().message;
 }

@@ -2,7 +2,7 @@
 // parameters and random draw go up, and only ids, logprobs, top logprobs and a status per row come back
 // (kernels/cuda/sampling.h has the semantics, the CPU Sampler's).
 //
-//   GpuSampler s;  TERN_TRY(s.allocate(max_rows, vocab));
+//   CudaSampler s;  TERN_TRY(s.allocate(max_rows, vocab));
 //   per step: TERN_TRY(s.upload(ctx, rows));  ... logits ...;  TERN_TRY(s.launch(ctx, logits, n));
 //             TERN_ASSIGN_OR_RETURN(SampleResults r, s.download(ctx, rows, logits, n));
 #pragma once
@@ -14,16 +14,16 @@
 #include "core/error.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/sampling_launch.h"
-#include "models/model_runner.h"
+#include "runtime/model_runner.h"
 
 namespace tern {
 
-class GpuSampler {
+class CudaSampler {
  public:
-  GpuSampler() = default;
-  ~GpuSampler();
-  GpuSampler(const GpuSampler&) = delete;
-  GpuSampler& operator=(const GpuSampler&) = delete;
+  CudaSampler() = default;
+  ~CudaSampler();
+  CudaSampler(const CudaSampler&) = delete;
+  CudaSampler& operator=(const CudaSampler&) = delete;
 
   // Device and pinned host buffers for up to `max_rows` rows of `vocab` logits.
   Expected<void> allocate(int64_t max_rows, int64_t vocab);

@@ -14,7 +14,7 @@
 #include "io/model_config.h"
 #include "io/quant_config.h"
 #include "io/safetensors.h"
-#include "layers/weights.h"
+#include "models/weights.h"
 #include "models/weight_schema.h"
 
 namespace tern {

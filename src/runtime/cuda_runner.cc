@@ -1,4 +1,4 @@
-#include "models/gpu/gpu_runner.h"
+#include "runtime/cuda_runner.h"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -9,7 +9,7 @@
 
 #include "core/formats.h"
 #include "models/gpu/cuda_ops.h"
-#include "models/gpu/gpu_sampler.h"
+#include "runtime/cuda_sampler.h"
 
 namespace tern {
 namespace {
@@ -21,15 +21,15 @@ struct CachePool {
   std::vector<int32_t> free_slots;
 };
 
-class GpuSequence final : public DeviceSequenceState {
+class CudaSequence final : public DeviceSequenceState {
  public:
-  explicit GpuSequence(std::shared_ptr<CachePool> pool) : pool_(std::move(pool)) {}
-  ~GpuSequence() override {
+  explicit CudaSequence(std::shared_ptr<CachePool> pool) : pool_(std::move(pool)) {}
+  ~CudaSequence() override {
     pool_->free_blocks.insert(pool_->free_blocks.end(), blocks.rbegin(), blocks.rend());
     if (slot >= 0) pool_->free_slots.push_back(slot);
   }
-  GpuSequence(const GpuSequence&) = delete;
-  GpuSequence& operator=(const GpuSequence&) = delete;
+  CudaSequence(const CudaSequence&) = delete;
+  CudaSequence& operator=(const CudaSequence&) = delete;
 
   std::vector<int32_t> blocks;
   int32_t slot = -1;
@@ -49,25 +49,21 @@ struct HostStepPlan {
       last_rows;
 };
 
-class GpuRunner final : public ModelRunner {
+class CudaRunner final : public ModelRunner {
  public:
-  GpuRunner(const ModelConfig& config, const DeviceModelOptions& options)
-      : options_(options),
+  CudaRunner(std::unique_ptr<CausalLm> model, const DeviceModelOptions& options)
+      : ModelRunner(std::move(model)),
+        options_(options),
         ctx_(options.device),
-        ops_(ctx_, options, config.hidden_size),
+        ops_(ctx_, options, config().hidden_size),
         pool_(std::make_shared<CachePool>()) {}
-  ~GpuRunner() override {
+  ~CudaRunner() override {
     drop_graphs();
     if (meta_host_ != nullptr) cudaFreeHost(meta_host_);
   }
 
-  BlockOps& ops() override { return ops_; }
-  Expected<void> finish_load() override;
-  std::shared_ptr<DeviceSequenceState> new_sequence() override { return std::make_shared<GpuSequence>(pool_); }
-  Expected<std::vector<float>> forward(std::span<const SequenceInput> batch, LogitsFor which, const Tracer* tracer,
-                                       const StepBody& body) override;
-  Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch, std::span<const SampleRow> rows,
-                                         const StepBody& body) override;
+  using ModelRunner::place;
+
   int64_t kv_cache_tokens() const override { return ops_.kv_blocks() * options_.kv_block_size; }
   ModelDevice device() const override { return ModelDevice::kCuda; }
   std::string describe() const override {
@@ -80,6 +76,13 @@ class GpuRunner final : public ModelRunner {
   }
 
  private:
+  BlockOps& ops() override { return ops_; }
+  Expected<void> finish_load() override;
+  std::shared_ptr<DeviceSequenceState> new_device_state() override { return std::make_shared<CudaSequence>(pool_); }
+  Expected<std::vector<float>> step(std::span<const SequenceInput> batch, LogitsFor which,
+                                    const Tracer* tracer) override;
+  Expected<SampleResults> sample_step(std::span<const SequenceInput> batch, std::span<const SampleRow> rows) override;
+
   // A sequence's KV blocks (at least need_blocks) and state slot: the scheduler's, checked, when the input carries
   // them; else its lease's, grown from this runner's pool.
   struct SequenceIds {
@@ -90,13 +93,13 @@ class GpuRunner final : public ModelRunner {
   Expected<HostStepPlan> plan_step(std::span<const SequenceInput> batch, bool decode);
   // Uploads the plan and hands its device view to the blocks, with the logits buffer grown for its rows.
   Expected<void> begin_step(const HostStepPlan& plan, LogitsFor which, const Tracer* tracer);
-  // The body, on the stream, with no synchronisation. Programmatic launch hides the gaps between a decode step's
+  // The model's layer loop, on the stream, with no synchronisation. Programmatic launch hides the gaps between a decode step's
   // short kernels; in a prefill, whose kernels run many waves, it costs (see docs/perf/gpu.md §model-path), so
   // it is on in decode steps only.
-  Expected<void> run_body(const StepBody& body);
+  Expected<void> run_body();
   // run_body through the decode step's CUDA graph: the first step of a shape runs eagerly (cuBLASLt plans, lazily
   // loaded kernels), the second is captured, later ones replay it. A capture that fails turns graphs off, loudly.
-  Expected<void> run_decode(const HostStepPlan& plan, const StepBody& body);
+  Expected<void> run_decode(const HostStepPlan& plan);
   void drop_graphs();
 
   DeviceModelOptions options_;
@@ -119,10 +122,10 @@ class GpuRunner final : public ModelRunner {
   };
   std::map<std::pair<int64_t, int64_t>, DecodeGraph> graphs_;
   bool graphs_enabled_ = true;
-  GpuSampler sampler_;  // sized for max_sequences rows
+  CudaSampler sampler_;  // sized for max_sequences rows
 };
 
-Expected<void> GpuRunner::finish_load() {
+Expected<void> CudaRunner::finish_load() {
   pdl_ = options_.programmatic_launch && programmatic_launch_probe(ctx_);
   graphs_enabled_ = options_.cuda_graphs;
   TERN_TRY(ops_.allocate());
@@ -136,7 +139,7 @@ Expected<void> GpuRunner::finish_load() {
   return {};
 }
 
-Expected<GpuRunner::SequenceIds> GpuRunner::sequence_ids(const SequenceInput& in, int64_t need_blocks) {
+Expected<CudaRunner::SequenceIds> CudaRunner::sequence_ids(const SequenceInput& in, int64_t need_blocks) {
   const int64_t bs = options_.kv_block_size, kv_blocks = ops_.kv_blocks();
   const bool needs_blocks = kv_blocks > 0, needs_slot = ops_.has_gdn();
   if (!in.kv_blocks.empty() || in.state_slot >= 0) {  // a scheduler's ids: checked, never allocated here
@@ -152,7 +155,7 @@ Expected<GpuRunner::SequenceIds> GpuRunner::sequence_ids(const SequenceInput& in
     }
     return SequenceIds{in.kv_blocks, in.state_slot};
   }
-  auto* seq = dynamic_cast<GpuSequence*>(in.cache->device.get());
+  auto* seq = dynamic_cast<CudaSequence*>(in.cache->device.get());
   if (seq == nullptr) return make_error("a sequence was not created by this CUDA model (new_sequence())");
   while (needs_blocks && static_cast<int64_t>(seq->blocks.size()) < need_blocks) {
     if (pool_->free_blocks.empty()) {
@@ -172,7 +175,7 @@ Expected<GpuRunner::SequenceIds> GpuRunner::sequence_ids(const SequenceInput& in
   return SequenceIds{seq->blocks, seq->slot};
 }
 
-Expected<HostStepPlan> GpuRunner::plan_step(std::span<const SequenceInput> batch, bool decode) {
+Expected<HostStepPlan> CudaRunner::plan_step(std::span<const SequenceInput> batch, bool decode) {
   HostStepPlan p;
   p.decode = decode;
   p.n_seqs = static_cast<int64_t>(batch.size());
@@ -226,7 +229,7 @@ Expected<HostStepPlan> GpuRunner::plan_step(std::span<const SequenceInput> batch
   return p;
 }
 
-Expected<void> GpuRunner::begin_step(const HostStepPlan& p, LogitsFor which, const Tracer* tracer) {
+Expected<void> CudaRunner::begin_step(const HostStepPlan& p, LogitsFor which, const Tracer* tracer) {
   CudaStep step{.decode = p.decode,
                 .tokens = p.tokens,
                 .n_seqs = p.n_seqs,
@@ -269,29 +272,29 @@ Expected<void> GpuRunner::begin_step(const HostStepPlan& p, LogitsFor which, con
   return {};
 }
 
-Expected<void> GpuRunner::run_body(const StepBody& body) {
+Expected<void> CudaRunner::run_body() {
   ctx_.set_programmatic_launch(pdl_ && ops_.step().decode);
-  return body();
+  return run_model();
 }
 
-void GpuRunner::drop_graphs() {
+void CudaRunner::drop_graphs() {
   for (auto& [key, g] : graphs_) {
     if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
   }
   graphs_.clear();
 }
 
-Expected<void> GpuRunner::run_decode(const HostStepPlan& plan, const StepBody& body) {
-  if (!graphs_enabled_) return run_body(body);
+Expected<void> CudaRunner::run_decode(const HostStepPlan& plan) {
+  if (!graphs_enabled_) return run_body();
   DecodeGraph& g = graphs_[{plan.n_seqs, plan.max_blocks}];
   if (g.exec == nullptr && !g.warmed) {
     g.warmed = true;
-    return run_body(body);
+    return run_body();
   }
   if (g.exec == nullptr) {
     cudaGraph_t graph = nullptr;
     TERN_CUDA_CHECK(cudaStreamBeginCapture(ctx_.stream(), cudaStreamCaptureModeThreadLocal));
-    const Expected<void> ran = run_body(body);
+    const Expected<void> ran = run_body();
     const cudaError_t ended = cudaStreamEndCapture(ctx_.stream(), &graph);
     cudaError_t made = ended;
     if (ran && ended == cudaSuccess) made = cudaGraphInstantiate(&g.exec, graph, 0);
@@ -304,22 +307,22 @@ Expected<void> GpuRunner::run_decode(const HostStepPlan& plan, const StepBody& b
           "CUDA graph capture of a decode step ({} sequences) failed ({}); decode steps run eagerly from "
           "now on",
           plan.n_seqs, ran ? cudaGetErrorString(made) : ran.error().message);
-      return run_body(body);
+      return run_body();
     }
   }
   TERN_CUDA_CHECK(cudaGraphLaunch(g.exec, ctx_.stream()));
   return {};
 }
 
-Expected<std::vector<float>> GpuRunner::forward(std::span<const SequenceInput> batch, LogitsFor which,
-                                                const Tracer* tracer, const StepBody& body) {
+Expected<std::vector<float>> CudaRunner::step(std::span<const SequenceInput> batch, LogitsFor which,
+                                             const Tracer* tracer) {
   const bool decode =
       which == LogitsFor::kLastToken && tracer == nullptr &&
       std::all_of(batch.begin(), batch.end(), [](const SequenceInput& in) { return in.tokens.size() == 1; });
   TERN_ASSIGN_OR_RETURN(const HostStepPlan plan, plan_step(batch, decode));
   if (plan.tokens == 0) return std::vector<float>{};
   TERN_TRY(begin_step(plan, which, tracer));
-  TERN_TRY(decode ? run_decode(plan, body) : run_body(body));
+  TERN_TRY(decode ? run_decode(plan) : run_body());
   const int64_t n = ops_.step().logit_rows(), vocab = ops_.vocab();
   logits_host_.resize(static_cast<size_t>(n * vocab));
   TERN_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), logits_host_.size() * 2, cudaMemcpyDeviceToHost,
@@ -331,8 +334,8 @@ Expected<std::vector<float>> GpuRunner::forward(std::span<const SequenceInput> b
   return logits;
 }
 
-Expected<SampleResults> GpuRunner::forward_sample(std::span<const SequenceInput> batch, std::span<const SampleRow> rows,
-                                                  const StepBody& body) {
+Expected<SampleResults> CudaRunner::sample_step(std::span<const SequenceInput> batch,
+                                               std::span<const SampleRow> rows) {
   for (const SampleRow& r : rows) {
     if (r.sampler != nullptr) TERN_TRY(sampling_params_validate(r.sampler->params()));
   }
@@ -342,7 +345,7 @@ Expected<SampleResults> GpuRunner::forward_sample(std::span<const SequenceInput>
   if (plan.tokens == 0) return make_error("forward_sample: the step has no tokens");
   TERN_TRY(begin_step(plan, LogitsFor::kLastToken, nullptr));
   TERN_TRY(sampler_.upload(ctx_, rows));
-  TERN_TRY(decode ? run_decode(plan, body) : run_body(body));
+  TERN_TRY(decode ? run_decode(plan) : run_body());
   const int64_t n = ops_.step().logit_rows();
   TERN_TRY(sampler_.launch(ctx_, logits_.as<uint16_t>(), n));
   return sampler_.download(ctx_, rows, logits_.as<uint16_t>(), n);
@@ -350,7 +353,7 @@ Expected<SampleResults> GpuRunner::forward_sample(std::span<const SequenceInput>
 
 }  // namespace
 
-int gpu_device_count() {
+int cuda_device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -359,8 +362,9 @@ int gpu_device_count() {
   return n;
 }
 
-Expected<std::unique_ptr<ModelRunner>> gpu_runner_create(const ModelConfig& config, const DeviceModelOptions& options) {
-  const int n_devices = gpu_device_count();
+Expected<std::unique_ptr<ModelRunner>> cuda_runner_create(std::unique_ptr<CausalLm> model,
+                                                          const DeviceModelOptions& options) {
+  const int n_devices = cuda_device_count();
   if (n_devices == 0) return make_error("--device cuda: no CUDA device is available");
   if (options.device < 0 || options.device >= n_devices) {
     return make_error("--device cuda: device {} does not exist ({} present)", options.device, n_devices);
@@ -380,7 +384,9 @@ Expected<std::unique_ptr<ModelRunner>> gpu_runner_create(const ModelConfig& conf
   if (gv != "auto" && gv != "cuda-recurrent" && gv != "cuda-chunked") {
     return make_error("GDN variant '{}' is not one the CUDA model runs (auto, cuda-recurrent, cuda-chunked)", gv);
   }
-  return std::unique_ptr<ModelRunner>(std::make_unique<GpuRunner>(config, options));
+  auto runner = std::make_unique<CudaRunner>(std::move(model), options);
+  TERN_TRY(runner->place());
+  return std::unique_ptr<ModelRunner>(std::move(runner));
 }
 
 }  // namespace tern

@@ -1,0 +1,51 @@
+// The model's blocks on the CPU (BlockOps for runtime/cpu_runner.h): fp32 activations, each sequence's caches in
+// its LayerCache, every block computed by its host object's reference forward (layers/).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "core/error.h"
+#include "layers/batch.h"
+#include "layers/block_ops.h"
+
+namespace tern {
+
+// One step as the CPU blocks see it: the residual stream x, the normed input of the running block and its output,
+// all [batch.n_rows, hidden] fp32, and the logits lm_head leaves.
+struct CpuStep {
+  std::span<const SequenceInput> inputs;
+  Batch batch;
+  LogitsFor which = LogitsFor::kLastToken;
+  const Tracer* tracer = nullptr;
+  int64_t hidden = 0;
+  std::vector<float> x, normed, out, logits;
+
+  // Sets up the rows of `inputs` for the blocks; end() forgets the inputs once the step has run.
+  void begin(std::span<const SequenceInput> batch_inputs, LogitsFor which_rows, const Tracer* step_tracer);
+  void end();
+  void add_out() {
+    for (size_t i = 0; i < x.size(); ++i) x[i] += out[i];
+  }
+};
+
+class CpuOps final : public BlockOps {
+ public:
+  explicit CpuOps(CpuStep& s) : s_(s) {}
+  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table) override;
+  Expected<std::unique_ptr<Block>> attention(const RmsNorm& norm, const Attention& a) override;
+  Expected<std::unique_ptr<Block>> gated_deltanet(const RmsNorm& norm, const GatedDeltaNet& g) override;
+  Expected<std::unique_ptr<Block>> mlp(const RmsNorm& norm, const Mlp& m) override;
+  Expected<std::unique_ptr<Block>> moe(const RmsNorm& norm, const Moe& m) override;
+  Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head) override;
+  Expected<void> all_reduce_output() override { return {}; }
+  Expected<void> trace_output(std::string_view name) override;
+
+ private:
+  CpuStep& s_;
+};
+
+}  // namespace tern

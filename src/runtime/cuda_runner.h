@@ -1,0 +1,26 @@
+// The model's steps on a CUDA device: the KV blocks and Gated DeltaNet state slots of each sequence, the step's
+// metadata (planned on the host, uploaded in one copy), decode steps replayed as CUDA graphs per batch size and
+// context bucket, and sampling on the device (cuda_sampler.h). The blocks themselves are models/gpu/cuda_ops.h's.
+// The same contract as the CPU runner: one forward per batch of sequences, prefill and decode rows mixed.
+//
+// Every buffer is allocated at load for DeviceModelOptions::max_batch_tokens rows, so a step allocates nothing
+// (except the logits of a prefill asking for more rows than any step before).
+#pragma once
+
+#include <memory>
+
+#include "core/error.h"
+#include "models/causal_lm.h"
+#include "runtime/model_runner.h"
+
+namespace tern {
+
+// CUDA devices present (0 without a driver or a GPU).
+int cuda_device_count();
+
+// The model placed on options.device: its blocks made by models/gpu/cuda_ops.h, its activations and caches
+// allocated. Errors name what does not fit or what the CUDA path does not support yet (a layer kind, a bias, W4A4).
+Expected<std::unique_ptr<ModelRunner>> cuda_runner_create(std::unique_ptr<CausalLm> model,
+                                                          const DeviceModelOptions& options);
+
+}  // namespace tern
