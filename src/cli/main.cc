@@ -6,6 +6,7 @@
 #include "cli/generate_command.h"
 #include "cli/info_command.h"
 #include "cli/loadgen_command.h"
+#include "cli/perplexity_command.h"
 #include "cli/score_command.h"
 #include "cli/serve_command.h"
 #include "cli/template_command.h"
@@ -21,6 +22,7 @@ int main(int argc, char** argv) {
   tern::register_template_command(app);
   tern::register_generate_command(app);
   tern::register_score_command(app);
+  tern::register_perplexity_command(app);
   tern::register_serve_command(app);
   tern::register_bench_command(app);
   tern::register_loadgen_command(app);
