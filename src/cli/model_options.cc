@@ -7,17 +7,6 @@
 namespace tern {
 namespace {
 
-// The variant a device kernel family runs with: the one forced, else the only one that passed, else both (auto).
-std::string variant_of(const Selection& s, const std::string& a, const std::string& b) {
-  if (s.forced) return s.chosen;
-  bool a_ok = false, b_ok = false;
-  for (const CandidateReport& c : s.candidates) {
-    a_ok = a_ok || (c.name == a && c.status != CandidateStatus::kFailed);
-    b_ok = b_ok || (c.name == b && c.status != CandidateStatus::kFailed);
-  }
-  return a_ok && b_ok ? "auto" : a_ok ? a : b;
-}
-
 Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceModelOptions& device) {
   const std::string mode_name = o.selftest == "auto" ? (cuda ? "fast" : "off") : o.selftest;
   TERN_ASSIGN_OR_RETURN(SelftestMode mode, selftest_mode_parse(mode_name));
@@ -48,13 +37,8 @@ Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceM
       for (const CandidateReport& c : s.candidates) why += fmt::format("; {}: {}", c.name, c.reason);
       return make_error("self-test: no implementation of '{}' passed on {}{}", s.op, r.device.name, why);
     }
-    if (s.op == "attention") device.attention_variant = variant_of(s, "cuda-decode", "cuda-prefill");
-    if (s.op == "gdn_delta_rule") device.gdn_variant = variant_of(s, "cuda-recurrent", "cuda-chunked");
-    if (s.op == "gemm_bf16") device.bf16_gemv = s.chosen == "gemv";
-    if (s.op == "rms_norm_gemv") device.norm_gemv = s.chosen == "fused";
-    if (s.op == "silu_mul_gemv") device.silu_gemv = s.chosen == "fused";
-    if (s.op == "gdn_delta_rule_norm") device.gdn_norm_in_rule = s.chosen == "fused";
   }
+  device.kernels = kernel_choices_of(r.selections);
   if (!r.notes.empty()) return make_error("self-test: {}", r.notes.front());
   return {};
 }

@@ -23,6 +23,7 @@
 #include "layers/linear.h"
 #include "layers/norms.h"
 #include "models/weights.h"
+#include "ops/kernel_choices.h"
 
 namespace tern {
 
@@ -86,23 +87,9 @@ struct DeviceModelOptions {
   int64_t max_sequences = 64;        // sequences alive at once (Gated DeltaNet state slots)
   int64_t kv_cache_tokens = 0;       // 0: sized from free device memory (half of it, at most 32k per sequence)
   int64_t kv_block_size = 16;
-  // Kernel variants the start-up self-test verified (or the user forced): "auto" lets each call pick by its shape;
-  // "cuda-decode" / "cuda-prefill" and "cuda-recurrent" / "cuda-chunked" pin one.
-  std::string attention_variant = "auto";
-  std::string gdn_variant = "auto";
-  // BF16 projections of at most kGemvPreferredMaxRows rows (decode) through tern's own GEMV instead of cuBLASLt: set
-  // when the self-test chose gemm_bf16's "gemv" implementation (or the user forced it).
-  bool bf16_gemv = false;
-  // At one row, each RMSNorm fused into the BF16 GEMV that reads its output (gemv_bf16_rmsnorm: no launch of its
-  // own): set when the self-test verified op `rms_norm_gemv`; takes effect with bf16_gemv.
-  bool norm_gemv = false;
-  // At one row, the MLP's SiLU-and-mul folded into the BF16 down GEMV's loads (gemv_bf16_silu_mul): set when the
-  // self-test chose the fused implementation of op `silu_mul_gemv`; takes effect with bf16_gemv.
-  bool silu_gemv = false;
-  // At one sequence of one token, a GDN layer's gated RMSNorm done by its recurrent delta-rule kernel (a cluster of
-  // each head's value slices; GdnGatedNorm): set when the self-test chose the fused implementation of op
-  // `gdn_delta_rule_norm`.
-  bool gdn_norm_in_rule = false;
+  // The kernels and fusions the start-up self-test verified (or the user forced), ops/kernel_choices.h: the
+  // defaults run each family's kernels by shape and fuse nothing.
+  KernelChoices kernels;
   // Decode steps (one token per sequence) replayed as CUDA graphs, one per batch size and context bucket, instead
   // of ~10 launches per layer from the host. Off: every step launched eagerly (--enforce-eager).
   bool cuda_graphs = true;

@@ -376,14 +376,6 @@ Expected<std::unique_ptr<ModelRunner>> cuda_runner_create(std::unique_ptr<Causal
         "power of two >= 8",
         options.max_batch_tokens, options.max_sequences, options.kv_block_size);
   }
-  const std::string& av = options.attention_variant;
-  const std::string& gv = options.gdn_variant;
-  if (av != "auto" && av != "cuda-decode" && av != "cuda-prefill") {
-    return make_error("attention variant '{}' is not one the CUDA model runs (auto, cuda-decode, cuda-prefill)", av);
-  }
-  if (gv != "auto" && gv != "cuda-recurrent" && gv != "cuda-chunked") {
-    return make_error("GDN variant '{}' is not one the CUDA model runs (auto, cuda-recurrent, cuda-chunked)", gv);
-  }
   auto runner = std::make_unique<CudaRunner>(std::move(model), options);
   TERN_TRY(runner->place());
   return std::unique_ptr<ModelRunner>(std::move(runner));

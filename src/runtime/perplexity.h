@@ -12,7 +12,7 @@
 //   mean NLL = sum over the scored targets / their number; perplexity = exp(mean NLL).
 //
 // The model is reached through a callback that returns a window's logits, so the scoring is independent of where
-// the model runs (the CLI hands it a CausalLm; the tests hand it rows they made):
+// the model runs (the CLI hands it a ModelRunner's; the tests hand it rows they made):
 //
 //   auto result = perplexity_run(tokens, {.context = 512, .stride = 256, .vocab = V},
 //                                [&](int64_t b, int64_t e) { return logits_of(tokens, b, e); }, nullptr);

@@ -141,16 +141,16 @@ class CudaHead final : public Block {
   DeviceMatrix head_;
 };
 
-AttentionVariant attention_variant_of(const std::string& name) {
-  return name == "cuda-decode"    ? AttentionVariant::kDecode
-         : name == "cuda-prefill" ? AttentionVariant::kPrefill
-                                  : AttentionVariant::kAuto;
+AttentionVariant attention_variant_of(AttentionChoice c) {
+  return c == AttentionChoice::kDecode    ? AttentionVariant::kDecode
+         : c == AttentionChoice::kPrefill ? AttentionVariant::kPrefill
+                                          : AttentionVariant::kAuto;
 }
 
-GdnVariant gdn_variant_of(const std::string& name) {
-  return name == "cuda-recurrent" ? GdnVariant::kRecurrent
-         : name == "cuda-chunked" ? GdnVariant::kChunked
-                                  : GdnVariant::kAuto;
+GdnVariant gdn_variant_of(GdnChoice c) {
+  return c == GdnChoice::kRecurrent ? GdnVariant::kRecurrent
+         : c == GdnChoice::kChunked ? GdnVariant::kChunked
+                                    : GdnVariant::kAuto;
 }
 
 }  // namespace
@@ -158,10 +158,10 @@ GdnVariant gdn_variant_of(const std::string& name) {
 CudaOps::CudaOps(DeviceContext& ctx, const DeviceModelOptions& options, int64_t hidden)
     : ctx_(ctx),
       options_(options),
-      weights_(ctx.stream(), options.bf16_gemv),
+      weights_(ctx.stream(), options.kernels.bf16_gemv),
       hidden_(hidden),
-      attention_variant_(attention_variant_of(options.attention_variant)),
-      gdn_variant_(gdn_variant_of(options.gdn_variant)) {}
+      attention_variant_(attention_variant_of(options.kernels.attention)),
+      gdn_variant_(gdn_variant_of(options.kernels.gdn)) {}
 
 CudaOps::~CudaOps() = default;
 
@@ -405,7 +405,7 @@ Expected<void> CudaOps::rms_norm_rows(const GpuNorm& n, uint16_t* x, const uint1
 
 Expected<void> CudaOps::norm_forward(const NormedInput& in, const DeviceMatrix& w, int64_t rows, uint16_t* y,
                                      int64_t ldy) {
-  if (!options_.norm_gemv || rows != 1 || w.nvfp4 || !w.gemv) {
+  if (!options_.kernels.norm_gemv || rows != 1 || w.nvfp4 || !w.gemv) {
     TERN_TRY(rms_norm_rows(*in.norm, x_, in.residual, rows, normed_));
     return device_matrix_forward(ctx_, w, normed_, rows, y, ldy);
   }
@@ -430,7 +430,7 @@ Expected<void> CudaOps::norm_project(const NormedInput& in, const DeviceProjecti
 }
 
 bool CudaOps::silu_gemv_applies(const DeviceMatrix& w, int64_t ldx, int64_t rows) const {
-  return options_.silu_gemv && rows == 1 && !w.nvfp4 && w.gemv && ldx % 8 == 0;
+  return options_.kernels.silu_gemv && rows == 1 && !w.nvfp4 && w.gemv && ldx % 8 == 0;
 }
 
 Expected<void> CudaOps::silu_forward(const DeviceMatrix& w, const uint16_t* gate_up, int64_t ldx, int64_t rows,
@@ -526,7 +526,7 @@ Expected<void> CudaOps::run_gdn(const GpuGdn& g, const GpuNorm& input_norm, int6
                                         .kernel = s.conv_kernel}));
   // One sequence of one token: the gated norm in the delta rule's kernel (slower at 8 sequences: see docs/perf/gpu.md
   // §model-path). Not when tracing, which reads the core before the norm.
-  const bool norm_in_rule = options_.gdn_norm_in_rule && step_.decode && step_.n_seqs == 1 && step_.tracer == nullptr &&
+  const bool norm_in_rule = options_.kernels.gdn_norm_in_rule && step_.decode && step_.n_seqs == 1 && step_.tracer == nullptr &&
                             gdn_variant_ != GdnVariant::kChunked;
   const GdnGatedNorm norm{
       .gate = proj_ + g.z_col, .gate_stride = g.in_proj.width, .weight = g.norm_weight, .eps = s.norm_eps};

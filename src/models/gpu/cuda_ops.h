@@ -48,7 +48,7 @@ struct GpuMoe;
 
 class CudaOps final : public BlockOps {
  public:
-  // hidden: the model's hidden size; options.bf16_gemv and the other self-test choices decide the fusions.
+  // hidden: the model's hidden size; options.kernels (the self-test's choices) decide the kernels and fusions.
   CudaOps(DeviceContext& ctx, const DeviceModelOptions& options, int64_t hidden);
   ~CudaOps() override;
 
