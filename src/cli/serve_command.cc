@@ -86,8 +86,8 @@ int run_serve(ServeOptions& o) {
   spdlog::info("{}", build_info_line(linked_library_versions()));
   if (o.model.model_dir.empty()) {
     o.model.model_dir = TERN_DEMO_MODEL_DIR;
-    spdlog::info("no --model given: serving the bundled demo checkpoint {} (a tiny test model; its output is not "
-                 "meaningful)", o.model.model_dir);
+    spdlog::info("no --model given: serving the demo model {} (a 4.7 M-parameter Qwen3.5-MoE miniature trained on "
+                 "the Brown corpus, demo/README.md: English-like text, not a useful assistant)", o.model.model_dir);
   }
   const std::filesystem::path dir = o.model.model_dir;
   std::optional<Tokenizer> tokenizer;

@@ -117,10 +117,12 @@ export function writeCheckpoint(config, tensors) {
   return dir;
 }
 
-// Starts `tern serve` on a free loopback port; resolves once it listens. `args` are extra flags.
+// Starts `tern serve` on a free loopback port; resolves once it listens. `args` are extra flags; a null modelDir
+// starts it without --model (the bundled demo model).
 export async function startServer(modelDir, name, key, args = []) {
-  const proc = spawn(bin, ['serve', '--model', modelDir, '--host', '127.0.0.1', '--port', '0', '--served-model-name',
-                           name, '--api-key', key, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  const model = modelDir === null ? [] : ['--model', modelDir];
+  const proc = spawn(bin, ['serve', ...model, '--host', '127.0.0.1', '--port', '0', '--served-model-name', name,
+                           '--api-key', key, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
   let log = '';
   const base = await new Promise((resolve, reject) => {
     const timer = setTimeout(() => reject(new Error('server did not start:\n' + log)), 60000);

@@ -1,0 +1,105 @@
+// End to end: the quickstart path. `tern serve` without --model serves the bundled demo model (demo/), and the npm
+// openai client gets English text, reasoning_content and tool_calls from it, streamed and not, the same at
+// temperature 0 on every run. The expected replies are transformers' own greedy replies to the same chats
+// (demo/eval.json's sample_replies, written by tools/train_demo.py from the exported checkpoint in fp32): tern's
+// CPU path computes in fp32 too, so its greedy tokens are transformers'. Run: TERN_BIN=... node --test tests/e2e/
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import fs from 'node:fs';
+import path from 'node:path';
+import { root, startServer, stopServer } from './harness.mjs';
+
+const KEY = 'sk-demo-test';
+const MODEL = 'tern-demo';
+const evalJson = JSON.parse(fs.readFileSync(path.join(root, 'demo/eval.json'), 'utf8'));
+const reference = Object.fromEntries(evalJson.sample_replies.map((r) => [r.case, r.reply]));
+// The chats tools/train_demo.py's sample_replies sent, and its tool.
+const TOOLS = [{ type: 'function', function: { name: 'lookup_word',
+  description: 'Looks a word up in the corpus and returns a sentence that uses it.',
+  parameters: { type: 'object', properties: { word: { type: 'string', description: 'the word' } },
+                required: ['word'] } } }];
+const STORY = [{ role: 'user', content: 'Continue the story: The old man walked down to the river.' }];
+const CITY = [{ role: 'user', content: 'Write a sentence about the city.' }];
+const LOOKUP = [{ role: 'user', content: 'Look up the word "church".' }];
+const noThinking = { chat_template_kwargs: { enable_thinking: false } };
+let server;
+
+before(async () => {
+  server = await startServer(null, MODEL, KEY, ['--device', 'cpu', '--context-length', '1024']);
+});
+
+after(async () => {
+  await stopServer(server);
+});
+
+const chat = (messages, extra = {}) => server.client.chat.completions.create({ model: MODEL, messages,
+                                                                                 temperature: 0, ...extra });
+// Split as a reasoning parser splits the reply: before and after </think>, the newlines around it dropped.
+const thought = (reply) => reply.split('</think>')[0].replace(/\n+$/, '');
+const answer = (reply) => reply.split('</think>').slice(1).join('</think>').replace(/^\n+/, '');
+
+test('without --model the server says it serves the demo model', () => {
+  assert.match(server.log(), /no --model given: serving the demo model .*demo\/tern-demo-bf16/);
+});
+
+test('a chat completion returns English text, transformers\' greedy reply', async () => {
+  const r = await chat(CITY, { max_tokens: 96, ...noThinking });
+  const content = r.choices[0].message.content;
+  assert.equal(r.choices[0].finish_reason, 'stop');
+  assert.equal(content, reference['enable_thinking=False'].replace(/<\|im_end\|>$/, ''));
+  const words = content.split(/[^A-Za-z]+/).filter((w) => w.length > 0);
+  assert.ok(words.length >= 4, content);
+  assert.ok(words.some((w) => ['the', 'of', 'a', 'was', 'and', 'to', 'in'].includes(w.toLowerCase())), content);
+  assert.ok([...content].every((c) => c.charCodeAt(0) < 128), 'ASCII: ' + content);
+});
+
+test('generation is deterministic at temperature 0, and streaming gives the same text', async () => {
+  const a = await chat(CITY, { max_tokens: 96, ...noThinking });
+  const b = await chat(CITY, { max_tokens: 96, ...noThinking });
+  assert.equal(a.choices[0].message.content, b.choices[0].message.content);
+  let streamed = '';
+  const stream = await chat(CITY, { max_tokens: 96, ...noThinking, stream: true });
+  for await (const chunk of stream) streamed += chunk.choices[0]?.delta?.content ?? '';
+  assert.equal(streamed, a.choices[0].message.content);
+});
+
+test('a thinking reply comes back as reasoning_content and content', async () => {
+  const ref = reference.thinking;  // 96 new tokens, cut off by the length limit
+  const r = await chat(STORY, { max_tokens: 96 });
+  const m = r.choices[0].message;
+  assert.equal(r.choices[0].finish_reason, 'length');
+  assert.equal(m.reasoning_content.replace(/\n+$/, ''), thought(ref));
+  assert.equal(m.content, answer(ref));
+});
+
+test('a tools request comes back as a parsed tool call', async () => {
+  const ref = reference.tools;
+  const word = ref.match(/<parameter=word>\n([^\n]*)\n<\/parameter>/)[1];
+  for (const stream of [false, true]) {
+    let call, finish, reasoning = '';
+    if (!stream) {
+      const r = await chat(LOOKUP, { max_tokens: 96, tools: TOOLS });
+      call = r.choices[0].message.tool_calls?.[0];
+      finish = r.choices[0].finish_reason;
+      reasoning = r.choices[0].message.reasoning_content;
+    } else {
+      const s = await chat(LOOKUP, { max_tokens: 96, tools: TOOLS, stream: true });
+      let name = '', args = '';
+      for await (const chunk of s) {
+        const c = chunk.choices[0];
+        if (!c) continue;
+        reasoning += c.delta?.reasoning_content ?? '';
+        for (const t of c.delta?.tool_calls ?? []) {
+          name += t.function?.name ?? '';
+          args += t.function?.arguments ?? '';
+        }
+        finish = c.finish_reason ?? finish;
+      }
+      call = { type: 'function', function: { name, arguments: args } };
+    }
+    assert.equal(finish, 'tool_calls', `stream=${stream}`);
+    assert.equal(call.function.name, 'lookup_word');
+    assert.deepEqual(JSON.parse(call.function.arguments), { word });
+    assert.equal(reasoning.replace(/\n+$/, ''), thought(ref));
+  }
+});
