@@ -212,7 +212,8 @@ int run_bench(const BenchOptions& o) {
   const int64_t chunk = std::min<int64_t>(o.context, 4096);
   const DeviceModelOptions sizes{.max_batch_tokens = std::max({max_prefill, chunk, max_batch}),
                                  .max_sequences = max_batch,
-                                 .kv_cache_tokens = std::max(max_batch * (o.context + o.steps + 16), max_prefill + 16)};
+                                 .kv_cache_tokens = std::max(max_batch * (o.context + o.steps + 16), max_prefill + 16),
+                                 .max_context_tokens = o.context + o.steps + 16};
   const auto load_start = Clock::now();
   auto model = load_model_from_options(o.model, sizes);
   if (!model) return fail(model.error().message);

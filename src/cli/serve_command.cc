@@ -118,7 +118,8 @@ int run_serve(ServeOptions& o) {
   // given what fit.
   const DeviceModelOptions sizes{.max_batch_tokens = o.chunked_prefill + o.max_running,
                                  .max_sequences = o.max_running,
-                                 .kv_cache_tokens = total_given ? o.max_total_tokens : 0};
+                                 .kv_cache_tokens = total_given ? o.max_total_tokens : 0,
+                                 .max_context_tokens = o.context_length};
   auto model = load_model_from_options(o.model, sizes);
   if (!model) return fail(model.error().message);
   if (const ModelRunner& runner = **model; !total_given && runner.kv_cache_tokens() > 0) {

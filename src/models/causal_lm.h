@@ -87,6 +87,9 @@ struct DeviceModelOptions {
   int64_t max_sequences = 64;        // sequences alive at once (Gated DeltaNet state slots)
   int64_t kv_cache_tokens = 0;       // 0: sized from free device memory (half of it, at most 32k per sequence)
   int64_t kv_block_size = 16;
+  // The longest sequence (tokens) whose decode steps get a CUDA graph captured at load (0: the whole KV cache); a
+  // longer one is captured on its second step.
+  int64_t max_context_tokens = 0;
   // The kernels and fusions the start-up self-test verified (or the user forced), ops/kernel_choices.h: the
   // defaults run each family's kernels by shape and fuse nothing.
   KernelChoices kernels;

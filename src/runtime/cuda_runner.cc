@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <map>
 
 #include "core/formats.h"
@@ -40,11 +41,13 @@ class CudaSequence final : public DeviceSequenceState {
 
 // Per-step metadata, host side, laid out as one int32 array copied to the device in one transfer. A decode step
 // (one token per sequence, logits of the last rows) rounds its block-table width up to a power of two and sizes
-// attention for that many blocks, so the kernels' launch shapes depend only on (n_seqs, max_blocks): the key under
-// which the step's CUDA graph is kept. Its outputs do not depend on whether a graph replays it.
+// attention for that many blocks, and is filled up with padding rows to the next batch-size bucket (with or
+// without CUDA graphs, so that --enforce-eager launches what a graph replays), so the kernels' launch shapes depend only on (n_seqs, max_blocks): the key under which the step's CUDA
+// graph is kept. Its outputs do not depend on whether a graph replays it.
 struct HostStepPlan {
   bool decode = false;
   int64_t tokens = 0, n_seqs = 0, max_query_len = 0, max_seq_len = 0, max_blocks = 0;
+  int64_t real_seqs = 0;  // the step's own sequences, first; the padding rows after them
   std::vector<int32_t> ids, positions, slot_mapping, query_start, seq_lens, block_tables, state_slot, seq_past,
       last_rows;
 };
@@ -71,7 +74,9 @@ class CudaRunner final : public ModelRunner {
     return fmt::format("cuda:{} {} ({:.2f} GiB of weights, KV cache {} tokens in blocks of {}, {}{})", options_.device,
                        ctx_.props().name, static_cast<double>(ops_.weight_bytes()) / (1 << 30), kv_cache_tokens(),
                        options_.kv_block_size,
-                       graphs_enabled_ ? fmt::format("{} decode graphs", captured) : std::string("eager decode"),
+                       graphs_enabled_ ? fmt::format("{} decode graphs, captured at load in {:.2f} s", captured,
+                                                     capture_seconds_)
+                                       : std::string("eager decode"),
                        pdl_ ? ", programmatic launch in decode steps" : "");
   }
 
@@ -91,6 +96,15 @@ class CudaRunner final : public ModelRunner {
   };
   Expected<SequenceIds> sequence_ids(const SequenceInput& in, int64_t need_blocks);
   Expected<HostStepPlan> plan_step(std::span<const SequenceInput> batch, bool decode);
+  // Padding rows up to `n_seqs` sequences of one token each: token 0 at position 0 of a fresh sequence, its K and V
+  // written to the spare block and its Gated DeltaNet state to the spare slot (CudaOps), its logits ignored. Then
+  // the block tables, `width` blocks per sequence.
+  void pad_decode(HostStepPlan& p, int64_t n_seqs, std::span<const std::span<const int32_t>> tables) const;
+  // The batch-size bucket of a decode step of n sequences (the graphs' batch sizes: 1, 2, 4, 8, then steps of 8).
+  int64_t decode_bucket(int64_t n) const;
+  // Captures the decode graph of every bucket and block-table width up to max_context_tokens, at load, so that no
+  // step pays a capture (a shape beyond them is captured on its second use, as before).
+  Expected<void> capture_decode_graphs();
   // Uploads the plan and hands its device view to the blocks, with the logits buffer grown for its rows.
   Expected<void> begin_step(const HostStepPlan& plan, LogitsFor which, const Tracer* tracer);
   // The model's layer loop, on the stream, with no synchronisation. Programmatic launch hides the gaps between a decode step's
@@ -122,6 +136,8 @@ class CudaRunner final : public ModelRunner {
   };
   std::map<std::pair<int64_t, int64_t>, DecodeGraph> graphs_;
   bool graphs_enabled_ = true;
+  std::vector<int64_t> buckets_;  // decode batch sizes, ascending, the last = the most a step holds
+  double capture_seconds_ = 0;
   CudaSampler sampler_;  // sized for max_sequences rows
 };
 
@@ -136,6 +152,102 @@ Expected<void> CudaRunner::finish_load() {
   }
   for (int64_t b = ops_.kv_blocks() - 1; b >= 0; --b) pool_->free_blocks.push_back(static_cast<int32_t>(b));
   for (int64_t s = options_.max_sequences - 1; s >= 0; --s) pool_->free_slots.push_back(static_cast<int32_t>(s));
+  const int64_t most = std::min(options_.max_sequences, options_.max_batch_tokens);
+  for (int64_t b = 1; b < most; b = b < 8 ? 2 * b : b + 8) buckets_.push_back(b);
+  buckets_.push_back(most);
+  // The step plan's largest size (a full prefill's rows and every sequence's whole block table), so that no step
+  // reallocates it and drops the graphs.
+  const int64_t seqs = options_.max_sequences, rows = std::max(options_.max_batch_tokens, seqs);
+  const size_t most_meta = static_cast<size_t>(3 * rows + 6 * seqs + seqs * std::max<int64_t>(ops_.kv_blocks(), 1) + 64);
+  meta_capacity_ = most_meta;
+  TERN_CUDA_CHECK(cudaMallocHost(&meta_host_, meta_capacity_ * 4));
+  meta_buffer_ = DeviceBuffer(meta_capacity_ * 4);
+  meta_ = meta_buffer_.as<int32_t>();
+  return capture_decode_graphs();
+}
+
+int64_t CudaRunner::decode_bucket(int64_t n) const {
+  const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), n);
+  return it == buckets_.end() ? n : *it;
+}
+
+void CudaRunner::pad_decode(HostStepPlan& p, int64_t n_seqs, std::span<const std::span<const int32_t>> tables) const {
+  const int64_t bs = options_.kv_block_size;
+  const bool has_kv = ops_.kv_blocks() > 0;
+  while (p.n_seqs < n_seqs) {
+    p.ids.push_back(0);
+    p.positions.push_back(0);
+    p.slot_mapping.push_back(has_kv ? static_cast<int32_t>(ops_.spare_block() * bs) : 0);
+    p.tokens += 1;
+    p.query_start.push_back(static_cast<int32_t>(p.tokens));
+    p.seq_lens.push_back(1);
+    p.state_slot.push_back(ops_.spare_slot());
+    p.seq_past.push_back(0);
+    p.last_rows.push_back(static_cast<int32_t>(p.tokens - 1));
+    p.n_seqs += 1;
+    p.max_query_len = std::max<int64_t>(p.max_query_len, 1);
+  }
+  p.block_tables.assign(static_cast<size_t>(p.n_seqs * p.max_blocks), has_kv ? ops_.spare_block() : 0);
+  for (int64_t s = 0; s < p.n_seqs; ++s) {
+    if (s < static_cast<int64_t>(tables.size())) {
+      const std::span<const int32_t> blocks = tables[s].first(std::min<size_t>(tables[s].size(), p.max_blocks));
+      std::copy(blocks.begin(), blocks.end(), p.block_tables.begin() + s * p.max_blocks);
+    }
+  }
+}
+
+Expected<void> CudaRunner::capture_decode_graphs() {
+  if (!graphs_enabled_) return {};
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t bs = options_.kv_block_size, kv_blocks = ops_.kv_blocks();
+  const int64_t context = options_.max_context_tokens > 0 ? options_.max_context_tokens : kv_blocks * bs;
+  // The block-table widths plan_step gives decode steps: powers of two, capped at the cache's blocks.
+  const uint64_t need = static_cast<uint64_t>(std::max<int64_t>((context + bs - 1) / bs, 1));
+  const int64_t widest = kv_blocks == 0 ? 1 : std::min<int64_t>(static_cast<int64_t>(std::bit_ceil(need)), kv_blocks);
+  std::vector<int64_t> widths;
+  for (int64_t w = 1; w < widest; w *= 2) widths.push_back(w);
+  widths.push_back(widest);
+  for (const int64_t n : buckets_) {
+    bool warmed = false;
+    for (const int64_t w : widths) {
+      HostStepPlan p;
+      p.decode = true;
+      p.max_blocks = w;
+      p.max_seq_len = w * bs;
+      p.query_start.push_back(0);
+      pad_decode(p, n, {});
+      DecodeGraph& g = graphs_[{n, w}];
+      TERN_TRY(begin_step(p, LogitsFor::kLastToken, nullptr));
+      if (!warmed) {  // cuBLASLt plans and lazily loaded kernels of this batch size, outside the capture
+        TERN_TRY(run_body());
+        warmed = true;
+      }
+      // The next plan is staged in the same pinned buffer: this one's copy (and warm-up) must be done first.
+      TERN_CUDA_CHECK(cudaStreamSynchronize(ctx_.stream()));
+      g.warmed = true;
+      if (!graphs_enabled_) return {};  // a capture failed (run_decode said so): eager from now on
+      cudaGraph_t graph = nullptr;
+      TERN_CUDA_CHECK(cudaStreamBeginCapture(ctx_.stream(), cudaStreamCaptureModeThreadLocal));
+      const Expected<void> ran = run_body();
+      const cudaError_t ended = cudaStreamEndCapture(ctx_.stream(), &graph);
+      cudaError_t made = ended;
+      if (ran && ended == cudaSuccess) made = cudaGraphInstantiate(&g.exec, graph, 0);
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      if (!ran || made != cudaSuccess) {
+        (void)cudaGetLastError();
+        g.exec = nullptr;
+        graphs_enabled_ = false;
+        spdlog::warn("CUDA graph capture of a decode step ({} sequences) at load failed ({}); decode steps run "
+                     "eagerly", n, ran ? cudaGetErrorString(made) : ran.error().message);
+        return {};
+      }
+    }
+  }
+  const cudaError_t status = cudaStreamSynchronize(ctx_.stream());
+  if (status != cudaSuccess) {
+    return make_error("CUDA error while capturing the decode graphs: {}", cudaGetErrorString(status));
+  }
+  capture_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return {};
 }
 
@@ -221,11 +333,8 @@ Expected<HostStepPlan> CudaRunner::plan_step(std::span<const SequenceInput> batc
     p.max_blocks = std::min(std::bit_ceil(static_cast<uint64_t>(p.max_blocks)), static_cast<uint64_t>(kv_blocks));
     p.max_seq_len = p.max_blocks * bs;
   }
-  p.block_tables.assign(static_cast<size_t>(p.n_seqs * p.max_blocks), 0);
-  for (int64_t s = 0; s < p.n_seqs; ++s) {
-    const std::span<const int32_t> blocks = tables[s].first(std::min<size_t>(tables[s].size(), p.max_blocks));
-    std::copy(blocks.begin(), blocks.end(), p.block_tables.begin() + s * p.max_blocks);
-  }
+  p.real_seqs = p.n_seqs;
+  pad_decode(p, decode ? decode_bucket(p.n_seqs) : p.n_seqs, tables);
   return p;
 }
 
@@ -323,7 +432,7 @@ Expected<std::vector<float>> CudaRunner::step(std::span<const SequenceInput> bat
   if (plan.tokens == 0) return std::vector<float>{};
   TERN_TRY(begin_step(plan, which, tracer));
   TERN_TRY(decode ? run_decode(plan) : run_body());
-  const int64_t n = ops_.step().logit_rows(), vocab = ops_.vocab();
+  const int64_t n = decode ? plan.real_seqs : ops_.step().logit_rows(), vocab = ops_.vocab();
   logits_host_.resize(static_cast<size_t>(n * vocab));
   TERN_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), logits_host_.size() * 2, cudaMemcpyDeviceToHost,
                                   ctx_.stream()));
@@ -346,7 +455,7 @@ Expected<SampleResults> CudaRunner::sample_step(std::span<const SequenceInput> b
   TERN_TRY(begin_step(plan, LogitsFor::kLastToken, nullptr));
   TERN_TRY(sampler_.upload(ctx_, rows));
   TERN_TRY(decode ? run_decode(plan) : run_body());
-  const int64_t n = ops_.step().logit_rows();
+  const int64_t n = decode ? plan.real_seqs : ops_.step().logit_rows();
   TERN_TRY(sampler_.launch(ctx_, logits_.as<uint16_t>(), n));
   return sampler_.download(ctx_, rows, logits_.as<uint16_t>(), n);
 }

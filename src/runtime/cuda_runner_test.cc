@@ -349,12 +349,16 @@ void run_lockstep(ModelRunner& model, const std::function<std::vector<int32_t>(s
 // A decode step replayed from its CUDA graph, with programmatic dependent launch, gives bit for bit the logits of
 // the same step launched eagerly in plain stream order: the graph must see each step's own tokens, positions and
 // block tables (a stale or wrongly sized copy would change the logits), and no kernel may touch memory before its
-// predecessor is done (a missing wait would read a half-written buffer), through warm-up, capture and replays of
-// two batch sizes.
+// predecessor is done (a missing wait would read a half-written buffer), through replays of two batch sizes (3, padded
+// to the bucket of 4, and 2). The graphs are all captured at load: one per batch-size bucket (1, 2, 4, 8, then steps
+// of 8 up to max_sequences) and block-table width (powers of two up to the KV cache's blocks), and the steps add none.
 TEST_P(GpuModelReference, DecodeGraphsReplayTheEagerSteps) {
   auto eager = load_cuda(GetParam().fixture, DeviceModelOptions{.cuda_graphs = false, .programmatic_launch = false});
   auto graphed = load_cuda(GetParam().fixture);
   ASSERT_TRUE(eager && graphed);
+  // load_cuda: 64 sequences, a KV cache of 4096 tokens in blocks of 16 (256 blocks, widths 1 to 256).
+  const std::string at_load = graphed->describe();
+  EXPECT_NE(at_load.find(fmt::format(", {} decode graphs, captured at load", 11 * 9)), std::string::npos) << at_load;
   const int64_t vocab = eager->config().vocab_size;
   std::vector<std::vector<float>> eager_logits;
   run_lockstep(*eager, [&](std::span<const SequenceInput> batch) {
@@ -384,9 +388,11 @@ TEST_P(GpuModelReference, DecodeGraphsReplayTheEagerSteps) {
     return tokens;
   });
   EXPECT_EQ(step, 10u);
-  // Batch sizes 3 and 2 both reached replay (each shape: one eager step, one capture, then replays).
+  // No step captured a graph of its own.
   const std::string described = graphed->describe();
-  EXPECT_NE(described.find(", 2 decode graphs, programmatic launch"), std::string::npos) << described;
+  EXPECT_NE(described.find(fmt::format(", {} decode graphs, captured at load", 11 * 9)), std::string::npos)
+      << described;
+  EXPECT_NE(described.find("programmatic launch"), std::string::npos) << described;
   EXPECT_NE(eager->describe().find("eager decode)"), std::string::npos);
 }
 

@@ -278,7 +278,7 @@ Expected<void> CudaOps::allocate() {
 }
 
 Expected<void> CudaOps::allocate_caches() {
-  const int64_t bs = options_.kv_block_size, slots = options_.max_sequences;
+  const int64_t bs = options_.kv_block_size, slots = options_.max_sequences + 1;  // + spare_slot()
   int64_t kv_bytes_per_token = 0;
   for (const GpuAttention* a : attentions_) kv_bytes_per_token += 2 * a->shape.n_kv_heads * a->shape.head_dim * 2;
   for (GpuGdn* g : gdns_) {
@@ -290,7 +290,7 @@ Expected<void> CudaOps::allocate_caches() {
       return make_error(
           "out of device memory for the Gated DeltaNet states of {} sequences ({} bytes per layer); "
           "lower --max-sequences",
-          slots, conv + state);
+          options_.max_sequences, conv + state);
     }
     g->conv_state = c.as<uint16_t>();
     g->state = s.as<float>();
@@ -303,11 +303,12 @@ Expected<void> CudaOps::allocate_caches() {
     size_t free_bytes = 0, total = 0;
     TERN_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
     // Half of what is free, so other processes and cuBLASLt keep room; at most max_sequences full 32k contexts.
-    tokens = std::min<int64_t>(static_cast<int64_t>(free_bytes / 2) / kv_bytes_per_token, slots * 32768);
+    tokens = std::min<int64_t>(static_cast<int64_t>(free_bytes / 2) / kv_bytes_per_token - bs,
+                               options_.max_sequences * 32768);
   }
   kv_blocks_ = std::max<int64_t>((tokens + bs - 1) / bs, 1);
   for (GpuAttention* a : attentions_) {
-    const size_t bytes = static_cast<size_t>(kv_blocks_ * bs * a->shape.n_kv_heads * a->shape.head_dim) * 2;
+    const size_t bytes = static_cast<size_t>((kv_blocks_ + 1) * bs * a->shape.n_kv_heads * a->shape.head_dim) * 2;
     DeviceBuffer k, v;
     if (!DeviceBuffer::try_allocate(bytes, k) || !DeviceBuffer::try_allocate(bytes, v)) {
       return make_error(
@@ -317,7 +318,7 @@ Expected<void> CudaOps::allocate_caches() {
     }
     a->cache = PagedKvCache{.k = k.as<uint16_t>(),
                             .v = v.as<uint16_t>(),
-                            .n_blocks = kv_blocks_,
+                            .n_blocks = kv_blocks_ + 1,  // + spare_block()
                             .block_size = bs,
                             .n_kv_heads = a->shape.n_kv_heads,
                             .head_dim = a->shape.head_dim};

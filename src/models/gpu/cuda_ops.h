@@ -67,7 +67,12 @@ class CudaOps final : public BlockOps {
   // The step the next body runs; the stream restarts at the embedding.
   void begin_step(const CudaStep& step) { step_ = step; }
 
+  // The KV blocks sequences may hold (ids [0, kv_blocks())). One block past them (spare_block()) and one state slot
+  // past max_sequences (spare_slot()) are allocated too: they take the writes of the padding rows a decode step is
+  // filled up with to its CUDA graph's batch size, so no sequence's cache sees them.
   int64_t kv_blocks() const { return kv_blocks_; }
+  int32_t spare_block() const { return static_cast<int32_t>(kv_blocks_); }
+  int32_t spare_slot() const { return static_cast<int32_t>(options_.max_sequences); }
   bool has_gdn() const { return !gdns_.empty(); }
   int64_t vocab() const { return vocab_; }                    // lm_head's rows: the logits' width
   int64_t embedding_rows() const { return embedding_rows_; }  // the token ids the embedding takes
