@@ -1,4 +1,4 @@
-// Argument checks of the sampling kernel (sampling.cu) and the host-side helpers around it.
+// Argument checks of the sampling kernel (sampling.cu, sampling_partials.cu) and the host-side helpers around it.
 #include "kernels/cuda/sampling.h"
 
 #include <cmath>

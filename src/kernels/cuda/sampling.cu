@@ -1,10 +1,10 @@
 // Token sampling on the GPU; contract in sampling_launch.h. One 512-thread block owns a row and walks it several
 // times: the first walk reads it from memory (status, max, log-sum-exp, penalised argmax), later walks mostly hit
 // the L2. With few rows, one block per row would leave most SMs idle for the first walk (a single warp per SM is
-// bound by the latency of each thread's long serial walk), so a first kernel spreads it over kSampleSplitBlocks
-// one-warp blocks per row: kSampleSlotsPerThread slots per thread of the row's block, slot s taking the 16-byte
-// groups s, s + 4096, ...; each thread of the row's block merges its slots (together exactly the ids of its own
-// walk) before the block combines the threads. The double sums then add in another order than the unsplit walk
+// bound by the latency of each thread's long serial walk), so a first kernel (sampling_partials.cu) spreads it over
+// kSampleSplitBlocks one-warp blocks per row: kSampleSlotsPerThread slots per thread of the row's block, slot s taking
+// the 16-byte groups s, s + 4096, ...; each thread of the row's block merges its slots (together exactly the ids of
+// its own walk) before the block combines the threads. The double sums then add in another order than the unsplit walk
 // (both are compared with the CPU Sampler's fp64 sum within the same tolerance). Nothing is sorted: thresholds come
 // from three-digit radix selects (11 + 11 + 10 bits) over an order-preserving integer key, counted or weighted by the
 // fixed-point mass, and searches in id order (the top_p boundary among equal weights, the draw itself, the lowest ids
@@ -19,6 +19,7 @@
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/sampling_launch.h"
+#include "kernels/cuda/sampling_walk.cuh"
 
 namespace tern {
 namespace {
@@ -26,15 +27,10 @@ namespace {
 using u64 = unsigned long long;  // the type atomicAdd and the shuffles take
 using cuda_common::warp_sum;
 
-constexpr int kThreads = kSampleSlots;
-constexpr int kSplitSlots = kThreads * kSampleSlotsPerThread;    // partial slots of a row
-constexpr int kSplitThreads = kSplitSlots / kSampleSplitBlocks;  // one warp per split block
-static_assert(kSplitThreads * kSampleSplitBlocks == kSplitSlots && kSplitThreads == 32);
 constexpr int kLoadBatch = 4;  // 16-byte loads a thread has in flight in a walk
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 constexpr float kGreedyTemperature = 1e-5f;  // runtime/sampler.h kSamplingGreedyTemperature
-constexpr int32_t kNoId = INT32_MAX;
 
 struct Crossing {
   int64_t index;  // first item whose inclusive prefix exceeds the target, -1 if none
@@ -101,17 +97,6 @@ struct RowView {
     return count > 0 ? penalise_counts(x, count, frequency, presence) : x;
   }
 };
-
-// f(id, value) for the 8 bf16 values of 16-byte group `c`, in id order.
-template <class F>
-__device__ __forceinline__ void group_for_each(int64_t c, const uint4& q, F&& f) {
-  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    f(c * 8 + 2 * j, __uint_as_float(words[j] << 16));
-    f(c * 8 + 2 * j + 1, __uint_as_float(words[j] & 0xFFFF0000u));
-  }
-}
 
 // f(id, raw value) for every id of the row, spread over the block; 16-byte loads where the row is aligned. Thread
 // t sees, in this order, the 16-byte groups t, t + kThreads, t + 2 kThreads, ... (kLoadBatch of them loaded at a
@@ -191,16 +176,6 @@ __device__ int32_t block_min(int32_t v, Scratch& s) {
   int32_t m = s.i32s[0];
   for (int w = 1; w < kWarps; ++w) m = min(m, s.i32s[w]);
   return m;
-}
-
-// The largest value, ties to the lowest id (the CPU's first maximum).
-struct Best {
-  float value;
-  int32_t id;
-};
-
-__device__ __forceinline__ bool better(const Best& a, const Best& b) {
-  return a.value > b.value || (a.value == b.value && a.id < b.id);
 }
 
 __device__ Best block_best(Best b, Scratch& s) {
@@ -520,16 +495,6 @@ __device__ void write_top_logprobs(const RowContext& r, const SampleArgs& a, int
 // ---------------------------------------------------------------------------------------------------------------
 // The kernel.
 
-// The launcher computes the workspace layout (sampling_launch.h's helpers are host functions).
-struct SampleParams {
-  SampleArgs a;
-  float mass_scale;
-  size_t row_workspace_bytes;
-  size_t counts_bytes;
-  size_t partials_offset;
-  bool from_partials;  // sample_partials_kernel has done the first walk
-};
-
 // The row's active slice of penalty_ids: prompt ids only when the repetition penalty is active (as on the CPU),
 // with prompt_end clamped into [penalty_begin, penalty_end].
 struct PenaltyRange {
@@ -593,34 +558,6 @@ __device__ int32_t penalties_check(const SampleArgs& a, const SamplingRow& p, co
   return after_counts != kNoId ? -(1 + after_counts) : 0;
 }
 
-// Per thread: first non-finite id, running max with the sum of exp(x - max) (in double, rescaled when the max
-// grows), and the best penalised logit. Combined over the block by raw_combine.
-struct RawStats {
-  int32_t first_bad = kNoId;
-  float max = -INFINITY;
-  double sum = 0.0;
-  Best best{-INFINITY, kNoId};
-};
-
-// One raw logit into a thread's RawStats; value(id, x) is its penalised logit. The sum's roundings depend on the
-// order of the calls, which is why the split first walk visits each thread's ids in row_for_each's order. The
-// rescale is an explicit FMA, what the compiler made of `sum * exp(...) + 1.0` here, so both kernels round alike.
-template <class Value>
-__device__ __forceinline__ void raw_stats_push(RawStats& t, int64_t id, float x, Value&& value) {
-  if (!isfinite(x)) {
-    t.first_bad = min(t.first_bad, static_cast<int32_t>(id));
-    return;
-  }
-  if (x > t.max) {
-    t.sum = __fma_rn(t.sum, exp(static_cast<double>(t.max) - static_cast<double>(x)), 1.0);
-    t.max = x;
-  } else {
-    t.sum = __dadd_rn(t.sum, static_cast<double>(expf(__fsub_rn(x, t.max))));
-  }
-  const Best b{value(id, x), static_cast<int32_t>(id)};
-  if (better(b, t.best)) t.best = b;
-}
-
 // This thread's share of the first walk.
 __device__ RawStats raw_thread_stats(const RowView& v) {
   RawStats t;
@@ -666,92 +603,6 @@ __device__ RawStats raw_combine(const RawStats& t, Scratch& s, double& log_sum) 
   row.best = block_best(t.best, s);
   log_sum = log(row.sum);
   return row;
-}
-
-// The split first walk's partials in the row's workspace: kSplitSlots slots, kSampleSlotsPerThread per thread of
-// the row's block.
-struct PartialSlots {
-  double* sum;
-  float* max;
-  int32_t* first_bad;
-  float* best_value;
-  int32_t* best_id;
-
-  __device__ static PartialSlots at(char* base) {
-    return {reinterpret_cast<double*>(base), reinterpret_cast<float*>(base + kSplitSlots * 8),
-            reinterpret_cast<int32_t*>(base + kSplitSlots * 12), reinterpret_cast<float*>(base + kSplitSlots * 16),
-            reinterpret_cast<int32_t*>(base + kSplitSlots * 20)};
-  }
-  __device__ void store(int slot, const RawStats& t) const {
-    sum[slot] = t.sum;
-    max[slot] = t.max;
-    first_bad[slot] = t.first_bad;
-    best_value[slot] = t.best.value;
-    best_id[slot] = t.best.id;
-  }
-  __device__ RawStats load(int slot) const {
-    RawStats t;
-    t.sum = sum[slot];
-    t.max = max[slot];
-    t.first_bad = first_bad[slot];
-    t.best = Best{best_value[slot], best_id[slot]};
-    return t;
-  }
-};
-static_assert(kSampleSlotBytes == 8 + 4 + 4 + 4 + 4);
-
-__device__ char* row_workspace(const SampleParams& p, int64_t row) {
-  return static_cast<char*>(p.a.workspace) + row * p.row_workspace_bytes;
-}
-
-// The first walk of small batches: block (row, b) computes the RawStats of slots [b, b + 1) * kSplitThreads, slot s
-// over the 16-byte groups s, s + kSplitSlots, ... and then the tail ids s, s + kSplitSlots, ..., with raw logits as
-// the values (the row's block redoes the best where a penalty is active). The groups are staged through shared memory
-// with cp.async, kStageGroups per thread at a time in two buffers, so that many loads are in flight while the previous
-// stage is summed.
-constexpr int kStageGroups = 16;
-
-__global__ void __launch_bounds__(kSplitThreads) sample_partials_kernel(const SampleParams p) {
-  ptx::grid_dependency_begin();
-  __shared__ uint4 stage[2][kStageGroups][kSplitThreads];
-  const SampleArgs& a = p.a;
-  const int64_t row = blockIdx.x;
-  const int slot = static_cast<int>(blockIdx.y) * kSplitThreads + static_cast<int>(threadIdx.x);
-  const uint16_t* raw = a.logits + row * a.logits_stride;
-  const auto identity = [](int64_t, float x) { return x; };
-  const auto push = [&](RawStats& t, int64_t id, float x) { raw_stats_push(t, id, x, identity); };
-  RawStats t;
-  int64_t tail_start = 0;
-  if (reinterpret_cast<uintptr_t>(raw) % 16 == 0) {
-    const int64_t n_vec = a.vocab / 8;
-    const uint4* groups = reinterpret_cast<const uint4*>(raw);
-    const int64_t n_mine = slot < n_vec ? (n_vec - 1 - slot) / kSplitSlots + 1 : 0;  // groups slot + k * kSplitSlots
-    const int64_t n_stages = (n_mine + kStageGroups - 1) / kStageGroups;
-    const auto issue = [&](int64_t st) {
-      for (int j = 0; j < kStageGroups; ++j) {
-        const int64_t k = st * kStageGroups + j;
-        if (k < n_mine) ptx::cp_async_16_zfill(&stage[st & 1][j][threadIdx.x], groups + slot + k * kSplitSlots, true);
-      }
-      ptx::cp_async_commit();  // possibly empty: one group per stage keeps the wait count uniform
-    };
-    issue(0);
-    for (int64_t st = 0; st < n_stages; ++st) {
-      issue(st + 1);            // into the other buffer, whose stage this thread finished summing
-      ptx::cp_async_wait<1>();  // this thread's copies of stage st have landed (each thread reads only its own)
-      for (int j = 0; j < kStageGroups; ++j) {
-        const int64_t k = st * kStageGroups + j;
-        if (k >= n_mine) break;
-        group_for_each(slot + k * kSplitSlots, stage[st & 1][j][threadIdx.x],
-                       [&](int64_t id, float x) { push(t, id, x); });
-      }
-    }
-    ptx::cp_async_wait<0>();
-    tail_start = n_vec * 8;
-  }
-  for (int64_t id = tail_start + slot; id < a.vocab; id += kSplitSlots) {
-    push(t, id, cuda_common::bf16_to_f32(raw[id]));
-  }
-  PartialSlots::at(row_workspace(p, row) + p.partials_offset).store(slot, t);
 }
 
 __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const SampleParams p) {
@@ -821,20 +672,10 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const SampleParam
 }  // namespace
 
 void sample_rows_launch(const DeviceContext& ctx, const SampleArgs& args) {
-  const int bit_width = 64 - __builtin_clzll(static_cast<unsigned long long>(args.vocab));
   // Split the first walk while one block per row would leave SMs idle; past that the row blocks fill the device.
   const bool split = args.rows < ctx.props().num_sms;
-  const SampleParams p{args,
-                       ldexpf(1.0f, 62 - bit_width),
-                       sampling_row_workspace_bytes(args.vocab),
-                       sampling_counts_bytes(args.vocab),
-                       sampling_counts_bytes(args.vocab) + sampling_chunk_sums_bytes(args.vocab),
-                       split};
-  if (split) {
-    const dim3 grid(static_cast<unsigned>(args.rows), kSampleSplitBlocks);
-    launch_kernel(ctx, sample_partials_kernel, grid, dim3(kSplitThreads), 0, p);
-    TERN_CUDA_CHECK_LAUNCH();
-  }
+  const SampleParams p = sample_params(args, split);
+  if (split) sample_partials_launch(ctx, args);
   const size_t shared = sampling_dynamic_shared_bytes(args.vocab);
   TERN_CUDA_CHECK(
       cudaFuncSetAttribute(sample_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
@@ -843,7 +684,7 @@ void sample_rows_launch(const DeviceContext& ctx, const SampleArgs& args) {
 }
 
 // What the driver loaded of this module for the current device (module_attributes.h).
-cudaError_t sampling_module_attributes(cudaFuncAttributes* out) {
+cudaError_t sampling_rows_module_attributes(cudaFuncAttributes* out) {
   return cudaFuncGetAttributes(out, sample_rows_kernel);
 }
 
