@@ -15,7 +15,7 @@ cudaError_t elementwise_module_attributes(cudaFuncAttributes* out);
 cudaError_t gated_delta_module_attributes(cudaFuncAttributes* out);
 cudaError_t moe_route_module_attributes(cudaFuncAttributes* out);
 cudaError_t moe_gemm_module_attributes(cudaFuncAttributes* out);
-cudaError_t sampling_rows_module_attributes(cudaFuncAttributes* out);
+cudaError_t sampling_module_attributes(cudaFuncAttributes* out);
 cudaError_t sampling_partials_module_attributes(cudaFuncAttributes* out);
 cudaError_t gemm_nvfp4_module_attributes(cudaFuncAttributes* out);
 cudaError_t gemv_bf16_module_attributes(cudaFuncAttributes* out);

@@ -684,7 +684,7 @@ void sample_rows_launch(const DeviceContext& ctx, const SampleArgs& args) {
 }
 
 // What the driver loaded of this module for the current device (module_attributes.h).
-cudaError_t sampling_rows_module_attributes(cudaFuncAttributes* out) {
+cudaError_t sampling_module_attributes(cudaFuncAttributes* out) {
   return cudaFuncGetAttributes(out, sample_rows_kernel);
 }
 
