@@ -1,5 +1,5 @@
-// Argument checks and dispatch of the MoE kernels; the kernels are in moe_route.cu (route, align, combine) and
-// moe_gemm.cu (the grouped expert GEMM).
+// Argument checks and dispatch of the MoE kernels; the kernels are in moe_route.cu (route, align, combine),
+// moe_gemm_decode.cu and moe_gemm_prefill.cu (the grouped expert GEMM).
 #include "kernels/cuda/moe.h"
 
 #include <limits>

@@ -1,5 +1,5 @@
 // The small MoE kernels: routing (softmax + top-k), the alignment of pairs by expert, and the weighted combine of
-// the expert outputs. Contracts in moe_launch.h; the grouped expert GEMM is in moe_gemm.cu.
+// the expert outputs. Contracts in moe_launch.h; the grouped expert GEMM in moe_gemm_*.cu.
 #include <cuda_bf16.h>
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.cuh"

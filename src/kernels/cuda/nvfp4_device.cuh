@@ -1,4 +1,4 @@
-// Device code shared by the dense NVFP4 W4A16 GEMM (gemm_nvfp4_w4a16.cu) and the grouped MoE GEMM (moe_gemm.cu):
+// Device code shared by the dense NVFP4 W4A16 GEMM (gemm_nvfp4_w4a16.cu) and the grouped MoE GEMM (moe_gemm_*.cu):
 // the bf16 operand loads of the mma.sync (ptx.cuh), and the two ways an NVFP4 weight (ModelOpt layout,
 // docs/model-specs.md §1) reaches the tensor cores:
 //   decode:  16-byte loads of the packed weight dequantized straight into mma A fragments in registers;

@@ -1,25 +1,12 @@
-// The grouped expert GEMM of the MoE block (contract in moe_launch.h): every expert's rows times that expert's
-// weight, bf16 or NVFP4, in one launch, with no host synchronisation. Both variants size their grid for the worst
-// case and each block looks its work up in expert_offsets:
-//   decode:  grid (blocks of weight-row tiles, active-expert slots). Slot s takes the s-th expert that has rows;
-//            slots past the active count exit at once. At one token the blocks may route it themselves
-//            (MoeGemmArgs::route; moe_route_block.cuh) instead of reading the offsets. With a second projection (w2)
-//            its tiles follow those of w along x, so gate and up stored apart still fill the SMs in one launch. The
-//            weight streams once per 8 (T > 8: 16) of the expert's rows with 16-byte loads straight into mma fragments,
-//            K split over the warps of a block (nvfp4_device.cuh's decode scheme and block layout; bf16 the same way,
-//            unconverted). With x_silu_mul each block first computes the act rows of its pass into shared memory.
-//   prefill: grid (row tiles, 128-column weight tiles). The worst case needs ceil(rows / BM) + n_experts row tiles
-//            (every expert's last tile may be partial); tile i belongs to the expert whose tile range holds i.
-//            x rows are gathered through sorted_pairs by cp.async, W tiles go to shared memory as bf16 (NVFP4
-//            dequantised as in the dense prefill kernel), mma.sync m16n8k16 with fp32 accumulation.
-// NVFP4 semantics are W4A16 (docs/model-specs.md §1.5): exact bf16 weight factors, weight_scale_2 times the fp32 sum.
+// The decode variant of the grouped expert GEMM (contract in moe_launch.h; both variants in moe_gemm_device.cuh):
+// grid (blocks of weight-row tiles, active-expert slots), the weight streamed straight into mma fragments, K split
+// over the warps of a block, optionally the SiLU-and-mul of x and the routing of one token in the same launch.
 #include <algorithm>
-#include <limits>
-#include <type_traits>
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/ptx.cuh"
 
+#include "kernels/cuda/moe_gemm_device.cuh"
 #include "kernels/cuda/moe_launch.h"
 #include "kernels/cuda/moe_route_block.cuh"
 #include "kernels/cuda/nvfp4_device.cuh"
@@ -30,51 +17,6 @@ namespace tern {
 using namespace nvfp4_device;
 
 namespace {
-
-constexpr unsigned kFullMask = 0xFFFFFFFFu;
-constexpr bool kNvfp4 = true;
-
-struct GemmParams {
-  const uint16_t* x;
-  int64_t ldx;
-  const int32_t* sorted_pairs;
-  int top_k;
-  bool gather;
-  const int32_t* offsets;  // [n_experts + 1]
-  int n_experts, n, k;
-  const uint16_t* wbf;     // bf16 [n_experts][n][k] at wbf_stride elements
-  int64_t wbf_stride;
-  const uint8_t* packed;   // NVFP4 [n_experts][n][k/2] at packed_stride bytes
-  int64_t packed_stride;
-  const uint8_t* scales;   // NVFP4 [n_experts][n][k/16] at scales_stride bytes
-  int64_t scales_stride;
-  const float* global_scales;
-  uint16_t* y;
-  int64_t ldy;
-  bool y_pairs;  // (col, col + 1) of y may be stored as one 4-byte word
-  // The decode kernel's second projection (MoeGemmArgs::w2): blocks x >= w2_block compute it into y2. Without one,
-  // w2_block is past the grid. The prefill kernel reads only the fields above.
-  int w2_block;
-  int n2;
-  const uint16_t* wbf2;
-  int64_t wbf_stride2;
-  const uint8_t* packed2;
-  int64_t packed_stride2;
-  const uint8_t* scales2;
-  int64_t scales_stride2;
-  const float* global_scales2;
-  uint16_t* y2;
-  // MoeGemmArgs::route and align (decode kernel): route.logits set routes the one token in the launch.
-  MoeRouteArgs route;
-  MoeAlignArgs align;
-};
-
-// The element offset of permuted row r's activations in x.
-__device__ __forceinline__ int64_t x_row_offset(const GemmParams& p, int r) {
-  // Routed in the launch, every row is a pair of the one token (sorted_pairs is being written meanwhile).
-  const int src = p.gather ? (p.route.logits != nullptr ? 0 : p.sorted_pairs[r] / p.top_k) : r;
-  return static_cast<int64_t>(src) * p.ldx;
-}
 
 struct ActiveExpert {
   int expert;  // -1: fewer active experts than the slot
@@ -129,38 +71,6 @@ __device__ __forceinline__ ActiveExpert route_one_token(const GemmParams& p) {
   }
   const int row = static_cast<int>(blockIdx.y);
   return {moe_route_block::expert_of_row(s, p.top_k, row), row, row + 1};
-}
-
-struct TileWork {
-  int expert;   // -1: no tile with this index
-  int row0;     // first permuted row of the tile
-  int row_end;  // the expert's end row
-};
-
-// Row tile `tile` when expert e owns ceil(rows_e / bm) consecutive tiles, in expert order. Whole warp.
-__device__ TileWork find_row_tile(const int32_t* off, int n_experts, int tile, int bm) {
-  const int lane = threadIdx.x % 32;
-  int first = 0;  // tiles of the experts before this group of 32
-  for (int base = 0; base < n_experts; base += 32) {
-    const int e = base + lane;
-    const int lo = e < n_experts ? off[e] : 0, hi = e < n_experts ? off[e + 1] : 0;
-    const int tiles = hi > lo ? (hi - lo + bm - 1) / bm : 0;
-    int incl = tiles;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int other = __shfl_up_sync(kFullMask, incl, d);
-      if (lane >= d) incl += other;
-    }
-    const int total = __shfl_sync(kFullMask, incl, 31);
-    if (tile < first + total) {
-      const bool mine = tile >= first + incl - tiles && tile < first + incl;
-      const int owner = __ffs(__ballot_sync(kFullMask, mine)) - 1;
-      const int local = tile - first - __shfl_sync(kFullMask, incl - tiles, owner);
-      return {base + owner, __shfl_sync(kFullMask, lo, owner) + local * bm, __shfl_sync(kFullMask, hi, owner)};
-    }
-    first += total;
-  }
-  return {-1, 0, 0};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -366,192 +276,7 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Prefill. The dense prefill kernel's pipeline over one expert's row tile: x stages by cp.async (kStages deep) from
-// the gathered rows, W for step s + 2 in registers while step s computes, W tiles double-buffered as bf16.
-
-struct Bf16WRegs {
-  uint4 v[2];  // thread tid: W row tid / 2, k half tid % 2 (16 values) of a 32-k step
-};
-
-__device__ __forceinline__ Bf16WRegs bf16_prefill_load_w(const uint16_t* w, int n, int k, int n0, int kstep) {
-  const int row = n0 + threadIdx.x / 2;
-  const int kb = kstep * kPrefillBk + (threadIdx.x % 2) * 16;
-  Bf16WRegs r{{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)}};
-  if (row < n && kb < k) {
-    const uint4* src = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * k + kb);
-    r.v[0] = __ldcs(src);
-    r.v[1] = __ldcs(src + 1);
-  }
-  return r;
-}
-
-__device__ __forceinline__ void bf16_prefill_store_w(const Bf16WRegs& r, uint16_t* ws) {
-  uint4* dst = reinterpret_cast<uint4*>(ws + (threadIdx.x / 2) * kPrefillLd + (threadIdx.x % 2) * 16);
-  dst[0] = r.v[0];
-  dst[1] = r.v[1];
-}
-
-template <int kBm>
-constexpr size_t prefill_smem_bytes(int stages) {
-  return sizeof(uint16_t) * kPrefillLd * (static_cast<size_t>(stages) * kBm + 2 * kPrefillBn) +
-         256 * sizeof(uint32_t) + kBm * sizeof(int64_t);
-}
-
-// x tile rows from their gathered offsets (xoff[r] < 0: past the expert's rows, zero-filled).
-template <int kBm>
-__device__ __forceinline__ void prefill_load_x(const GemmParams& p, const int64_t* xoff, int kstep, uint16_t* xs) {
-  constexpr int kPieces = kBm * kPrefillBk / 8;  // 16-byte pieces
-#pragma unroll
-  for (int i = threadIdx.x; i < kPieces; i += kPrefillThreads) {
-    const int r = i / (kPrefillBk / 8), c = i % (kPrefillBk / 8);
-    const int kk = kstep * kPrefillBk + c * 8;
-    const bool valid = xoff[r] >= 0 && kk < p.k;
-    cp_async_16_zfill(xs + r * kPrefillLd + c * 8, valid ? p.x + xoff[r] + kk : p.x, valid);
-  }
-}
-
-template <int kBm>
-__device__ __forceinline__ void prefill_store_y(const GemmParams& p, const TileWork& tw, int n0, float out_scale,
-                                                const float (&acc)[kBm / 32][4][4]) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int mi = 0; mi < kBm / 32; ++mi) {
-#pragma unroll
-    for (int ni = 0; ni < 4; ++ni) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = tw.row0 + (warp / 4) * (kBm / 2) + mi * 16 + g + 8 * h;
-        const int col = n0 + (warp % 4) * 32 + ni * 8 + 2 * t;
-        if (row >= tw.row_end || col >= p.n) continue;
-        uint16_t* dst = p.y + static_cast<int64_t>(row) * p.ldy + col;
-        const uint16_t v0 = f32_to_bf16(acc[mi][ni][2 * h] * out_scale);
-        const uint16_t v1 = f32_to_bf16(acc[mi][ni][2 * h + 1] * out_scale);
-        if (p.y_pairs) {
-          *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(v0) | (static_cast<uint32_t>(v1) << 16);
-        } else {
-          dst[0] = v0;
-          if (col + 1 < p.n) dst[1] = v1;
-        }
-      }
-    }
-  }
-}
-
-template <bool kIsNvfp4, int kBm, int kStages>
-__global__ void __launch_bounds__(kPrefillThreads) moe_prefill_kernel(const GemmParams p) {
-  ptx::grid_dependency_begin();
-  extern __shared__ __align__(16) unsigned char smem[];
-  uint16_t* xs = reinterpret_cast<uint16_t*>(smem);                              // [kStages][kBm][kPrefillLd]
-  uint16_t* ws = xs + kStages * kBm * kPrefillLd;                                 // [2][kPrefillBn][kPrefillLd]
-  uint32_t* lut = reinterpret_cast<uint32_t*>(ws + 2 * kPrefillBn * kPrefillLd);  // [256]
-  int64_t* xoff = reinterpret_cast<int64_t*>(lut + 256);                          // [kBm]
-  const TileWork tw = find_row_tile(p.offsets, p.n_experts, blockIdx.x, kBm);
-  if (tw.expert < 0) return;  // every warp found the same: the whole block leaves
-  const int e = tw.expert, n0 = blockIdx.y * kPrefillBn;
-  const int n_ksteps = (p.k + kPrefillBk - 1) / kPrefillBk;
-  const float out_scale = kIsNvfp4 ? p.global_scales[e] : 1.0f;
-
-  // Stage 1: gathered row offsets and the e2m1 table; then the pipeline's first x stages and W tiles.
-  for (int i = threadIdx.x; i < kBm; i += kPrefillThreads) {
-    xoff[i] = tw.row0 + i < tw.row_end ? x_row_offset(p, tw.row0 + i) : -1;
-  }
-  if constexpr (kIsNvfp4) lut[threadIdx.x] = e2m1_byte_to_bf16x2(threadIdx.x);
-  __syncthreads();
-  using WRegs = std::conditional_t<kIsNvfp4, PrefillWRegs, Bf16WRegs>;
-  auto load_w = [&](int kstep) -> WRegs {
-    if constexpr (kIsNvfp4) {
-      return prefill_load_w(p.packed + e * p.packed_stride, p.scales + e * p.scales_stride, p.n, p.k, n0, kstep);
-    } else {
-      return bf16_prefill_load_w(p.wbf + e * p.wbf_stride, p.n, p.k, n0, kstep);
-    }
-  };
-  auto store_w = [&](const WRegs& r, int buffer) {
-    if constexpr (kIsNvfp4) {
-      prefill_store_w(r, lut, ws + buffer * kPrefillBn * kPrefillLd);
-    } else {
-      bf16_prefill_store_w(r, ws + buffer * kPrefillBn * kPrefillLd);
-    }
-  };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_ksteps) prefill_load_x<kBm>(p, xoff, s, xs + s * kBm * kPrefillLd);
-    cp_async_commit();  // always, so the group count per step stays uniform
-  }
-  WRegs w = load_w(0);
-  store_w(w, 0);
-  if (n_ksteps > 1) w = load_w(1);
-
-  // Stage 2: the K loop, the dense prefill kernel's (gemm_nvfp4_w4a16.cu): change both together. One shared function
-  // would not be a pure refactor: called from it, the dense kernel's W addresses compile to other instructions.
-  float acc[kBm / 32][4][4] = {};
-  for (int ks = 0; ks < n_ksteps; ++ks) {
-    cp_async_wait<kStages - 2>();
-    // Step ks's x and W tiles are complete and every warp has finished step ks - 1, whose buffers we refill.
-    __syncthreads();
-    const int next = ks + kStages - 1;
-    if (next < n_ksteps) prefill_load_x<kBm>(p, xoff, next, xs + (next % kStages) * kBm * kPrefillLd);
-    cp_async_commit();
-    prefill_mma_step<kBm>(xs + (ks % kStages) * kBm * kPrefillLd, ws + (ks % 2) * kPrefillBn * kPrefillLd, acc);
-    if (ks + 1 < n_ksteps) {
-      store_w(w, (ks + 1) % 2);
-      if (ks + 2 < n_ksteps) w = load_w(ks + 2);
-    }
-  }
-  cp_async_wait<0>();
-
-  // Stage 3: y.
-  prefill_store_y<kBm>(p, tw, n0, out_scale, acc);
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// Host side: parameters, tile choices, launches.
-
-bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
-
-GemmParams make_params(const MoeGemmArgs& a) {
-  const MoeExpertWeights& w = a.w;
-  return GemmParams{.x = a.x,
-                    .ldx = a.ldx,
-                    .sorted_pairs = a.sorted_pairs,
-                    .top_k = static_cast<int>(a.top_k),
-                    .gather = a.gather,
-                    .offsets = a.expert_offsets,
-                    .n_experts = static_cast<int>(w.n_experts),
-                    .n = static_cast<int>(w.n),
-                    .k = static_cast<int>(w.k),
-                    .wbf = w.bf16,
-                    .wbf_stride = w.bf16_expert_stride,
-                    .packed = w.packed,
-                    .packed_stride = w.packed_expert_stride,
-                    .scales = w.scales,
-                    .scales_stride = w.scales_expert_stride,
-                    .global_scales = w.global_scales,
-                    .y = a.y,
-                    .ldy = a.ldy,
-                    .y_pairs = w.n % 2 == 0 && a.ldy % 2 == 0 && is_aligned(a.y, 4),
-                    .w2_block = std::numeric_limits<int>::max(),  // the decode launch sets it
-                    .n2 = static_cast<int>(a.w2.n),
-                    .wbf2 = a.w2.bf16,
-                    .wbf_stride2 = a.w2.bf16_expert_stride,
-                    .packed2 = a.w2.packed,
-                    .packed_stride2 = a.w2.packed_expert_stride,
-                    .scales2 = a.w2.scales,
-                    .scales_stride2 = a.w2.scales_expert_stride,
-                    .global_scales2 = a.w2.global_scales,
-                    .y2 = a.y + a.y2_offset,
-                    .route = a.route,
-                    .align = a.align};
-}
-
-// The arguments of w2 alone, for the prefill variant's second launch.
-MoeGemmArgs second_projection(const MoeGemmArgs& a) {
-  MoeGemmArgs b = a;
-  b.w = a.w2;
-  b.y = a.y + a.y2_offset;
-  b.w2 = MoeExpertWeights{};
-  b.y2_offset = 0;
-  return b;
-}
+// Host side: tile choices, launches.
 
 // A decode launch's parameters: the kernel's, the active-expert slots (grid y), and the shared memory a block gets
 // without opting in.
@@ -644,44 +369,6 @@ void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, const 
   decode_launch_split<kNvfp4, 1, kTokenTiles, true, kSiluX>(l, shape.split_k);
 }
 
-template <bool kIsNvfp4, int kBm, int kStages>
-void prefill_launch_tiles(const GemmParams& p, int64_t rows, int64_t n_experts, const DeviceContext& ctx) {
-  constexpr size_t kSmem = prefill_smem_bytes<kBm>(kStages);
-  TERN_CUDA_CHECK(cudaFuncSetAttribute(moe_prefill_kernel<kIsNvfp4, kBm, kStages>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-  const dim3 grid(static_cast<unsigned>((rows + kBm - 1) / kBm + n_experts),
-                  static_cast<unsigned>((p.n + kPrefillBn - 1) / kPrefillBn));
-  launch_kernel(ctx, moe_prefill_kernel<kIsNvfp4, kBm, kStages>, grid, dim3(kPrefillThreads), kSmem, p);
-  TERN_CUDA_CHECK_LAUNCH();
-}
-
-template <bool kIsNvfp4, int kBm>
-void prefill_launch_stages(const GemmParams& p, const MoeGemmArgs& a, int stages, const DeviceContext& ctx) {
-  if (stages == 4) return prefill_launch_tiles<kIsNvfp4, kBm, 4>(p, a.rows, a.w.n_experts, ctx);
-  if (stages == 3) return prefill_launch_tiles<kIsNvfp4, kBm, 3>(p, a.rows, a.w.n_experts, ctx);
-  prefill_launch_tiles<kIsNvfp4, kBm, 2>(p, a.rows, a.w.n_experts, ctx);
-}
-
-template <int kBm>
-void prefill_launch_format(const GemmParams& p, const MoeGemmArgs& a, const DeviceProps& props,
-                           const DeviceContext& ctx) {
-  // As many x stages (up to 4) as fit twice in one SM's shared memory, so two blocks overlap each other's
-  // barriers, and at least within the per-block opt-in limit.
-  auto fits = [&](int stages) {
-    const size_t bytes = prefill_smem_bytes<kBm>(stages);
-    return bytes <= props.shared_mem_per_block_optin && 2 * bytes <= props.shared_mem_per_sm;
-  };
-  const int stages = fits(4) ? 4 : fits(3) ? 3 : 2;
-  if (a.w.format == MoeWeightFormat::kNvfp4) return prefill_launch_stages<kNvfp4, kBm>(p, a, stages, ctx);
-  prefill_launch_stages<!kNvfp4, kBm>(p, a, stages, ctx);
-}
-
-void prefill_launch_projection(const DeviceContext& ctx, const MoeGemmArgs& a) {
-  const GemmParams p = make_params(a);
-  if (a.rows >= 128 * a.w.n_experts) return prefill_launch_format<128>(p, a, ctx.props(), ctx);
-  prefill_launch_format<64>(p, a, ctx.props(), ctx);
-}
-
 }  // namespace
 
 void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& a) {
@@ -699,17 +386,9 @@ size_t moe_gemm_silu_smem_bytes(int64_t k) {
   return silu_act_bytes(k, 2) + kDecodeMaxRedBytes;
 }
 
-// Row tiles of 128 halve the W dequantisation per output, but each expert's last tile is partial: while experts
-// average fewer than 128 rows, 64-row tiles waste less. Prefill is bound by arithmetic, not by filling the SMs, so
-// w2 is simply a second launch.
-void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& a) {
-  prefill_launch_projection(ctx, a);
-  if (a.w2.n != 0) prefill_launch_projection(ctx, second_projection(a));
-}
-
 // What the driver loaded of this module for the current device (module_attributes.h).
-cudaError_t moe_gemm_module_attributes(cudaFuncAttributes* out) {
-  return cudaFuncGetAttributes(out, moe_prefill_kernel<true, 128, 2>);
+cudaError_t moe_gemm_decode_module_attributes(cudaFuncAttributes* out) {
+  return cudaFuncGetAttributes(out, moe_decode_kernel<true, 1, 4, 1, true, false>);
 }
 
 }  // namespace tern
