@@ -4,7 +4,7 @@
 #include <numeric>
 #include <random>
 
-#include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention/attention.h"
 #include "ops/cuda_util.h"
 
 namespace tern {

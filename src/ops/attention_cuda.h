@@ -8,7 +8,7 @@
 #include <memory>
 
 #include "core/error.h"
-#include "kernels/cuda/attention_launch.h"
+#include "kernels/cuda/attention/attention_launch.h"
 #include "ops/attention_op.h"
 #include "ops/elementwise_cuda.h"
 #include "ops/registry.h"

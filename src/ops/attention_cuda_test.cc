@@ -9,7 +9,7 @@
 
 #include <fmt/format.h>
 
-#include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention/attention.h"
 #include "ops/attention_cuda.h"
 #include "ops/cuda_fault_test_util.h"
 #include "ops/cuda_op_test.h"

@@ -21,7 +21,9 @@ std::vector<CudaModuleReport> cuda_modules_describe() {
                                                    {"gated_delta", gated_delta_module_attributes},
                                                    {"moe_route", moe_route_module_attributes},
                                                    {"moe_gemm", moe_gemm_module_attributes},
+                                                   {"moe_gemm_decode", moe_gemm_decode_module_attributes},
                                                    {"sampling", sampling_module_attributes},
+                                                   {"sampling_partials", sampling_partials_module_attributes},
                                                    {"gemv_bf16", gemv_bf16_module_attributes}};
   std::vector<CudaModuleReport> out;
   for (const auto& [name, query] : modules) {

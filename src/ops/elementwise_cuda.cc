@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/elementwise/elementwise.h"
 #include "ops/cuda_util.h"
 
 namespace tern {

@@ -7,7 +7,7 @@
 #include <memory>
 
 #include "core/error.h"
-#include "kernels/cuda/elementwise_launch.h"
+#include "kernels/cuda/elementwise/elementwise_launch.h"
 #include "ops/elementwise_op.h"
 #include "ops/registry.h"
 

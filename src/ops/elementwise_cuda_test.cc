@@ -11,7 +11,7 @@
 #include <fmt/format.h>
 
 #include "core/formats.h"
-#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/elementwise/elementwise.h"
 #include "ops/cuda_fault_test_util.h"
 #include "ops/cuda_op_test.h"
 #include "ops/cuda_util.h"

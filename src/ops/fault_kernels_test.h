@@ -1,11 +1,11 @@
 // Deliberately racy CUDA kernels for the registry's race tests (fault_kernels_test.cu, compiled into
 // ops_race_cuda_test only, never into tern). Both implement the plain rms_norm (no residual, no gate: y = w * x̂)
-// over rows of `dim` bf16 values with the contract of RmsNormArgs (kernels/cuda/elementwise_launch.h); the launchers
-// are unchecked and ignore the residual, gate and zero_centred fields. compute-sanitizer's racecheck reports the
-// shared-memory race of the first one: that is the point, so keep this binary out of tools/device/sanitize.sh.
+// over rows of `dim` bf16 values with the contract of RmsNormArgs (kernels/cuda/elementwise/elementwise_launch.h); the
+// launchers are unchecked and ignore the residual, gate and zero_centred fields. compute-sanitizer's racecheck reports
+// the shared-memory race of the first one: that is the point, so keep this binary out of tools/device/sanitize.sh.
 #pragma once
 
-#include "kernels/cuda/elementwise_launch.h"
+#include "kernels/cuda/elementwise/elementwise_launch.h"
 
 namespace tern {
 

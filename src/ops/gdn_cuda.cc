@@ -5,8 +5,8 @@
 #include <cstring>
 
 #include "core/formats.h"
-#include "kernels/cuda/elementwise.h"
-#include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/elementwise/elementwise.h"
+#include "kernels/cuda/gated_delta/gated_delta.h"
 #include "ops/cuda_util.h"
 
 namespace tern {

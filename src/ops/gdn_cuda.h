@@ -9,7 +9,7 @@
 #include <memory>
 
 #include "core/error.h"
-#include "kernels/cuda/gated_delta_launch.h"
+#include "kernels/cuda/gated_delta/gated_delta_launch.h"
 #include "ops/gdn_op.h"
 #include "ops/registry.h"
 

@@ -9,7 +9,7 @@
 
 #include <fmt/format.h>
 
-#include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/gated_delta/gated_delta.h"
 #include "ops/cuda_fault_test_util.h"
 #include "ops/cuda_op_test.h"
 #include "ops/cuda_util.h"

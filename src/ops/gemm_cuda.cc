@@ -8,10 +8,10 @@
 
 #include "core/formats.h"
 #include "kernels/cuda/device.h"
-#include "kernels/cuda/elementwise.h"
-#include "kernels/cuda/gemm_bf16.h"
-#include "kernels/cuda/gemm_nvfp4_w4a16.h"
-#include "kernels/cuda/gemv_bf16.h"
+#include "kernels/cuda/elementwise/elementwise.h"
+#include "kernels/cuda/gemm/gemm_bf16.h"
+#include "kernels/cuda/gemm/gemm_nvfp4_w4a16.h"
+#include "kernels/cuda/gemv/gemv_bf16.h"
 #include "ops/cuda_util.h"
 #include "ops/gemm_op.h"
 

@@ -11,7 +11,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda/device.h"
-#include "kernels/cuda/gemv_bf16.h"
+#include "kernels/cuda/gemv/gemv_bf16.h"
 #include "ops/registry.h"
 
 namespace tern {

@@ -8,9 +8,9 @@
 
 #include <cstdio>
 
-#include "kernels/cuda/gemm_bf16.h"
-#include "kernels/cuda/gemm_nvfp4_w4a16.h"
-#include "kernels/cuda/gemv_bf16.h"
+#include "kernels/cuda/gemm/gemm_bf16.h"
+#include "kernels/cuda/gemm/gemm_nvfp4_w4a16.h"
+#include "kernels/cuda/gemv/gemv_bf16.h"
 #include "ops/cuda_op_test.h"
 #include "ops/gemm_op.h"
 

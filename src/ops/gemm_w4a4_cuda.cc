@@ -2,8 +2,8 @@
 
 #include <vector>
 
-#include "kernels/cuda/gemm_nvfp4_native.h"
-#include "kernels/cuda/nvfp4_scale_layout.h"
+#include "kernels/cuda/gemm/gemm_nvfp4_native.h"
+#include "kernels/cuda/nvfp4/nvfp4_scale_layout.h"
 #include "ops/cuda_util.h"
 #include "ops/gemm_cuda.h"
 #include "ops/gemm_w4a4_op.h"

@@ -1,5 +1,5 @@
 // The CUDA implementation of the W4A4 GEMM op (built only with CUDA): "fp4-native", cuBLASLt's block-scaled FP4 GEMM
-// with our activation quantizer (kernels/cuda/gemm_nvfp4_native.h), declared by gemm_w4a4_native_implementation()
+// with our activation quantizer (kernels/cuda/gemm/gemm_nvfp4_native.h), declared by gemm_w4a4_native_implementation()
 // in gemm_w4a4_op.h with this binary's image (cuda_binary_image()).
 #pragma once
 

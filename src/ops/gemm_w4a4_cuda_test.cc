@@ -8,8 +8,8 @@
 
 #include <gtest/gtest.h>
 
-#include "kernels/cuda/gemm_nvfp4_native.h"
-#include "kernels/cuda/nvfp4_scale_layout.h"
+#include "kernels/cuda/gemm/gemm_nvfp4_native.h"
+#include "kernels/cuda/nvfp4/nvfp4_scale_layout.h"
 #include "ops/cuda_fault_test_util.h"
 #include "ops/cuda_op_test.h"
 #include "ops/cuda_util.h"

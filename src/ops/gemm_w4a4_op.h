@@ -6,8 +6,8 @@
 // fake-quantized activations and the dequantized weight.
 //
 // Implementations: "cpu" (layers/linear.h with set_input_quantization, the CPU model's W4A4 path) and, in CUDA builds,
-// "fp4-native" (cuBLASLt block-scaled FP4, kernels/cuda/gemm_nvfp4_native.h), which needs FP4 tensor cores: on sm_90
-// this op has no CUDA implementation, and GPUs without FP4 run NVFP4 layers through gemm_nvfp4 (W4A16) instead.
+// "fp4-native" (cuBLASLt block-scaled FP4, kernels/cuda/gemm/gemm_nvfp4_native.h), which needs FP4 tensor cores: on
+// sm_90 this op has no CUDA implementation, and GPUs without FP4 run NVFP4 layers through gemm_nvfp4 (W4A16) instead.
 #pragma once
 
 #include <functional>

@@ -2,9 +2,9 @@
 
 #include <algorithm>
 
-#include "kernels/cuda/elementwise.h"
-#include "kernels/cuda/gemm_bf16.h"
-#include "kernels/cuda/gemv_bf16.h"
+#include "kernels/cuda/elementwise/elementwise.h"
+#include "kernels/cuda/gemm/gemm_bf16.h"
+#include "kernels/cuda/gemv/gemv_bf16.h"
 #include "ops/cuda_util.h"
 
 namespace tern {

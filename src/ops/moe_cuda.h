@@ -1,12 +1,12 @@
 // The CUDA implementation ("cuda") of the moe op (built only with CUDA), run through the harness of ops/moe_op.h:
 // the router GEMM (cuBLASLt, with the shared expert gate as one more output column), the bf16 shared expert
-// (cuBLASLt + silu_mul), then moe_forward (route, align, grouped GEMMs, combine; kernels/cuda/moe.h).
+// (cuBLASLt + silu_mul), then moe_forward (route, align, grouped GEMMs, combine; kernels/cuda/moe/moe.h).
 #pragma once
 
 #include <memory>
 
 #include "core/error.h"
-#include "kernels/cuda/moe.h"
+#include "kernels/cuda/moe/moe.h"
 #include "ops/elementwise_cuda.h"
 #include "ops/moe_op.h"
 #include "ops/registry.h"

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <bit>
 
-#include "kernels/cuda/sampling.h"
+#include "kernels/cuda/sampling/sampling.h"
 #include "ops/cuda_util.h"
 
 namespace tern {

@@ -1,5 +1,5 @@
 // The CUDA implementation ("cuda") of the sampling op (built only with CUDA), run through the harness of
-// ops/sampling_op.h: kernels/cuda/sampling.h samples every row of a case in one launch, each row with its own
+// ops/sampling_op.h: kernels/cuda/sampling/sampling.h samples every row of a case in one launch, each row with its own
 // parameters, penalty ids and the draw the CPU Sampler would take. The runner uploads a case, lets a caller adjust
 // the kernel arguments (the GPU tests inject faults that way) and times the launch with the outputs poisoned first.
 #pragma once
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "kernels/cuda/sampling_launch.h"
+#include "kernels/cuda/sampling/sampling_launch.h"
 #include "ops/elementwise_cuda.h"
 #include "ops/registry.h"
 #include "ops/sampling_op.h"

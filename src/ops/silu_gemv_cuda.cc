@@ -5,8 +5,8 @@
 #include <limits>
 #include <string>
 
-#include "kernels/cuda/elementwise.h"
-#include "kernels/cuda/gemv_bf16.h"
+#include "kernels/cuda/elementwise/elementwise.h"
+#include "kernels/cuda/gemv/gemv_bf16.h"
 #include "ops/cuda_util.h"
 #include "ops/silu_gemv_op.h"
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda/gemv_bf16.h"
+#include "kernels/cuda/gemv/gemv_bf16.h"
 #include "ops/cuda_op_test.h"
 #include "ops/silu_gemv_op.h"
 

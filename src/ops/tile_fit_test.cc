@@ -8,8 +8,8 @@
 
 #include <fmt/format.h>
 
-#include "kernels/cuda/attention.h"
-#include "kernels/cuda/gated_delta_launch.h"
+#include "kernels/cuda/attention/attention.h"
+#include "kernels/cuda/gated_delta/gated_delta_launch.h"
 #include "ops/device.h"
 
 namespace tern {

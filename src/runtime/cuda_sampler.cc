@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "core/formats.h"
-#include "kernels/cuda/sampling.h"
+#include "kernels/cuda/sampling/sampling.h"
 
 namespace tern {
 

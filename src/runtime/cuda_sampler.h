@@ -13,7 +13,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda/device.h"
-#include "kernels/cuda/sampling_launch.h"
+#include "kernels/cuda/sampling/sampling_launch.h"
 #include "runtime/model_runner.h"
 
 namespace tern {

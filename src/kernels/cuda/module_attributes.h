@@ -14,8 +14,10 @@ cudaError_t attention_prefill_module_attributes(cudaFuncAttributes* out);
 cudaError_t elementwise_module_attributes(cudaFuncAttributes* out);
 cudaError_t gated_delta_module_attributes(cudaFuncAttributes* out);
 cudaError_t moe_route_module_attributes(cudaFuncAttributes* out);
-cudaError_t moe_gemm_module_attributes(cudaFuncAttributes* out);
+cudaError_t moe_gemm_module_attributes(cudaFuncAttributes* out);  // moe_gemm_prefill.cu, reported as moe_gemm
+cudaError_t moe_gemm_decode_module_attributes(cudaFuncAttributes* out);
 cudaError_t sampling_module_attributes(cudaFuncAttributes* out);
+cudaError_t sampling_partials_module_attributes(cudaFuncAttributes* out);
 cudaError_t gemm_nvfp4_module_attributes(cudaFuncAttributes* out);
 cudaError_t gemv_bf16_module_attributes(cudaFuncAttributes* out);
 

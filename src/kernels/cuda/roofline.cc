@@ -1,7 +1,7 @@
 #include "kernels/cuda/roofline.h"
 
 #include "kernels/cuda/bench_timing.h"
-#include "kernels/cuda/gemm_bf16.h"
+#include "kernels/cuda/gemm/gemm_bf16.h"
 
 namespace tern {
 

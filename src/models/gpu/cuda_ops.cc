@@ -7,9 +7,9 @@
 #include <optional>
 
 #include "core/formats.h"
-#include "kernels/cuda/elementwise.h"
-#include "kernels/cuda/gemv_bf16.h"
-#include "kernels/cuda/moe.h"
+#include "kernels/cuda/elementwise/elementwise.h"
+#include "kernels/cuda/gemv/gemv_bf16.h"
+#include "kernels/cuda/moe/moe.h"
 #include "layers/attention.h"
 #include "layers/gated_deltanet.h"
 #include "layers/moe.h"

@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "core/error.h"
-#include "kernels/cuda/attention.h"
+#include "kernels/cuda/attention/attention.h"
 #include "kernels/cuda/device.h"
-#include "kernels/cuda/gated_delta.h"
+#include "kernels/cuda/gated_delta/gated_delta.h"
 #include "layers/block_ops.h"
 #include "models/causal_lm.h"
 #include "models/gpu/gpu_weights.h"

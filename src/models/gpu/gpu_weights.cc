@@ -3,9 +3,9 @@
 #include <cstring>
 
 #include "core/formats.h"
-#include "kernels/cuda/gemm_bf16.h"
-#include "kernels/cuda/gemm_nvfp4_w4a16.h"
-#include "kernels/cuda/gemv_bf16.h"
+#include "kernels/cuda/gemm/gemm_bf16.h"
+#include "kernels/cuda/gemm/gemm_nvfp4_w4a16.h"
+#include "kernels/cuda/gemv/gemv_bf16.h"
 
 namespace tern {
 namespace {

@@ -12,7 +12,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda/device.h"
-#include "kernels/cuda/moe.h"
+#include "kernels/cuda/moe/moe.h"
 #include "layers/linear.h"
 #include "layers/moe.h"
 

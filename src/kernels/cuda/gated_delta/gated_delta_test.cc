@@ -1,0 +1,356 @@
+// The Gated DeltaNet kernels against the CPU path (kernels/cpu/gated_delta.h with layers/gated_deltanet.cc's fp32
+// preparation, via ops/gdn_op.h) on fresh random bf16-exact inputs: ragged batches mixing new sequences (NaN in
+// their slot) and continuing ones, every head shape, both delta-rule kernels, lengths up to 4096, prefill followed by
+// decode steps continuing the same states, a slot outside the batch that must stay as it was, poisoned outputs with
+// poisoned rows past the batch, and bad arguments. Label: gpu.
+//
+// Tolerances. conv: y is bf16, so |y - ref| <= 2^-8 |ref| (round to nearest moves a value by at most half an ulp,
+// 2^-8 relative) + 2^-16 max|ref| (fp32 sums of <= 8 products and expf, ~1e-7); the conv state is a copy of bf16
+// inputs: exact. Delta rule: out is bf16: 2^-8 |ref| + 2^-10 max|out_ref|; the state is fp32: 2^-12 max|S_ref|.
+// The fp32 terms cover the two fp32 computations differing in order (the chunked form sums over chunks and applies
+// decays as exp of sums): each token adds rounding near 2^-24 sqrt(dk) of the state's scale, and the recurrence
+// contracts (decay <= 1, I - beta k k^T has norm <= 1), so errors do not compound; over 4096 tokens a random walk of
+// them stays below ~1e-5 of the scale, 20x under 2^-12. A wrong decay, key head, chunk boundary or missing state
+// is off by O(1) of the scale.
+#include "kernels/cuda/gated_delta/gated_delta.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/formats.h"
+#include "kernels/cuda/device_test_util.h"
+#include "ops/gdn_op.h"
+#include "ops/registry.h"
+#include "ops/verify.h"
+
+namespace tern {
+namespace {
+
+constexpr uint16_t kPoison = kPoisonBf16Bits;
+constexpr int64_t kSpareRows = 3;  // poisoned rows after the batch's rows, which no kernel may write
+
+using cuda_test::download;
+using cuda_test::upload;
+
+// A sub-batch: sequence s of the inputs processes its rows [first[s], first[s] + count[s]).
+struct Step {
+  std::vector<int64_t> first, count;
+};
+
+// Gathers the rows of `step` into one contiguous call, as the engine does for a mixed batch.
+struct StepBatch {
+  GdnBatch batch;
+  std::vector<int64_t> rows;  // source row of each call row
+};
+
+StepBatch step_batch(const GdnBatch& full, const Step& step) {
+  StepBatch b;
+  b.batch = GdnBatch{.query_start = {0}, .n_seqs = full.n_seqs, .n_slots = full.n_slots};
+  for (int64_t s = 0; s < full.n_seqs; ++s) {
+    for (int64_t i = 0; i < step.count[s]; ++i) b.rows.push_back(full.query_start[s] + step.first[s] + i);
+    b.batch.query_start.push_back(static_cast<int32_t>(b.rows.size()));
+    b.batch.state_slot.push_back(full.state_slot[s]);
+    b.batch.seq_past.push_back(static_cast<int32_t>(full.seq_past[s] + step.first[s]));
+    b.batch.max_query_len = std::max(b.batch.max_query_len, step.count[s]);
+  }
+  b.batch.tokens = static_cast<int64_t>(b.rows.size());
+  return b;
+}
+
+template <class T>
+std::vector<T> gather_rows(const std::vector<T>& src, int64_t stride, const std::vector<int64_t>& rows) {
+  std::vector<T> out;
+  for (int64_t r : rows) out.insert(out.end(), src.begin() + r * stride, src.begin() + (r + 1) * stride);
+  return out;
+}
+
+struct DeviceMeta {
+  DeviceBuffer query_start, state_slot, seq_past;
+  GdnSequences seqs(const GdnBatch& b) const {
+    return {.query_start = query_start.as<int32_t>(), .state_slot = state_slot.as<int32_t>(),
+            .seq_past = seq_past.as<int32_t>(), .n_seqs = b.n_seqs, .tokens = b.tokens,
+            .max_query_len = b.max_query_len};
+  }
+};
+DeviceMeta meta_upload(const GdnBatch& b) {
+  return {upload(b.query_start), upload(b.state_slot), upload(b.seq_past)};
+}
+
+// Checks got against want with per-element |err| <= rel |want| + abs_of_max max|want|; NaN never passes.
+void expect_close(const std::vector<float>& got, const std::vector<float>& want, double rel, double abs_of_max,
+                  const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double ref_max = 0.0, worst = 0.0;
+  for (float w : want) ref_max = std::max(ref_max, std::fabs(double(w)));
+  int64_t bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double allowed = rel * std::fabs(double(want[i])) + abs_of_max * ref_max;
+    const double err = std::fabs(double(got[i]) - want[i]);
+    const bool ok = std::isfinite(got[i]) && err <= allowed;
+    if (std::isfinite(got[i]) && allowed > 0) worst = std::max(worst, err / allowed);
+    if (!ok && ++bad <= 5) ADD_FAILURE() << what << ": element " << i << " = " << got[i] << ", want " << want[i];
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " wrong";
+  std::printf("%-64s max error / allowed = %.3f\n", what.c_str(), worst);
+}
+
+std::vector<float> widen_bf16(const std::vector<uint16_t>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_to_float(v[i]);
+  return out;
+}
+
+class GdnKernels : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int count = 0;
+    ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+    ASSERT_GT(count, 0) << "no CUDA device";
+    ctx_ = std::make_unique<DeviceContext>(0);
+    ASSERT_TRUE(gdn_register_cpu(registry_).has_value());
+  }
+  template <class Inputs>
+  Inputs make(const std::string& op, const SelfTestCase& c, uint64_t seed) {
+    auto in = registry_.harness(op)->make_inputs(c, seed);
+    EXPECT_TRUE(in.has_value());
+    return static_cast<Inputs&>(**in);
+  }
+
+  // Runs the delta rule over `steps` in order on one device state; returns [out (all rows) | final state].
+  std::vector<float> run_delta(const GdnDeltaRuleInputs& in, const std::vector<Step>& steps, GdnVariant variant) {
+    const int64_t hv = in.n_value_heads, dv = in.value_dim;
+    DeviceBuffer state = upload(in.state);
+    const DeviceBuffer a_log = upload(in.a_log), dt_bias = upload(in.dt_bias);
+    std::vector<float> out(static_cast<size_t>(in.batch.tokens * hv * dv), std::bit_cast<float>(kPoisonF32Bits));
+    for (const Step& step : steps) {
+      const StepBatch sb = step_batch(in.batch, step);
+      const DeviceBuffer qkv = upload(gather_rows(in.qkv, in.qkv_stride, sb.rows));
+      const DeviceBuffer a = upload(gather_rows(in.a, in.ab_stride, sb.rows));
+      const DeviceBuffer b = upload(gather_rows(in.b, in.ab_stride, sb.rows));
+      const DeviceMeta meta = meta_upload(sb.batch);
+      const size_t out_count = static_cast<size_t>((sb.batch.tokens + kSpareRows) * hv * dv);
+      DeviceBuffer dout = upload(std::vector<uint16_t>(out_count, kPoison));
+      const GdnDeltaRuleArgs args{.qkv = qkv.as<uint16_t>(), .qkv_stride = in.qkv_stride, .a = a.as<uint16_t>(),
+                                  .b = b.as<uint16_t>(), .ab_stride = in.ab_stride, .a_log = a_log.as<float>(),
+                                  .dt_bias = dt_bias.as<float>(), .state = state.as<float>(),
+                                  .out = dout.as<uint16_t>(), .seqs = meta.seqs(sb.batch),
+                                  .n_key_heads = in.n_key_heads, .n_value_heads = hv, .key_dim = in.key_dim,
+                                  .value_dim = dv};
+      const auto status = gdn_delta_rule(*ctx_, args, variant);
+      EXPECT_TRUE(status.has_value()) << (status ? "" : status.error().message);
+      ctx_->synchronize();
+      const std::vector<uint16_t> host = download<uint16_t>(dout, out_count);
+      for (size_t r = 0; r < sb.rows.size(); ++r) {
+        for (int64_t i = 0; i < hv * dv; ++i) {
+          const uint16_t v = host[r * hv * dv + i];
+          out[sb.rows[r] * hv * dv + i] = v == kPoison ? std::bit_cast<float>(kPoisonF32Bits) : bf16_to_float(v);
+        }
+      }
+      for (size_t i = sb.rows.size() * hv * dv; i < out_count; ++i) {
+        EXPECT_EQ(host[i], kPoison) << "a row past the batch was written";
+      }
+    }
+    const std::vector<float> st = download<float>(state, in.state.size());
+    out.insert(out.end(), st.begin(), st.end());
+    return out;
+  }
+
+  void check_delta(const GdnDeltaRuleInputs& in, const std::vector<float>& got, const std::string& what) {
+    const std::vector<float> want = gdn_delta_rule_cpu(in);
+    const auto split = static_cast<std::ptrdiff_t>(in.batch.tokens * in.n_value_heads * in.value_dim);
+    expect_close({got.begin(), got.begin() + split}, {want.begin(), want.begin() + split}, 0x1p-8, 0x1p-10,
+                 what + " out");
+    expect_close({got.begin() + split, got.end()}, {want.begin() + split, want.end()}, 0.0, 0x1p-12, what + " state");
+  }
+
+  std::unique_ptr<DeviceContext> ctx_;
+  Registry registry_;
+};
+
+Step whole(const GdnBatch& b) {
+  Step s;
+  for (int64_t i = 0; i < b.n_seqs; ++i) {
+    s.first.push_back(0);
+    s.count.push_back(b.query_start[i + 1] - b.query_start[i]);
+  }
+  return s;
+}
+
+// Prefill of the first `prefill` rows (fewer if the sequence is shorter), then one row per sequence per step.
+std::vector<Step> prefill_then_decode(const GdnBatch& b, int64_t prefill) {
+  std::vector<Step> steps;
+  Step first = whole(b);
+  for (auto& c : first.count) c = std::min(c, prefill);
+  steps.push_back(first);
+  for (int64_t done = prefill;; ++done) {
+    Step next;
+    bool any = false;
+    for (int64_t s = 0; s < b.n_seqs; ++s) {
+      const int64_t len = b.query_start[s + 1] - b.query_start[s];
+      next.first.push_back(std::min(done, len));
+      next.count.push_back(done < len ? 1 : 0);
+      any = any || done < len;
+    }
+    if (!any) break;
+    steps.push_back(next);
+  }
+  return steps;
+}
+
+const char* variant_name(GdnVariant v) {
+  return v == GdnVariant::kRecurrent ? "recurrent" : v == GdnVariant::kChunked ? "chunked" : "auto";
+}
+
+struct Heads {
+  int64_t hk, hv, dk, dv;
+};
+constexpr Heads kHeadShapes[] = {{2, 2, 32, 32}, {1, 2, 64, 32}, {2, 8, 32, 64}, {1, 4, 128, 128},
+                                 {2, 4, 64, 128}, {3, 3, 128, 64}};
+
+TEST_F(GdnKernels, DeltaRuleMatchesCpuOnRaggedBatches) {
+  uint64_t seed = 11;
+  for (const GdnVariant v : {GdnVariant::kRecurrent, GdnVariant::kChunked}) {
+    for (const Heads& h : kHeadShapes) {
+      for (const auto& [n_seqs, max_len] : {std::pair<int64_t, int64_t>{7, 1}, {5, 37}, {3, 130}}) {
+        const auto c = gdn_delta_rule_case(n_seqs, max_len, h.hk, h.hv, h.dk, h.dv);
+        const auto in = make<GdnDeltaRuleInputs>("gdn_delta_rule", c, ++seed);
+        check_delta(in, run_delta(in, {whole(in.batch)}, v), fmt::format("{} {}", variant_name(v), c.label));
+      }
+    }
+  }
+}
+
+TEST_F(GdnKernels, DeltaRuleLongSequences) {
+  for (const GdnVariant v : {GdnVariant::kChunked, GdnVariant::kRecurrent}) {
+    for (const Heads& h : {Heads{1, 2, 128, 128}, Heads{1, 4, 32, 32}}) {
+      const auto c = gdn_delta_rule_case(2, 4096, h.hk, h.hv, h.dk, h.dv);
+      const auto in = make<GdnDeltaRuleInputs>("gdn_delta_rule", c, 77);
+      check_delta(in, run_delta(in, {whole(in.batch)}, v), fmt::format("{} {}", variant_name(v), c.label));
+    }
+  }
+}
+
+// Prefill (auto picks chunked above 16 rows) then decode steps (auto picks recurrent) on the same states must
+// match one CPU pass over all the rows.
+TEST_F(GdnKernels, PrefillThenDecodeContinuesTheState) {
+  for (const Heads& h : {Heads{2, 4, 128, 128}, Heads{1, 2, 32, 64}}) {
+    for (const int64_t prefill : {5, 70}) {
+      const auto c = gdn_delta_rule_case(4, 90, h.hk, h.hv, h.dk, h.dv);
+      const auto in = make<GdnDeltaRuleInputs>("gdn_delta_rule", c, 200 + prefill);
+      check_delta(in, run_delta(in, prefill_then_decode(in.batch, prefill), GdnVariant::kAuto),
+                  fmt::format("prefill {} then decode, {}", prefill, c.label));
+    }
+  }
+}
+
+// conv over `steps` in order on one device conv state; returns [y | final conv state].
+std::vector<float> run_conv(const DeviceContext& ctx, const GdnConvInputs& in, const std::vector<Step>& steps) {
+  DeviceBuffer state = upload(in.conv_state);
+  const DeviceBuffer w = upload(in.weight);
+  std::vector<float> y(static_cast<size_t>(in.batch.tokens * in.channels), std::bit_cast<float>(kPoisonF32Bits));
+  for (const Step& step : steps) {
+    const StepBatch sb = step_batch(in.batch, step);
+    const DeviceBuffer x = upload(gather_rows(in.x, in.x_stride, sb.rows));
+    const DeviceMeta meta = meta_upload(sb.batch);
+    const size_t count = static_cast<size_t>((sb.batch.tokens + kSpareRows) * in.channels);
+    DeviceBuffer dy = upload(std::vector<uint16_t>(count, kPoison));
+    const GdnConvArgs args{.x = x.as<uint16_t>(), .x_stride = in.x_stride, .weight = w.as<float>(),
+                           .conv_state = state.as<uint16_t>(), .y = dy.as<uint16_t>(), .seqs = meta.seqs(sb.batch),
+                           .channels = in.channels, .kernel = in.kernel};
+    const auto status = gdn_conv1d(ctx, args);
+    EXPECT_TRUE(status.has_value()) << (status ? "" : status.error().message);
+    ctx.synchronize();
+    const std::vector<uint16_t> host = download<uint16_t>(dy, count);
+    for (size_t r = 0; r < sb.rows.size(); ++r) {
+      for (int64_t c = 0; c < in.channels; ++c) {
+        const uint16_t v = host[r * in.channels + c];
+        y[sb.rows[r] * in.channels + c] = v == kPoison ? std::bit_cast<float>(kPoisonF32Bits) : bf16_to_float(v);
+      }
+    }
+    for (size_t i = sb.rows.size() * in.channels; i < count; ++i) EXPECT_EQ(host[i], kPoison) << "row past the batch";
+  }
+  const std::vector<float> st = widen_bf16(download<uint16_t>(state, in.conv_state.size()));
+  y.insert(y.end(), st.begin(), st.end());
+  return y;
+}
+
+TEST_F(GdnKernels, ConvMatchesCpuOnRaggedBatchesAndContinues) {
+  uint64_t seed = 300;
+  for (const int64_t kernel : {2, 3, 4, 5, 8}) {
+    for (const int64_t channels : {64, 1000}) {
+      for (const auto& [n_seqs, max_len] : {std::pair<int64_t, int64_t>{9, 1}, {5, 21}, {2, 300}}) {
+        const auto c = gdn_conv_case(n_seqs, max_len, channels, kernel);
+        const auto in = make<GdnConvInputs>("gdn_conv", c, ++seed);
+        const std::vector<float> want = gdn_conv_cpu(in);
+        const auto split = static_cast<std::ptrdiff_t>(in.batch.tokens * channels);
+        for (const bool stepped : {false, true}) {
+          const auto got = stepped ? run_conv(*ctx_, in, prefill_then_decode(in.batch, 2))
+                                   : run_conv(*ctx_, in, {whole(in.batch)});
+          const std::string what = c.label + (stepped ? " prefill 2 then decode" : "");
+          expect_close({got.begin(), got.begin() + split}, {want.begin(), want.begin() + split}, 0x1p-8, 0x1p-16,
+                       what + " y");
+          expect_close({got.begin() + split, got.end()}, {want.begin() + split, want.end()}, 0.0, 0.0, what + " state");
+        }
+      }
+    }
+  }
+}
+
+TEST_F(GdnKernels, QwenShapesRun) {
+  // Qwen3.5-397B's per-GPU shapes at tensor parallel 4 (Hk 4, Hv 16) and unsharded conv channels 12288.
+  const auto conv = make<GdnConvInputs>("gdn_conv", gdn_conv_case(3, 64, 12288, 4), 5);
+  const std::vector<float> want = gdn_conv_cpu(conv);
+  const std::vector<float> got = run_conv(*ctx_, conv, {whole(conv.batch)});
+  expect_close(got, want, 0x1p-8, 0x1p-16, "conv Qwen3.5 C=12288 (y | state)");
+  const auto in = make<GdnDeltaRuleInputs>("gdn_delta_rule", gdn_delta_rule_case(3, 200, 4, 16, 128, 128), 6);
+  check_delta(in, run_delta(in, {whole(in.batch)}, GdnVariant::kAuto), "auto Qwen3.5 Hk=4 Hv=16");
+}
+
+TEST_F(GdnKernels, BadArgumentsAreErrors) {
+  DeviceBuffer buf(1 << 16);
+  const GdnSequences seqs{.query_start = buf.as<int32_t>(), .state_slot = buf.as<int32_t>(),
+                          .seq_past = buf.as<int32_t>(), .n_seqs = 1, .tokens = 4, .max_query_len = 4};
+  const GdnDeltaRuleArgs good{.qkv = buf.as<uint16_t>(), .qkv_stride = 2 * 32 + 32, .a = buf.as<uint16_t>(),
+                              .b = buf.as<uint16_t>(), .ab_stride = 1, .a_log = buf.as<float>(),
+                              .dt_bias = buf.as<float>(), .state = buf.as<float>(), .out = buf.as<uint16_t>(),
+                              .seqs = seqs, .n_key_heads = 1, .n_value_heads = 1, .key_dim = 32, .value_dim = 32};
+  auto expect_error = [&](GdnDeltaRuleArgs a, const std::string& message) {
+    const auto r = gdn_delta_rule(*ctx_, a);
+    ASSERT_FALSE(r.has_value()) << message;
+    EXPECT_NE(r.error().message.find(message), std::string::npos) << r.error().message;
+  };
+  expect_error([&] { auto a = good; a.key_dim = 96; return a; }(), "key_dim=96 must be 32, 64 or 128");
+  expect_error([&] { auto a = good; a.value_dim = 16; return a; }(), "value_dim=16");
+  expect_error([&] { auto a = good; a.n_value_heads = 3; a.n_key_heads = 2; return a; }(), "n_value_heads=3");
+  expect_error([&] { auto a = good; a.qkv_stride = 90; return a; }(), "qkv_stride=90 is less than");
+  expect_error([&] { auto a = good; a.state = nullptr; return a; }(), "null pointer");
+  expect_error([&] { auto a = good; a.seqs.max_query_len = 5; return a; }(), "max_query_len=5");
+  expect_error([&] { auto a = good; a.seqs.seq_past = nullptr; return a; }(), "null sequence metadata");
+  const GdnConvArgs conv{.x = buf.as<uint16_t>(), .x_stride = 64, .weight = buf.as<float>(),
+                         .conv_state = buf.as<uint16_t>(), .y = buf.as<uint16_t>(), .seqs = seqs, .channels = 64,
+                         .kernel = 4};
+  auto c = conv;
+  c.kernel = 9;
+  auto r = gdn_conv1d(*ctx_, c);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message.find("kernel=9 must be in [2, 8]"), std::string::npos) << r.error().message;
+  c = conv;
+  c.x_stride = 63;
+  r = gdn_conv1d(*ctx_, c);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message.find("x_stride=63 is less than channels=64"), std::string::npos);
+  // n_seqs == 0 is a no-op, even with null metadata.
+  c = conv;
+  c.seqs = GdnSequences{};
+  EXPECT_TRUE(gdn_conv1d(*ctx_, c).has_value());
+}
+
+}  // namespace
+}  // namespace tern

@@ -1,0 +1,66 @@
+// Argument checks and dispatch for the NVFP4 W4A16 GEMM; the kernels are in gemm_nvfp4_w4a16.cu.
+#include "kernels/cuda/gemm/gemm_nvfp4_w4a16.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace tern {
+namespace {
+
+bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+Expected<void> nvfp4_validate(const GemmNvfp4W4a16Args& a, Nvfp4GemmVariant variant) {
+  const Nvfp4WeightView& w = a.w;
+  if (a.m < 0 || w.n <= 0 || w.k <= 0) {
+    return make_error("gemm_nvfp4_w4a16: bad shape m={} n={} k={}", a.m, w.n, w.k);
+  }
+  constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max() / 2;
+  if (a.m > kMaxDim || w.n > kMaxDim || w.k > kMaxDim) {
+    return make_error("gemm_nvfp4_w4a16: dimension too large (m={} n={} k={})", a.m, w.n, w.k);
+  }
+  if (w.k % 16 != 0) return make_error("gemm_nvfp4_w4a16: k={} is not a multiple of the NVFP4 block (16)", w.k);
+  if (a.x == nullptr || a.y == nullptr || w.packed == nullptr || w.scales == nullptr) {
+    return make_error("gemm_nvfp4_w4a16: null pointer (x, y, weight or weight_scale)");
+  }
+  if (!is_aligned(a.x, 16)) return make_error("gemm_nvfp4_w4a16: x is not 16-byte aligned");
+  if (!is_aligned(w.packed, 8)) return make_error("gemm_nvfp4_w4a16: packed weight is not 8-byte aligned");
+  if (!is_aligned(a.y, 4)) return make_error("gemm_nvfp4_w4a16: y is not 4-byte aligned");
+  if (a.ldy != 0 && a.ldy < w.n) return make_error("gemm_nvfp4_w4a16: ldy={} is less than n={}", a.ldy, w.n);
+  if (!std::isfinite(w.global_scale)) {
+    return make_error("gemm_nvfp4_w4a16: weight_scale_2 is not finite ({})", w.global_scale);
+  }
+  if (variant == Nvfp4GemmVariant::kDecode && a.m > kNvfp4DecodeMaxM) {
+    return make_error("gemm_nvfp4_w4a16: the decode kernel takes m <= {}, got m={}", kNvfp4DecodeMaxM, a.m);
+  }
+  return {};
+}
+
+}  // namespace
+
+Expected<void> gemm_nvfp4_w4a16(const DeviceContext& ctx, const GemmNvfp4W4a16Args& args, Nvfp4GemmVariant variant) {
+  TERN_TRY(nvfp4_validate(args, variant));
+  if (args.m == 0) return {};
+  const bool decode = variant == Nvfp4GemmVariant::kDecode ||
+                      (variant == Nvfp4GemmVariant::kAuto && args.m <= kNvfp4DecodeMaxM);
+  if (decode) {
+    nvfp4_w4a16_launch_decode(ctx, args);
+    return {};
+  }
+  if (variant == Nvfp4GemmVariant::kAuto && args.m <= kNvfp4SlicedDecodeMaxM) {
+    // The prefill kernel has one block per 128 x 64 tile and no split-K, so a few dozen rows leave most SMs idle;
+    // re-reading the weight once per 16 rows costs less (see docs/perf/gemm.md §sliced-decode).
+    for (int64_t m0 = 0; m0 < args.m; m0 += kNvfp4DecodeMaxM) {
+      GemmNvfp4W4a16Args slice = args;
+      slice.x = args.x + m0 * args.w.k;
+      slice.y = args.y + m0 * (args.ldy > 0 ? args.ldy : args.w.n);
+      slice.m = std::min(kNvfp4DecodeMaxM, args.m - m0);
+      nvfp4_w4a16_launch_decode(ctx, slice);
+    }
+    return {};
+  }
+  nvfp4_w4a16_launch_prefill(ctx, args);
+  return {};
+}
+
+}  // namespace tern

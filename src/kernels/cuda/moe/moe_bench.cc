@@ -1,0 +1,303 @@
+// MoE kernel timings on one GPU for Qwen3.5-35B-A3B's expert shapes (hidden 2048, 256 experts, top-8,
+// moe_intermediate 512), bf16 and NVFP4 experts. Plain main (not run by ctest):
+//   moe_bench [--quick | --decode]
+// Decode (tokens 1..64, both GEMM variants): the grouped gate_up (n = 1024, k = 2048) and down (n = 2048, k = 512)
+// GEMMs, reported as GB/s of the active experts' weight bytes (packed + block scales for NVFP4) against a
+// device-to-device copy kernel's bandwidth (read + written); also, decode only, gate and up as two [512, 2048]
+// stacks in one launch (gate+up) and the down GEMM with silu_mul folded in (down+silu). --decode: only the decode
+// kernel at T = 1 and 8.
+// Every timing rotates over 16 random routings so consecutive launches read different experts and the L2 stays
+// cold. Prefill (4096 tokens): TFLOP/s of the same GEMMs. Route, align (apart and in one launch where the pairs
+// fit one block) and combine are timed at both sizes.
+// Each timing is a CUDA graph of back-to-back launches, replayed after a warm-up; the median replay is reported.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "core/formats.h"
+#include "kernels/cuda/bench_timing.h"
+#include "kernels/cuda/moe/moe.h"
+#include "kernels/cuda/roofline.h"
+
+namespace tern {
+
+namespace {
+
+constexpr int64_t kHidden = 2048, kInter = 512, kExperts = 256, kTopK = 8;
+constexpr int kSlots = 16;  // routings rotated over
+
+double time_ms(const DeviceContext& ctx, int n_calls, const std::function<void(int)>& launch) {
+  return bench_time_ms(ctx, kSlots, n_calls, launch);
+}
+
+template <class T>
+DeviceBuffer upload(const std::vector<T>& host) {
+  DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 256));
+  TERN_CUDA_CHECK(cudaMemcpy(b.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return b;
+}
+
+// A large buffer filled by repeating a random host pattern of `pattern` values drawn by `draw`.
+template <class T, class Draw>
+DeviceBuffer fill_random(size_t count, Draw draw) {
+  std::vector<T> pattern(std::min<size_t>(count, size_t{1} << 22));
+  for (auto& v : pattern) v = draw();
+  DeviceBuffer b(count * sizeof(T));
+  for (size_t at = 0; at < count; at += pattern.size()) {
+    const size_t n = std::min(pattern.size(), count - at);
+    TERN_CUDA_CHECK(cudaMemcpy(b.as<T>() + at, pattern.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  return b;
+}
+
+// One projection of all experts on the device, in either format.
+struct BenchWeights {
+  DeviceBuffer data, scales, global;
+  MoeExpertWeights view;
+};
+
+BenchWeights make_weights(MoeWeightFormat format, int64_t n, int64_t k, std::mt19937& rng) {
+  BenchWeights w;
+  const auto elems = static_cast<size_t>(kExperts * n * k);
+  std::uniform_real_distribution<float> uniform(-0.05f, 0.05f);
+  std::uniform_int_distribution<int> byte(0, 255), scale_code(0x28, 0x48);  // e4m3 ~ 2^-2 .. 2^2, never NaN
+  w.view = {.format = format, .n_experts = kExperts, .n = n, .k = k};
+  if (format == MoeWeightFormat::kBf16) {
+    w.data = fill_random<uint16_t>(elems, [&] { return float_to_bf16(uniform(rng)); });
+    w.view.bf16 = w.data.as<uint16_t>();
+    w.view.bf16_expert_stride = n * k;
+    return w;
+  }
+  w.data = fill_random<uint8_t>(elems / 2, [&] { return static_cast<uint8_t>(byte(rng)); });
+  w.scales = fill_random<uint8_t>(elems / 16, [&] { return static_cast<uint8_t>(scale_code(rng)); });
+  w.global = upload(std::vector<float>(kExperts, 1.0f / 2688.0f));
+  w.view.packed = w.data.as<uint8_t>();
+  w.view.packed_expert_stride = n * k / 2;
+  w.view.scales = w.scales.as<uint8_t>();
+  w.view.scales_expert_stride = n * k / 16;
+  w.view.global_scales = w.global.as<float>();
+  return w;
+}
+
+double expert_bytes(const MoeExpertWeights& w) {
+  const double elems = static_cast<double>(w.n * w.k);
+  return w.format == MoeWeightFormat::kBf16 ? 2.0 * elems : elems / 2 + elems / 16;
+}
+
+// kSlots random routings of `tokens` tokens: device ids, offsets and permutations, and the mean active experts.
+struct Routings {
+  DeviceBuffer ids, offsets, sorted_pairs, pair_row, weights;
+  double mean_active = 0.0;
+};
+
+Routings make_routings(int64_t tokens, std::mt19937& rng) {
+  const int64_t rows = tokens * kTopK;
+  std::vector<int32_t> ids, offsets, sorted, pair_row;
+  std::vector<int32_t> experts(kExperts);
+  Routings r;
+  for (int s = 0; s < kSlots; ++s) {
+    std::vector<int32_t> slot_ids;
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::iota(experts.begin(), experts.end(), 0);
+      std::shuffle(experts.begin(), experts.end(), rng);
+      slot_ids.insert(slot_ids.end(), experts.begin(), experts.begin() + kTopK);
+    }
+    std::vector<int32_t> off(kExperts + 1, 0), perm(static_cast<size_t>(rows)), inverse(static_cast<size_t>(rows));
+    for (int32_t id : slot_ids) ++off[id + 1];
+    std::partial_sum(off.begin(), off.end(), off.begin());
+    std::vector<int32_t> next(off.begin(), off.end() - 1);
+    for (int64_t p = 0; p < rows; ++p) {
+      inverse[p] = next[slot_ids[p]]++;
+      perm[inverse[p]] = static_cast<int32_t>(p);
+    }
+    r.mean_active += static_cast<double>(std::set<int32_t>(slot_ids.begin(), slot_ids.end()).size()) / kSlots;
+    ids.insert(ids.end(), slot_ids.begin(), slot_ids.end());
+    offsets.insert(offsets.end(), off.begin(), off.end());
+    sorted.insert(sorted.end(), perm.begin(), perm.end());
+    pair_row.insert(pair_row.end(), inverse.begin(), inverse.end());
+  }
+  r.ids = upload(ids);
+  r.offsets = upload(offsets);
+  r.sorted_pairs = upload(sorted);
+  r.pair_row = upload(pair_row);
+  r.weights = upload(std::vector<float>(static_cast<size_t>(rows * kSlots), 1.0f / kTopK));
+  return r;
+}
+
+struct GemmTiming {
+  double ms, bytes, flops;
+};
+
+// The grouped GEMM of one projection over the rotating routings; x [tokens or rows, k], y [rows, n]. tweak adjusts
+// the arguments (a second projection, x_silu_mul); the bytes and flops count w2 when it is set.
+GemmTiming time_gemm(const DeviceContext& ctx, const BenchWeights& w, const Routings& r, int64_t tokens, bool gather,
+                     MoeGemmVariant variant, const DeviceBuffer& x, const DeviceBuffer& y,
+                     const std::function<void(MoeGemmArgs&)>& tweak = nullptr) {
+  const int64_t rows = tokens * kTopK;
+  MoeExpertWeights w2;
+  const double ms = time_ms(ctx, 4 * kSlots, [&](int s) {
+    MoeGemmArgs a{.x = x.as<uint16_t>(),
+                  .ldx = w.view.k,
+                  .sorted_pairs = r.sorted_pairs.as<int32_t>() + s * rows,
+                  .top_k = kTopK,
+                  .gather = gather,
+                  .expert_offsets = r.offsets.as<int32_t>() + s * (kExperts + 1),
+                  .w = w.view,
+                  .y = y.as<uint16_t>(),
+                  .ldy = w.view.n,
+                  .rows = rows};
+    if (tweak) tweak(a);
+    w2 = a.w2;
+    if (!moe_gemm(ctx, a, variant)) std::abort();
+  });
+  const double flops = 2.0 * static_cast<double>(rows * (w.view.n + w2.n) * w.view.k);
+  return {ms, r.mean_active * (expert_bytes(w.view) + (w2.n != 0 ? expert_bytes(w2) : 0.0)), flops};
+}
+
+double copy_bandwidth(const DeviceContext& ctx) {
+  const size_t bytes = size_t{2} << 30;
+  DeviceBuffer a(bytes), b(bytes);
+  TERN_CUDA_CHECK(cudaMemset(a.data(), 0x3C, bytes));
+  const double ms = time_ms(ctx, 4, [&](int) { bench_copy_launch(a.data(), b.data(), bytes, ctx.props().num_sms, ctx.stream()); });
+  return 2.0 * static_cast<double>(bytes) / (ms * 1e6);
+}
+
+void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::vector<int64_t>& decode_tokens,
+                  bool decode_only, double copy_gbs, std::mt19937& rng) {
+  const char* name = format == MoeWeightFormat::kBf16 ? "bf16" : "nvfp4";
+  const BenchWeights gate_up = make_weights(format, 2 * kInter, kHidden, rng);
+  const BenchWeights down = make_weights(format, kHidden, kInter, rng);
+  const int64_t max_rows = 4096 * kTopK;
+  const DeviceBuffer x = fill_random<uint16_t>(static_cast<size_t>(max_rows * kHidden), [&] {
+    return float_to_bf16(std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng));
+  });
+  const DeviceBuffer y(static_cast<size_t>(max_rows * kHidden) * 2);
+  // Gate and up as two stacks (as NVFP4 checkpoints store them), timed as one decode launch (MoeGemmArgs::w2).
+  const BenchWeights gate = make_weights(format, kInter, kHidden, rng), up = make_weights(format, kInter, kHidden, rng);
+  auto print = [&](const char* variant, int64_t tokens, const char* proj, double active, const GemmTiming& t) {
+    const double gbs = t.bytes / (t.ms * 1e6);
+    std::printf("%-6s %-7s T=%-5lld %-9s %6.1f active experts %9.2f us %7.0f GB/s %5.1f%% of copy\n", name, variant,
+                static_cast<long long>(tokens), proj, active, t.ms * 1e3, gbs, 100.0 * gbs / copy_gbs);
+  };
+  for (int64_t tokens : decode_tokens) {
+    const Routings r = make_routings(tokens, rng);
+    print("decode", tokens, "gate+up", r.mean_active,
+          time_gemm(ctx, gate, r, tokens, true, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a) {
+            a.w2 = up.view;
+            a.y2_offset = kInter;
+            a.ldy = 2 * kInter;
+          }));
+    // The down projection reading [gate | up] rows and applying silu_mul itself (MoeGemmArgs::x_silu_mul).
+    print("decode", tokens, "down+silu", r.mean_active,
+          time_gemm(ctx, down, r, tokens, false, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a) {
+            a.ldx = 2 * kInter;
+            a.x_silu_mul = true;
+          }));
+    for (const auto& [proj, w, gather] : {std::tuple{"gate_up", &gate_up, true}, std::tuple{"down", &down, false}}) {
+      // Both variants, so kMoeDecodeMaxTokens can be checked against where they cross.
+      for (const MoeGemmVariant v : {MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill}) {
+        if (decode_only && v != MoeGemmVariant::kDecode) continue;
+        print(v == MoeGemmVariant::kDecode ? "decode" : "prefill", tokens, proj, r.mean_active,
+              time_gemm(ctx, *w, r, tokens, gather, v, x, y));
+      }
+    }
+  }
+  if (decode_only) return;
+  const int64_t tokens = 4096;
+  const Routings r = make_routings(tokens, rng);
+  for (const auto& [proj, w, gather] : {std::tuple{"gate_up", &gate_up, true}, std::tuple{"down", &down, false}}) {
+    const GemmTiming t = time_gemm(ctx, *w, r, tokens, gather, MoeGemmVariant::kPrefill, x, y);
+    std::printf("%-6s prefill T=%-5lld %-8s %9.2f us %7.1f TFLOP/s\n", name, static_cast<long long>(tokens), proj,
+                t.ms * 1e3, t.flops / (t.ms * 1e9));
+  }
+  std::fflush(stdout);
+}
+
+// Route, align and combine at a decode and a prefill size.
+void bench_small_kernels(const DeviceContext& ctx, std::mt19937& rng) {
+  for (int64_t tokens : {int64_t{1}, int64_t{64}, int64_t{4096}}) {
+    const int64_t rows = tokens * kTopK;
+    const Routings r = make_routings(tokens, rng);
+    const DeviceBuffer logits = fill_random<uint16_t>(static_cast<size_t>(tokens * kExperts), [&] {
+      return float_to_bf16(std::normal_distribution<float>(0.0f, 2.0f)(rng));
+    });
+    const DeviceBuffer ids(static_cast<size_t>(rows) * 4), weights(static_cast<size_t>(rows) * 4);
+    const DeviceBuffer off((kExperts + 1) * 4), sorted(static_cast<size_t>(rows) * 4), pr(static_cast<size_t>(rows) * 4);
+    const DeviceBuffer out(static_cast<size_t>(rows * kHidden) * 2), y(static_cast<size_t>(tokens * kHidden) * 2);
+    const double route_ms = time_ms(ctx, 20, [&](int) {
+      if (!moe_route(ctx, {.logits = logits.as<uint16_t>(), .logits_stride = kExperts, .topk_ids = ids.as<int32_t>(),
+                           .topk_weights = weights.as<float>(), .tokens = tokens, .n_experts = kExperts,
+                           .top_k = kTopK})) std::abort();
+    });
+    const double align_ms = time_ms(ctx, 20, [&](int s) {
+      if (!moe_align(ctx, {.topk_ids = r.ids.as<int32_t>() + s * rows, .tokens = tokens, .top_k = kTopK,
+                           .n_experts = kExperts, .expert_offsets = off.as<int32_t>(),
+                           .sorted_pairs = sorted.as<int32_t>(), .pair_row = pr.as<int32_t>()})) std::abort();
+    });
+    // Route and align in one launch where the pairs fit one block (as moe_forward does at decode).
+    const double route_align_ms = rows > kMoeRouteAlignMaxPairs ? 0.0 : time_ms(ctx, 20, [&](int) {
+      const MoeRouteArgs route{.logits = logits.as<uint16_t>(),
+                               .logits_stride = kExperts,
+                               .topk_ids = ids.as<int32_t>(),
+                               .topk_weights = weights.as<float>(),
+                               .tokens = tokens,
+                               .n_experts = kExperts,
+                               .top_k = kTopK};
+      if (!moe_route_align(ctx, route,
+                           {.topk_ids = ids.as<int32_t>(),
+                            .tokens = tokens,
+                            .top_k = kTopK,
+                            .n_experts = kExperts,
+                            .expert_offsets = off.as<int32_t>(),
+                            .sorted_pairs = sorted.as<int32_t>(),
+                            .pair_row = pr.as<int32_t>()})) {
+        std::abort();
+      }
+    });
+    const double combine_ms = time_ms(ctx, 20, [&](int s) {
+      if (!moe_combine(ctx, {.expert_out = out.as<uint16_t>(), .pair_row = r.pair_row.as<int32_t>() + s * rows,
+                             .topk_ids = r.ids.as<int32_t>() + s * rows, .topk_weights = r.weights.as<float>(),
+                             .y = y.as<uint16_t>(), .tokens = tokens, .top_k = kTopK, .hidden = kHidden})) std::abort();
+    });
+    const double combine_gbs = 2.0 * static_cast<double>(rows * kHidden + tokens * kHidden) / (combine_ms * 1e6);
+    std::printf("T=%-5lld route %8.2f us   align %8.2f us   route+align %8.2f us   combine %8.2f us (%5.0f GB/s)\n",
+                static_cast<long long>(tokens), route_ms * 1e3, align_ms * 1e3, route_align_ms * 1e3, combine_ms * 1e3,
+                combine_gbs);
+  }
+}
+
+int bench_main(bool quick, bool decode_only) {
+  DeviceContext ctx;
+  const DeviceProps& p = ctx.props();
+  std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB\n", p.name.c_str(), p.cc_major, p.cc_minor, p.num_sms,
+              p.l2_bytes >> 20);
+  const double copy_gbs = copy_bandwidth(ctx);
+  std::printf("device-to-device copy kernel (bytes read + written): %.0f GB/s\n", copy_gbs);
+  std::printf("shapes: hidden %lld, moe_intermediate %lld, %lld experts, top-%lld\n\n", static_cast<long long>(kHidden),
+              static_cast<long long>(kInter), static_cast<long long>(kExperts), static_cast<long long>(kTopK));
+  const std::vector<int64_t> decode_tokens = decode_only ? std::vector<int64_t>{1, 8}
+                                             : quick     ? std::vector<int64_t>{1, 8, 16, 64}
+                                                         : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64};
+  std::mt19937 rng(4242);
+  bench_format(ctx, MoeWeightFormat::kBf16, decode_tokens, decode_only, copy_gbs, rng);
+  bench_format(ctx, MoeWeightFormat::kNvfp4, decode_tokens, decode_only, copy_gbs, rng);
+  if (!decode_only) bench_small_kernels(ctx, rng);
+  return 0;
+}
+
+}  // namespace
+}  // namespace tern
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const bool decode_only = argc > 1 && std::strcmp(argv[1], "--decode") == 0;
+  return tern::bench_main(quick, decode_only);
+}

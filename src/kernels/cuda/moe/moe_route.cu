@@ -1,0 +1,347 @@
+// The small MoE kernels: routing (softmax + top-k), the alignment of pairs by expert, and the weighted combine of
+// the expert outputs. Contracts in moe_launch.h; the grouped expert GEMM in moe_gemm_*.cu.
+#include <cuda_bf16.h>
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/module_attributes.h"
+#include "kernels/cuda/ptx.cuh"
+
+#include <algorithm>
+
+#include "kernels/cuda/moe/moe_launch.h"
+
+namespace tern {
+namespace {
+
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+
+using cuda_common::bf16_to_f32;
+using cuda_common::load_bf16x8;
+using cuda_common::sigmoid_f32;
+using cuda_common::store_bf16x8;
+
+__device__ __forceinline__ unsigned lanemask_lt(int lane) { return (1u << lane) - 1u; }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Route: one warp per token. Lane l holds experts l, l + 32, ... (up to kMoeMaxExperts / 32 of them) in registers;
+// the k winners are found one at a time by a warp arg-max over the experts not yet taken. The comparison (higher
+// probability, then lower index) is a total order, so every lane agrees on each winner.
+
+constexpr int kRouteWarps = 4;
+constexpr int kRoutePerLane = static_cast<int>(kMoeMaxExperts / 32);
+
+__device__ __forceinline__ void warp_argmax(float& key, int& index) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float other_key = __shfl_xor_sync(kFullMask, key, offset);
+    const int other_index = __shfl_xor_sync(kFullMask, index, offset);
+    if (other_key > key || (other_key == key && other_index < index)) {
+      key = other_key;
+      index = other_index;
+    }
+  }
+}
+
+// One token's choices: lane j < top_k gets the j-th (descending probability) expert and its weight. The whole warp
+// calls it.
+struct RouteChoice {
+  int id;
+  float weight;
+};
+
+__device__ __forceinline__ RouteChoice route_token(const MoeRouteArgs& a, int64_t token) {
+  const int lane = threadIdx.x % 32;
+  const int n_experts = static_cast<int>(a.n_experts), top_k = static_cast<int>(a.top_k);
+  const uint16_t* logits = a.logits + token * a.logits_stride;
+
+  // Stage 1: softmax in fp32 as layers/moe.cc: p = exp(l - max) / sum.
+  float p[kRoutePerLane];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kRoutePerLane; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < n_experts ? bf16_to_f32(logits[e]) : -INFINITY;
+    mx = fmaxf(mx, p[i]);
+  }
+  for (int offset = 16; offset > 0; offset /= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, offset));
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kRoutePerLane; ++i) {
+    p[i] = lane + 32 * i < n_experts ? expf(p[i] - mx) : 0.0f;
+    sum += p[i];
+  }
+  // (Not warp_sum: the call changes this kernel's register allocation.)
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullMask, sum, offset);
+#pragma unroll
+  for (int i = 0; i < kRoutePerLane; ++i) p[i] /= sum;
+
+  // Stage 2: top-k. Keys are the probabilities (>= 0), a NaN ranks as -1 and a taken or absent expert as -2.
+  uint32_t taken = 0;
+  float my_p = 0.0f, top_sum = 0.0f;
+  int my_id = 0;
+  for (int j = 0; j < top_k; ++j) {
+    float key = -2.0f;
+    int index = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < kRoutePerLane; ++i) {
+      const int e = lane + 32 * i;
+      const float k_i = p[i] == p[i] ? p[i] : -1.0f;
+      if (e < n_experts && !((taken >> i) & 1u) && k_i > key) {  // ascending e: ties keep the lower index
+        key = k_i;
+        index = e;
+      }
+    }
+    warp_argmax(key, index);
+    if (index % 32 == lane) taken |= 1u << (index / 32);
+    const float winner_p = key >= 0.0f ? key : __int_as_float(0x7FC00000);
+    top_sum += winner_p;  // in selection order, as layers/moe.cc sums
+    if (lane == j) {
+      my_p = winner_p;
+      my_id = index;
+    }
+  }
+  return {my_id, a.renormalize ? my_p / top_sum : my_p};
+}
+
+__global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const MoeRouteArgs a) {
+  ptx::grid_dependency_begin();
+  const int lane = threadIdx.x % 32;
+  const int64_t token = int64_t{blockIdx.x} * kRouteWarps + threadIdx.x / 32;
+  if (token >= a.tokens) return;  // the whole warp
+  const RouteChoice c = route_token(a, token);
+  if (lane < a.top_k) {
+    a.topk_ids[token * a.top_k + lane] = c.id;
+    a.topk_weights[token * a.top_k + lane] = c.weight;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Align: one block. Warp w owns a contiguous chunk of the pairs, so "stable in pair order" means: by warp, then by
+// 32-pair step inside the warp's chunk, then by lane. Stage 1 counts each warp's pairs per bucket (match_any groups
+// the lanes of one expert; their leader adds the group size), stage 2 turns the counts into each warp's first row
+// per bucket, stage 3 walks the chunks again and places every pair at its bucket's next row.
+
+constexpr int kAlignWarps = 16;  // counts[16][513] ints = 32.8 KB of static shared memory
+
+__device__ __forceinline__ int align_bucket(int32_t id, int n_experts) {
+  return id >= 0 && id < n_experts ? id : n_experts;  // out-of-range ids share the last bucket
+}
+
+// Exclusive scan of totals[0, n) in place, by warp 0.
+__device__ void align_scan_buckets(int* totals, int n) {
+  const int lane = threadIdx.x % 32;
+  int carry = 0;
+  for (int base = 0; base < n; base += 32) {
+    const int b = base + lane;
+    const int total = b < n ? totals[b] : 0;
+    int incl = total;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int other = __shfl_up_sync(kFullMask, incl, d);
+      if (lane >= d) incl += other;
+    }
+    if (b < n) totals[b] = carry + incl - total;
+    carry += __shfl_sync(kFullMask, incl, 31);
+  }
+}
+
+// The sort of the pairs' ids (a.topk_ids, or the fused kernel's copy in shared memory) by the whole block.
+__device__ __forceinline__ void align_pairs(const int32_t* ids, const MoeAlignArgs& a) {
+  __shared__ int counts[kAlignWarps][kMoeMaxExperts + 1];
+  __shared__ int bucket_start[kMoeMaxExperts + 1];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n_experts = static_cast<int>(a.n_experts), n_buckets = n_experts + 1;
+  const int rows = static_cast<int>(a.tokens * a.top_k);
+  const int chunk = (rows + kAlignWarps - 1) / kAlignWarps;
+  const int begin = min(rows, warp * chunk), end = min(rows, begin + chunk);
+  for (int i = threadIdx.x; i < kAlignWarps * n_buckets; i += blockDim.x) counts[i / n_buckets][i % n_buckets] = 0;
+  __syncthreads();
+
+  // Stage 1: per-warp counts. Lanes past the chunk form their own group (bucket -1) and add nothing.
+  for (int base = begin; base < end; base += 32) {
+    const int pair = base + lane;
+    const int b = pair < end ? align_bucket(ids[pair], n_experts) : -1;
+    const unsigned peers = __match_any_sync(kFullMask, b);
+    if (b >= 0 && lane == __ffs(peers) - 1) counts[warp][b] += __popc(peers);
+    __syncwarp();  // the next step's leader of the same bucket may be another lane
+  }
+  __syncthreads();
+
+  // Stage 2: counts[w][b] becomes the rows of bucket b in warps before w; bucket_start the buckets' first rows.
+  for (int b = threadIdx.x; b < n_buckets; b += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < kAlignWarps; ++w) {
+      const int c = counts[w][b];
+      counts[w][b] = run;
+      run += c;
+    }
+    bucket_start[b] = run;
+  }
+  __syncthreads();
+  if (warp == 0) align_scan_buckets(bucket_start, n_buckets);
+  __syncthreads();
+  for (int e = threadIdx.x; e < n_buckets; e += blockDim.x) a.expert_offsets[e] = bucket_start[e];
+
+  // Stage 3: scatter.
+  for (int base = begin; base < end; base += 32) {
+    const int pair = base + lane;
+    const int b = pair < end ? align_bucket(ids[pair], n_experts) : -1;
+    const unsigned peers = __match_any_sync(kFullMask, b);
+    if (b >= 0) {
+      const int row = bucket_start[b] + counts[warp][b] + __popc(peers & lanemask_lt(lane));
+      a.sorted_pairs[row] = pair;
+      a.pair_row[pair] = row;
+    }
+    __syncwarp();  // every lane has read counts[warp][b] before the leader moves it on
+    if (b >= 0 && lane == __ffs(peers) - 1) counts[warp][b] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+__global__ void __launch_bounds__(kAlignWarps * 32) moe_align_kernel(const MoeAlignArgs a) {
+  ptx::grid_dependency_begin();
+  align_pairs(a.topk_ids, a);
+}
+
+// Route and align in one block: warp w routes tokens w, w + kAlignWarps, ..., writing the choices out and the ids
+// also to shared memory, from where the block sorts them once all are in. route_token and align_pairs are the two
+// kernels' code, so every output is the same bits.
+__global__ void __launch_bounds__(kAlignWarps * 32) moe_route_align_kernel(const MoeRouteArgs r, const MoeAlignArgs a) {
+  ptx::grid_dependency_begin();
+  __shared__ int32_t ids[kMoeRouteAlignMaxPairs];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t token = warp; token < r.tokens; token += kAlignWarps) {  // warp-uniform
+    const RouteChoice c = route_token(r, token);
+    if (lane < r.top_k) {
+      r.topk_ids[token * r.top_k + lane] = c.id;
+      r.topk_weights[token * r.top_k + lane] = c.weight;
+      ids[token * r.top_k + lane] = c.id;
+    }
+  }
+  __syncthreads();
+  align_pairs(ids, a);
+}
+
+// Route and align of at most 32 pairs (a decode step of a few tokens) in one warp: lane p ends up holding pair p's
+// bucket, and the sort becomes counting in registers: pair p's row is the number of pairs before it in (bucket,
+// pair index) order, which is the order the block sort's stable scatter gives, and expert_offsets[e] the number of
+// pairs in buckets below e. No shared memory, no block barrier: at one token the block version's passes over
+// n_experts + 1 buckets and its barriers were most of its time.
+constexpr int kRouteAlignWarpPairs = 32;
+
+__global__ void __launch_bounds__(32) moe_route_align_warp_kernel(const MoeRouteArgs r, const MoeAlignArgs a) {
+  ptx::grid_dependency_begin();
+  const int lane = threadIdx.x;
+  const int top_k = static_cast<int>(r.top_k), rows = static_cast<int>(r.tokens) * top_k;
+  const int n_experts = static_cast<int>(a.n_experts);
+  int bucket = INT_MAX;  // lanes past the pairs sort after all of them and are never written
+  for (int token = 0; token < static_cast<int>(r.tokens); ++token) {  // warp-uniform
+    const RouteChoice c = route_token(r, token);
+    if (lane < top_k) {
+      r.topk_ids[int64_t{token} * top_k + lane] = c.id;
+      r.topk_weights[int64_t{token} * top_k + lane] = c.weight;
+    }
+    const int id = __shfl_sync(kFullMask, c.id, (lane - token * top_k) & 31);
+    if (lane >= token * top_k && lane < (token + 1) * top_k) bucket = align_bucket(id, n_experts);
+  }
+  int buckets[kRouteAlignWarpPairs];
+#pragma unroll
+  for (int q = 0; q < kRouteAlignWarpPairs; ++q) buckets[q] = __shfl_sync(kFullMask, bucket, q);
+  if (lane < rows) {
+    int row = 0;
+#pragma unroll
+    for (int q = 0; q < kRouteAlignWarpPairs; ++q)
+      row += q < rows && (buckets[q] < bucket || (buckets[q] == bucket && q < lane));
+    a.sorted_pairs[row] = lane;
+    a.pair_row[lane] = row;
+  }
+  for (int e = lane; e <= n_experts; e += 32) {
+    int below = 0;
+#pragma unroll
+    for (int q = 0; q < kRouteAlignWarpPairs; ++q) below += q < rows && buckets[q] < e;
+    a.expert_offsets[e] = below;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Combine: block (token, 1024-column slice). The first top_k threads rank the token's pairs by expert id; every
+// thread then sums its 8 columns over the pairs in that order, in fp32, and adds the gated shared expert.
+
+constexpr int kCombineThreads = 128;
+constexpr int kVec = 8;  // load_bf16x8, store_bf16x8
+
+__global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const MoeCombineArgs a) {
+  ptx::grid_dependency_begin();
+  __shared__ int order[kMoeMaxTopK];  // order[s]: the j of the token's s-th smallest expert id
+  const int64_t token = blockIdx.x;
+  const int top_k = static_cast<int>(a.top_k);
+  const int64_t pair0 = token * top_k;
+  if (threadIdx.x < top_k) {
+    const int j = threadIdx.x, id = a.topk_ids[pair0 + j];
+    int rank = 0;
+    for (int i = 0; i < top_k; ++i) {
+      const int other = a.topk_ids[pair0 + i];
+      rank += other < id || (other == id && i < j);
+    }
+    order[rank] = j;
+  }
+  __syncthreads();
+  const int64_t col = (int64_t{blockIdx.y} * kCombineThreads + threadIdx.x) * kVec;
+  if (col >= a.hidden) return;
+  float acc[kVec] = {};
+  for (int s = 0; s < top_k; ++s) {
+    const int j = order[s];
+    const float w = a.topk_weights[pair0 + j];
+    float v[kVec];
+    load_bf16x8(a.expert_out + int64_t{a.pair_row[pair0 + j]} * a.hidden + col, v);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[i] = fmaf(v[i], w, acc[i]);  // explicit, as gemv_bf16's combine epilogue
+  }
+  if (a.shared_out != nullptr) {
+    const float g = bf16_to_f32(a.shared_gate[token * a.shared_gate_stride]);
+    const float sig = sigmoid_f32(g);  // layers/moe.cc's form
+    float v[kVec];
+    load_bf16x8(a.shared_out + token * a.hidden + col, v);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[i] = fmaf(sig, v[i], acc[i]);
+  }
+  store_bf16x8(a.y + token * a.hidden + col, acc);
+}
+
+}  // namespace
+
+void moe_route_launch(const DeviceContext& ctx, const MoeRouteArgs& a) {
+  const auto blocks = static_cast<unsigned>((a.tokens + kRouteWarps - 1) / kRouteWarps);
+  launch_kernel(ctx, moe_route_kernel, dim3(blocks), dim3(kRouteWarps * 32), 0, a);
+  TERN_CUDA_CHECK_LAUNCH();
+}
+
+// One block: at decode sizes the whole sort is a few microseconds; at 8192 tokens x top-10 each warp walks 160
+// steps of 32 pairs twice, tens of microseconds against milliseconds of expert GEMMs.
+void moe_align_launch(const DeviceContext& ctx, const MoeAlignArgs& a) {
+  launch_kernel(ctx, moe_align_kernel, dim3(1), dim3(kAlignWarps * 32), 0, a);
+  TERN_CUDA_CHECK_LAUNCH();
+}
+
+void moe_route_align_launch(const DeviceContext& ctx, const MoeRouteArgs& route, const MoeAlignArgs& align) {
+  if (route.tokens * route.top_k <= kRouteAlignWarpPairs) {
+    launch_kernel(ctx, moe_route_align_warp_kernel, dim3(1), dim3(32), 0, route, align);
+  } else {
+    launch_kernel(ctx, moe_route_align_kernel, dim3(1), dim3(kAlignWarps * 32), 0, route, align);
+  }
+  TERN_CUDA_CHECK_LAUNCH();
+}
+
+void moe_combine_launch(const DeviceContext& ctx, const MoeCombineArgs& a) {
+  const int64_t slices = (a.hidden / kVec + kCombineThreads - 1) / kCombineThreads;
+  const dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(slices));
+  launch_kernel(ctx, moe_combine_kernel, grid, dim3(kCombineThreads), 0, a);
+  TERN_CUDA_CHECK_LAUNCH();
+}
+
+// What the driver loaded of this module for the current device (module_attributes.h).
+cudaError_t moe_route_module_attributes(cudaFuncAttributes* out) {
+  return cudaFuncGetAttributes(out, moe_route_kernel);
+}
+
+}  // namespace tern

@@ -1,0 +1,1298 @@
+// The MoE kernels against the CPU (label gpu): routing against an fp64 softmax/top-k with torch.topk's tie rule,
+// the alignment against a host counting sort (exactly), the grouped GEMM against an fp64 product per permuted row
+// (gemm_test_util.h's tolerance), and the whole block against layers/moe.h Moe::forward on the same weights. Every
+// output buffer is poisoned first (0xFF bytes: -1 ids, NaN values), so an unwritten element fails.
+#include "kernels/cuda/moe/moe.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/formats.h"
+#include "core/nvfp4.h"
+#include "kernels/cuda/device_test_util.h"
+#include "kernels/cuda/elementwise/elementwise.h"
+#include "kernels/cuda/gemm/gemm_bf16.h"
+#include "kernels/cuda/gemm/gemm_test_util.h"
+#include "kernels/cuda/gemv/gemv_bf16.h"
+#include "layers/moe.h"
+
+namespace tern {
+namespace {
+
+// Buffers of at least 256 bytes, as poisoned().
+template <class T>
+DeviceBuffer upload(const std::vector<T>& host) {
+  return cuda_test::upload(host, 256);
+}
+
+DeviceBuffer poisoned(size_t bytes) {
+  DeviceBuffer b(std::max<size_t>(bytes, 256));
+  b.fill(0xFF);
+  return b;
+}
+
+using cuda_test::download;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host references
+
+struct HostRouting {
+  std::vector<int32_t> ids;   // [tokens, top_k]
+  std::vector<double> weights;
+};
+
+// softmax in fp64, top-k by (probability desc, index asc), optional renormalisation (layers/moe.cc's rules).
+HostRouting route_reference(const std::vector<uint16_t>& logits, int64_t stride, int64_t tokens, int64_t n_experts,
+                            int64_t top_k, bool renormalize) {
+  HostRouting r{std::vector<int32_t>(static_cast<size_t>(tokens * top_k)),
+                std::vector<double>(static_cast<size_t>(tokens * top_k))};
+  std::vector<double> p(static_cast<size_t>(n_experts));
+  std::vector<int32_t> order(static_cast<size_t>(n_experts));
+  for (int64_t t = 0; t < tokens; ++t) {
+    double mx = -INFINITY, sum = 0.0;
+    for (int64_t e = 0; e < n_experts; ++e) mx = std::max<double>(mx, bf16_to_float(logits[t * stride + e]));
+    for (int64_t e = 0; e < n_experts; ++e) sum += (p[e] = std::exp(bf16_to_float(logits[t * stride + e]) - mx));
+    for (double& v : p) v /= sum;
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
+    double top_sum = 0.0;
+    for (int64_t j = 0; j < top_k; ++j) top_sum += p[order[j]];
+    for (int64_t j = 0; j < top_k; ++j) {
+      r.ids[t * top_k + j] = order[j];
+      r.weights[t * top_k + j] = renormalize ? p[order[j]] / top_sum : p[order[j]];
+    }
+  }
+  return r;
+}
+
+struct HostAlign {
+  std::vector<int32_t> offsets, sorted_pairs, pair_row;
+};
+
+// A stable counting sort of the pairs by id; out-of-range ids go to a last bucket.
+HostAlign align_reference(const std::vector<int32_t>& ids, int64_t n_experts) {
+  auto bucket = [&](int32_t id) { return id >= 0 && id < n_experts ? id : static_cast<int32_t>(n_experts); };
+  HostAlign a{std::vector<int32_t>(static_cast<size_t>(n_experts + 2), 0), std::vector<int32_t>(ids.size()),
+              std::vector<int32_t>(ids.size())};
+  for (int32_t id : ids) ++a.offsets[bucket(id) + 1];
+  for (int64_t e = 0; e <= n_experts; ++e) a.offsets[e + 1] += a.offsets[e];
+  std::vector<int32_t> next(a.offsets.begin(), a.offsets.end() - 1);
+  for (size_t pair = 0; pair < ids.size(); ++pair) {
+    const int32_t row = next[bucket(ids[pair])]++;
+    a.sorted_pairs[row] = static_cast<int32_t>(pair);
+    a.pair_row[pair] = row;
+  }
+  a.offsets.pop_back();  // [n_experts + 1]
+  return a;
+}
+
+// k distinct experts per token. skew: expert `hot` is every token's first choice and only the lower half of the
+// experts is ever picked, so some experts are empty and one takes a row of every token.
+std::vector<int32_t> random_ids(int64_t tokens, int64_t top_k, int64_t n_experts, bool skew, std::mt19937& rng) {
+  std::vector<int32_t> ids;
+  const int64_t pool = skew ? std::max(top_k, n_experts / 2) : n_experts;
+  const int32_t hot = static_cast<int32_t>(pool / 3);
+  std::vector<int32_t> experts(static_cast<size_t>(pool));
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::iota(experts.begin(), experts.end(), 0);
+    std::shuffle(experts.begin(), experts.end(), rng);
+    if (skew) std::iter_swap(experts.begin(), std::find(experts.begin(), experts.end(), hot));
+    ids.insert(ids.end(), experts.begin(), experts.begin() + top_k);
+  }
+  return ids;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Route
+
+struct RouteCase {
+  int64_t tokens, n_experts, top_k;
+  bool renormalize, coarse;  // coarse: logits on a grid of quarters, so many probabilities tie exactly
+};
+
+// [tokens, n_experts + 3] logits; the padding columns would win every selection if they were read.
+std::vector<uint16_t> random_logits(const RouteCase& c, std::mt19937& rng) {
+  const int64_t stride = c.n_experts + 3;
+  std::normal_distribution<float> dist(0.0f, 2.0f);
+  std::vector<uint16_t> logits(static_cast<size_t>(c.tokens * stride));
+  for (int64_t i = 0; i < c.tokens * stride; ++i) {
+    const float v = dist(rng);
+    logits[i] = i % stride >= c.n_experts ? float_to_bf16(100.0f)
+                                          : float_to_bf16(c.coarse ? std::round(v * 2.0f) / 4.0f : v);
+  }
+  return logits;
+}
+
+void check_route(const DeviceContext& ctx, const RouteCase& c, std::mt19937& rng) {
+  const int64_t stride = c.n_experts + 3;
+  const std::vector<uint16_t> logits = random_logits(c, rng);
+  const DeviceBuffer d_logits = upload(logits);
+  const size_t pairs = static_cast<size_t>(c.tokens * c.top_k);
+  const DeviceBuffer ids = poisoned(pairs * 4), weights = poisoned(pairs * 4);
+  ASSERT_TRUE(moe_route(ctx, {.logits = d_logits.as<uint16_t>(), .logits_stride = stride, .topk_ids = ids.as<int32_t>(),
+                              .topk_weights = weights.as<float>(), .tokens = c.tokens, .n_experts = c.n_experts,
+                              .top_k = c.top_k, .renormalize = c.renormalize})
+                  .has_value());
+  ctx.synchronize();
+  const auto got_ids = download<int32_t>(ids, pairs);
+  const auto got_w = download<float>(weights, pairs);
+  const HostRouting want = route_reference(logits, stride, c.tokens, c.n_experts, c.top_k, c.renormalize);
+  int bad = 0;
+  for (size_t i = 0; i < pairs && bad < 5; ++i) {
+    // fp32 softmax against fp64: a 512-term sum, expf and two divisions stay within a few 2^-24 relative.
+    const bool ok = got_ids[i] == want.ids[i] && std::fabs(got_w[i] - want.weights[i]) <= 4e-6 * want.weights[i];
+    if (!ok) {
+      ++bad;
+      ADD_FAILURE() << "T=" << c.tokens << " E=" << c.n_experts << " k=" << c.top_k << " pair " << i << ": got ("
+                    << got_ids[i] << ", " << got_w[i] << "), want (" << want.ids[i] << ", " << want.weights[i] << ")";
+    }
+  }
+}
+
+TEST(MoeRoute, MatchesSoftmaxTopK) {
+  DeviceContext ctx;
+  std::mt19937 rng(2001);
+  const RouteCase cases[] = {{1, 8, 2, true, false},     {37, 8, 2, false, true},     {1000, 256, 8, true, false},
+                             {1000, 256, 8, true, true}, {3, 512, 10, true, false},   {37, 512, 10, false, true},
+                             {37, 64, 1, false, false},  {37, 64, 1, true, true},     {5, 40, 32, true, true},
+                             {1000, 128, 4, false, true}};
+  for (const RouteCase& c : cases) check_route(ctx, c, rng);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Align
+
+void check_align(const DeviceContext& ctx, const std::vector<int32_t>& ids, int64_t tokens, int64_t top_k,
+                 int64_t n_experts) {
+  const size_t pairs = ids.size();
+  const DeviceBuffer d_ids = upload(ids);
+  const DeviceBuffer offsets = poisoned(static_cast<size_t>(n_experts + 1) * 4);
+  const DeviceBuffer sorted = poisoned(pairs * 4), pair_row = poisoned(pairs * 4);
+  const size_t ws_bytes = moe_align_workspace_bytes(tokens, top_k, n_experts);
+  const DeviceBuffer ws = poisoned(ws_bytes);
+  ASSERT_TRUE(moe_align(ctx, {.topk_ids = d_ids.as<int32_t>(), .tokens = tokens, .top_k = top_k,
+                              .n_experts = n_experts, .expert_offsets = offsets.as<int32_t>(),
+                              .sorted_pairs = sorted.as<int32_t>(), .pair_row = pair_row.as<int32_t>(),
+                              .workspace = ws.data(), .workspace_bytes = ws_bytes})
+                  .has_value());
+  ctx.synchronize();
+  const HostAlign want = align_reference(ids, n_experts);
+  const std::string what = "T=" + std::to_string(tokens) + " k=" + std::to_string(top_k) + " E=" +
+                           std::to_string(n_experts);
+  EXPECT_EQ(download<int32_t>(offsets, static_cast<size_t>(n_experts + 1)), want.offsets) << what;
+  EXPECT_EQ(download<int32_t>(sorted, pairs), want.sorted_pairs) << what;
+  EXPECT_EQ(download<int32_t>(pair_row, pairs), want.pair_row) << what;
+}
+
+TEST(MoeAlign, StableCountingSortByExpert) {
+  DeviceContext ctx;
+  std::mt19937 rng(2002);
+  struct Case {
+    int64_t tokens, top_k, n_experts;
+    bool skew;
+  };
+  const Case cases[] = {{1, 2, 8, false},     {3, 8, 256, false},      {37, 8, 256, true},    {1000, 8, 256, false},
+                        {1000, 8, 256, true}, {1000, 10, 512, false},  {8192, 10, 512, true}, {8192, 8, 256, false},
+                        {37, 1, 64, false},   {1, 32, 512, false},     {100, 1, 1, false}};
+  for (const Case& c : cases) {
+    check_align(ctx, random_ids(c.tokens, c.top_k, c.n_experts, c.skew, rng), c.tokens, c.top_k, c.n_experts);
+  }
+  check_align(ctx, {}, 0, 4, 16);  // no tokens: all-zero offsets
+}
+
+// Out-of-range ids (bad input) stay memory-safe: they fill the rows after the last expert, in pair order.
+TEST(MoeAlign, OutOfRangeIdsGoAfterTheLastExpert) {
+  DeviceContext ctx;
+  std::mt19937 rng(2003);
+  std::vector<int32_t> ids = random_ids(37, 4, 64, false, rng);
+  ids[5] = -1;
+  ids[17] = 64;
+  ids[100] = 1 << 30;
+  check_align(ctx, ids, 37, 4, 64);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Route and align in one launch
+
+// The outputs of routing and alignment, poisoned.
+struct RoutingBuffers {
+  DeviceBuffer ids, weights, offsets, sorted_pairs, pair_row;
+
+  RoutingBuffers(int64_t pairs, int64_t n_experts)
+      : ids(poisoned(static_cast<size_t>(pairs) * 4)),
+        weights(poisoned(static_cast<size_t>(pairs) * 4)),
+        offsets(poisoned(static_cast<size_t>(n_experts + 1) * 4)),
+        sorted_pairs(poisoned(static_cast<size_t>(pairs) * 4)),
+        pair_row(poisoned(static_cast<size_t>(pairs) * 4)) {}
+  MoeRouteArgs route(const DeviceBuffer& logits, const RouteCase& c) const {
+    return {.logits = logits.as<uint16_t>(),
+            .logits_stride = c.n_experts + 3,
+            .topk_ids = ids.as<int32_t>(),
+            .topk_weights = weights.as<float>(),
+            .tokens = c.tokens,
+            .n_experts = c.n_experts,
+            .top_k = c.top_k,
+            .renormalize = c.renormalize};
+  }
+  MoeAlignArgs align(const RouteCase& c) const {
+    return {.topk_ids = ids.as<int32_t>(),
+            .tokens = c.tokens,
+            .top_k = c.top_k,
+            .n_experts = c.n_experts,
+            .expert_offsets = offsets.as<int32_t>(),
+            .sorted_pairs = sorted_pairs.as<int32_t>(),
+            .pair_row = pair_row.as<int32_t>()};
+  }
+};
+
+// moe_route_align against moe_route + moe_align (every output bit for bit) and against the host routing and sort.
+void check_route_align(const DeviceContext& ctx, const RouteCase& c, std::mt19937& rng) {
+  const size_t pairs = static_cast<size_t>(c.tokens * c.top_k), n_off = static_cast<size_t>(c.n_experts + 1);
+  const std::vector<uint16_t> logits = random_logits(c, rng);
+  const DeviceBuffer d_logits = upload(logits);
+  const RoutingBuffers two(c.tokens * c.top_k, c.n_experts), one(c.tokens * c.top_k, c.n_experts);
+  ASSERT_TRUE(moe_route(ctx, two.route(d_logits, c)).has_value());
+  ASSERT_TRUE(moe_align(ctx, two.align(c)).has_value());
+  const auto status = moe_route_align(ctx, one.route(d_logits, c), one.align(c));
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const std::string what = "T=" + std::to_string(c.tokens) + " E=" + std::to_string(c.n_experts) +
+                           " k=" + std::to_string(c.top_k) + (c.coarse ? " ties" : "");
+  const auto ids = download<int32_t>(one.ids, pairs);
+  const auto weights = download<float>(one.weights, pairs);
+  const auto offsets = download<int32_t>(one.offsets, n_off);
+  const auto sorted = download<int32_t>(one.sorted_pairs, pairs);
+  const auto pair_row = download<int32_t>(one.pair_row, pairs);
+  EXPECT_EQ(ids, download<int32_t>(two.ids, pairs)) << what;
+  EXPECT_EQ(download<uint32_t>(one.weights, pairs), download<uint32_t>(two.weights, pairs)) << what << " weight bits";
+  EXPECT_EQ(offsets, download<int32_t>(two.offsets, n_off)) << what;
+  EXPECT_EQ(sorted, download<int32_t>(two.sorted_pairs, pairs)) << what;
+  EXPECT_EQ(pair_row, download<int32_t>(two.pair_row, pairs)) << what;
+
+  const HostRouting want = route_reference(logits, c.n_experts + 3, c.tokens, c.n_experts, c.top_k, c.renormalize);
+  EXPECT_EQ(ids, want.ids) << what;
+  for (size_t i = 0; i < pairs; ++i) {
+    // check_route's bound
+    EXPECT_LE(std::fabs(weights[i] - want.weights[i]), 4e-6 * want.weights[i]) << what << " pair " << i;
+  }
+  const HostAlign want_align = align_reference(want.ids, c.n_experts);
+  EXPECT_EQ(offsets, want_align.offsets) << what;
+  EXPECT_EQ(sorted, want_align.sorted_pairs) << what;
+  EXPECT_EQ(pair_row, want_align.pair_row) << what;
+}
+
+// Decode token counts over the routing shapes of check_route, up to the one-block limit (64 tokens x top-32 = 2048
+// pairs), coarse logits for exact ties; and no tokens (all-zero offsets).
+TEST(MoeRouteAlign, MatchesTwoKernelsAndHost) {
+  DeviceContext ctx;
+  std::mt19937 rng(2011);
+  struct Shape {
+    int64_t n_experts, top_k;
+    bool renormalize, coarse;
+  };
+  for (const Shape& s : {Shape{8, 2, true, false}, Shape{256, 8, true, false}, Shape{256, 8, true, true},
+                         Shape{512, 10, false, true}, Shape{64, 1, true, false}, Shape{40, 32, true, true}}) {
+    // Up to 32 pairs one warp routes and sorts; past that the block does. 4 and 5 tokens of top-8 sit on either side.
+    for (int64_t tokens : {1, 2, 4, 5, 7, 64}) {
+      check_route_align(ctx, {tokens, s.n_experts, s.top_k, s.renormalize, s.coarse}, rng);
+    }
+  }
+  const RouteCase none{0, 16, 4, true, false};
+  const DeviceBuffer logits = poisoned(256);
+  const RoutingBuffers out(0, 16);
+  ASSERT_TRUE(moe_route_align(ctx, out.route(logits, none), out.align(none)).has_value());
+  ctx.synchronize();
+  EXPECT_EQ(download<int32_t>(out.offsets, 17), std::vector<int32_t>(17, 0));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Grouped GEMM
+
+// All experts' weights of one projection [E][n][k] on the host (the reference's dequantized view) and the device.
+struct ExpertWeights {
+  MoeWeightFormat format;
+  int64_t n_experts, n, k;
+  std::vector<std::vector<float>> dequant;  // [E][n * k]; empty for an expert no case reads (make_routed_nvfp4)
+  std::vector<uint16_t> bf16;               // [E][n][k]
+  std::vector<uint8_t> packed, scales;      // NVFP4 [E][n][k/2], [E][n][k/16]
+  std::vector<float> global_scales;         // [E]
+  DeviceBuffer d_bf16, d_packed, d_scales, d_global;
+
+  MoeExpertWeights view() const {
+    return {.format = format, .n_experts = n_experts, .n = n, .k = k, .bf16 = d_bf16.as<uint16_t>(),
+            .bf16_expert_stride = n * k, .packed = d_packed.as<uint8_t>(), .packed_expert_stride = n * k / 2,
+            .scales = d_scales.as<uint8_t>(), .scales_expert_stride = n * k / 16,
+            .global_scales = d_global.as<float>()};
+  }
+};
+
+// N(0, 1) * row_scale per row; NVFP4 rows also get a factor 2^U(-spread, spread) so block scales cover a wide e4m3
+// range. Each expert of an NVFP4 projection has its own global scale (ModelOpt's per-expert weight_scale_2).
+ExpertWeights make_expert_weights(MoeWeightFormat format, int64_t n_experts, int64_t n, int64_t k, float row_scale,
+                                  std::mt19937& rng, float spread = 6.0f) {
+  ExpertWeights w{.format = format, .n_experts = n_experts, .n = n, .k = k};
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::uniform_real_distribution<float> row_exp(-spread, spread);
+  for (int64_t e = 0; e < n_experts; ++e) {
+    std::vector<float> m(static_cast<size_t>(n * k));
+    for (int64_t r = 0; r < n; ++r) {
+      const float s = format == MoeWeightFormat::kNvfp4 ? row_scale * std::exp2(row_exp(rng)) : row_scale;
+      for (int64_t c = 0; c < k; ++c) m[r * k + c] = bf16_to_float(float_to_bf16(dist(rng) * s));
+    }
+    if (format == MoeWeightFormat::kBf16) {
+      for (float v : m) w.bf16.push_back(float_to_bf16(v));
+      w.dequant.push_back(std::move(m));
+    } else {
+      const Nvfp4Matrix q = nvfp4_quantize_weight(m, n, k);
+      w.packed.insert(w.packed.end(), q.packed.begin(), q.packed.end());
+      w.scales.insert(w.scales.end(), q.block_scales.begin(), q.block_scales.end());
+      w.global_scales.push_back(q.global_scale);
+      w.dequant.push_back(nvfp4_dequantize(q));
+    }
+  }
+  w.d_bf16 = upload(w.bf16);
+  w.d_packed = upload(w.packed);
+  w.d_scales = upload(w.scales);
+  w.d_global = upload(w.global_scales);
+  return w;
+}
+
+// NVFP4 experts of which only `used` carry weights (as make_expert_weights makes them, row spread 2^+-6); every
+// other expert has NaN block scales and a NaN global scale, so a kernel that reads a wrong expert writes NaN. Lets
+// the full 256-expert shapes run without quantizing and keeping all of them on the host.
+ExpertWeights make_routed_nvfp4(int64_t n_experts, int64_t n, int64_t k, const std::vector<int32_t>& used,
+                                std::mt19937& rng) {
+  ExpertWeights w{.format = MoeWeightFormat::kNvfp4, .n_experts = n_experts, .n = n, .k = k};
+  w.dequant.resize(static_cast<size_t>(n_experts));
+  w.global_scales.assign(static_cast<size_t>(n_experts), NAN);
+  const size_t packed_bytes = static_cast<size_t>(n * k / 2), scale_bytes = static_cast<size_t>(n * k / 16);
+  w.d_packed = DeviceBuffer(packed_bytes * n_experts);
+  w.d_scales = DeviceBuffer(scale_bytes * n_experts);
+  w.d_packed.fill(0x77);  // e2m1 6.0 everywhere
+  w.d_scales.fill(0xFF);  // e4m3 NaN
+  for (int32_t e : used) {
+    const Nvfp4Matrix q = nvfp4_quantize_weight(gemm_test::random_row_scaled(n, k, rng), n, k);
+    TERN_CUDA_CHECK(
+        cudaMemcpy(w.d_packed.as<uint8_t>() + e * packed_bytes, q.packed.data(), packed_bytes, cudaMemcpyHostToDevice));
+    TERN_CUDA_CHECK(cudaMemcpy(w.d_scales.as<uint8_t>() + e * scale_bytes, q.block_scales.data(), scale_bytes,
+                               cudaMemcpyHostToDevice));
+    w.global_scales[e] = q.global_scale;
+    w.dequant[e] = nvfp4_dequantize(q);
+  }
+  w.d_global = upload(w.global_scales);
+  return w;
+}
+
+// The experts a routing uses, ascending.
+std::vector<int32_t> distinct(std::vector<int32_t> ids) {
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  return ids;
+}
+
+const char* variant_name(MoeGemmVariant v) {
+  return v == MoeGemmVariant::kDecode ? "decode" : v == MoeGemmVariant::kPrefill ? "prefill" : "auto";
+}
+
+struct GemmCase {
+  int64_t tokens, top_k;
+  bool gather, skew;
+  int64_t col0 = 0, ldy_extra = 0;  // write columns [col0, col0 + n) of rows ldy = col0 + n + ldy_extra wide
+};
+
+// fp64 product of every permuted row with its expert's weight: [rows, w.n], x read at src(r) (gather: token rows).
+// act (optional, as x_silu_mul reads x): x holds [gate | up] rows of 2k and the input is silu(gate) * up in fp64.
+gemm_test::Reference expert_reference(const ExpertWeights& w, const std::vector<uint16_t>& x, int64_t ldx,
+                                      const HostAlign& al, bool gather, int64_t top_k, bool act = false) {
+  const int64_t rows = static_cast<int64_t>(al.sorted_pairs.size()), n = w.n, k = w.k;
+  gemm_test::Reference ref{std::vector<double>(static_cast<size_t>(rows * n)),
+                           std::vector<double>(static_cast<size_t>(rows * n))};
+  std::vector<double> in(static_cast<size_t>(k));
+  for (int64_t e = 0; e < w.n_experts; ++e) {
+    for (int64_t r = al.offsets[e]; r < al.offsets[e + 1]; ++r) {
+      const int64_t src = gather ? al.sorted_pairs[r] / top_k : r;
+      for (int64_t q = 0; q < k; ++q) {
+        const double g = bf16_to_float(x[src * ldx + q]);
+        in[q] = act ? g / (1.0 + std::exp(-g)) * bf16_to_float(x[src * ldx + k + q]) : g;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const float* wr = &w.dequant[static_cast<size_t>(e)][static_cast<size_t>(j * k)];
+        double s = 0, a = 0;
+        for (int64_t q = 0; q < k; ++q) {
+          const double p = in[q] * wr[q];
+          s += p;
+          a += std::fabs(p);
+        }
+        ref.y[r * n + j] = s;
+        ref.abs[r * n + j] = a;
+      }
+    }
+  }
+  return ref;
+}
+
+// Columns [col0, col0 + n) of y [rows, ldy] as [rows, n].
+std::vector<uint16_t> y_columns(const std::vector<uint16_t>& y, int64_t rows, int64_t ldy, int64_t col0, int64_t n) {
+  std::vector<uint16_t> got(static_cast<size_t>(rows * n));
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(&y[r * ldy + col0], n, &got[r * n]);
+  return got;
+}
+
+// Elements of y [rows, ldy] outside the column windows [lo, hi) that are no longer poison.
+int64_t written_outside(const std::vector<uint16_t>& y, int64_t rows, int64_t ldy,
+                        const std::vector<std::pair<int64_t, int64_t>>& windows) {
+  int64_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < ldy; ++j) {
+      const bool inside =
+          std::any_of(windows.begin(), windows.end(), [&](auto w) { return j >= w.first && j < w.second; });
+      bad += !inside && y[r * ldy + j] != gemm_test::kPoison;
+    }
+  }
+  return bad;
+}
+
+std::string gemm_name(const ExpertWeights& w, MoeGemmVariant variant, int64_t tokens, int64_t top_k) {
+  return std::string(w.format == MoeWeightFormat::kNvfp4 ? "nvfp4 " : "bf16 ") + variant_name(variant) +
+         " E=" + std::to_string(w.n_experts) + " n=" + std::to_string(w.n) + " k=" + std::to_string(w.k) +
+         " T=" + std::to_string(tokens) + " top" + std::to_string(top_k);
+}
+
+// Runs one grouped GEMM on the routing `ids` and checks every written element and that the rest of y is untouched.
+void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const GemmCase& c, MoeGemmVariant variant,
+                    const std::vector<int32_t>& ids, std::mt19937& rng) {
+  const int64_t rows = c.tokens * c.top_k, n = w.n, k = w.k, ldx = k + 8;
+  const HostAlign al = align_reference(ids, w.n_experts);
+  const int64_t x_rows = c.gather ? c.tokens : rows;
+  const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(x_rows * ldx), rng);
+  const DeviceBuffer d_x = upload(x), d_off = upload(al.offsets), d_sorted = upload(al.sorted_pairs);
+  const int64_t ldy = c.col0 + n + c.ldy_extra;
+  const DeviceBuffer d_y = poisoned(static_cast<size_t>(rows * ldy) * 2);
+  const MoeGemmArgs args{.x = d_x.as<uint16_t>(),
+                         .ldx = ldx,
+                         .sorted_pairs = d_sorted.as<int32_t>(),
+                         .top_k = c.top_k,
+                         .gather = c.gather,
+                         .expert_offsets = d_off.as<int32_t>(),
+                         .w = w.view(),
+                         .y = d_y.as<uint16_t>() + c.col0,
+                         .ldy = ldy,
+                         .rows = rows};
+  const auto status = moe_gemm(ctx, args, variant);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const auto y = download<uint16_t>(d_y, static_cast<size_t>(rows * ldy));
+  EXPECT_EQ(written_outside(y, rows, ldy, {{c.col0, c.col0 + n}}), 0)
+      << "columns outside [col0, col0 + n) were written";
+  gemm_test::check_gemm(y_columns(y, rows, ldy, c.col0, n), expert_reference(w, x, ldx, al, c.gather, c.top_k), rows, n,
+                        gemm_name(w, variant, c.tokens, c.top_k) + (c.skew ? " skewed" : ""));
+}
+
+// The same on a fresh random routing (skew: see random_ids).
+void check_gemm(const DeviceContext& ctx, const ExpertWeights& w, const GemmCase& c, MoeGemmVariant variant,
+                std::mt19937& rng) {
+  check_gemm_ids(ctx, w, c, variant, random_ids(c.tokens, c.top_k, w.n_experts, c.skew, rng), rng);
+}
+
+void check_gemm_shapes(MoeWeightFormat format) {
+  DeviceContext ctx;
+  std::mt19937 rng(format == MoeWeightFormat::kBf16 ? 2004 : 2005);
+  const MoeGemmVariant variants[] = {MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill, MoeGemmVariant::kAuto};
+  struct Shape {
+    int64_t n_experts, n, k, top_k;
+  };
+  // The test fixture; n odd and k off every tile (k % 32 != 0 takes NVFP4's 8-byte loads); a 35B-like gate_up.
+  for (const Shape& s : {Shape{8, 32, 64, 2}, Shape{64, 271, 784, 8}, Shape{256, 1024, 2048, 8}}) {
+    const ExpertWeights w = make_expert_weights(format, s.n_experts, s.n, s.k, 1.0f, rng);
+    for (int64_t tokens : {1, 3, 37, 1000}) {
+      if (s.n_experts == 256 && tokens == 1000) continue;  // the host reference would take minutes
+      for (MoeGemmVariant v : variants) check_gemm(ctx, w, {tokens, s.top_k, true, false}, v, rng);
+    }
+  }
+  // Ragged loads (half the experts empty, one in every token), ungathered input, and a column window of a wider y.
+  const ExpertWeights w = make_expert_weights(format, 16, 130, 256, 1.0f, rng);
+  for (MoeGemmVariant v : variants) {
+    check_gemm(ctx, w, {1000, 4, true, true}, v, rng);
+    check_gemm(ctx, w, {37, 4, false, true, 0, 6}, v, rng);
+    check_gemm(ctx, w, {300, 2, true, false, 130, 0}, v, rng);  // the up half of a [rows, 2n] buffer
+  }
+}
+
+TEST(MoeGemm, Bf16BothVariants) { check_gemm_shapes(MoeWeightFormat::kBf16); }
+TEST(MoeGemm, Nvfp4BothVariants) { check_gemm_shapes(MoeWeightFormat::kNvfp4); }
+
+// MoeGemmArgs::w2 on the routing `ids`: w into columns [0, w.n) and w2 into [y2_offset, y2_offset + w2.n) of
+// y [rows, ldy] in one call, each against its fp64 product, nothing else written.
+void check_gemm_pair(const DeviceContext& ctx, const ExpertWeights& w, const ExpertWeights& w2,
+                     const std::vector<int32_t>& ids, int64_t top_k, int64_t y2_offset, int64_t ldy,
+                     MoeGemmVariant variant, std::mt19937& rng) {
+  const int64_t rows = static_cast<int64_t>(ids.size()), tokens = rows / top_k, ldx = w.k + 8;
+  const HostAlign al = align_reference(ids, w.n_experts);
+  const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(tokens * ldx), rng);
+  const DeviceBuffer d_x = upload(x), d_off = upload(al.offsets), d_sorted = upload(al.sorted_pairs);
+  const DeviceBuffer d_y = poisoned(static_cast<size_t>(rows * ldy) * 2);
+  const auto status = moe_gemm(ctx,
+                               {.x = d_x.as<uint16_t>(),
+                                .ldx = ldx,
+                                .sorted_pairs = d_sorted.as<int32_t>(),
+                                .top_k = top_k,
+                                .gather = true,
+                                .expert_offsets = d_off.as<int32_t>(),
+                                .w = w.view(),
+                                .y = d_y.as<uint16_t>(),
+                                .ldy = ldy,
+                                .rows = rows,
+                                .w2 = w2.view(),
+                                .y2_offset = y2_offset},
+                               variant);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const auto y = download<uint16_t>(d_y, static_cast<size_t>(rows * ldy));
+  EXPECT_EQ(written_outside(y, rows, ldy, {{0, w.n}, {y2_offset, y2_offset + w2.n}}), 0)
+      << "columns outside both projections were written";
+  const std::string what = gemm_name(w, variant, tokens, top_k) + " +w2 n=" + std::to_string(w2.n);
+  gemm_test::check_gemm(y_columns(y, rows, ldy, 0, w.n), expert_reference(w, x, ldx, al, true, top_k), rows, w.n,
+                        what + " (w)");
+  gemm_test::check_gemm(y_columns(y, rows, ldy, y2_offset, w2.n), expert_reference(w2, x, ldx, al, true, top_k), rows,
+                        w2.n, what + " (w2)");
+}
+
+// Gate and up as two stacks (NVFP4: each expert of each with its own global scale) in one launch, at 1, 2, 7 and
+// 64 tokens: the fixture, then n, n2 and k off every tile and step (k % 32 != 0 takes NVFP4's 8-byte loads) with
+// a gap between the two column windows; then the 35B shape (two [512, 2048] stacks) with only routed experts set.
+TEST(MoeGemm, SecondProjectionInTheSameLaunch) {
+  DeviceContext ctx;
+  std::mt19937 rng(2008);
+  const MoeGemmVariant variants[] = {MoeGemmVariant::kDecode, MoeGemmVariant::kAuto, MoeGemmVariant::kPrefill};
+  struct Shape {
+    int64_t n_experts, n, n2, k, top_k, gap;
+  };
+  for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
+    for (const Shape& s : {Shape{8, 32, 32, 64, 2, 0}, Shape{64, 136, 120, 784, 8, 3}}) {
+      const ExpertWeights w = make_expert_weights(f, s.n_experts, s.n, s.k, 1.0f, rng);
+      const ExpertWeights w2 = make_expert_weights(f, s.n_experts, s.n2, s.k, 1.0f, rng);
+      for (int64_t tokens : {1, 2, 7, 64}) {
+        for (MoeGemmVariant v : variants) {
+          check_gemm_pair(ctx, w, w2, random_ids(tokens, s.top_k, s.n_experts, false, rng), s.top_k, s.n + s.gap,
+                          s.n + s.gap + s.n2 + s.gap, v, rng);
+        }
+      }
+    }
+  }
+  for (int64_t tokens : {1, 2, 7}) {
+    const std::vector<int32_t> ids = random_ids(tokens, 8, 256, false, rng);
+    const ExpertWeights gate = make_routed_nvfp4(256, 512, 2048, distinct(ids), rng);
+    const ExpertWeights up = make_routed_nvfp4(256, 512, 2048, distinct(ids), rng);
+    for (MoeGemmVariant v : {MoeGemmVariant::kDecode, MoeGemmVariant::kAuto}) {
+      check_gemm_pair(ctx, gate, up, ids, 8, 512, 1024, v, rng);
+    }
+  }
+}
+
+// MoeGemmArgs::x_silu_mul on permuted [gate | up] rows (ldx = 2k, as moe_forward's gate_up buffer) and the routing
+// `ids`: the decode kernel's y must equal, bit for bit, silu_mul followed by the same decode GEMM on its output,
+// and match the fp64 product of silu(gate) * up. Against fp64 the act's bf16 rounding (relative 2^-9, plus the
+// fp32 silu's few ulp) adds at most 2^-9 S to gemm_test's bound; dropping a 16-k block still moves y by about
+// 16 S / k, at least 2^-7 S here.
+void check_gemm_silu(const DeviceContext& ctx, const ExpertWeights& w, const std::vector<int32_t>& ids, int64_t top_k,
+                     std::mt19937& rng) {
+  const int64_t rows = static_cast<int64_t>(ids.size()), n = w.n, k = w.k;
+  const HostAlign al = align_reference(ids, w.n_experts);
+  const std::vector<uint16_t> gate_up = gemm_test::random_bf16(static_cast<size_t>(rows * 2 * k), rng);
+  const DeviceBuffer d_gu = upload(gate_up), d_off = upload(al.offsets);
+  const DeviceBuffer act = poisoned(static_cast<size_t>(rows * k) * 2);
+  const DeviceBuffer y_fused = poisoned(static_cast<size_t>(rows * n) * 2);
+  const DeviceBuffer y_split = poisoned(static_cast<size_t>(rows * n) * 2);
+  const MoeGemmArgs base{.x = d_gu.as<uint16_t>(),
+                         .ldx = 2 * k,
+                         .top_k = top_k,
+                         .expert_offsets = d_off.as<int32_t>(),
+                         .w = w.view(),
+                         .y = y_fused.as<uint16_t>(),
+                         .ldy = n,
+                         .rows = rows,
+                         .x_silu_mul = true};
+  auto status = moe_gemm(ctx, base, MoeGemmVariant::kDecode);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ASSERT_TRUE(
+      silu_mul(ctx, {.gate_up = d_gu.as<uint16_t>(), .y = act.as<uint16_t>(), .rows = rows, .inter = k}).has_value());
+  MoeGemmArgs split = base;
+  split.x = act.as<uint16_t>();
+  split.ldx = k;
+  split.y = y_split.as<uint16_t>();
+  split.x_silu_mul = false;
+  status = moe_gemm(ctx, split, MoeGemmVariant::kDecode);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const auto got = download<uint16_t>(y_fused, static_cast<size_t>(rows * n));
+  const std::string what = gemm_name(w, MoeGemmVariant::kDecode, rows / top_k, top_k) + " silu(x)";
+  EXPECT_EQ(got, download<uint16_t>(y_split, static_cast<size_t>(rows * n)))
+      << what << ": differs from silu_mul + GEMM";
+  const gemm_test::Reference ref = expert_reference(w, gate_up, 2 * k, al, false, top_k, true);
+  int64_t bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = bf16_to_float(got[i]), err = std::fabs(g - ref.y[i]);
+    const double allowed = gemm_test::kRelTol * std::fabs(ref.y[i]) + (gemm_test::kAbsTol + 0x1p-9) * ref.abs[i];
+    if (std::isfinite(g)) worst = std::max(worst, err / allowed);
+    if ((!std::isfinite(g) || err > allowed) && ++bad <= 5) {
+      ADD_FAILURE() << what << ": y[" << i / n << "," << i % n << "] = " << g << ", reference " << ref.y[i]
+                    << " (allowed error " << allowed << ")";
+    }
+  }
+  std::printf("%-48s max error / allowed = %.3f\n", what.c_str(), worst);
+}
+
+// The down projection with SiLU-and-mul folded in, at 1, 2, 7 and 64 tokens: the fixture (at 64 tokens each expert
+// takes several 16-row passes, so the act rows are restaged), n and k off every tile and step (k % 32 != 0: NVFP4's
+// 8-byte loads), a skewed routing, and the 35B down shape ([2048, 512]; NVFP4 with only the routed experts set).
+TEST(MoeGemm, SiluMulFoldedIntoTheDecodeKernel) {
+  DeviceContext ctx;
+  std::mt19937 rng(2010);
+  struct Shape {
+    int64_t n_experts, n, k, top_k;
+    bool skew;
+  };
+  for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
+    for (const Shape& s : {Shape{8, 32, 64, 2, false}, Shape{64, 136, 784, 8, false}, Shape{16, 130, 256, 4, true},
+                           Shape{16, 2048, 512, 8, false}}) {
+      const ExpertWeights w = make_expert_weights(f, s.n_experts, s.n, s.k, 1.0f, rng);
+      for (int64_t tokens : {1, 2, 7, 64}) {
+        check_gemm_silu(ctx, w, random_ids(tokens, s.top_k, s.n_experts, s.skew, rng), s.top_k, rng);
+      }
+    }
+  }
+  for (int64_t tokens : {1, 2, 7}) {
+    const std::vector<int32_t> ids = random_ids(tokens, 8, 256, false, rng);
+    check_gemm_silu(ctx, make_routed_nvfp4(256, 2048, 512, distinct(ids), rng), ids, 8, rng);
+  }
+}
+
+// MoeGemmArgs::route: one token's gate/up launch that routes the token itself, against moe_route_align followed by
+// the same launch on its offsets. Every output must be the same bits: the routing (ids, weight bits, offsets,
+// sorted_pairs, pair_row) and y, whose columns are also checked against the fp64 product, and nothing outside
+// them written. Routing shapes as MoeRouteAlign's (coarse logits tie exactly), one with a NaN logit (every
+// probability NaN: the k lowest indices win, with NaN weights), and Qwen3.5-35B-A3B's gate and up stacks with only
+// the routed experts set.
+void check_route_in_launch(const DeviceContext& ctx, const RouteCase& c, const ExpertWeights& w,
+                           const ExpertWeights& w2, std::vector<uint16_t> logits, std::mt19937& rng) {
+  const int64_t k = c.top_k, ldx = w.k + 8, ldy = w.n + w2.n, n_off = c.n_experts + 1;
+  const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(ldx), rng);
+  const DeviceBuffer d_x = upload(x), d_logits = upload(logits);
+  const RoutingBuffers two(k, c.n_experts), one(k, c.n_experts);
+  const DeviceBuffer y_two = poisoned(static_cast<size_t>(k * ldy) * 2),
+                     y_one = poisoned(static_cast<size_t>(k * ldy) * 2);
+  MoeGemmArgs args{.x = d_x.as<uint16_t>(),
+                   .ldx = ldx,
+                   .sorted_pairs = two.sorted_pairs.as<int32_t>(),
+                   .top_k = k,
+                   .gather = true,
+                   .expert_offsets = two.offsets.as<int32_t>(),
+                   .w = w.view(),
+                   .y = y_two.as<uint16_t>(),
+                   .ldy = ldy,
+                   .rows = k,
+                   .w2 = w2.view(),
+                   .y2_offset = w.n};
+  ASSERT_TRUE(moe_route_align(ctx, two.route(d_logits, c), two.align(c)).has_value());
+  auto status = moe_gemm(ctx, args, MoeGemmVariant::kDecode);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  args.sorted_pairs = nullptr;
+  args.expert_offsets = nullptr;
+  args.y = y_one.as<uint16_t>();
+  args.route = one.route(d_logits, c);
+  args.align = one.align(c);
+  status = moe_gemm(ctx, args, MoeGemmVariant::kAuto);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+
+  const std::string what = gemm_name(w, MoeGemmVariant::kDecode, 1, k) + " routed in the launch" +
+                           (c.coarse ? " ties" : "") + (c.renormalize ? "" : " raw weights");
+  const auto ids = download<int32_t>(one.ids, static_cast<size_t>(k));
+  EXPECT_EQ(ids, download<int32_t>(two.ids, static_cast<size_t>(k))) << what;
+  EXPECT_EQ(download<uint32_t>(one.weights, static_cast<size_t>(k)),
+            download<uint32_t>(two.weights, static_cast<size_t>(k)))
+      << what << " weight bits";
+  EXPECT_EQ(download<int32_t>(one.offsets, static_cast<size_t>(n_off)),
+            download<int32_t>(two.offsets, static_cast<size_t>(n_off)))
+      << what;
+  EXPECT_EQ(download<int32_t>(one.sorted_pairs, static_cast<size_t>(k)),
+            download<int32_t>(two.sorted_pairs, static_cast<size_t>(k)))
+      << what;
+  EXPECT_EQ(download<int32_t>(one.pair_row, static_cast<size_t>(k)),
+            download<int32_t>(two.pair_row, static_cast<size_t>(k)))
+      << what;
+  const auto y = download<uint16_t>(y_one, static_cast<size_t>(k * ldy));
+  EXPECT_EQ(y, download<uint16_t>(y_two, static_cast<size_t>(k * ldy))) << what << ": y differs from route + GEMM";
+
+  const HostRouting want = route_reference(logits, c.n_experts + 3, 1, c.n_experts, k, c.renormalize);
+  EXPECT_EQ(ids, want.ids) << what;
+  const HostAlign al = align_reference(want.ids, c.n_experts);
+  gemm_test::check_gemm(y_columns(y, k, ldy, 0, w.n), expert_reference(w, x, ldx, al, true, k), k, w.n, what + " (w)");
+  gemm_test::check_gemm(y_columns(y, k, ldy, w.n, w2.n), expert_reference(w2, x, ldx, al, true, k), k, w2.n,
+                        what + " (w2)");
+}
+
+TEST(MoeGemm, RoutesOneTokenInTheLaunch) {
+  DeviceContext ctx;
+  std::mt19937 rng(2012);
+  struct Shape {
+    int64_t n_experts, top_k;
+    bool renormalize, coarse;
+  };
+  for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
+    for (const Shape& s :
+         {Shape{8, 2, true, false}, Shape{256, 8, true, false}, Shape{256, 8, true, true}, Shape{512, 10, false, true},
+          Shape{64, 1, true, false}, Shape{40, 32, true, true}, Shape{33, 4, false, false}}) {
+      const RouteCase c{1, s.n_experts, s.top_k, s.renormalize, s.coarse};
+      const ExpertWeights w = make_expert_weights(f, s.n_experts, 32, 64, 1.0f, rng);
+      const ExpertWeights w2 = make_expert_weights(f, s.n_experts, 24, 64, 1.0f, rng);
+      check_route_in_launch(ctx, c, w, w2, random_logits(c, rng), rng);
+    }
+  }
+  const RouteCase nan_case{1, 64, 4, true, false};
+  std::vector<uint16_t> logits = random_logits(nan_case, rng);
+  logits[17] = 0x7FC0;
+  const ExpertWeights w = make_expert_weights(MoeWeightFormat::kBf16, 64, 32, 64, 1.0f, rng);
+  check_route_in_launch(ctx, nan_case, w, w, logits, rng);
+
+  const RouteCase model{1, 256, 8, true, false};
+  logits = random_logits(model, rng);
+  const std::vector<int32_t> used = distinct(route_reference(logits, 259, 1, 256, 8, true).ids);
+  const ExpertWeights gate = make_routed_nvfp4(256, 512, 2048, used, rng);
+  const ExpertWeights up = make_routed_nvfp4(256, 512, 2048, used, rng);
+  check_route_in_launch(ctx, model, gate, up, logits, rng);
+}
+
+// Qwen3.5-35B-A3B's expert GEMMs at decode sizes (256 experts, top-8, hidden 2048, moe_intermediate 512): gate_up
+// [1024, 2048] on gathered token rows and down [2048, 512] on permuted rows, T = 1 and 8, through the decode kernel
+// and kAuto. Only the routed experts carry weights (make_routed_nvfp4). Then a ragged shape that takes the same
+// 32-row warp tiles on a 132-SM GPU: n and k off the tile and step sizes, experts with 0 rows.
+TEST(MoeGemm, Nvfp4DecodeModelShapes) {
+  DeviceContext ctx;
+  std::mt19937 rng(2007);
+  struct Shape {
+    int64_t n_experts, n, k, top_k;
+    bool gather;
+  };
+  for (const Shape& s :
+       {Shape{256, 1024, 2048, 8, true}, Shape{256, 2048, 512, 8, false}, Shape{64, 1000, 672, 8, true}}) {
+    for (int64_t tokens : {1, 8}) {
+      const std::vector<int32_t> ids = random_ids(tokens, s.top_k, s.n_experts, false, rng);
+      const ExpertWeights w = make_routed_nvfp4(s.n_experts, s.n, s.k, distinct(ids), rng);
+      for (MoeGemmVariant v : {MoeGemmVariant::kDecode, MoeGemmVariant::kAuto}) {
+        check_gemm_ids(ctx, w, {tokens, s.top_k, s.gather, false}, v, ids, rng);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The combine folded into the shared expert's down projection (gemv_bf16_silu_mul_moe_combine)
+
+// m tokens of top_k pairs on random distinct experts: the fused launch against gemv_bf16_silu_mul into shared_out
+// followed by moe_combine (every bit, and nothing of y past n written), and against the block's fp64 value. Against
+// fp64 the bf16 act (2^-9 relative per term), the shared output's rounding (2^-9) and y's own add up to about
+// 2^-8 of the summed magnitudes; leaving out one expert's term moves y by about its own magnitude.
+void check_combine_gemv(const DeviceContext& ctx, int64_t m, int64_t top_k, int64_t n, int64_t k, std::mt19937& rng) {
+  const int64_t n_experts = 64, pairs = m * top_k, ldx = 2 * k + 8, gate_stride = 3, ldy = n + 5;
+  const std::vector<int32_t> ids = random_ids(m, top_k, n_experts, false, rng);
+  const HostAlign al = align_reference(ids, n_experts);
+  const std::vector<uint16_t> gate_up = gemm_test::random_bf16(static_cast<size_t>(m * ldx), rng);
+  const std::vector<uint16_t> w = gemm_test::random_bf16(static_cast<size_t>(n * k), rng);
+  const std::vector<uint16_t> expert_out = gemm_test::random_bf16(static_cast<size_t>(pairs * n), rng);
+  const std::vector<uint16_t> gates = gemm_test::random_bf16(static_cast<size_t>(m * gate_stride), rng);
+  std::uniform_real_distribution<float> unit(0.05f, 1.0f);
+  std::vector<float> weights(static_cast<size_t>(pairs));
+  for (float& v : weights) v = unit(rng) / static_cast<float>(top_k);
+  const DeviceBuffer d_gu = upload(gate_up), d_w = upload(w), d_eo = upload(expert_out), d_gates = upload(gates);
+  const DeviceBuffer d_ids = upload(ids), d_rows = upload(al.pair_row), d_weights = upload(weights);
+  const DeviceBuffer shared = poisoned(static_cast<size_t>(m * n) * 2);
+  const DeviceBuffer y_two = poisoned(static_cast<size_t>(m * ldy) * 2),
+                     y_one = poisoned(static_cast<size_t>(m * ldy) * 2);
+  const GemmBf16Args args{
+      .x = d_gu.as<uint16_t>(), .w = d_w.as<uint16_t>(), .y = shared.as<uint16_t>(), .m = m, .n = n, .k = k, .ldy = n};
+  ASSERT_TRUE(gemv_bf16_silu_mul(ctx, args, ldx).has_value());
+  const MoeCombineArgs comb{.expert_out = d_eo.as<uint16_t>(),
+                            .pair_row = d_rows.as<int32_t>(),
+                            .topk_ids = d_ids.as<int32_t>(),
+                            .topk_weights = d_weights.as<float>(),
+                            .shared_out = shared.as<uint16_t>(),
+                            .shared_gate = d_gates.as<uint16_t>(),
+                            .shared_gate_stride = gate_stride,
+                            .y = y_two.as<uint16_t>(),
+                            .tokens = m,
+                            .top_k = top_k,
+                            .hidden = n};
+  // moe_combine writes rows of hidden; y_two is read back at ldy = n for it.
+  ASSERT_TRUE(moe_combine(ctx, comb).has_value());
+  GemmBf16Args fused = args;
+  fused.y = y_one.as<uint16_t>();
+  fused.ldy = ldy;
+  const auto status = gemv_bf16_silu_mul_moe_combine(ctx, fused, ldx, comb);
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const std::string what = "combine in the GEMV: T=" + std::to_string(m) + " top" + std::to_string(top_k) +
+                           " n=" + std::to_string(n) + " k=" + std::to_string(k);
+  const auto got = download<uint16_t>(y_one, static_cast<size_t>(m * ldy));
+  const auto want = download<uint16_t>(y_two, static_cast<size_t>(m * n));
+  EXPECT_EQ(y_columns(got, m, ldy, 0, n), want) << what << ": differs from gemv_bf16_silu_mul + moe_combine";
+  EXPECT_EQ(written_outside(got, m, ldy, {{0, n}}), 0) << what << ": columns past n written";
+
+  int64_t bad = 0;
+  for (int64_t t = 0; t < m; ++t) {
+    std::vector<double> act(static_cast<size_t>(k));
+    for (int64_t c = 0; c < k; ++c) {
+      const double g = bf16_to_float(gate_up[t * ldx + c]), u = bf16_to_float(gate_up[t * ldx + k + c]);
+      act[c] = g / (1.0 + std::exp(-g)) * u;
+    }
+    const double sig = 1.0 / (1.0 + std::exp(-static_cast<double>(bf16_to_float(gates[t * gate_stride]))));
+    for (int64_t col = 0; col < n; ++col) {
+      double shared_v = 0.0, shared_abs = 0.0, routed = 0.0, routed_abs = 0.0;
+      for (int64_t c = 0; c < k; ++c) {
+        const double p = act[c] * bf16_to_float(w[col * k + c]);
+        shared_v += p;
+        shared_abs += std::fabs(p);
+      }
+      for (int64_t j = 0; j < top_k; ++j) {
+        const double v = weights[t * top_k + j] * bf16_to_float(expert_out[al.pair_row[t * top_k + j] * n + col]);
+        routed += v;
+        routed_abs += std::fabs(v);
+      }
+      const double ref = routed + sig * shared_v, g = bf16_to_float(got[t * ldy + col]);
+      const double allowed = 0x1p-8 * (routed_abs + sig * shared_abs + std::fabs(ref));
+      if ((!std::isfinite(g) || std::fabs(g - ref) > allowed) && ++bad <= 5) {
+        ADD_FAILURE() << what << ": y[" << t << "," << col << "] = " << g << ", reference " << ref << " (allowed "
+                      << allowed << ")";
+      }
+    }
+  }
+}
+
+TEST(MoeCombine, FoldedIntoTheSharedExpertGemv) {
+  DeviceContext ctx;
+  std::mt19937 rng(2013);
+  struct Shape {
+    int64_t m, top_k, n, k;
+  };
+  // Qwen3.5-35B-A3B's shared expert down ([2048, 512], top-8) at 1 and 2 tokens; top-1 and top-32; a k of
+  // one chunk beyond 64, and every row count up to the GEMV's eight.
+  for (const Shape& s : {Shape{1, 8, 2048, 512}, Shape{2, 8, 2048, 512}, Shape{1, 1, 200, 64}, Shape{3, 32, 136, 72},
+                         Shape{8, 4, 96, 136}, Shape{5, 10, 1000, 48}}) {
+    check_combine_gemv(ctx, s.m, s.top_k, s.n, s.k, rng);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The whole block against layers/moe.h
+
+struct BlockShape {
+  int64_t hidden, inter, n_experts, top_k, shared_inter;  // shared_inter 0: no shared expert
+};
+
+// Router rows are one-hot (a power of two at one column), so x . router^T is exact in bf16 on both sides and the
+// GPU (bf16 logits, as transformers computes them) picks the CPU's experts (fp32 logits); the last expert repeats
+// expert 1's row, an exact tie that both must give to expert 1. Row E is the shared expert gate, also one-hot so
+// its sigmoid sees the same input on both sides.
+std::vector<uint16_t> make_router(const BlockShape& s, std::mt19937& rng) {
+  const int64_t h = s.hidden, rows = s.n_experts + 1;
+  std::vector<uint16_t> r(static_cast<size_t>(rows * h), float_to_bf16(0.0f));
+  std::uniform_int_distribution<int> col(0, static_cast<int>(h - 1)), exp2(-1, 1);
+  for (int64_t e = 0; e < rows; ++e) r[e * h + col(rng)] = float_to_bf16(std::ldexp(1.0f, exp2(rng)));
+  if (s.n_experts > 2) std::copy_n(&r[1 * h], h, &r[(s.n_experts - 1) * h]);
+  return r;
+}
+
+CpuMatrix cpu_view(const ExpertWeights& w, int64_t e, int64_t row0, int64_t rows) {
+  CpuMatrix m{.rows = rows, .cols = w.k};
+  if (w.format == MoeWeightFormat::kBf16) {
+    m.format = CpuWeightFormat::kBf16;
+    m.data = &w.bf16[static_cast<size_t>((e * w.n + row0) * w.k)];
+  } else {
+    m.format = CpuWeightFormat::kNvfp4;
+    m.data = &w.packed[static_cast<size_t>((e * w.n + row0) * w.k / 2)];
+    m.block_scales = &w.scales[static_cast<size_t>((e * w.n + row0) * w.k / 16)];
+    m.global_scale = w.global_scales[e];
+  }
+  return m;
+}
+
+// How moe_forward runs: the token counts, the GEMM variant, and whether gate and up come as two stacks
+// (MoeForwardArgs::up; NVFP4: each quantized on its own, so every expert has two global scales).
+struct BlockRun {
+  std::vector<int64_t> tokens = {1, 3, 37, 1000};
+  MoeGemmVariant variant = MoeGemmVariant::kAuto;
+  bool split = false;
+};
+
+void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat format, std::mt19937& rng,
+                 const BlockRun& run = {}) {
+  const int64_t h = s.hidden, inter = s.inter, e_count = s.n_experts;
+  const std::vector<uint16_t> router = make_router(s, rng);
+  // gate/up and down scaled by 1/sqrt(fan-in) keep every intermediate O(1). NVFP4 gate_up is quantized per expert
+  // as one [2I, H] matrix: gate and up share weight_scale_2, as ModelOpt exports them.
+  // (NVFP4 rows spread over 2^+-1 only: the block's intermediates stay O(1), as a trained model's do.)
+  const ExpertWeights gate_up =
+      make_expert_weights(format, e_count, (run.split ? 1 : 2) * inter, h, 1.0f / std::sqrt(float(h)), rng, 1.0f);
+  const ExpertWeights up = run.split
+                               ? make_expert_weights(format, e_count, inter, h, 1.0f / std::sqrt(float(h)), rng, 1.0f)
+                               : ExpertWeights{.format = format, .n_experts = 0, .n = 0, .k = 0};
+  const ExpertWeights down = make_expert_weights(format, e_count, h, inter, 1.0f / std::sqrt(float(inter)), rng, 1.0f);
+  const int64_t si = std::max<int64_t>(s.shared_inter, 8);
+  const ExpertWeights shared_gu = make_expert_weights(MoeWeightFormat::kBf16, 1, 2 * si, h, 1.0f / std::sqrt(float(h)), rng);
+  const ExpertWeights shared_down = make_expert_weights(MoeWeightFormat::kBf16, 1, h, si, 1.0f / std::sqrt(float(si)), rng);
+
+  MoeWeights cpu_w{.router = Linear("router", {.format = CpuWeightFormat::kBf16, .rows = e_count, .cols = h,
+                                               .data = router.data()})};
+  for (int64_t e = 0; e < e_count; ++e) {
+    cpu_w.experts.push_back({Linear("gate", cpu_view(gate_up, e, 0, inter)),
+                             Linear("up", run.split ? cpu_view(up, e, 0, inter) : cpu_view(gate_up, e, inter, inter)),
+                             Linear("down", cpu_view(down, e, 0, h))});
+  }
+  if (s.shared_inter > 0) {
+    cpu_w.shared_expert = std::make_unique<Mlp>(MlpWeights{Linear("sg", cpu_view(shared_gu, 0, 0, si)),
+                                                           Linear("su", cpu_view(shared_gu, 0, si, si)),
+                                                           Linear("sd", cpu_view(shared_down, 0, 0, h))});
+    cpu_w.shared_expert_gate = Linear("gate", {.format = CpuWeightFormat::kBf16, .rows = 1, .cols = h,
+                                               .data = &router[static_cast<size_t>(e_count * h)]});
+  }
+  const Moe cpu(MoeShape{.top_k = s.top_k, .renormalize = true}, std::move(cpu_w));
+  const DeviceBuffer d_router = upload(router);
+
+  for (int64_t tokens : run.tokens) {
+    const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(tokens * h), rng);
+    const std::vector<float> xf = gemm_test::bf16_to_floats(x);
+    std::vector<float> want(static_cast<size_t>(tokens * h));
+    cpu.forward(xf.data(), want.data(), tokens, "", nullptr);
+
+    // GPU: router (+ shared gate column) and shared expert with the dense kernels, then the routed part.
+    const DeviceBuffer d_x = upload(x);
+    const DeviceBuffer logits = poisoned(static_cast<size_t>(tokens * (e_count + 1)) * 2);
+    ASSERT_TRUE(gemm_bf16(ctx, {.x = d_x.as<uint16_t>(), .w = d_router.as<uint16_t>(), .y = logits.as<uint16_t>(),
+                                .m = tokens, .n = e_count + 1, .k = h}).has_value());
+    const DeviceBuffer s_gu = poisoned(static_cast<size_t>(tokens * 2 * si) * 2);
+    const DeviceBuffer s_act = poisoned(static_cast<size_t>(tokens * si) * 2);
+    const DeviceBuffer s_out = poisoned(static_cast<size_t>(tokens * h) * 2);
+    if (s.shared_inter > 0) {
+      ASSERT_TRUE(gemm_bf16(ctx, {.x = d_x.as<uint16_t>(), .w = shared_gu.d_bf16.as<uint16_t>(),
+                                  .y = s_gu.as<uint16_t>(), .m = tokens, .n = 2 * si, .k = h}).has_value());
+      ASSERT_TRUE(silu_mul(ctx, {.gate_up = s_gu.as<uint16_t>(), .y = s_act.as<uint16_t>(), .rows = tokens,
+                                 .inter = si}).has_value());
+      ASSERT_TRUE(gemm_bf16(ctx, {.x = s_act.as<uint16_t>(), .w = shared_down.d_bf16.as<uint16_t>(),
+                                  .y = s_out.as<uint16_t>(), .m = tokens, .n = h, .k = si}).has_value());
+    }
+    const size_t ws_bytes = moe_forward_workspace_bytes(tokens, s.top_k, e_count, inter, h);
+    const DeviceBuffer ws = poisoned(ws_bytes), d_y = poisoned(static_cast<size_t>(tokens * h) * 2);
+    const bool shared = s.shared_inter > 0;
+    const auto status = moe_forward(ctx, {.x = d_x.as<uint16_t>(),
+                                          .router_logits = logits.as<uint16_t>(),
+                                          .logits_stride = e_count + 1,
+                                          .tokens = tokens,
+                                          .hidden = h,
+                                          .inter = inter,
+                                          .n_experts = e_count,
+                                          .top_k = s.top_k,
+                                          .gate_up = gate_up.view(),
+                                          .up = run.split ? up.view() : MoeExpertWeights{},
+                                          .down = down.view(),
+                                          .shared_out = shared ? s_out.as<uint16_t>() : nullptr,
+                                          .shared_gate = shared ? logits.as<uint16_t>() + e_count : nullptr,
+                                          .shared_gate_stride = e_count + 1,
+                                          .y = d_y.as<uint16_t>(),
+                                          .workspace = ws.data(),
+                                          .workspace_bytes = ws_bytes,
+                                          .variant = run.variant});
+    ASSERT_TRUE(status.has_value()) << status.error().message;
+    ctx.synchronize();
+    const auto got = download<uint16_t>(d_y, static_cast<size_t>(tokens * h));
+
+    // Tolerance per token row: 2^-6 of the row's largest |y|. The GPU rounds gate/up, the activation, each expert's
+    // output and the shared expert's to bf16 (2^-9 relative each, random in sign), so a row's error is about
+    // 2^-8.7 of its rms and its largest error about 2^-8.5 of its largest value; a dropped or misweighted expert
+    // (>= 1/top_k of the row) or a missing shared expert is several times the bound.
+    int bad = 0;
+    double worst = 0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      double row_max = 0;
+      for (int64_t d = 0; d < h; ++d) row_max = std::max(row_max, std::fabs(double(want[t * h + d])));
+      const double allowed = 0x1p-6 * row_max;
+      for (int64_t d = 0; d < h; ++d) {
+        const double g = bf16_to_float(got[t * h + d]), err = std::fabs(g - want[t * h + d]);
+        if (std::isfinite(g)) worst = std::max(worst, err / allowed);
+        if ((!std::isfinite(g) || err > allowed) && ++bad <= 5) {
+          ADD_FAILURE() << "y[" << t << "," << d << "] = " << g << ", Moe::forward " << want[t * h + d]
+                        << " (allowed " << allowed << ")";
+        }
+      }
+    }
+    std::printf("block %s %s%s H=%ld I=%ld E=%ld top%ld shared=%ld T=%ld: max error / allowed = %.3f\n",
+                format == MoeWeightFormat::kNvfp4 ? "nvfp4" : "bf16", variant_name(run.variant),
+                run.split ? " split" : "", long(h), long(inter), long(e_count), long(s.top_k), long(s.shared_inter),
+                long(tokens), worst);
+    EXPECT_EQ(bad, 0) << tokens << " tokens";
+  }
+}
+
+TEST(MoeBlock, MatchesCpuMoeForward) {
+  DeviceContext ctx;
+  std::mt19937 rng(2006);
+  // The test fixture, a 35B-like block (256 experts, top-8) and a 397B-like one (512 experts, top-10), smaller
+  // hidden sizes so the CPU reference stays fast.
+  const BlockShape shapes[] = {{64, 32, 8, 2, 32}, {512, 128, 256, 8, 128}, {256, 64, 512, 10, 0}};
+  for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
+    for (const BlockShape& s : shapes) check_block(ctx, s, f, rng);
+  }
+}
+
+// The decode paths of moe_forward (kAuto at these token counts and kDecode) against Moe::forward: gate and up
+// together or as two stacks (then one launch), with and without the shared expert; and the same blocks through
+// kPrefill, whose launches stay separate.
+TEST(MoeBlock, DecodePathsMatchCpuMoeForward) {
+  DeviceContext ctx;
+  std::mt19937 rng(2009);
+  const BlockShape shapes[] = {{64, 32, 8, 2, 32}, {512, 128, 256, 8, 128}, {256, 64, 64, 4, 0}};
+  for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
+    for (const BlockShape& s : shapes) {
+      for (MoeGemmVariant v : {MoeGemmVariant::kAuto, MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill}) {
+        for (bool split : {false, true}) {
+          if (v == MoeGemmVariant::kDecode && !split) continue;  // the same launches as kAuto here
+          check_block(ctx, s, f, rng, {.tokens = {1, 2, 7, 64}, .variant = v, .split = split});
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Bad arguments
+
+template <class F>
+void expect_error(F&& call, const std::string& text) {
+  const Expected<void> r = call();
+  ASSERT_FALSE(r.has_value()) << "expected an error containing '" << text << "'";
+  EXPECT_NE(r.error().message.find(text), std::string::npos) << r.error().message;
+}
+
+TEST(MoeKernels, BadArgumentsAreErrors) {
+  DeviceContext ctx;
+  DeviceBuffer buf(1 << 16);
+  const auto* u16 = buf.as<uint16_t>();
+  auto* i32 = buf.as<int32_t>();
+  const MoeRouteArgs route{.logits = u16, .logits_stride = 8, .topk_ids = i32, .topk_weights = buf.as<float>(),
+                           .tokens = 1, .n_experts = 8, .top_k = 2};
+  expect_error([&] { auto a = route; a.top_k = 9; return moe_route(ctx, a); }, "top_k=9 must be in [1, min(n_experts=8");
+  expect_error([&] { auto a = route; a.n_experts = 513; a.logits_stride = 513; return moe_route(ctx, a); },
+               "n_experts=513 must be in [1, 512]");
+  expect_error([&] { auto a = route; a.logits_stride = 7; return moe_route(ctx, a); }, "logits_stride=7");
+  expect_error([&] { auto a = route; a.topk_ids = nullptr; return moe_route(ctx, a); }, "topk_ids is null");
+
+  const MoeExpertWeights w{.format = MoeWeightFormat::kBf16, .n_experts = 4, .n = 16, .k = 64, .bf16 = u16,
+                           .bf16_expert_stride = 16 * 64};
+  const MoeGemmArgs gemm{.x = u16, .ldx = 64, .sorted_pairs = i32, .top_k = 2, .gather = true, .expert_offsets = i32,
+                         .w = w, .y = buf.as<uint16_t>(), .ldy = 16, .rows = 4};
+  expect_error([&] { auto a = gemm; a.w.k = 40; return moe_gemm(ctx, a); }, "k=40 must be a positive multiple of 16");
+  expect_error([&] { auto a = gemm; a.x = u16 + 1; return moe_gemm(ctx, a); }, "x is not 16-byte aligned");
+  expect_error([&] { auto a = gemm; a.ldx = 56; return moe_gemm(ctx, a); }, "ldx=56 must be a multiple of 8");
+  expect_error([&] { auto a = gemm; a.sorted_pairs = nullptr; return moe_gemm(ctx, a); }, "sorted_pairs (needed to gather)");
+  expect_error([&] { auto a = gemm; a.w.bf16_expert_stride = 100; return moe_gemm(ctx, a); }, "bf16_expert_stride=100");
+  expect_error([&] { auto a = gemm; a.w.format = MoeWeightFormat::kNvfp4; return moe_gemm(ctx, a); },
+               "packed weight is null");
+  const MoeGemmArgs pair = [&] {
+    auto a = gemm;
+    a.w2 = w;
+    a.y2_offset = 16;
+    a.ldy = 32;
+    return a;
+  }();
+  ASSERT_TRUE(moe_gemm(ctx,
+                       [&] {
+                         auto a = pair;
+                         a.rows = 0;
+                         return a;
+                       }())
+                  .has_value());
+  expect_error(
+      [&] {
+        auto a = pair;
+        a.w2.k = 32;
+        return moe_gemm(ctx, a);
+      },
+      "w2 (4 experts, k=32, bf16) must have w's");
+  expect_error(
+      [&] {
+        auto a = pair;
+        a.w2.format = MoeWeightFormat::kNvfp4;
+        return moe_gemm(ctx, a);
+      },
+      "w2: packed weight is null");
+  expect_error(
+      [&] {
+        auto a = pair;
+        a.y2_offset = 8;
+        return moe_gemm(ctx, a);
+      },
+      "y2_offset=8 must be in [n=16, ldy - w2.n=16]");
+  expect_error(
+      [&] {
+        auto a = pair;
+        a.ldy = 24;
+        return moe_gemm(ctx, a);
+      },
+      "y2_offset=16 must be in [n=16, ldy - w2.n=8]");
+  const MoeGemmArgs silu = [&] {
+    auto a = gemm;
+    a.gather = false;
+    a.ldx = 128;
+    a.x_silu_mul = true;
+    return a;
+  }();
+  ASSERT_TRUE(moe_gemm(
+                  ctx,
+                  [&] {
+                    auto a = silu;
+                    a.rows = 0;
+                    return a;
+                  }(),
+                  MoeGemmVariant::kDecode)
+                  .has_value());
+  expect_error([&] { return moe_gemm(ctx, silu, MoeGemmVariant::kPrefill); }, "x_silu_mul needs the decode variant");
+  expect_error(
+      [&] {
+        auto a = silu;
+        a.ldx = 120;
+        return moe_gemm(ctx, a);
+      },
+      "ldx=120 must be at least 2k=128 with x_silu_mul");
+
+  const MoeCombineArgs comb{.expert_out = u16, .pair_row = i32, .topk_ids = i32, .topk_weights = buf.as<float>(),
+                            .y = buf.as<uint16_t>(), .tokens = 1, .top_k = 2, .hidden = 64};
+  expect_error([&] { auto a = comb; a.hidden = 12; return moe_combine(ctx, a); }, "hidden=12 must be a positive multiple of 8");
+  expect_error([&] { auto a = comb; a.shared_out = u16; return moe_combine(ctx, a); }, "shared_gate (needed with shared_out)");
+  expect_error([&] {
+    return moe_align(ctx, {.topk_ids = i32, .tokens = 1, .top_k = 2, .n_experts = 0, .expert_offsets = i32,
+                           .sorted_pairs = i32, .pair_row = i32});
+  }, "n_experts=0");
+  const MoeAlignArgs align{.topk_ids = i32,
+                           .tokens = 1,
+                           .top_k = 2,
+                           .n_experts = 8,
+                           .expert_offsets = i32 + 64,
+                           .sorted_pairs = i32 + 128,
+                           .pair_row = i32 + 192};
+  expect_error(
+      [&] {
+        auto a = align;
+        a.topk_ids = i32 + 8;
+        return moe_route_align(ctx, route, a);
+      },
+      "align must sort the route's topk_ids");
+  expect_error(
+      [&] {
+        auto a = align;
+        a.tokens = 2;
+        return moe_route_align(ctx, route, a);
+      },
+      "align must sort the route's topk_ids");
+  expect_error(
+      [&] {
+        auto r = route;
+        auto a = align;
+        r.tokens = a.tokens = 129;
+        r.top_k = a.top_k = 16;
+        r.n_experts = a.n_experts = r.logits_stride = 16;
+        return moe_route_align(ctx, r, a);
+      },
+      "tokens * top_k = 2064 is more than the 2048 pairs");
+
+  // Routing in the launch: one token's pairs, the decode kernel, a consistent route and align over w's experts.
+  const MoeGemmArgs routed = [&] {
+    auto a = gemm;
+    a.rows = 2;
+    a.route = route;
+    a.route.n_experts = a.align.n_experts = 4;
+    a.align = align;
+    a.align.n_experts = 4;
+    return a;
+  }();
+  expect_error([&] { return moe_gemm(ctx, routed, MoeGemmVariant::kPrefill); },
+               "routing in the launch needs the decode variant, one token");
+  expect_error(
+      [&] {
+        auto a = routed;
+        a.rows = 4;
+        a.route.tokens = a.align.tokens = 2;
+        return moe_gemm(ctx, a);
+      },
+      "route.tokens = 1, rows = top_k = route.top_k; got 2, 4, 2, 2");
+  expect_error(
+      [&] {
+        auto a = routed;
+        a.route.n_experts = a.align.n_experts = 8;
+        return moe_gemm(ctx, a);
+      },
+      "route has 8 experts, the weights 4");
+  expect_error(
+      [&] {
+        auto a = routed;
+        a.align.topk_ids = i32 + 8;
+        return moe_gemm(ctx, a);
+      },
+      "moe_gemm: align must sort the route's topk_ids");
+}
+
+TEST(MoeCombine, FoldedCombineBadArgumentsAreErrors) {
+  DeviceContext ctx;
+  DeviceBuffer buf(1 << 16);
+  const GemmBf16Args args{
+      .x = buf.as<uint16_t>(), .w = buf.as<uint16_t>(), .y = buf.as<uint16_t>(), .m = 1, .n = 64, .k = 64, .ldy = 64};
+  const MoeCombineArgs c{.expert_out = buf.as<uint16_t>(),
+                         .pair_row = buf.as<int32_t>(),
+                         .topk_ids = buf.as<int32_t>(),
+                         .topk_weights = buf.as<float>(),
+                         .shared_gate = buf.as<uint16_t>(),
+                         .tokens = 1,
+                         .top_k = 8,
+                         .hidden = 64};
+  auto call = [&](const MoeCombineArgs& a, int64_t ldx = 128) {
+    return gemv_bf16_silu_mul_moe_combine(ctx, args, ldx, a);
+  };
+  expect_error(
+      [&] {
+        auto a = c;
+        a.top_k = 33;
+        return call(a);
+      },
+      "top_k=33 must be in [1, 32]");
+  expect_error(
+      [&] {
+        auto a = c;
+        a.pair_row = nullptr;
+        return call(a);
+      },
+      "pair_row is null");
+  expect_error(
+      [&] {
+        auto a = c;
+        a.shared_gate_stride = 0;
+        return call(a);
+      },
+      "shared_gate_stride=0 must be positive");
+  expect_error(
+      [&] {
+        auto a = c;
+        a.hidden = 32;
+        return call(a);
+      },
+      "the combine's 1 tokens x hidden 32 are not the product's m=1 x n=64");
+  expect_error([&] { return call(c, 120); }, "ldx=120 is less than 2k=128");
+}
+
+}  // namespace
+}  // namespace tern
