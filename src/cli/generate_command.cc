@@ -11,7 +11,7 @@
 #include <optional>
 
 #include "cli/model_options.h"
-#include "runtime/sampler.h"
+#include "kernels/cpu/sampler.h"
 #include "runtime/stop.h"
 #include "template/model_template.h"
 #include "tokenizer/detokenizer.h"

@@ -1,6 +1,6 @@
 // Token sampling in the registry: op "sampling", dims {rows, vocab}. Each row is a bf16 logits row like a language
 // model's (a broad body and a few strong candidates, padded to a row stride that is not the width) with its own
-// SamplingParams (runtime/sampler.h): greedy (with ties), temperature with top_k / top_p / min_p, and the
+// SamplingParams (kernels/cpu/sampler.h): greedy (with ties), temperature with top_k / top_p / min_p, and the
 // repetition / presence / frequency penalties over prompt and output ids drawn mostly from the row's best tokens.
 // A random row's draw is the first value of SamplerRng(seed), which the CPU Sampler seeded with `seed` takes as its
 // one draw of the step.
@@ -19,7 +19,7 @@
 
 #include "core/error.h"
 #include "ops/registry.h"
-#include "runtime/sampler.h"
+#include "kernels/cpu/sampler.h"
 
 namespace tern {
 

@@ -1,6 +1,6 @@
 // Sampling of a step's last-token logits on the device, for the CUDA runner's forward_sample: each sequence's
 // parameters and random draw go up, and only ids, logprobs, top logprobs and a status per row come back
-// (kernels/cuda/sampling.h has the semantics, the CPU Sampler's).
+// (kernels/cuda/sampling/sampling.h has the semantics, the CPU Sampler's).
 //
 //   CudaSampler s;  TERN_TRY(s.allocate(max_rows, vocab));
 //   per step: TERN_TRY(s.upload(ctx, rows));  ... logits ...;  TERN_TRY(s.launch(ctx, logits, n));

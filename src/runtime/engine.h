@@ -23,7 +23,7 @@
 #include "core/error.h"
 #include "runtime/model_runner.h"
 #include "runtime/engine_metrics.h"
-#include "runtime/sampler.h"
+#include "kernels/cpu/sampler.h"
 #include "runtime/scheduler.h"
 #include "runtime/stop.h"
 #include "tokenizer/detokenizer.h"

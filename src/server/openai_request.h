@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/sampler.h"
+#include "kernels/cpu/sampler.h"
 #include "runtime/stop.h"
 
 namespace tern {

@@ -30,7 +30,7 @@ using cuda_common::warp_sum;
 constexpr int kLoadBatch = 4;  // 16-byte loads a thread has in flight in a walk
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
-constexpr float kGreedyTemperature = 1e-5f;  // runtime/sampler.h kSamplingGreedyTemperature
+constexpr float kGreedyTemperature = 1e-5f;  // kernels/cpu/sampler.h kSamplingGreedyTemperature
 
 struct Crossing {
   int64_t index;  // first item whose inclusive prefix exceeds the target, -1 if none

@@ -1,6 +1,6 @@
 // Checked launcher of token sampling on the GPU (argument structs, status codes and semantics in
 // sampling_launch.h): one call samples `rows` rows of bf16 logits, each with its own parameters, as the CPU
-// Sampler (runtime/sampler.h) would for the same uniform draw.
+// Sampler (kernels/cpu/sampler.h) would for the same uniform draw.
 //
 //   std::vector<SamplingRow> host_rows;  // sampling_row_make(params, rng.next_unit(), ...) per row
 //   ... copy host_rows and the penalty ids to the device, size the workspace ...
@@ -13,7 +13,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda/sampling/sampling_launch.h"
-#include "runtime/sampler.h"
+#include "kernels/cpu/sampler.h"
 
 namespace tern {
 

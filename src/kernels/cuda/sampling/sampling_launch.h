@@ -1,5 +1,5 @@
 // Argument structs and the unchecked launcher of token sampling on the GPU, with the semantics of the CPU Sampler
-// (runtime/sampler.h, vLLM v1 order):
+// (kernels/cpu/sampler.h, vLLM v1 order):
 //
 //   raw bf16 row ──► status (first non-finite id), raw max and log-sum-exp, top-N raw logprobs
 //       └─► penalties (repetition over prompt+output, presence/frequency over output counts)

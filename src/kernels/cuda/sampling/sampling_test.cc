@@ -1,4 +1,4 @@
-// GPU sampling against the CPU Sampler (runtime/sampler.h, itself tested against hand-worked sets and a double
+// GPU sampling against the CPU Sampler (kernels/cpu/sampler.h, itself tested against hand-worked sets and a double
 // log_softmax) on the same bf16 logits, widened exactly to float for the CPU, and the same uniform draws: each row's
 // Sampler and a SamplerRng are seeded identically, and a random step hands the GPU the rng's next value, which the
 // CPU Sampler takes as its one draw of the step (checked by CpuSamplerTakesOneDrawPerRandomStep). Every batch runs

@@ -1,4 +1,4 @@
-#include "runtime/sampler.h"
+#include "kernels/cpu/sampler.h"
 
 #include <algorithm>
 #include <array>

@@ -2,7 +2,7 @@
 // from the definitions (vLLM's v1 sampler order: penalties, temperature, min_p, top_k, top_p; OpenAI's penalty
 // formula; transformers'/vLLM's repetition penalty), probabilities and log_softmax are recomputed here in double,
 // and the generator's known answers come from a separate Python transcription of xoshiro256** / splitmix64.
-#include "runtime/sampler.h"
+#include "kernels/cpu/sampler.h"
 
 #include <gtest/gtest.h>
 

@@ -5,7 +5,7 @@
 #include <random>
 #include <vector>
 
-#include "runtime/sampler.h"
+#include "kernels/cpu/sampler.h"
 
 namespace tern {
 namespace {
