@@ -103,3 +103,19 @@ test('a tools request comes back as a parsed tool call', async () => {
     assert.equal(reasoning.replace(/\n+$/, ''), thought(ref));
   }
 });
+
+test('a text completion continues a prompt in English, the same streamed and not', async () => {
+  const req = { model: MODEL, prompt: 'The old man walked down to the river and', max_tokens: 24, temperature: 0 };
+  const a = await server.client.completions.create(req);
+  const b = await server.client.completions.create(req);
+  const text = a.choices[0].text;
+  assert.equal(text, b.choices[0].text);
+  assert.equal(a.usage.completion_tokens, 24);
+  const words = text.split(/[^A-Za-z]+/).filter((w) => w.length > 0);
+  assert.ok(words.length >= 4 && [...text].every((c) => c.charCodeAt(0) < 128), text);
+  let streamed = '';
+  for await (const chunk of await server.client.completions.create({ ...req, stream: true })) {
+    streamed += chunk.choices[0]?.text ?? '';
+  }
+  assert.equal(streamed, text);
+});
