@@ -71,7 +71,8 @@ Expected<std::unique_ptr<WeightStore>> open_weights(const std::filesystem::path&
 
 }  // namespace
 
-Expected<std::unique_ptr<CausalLm>> model_build_host(const std::filesystem::path& dir, const ModelLoadOptions& options) {
+Expected<std::unique_ptr<CausalLm>> model_build_host(const std::filesystem::path& dir,
+                                                     const ModelLoadOptions& options) {
   TERN_ASSIGN_OR_RETURN(ModelConfig config, model_config_load(dir));
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<WeightStore> weights, open_weights(dir, config, options));
   const WeightSchema schema = weight_schema_build(config, weights->text_prefix());

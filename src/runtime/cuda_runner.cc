@@ -42,8 +42,9 @@ class CudaSequence final : public DeviceSequenceState {
 // Per-step metadata, host side, laid out as one int32 array copied to the device in one transfer. A decode step
 // (one token per sequence, logits of the last rows) rounds its block-table width up to a power of two and sizes
 // attention for that many blocks, and is filled up with padding rows to the next batch-size bucket (with or
-// without CUDA graphs, so that --enforce-eager launches what a graph replays), so the kernels' launch shapes depend only on (n_seqs, max_blocks): the key under which the step's CUDA
-// graph is kept. Its outputs do not depend on whether a graph replays it.
+// without CUDA graphs, so that --enforce-eager launches what a graph replays), so the kernels' launch shapes
+// depend only on (n_seqs, max_blocks): the key under which the step's CUDA graph is kept. Its outputs do not
+// depend on whether a graph replays it.
 struct HostStepPlan {
   bool decode = false;
   int64_t tokens = 0, n_seqs = 0, max_query_len = 0, max_seq_len = 0, max_blocks = 0;
@@ -107,9 +108,9 @@ class CudaRunner final : public ModelRunner {
   Expected<void> capture_decode_graphs();
   // Uploads the plan and hands its device view to the blocks, with the logits buffer grown for its rows.
   Expected<void> begin_step(const HostStepPlan& plan, LogitsFor which, const Tracer* tracer);
-  // The model's layer loop, on the stream, with no synchronisation. Programmatic launch hides the gaps between a decode step's
-  // short kernels; in a prefill, whose kernels run many waves, it costs (see docs/perf/gpu.md §model-path), so
-  // it is on in decode steps only.
+  // The model's layer loop, on the stream, with no synchronisation. Programmatic launch hides the gaps between a
+  // decode step's short kernels; in a prefill, whose kernels run many waves, it costs (see docs/perf/gpu.md
+  // §model-path), so it is on in decode steps only.
   Expected<void> run_body();
   // run_body through the decode step's CUDA graph: the first step of a shape runs eagerly (cuBLASLt plans, lazily
   // loaded kernels), the second is captured, later ones replay it. A capture that fails turns graphs off, loudly.
@@ -158,8 +159,7 @@ Expected<void> CudaRunner::finish_load() {
   // The step plan's largest size (a full prefill's rows and every sequence's whole block table), so that no step
   // reallocates it and drops the graphs.
   const int64_t seqs = options_.max_sequences, rows = std::max(options_.max_batch_tokens, seqs);
-  const size_t most_meta = static_cast<size_t>(3 * rows + 6 * seqs + seqs * std::max<int64_t>(ops_.kv_blocks(), 1) + 64);
-  meta_capacity_ = most_meta;
+  meta_capacity_ = static_cast<size_t>(3 * rows + 6 * seqs + seqs * std::max<int64_t>(ops_.kv_blocks(), 1) + 64);
   TERN_CUDA_CHECK(cudaMallocHost(&meta_host_, meta_capacity_ * 4));
   meta_buffer_ = DeviceBuffer(meta_capacity_ * 4);
   meta_ = meta_buffer_.as<int32_t>();

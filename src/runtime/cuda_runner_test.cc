@@ -131,8 +131,8 @@ TEST_P(GpuModelReference, TeacherForcedLogitsMatchTransformers) {
 TEST_P(GpuModelReference, OneRowStepsWithTheFusedGemvsMatchTransformers) {
   const Case& c = GetParam();
   auto model = load_cuda(
-      c.fixture,
-      DeviceModelOptions{.kernels = {.bf16_gemv = true, .norm_gemv = true, .silu_gemv = true, .gdn_norm_in_rule = true}});
+      c.fixture, DeviceModelOptions{.kernels = {.bf16_gemv = true, .norm_gemv = true, .silu_gemv = true,
+                                                .gdn_norm_in_rule = true}});
   ASSERT_TRUE(model);
   const auto ref = reference_of(c);
   const int64_t vocab = model->config().vocab_size;

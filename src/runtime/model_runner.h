@@ -55,7 +55,8 @@ class ModelRunner {
                                        const Tracer* tracer = nullptr);
   // One step that ends in a token per sequence (rows.size() == batch.size()): sampled where the logits are (on the
   // GPU for the CUDA runner; on the CPU through each row's Sampler), the same tokens up to the last-ulp differences
-  // kernels/cpu/sampler.h bounds. An error fails the whole step; a row's own failure (non-finite logits) is in its entry.
+  // kernels/cpu/sampler.h bounds. An error fails the whole step; a row's own failure (non-finite logits) is in its
+  // entry.
   Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch, std::span<const SampleRow> rows);
 
   virtual ModelDevice device() const = 0;

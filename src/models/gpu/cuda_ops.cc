@@ -527,8 +527,8 @@ Expected<void> CudaOps::run_gdn(const GpuGdn& g, const GpuNorm& input_norm, int6
                                         .kernel = s.conv_kernel}));
   // One sequence of one token: the gated norm in the delta rule's kernel (slower at 8 sequences: see docs/perf/gpu.md
   // §model-path). Not when tracing, which reads the core before the norm.
-  const bool norm_in_rule = options_.kernels.gdn_norm_in_rule && step_.decode && step_.n_seqs == 1 && step_.tracer == nullptr &&
-                            gdn_variant_ != GdnVariant::kChunked;
+  const bool norm_in_rule = options_.kernels.gdn_norm_in_rule && step_.decode && step_.n_seqs == 1 &&
+                            step_.tracer == nullptr && gdn_variant_ != GdnVariant::kChunked;
   const GdnGatedNorm norm{
       .gate = proj_ + g.z_col, .gate_stride = g.in_proj.width, .weight = g.norm_weight, .eps = s.norm_eps};
   TERN_TRY(gdn_delta_rule(ctx_,

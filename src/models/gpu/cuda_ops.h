@@ -23,7 +23,8 @@
 
 namespace tern {
 
-// A step as the blocks see it: its sizes and the device copy of its metadata (runtime/cuda_runner.cc plans and uploads it).
+// A step as the blocks see it: its sizes and the device copy of its metadata (runtime/cuda_runner.cc plans and
+// uploads it).
 struct CudaStep {
   bool decode = false;  // one token per sequence, the last-token logits wanted: replayable as a CUDA graph
   int64_t tokens = 0, n_seqs = 0, max_query_len = 0, max_seq_len = 0, max_blocks = 0;
