@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/json_parse.h"
 #include "io/json_fields.h"
 #include "io/model_config_internal.h"
 
@@ -242,9 +243,9 @@ Expected<ModelConfig> model_config_load(const std::filesystem::path& dir_or_conf
   std::stringstream buffer;
   buffer << in.rdbuf();
   // Strict JSON, like Python's json module: no comments, and NaN/Infinity are not JSON.
-  nlohmann::json document = nlohmann::json::parse(buffer.str(), nullptr, /*allow_exceptions=*/false);
-  if (document.is_discarded()) return make_error("{}: not valid JSON", path.string());
-  return model_config_parse(document, path.string());
+  auto document = json_parse_untrusted(buffer.str());
+  if (!document) return make_error("{}: not valid JSON: {}", path.string(), document.error().message);
+  return model_config_parse(*document, path.string());
 }
 
 }  // namespace tern

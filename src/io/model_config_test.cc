@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -669,6 +670,20 @@ TEST_F(ModelConfigLoad, ErrorsNameThePath) {
   Expected<ModelConfig> missing = model_config_load(dir_ / "absent");
   ASSERT_FALSE(missing.has_value());
   EXPECT_NE(missing.error().message.find("absent"), std::string::npos) << missing.error().message;
+}
+
+
+// config.json nested 30,000 deep: an error naming the file and the limit, not a crash.
+TEST(ModelConfig, DeepNestingIsAnErrorNotACrash) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "tern_deep_config";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "qwen3", "extra": )" << std::string(30000, '[')
+                                      << std::string(30000, ']') << "}";
+  auto config = model_config_load(dir);
+  std::filesystem::remove_all(dir);
+  ASSERT_FALSE(config);
+  EXPECT_NE(config.error().message.find("config.json"), std::string::npos) << config.error().message;
+  EXPECT_NE(config.error().message.find("nested deeper than 128"), std::string::npos) << config.error().message;
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 
+#include "core/json_parse.h"
 #include "io/json_fields.h"
 
 namespace tern {
@@ -212,8 +213,8 @@ Expected<std::string> read_text_file(const std::filesystem::path& path) {
 
 Expected<nlohmann::json> read_json_file(const std::filesystem::path& path) {
   TERN_ASSIGN_OR_RETURN(const std::string text, read_text_file(path));
-  nlohmann::json document = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (document.is_discarded()) return make_error("{}: not valid JSON", path.string());
+  auto document = json_parse_untrusted(text);
+  if (!document) return make_error("{}: not valid JSON: {}", path.string(), document.error().message);
   return document;
 }
 

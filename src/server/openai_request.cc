@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "core/json_parse.h"
+
 namespace tern {
 namespace {
 
@@ -194,8 +196,8 @@ Result parse_messages(const Json& body, ApiRequest& r) {
       for (Json& call : copy["tool_calls"]) {
         if (call.is_object() && call.contains("function") && call["function"].is_object() &&
             call["function"].contains("arguments") && call["function"]["arguments"].is_string()) {
-          Json parsed = Json::parse(call["function"]["arguments"].get<std::string>(), nullptr, false);
-          if (!parsed.is_discarded()) call["function"]["arguments"] = parsed;
+          auto parsed = json_parse_untrusted_ordered(call["function"]["arguments"].get<std::string>());
+          if (parsed) call["function"]["arguments"] = std::move(*parsed);
         }
       }
     }
@@ -321,8 +323,9 @@ std::string api_error_body(const ApiError& e) {
 }
 
 tl::expected<ApiRequest, ApiError> api_request_parse(std::string_view body, bool chat) {
-  Json j = Json::parse(body, nullptr, false);
-  if (j.is_discarded()) return bad("", "the request body is not valid JSON");
+  auto parsed = json_parse_untrusted_ordered(body);
+  if (!parsed) return bad("", fmt::format("the request body is not valid JSON: {}", parsed.error().message));
+  Json& j = *parsed;
   if (!j.is_object()) return bad("", fmt::format("the request body must be a JSON object, got {}", type_name(j)));
   ApiRequest r;
   r.chat = chat;

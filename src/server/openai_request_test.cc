@@ -107,3 +107,28 @@ TEST(ApiError, BodyHasTheOpenAiShape) {
 
 }  // namespace
 }  // namespace tern
+
+namespace tern {
+namespace {
+
+// Untrusted structure nested deeper than any real request (an extra field 20,000 arrays deep, a deep prompt, deep
+// tool parameters): a 400 naming the limit, before anything recursive (copies, the template's values) sees it.
+TEST(ApiRequest, DeepNestingIsA400NamingTheLimit) {
+  const std::string deep = std::string(20000, '[') + std::string(20000, ']');
+  const std::vector<std::string> bodies{
+      R"({"model": "m", "messages": [{"role": "user", "content": "hi", "extra": )" + deep + "}]}",
+      R"({"model": "m", "prompt": )" + deep + "}",
+      R"({"model": "m", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": )" + deep +
+          "}}"};
+  for (size_t i = 0; i < bodies.size(); ++i) {
+    const ApiError e = error_of(bodies[i], i != 1);
+    EXPECT_EQ(e.status, 400) << i;
+    EXPECT_NE(e.message.find("nested deeper than 128"), std::string::npos) << e.message;
+  }
+  // A syntax error says where.
+  const ApiError e = error_of(R"({"model": "m", "messages": [}])");
+  EXPECT_NE(e.message.find("byte"), std::string::npos) << e.message;
+}
+
+}  // namespace
+}  // namespace tern

@@ -1,5 +1,6 @@
 #include "server/tool_parser.h"
 
+#include "core/json_parse.h"
 #include "server/reasoning_parser.h"
 
 namespace tern {
@@ -35,9 +36,9 @@ nlohmann::ordered_json convert_value(const nlohmann::ordered_json& function, con
     }
   }
   if (type == "string") return std::string(raw);
-  auto parsed = nlohmann::ordered_json::parse(raw, nullptr, false);
-  if (parsed.is_discarded()) return std::string(raw);
-  return parsed;
+  auto parsed = json_parse_untrusted_ordered(raw);
+  if (!parsed) return std::string(raw);
+  return *parsed;
 }
 
 // The text between `open` and `close` starting at `pos`; advances `pos` past `close`.
@@ -59,12 +60,18 @@ std::string_view strip_one_newline(std::string_view v) {
 }
 
 std::optional<ToolCall> parse_json_body(std::string_view body, const nlohmann::ordered_json& tools) {
-  auto j = nlohmann::ordered_json::parse(trim(body), nullptr, false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("name") || !j["name"].is_string()) return std::nullopt;
+  auto parsed = json_parse_untrusted_ordered(trim(body));
+  if (!parsed) return std::nullopt;
+  nlohmann::ordered_json& j = *parsed;
+  if (!j.is_object() || !j.contains("name") || !j["name"].is_string()) return std::nullopt;
   const std::string name = j["name"];
   if (!find_tool(tools, name)) return std::nullopt;
   nlohmann::ordered_json args = j.contains("arguments") ? j["arguments"] : j.value("parameters", nlohmann::ordered_json::object());
-  if (args.is_string()) args = nlohmann::ordered_json::parse(args.get<std::string>(), nullptr, false);
+  if (args.is_string()) {
+    auto inner = json_parse_untrusted_ordered(args.get<std::string>());
+    if (!inner) return std::nullopt;
+    args = std::move(*inner);
+  }
   if (!args.is_object()) return std::nullopt;
   return ToolCall{name, args.dump()};
 }

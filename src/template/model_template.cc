@@ -3,6 +3,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/json_parse.h"
+
 namespace tern {
 namespace {
 
@@ -58,8 +60,10 @@ Expected<ChatTemplateSet> chat_templates_load_model(const std::filesystem::path&
   json config = json::object();
   if (std::filesystem::exists(config_path)) {
     TERN_ASSIGN_OR_RETURN(std::string text, read_text(config_path));
-    config = json::parse(text, nullptr, false);
-    if (config.is_discarded() || !config.is_object()) return make_error("{}: not a JSON object", config_path.string());
+    auto parsed = json_parse_untrusted_ordered(text);
+    if (!parsed) return make_error("{}: not valid JSON: {}", config_path.string(), parsed.error().message);
+    config = std::move(*parsed);
+    if (!config.is_object()) return make_error("{}: not a JSON object", config_path.string());
     TERN_ASSIGN_OR_RETURN(set.bos_token, read_token(config, "bos_token", config_path.string()));
     TERN_ASSIGN_OR_RETURN(set.eos_token, read_token(config, "eos_token", config_path.string()));
   }

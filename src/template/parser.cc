@@ -55,6 +55,27 @@ class Parser {
     return true;
   }
   [[noreturn]] void error(const std::string& message) const { throw TemplateFailure(message, cur().line); }
+
+  // Nesting of blocks and expressions, bounded so that a hostile template (20,000 parentheses, `not`s or nested
+  // ifs) is an error rather than a stack overflow here or in the renderer. Real templates nest a few levels; Python
+  // Jinja2 stops at Python's recursion limit (1000 frames, a few per level).
+  static constexpr int kMaxNesting = 400;
+  class Nested {
+   public:
+    explicit Nested(Parser& p) : p_(p) {
+      if (++p_.depth_ > kMaxNesting) {
+        p_.error(fmt::format("the template nests blocks or expressions deeper than {} levels (tern's limit)",
+                             kMaxNesting));
+      }
+    }
+    ~Nested() { --p_.depth_; }
+    Nested(const Nested&) = delete;
+    Nested& operator=(const Nested&) = delete;
+
+   private:
+    Parser& p_;
+  };
+  int depth_ = 0;
   void expect_op(std::string_view op) {
     if (!skip_op(op)) error(fmt::format("expected token '{}', got '{}'", op, describe(cur())));
   }
@@ -131,6 +152,7 @@ class Parser {
   }
 
   std::unique_ptr<Stmt> parse_statement(std::initializer_list<std::string_view> outer_end_tags) {
+    const Nested nested(*this);
     if (cur().type != TokenType::kName) error("tag name expected");
     const int line = cur().line;
     const std::string tag = cur().value;
@@ -375,6 +397,7 @@ class Parser {
   }
 
   ExprPtr parse_not() {
+    const Nested nested(*this);
     if (is_name("not")) {
       auto e = make(ExprKind::kNot, next().line);
       e->args.push_back(parse_not());
@@ -450,6 +473,7 @@ class Parser {
   }
 
   ExprPtr parse_unary(bool with_filter) {
+    const Nested nested(*this);
     ExprPtr node;
     if (is_op("-") || is_op("+")) {
       const Token& t = next();

@@ -144,3 +144,30 @@ TEST(TemplateErrors, ContextMustBeAnObject) {
 
 }  // namespace
 }  // namespace tern
+
+namespace tern {
+namespace {
+
+// A hostile template nests deeper than any real one: an error naming the limit, not a stack overflow.
+TEST(TemplateErrors, DeepNestingIsAnErrorNotACrash) {
+  const std::vector<std::string> hostile{
+      "{{ " + std::string(20000, '(') + "1" + std::string(20000, ')') + " }}",
+      "{{ " + [] { std::string s; for (int i = 0; i < 20000; ++i) s += "not "; return s; }() + "x }}",
+      "{{ " + std::string(20000, '-') + "1 }}",
+      "{{ " + std::string(20000, '[') + "1" + std::string(20000, ']') + " }}",
+      [] { std::string s; for (int i = 0; i < 20000; ++i) s += "{% if x %}"; return s; }()};
+  for (const std::string& text : hostile) {
+    auto t = ChatTemplate::parse(text, "hostile");
+    ASSERT_FALSE(t) << text.substr(0, 40);
+    EXPECT_NE(t.error().message.find("deeper than 400 levels"), std::string::npos) << t.error().message;
+  }
+  // Nesting a real template could have still parses and renders as Python Jinja2 does.
+  auto ok = ChatTemplate::parse("{{ " + std::string(50, '(') + "1 + 2" + std::string(50, ')') + " }}");
+  ASSERT_TRUE(ok) << ok.error().message;
+  auto r = ok->render(nlohmann::ordered_json::object());
+  ASSERT_TRUE(r) << r.error().message;
+  EXPECT_EQ(*r, "3");
+}
+
+}  // namespace
+}  // namespace tern

@@ -3,6 +3,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/json_parse.h"
 #include "tokenizer/json_fields.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/tokenizer_impl.h"
@@ -22,11 +23,9 @@ Expected<std::string> read_text_file(const fs::path& path) {
 
 Expected<nlohmann::json> read_json_file(const fs::path& path) {
   TERN_ASSIGN_OR_RETURN(std::string text, read_text_file(path));
-  try {
-    return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    return make_error("{}: invalid JSON: {}", path.string(), e.what());
-  }
+  auto doc = json_parse_untrusted(text);
+  if (!doc) return make_error("{}: invalid JSON: {}", path.string(), doc.error().message);
+  return doc;
 }
 
 Expected<std::vector<PostProcessStep>> post_processor_from_json(const nlohmann::json& json) {

@@ -67,6 +67,19 @@ TEST(TokenizerLoad, BadJsonIsAnErrorNamingTheFile) {
   EXPECT_NE(tokenizer.error().message.find("invalid JSON"), std::string::npos) << tokenizer.error().message;
 }
 
+// A normalizer Sequence nested 50,000 deep (the JSON 100,000 levels): an error naming the limit, not a crash.
+TEST(TokenizerLoad, DeepNestingIsAnErrorNotACrash) {
+  TempDir dir;
+  std::string normalizer;
+  for (int i = 0; i < 50000; ++i) normalizer += R"({"type": "Sequence", "normalizers": [)";
+  normalizer += R"({"type": "NFC"})";
+  for (int i = 0; i < 50000; ++i) normalizer += "]}";
+  const auto file = dir.write("tokenizer.json", R"({"normalizer": )" + normalizer + R"(, "model": {"type": "BPE"}})");
+  auto tokenizer = Tokenizer::load(file);
+  ASSERT_FALSE(tokenizer.has_value());
+  EXPECT_NE(tokenizer.error().message.find("nested deeper than 128"), std::string::npos) << tokenizer.error().message;
+}
+
 TEST(TokenizerLoad, UnknownComponentTypesAreNamed) {
   EXPECT_NE(load_error_after([](auto& j) { j["pre_tokenizer"] = {{"type", "Frobnicate"}}; }).find("'Frobnicate'"),
             std::string::npos);
