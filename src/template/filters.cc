@@ -367,8 +367,11 @@ Value f_indent(const Value& input, CallArgs& a, Renderer&) {
   const bool first = arg_bool(a, 1, "first", false), blank = arg_bool(a, 2, "blank", false);
   require_defined(input);
   if (!input.is_string()) fail(fmt::format("unsupported operand type(s) for +=: '{}' and 'str'", input.type_name()));
-  const std::string indention = width.is_string() ? width.str() : std::string(std::max<int64_t>(0, width.as_int()), ' ');
+  const int64_t spaces = width.is_string() ? 0 : std::max<int64_t>(0, width.as_int());
+  check_string_size(static_cast<uint64_t>(spaces) + input.str().size(), "indent()");
+  const std::string indention = width.is_string() ? width.str() : std::string(spaces, ' ');
   const std::vector<std::string> lines = py_splitlines(input.str() + "\n", false);
+  check_string_size(indention.size() * lines.size() + input.str().size(), "indent()");
   std::string rv;
   for (size_t i = 0; i < lines.size(); ++i) {
     if (i) rv += "\n";

@@ -101,7 +101,13 @@ Value str_method(const Value& obj, std::string_view name) {
   if (n == "replace")
     return method(obj, name, [s](CallArgs& a) {
       const std::string old = req_string(a, 0, "old", "replace"), rep = req_string(a, 1, "new", "replace");
-      return Value::string(py_replace(s, old, rep, opt_int(a, 2, "count", -1)));
+      const int64_t count = opt_int(a, 2, "count", -1);
+      if (rep.size() > old.size()) {  // the result's size, before building it
+        uint64_t hits = old.empty() ? utf8_length(s) + 1 : static_cast<uint64_t>(py_count(s, old));
+        if (count >= 0) hits = std::min<uint64_t>(hits, static_cast<uint64_t>(count));
+        check_string_size(s.size() + hits * (rep.size() - old.size()), "replace()");
+      }
+      return Value::string(py_replace(s, old, rep, count));
     });
   if (n == "format") return method(obj, name, [s](CallArgs& a) { return Value::string(python_str_format(s, a)); });
   if (n == "find" || n == "rfind" || n == "index" || n == "rindex")
@@ -133,6 +139,7 @@ Value str_method(const Value& obj, std::string_view name) {
     return method(obj, name, [s, n](CallArgs& a) {
       const int64_t width = opt_int(a, 0, "width", 0);
       const std::string fill = n == "zfill" ? "0" : opt_string(a, 1, "fillchar", n).value_or(" ");
+      if (width > 0) check_string_size(static_cast<uint64_t>(width) * std::max<size_t>(fill.size(), 1) + s.size(), n);
       const int64_t len = static_cast<int64_t>(utf8_length(s));
       if (width <= len) return Value::string(s);
       const int64_t pad = width - len;
@@ -257,7 +264,10 @@ Spec parse_spec(std::string_view spec) {
   }
   auto number = [&]() {
     int64_t v = 0;
-    while (i < cps.size() && cps[i] >= '0' && cps[i] <= '9') v = v * 10 + (cps[i++] - '0');
+    while (i < cps.size() && cps[i] >= '0' && cps[i] <= '9') {
+      v = v * 10 + (cps[i++] - '0');
+      if (v > kMaxFormatWidth) fail(fmt::format("a format width or precision above {} (tern's limit)", kMaxFormatWidth));
+    }
     return v;
   };
   if (i < cps.size() && cps[i] >= '0' && cps[i] <= '9') s.width = number();
@@ -437,6 +447,10 @@ std::string python_percent_format(const std::string& format, const Value& args) 
       while (j < format.size() && std::isdigit(static_cast<unsigned char>(format[j]))) precision += format[j++];
     }
     if (j >= format.size()) fail("incomplete format");
+    if (width.size() > 7 || precision.size() > 8 || (!width.empty() && std::stoll(width) > kMaxFormatWidth) ||
+        (precision.size() > 1 && std::stoll(precision.substr(1)) > kMaxFormatWidth)) {
+      fail(fmt::format("a format width or precision above {} (tern's limit)", kMaxFormatWidth));
+    }
     const char conv = format[j];
     i = j;
     if (conv == '%') {

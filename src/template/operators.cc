@@ -133,12 +133,20 @@ Value arithmetic(std::string_view op, const Value& a, const Value& b) {
 }  // namespace
 
 Value binary_op(std::string_view op, const Value& a, const Value& b) {
-  if (op == "~") return Value::string(value_to_string(a) + value_to_string(b));
+  if (op == "~") {
+    std::string left = value_to_string(a);
+    const std::string right = value_to_string(b);
+    check_string_size(left.size() + right.size(), "'~'");
+    return Value::string(std::move(left) + right);
+  }
   require_defined(a);
   require_defined(b);
   if (a.is_number() && b.is_number()) return arithmetic(op, a, b);
   if (op == "+") {
-    if (a.is_string() && b.is_string()) return Value::string(a.str() + b.str());
+    if (a.is_string() && b.is_string()) {
+      check_string_size(a.str().size() + b.str().size(), "'+'");
+      return Value::string(a.str() + b.str());
+    }
     if (is_plain_seq(a) && is_plain_seq(b) && a.list_data().seq == b.list_data().seq) {
       std::vector<Value> out = a.items();
       out.insert(out.end(), b.items().begin(), b.items().end());

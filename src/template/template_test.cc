@@ -171,3 +171,52 @@ TEST(TemplateErrors, DeepNestingIsAnErrorNotACrash) {
 
 }  // namespace
 }  // namespace tern
+
+namespace tern {
+namespace {
+
+std::string render_error(const std::string& text) {
+  auto t = ChatTemplate::parse(text, "hostile");
+  if (!t) return t.error().message;
+  auto r = t->render(nlohmann::ordered_json::object());
+  return r ? std::string() : r.error().message;
+}
+
+std::string render_ok(const std::string& text) {
+  auto t = ChatTemplate::parse(text, "ok");
+  EXPECT_TRUE(t) << t.error().message;
+  if (!t) return {};
+  auto r = t->render(nlohmann::ordered_json::object());
+  EXPECT_TRUE(r) << r.error().message;
+  return r ? *r : std::string();
+}
+
+// Every operation that grows a string checks the size it would build (64 MiB at most), and format widths and
+// precisions are bounded (2^20): a hostile template or request value is an error, not gigabytes of memory.
+TEST(TemplateLimits, StringGrowingOperationsRefuseHostileSizes) {
+  const std::vector<std::pair<std::string, std::string>> hostile{
+      {"{{ 'a' | center(10000000000) }}", "more than a template string may hold"},
+      {"{{ 'a'.ljust(10000000000, 'xy') }}", "more than a template string may hold"},
+      {"{{ ('a' * 1000000).replace('a', 'b' * 100) }}", "replace() of"},
+      {"{{ 'abc'.replace('', 'y' * 30000000) }}", "replace() of"},
+      {"{{ 'x' | indent(100000000) }}", "indent() of"},
+      {"{{ ('x\\n' * 1000000) | indent('y' * 100, true) }}", "indent() of"},
+      {"{% set s = 'a' * 60000000 %}{{ s ~ s }}", "'~' of"},
+      {"{% set s = 'a' * 60000000 %}{{ s + s }}", "'+' of"},
+      {"{{ '%.999999999f' % 1.0 }}", "format width or precision above 1048576"},
+      {"{{ '%999999999d' % 1 }}", "format width or precision above 1048576"},
+      {"{{ '{:.999999999f}'.format(1.0) }}", "format width or precision above 1048576"},
+      {"{{ '{:>99999999999999999999}'.format('a') }}", "format width or precision above 1048576"},
+  };
+  for (const auto& [text, want] : hostile) {
+    const std::string e = render_error(text);
+    EXPECT_NE(e.find(want), std::string::npos) << text << " -> " << (e.empty() ? "(rendered)" : e);
+  }
+  // The same operations at ordinary sizes render as Python Jinja2 renders them.
+  EXPECT_EQ(render_ok("{{ 'ab'.center(6, '*') }}|{{ 'ab' | center(5) }}|{{ 'x'.zfill(3) }}"), "**ab**|  ab |00x");
+  EXPECT_EQ(render_ok("{{ 'aXbXc'.replace('X', '--', 1) }}|{{ 'a\\nb' | indent(2, true) }}"), "a--bXc|  a\n  b");
+  EXPECT_EQ(render_ok("{{ '%5.2f' % 3.14159 }}|{{ '{:>4}'.format('a') }}|{{ 'a' ~ 1 }}"), " 3.14|   a|a1");
+}
+
+}  // namespace
+}  // namespace tern

@@ -11,6 +11,13 @@ namespace tern::jinja {
 
 void fail(const std::string& message) { throw TemplateFailure(message); }
 
+void check_string_size(uint64_t bytes, std::string_view what) {
+  if (bytes > kMaxStringBytes) {
+    fail(fmt::format("{} of {} bytes is more than a template string may hold ({} MiB)", what, bytes,
+                     kMaxStringBytes >> 20));
+  }
+}
+
 Value Value::list(std::vector<Value> items, SeqKind seq) {
   Value v(Kind::kList);
   v.list_ = std::make_shared<ListData>();

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -25,6 +26,14 @@ class TemplateFailure : public std::runtime_error {
 };
 
 [[noreturn]] void fail(const std::string& message);
+
+// The most a template string may hold, and the widest field a format may pad to or the most digits it may print:
+// every operation that grows a string checks the size it is about to build against it (a hostile template, or a
+// request's values, must not make the server allocate gigabytes).
+constexpr uint64_t kMaxStringBytes = 64u << 20;
+constexpr int64_t kMaxFormatWidth = 1 << 20;
+// Fails naming the operation when `bytes` exceeds kMaxStringBytes.
+void check_string_size(uint64_t bytes, std::string_view what);
 
 class Value;
 struct CallArgs;
@@ -74,6 +83,7 @@ class Value {
     return v;
   }
   static Value string(std::string s) {
+    check_string_size(s.size(), "a string");
     Value v(Kind::kString);
     v.str_ = std::move(s);
     return v;
