@@ -27,6 +27,14 @@ int main(int argc, char** argv) {
   tern::register_bench_command(app);
   tern::register_loadgen_command(app);
   tern::register_version_command(app);
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::RuntimeError& e) {  // a command's own exit status (0 clean, 1 problems found, 2 bad input)
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version exit 0; every malformed or out-of-range flag is bad input, exit 2 like any other.
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
   return 0;
 }

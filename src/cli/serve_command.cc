@@ -172,7 +172,7 @@ void register_serve_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("serve", "Serve a model over an OpenAI-compatible HTTP API");
   cmd->add_option("--model,--model-path", o->model.model_dir, "Checkpoint directory (default: the bundled demo)");
   cmd->add_option("--host", o->server.host, "Address to listen on");
-  cmd->add_option("--port", o->server.port, "Port (0: any free port, printed in the log)");
+  cmd->add_option("--port", o->server.port, "Port (0: any free port, printed in the log)")->check(CLI::Range(0, 65535));
   cmd->add_option("--device", o->model.device, "Where to run the model: cuda, cpu, or auto (cuda when this build has "
                  "it and a GPU is present)")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   cmd->add_option("--cuda-device", o->model.cuda_device, "CUDA device ordinal for --device cuda");
@@ -180,13 +180,20 @@ void register_serve_command(CLI::App& app) {
                   "full, off, or auto (fast on a GPU, off on the CPU)")->check(CLI::IsMember({"auto", "off", "fast", "full"}));
   add_backend_options(*cmd, o->model.backends);
   cmd->add_option("--served-model-name", o->server.served_model_name, "Model name in the API (default: directory name)");
-  cmd->add_option("--max-running-requests", o->max_running, "Most requests in the running batch");
-  cmd->add_option("--max-queued-requests", o->max_queued, "Most requests waiting; more get 503");
-  cmd->add_option("--max-total-tokens", o->max_total_tokens, "KV-cache capacity in tokens over all requests");
-  cmd->add_option("--context-length", o->context_length, "Most tokens per request, prompt and output");
-  cmd->add_option("--chunked-prefill-size", o->chunked_prefill, "Most tokens per forward step");
+  // Every count is range-checked here, so that nothing later narrows or multiplies an absurd value.
+  cmd->add_option("--max-running-requests", o->max_running, "Most requests in the running batch")
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}));
+  cmd->add_option("--max-queued-requests", o->max_queued, "Most requests waiting; more get 503")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  cmd->add_option("--max-total-tokens", o->max_total_tokens, "KV-cache capacity in tokens over all requests")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  cmd->add_option("--context-length", o->context_length, "Most tokens per request, prompt and output")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  cmd->add_option("--chunked-prefill-size", o->chunked_prefill, "Most tokens per forward step")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--api-key", o->server.api_key, "Require 'Authorization: Bearer KEY'");
-  cmd->add_option("--max-body-bytes", o->server.max_body_bytes, "Largest request body (bigger: 413)");
+  cmd->add_option("--max-body-bytes", o->server.max_body_bytes, "Largest request body (bigger: 413)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--reasoning-parser", o->reasoning_parser, "Split <think> reasoning from the answer")
       ->check(CLI::IsMember({"auto", "qwen3", "glm45", "none"}));
   cmd->add_option("--tool-call-parser", o->tool_parser, "Tool-call format of the model's output")

@@ -72,13 +72,26 @@ void accept_generic_keys(JsonFields& fields) {
   fields.accept(generic_config_keys());
 }
 
+// Every size and count in config.json has an upper bound, so that the byte sizes computed from them (a vocabulary
+// times a hidden size, ...) stay far inside int64 and an absurd value is an error naming its field rather than an
+// overflow or an allocation that aborts. Context lengths may be larger than other sizes.
+int64_t size_limit(std::string_view key) {
+  return key.find("max_position_embeddings") != std::string_view::npos ? kConfigMaxContext : kConfigMaxSize;
+}
+
 Expected<void> require_positive(const JsonFields& fields, std::string_view key, int64_t value) {
   if (value <= 0) return make_error("{} must be positive, got {}", fields.where(key), value);
+  if (value > size_limit(key)) {
+    return make_error("{} is {}, more than tern's limit of {}", fields.where(key), value, size_limit(key));
+  }
   return {};
 }
 
 Expected<void> require_non_negative(const JsonFields& fields, std::string_view key, int64_t value) {
   if (value < 0) return make_error("{} must not be negative, got {}", fields.where(key), value);
+  if (value > size_limit(key)) {
+    return make_error("{} is {}, more than tern's limit of {}", fields.where(key), value, size_limit(key));
+  }
   return {};
 }
 

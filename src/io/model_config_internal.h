@@ -42,6 +42,10 @@ struct RopeInputs {
 void accept_generic_keys(JsonFields& fields);
 Expected<void> require_positive(const JsonFields& fields, std::string_view key, int64_t value);
 Expected<void> require_non_negative(const JsonFields& fields, std::string_view key, int64_t value);
+// The largest size or count a config.json field may give (2^24: vocabularies, hidden and intermediate sizes, head
+// and expert counts), and the largest context (2^30).
+constexpr int64_t kConfigMaxSize = int64_t{1} << 24;
+constexpr int64_t kConfigMaxContext = int64_t{1} << 30;
 Expected<int64_t> read_positive(JsonFields& fields, std::string_view key, int64_t fallback);
 Expected<void> read_token_ids(JsonFields& fields, const TextDefaults& defaults, ModelConfig& config);
 Expected<void> read_text_basics(JsonFields& fields, const TextDefaults& defaults, ModelConfig& config);

@@ -571,6 +571,22 @@ TEST(ModelConfigErrors, NonPositiveSizes) {
   EXPECT_ERROR_NAMES((json{{"model_type", "qwen3"}, {"num_hidden_layers", 1LL << 40}}), "num_hidden_layers");
 }
 
+// Sizes beyond what any model has (2^62 vocabulary, 2^31 hidden size): an error naming the field and the limit,
+// before anything computes bytes from them.
+TEST(ModelConfigErrors, AbsurdSizesAreBounded) {
+  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3"}, {"vocab_size", 1LL << 62}}), "vocab_size");
+  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3"}, {"hidden_size", 1LL << 31}}), "hidden_size");
+  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3"}, {"intermediate_size", (1LL << 24) + 1}}), "intermediate_size");
+  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3_moe"}, {"num_experts", 1LL << 40}}), "num_experts");
+  EXPECT_ERROR_NAMES((json{{"model_type", "qwen3"}, {"max_position_embeddings", (1LL << 30) + 1}}),
+                     "max_position_embeddings");
+  // The largest allowed values still parse.
+  json ok{{"model_type", "qwen3"}, {"vocab_size", 1LL << 24}, {"max_position_embeddings", 1LL << 30}};
+  auto c = model_config_parse(ok, "config.json");
+  ASSERT_TRUE(c) << c.error().message;
+  EXPECT_EQ(c->vocab_size, 1LL << 24);
+}
+
 TEST(ModelConfigErrors, WrongJsonTypes) {
   EXPECT_ERROR_NAMES((json{{"model_type", "qwen3"}, {"hidden_size", "4096"}}), "hidden_size");
   EXPECT_ERROR_NAMES((json{{"model_type", "qwen3"}, {"hidden_size", 4096.5}}), "hidden_size");

@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <new>
+#include <stdexcept>
+
 #include "models/weight_schema.h"
 
 namespace tern {
@@ -69,10 +72,7 @@ Expected<std::unique_ptr<WeightStore>> open_weights(const std::filesystem::path&
                                  options.dummy_seed);
 }
 
-}  // namespace
-
-Expected<std::unique_ptr<CausalLm>> model_build_host(const std::filesystem::path& dir,
-                                                     const ModelLoadOptions& options) {
+Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir, const ModelLoadOptions& options) {
   TERN_ASSIGN_OR_RETURN(ModelConfig config, model_config_load(dir));
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<WeightStore> weights, open_weights(dir, config, options));
   const WeightSchema schema = weight_schema_build(config, weights->text_prefix());
@@ -92,6 +92,21 @@ Expected<std::unique_ptr<CausalLm>> model_build_host(const std::filesystem::path
   }
   if (!built) return wrap_error(built.error(), dir.string());
   return model;
+}
+
+}  // namespace
+
+Expected<std::unique_ptr<CausalLm>> model_build_host(const std::filesystem::path& dir,
+                                                     const ModelLoadOptions& options) {
+  // The config bounds every size (io/model_config.h), but a model within them can still need more host memory
+  // than there is (dummy weights, a column-split copy): an error, not an abort.
+  try {
+    return build_host(dir, options);
+  } catch (const std::bad_alloc&) {
+    return make_error("{}: out of host memory while building the model's weights", dir.string());
+  } catch (const std::length_error&) {
+    return make_error("{}: the model's weights are larger than host memory can address", dir.string());
+  }
 }
 
 }  // namespace tern

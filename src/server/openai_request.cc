@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+
 #include "core/json_parse.h"
 
 namespace tern {
@@ -33,14 +35,24 @@ tl::expected<std::optional<T>, ApiError> field(const Json& body, const char* nam
   if constexpr (std::is_same_v<T, bool>) {
     if (!v.is_boolean()) return bad(name, fmt::format("'{}' must be a boolean, got {}", name, type_name(v)));
   } else if constexpr (std::is_integral_v<T>) {
-    const bool integral = v.is_number_integer() || (v.is_number_float() && v.get<double>() == static_cast<double>(
-                                                        static_cast<int64_t>(v.get<double>())));
+    // An integer, or a float with an integral value (1.0); compared as integers, so 2^63 is out of range rather
+    // than wrapped to a negative number.
+    const bool integral = v.is_number_integer() || (v.is_number_float() && std::isfinite(v.get<double>()) &&
+                                                     v.get<double>() == std::floor(v.get<double>()));
     if (!integral) return bad(name, fmt::format("'{}' must be an integer, got {}", name, type_name(v)));
-    const double d = v.get<double>();
-    if (d < static_cast<double>(std::numeric_limits<T>::min()) || d > static_cast<double>(std::numeric_limits<T>::max())) {
+    std::optional<int64_t> value;
+    if (v.is_number_unsigned()) {
+      if (v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) value = v.get<int64_t>();
+    } else if (v.is_number_integer()) {
+      value = v.get<int64_t>();
+    } else if (std::abs(v.get<double>()) < 9.2e18) {
+      value = static_cast<int64_t>(v.get<double>());
+    }
+    if (!value || *value < static_cast<int64_t>(std::numeric_limits<T>::min()) ||
+        *value > static_cast<int64_t>(std::numeric_limits<T>::max())) {
       return bad(name, fmt::format("'{}' is out of range: {}", name, v.dump()));
     }
-    return std::optional<T>(static_cast<T>(v.get<int64_t>()));
+    return std::optional<T>(static_cast<T>(*value));
   } else if constexpr (std::is_floating_point_v<T>) {
     if (!v.is_number()) return bad(name, fmt::format("'{}' must be a number, got {}", name, type_name(v)));
   } else {
@@ -79,8 +91,19 @@ Result parse_sampling(const Json& body, ApiRequest& r) {
   if (min_p) s.min_p = static_cast<float>(*min_p);
   if (presence) s.presence_penalty = static_cast<float>(*presence);
   if (frequency) s.frequency_penalty = static_cast<float>(*frequency);
+  // A penalty far from 1 divides or multiplies logits out of float range (1e-39 is a denormal float > 0): refused
+  // here, as SGLang bounds it, rather than failing the request later as a server error.
+  if (repetition && !(*repetition >= 0.01 && *repetition <= 100)) {
+    return bad("repetition_penalty", fmt::format("'repetition_penalty' must be in [0.01, 100], got {}", *repetition));
+  }
   if (repetition) s.repetition_penalty = static_cast<float>(*repetition);
   if (seed) s.seed = static_cast<uint64_t>(*seed);
+  // What the sampler would refuse later (top_p outside (0, 1], min_p outside [0, 1], ...) is a 400 naming the
+  // parameter now.
+  if (auto valid = sampling_params_validate(s); !valid) {
+    const std::string& m = valid.error().message;
+    return bad(m.substr(0, m.find(' ')), m);
+  }
   return {};
 }
 

@@ -75,12 +75,25 @@ TEST(ApiRequest, ErrorsNameTheParameter) {
       {R"({"model": "m", "prompt": [1, -2]})", "prompt", false},
       {R"({"model": "m", "prompt": ["a", "b"]})", "prompt", false},
       {R"({"model": "m", "prompt": [1], "logprobs": 50})", "logprobs", false},
+      // Numbers that wrap or leave float range: out of range, or refused before the sampler sees them.
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 9223372036854775808})", "n"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 1e300})", "n"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": 18446744073709551615})", "seed"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1e-39})",
+       "repetition_penalty"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1e39})",
+       "repetition_penalty"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0})", "top_p"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "min_p": 2})", "min_p"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1e39})",
+       "presence_penalty"},
   };
   for (const Case& c : cases) {
     ApiError e = error_of(c.body, c.chat);
     EXPECT_EQ(e.status, 400) << c.body;
     EXPECT_EQ(e.param, c.param) << c.body << " -> " << e.message;
     EXPECT_FALSE(e.message.empty());
+    EXPECT_EQ(e.message.find("-9223372036854775808"), std::string::npos) << e.message;  // never wrapped
   }
   EXPECT_NE(error_of(R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0})").message.find(
                 "top_p"),
