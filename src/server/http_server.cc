@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <thread>
 
 #include "server/openai_response.h"
@@ -27,6 +28,7 @@ const char* error_type(int status) {
   switch (status) {
     case 401: return "authentication_error";
     case 404: return "not_found_error";
+    case 405: return "method_not_allowed";
     case 413: return "request_too_large";
     case 503: return "service_unavailable";
     default: return status >= 500 ? "server_error" : "invalid_request_error";
@@ -98,6 +100,16 @@ void HttpServer::install_routes() {
   });
   s.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return;
+    // A route that exists under another method: 405 with Allow (RFC 9110 §15.5.6), not 404.
+    static const std::map<std::string, std::string, std::less<>> kRoutes{
+        {"/health", "GET"}, {"/v1/models", "GET"}, {"/metrics", "GET"},
+        {"/v1/chat/completions", "POST"}, {"/v1/completions", "POST"}};
+    if (const auto route = kRoutes.find(req.path); res.status == 404 && route != kRoutes.end()) {
+      res.status = 405;
+      res.set_header("Allow", route->second);
+      return send_error(res, {405, fmt::format("{} is not allowed on {}; use {}", req.method, req.path, route->second),
+                              error_type(405)});
+    }
     std::string message = res.status == 413 ? fmt::format("the request body exceeds {} bytes", config_.max_body_bytes)
                           : res.status == 404 ? fmt::format("no route for {} {}", req.method, req.path)
                                               : fmt::format("HTTP {}", res.status);

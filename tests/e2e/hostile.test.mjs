@@ -44,3 +44,16 @@ test('JSON nested 30,000 deep is a 400 naming the limit, wherever it sits, and t
     messages: [{ role: 'user', content: 'hi' }] });
   assert.equal(ok.choices[0].message.role, 'assistant');
 });
+
+test('a real route under the wrong method is 405 with Allow, an unknown one 404', async () => {
+  for (const [method, path, allow] of [['GET', '/v1/chat/completions', 'POST'], ['DELETE', '/v1/completions', 'POST'],
+                                       ['POST', '/health', 'GET'], ['PUT', '/v1/models', 'GET']]) {
+    const res = await fetch(server.base + path, { method, headers: { Authorization: `Bearer ${KEY}` } });
+    assert.equal(res.status, 405, `${method} ${path}`);
+    assert.equal(res.headers.get('allow'), allow);
+    const j = await res.json();
+    assert.match(j.error.message, new RegExp(`${method} is not allowed on ${path}`));
+  }
+  const missing = await fetch(server.base + '/v1/nothing', { headers: { Authorization: `Bearer ${KEY}` } });
+  assert.equal(missing.status, 404);
+});
