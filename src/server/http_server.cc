@@ -110,9 +110,16 @@ void HttpServer::install_routes() {
       return send_error(res, {405, fmt::format("{} is not allowed on {}; use {}", req.method, req.path, route->second),
                               error_type(405)});
     }
-    std::string message = res.status == 413 ? fmt::format("the request body exceeds {} bytes", config_.max_body_bytes)
-                          : res.status == 404 ? fmt::format("no route for {} {}", req.method, req.path)
-                                              : fmt::format("HTTP {}", res.status);
+    // What the HTTP library refused before any handler ran, said in words (it sets only the status).
+    std::string message;
+    switch (res.status) {
+      case 400: message = "the request is not valid HTTP (request line, headers or body framing)"; break;
+      case 404: message = fmt::format("no route for {} {}", req.method, req.path); break;
+      case 413: message = fmt::format("the request body exceeds {} bytes", config_.max_body_bytes); break;
+      case 414: message = "the request URI is too long"; break;
+      case 431: message = "the request headers are too large"; break;
+      default: message = fmt::format("HTTP {}", res.status);
+    }
     send_error(res, {res.status, message, error_type(res.status)});
   });
   s.Get("/health", [this](const httplib::Request&, httplib::Response& res) {

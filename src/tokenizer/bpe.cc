@@ -30,8 +30,9 @@ Expected<BpeModel> BpeModel::from_json(const nlohmann::json& model) {
   if (vocab == model.end() || !vocab->is_object()) return make_error("model.vocab must be an object");
   int64_t max_id = -1;
   for (const auto& [token, id] : vocab->items()) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > (1 << 30)) {
-      return make_error("model.vocab['{}'] must be a non-negative integer id", token);
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= kTokenizerMaxId) {
+      return make_error("model.vocab['{}'] must be a non-negative integer id below {} (tern's limit)", token,
+                        kTokenizerMaxId);
     }
     bpe.vocab_.emplace(token, id.get<int32_t>());
     max_id = std::max<int64_t>(max_id, id.get<int64_t>());

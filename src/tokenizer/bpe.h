@@ -16,6 +16,10 @@
 
 namespace tern {
 
+// Token ids (the vocabulary's and added tokens') must lie below this: tables are sized by the largest id, so a
+// tokenizer.json naming one id near 2^30 would allocate gigabytes (2^24: the largest vocab_size config.json may give).
+constexpr int64_t kTokenizerMaxId = int64_t{1} << 24;
+
 struct StringHash {
   using is_transparent = void;
   size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }

@@ -84,7 +84,10 @@ Expected<AddedToken> added_token_from_json(const nlohmann::json& json) {
   AddedToken token;
   TERN_ASSIGN_OR_RETURN(token.content, json_string(json, "content"));
   TERN_ASSIGN_OR_RETURN(int64_t id, json_int(json, "id", -1));
-  if (id < 0 || id > (1 << 30)) return make_error("added token '{}' needs a non-negative 'id'", token.content);
+  if (id < 0 || id >= kTokenizerMaxId) {
+    return make_error("added token '{}' needs a non-negative 'id' below {} (tern's limit)", token.content,
+                      kTokenizerMaxId);
+  }
   token.id = static_cast<int32_t>(id);
   TERN_ASSIGN_OR_RETURN(token.special, json_bool(json, "special", false));
   TERN_ASSIGN_OR_RETURN(token.single_word, json_bool(json, "single_word", false));

@@ -80,6 +80,19 @@ TEST(TokenizerLoad, DeepNestingIsAnErrorNotACrash) {
   EXPECT_NE(tokenizer.error().message.find("nested deeper than 128"), std::string::npos) << tokenizer.error().message;
 }
 
+// One token id near 2^30 in an otherwise small vocabulary would size the id tables at gigabytes: refused, naming
+// the token and the limit.
+TEST(TokenizerLoad, HugeTokenIdsAreRefused) {
+  const std::string vocab = load_error_after([](auto& j) { j["model"]["vocab"]["zz_far"] = (1 << 30) - 1; });
+  EXPECT_NE(vocab.find("zz_far"), std::string::npos) << vocab;
+  EXPECT_NE(vocab.find("below 16777216"), std::string::npos) << vocab;
+  const std::string added = load_error_after([](auto& j) {
+    j["added_tokens"] = nlohmann::json::array({{{"id", 1 << 30}, {"content", "<far>"}, {"special", true}}});
+  });
+  EXPECT_NE(added.find("<far>"), std::string::npos) << added;
+  EXPECT_NE(added.find("below 16777216"), std::string::npos) << added;
+}
+
 TEST(TokenizerLoad, UnknownComponentTypesAreNamed) {
   EXPECT_NE(load_error_after([](auto& j) { j["pre_tokenizer"] = {{"type", "Frobnicate"}}; }).find("'Frobnicate'"),
             std::string::npos);
