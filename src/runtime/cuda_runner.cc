@@ -115,6 +115,10 @@ class CudaRunner final : public ModelRunner {
   // run_body through the decode step's CUDA graph: the first step of a shape runs eagerly (cuBLASLt plans, lazily
   // loaded kernels), the second is captured, later ones replay it. A capture that fails turns graphs off, loudly.
   Expected<void> run_decode(const HostStepPlan& plan);
+  struct DecodeGraph;
+  // Captures the body of the step begun into g (no launch). False when the capture failed: graphs are then off for
+  // good, with a warning.
+  Expected<bool> capture(DecodeGraph& g, int64_t n_seqs);
   void drop_graphs();
 
   DeviceModelOptions options_;
@@ -225,22 +229,8 @@ Expected<void> CudaRunner::capture_decode_graphs() {
       // The next plan is staged in the same pinned buffer: this one's copy (and warm-up) must be done first.
       TERN_CUDA_CHECK(cudaStreamSynchronize(ctx_.stream()));
       g.warmed = true;
-      if (!graphs_enabled_) return {};  // a capture failed (run_decode said so): eager from now on
-      cudaGraph_t graph = nullptr;
-      TERN_CUDA_CHECK(cudaStreamBeginCapture(ctx_.stream(), cudaStreamCaptureModeThreadLocal));
-      const Expected<void> ran = run_body();
-      const cudaError_t ended = cudaStreamEndCapture(ctx_.stream(), &graph);
-      cudaError_t made = ended;
-      if (ran && ended == cudaSuccess) made = cudaGraphInstantiate(&g.exec, graph, 0);
-      if (graph != nullptr) cudaGraphDestroy(graph);
-      if (!ran || made != cudaSuccess) {
-        (void)cudaGetLastError();
-        g.exec = nullptr;
-        graphs_enabled_ = false;
-        spdlog::warn("CUDA graph capture of a decode step ({} sequences) at load failed ({}); decode steps run "
-                     "eagerly", n, ran ? cudaGetErrorString(made) : ran.error().message);
-        return {};
-      }
+      TERN_ASSIGN_OR_RETURN(const bool captured, capture(g, n));
+      if (!captured) return {};  // decode steps run eagerly from now on
     }
   }
   const cudaError_t status = cudaStreamSynchronize(ctx_.stream());
@@ -401,26 +391,28 @@ Expected<void> CudaRunner::run_decode(const HostStepPlan& plan) {
     return run_body();
   }
   if (g.exec == nullptr) {
-    cudaGraph_t graph = nullptr;
-    TERN_CUDA_CHECK(cudaStreamBeginCapture(ctx_.stream(), cudaStreamCaptureModeThreadLocal));
-    const Expected<void> ran = run_body();
-    const cudaError_t ended = cudaStreamEndCapture(ctx_.stream(), &graph);
-    cudaError_t made = ended;
-    if (ran && ended == cudaSuccess) made = cudaGraphInstantiate(&g.exec, graph, 0);
-    if (graph != nullptr) cudaGraphDestroy(graph);
-    if (!ran || made != cudaSuccess) {
-      (void)cudaGetLastError();
-      g.exec = nullptr;
-      graphs_enabled_ = false;
-      spdlog::warn(
-          "CUDA graph capture of a decode step ({} sequences) failed ({}); decode steps run eagerly from "
-          "now on",
-          plan.n_seqs, ran ? cudaGetErrorString(made) : ran.error().message);
-      return run_body();
-    }
+    TERN_ASSIGN_OR_RETURN(const bool captured, capture(g, plan.n_seqs));
+    if (!captured) return run_body();
   }
   TERN_CUDA_CHECK(cudaGraphLaunch(g.exec, ctx_.stream()));
   return {};
+}
+
+Expected<bool> CudaRunner::capture(DecodeGraph& g, int64_t n_seqs) {
+  cudaGraph_t graph = nullptr;
+  TERN_CUDA_CHECK(cudaStreamBeginCapture(ctx_.stream(), cudaStreamCaptureModeThreadLocal));
+  const Expected<void> ran = run_body();
+  const cudaError_t ended = cudaStreamEndCapture(ctx_.stream(), &graph);
+  cudaError_t made = ended;
+  if (ran && ended == cudaSuccess) made = cudaGraphInstantiate(&g.exec, graph, 0);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  if (ran && made == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  g.exec = nullptr;
+  graphs_enabled_ = false;
+  spdlog::warn("CUDA graph capture of a decode step ({} sequences) failed ({}); decode steps run eagerly from now on",
+               n_seqs, ran ? cudaGetErrorString(made) : ran.error().message);
+  return false;
 }
 
 Expected<std::vector<float>> CudaRunner::step(std::span<const SequenceInput> batch, LogitsFor which,
