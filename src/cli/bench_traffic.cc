@@ -36,7 +36,7 @@ void add_mlp(const MlpWeights& w, double& bytes, double& params) {
 // Counts what each block moves and computes per token, placed as a device would place it (no blocks made).
 class TrafficCounter final : public BlockOps {
  public:
-  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix&) override { return nullptr; }  // one row per token
+  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix&, VocabRange) override { return nullptr; }  // one row per token
   Expected<std::unique_ptr<Block>> attention(const RmsNorm&, const Attention& a) override {
     const AttentionWeights& w = a.weights();
     add_linears({&w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj}, t_.dense_weight_bytes, dense_params_);
@@ -78,11 +78,10 @@ class TrafficCounter final : public BlockOps {
     }
     return nullptr;
   }
-  Expected<std::unique_ptr<Block>> lm_head(const RmsNorm&, const Linear& head) override {
+  Expected<std::unique_ptr<Block>> lm_head(const RmsNorm&, const Linear& head, VocabRange) override {
     add_linears({&head}, t_.dense_weight_bytes, dense_params_);
     return nullptr;
   }
-  Expected<void> all_reduce_output() override { return {}; }
   Expected<void> trace_output(std::string_view) override { return {}; }
 
   StepTraffic finish() {

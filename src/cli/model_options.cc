@@ -62,7 +62,15 @@ void add_model_options(CLI::App& cmd, ModelCliOptions& o) {
                "dependent launch)");
   cmd.add_option("--selftest", o.selftest, "Start-up self-test of every kernel on the model's shapes: fast, full, off, or "
                  "auto (fast on a GPU, off on the CPU)")->check(CLI::IsMember({"auto", "off", "fast", "full"}));
+  add_parallel_options(cmd, o);
   add_backend_options(cmd, o.backends);
+}
+
+void add_parallel_options(CLI::App& cmd, ModelCliOptions& o) {
+  cmd.add_option("--tensor-parallel-size,--tp", o.tensor_parallel_size,
+                 "Split the model over this many tensor-parallel ranks, each with its slice of every weight (CPU: "
+                 "threads of this process)")
+      ->check(CLI::Range(1, 256));
 }
 
 void add_backend_options(CLI::App& cmd, BackendFlags& b) {
@@ -89,6 +97,7 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
   options.load_format = o.load_format == "dummy" ? LoadFormat::kDummy : LoadFormat::kAuto;
   options.nvfp4_quantize_activations = o.nvfp4_activations == "quantize";
   options.dummy_seed = o.dummy_seed;
+  options.tensor_parallel_size = o.tensor_parallel_size;
   auto model = runner_load(o.model_dir, options);
   if (model) {
     for (const std::string& notice : (*model)->model().notices) fmt::print(stderr, "{}: {}\n", o.model_dir, notice);

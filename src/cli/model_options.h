@@ -25,10 +25,13 @@ struct ModelCliOptions {
   std::string selftest = "auto";  // auto (fast on a GPU, off on the CPU) | off | fast | full
   bool enforce_eager = false;     // no CUDA graphs for decode steps
   bool no_pdl = false;            // no programmatic dependent launch
+  int tensor_parallel_size = 1;   // ranks the model is split over (runtime/tp_runner.h)
   BackendFlags backends;
 };
 
 void add_model_options(CLI::App& cmd, ModelCliOptions& options);
+// --tensor-parallel-size / --tp (part of add_model_options; serve adds it on its own).
+void add_parallel_options(CLI::App& cmd, ModelCliOptions& options);
 void add_backend_options(CLI::App& cmd, BackendFlags& backends);
 // Runs the start-up self-test (--selftest) of the device that will run the model, then loads it there. Refuses to
 // load when an op the model needs has no verified implementation, or a forced backend fails its self-test.

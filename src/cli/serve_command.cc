@@ -178,6 +178,7 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--cuda-device", o->model.cuda_device, "CUDA device ordinal for --device cuda");
   cmd->add_option("--selftest", o->model.selftest, "Start-up self-test of every kernel on the model's shapes: fast, "
                   "full, off, or auto (fast on a GPU, off on the CPU)")->check(CLI::IsMember({"auto", "off", "fast", "full"}));
+  add_parallel_options(*cmd, o->model);
   add_backend_options(*cmd, o->model.backends);
   cmd->add_option("--served-model-name", o->server.served_model_name, "Model name in the API (default: directory name)");
   // Every count is range-checked here, so that nothing later narrows or multiplies an absurd value.

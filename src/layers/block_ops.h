@@ -6,8 +6,15 @@
 //
 // The residual stream is the device's: embedding() starts it, every other block reads it through its norm and adds
 // its output to it, lm_head() ends it in logits.
+//
+// Under tensor parallelism (one BlockOps per rank, each over its rank's slice of the weights: docs/architecture.md
+// "Tensor parallelism") the stream is replicated: a block whose output is a partial sum on each rank (attention's
+// o_proj, Gated DeltaNet's out_proj, the MLP's and the experts' down_proj) sums it over the ranks before adding it to
+// the stream, embedding() sums the rows each rank holds, and lm_head() gathers every rank's vocabulary rows, so every
+// rank ends a step with the whole logits.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string_view>
 
@@ -24,22 +31,26 @@ class Mlp;
 class Moe;
 struct RmsNorm;
 
+// The vocabulary rows [begin, begin + rows) of `full` that this rank's embedding table and lm_head hold (rows is the
+// table's); begin 0 and rows == full on one device.
+struct VocabRange {
+  int64_t begin = 0;
+  int64_t full = 0;
+};
+
 class BlockOps {
  public:
   virtual ~BlockOps() = default;
 
-  // The stream starts as the rows of `table` [vocab, hidden] picked by the step's token ids.
-  virtual Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table) = 0;
+  // The stream starts as the rows of `table` [vocab rows, hidden] picked by the step's token ids.
+  virtual Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table, VocabRange vocab) = 0;
   virtual Expected<std::unique_ptr<Block>> attention(const RmsNorm& norm, const Attention& a) = 0;
   virtual Expected<std::unique_ptr<Block>> gated_deltanet(const RmsNorm& norm, const GatedDeltaNet& g) = 0;
   virtual Expected<std::unique_ptr<Block>> mlp(const RmsNorm& norm, const Mlp& m) = 0;
   virtual Expected<std::unique_ptr<Block>> moe(const RmsNorm& norm, const Moe& m) = 0;
   // The final norm and the vocabulary projection over the rows whose logits the step wants.
-  virtual Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head) = 0;
-
-  // After a block whose output is a partial sum on each tensor-parallel rank: the sum over the ranks. The identity
-  // on one device.
-  virtual Expected<void> all_reduce_output() = 0;
+  virtual Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head,
+                                                   VocabRange vocab) = 0;
   // Hands the last block's output [rows, hidden] to the step's tracer, if it has one, as `name`.
   virtual Expected<void> trace_output(std::string_view name) = 0;
 };

@@ -18,12 +18,12 @@ SequenceCache CausalLm::new_cache() const {
 Expected<std::vector<std::unique_ptr<Block>>> CausalLm::make_blocks(BlockOps& ops) const {
   std::vector<std::unique_ptr<Block>> blocks;
   blocks.reserve(2 * layers.size() + 2);
-  TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), ops.embedding(embed_tokens));
+  TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), ops.embedding(embed_tokens, vocab));
   for (const DecoderLayer& layer : layers) {
     TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), layer.mixer->place(ops, layer.input_norm));
     TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), layer.ffn->place(ops, layer.post_attention_norm));
   }
-  TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), ops.lm_head(final_norm, lm_head));
+  TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), ops.lm_head(final_norm, lm_head, vocab));
   return blocks;
 }
 
@@ -49,10 +49,8 @@ Expected<void> CausalLm::run_blocks(BlockOps& ops) const {
   for (size_t i = 0; i < layers.size(); ++i) {
     const int64_t li = static_cast<int64_t>(i);
     TERN_TRY(layers[i].mixer_block->forward(li));
-    TERN_TRY(ops.all_reduce_output());
     TERN_TRY(ops.trace_output(trace_name(li, "mixer_out")));
     TERN_TRY(layers[i].ffn_block->forward(li));
-    TERN_TRY(ops.all_reduce_output());
     TERN_TRY(ops.trace_output(trace_name(li, "ffn_out")));
   }
   return head_block_->forward(-1);
@@ -76,6 +74,9 @@ Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir,
   TERN_ASSIGN_OR_RETURN(ModelConfig config, model_config_load(dir));
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<WeightStore> weights, open_weights(dir, config, options));
   const WeightSchema schema = weight_schema_build(config, weights->text_prefix());
+  if (options.communicator != nullptr) {
+    weights->set_sharding(schema, {options.communicator->rank(), options.communicator->world()});
+  }
   WeightStore& store = *weights;
   auto model = std::make_unique<CausalLm>(config, std::move(weights));
   if (config.has_vision) model->notices.push_back("the vision tower's weights are skipped (text model only)");

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "dist/communicator.h"
 #include "io/model_config.h"
 #include "layers/block_ops.h"
 #include "layers/blocks.h"
@@ -52,9 +53,9 @@ class CausalLm {
   // lm_head) and drops what it makes: for devices that only look, such as the self-test's planner.
   Expected<void> visit_blocks(BlockOps& ops) const;
 
-  // The layer loop, the same on every device: embedding, each layer's mixer and feed-forward block (each followed
-  // by the sum over tensor-parallel ranks), the final norm and lm_head, as placed by place(ops). The runner sets up
-  // the step its blocks read before calling it.
+  // The layer loop, the same on every device and every tensor-parallel rank: embedding, each layer's mixer and
+  // feed-forward block, the final norm and lm_head, as placed by place(ops). The runner sets up the step its blocks
+  // read before calling it.
   Expected<void> run_blocks(BlockOps& ops) const;
 
   // Set by the architecture builders.
@@ -62,6 +63,7 @@ class CausalLm {
   std::vector<DecoderLayer> layers;
   RmsNorm final_norm;
   Linear lm_head;
+  VocabRange vocab;  // the rows of the vocabulary embed_tokens and lm_head hold (a tensor-parallel rank's, or all)
   std::vector<std::string> notices;  // worth telling the user once (e.g. skipped vision weights)
 
  private:
@@ -104,6 +106,12 @@ struct DeviceModelOptions {
 
 struct ModelLoadOptions {
   LoadFormat load_format = LoadFormat::kAuto;
+  // Ranks to split the model over (runtime/tp_runner.h): each holds its slice of every weight (models/shard.h) and
+  // runs on its own thread; 1: the whole model on one device.
+  int tensor_parallel_size = 1;
+  // The group one rank's model belongs to, set for each rank by the tensor-parallel runner: the model is built
+  // with that rank's slice of the weights and its blocks sum partial outputs over it. Null: the whole model.
+  Communicator* communicator = nullptr;
   bool nvfp4_quantize_activations = false;  // W4A4 instead of W4A16
   uint64_t dummy_seed = 0;
   ModelDevice device = ModelDevice::kCpu;

@@ -20,6 +20,10 @@ Expected<void> build_embeddings_and_head(CausalLm& model, WeightStore& w, const 
   const ModelConfig& c = model.config();
   const std::string& p = schema.text_prefix;
   TERN_ASSIGN_OR_RETURN(model.embed_tokens, w.dense_matrix(p + "embed_tokens.weight", c.vocab_size, c.hidden_size));
+  // The vocabulary rows this rank holds (all of them on one device): embed_tokens and lm_head split alike.
+  TERN_ASSIGN_OR_RETURN(const std::vector<ShardPiece> rows,
+                        shard_pieces(Shard::vocab(), c.vocab_size, w.shard_rank(), p + "embed_tokens.weight"));
+  model.vocab = {rows.empty() ? c.vocab_size : rows.front().offset, c.vocab_size};
   TERN_ASSIGN_OR_RETURN(model.final_norm, build_norm(w, p + "norm.weight", c.hidden_size, c.rms_norm_eps,
                                                      zero_centred));
   if (schema.tied_embeddings && !w.contains("lm_head.weight")) {
@@ -43,7 +47,9 @@ Expected<std::unique_ptr<Mixer>> build_attention(const ModelConfig& c, WeightSto
   TERN_ASSIGN_OR_RETURN(a.q_norm, build_norm(w, name("self_attn.q_norm.weight"), hd, c.rms_norm_eps, gated));
   TERN_ASSIGN_OR_RETURN(a.k_norm, build_norm(w, name("self_attn.k_norm.weight"), hd, c.rms_norm_eps, gated));
   const int64_t rotary_dim = c.rope.rotary_dim > 0 ? c.rope.rotary_dim : hd;
-  AttentionShape shape{.n_heads = nq, .n_kv_heads = nkv, .head_dim = hd, .gated = gated};
+  // This rank's heads, as the projections were split (all of them on one device; KV heads possibly replicated).
+  AttentionShape shape{.n_heads = a.q_proj.out_features() / (hd * (gated ? 2 : 1)),
+                       .n_kv_heads = a.k_proj.out_features() / hd, .head_dim = hd, .gated = gated};
   return std::make_unique<Attention>(shape, std::move(a), Rope(rotary_dim, c.rope.theta));
 }
 

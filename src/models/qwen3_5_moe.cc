@@ -32,7 +32,9 @@ Expected<std::unique_ptr<Mixer>> build_gated_deltanet(const ModelConfig& c, Weig
   TERN_ASSIGN_OR_RETURN(g.a_log, w.vector(name("linear_attn.A_log"), {hv}));
   TERN_ASSIGN_OR_RETURN(g.dt_bias, w.vector(name("linear_attn.dt_bias"), {hv}));
   TERN_ASSIGN_OR_RETURN(g.norm_weight, w.vector(name("linear_attn.norm.weight"), {dv}));
-  GatedDeltaNetShape shape{.n_key_heads = hk, .n_value_heads = hv, .key_dim = dk, .value_dim = dv,
+  // This rank's heads, as the projections were split (all of them on one device).
+  const int64_t hv_rank = next ? g.in_proj_ba.out_features() / 2 : g.in_proj_b.out_features();
+  GatedDeltaNetShape shape{.n_key_heads = hk * hv_rank / hv, .n_value_heads = hv_rank, .key_dim = dk, .value_dim = dv,
                            .conv_kernel = kernel, .norm_eps = static_cast<float>(c.rms_norm_eps),
                            .fused_per_key_head = next};
   return std::make_unique<GatedDeltaNet>(shape, std::move(g));

@@ -34,7 +34,7 @@ class Planner final : public BlockOps {
  public:
   explicit Planner(std::vector<int64_t> batches) : batches_(std::move(batches)) {}
 
-  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table) override {
+  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table, VocabRange) override {
     hidden_ = table.cols;
     for (int64_t b : batches_) add("embedding", embedding_case(b, table.rows, table.cols));
     return nullptr;
@@ -98,13 +98,12 @@ class Planner final : public BlockOps {
     experts.insert({hidden, inter});
     return nullptr;
   }
-  Expected<std::unique_ptr<Block>> lm_head(const RmsNorm&, const Linear& head) override {
+  Expected<std::unique_ptr<Block>> lm_head(const RmsNorm&, const Linear& head, VocabRange) override {
     linear(head);
     if (!is_nvfp4(head)) normed_.insert({head.out_features(), head.in_features()});
     for (int64_t rows : {1, 8}) add("sampling", sampling_case(rows, head.out_features()));
     return nullptr;
   }
-  Expected<void> all_reduce_output() override { return {}; }
   Expected<void> trace_output(std::string_view) override { return {}; }
 
   // The GEMM ops last: their cases are the shapes every block reported, lead first.

@@ -46,14 +46,10 @@ Expected<std::vector<ShardPiece>> shard_pieces(const Shard& shard, int64_t exten
     append(pieces, {0, extent});
     return pieces;
   }
-  if (shard.dim == ShardDim::kVocab) {  // vLLM's rule: pad to kVocabShardAlign, divide, clip to the real rows
-    const int64_t padded = (extent + kVocabShardAlign - 1) / kVocabShardAlign * kVocabShardAlign;
-    if (padded % world != 0) {
-      return make_error("tensor '{}': cannot split its {} over world size {}: {} rows padded to {} do not divide by {}",
-                        tensor, dim_name(shard.dim), world, extent, padded, world);
-    }
-    const int64_t begin = std::min(extent, rank * (padded / world));
-    append(pieces, {begin, std::min(extent, begin + padded / world) - begin});
+  if (shard.dim == ShardDim::kVocab) {
+    const int64_t range = vocab_shard_rows(extent, world);
+    const int64_t begin = std::min(extent, rank * range);
+    append(pieces, {begin, std::min(extent, begin + range) - begin});
     return pieces;
   }
   int64_t covered = 0;

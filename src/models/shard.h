@@ -16,8 +16,9 @@ enum class ShardDim {
   kReplicated,  // every rank holds the whole tensor
   kOutput,      // rows of W [out, in] (column-parallel), or dim 0 of a parameter or state
   kInput,       // columns of W [out, in] (row-parallel)
-  kVocab,       // embedding / lm_head rows: the vocabulary padded to kVocabShardAlign rows, divided into equal
-                // contiguous ranges, each clipped to the real rows (so the last ranks may hold fewer, or none)
+  kVocab,       // embedding / lm_head rows: the vocabulary padded to a multiple of kVocabShardAlign * world rows,
+                // divided into equal contiguous ranges (vocab_shard_rows), each clipped to the real rows (so the
+                // last ranks may hold fewer, or none)
 };
 
 // `count` consecutive units of `size` elements along the split dimension (a head's rows, a channel; size 1 for a
@@ -46,9 +47,17 @@ struct ShardRank {
   int world = 1;
 };
 
-// The vocabulary is padded to a multiple of this many rows before it is divided (vLLM's
-// DEFAULT_VOCAB_PADDING_SIZE).
+// Every rank's range of the vocabulary is a multiple of this many rows (vLLM's DEFAULT_VOCAB_PADDING_SIZE). vLLM
+// pads the vocabulary to it and then requires the world size to divide the result; padding to a multiple of
+// kVocabShardAlign * world instead splits any vocabulary over any world size.
 inline constexpr int64_t kVocabShardAlign = 64;
+
+// The rows of each rank's (padded) range of a vocabulary of `vocab` rows split `world` ways: rank r's rows are
+// [r * range, (r + 1) * range) clipped to [0, vocab).
+inline int64_t vocab_shard_rows(int64_t vocab, int64_t world) {
+  const int64_t unit = kVocabShardAlign * world;
+  return (vocab + unit - 1) / unit * kVocabShardAlign;
+}
 
 // [offset, offset + length) along the split dimension.
 struct ShardPiece {

@@ -43,6 +43,7 @@ class WeightStore {
   // The rank is checked at each read (the error names the tensor). At world > 1 a tensor without a declaration in
   // the schema is an error.
   void set_sharding(const WeightSchema& schema, ShardRank rank);
+  ShardRank shard_rank() const { return rank_; }
 
   // Prefix of the text model in this store's names ("model." or "model.language_model.").
   const std::string& text_prefix() const { return text_prefix_; }

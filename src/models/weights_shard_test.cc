@@ -530,13 +530,21 @@ TEST(ShardPieces, DeclarationArithmetic) {
   auto bad = shard_pieces(Shard::output({{4, 8}}), 40, {0, 2}, "t");
   ASSERT_FALSE(bad.has_value());
   EXPECT_NE(bad.error().message.find("cover 32 of its 40"), std::string::npos) << bad.error().message;
-  // 100 rows pad to 128: ranks of 32 rows, the last one clipped to [96, 100).
+  // 100 rows over 4 ranks pad to 256: ranges of 64 rows, rank 1's clipped to [64, 100), ranks 2 and 3 empty.
+  auto second = shard_pieces(Shard::vocab(), 100, {1, 4}, "t");
+  ASSERT_TRUE(second.has_value());
+  ASSERT_EQ(second->size(), 1u);
+  EXPECT_EQ((*second)[0].offset, 64);
+  EXPECT_EQ((*second)[0].length, 36);
   auto last = shard_pieces(Shard::vocab(), 100, {3, 4}, "t");
   ASSERT_TRUE(last.has_value());
-  ASSERT_EQ(last->size(), 1u);
-  EXPECT_EQ((*last)[0].offset, 96);
-  EXPECT_EQ((*last)[0].length, 4);
-  EXPECT_FALSE(shard_pieces(Shard::vocab(), 512, {0, 3}, "t").has_value());
+  EXPECT_EQ(shard_pieces_length(*last), 0);
+  // 512 rows over 3 ranks pad to 576: [0, 192), [192, 384), [384, 512).
+  auto third = shard_pieces(Shard::vocab(), 512, {2, 3}, "t");
+  ASSERT_TRUE(third.has_value());
+  ASSERT_EQ(third->size(), 1u);
+  EXPECT_EQ((*third)[0].offset, 384);
+  EXPECT_EQ((*third)[0].length, 128);
   // World 1 merges every segment into one piece.
   auto one = shard_pieces(Shard::output({{2, 32}, {2, 32}, {4, 32, true}}), 256, {0, 1}, "t");
   ASSERT_TRUE(one.has_value());

@@ -1,19 +1,24 @@
 #include "runtime/cpu_runner.h"
 
+#include <fmt/format.h>
+
 #include "models/cpu/cpu_ops.h"
 
 namespace tern {
 namespace {
 
-class CpuRunner final : public ModelRunner {
+class CpuRunner final : public DeviceRunner {
  public:
-  explicit CpuRunner(std::unique_ptr<CausalLm> model) : ModelRunner(std::move(model)), ops_(step_) {
+  CpuRunner(std::unique_ptr<CausalLm> model, Communicator* comm) : DeviceRunner(std::move(model)), ops_(step_) {
     step_.hidden = config().hidden_size;
+    step_.comm = comm;
   }
-  using ModelRunner::place;
+  using DeviceRunner::place;
 
   ModelDevice device() const override { return ModelDevice::kCpu; }
-  std::string describe() const override { return "cpu"; }
+  std::string describe() const override {
+    return step_.comm == nullptr ? "cpu" : fmt::format("cpu, rank {} of {}", step_.comm->rank(), step_.comm->world());
+  }
   int64_t kv_cache_tokens() const override { return 0; }
 
  private:
@@ -35,8 +40,8 @@ class CpuRunner final : public ModelRunner {
 
 }  // namespace
 
-Expected<std::unique_ptr<ModelRunner>> cpu_runner_create(std::unique_ptr<CausalLm> model) {
-  auto runner = std::make_unique<CpuRunner>(std::move(model));
+Expected<std::unique_ptr<ModelRunner>> cpu_runner_create(std::unique_ptr<CausalLm> model, Communicator* comm) {
+  auto runner = std::make_unique<CpuRunner>(std::move(model), comm);
   TERN_TRY(runner->place());
   return std::unique_ptr<ModelRunner>(std::move(runner));
 }

@@ -10,6 +10,7 @@
 
 namespace tern {
 
-Expected<std::unique_ptr<ModelRunner>> cpu_runner_create(std::unique_ptr<CausalLm> model);
+// `comm`: the tensor-parallel group when `model` is one rank's slice (runtime/tp_runner.h); null for a whole model.
+Expected<std::unique_ptr<ModelRunner>> cpu_runner_create(std::unique_ptr<CausalLm> model, Communicator* comm = nullptr);
 
 }  // namespace tern

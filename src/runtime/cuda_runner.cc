@@ -53,10 +53,10 @@ struct HostStepPlan {
       last_rows;
 };
 
-class CudaRunner final : public ModelRunner {
+class CudaRunner final : public DeviceRunner {
  public:
   CudaRunner(std::unique_ptr<CausalLm> model, const DeviceModelOptions& options)
-      : ModelRunner(std::move(model)),
+      : DeviceRunner(std::move(model)),
         options_(options),
         ctx_(options.device),
         ops_(ctx_, options, config().hidden_size),
@@ -66,7 +66,7 @@ class CudaRunner final : public ModelRunner {
     if (meta_host_ != nullptr) cudaFreeHost(meta_host_);
   }
 
-  using ModelRunner::place;
+  using DeviceRunner::place;
 
   int64_t kv_cache_tokens() const override { return ops_.kv_blocks() * options_.kv_block_size; }
   ModelDevice device() const override { return ModelDevice::kCuda; }

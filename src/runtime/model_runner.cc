@@ -1,6 +1,7 @@
 #include "runtime/model_runner.h"
 
 #include "runtime/cpu_runner.h"
+#include "runtime/tp_runner.h"
 
 #if TERN_RUNTIME_CUDA
 #include "runtime/cuda_runner.h"
@@ -8,13 +9,13 @@
 
 namespace tern {
 
-SequenceCache ModelRunner::new_sequence() {
+SequenceCache DeviceRunner::new_sequence() {
   SequenceCache cache = model_->new_cache();
   cache.device = new_device_state();
   return cache;
 }
 
-Expected<void> ModelRunner::place() {
+Expected<void> DeviceRunner::place() {
   TERN_TRY(model_->place(ops()));
   return finish_load();
 }
@@ -54,6 +55,7 @@ Expected<SampleResults> ModelRunner::sample_step(std::span<const SequenceInput> 
 }
 
 Expected<std::unique_ptr<ModelRunner>> runner_load(const std::filesystem::path& dir, const ModelLoadOptions& options) {
+  if (options.tensor_parallel_size != 1 && options.communicator == nullptr) return tp_runner_load(dir, options);
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model, model_build_host(dir, options));
   Expected<std::unique_ptr<ModelRunner>> runner;
   if (options.device == ModelDevice::kCuda) {

@@ -42,11 +42,12 @@ class ModelRunner {
   ModelRunner(const ModelRunner&) = delete;
   ModelRunner& operator=(const ModelRunner&) = delete;
 
-  const CausalLm& model() const { return *model_; }
-  const ModelConfig& config() const { return model_->config(); }
+  // The model this runner runs (under tensor parallelism, rank 0's slice of it); its config is the whole model's.
+  virtual const CausalLm& model() const = 0;
+  const ModelConfig& config() const { return model().config(); }
 
   // A new sequence: its host caches and its device-side state (KV blocks, state slots), released with it.
-  SequenceCache new_sequence();
+  virtual SequenceCache new_sequence() = 0;
   // Runs the tokens of every sequence (each extends its cache) and returns logits [rows, vocab]: one row per token
   // in batch order (kAllTokens) or one per sequence (kLastToken). Errors on an out-of-range token id. `tracer`
   // (optional) receives the intermediates named by the blocks ("layers.N.mixer_out", "layers.N.ffn_out",
@@ -67,7 +68,24 @@ class ModelRunner {
   virtual int64_t kv_cache_tokens() const = 0;
 
  protected:
-  explicit ModelRunner(std::unique_ptr<CausalLm> model) : model_(std::move(model)) {}
+  ModelRunner() = default;
+
+  // One step: logits as forward returns them; the caches' lengths are advanced by forward.
+  virtual Expected<std::vector<float>> step(std::span<const SequenceInput> batch, LogitsFor which,
+                                            const Tracer* tracer) = 0;
+  // step(kLastToken) ending in a token per sequence. The default samples step's logits through each row's Sampler;
+  // a device that samples on its own (CUDA) overrides it.
+  virtual Expected<SampleResults> sample_step(std::span<const SequenceInput> batch, std::span<const SampleRow> rows);
+};
+
+// A runner of one device holding the model it runs (the CPU's, a GPU's; or one tensor-parallel rank's slice).
+class DeviceRunner : public ModelRunner {
+ public:
+  const CausalLm& model() const override { return *model_; }
+  SequenceCache new_sequence() override;
+
+ protected:
+  explicit DeviceRunner(std::unique_ptr<CausalLm> model) : model_(std::move(model)) {}
 
   // Makes the model's blocks through ops(), then sizes the device's activations and caches from them
   // (finish_load). A device's factory calls it once, before the runner is handed out.
@@ -79,12 +97,6 @@ class ModelRunner {
   virtual Expected<void> finish_load() = 0;
   // A sequence's device-side state; null where the cache lives in the sequence's LayerCache (the CPU).
   virtual std::shared_ptr<DeviceSequenceState> new_device_state() = 0;
-  // One step: logits as forward returns them; the caches' lengths are advanced by forward.
-  virtual Expected<std::vector<float>> step(std::span<const SequenceInput> batch, LogitsFor which,
-                                            const Tracer* tracer) = 0;
-  // step(kLastToken) ending in a token per sequence. The default samples step's logits through each row's Sampler;
-  // a device that samples on its own (CUDA) overrides it.
-  virtual Expected<SampleResults> sample_step(std::span<const SequenceInput> batch, std::span<const SampleRow> rows);
 
  private:
   std::unique_ptr<CausalLm> model_;

@@ -2,33 +2,44 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "layers/attention.h"
 #include "layers/gated_deltanet.h"
 #include "layers/linear.h"
 #include "layers/moe.h"
 #include "layers/norms.h"
+#include "models/shard.h"
 
 namespace tern {
 namespace {
 
+// A rank holding part of the vocabulary writes the rows it holds and zeros for the others; the sum over the ranks
+// is then every row.
 class CpuEmbedding final : public Block {
  public:
-  CpuEmbedding(const CpuMatrix& table, CpuStep& s) : table_(table), s_(s) {}
+  CpuEmbedding(const CpuMatrix& table, VocabRange vocab, CpuStep& s) : table_(table), vocab_(vocab), s_(s) {}
   Expected<void> forward(int64_t) const override {
     int64_t row = 0;
     for (const SequenceInput& in : s_.inputs) {
       for (const int32_t id : in.tokens) {
-        if (id < 0 || id >= table_.rows) {
-          return make_error("token id {} is outside the vocabulary [0, {})", id, table_.rows);
+        if (id < 0 || id >= vocab_.full) {
+          return make_error("token id {} is outside the vocabulary [0, {})", id, vocab_.full);
         }
-        cpu_matrix_row(table_, id, &s_.x[row++ * s_.hidden]);
+        float* x = &s_.x[row++ * s_.hidden];
+        if (id >= vocab_.begin && id < vocab_.begin + table_.rows) {
+          cpu_matrix_row(table_, id - vocab_.begin, x);
+        } else {
+          std::fill(x, x + s_.hidden, 0.0f);
+        }
       }
     }
-    return {};
+    return s_.all_reduce(s_.x);
   }
 
  private:
   const CpuMatrix& table_;
+  const VocabRange vocab_;
   CpuStep& s_;
 };
 
@@ -38,8 +49,7 @@ class CpuMixerBlock final : public Block {
   Expected<void> forward(int64_t layer) const override {
     norm_.forward(s_.x.data(), s_.batch.n_rows, s_.normed.data());
     mixer_.forward(s_.normed.data(), s_.out.data(), s_.batch, layer, s_.tracer);
-    s_.add_out();
-    return {};
+    return s_.add_out();
   }
 
  private:
@@ -54,7 +64,7 @@ class CpuFeedForwardBlock final : public Block {
   Expected<void> forward(int64_t layer) const override {
     norm_.forward(s_.x.data(), s_.batch.n_rows, s_.normed.data());
     ffn_.forward(s_.normed.data(), s_.out.data(), s_.batch.n_rows, trace_name(layer, ""), s_.tracer);
-    s_.add_out();
+    TERN_TRY(s_.add_out());
     if (s_.tracer) (*s_.tracer)(trace_name(layer, "out"), s_.x.data(), s_.batch.n_rows, s_.hidden);
     return {};
   }
@@ -65,10 +75,13 @@ class CpuFeedForwardBlock final : public Block {
   CpuStep& s_;
 };
 
-// Only the rows whose logits are wanted go through the final norm and lm_head.
+// Only the rows whose logits are wanted go through the final norm and lm_head. Under tensor parallelism each rank
+// computes its vocabulary rows' logits and every rank gathers all of them (padded to equal ranges: models/shard.h's
+// vocab_shard_rows).
 class CpuHead final : public Block {
  public:
-  CpuHead(const RmsNorm& norm, const Linear& head, CpuStep& s) : norm_(norm), head_(head), s_(s) {}
+  CpuHead(const RmsNorm& norm, const Linear& head, VocabRange vocab, CpuStep& s)
+      : norm_(norm), head_(head), vocab_(vocab), s_(s) {}
   Expected<void> forward(int64_t) const override {
     const int64_t hidden = s_.hidden;
     std::vector<float> rows;
@@ -83,21 +96,41 @@ class CpuHead final : public Block {
     const int64_t n = static_cast<int64_t>(rows.size()) / hidden;
     norm_.forward(rows.data(), n, rows.data());
     if (s_.tracer) (*s_.tracer)("final_norm", rows.data(), n, hidden);
-    s_.logits.assign(static_cast<size_t>(n * head_.out_features()), 0.0f);
-    head_.forward(rows.data(), n, s_.logits.data());
-    return {};
+    const int64_t local = head_.out_features();
+    std::vector<float> mine(static_cast<size_t>(n * local), 0.0f);
+    head_.forward(rows.data(), n, mine.data());
+    if (s_.comm == nullptr || s_.comm->world() == 1) {
+      s_.logits = std::move(mine);
+      return {};
+    }
+    return gather(mine, n);
   }
 
  private:
+  Expected<void> gather(const std::vector<float>& mine, int64_t n) const {
+    const int64_t world = s_.comm->world(), local = head_.out_features(), full = vocab_.full;
+    const int64_t range = vocab_shard_rows(full, world);
+    std::vector<float> padded(static_cast<size_t>(n * range), 0.0f), all(static_cast<size_t>(world * n * range));
+    for (int64_t r = 0; r < n; ++r) std::copy_n(&mine[r * local], local, &padded[r * range]);
+    TERN_TRY(s_.comm->all_gather(padded, all));
+    s_.logits.assign(static_cast<size_t>(n * full), 0.0f);
+    for (int64_t k = 0; k < world; ++k) {
+      const int64_t begin = std::min(full, k * range), rows_k = std::min(full, begin + range) - begin;
+      for (int64_t r = 0; r < n; ++r) std::copy_n(&all[(k * n + r) * range], rows_k, &s_.logits[r * full + begin]);
+    }
+    return {};
+  }
+
   const RmsNorm& norm_;
   const Linear& head_;
+  const VocabRange vocab_;
   CpuStep& s_;
 };
 
 }  // namespace
 
-Expected<std::unique_ptr<Block>> CpuOps::embedding(const CpuMatrix& table) {
-  return std::make_unique<CpuEmbedding>(table, s_);
+Expected<std::unique_ptr<Block>> CpuOps::embedding(const CpuMatrix& table, VocabRange vocab) {
+  return std::make_unique<CpuEmbedding>(table, vocab, s_);
 }
 Expected<std::unique_ptr<Block>> CpuOps::attention(const RmsNorm& norm, const Attention& a) {
   return std::make_unique<CpuMixerBlock>(norm, a, s_);
@@ -111,8 +144,8 @@ Expected<std::unique_ptr<Block>> CpuOps::mlp(const RmsNorm& norm, const Mlp& m) 
 Expected<std::unique_ptr<Block>> CpuOps::moe(const RmsNorm& norm, const Moe& m) {
   return std::make_unique<CpuFeedForwardBlock>(norm, m, s_);
 }
-Expected<std::unique_ptr<Block>> CpuOps::lm_head(const RmsNorm& final_norm, const Linear& head) {
-  return std::make_unique<CpuHead>(final_norm, head, s_);
+Expected<std::unique_ptr<Block>> CpuOps::lm_head(const RmsNorm& final_norm, const Linear& head, VocabRange vocab) {
+  return std::make_unique<CpuHead>(final_norm, head, vocab, s_);
 }
 Expected<void> CpuOps::trace_output(std::string_view name) {
   if (s_.tracer) (*s_.tracer)(name, s_.out.data(), s_.batch.n_rows, s_.hidden);
@@ -133,6 +166,17 @@ void CpuStep::begin(std::span<const SequenceInput> batch_inputs, LogitsFor which
   normed.assign(n, 0.0f);
   out.assign(n, 0.0f);
   logits.clear();
+}
+
+Expected<void> CpuStep::all_reduce(std::vector<float>& v) {
+  if (comm == nullptr || comm->world() == 1) return {};
+  return comm->all_reduce_sum(v);
+}
+
+Expected<void> CpuStep::add_out() {
+  TERN_TRY(all_reduce(out));
+  for (size_t i = 0; i < x.size(); ++i) x[i] += out[i];
+  return {};
 }
 
 void CpuStep::end() {

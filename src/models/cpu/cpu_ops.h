@@ -1,5 +1,6 @@
 // The model's blocks on the CPU (BlockOps for runtime/cpu_runner.h): fp32 activations, each sequence's caches in
-// its LayerCache, every block computed by its host object's reference forward (layers/).
+// its LayerCache, every block computed by its host object's reference forward (layers/). Under tensor parallelism
+// each rank's CpuOps runs its slice of the model and sums partial outputs over the step's communicator.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 
 #include "core/error.h"
 #include "layers/batch.h"
+#include "dist/communicator.h"
 #include "layers/block_ops.h"
 
 namespace tern {
@@ -22,26 +24,27 @@ struct CpuStep {
   LogitsFor which = LogitsFor::kLastToken;
   const Tracer* tracer = nullptr;
   int64_t hidden = 0;
+  Communicator* comm = nullptr;  // the tensor-parallel group; null on one device
   std::vector<float> x, normed, out, logits;
 
   // Sets up the rows of `inputs` for the blocks; end() forgets the inputs once the step has run.
   void begin(std::span<const SequenceInput> batch_inputs, LogitsFor which_rows, const Tracer* step_tracer);
   void end();
-  void add_out() {
-    for (size_t i = 0; i < x.size(); ++i) x[i] += out[i];
-  }
+  // x += out, with out first summed over the ranks when it is a partial sum on each.
+  Expected<void> add_out();
+  // Sums `v` over the ranks (nothing on one device).
+  Expected<void> all_reduce(std::vector<float>& v);
 };
 
 class CpuOps final : public BlockOps {
  public:
   explicit CpuOps(CpuStep& s) : s_(s) {}
-  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table) override;
+  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table, VocabRange vocab) override;
   Expected<std::unique_ptr<Block>> attention(const RmsNorm& norm, const Attention& a) override;
   Expected<std::unique_ptr<Block>> gated_deltanet(const RmsNorm& norm, const GatedDeltaNet& g) override;
   Expected<std::unique_ptr<Block>> mlp(const RmsNorm& norm, const Mlp& m) override;
   Expected<std::unique_ptr<Block>> moe(const RmsNorm& norm, const Moe& m) override;
-  Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head) override;
-  Expected<void> all_reduce_output() override { return {}; }
+  Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head, VocabRange vocab) override;
   Expected<void> trace_output(std::string_view name) override;
 
  private:

@@ -172,7 +172,11 @@ Expected<GpuNorm> CudaOps::norm(const RmsNorm& n) {
   return GpuNorm{w, n.eps, n.zero_centred};
 }
 
-Expected<std::unique_ptr<Block>> CudaOps::embedding(const CpuMatrix& table) {
+Expected<std::unique_ptr<Block>> CudaOps::embedding(const CpuMatrix& table, VocabRange vocab) {
+  if (vocab.begin != 0 || table.rows != vocab.full) {
+    return make_error("embed_tokens: tensor parallelism is not supported on CUDA yet (this rank holds vocabulary "
+                      "rows [{}, {}) of {})", vocab.begin, vocab.begin + table.rows, vocab.full);
+  }
   TERN_ASSIGN_OR_RETURN(const DeviceMatrix embed, weights_.matrix(table, "embed_tokens"));
   if (embed.nvfp4) return make_error("embed_tokens: NVFP4 embeddings are not supported");
   embedding_rows_ = embed.n;
@@ -263,7 +267,10 @@ Expected<std::unique_ptr<Block>> CudaOps::moe(const RmsNorm& post_norm, const Mo
   return block;
 }
 
-Expected<std::unique_ptr<Block>> CudaOps::lm_head(const RmsNorm& final_norm, const Linear& head) {
+Expected<std::unique_ptr<Block>> CudaOps::lm_head(const RmsNorm& final_norm, const Linear& head, VocabRange vocab) {
+  if (vocab.begin != 0 || head.out_features() != vocab.full) {
+    return make_error("lm_head: tensor parallelism is not supported on CUDA yet");
+  }
   TERN_ASSIGN_OR_RETURN(const DeviceMatrix h, weights_.matrix(head));
   TERN_ASSIGN_OR_RETURN(const GpuNorm n, norm(final_norm));
   vocab_ = h.n;

@@ -53,13 +53,12 @@ class CudaOps final : public BlockOps {
   CudaOps(DeviceContext& ctx, const DeviceModelOptions& options, int64_t hidden);
   ~CudaOps() override;
 
-  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table) override;
+  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table, VocabRange vocab) override;
   Expected<std::unique_ptr<Block>> attention(const RmsNorm& norm, const Attention& a) override;
   Expected<std::unique_ptr<Block>> gated_deltanet(const RmsNorm& norm, const GatedDeltaNet& g) override;
   Expected<std::unique_ptr<Block>> mlp(const RmsNorm& norm, const Mlp& m) override;
   Expected<std::unique_ptr<Block>> moe(const RmsNorm& norm, const Moe& m) override;
-  Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head) override;
-  Expected<void> all_reduce_output() override { return {}; }
+  Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head, VocabRange vocab) override;
   Expected<void> trace_output(std::string_view name) override;
 
   // Once every block is made: the activation arena for max_batch_tokens rows, the GDN state slots, and the KV

@@ -1,0 +1,214 @@
+#include "runtime/tp_runner.h"
+
+#include <fmt/format.h>
+
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "dist/loopback.h"
+#include "runtime/cpu_runner.h"
+
+namespace tern {
+namespace {
+
+// One thread per rank above 0; run() hands every rank the same job (rank 0 on the calling thread) and returns when
+// all have finished.
+class RankThreads {
+ public:
+  using Job = std::function<Expected<void>(int rank)>;
+
+  explicit RankThreads(int world) : results_(static_cast<size_t>(world)) {
+    for (int r = 1; r < world; ++r) threads_.emplace_back([this, r] { loop(r); });
+  }
+  ~RankThreads() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+
+  std::vector<Expected<void>> run(const Job& job) {
+    {
+      std::lock_guard lock(mu_);
+      job_ = &job;
+      remaining_ = static_cast<int>(threads_.size());
+      ++generation_;
+    }
+    cv_.notify_all();
+    results_[0] = job(0);
+    std::unique_lock lock(mu_);
+    done_.wait(lock, [&] { return remaining_ == 0; });
+    job_ = nullptr;
+    return results_;
+  }
+
+ private:
+  void loop(int rank) {
+    uint64_t seen = 0;
+    while (true) {
+      const Job* job = nullptr;
+      {
+        std::unique_lock lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        job = job_;
+      }
+      Expected<void> result = (*job)(rank);
+      std::lock_guard lock(mu_);
+      results_[static_cast<size_t>(rank)] = std::move(result);
+      if (--remaining_ == 0) done_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_, done_;
+  const Job* job_ = nullptr;
+  uint64_t generation_ = 0;
+  int remaining_ = 0;
+  bool stop_ = false;
+  std::vector<Expected<void>> results_;
+  std::vector<std::thread> threads_;
+};
+
+// A sequence's slice on every rank.
+struct TpSequence final : DeviceSequenceState {
+  std::vector<SequenceCache> ranks;
+};
+
+class TpRunner final : public ModelRunner {
+ public:
+  explicit TpRunner(int world) : group_(world), threads_(world), runners_(static_cast<size_t>(world)) {}
+
+  Expected<void> load(const std::filesystem::path& dir, const ModelLoadOptions& options) {
+    return run_ranks("loading", [&](int r) -> Expected<void> {
+      ModelLoadOptions rank_options = options;
+      rank_options.tensor_parallel_size = 1;
+      rank_options.communicator = &group_.rank(r);
+      TERN_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model, model_build_host(dir, rank_options));
+      TERN_ASSIGN_OR_RETURN(runners_[static_cast<size_t>(r)], cpu_runner_create(std::move(model), &group_.rank(r)));
+      return {};
+    });
+  }
+
+  const CausalLm& model() const override { return runners_.front()->model(); }
+  SequenceCache new_sequence() override {
+    auto state = std::make_shared<TpSequence>();
+    for (const auto& runner : runners_) state->ranks.push_back(runner->new_sequence());
+    SequenceCache cache;
+    cache.device = std::move(state);
+    return cache;
+  }
+  ModelDevice device() const override { return runners_.front()->device(); }
+  std::string describe() const override {
+    return fmt::format("{} tensor-parallel ranks ({}): {}", runners_.size(), group_.rank(0).describe(),
+                       runners_.front()->describe());
+  }
+  int64_t kv_cache_tokens() const override {
+    int64_t tokens = runners_.front()->kv_cache_tokens();
+    for (const auto& runner : runners_) tokens = std::min(tokens, runner->kv_cache_tokens());
+    return tokens;
+  }
+
+ private:
+  Expected<std::vector<float>> step(std::span<const SequenceInput> batch, LogitsFor which,
+                                    const Tracer* tracer) override {
+    TERN_ASSIGN_OR_RETURN(const auto inputs, rank_inputs(batch));
+    std::vector<float> logits;
+    TERN_TRY(run_ranks("a step", [&](int r) -> Expected<void> {
+      TERN_ASSIGN_OR_RETURN(std::vector<float> l, runners_[static_cast<size_t>(r)]->forward(
+                                                      inputs[static_cast<size_t>(r)], which, r == 0 ? tracer : nullptr));
+      if (r == 0) logits = std::move(l);
+      return {};
+    }));
+    return logits;
+  }
+
+  // Rank 0 samples (the rows' Samplers and their random streams are used once); the others run the same step.
+  Expected<SampleResults> sample_step(std::span<const SequenceInput> batch, std::span<const SampleRow> rows) override {
+    TERN_ASSIGN_OR_RETURN(const auto inputs, rank_inputs(batch));
+    SampleResults results;
+    TERN_TRY(run_ranks("a step", [&](int r) -> Expected<void> {
+      ModelRunner& runner = *runners_[static_cast<size_t>(r)];
+      if (r == 0) {
+        TERN_ASSIGN_OR_RETURN(results, runner.forward_sample(inputs[0], rows));
+      } else {
+        TERN_TRY(runner.forward(inputs[static_cast<size_t>(r)], LogitsFor::kLastToken));
+      }
+      return {};
+    }));
+    return results;
+  }
+
+  // Each rank's view of the step: the same tokens and ids over its slice of each sequence. Token ids are checked
+  // here, so that a bad request fails every rank alike instead of breaking the group.
+  Expected<std::vector<std::vector<SequenceInput>>> rank_inputs(std::span<const SequenceInput> batch) const {
+    const int64_t vocab = config().vocab_size;
+    std::vector<std::vector<SequenceInput>> inputs(runners_.size());
+    for (const SequenceInput& in : batch) {
+      auto* seq = dynamic_cast<TpSequence*>(in.cache->device.get());
+      if (seq == nullptr || seq->ranks.size() != runners_.size()) {
+        return make_error("a sequence not made by this tensor-parallel runner was passed to it");
+      }
+      for (const int32_t id : in.tokens) {
+        if (id < 0 || id >= vocab) return make_error("token id {} is outside the vocabulary [0, {})", id, vocab);
+      }
+      for (size_t r = 0; r < runners_.size(); ++r) {
+        if (seq->ranks[r].length != in.cache->length) {
+          return make_error("rank {} holds {} tokens of a sequence of {}", r, seq->ranks[r].length, in.cache->length);
+        }
+        inputs[r].push_back({&seq->ranks[r], in.tokens, in.kv_blocks, in.state_slot});
+      }
+    }
+    return inputs;
+  }
+
+  // Runs `job` on every rank; the first rank to fail aborts the group (so no rank waits for it in a collective) and
+  // its reason is the error. A failed group stays failed.
+  Expected<void> run_ranks(std::string_view what, const std::function<Expected<void>(int)>& job) {
+    if (!failed_.empty()) return make_error("the tensor-parallel group failed earlier: {}", failed_);
+    std::mutex mu;
+    std::string first;
+    const auto results = threads_.run([&](int r) -> Expected<void> {
+      Expected<void> result = job(r);
+      if (!result) {
+        std::lock_guard lock(mu);
+        if (first.empty()) {
+          first = fmt::format("rank {}: {}", r, result.error().message);
+          group_.abort(first);
+        }
+      }
+      return result;
+    });
+    if (first.empty()) return {};
+    failed_ = first;
+    return make_error("{} failed on {} of {} tensor-parallel ranks; {}", what,
+                      std::count_if(results.begin(), results.end(), [](const auto& e) { return !e.has_value(); }),
+                      results.size(), first);
+  }
+
+  mutable LoopbackGroup group_;
+  RankThreads threads_;
+  std::vector<std::unique_ptr<ModelRunner>> runners_;
+  std::string failed_;
+};
+
+}  // namespace
+
+Expected<std::unique_ptr<ModelRunner>> tp_runner_load(const std::filesystem::path& dir,
+                                                      const ModelLoadOptions& options) {
+  const int world = options.tensor_parallel_size;
+  if (world < 1) return make_error("--tensor-parallel-size must be at least 1, got {}", world);
+  if (options.device == ModelDevice::kCuda) {
+    return make_error("tensor parallelism (--tensor-parallel-size {}) is not supported on CUDA yet", world);
+  }
+  auto runner = std::make_unique<TpRunner>(world);
+  TERN_TRY(runner->load(dir, options));
+  return std::unique_ptr<ModelRunner>(std::move(runner));
+}
+
+}  // namespace tern

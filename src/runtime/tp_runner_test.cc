@@ -1,0 +1,237 @@
+// Tensor parallelism on the CPU against one device: every fixture that splits at 2 and 4 ranks gives the
+// teacher-forced logits of the whole model within 1e-5 (relative to the largest logit) and the same 24 greedy
+// tokens, batched sequences included; the ranks hold the same bits of every replicated result; a model that cannot
+// split is refused naming the tensor; a failing rank fails the step and every later one without hanging.
+// (The whole model is checked against transformers in model_reference_test.cc.)
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <fstream>
+#include <thread>
+
+#include "dist/loopback.h"
+#include "runtime/cpu_runner.h"
+#include "runtime/model_runner.h"
+
+namespace tern {
+namespace {
+
+struct Case {
+  std::string fixture;
+  int world;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.fixture << " at " << c.world << " ranks"; }
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  return info.param.fixture + "_tp" + std::to_string(info.param.world);
+}
+
+std::string fixture(const std::string& name) { return std::string(TERN_FIXTURES_DIR) + "/" + name; }
+
+std::unique_ptr<ModelRunner> load(const std::string& name, int world) {
+  ModelLoadOptions options;
+  options.tensor_parallel_size = world;
+  auto runner = runner_load(fixture(name), options);
+  EXPECT_TRUE(runner.has_value()) << (runner ? "" : runner.error().message);
+  return runner ? std::move(*runner) : nullptr;
+}
+
+std::vector<std::vector<int32_t>> prompts(const std::string& name) {
+  const bool nvfp4 = name.find("nvfp4") != std::string::npos;
+  std::ifstream in(fixture(name) + (nvfp4 ? "/reference_w4a16.json" : "/reference.json"));
+  EXPECT_TRUE(in.good());
+  return nlohmann::json::parse(in)["prompts"].get<std::vector<std::vector<int32_t>>>();
+}
+
+int32_t argmax(std::span<const float> row) {
+  return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
+}
+
+class TensorParallel : public testing::TestWithParam<Case> {};
+
+TEST_P(TensorParallel, TeacherForcedLogitsMatchOneDevice) {
+  const Case& c = GetParam();
+  auto one = load(c.fixture, 1), split = load(c.fixture, c.world);
+  ASSERT_TRUE(one && split);
+  EXPECT_NE(split->describe().find(std::to_string(c.world) + " tensor-parallel ranks"), std::string::npos)
+      << split->describe();
+  for (const auto& prompt : prompts(c.fixture)) {
+    SequenceCache a = one->new_sequence(), b = split->new_sequence();
+    const std::vector<SequenceInput> in_a{{&a, prompt}}, in_b{{&b, prompt}};
+    auto want = one->forward(in_a, LogitsFor::kAllTokens);
+    auto got = split->forward(in_b, LogitsFor::kAllTokens);
+    ASSERT_TRUE(want && got) << (want ? got.error().message : want.error().message);
+    ASSERT_EQ(got->size(), want->size());
+    double max_ref = 0.0, worst = 0.0;
+    for (float v : *want) max_ref = std::max(max_ref, std::abs(double{v}));
+    for (size_t i = 0; i < want->size(); ++i) {
+      ASSERT_TRUE(std::isfinite((*got)[i])) << "logit " << i;
+      worst = std::max(worst, std::abs(double{(*got)[i]} - double{(*want)[i]}));
+    }
+    EXPECT_GT(max_ref, 0.1);
+    EXPECT_LE(worst, 1e-5 * max_ref) << "prompt of " << prompt.size() << " tokens";
+  }
+}
+
+// The prompts decoded side by side, each extending its own caches, prefill and decode rows in one step once the
+// first sequence is decoding.
+TEST_P(TensorParallel, BatchedGreedyDecodeMatchesOneDevice) {
+  const Case& c = GetParam();
+  auto one = load(c.fixture, 1), split = load(c.fixture, c.world);
+  ASSERT_TRUE(one && split);
+  const auto all = prompts(c.fixture);
+  const int64_t vocab = one->config().vocab_size;
+  auto decode = [&](ModelRunner& m) {
+    std::vector<SequenceCache> seqs;
+    for (size_t i = 0; i < all.size(); ++i) seqs.push_back(m.new_sequence());
+    std::vector<std::vector<int32_t>> next = all, out(all.size());
+    for (int step = 0; step < 24; ++step) {
+      std::vector<SequenceInput> batch;
+      for (size_t i = 0; i < all.size(); ++i) batch.push_back({&seqs[i], next[i]});
+      auto logits = m.forward(batch, LogitsFor::kLastToken);
+      EXPECT_TRUE(logits.has_value()) << (logits ? "" : logits.error().message);
+      if (!logits) return out;
+      for (size_t i = 0; i < all.size(); ++i) {
+        const int32_t id = argmax(std::span<const float>(*logits).subspan(i * vocab, vocab));
+        out[i].push_back(id);
+        next[i] = {id};
+      }
+    }
+    return out;
+  };
+  const auto want = decode(*one);
+  const auto got = decode(*split);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i], want[i]) << "prompt " << i;
+    EXPECT_EQ(want[i].size(), 24u);
+  }
+}
+
+// Sampling at several ranks: rank 0 samples once per row with the row's own random stream, so the tokens are the
+// ones one device samples from the same logits.
+TEST_P(TensorParallel, SampledTokensMatchOneDevice) {
+  const Case& c = GetParam();
+  auto one = load(c.fixture, 1), split = load(c.fixture, c.world);
+  ASSERT_TRUE(one && split);
+  SamplingParams params;
+  params.temperature = 0.8f;
+  params.top_k = 20;
+  params.seed = 1234;
+  Sampler sa(params), sb(params);
+  const std::vector<int32_t> prompt = prompts(c.fixture).front();
+  SequenceCache a = one->new_sequence(), b = split->new_sequence();
+  std::vector<int32_t> next = prompt, out_a, out_b;
+  for (int step = 0; step < 12; ++step) {
+    const std::vector<SequenceInput> in_a{{&a, next}}, in_b{{&b, next}};
+    const std::vector<SampleRow> rows_a{{&sa, prompt, out_a}}, rows_b{{&sb, prompt, out_b}};
+    auto ga = one->forward_sample(in_a, rows_a);
+    auto gb = split->forward_sample(in_b, rows_b);
+    ASSERT_TRUE(ga && gb) << (ga ? gb.error().message : ga.error().message);
+    ASSERT_TRUE((*ga)[0] && (*gb)[0]);
+    EXPECT_EQ((*gb)[0]->id, (*ga)[0]->id) << "step " << step;
+    out_a.push_back((*ga)[0]->id);
+    out_b.push_back((*gb)[0]->id);
+    next = {(*ga)[0]->id};
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallel,
+                         testing::Values(Case{"qwen3", 2}, Case{"qwen3", 4}, Case{"qwen3_moe", 2},
+                                         Case{"qwen3_moe", 4}, Case{"qwen3_5_moe", 2}, Case{"qwen3_5_moe_fused", 2},
+                                         Case{"qwen3_5_moe_nvfp4", 2}),
+                         case_name);
+
+// The ranks' own runners, driven by hand: after each step every rank holds the same bits of the logits (gathered)
+// as rank 0, and so of the residual stream they came from.
+TEST(TensorParallelRanks, EveryRankHoldsTheSameBits) {
+  for (const std::string name : {"qwen3_moe", "qwen3_5_moe"}) {
+    const int world = 2;
+    LoopbackGroup group(world);
+    std::vector<std::unique_ptr<ModelRunner>> ranks(world);
+    for (int r = 0; r < world; ++r) {
+      ModelLoadOptions options;
+      options.communicator = &group.rank(r);
+      auto model = model_build_host(fixture(name), options);
+      ASSERT_TRUE(model.has_value()) << model.error().message;
+      auto runner = cpu_runner_create(std::move(*model), &group.rank(r));
+      ASSERT_TRUE(runner.has_value()) << runner.error().message;
+      ranks[r] = std::move(*runner);
+    }
+    const auto prompt = prompts(name).front();
+    std::vector<SequenceCache> seqs{ranks[0]->new_sequence(), ranks[1]->new_sequence()};
+    std::vector<std::vector<float>> logits(world);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        const std::vector<SequenceInput> in{{&seqs[r], prompt}};
+        auto l = ranks[r]->forward(in, LogitsFor::kAllTokens);
+        if (l) logits[r] = std::move(*l);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    ASSERT_EQ(logits[0].size(), prompt.size() * 512u) << name;
+    ASSERT_EQ(logits[1].size(), logits[0].size()) << name;
+    for (size_t i = 0; i < logits[0].size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(logits[1][i]), std::bit_cast<uint32_t>(logits[0][i])) << name << " " << i;
+    }
+  }
+}
+
+TEST(TensorParallelRefusals, AModelThatCannotSplitIsRefusedNamingTheTensor) {
+  struct Refusal {
+    std::string fixture;
+    int world;
+    std::string needle;
+  };
+  for (const Refusal& r : {Refusal{"qwen3_5_moe", 4, "linear_attn.in_proj_qkv"},  // 2 GDN key heads
+                           Refusal{"qwen3", 3, "self_attn.q_proj"},               // 4 heads
+                           Refusal{"qwen3_5_moe_nvfp4", 4, "linear_attn"}}) {
+    ModelLoadOptions options;
+    options.tensor_parallel_size = r.world;
+    auto runner = runner_load(fixture(r.fixture), options);
+    ASSERT_FALSE(runner.has_value()) << r.fixture;
+    const std::string& m = runner.error().message;
+    EXPECT_NE(m.find(r.needle), std::string::npos) << r.fixture << ": " << m;
+    EXPECT_NE(m.find("world size " + std::to_string(r.world)), std::string::npos) << m;
+  }
+  ModelLoadOptions zero;
+  zero.tensor_parallel_size = 0;
+  auto runner = runner_load(fixture("qwen3"), zero);
+  ASSERT_FALSE(runner.has_value());
+  EXPECT_NE(runner.error().message.find("at least 1"), std::string::npos) << runner.error().message;
+}
+
+TEST(TensorParallelFailures, ABadTokenFailsTheStepAndLeavesTheGroupWorking) {
+  auto split = load("qwen3", 2);
+  ASSERT_TRUE(split);
+  SequenceCache seq = split->new_sequence();
+  const std::vector<int32_t> bad{3, 512};
+  const std::vector<SequenceInput> in{{&seq, bad}};
+  auto failed = split->forward(in, LogitsFor::kLastToken);
+  ASSERT_FALSE(failed.has_value());
+  EXPECT_NE(failed.error().message.find("token id 512"), std::string::npos) << failed.error().message;
+  const std::vector<int32_t> good{3, 511};
+  const std::vector<SequenceInput> in_good{{&seq, good}};
+  auto ok = split->forward(in_good, LogitsFor::kLastToken);
+  EXPECT_TRUE(ok.has_value()) << ok.error().message;
+}
+
+TEST(TensorParallelFailures, ASequenceOfAnotherRunnerIsRefused) {
+  auto one = load("qwen3", 1), split = load("qwen3", 2);
+  ASSERT_TRUE(one && split);
+  SequenceCache seq = one->new_sequence();
+  const std::vector<int32_t> tokens{3, 4};
+  const std::vector<SequenceInput> in{{&seq, tokens}};
+  auto failed = split->forward(in, LogitsFor::kLastToken);
+  ASSERT_FALSE(failed.has_value());
+  EXPECT_NE(failed.error().message.find("not made by this tensor-parallel runner"), std::string::npos)
+      << failed.error().message;
+}
+
+}  // namespace
+}  // namespace tern
