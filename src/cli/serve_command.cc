@@ -134,7 +134,7 @@ int run_serve(ServeOptions& o) {
     if (!econfig) return fail(econfig.error().message);
   }
   spdlog::info("weights loaded in {:.2f} s", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  if ((*model)->device() != ModelDevice::kCpu) spdlog::info("running on {}", (*model)->describe());
+  spdlog::info("running on {}", (*model)->describe());
   const ModelConfig config = (*model)->config();
   if (o.server.served_model_name.empty()) o.server.served_model_name = dir.filename().string();
   o.server.context_length = o.context_length;

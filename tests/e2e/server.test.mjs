@@ -14,6 +14,8 @@ const assets = path.join(root, 'tests/assets/node_modules');
 const { default: OpenAI } = await import(pathToFileURL(path.join(assets, 'openai/index.mjs')).href);
 const bin = process.env.TERN_BIN ?? path.join(root, 'build/src/cli/tern');
 const KEY = 'sk-test-key';
+// More `tern serve` flags for the whole suite (ctest's e2e.server_tp2 runs it with --tensor-parallel-size 2).
+const extraArgs = (process.env.TERN_E2E_SERVE_ARGS ?? '').split(' ').filter(Boolean);
 const MODEL = 'tiny-qwen3';
 let server, base, client, modelDir;
 
@@ -35,7 +37,7 @@ before(async () => {
   server = spawn(bin, ['serve', '--model', modelDir, '--load-format', 'dummy', '--port', '0', '--served-model-name',
                        MODEL, '--api-key', KEY, '--max-running-requests', '16', '--max-queued-requests', '200',
                        '--context-length', '512', '--chunked-prefill-size', '96', '--max-total-tokens', '2048',
-                       '--max-body-bytes', '65536'], { stdio: ['ignore', 'pipe', 'pipe'] });
+                       '--max-body-bytes', '65536', ...extraArgs], { stdio: ['ignore', 'pipe', 'pipe'] });
   let log = '';
   base = await new Promise((resolve, reject) => {
     const timer = setTimeout(() => reject(new Error('server did not start:\n' + log)), 60000);
@@ -49,6 +51,8 @@ before(async () => {
     server.on('exit', (code) => reject(new Error(`server exited with ${code}:\n${log}`)));
   });
   client = new OpenAI({ baseURL: base + '/v1', apiKey: KEY, maxRetries: 0, timeout: 60000 });
+  const tp = extraArgs.indexOf('--tensor-parallel-size');
+  if (tp >= 0) assert.match(log, new RegExp(`running on ${extraArgs[tp + 1]} tensor-parallel ranks`), log);
 });
 
 after(async () => {
