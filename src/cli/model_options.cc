@@ -71,6 +71,11 @@ void add_parallel_options(CLI::App& cmd, ModelCliOptions& o) {
                  "Split the model over this many tensor-parallel ranks, each with its slice of every weight (CPU: "
                  "threads of this process)")
       ->check(CLI::Range(1, 256));
+  cmd.add_option("--cuda-devices", o.cuda_devices,
+                 "The GPU of each tensor-parallel rank, e.g. 0,1,2,3 (default: rank r on GPU r; ranks sharing a GPU "
+                 "are staged through the host, for testing)")
+      ->delimiter(',')
+      ->check(CLI::Range(0, 1023));
 }
 
 void add_backend_options(CLI::App& cmd, BackendFlags& b) {
@@ -98,6 +103,7 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
   options.nvfp4_quantize_activations = o.nvfp4_activations == "quantize";
   options.dummy_seed = o.dummy_seed;
   options.tensor_parallel_size = o.tensor_parallel_size;
+  options.cuda_devices = o.cuda_devices;
   auto model = runner_load(o.model_dir, options);
   if (model) {
     for (const std::string& notice : (*model)->model().notices) fmt::print(stderr, "{}: {}\n", o.model_dir, notice);

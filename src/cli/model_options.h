@@ -26,6 +26,7 @@ struct ModelCliOptions {
   bool enforce_eager = false;     // no CUDA graphs for decode steps
   bool no_pdl = false;            // no programmatic dependent launch
   int tensor_parallel_size = 1;   // ranks the model is split over (runtime/tp_runner.h)
+  std::vector<int> cuda_devices;  // each rank's GPU (empty: rank r on GPU r)
   BackendFlags backends;
 };
 

@@ -74,9 +74,7 @@ Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir,
   TERN_ASSIGN_OR_RETURN(ModelConfig config, model_config_load(dir));
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<WeightStore> weights, open_weights(dir, config, options));
   const WeightSchema schema = weight_schema_build(config, weights->text_prefix());
-  if (options.communicator != nullptr) {
-    weights->set_sharding(schema, {options.communicator->rank(), options.communicator->world()});
-  }
+  if (options.shard.world != 1 || options.shard.rank != 0) weights->set_sharding(schema, options.shard);
   WeightStore& store = *weights;
   auto model = std::make_unique<CausalLm>(config, std::move(weights));
   if (config.has_vision) model->notices.push_back("the vision tower's weights are skipped (text model only)");

@@ -109,9 +109,14 @@ struct ModelLoadOptions {
   // Ranks to split the model over (runtime/tp_runner.h): each holds its slice of every weight (models/shard.h) and
   // runs on its own thread; 1: the whole model on one device.
   int tensor_parallel_size = 1;
-  // The group one rank's model belongs to, set for each rank by the tensor-parallel runner: the model is built
-  // with that rank's slice of the weights and its blocks sum partial outputs over it. Null: the whole model.
+  // Which slice of the weights model_build_host reads (models/shard.h); {0, 1}: all of them. The tensor-parallel
+  // runner sets it for each rank, with the rank's `communicator`, over which its blocks sum their partial outputs
+  // (null: the whole model).
+  ShardRank shard;
   Communicator* communicator = nullptr;
+  // The GPU of each rank under tensor parallelism (empty: rank r on GPU r). Ranks on one GPU share it through
+  // collectives staged through the host (slow; for tests); ranks on distinct GPUs use NCCL.
+  std::vector<int> cuda_devices;
   bool nvfp4_quantize_activations = false;  // W4A4 instead of W4A16
   uint64_t dummy_seed = 0;
   ModelDevice device = ModelDevice::kCpu;

@@ -55,11 +55,12 @@ struct HostStepPlan {
 
 class CudaRunner final : public DeviceRunner {
  public:
-  CudaRunner(std::unique_ptr<CausalLm> model, const DeviceModelOptions& options)
+  CudaRunner(std::unique_ptr<CausalLm> model, const DeviceModelOptions& options, DeviceCommunicator* comm)
       : DeviceRunner(std::move(model)),
         options_(options),
+        comm_(comm),
         ctx_(options.device),
-        ops_(ctx_, options, config().hidden_size),
+        ops_(ctx_, options, config().hidden_size, comm),
         pool_(std::make_shared<CachePool>()) {}
   ~CudaRunner() override {
     drop_graphs();
@@ -72,13 +73,15 @@ class CudaRunner final : public DeviceRunner {
   ModelDevice device() const override { return ModelDevice::kCuda; }
   std::string describe() const override {
     const auto captured = std::count_if(graphs_.begin(), graphs_.end(), [](const auto& g) { return g.second.exec; });
-    return fmt::format("cuda:{} {} ({:.2f} GiB of weights, KV cache {} tokens in blocks of {}, {}{})", options_.device,
+    return fmt::format("cuda:{} {} ({:.2f} GiB of weights, KV cache {} tokens in blocks of {}, {}{}{})", options_.device,
                        ctx_.props().name, static_cast<double>(ops_.weight_bytes()) / (1 << 30), kv_cache_tokens(),
                        options_.kv_block_size,
                        graphs_enabled_ ? fmt::format("{} decode graphs, captured at load in {:.2f} s", captured,
                                                      capture_seconds_)
                                        : std::string("eager decode"),
-                       pdl_ ? ", programmatic launch in decode steps" : "");
+                       pdl_ ? ", programmatic launch in decode steps" : "",
+                       comm_ ? fmt::format(", rank {} of {} ({})", comm_->rank(), comm_->world(), comm_->describe())
+                             : std::string());
   }
 
  private:
@@ -122,6 +125,7 @@ class CudaRunner final : public DeviceRunner {
   void drop_graphs();
 
   DeviceModelOptions options_;
+  DeviceCommunicator* comm_ = nullptr;  // the tensor-parallel group, or null
   DeviceContext ctx_;
   CudaOps ops_;
   std::shared_ptr<CachePool> pool_;
@@ -148,7 +152,8 @@ class CudaRunner final : public DeviceRunner {
 
 Expected<void> CudaRunner::finish_load() {
   pdl_ = options_.programmatic_launch && programmatic_launch_probe(ctx_);
-  graphs_enabled_ = options_.cuda_graphs;
+  // Collectives staged through the host (ranks sharing one GPU) cannot be captured: those steps run eagerly.
+  graphs_enabled_ = options_.cuda_graphs && ops_.graph_capturable();
   TERN_TRY(ops_.allocate());
   TERN_TRY(sampler_.allocate(options_.max_sequences, ops_.vocab()));
   // Logits of a decode step at the largest batch, allocated now so that no decode graph sees this buffer move.
@@ -463,8 +468,16 @@ int cuda_device_count() {
   return n;
 }
 
+Expected<void> cuda_use_device(int device) {
+  if (const cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
+    return make_error("CUDA device {}: {}", device, cudaGetErrorString(e));
+  }
+  return {};
+}
+
 Expected<std::unique_ptr<ModelRunner>> cuda_runner_create(std::unique_ptr<CausalLm> model,
-                                                          const DeviceModelOptions& options) {
+                                                          const DeviceModelOptions& options,
+                                                          DeviceCommunicator* comm) {
   const int n_devices = cuda_device_count();
   if (n_devices == 0) return make_error("--device cuda: no CUDA device is available");
   if (options.device < 0 || options.device >= n_devices) {
@@ -477,7 +490,7 @@ Expected<std::unique_ptr<ModelRunner>> cuda_runner_create(std::unique_ptr<Causal
         "power of two >= 8",
         options.max_batch_tokens, options.max_sequences, options.kv_block_size);
   }
-  auto runner = std::make_unique<CudaRunner>(std::move(model), options);
+  auto runner = std::make_unique<CudaRunner>(std::move(model), options, comm);
   TERN_TRY(runner->place());
   return std::unique_ptr<ModelRunner>(std::move(runner));
 }

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "core/error.h"
+#include "dist/device_communicator.h"
 #include "models/causal_lm.h"
 #include "runtime/model_runner.h"
 
@@ -17,10 +18,14 @@ namespace tern {
 
 // CUDA devices present (0 without a driver or a GPU).
 int cuda_device_count();
+// Makes `device` the calling thread's current CUDA device (a tensor-parallel rank's thread, before its work).
+Expected<void> cuda_use_device(int device);
 
 // The model placed on options.device: its blocks made by models/gpu/cuda_ops.h, its activations and caches
 // allocated. Errors name what does not fit or what the CUDA path does not support yet (a layer kind, a bias, W4A4).
+// `comm`: the tensor-parallel group when `model` is one rank's slice (runtime/tp_runner.h); null for a whole model.
 Expected<std::unique_ptr<ModelRunner>> cuda_runner_create(std::unique_ptr<CausalLm> model,
-                                                          const DeviceModelOptions& options);
+                                                          const DeviceModelOptions& options,
+                                                          DeviceCommunicator* comm = nullptr);
 
 }  // namespace tern

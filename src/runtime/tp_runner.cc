@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -9,6 +10,12 @@
 
 #include "dist/loopback.h"
 #include "runtime/cpu_runner.h"
+
+#if TERN_RUNTIME_CUDA
+#include "dist/cuda/nccl_communicator.h"
+#include "dist/cuda/staged_communicator.h"
+#include "runtime/cuda_runner.h"
+#endif
 
 namespace tern {
 namespace {
@@ -82,16 +89,43 @@ struct TpSequence final : DeviceSequenceState {
 
 class TpRunner final : public ModelRunner {
  public:
-  explicit TpRunner(int world) : group_(world), threads_(world), runners_(static_cast<size_t>(world)) {}
+  // `devices`: each rank's GPU (empty on the CPU).
+  TpRunner(int world, std::vector<int> devices)
+      : group_(world), threads_(world), devices_(std::move(devices)), device_comms_(static_cast<size_t>(world)),
+        runners_(static_cast<size_t>(world)) {}
 
   Expected<void> load(const std::filesystem::path& dir, const ModelLoadOptions& options) {
     return run_ranks("loading", [&](int r) -> Expected<void> {
       ModelLoadOptions rank_options = options;
       rank_options.tensor_parallel_size = 1;
       rank_options.communicator = &group_.rank(r);
+      rank_options.shard = {r, static_cast<int>(runners_.size())};
+      auto& runner = runners_[static_cast<size_t>(r)];
+      if (devices_.empty()) {
+        TERN_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model, model_build_host(dir, rank_options));
+        TERN_ASSIGN_OR_RETURN(runner, cpu_runner_create(std::move(model), &group_.rank(r)));
+        return {};
+      }
+#if TERN_RUNTIME_CUDA
+      const int device = devices_[static_cast<size_t>(r)];
+      TERN_TRY(cuda_use_device(device));
+      auto& comm = device_comms_[static_cast<size_t>(r)];
+      if (shares_a_device()) {
+        comm = staged_device_communicator(group_.rank(r));
+      } else {
+#if TERN_HAVE_NCCL
+        TERN_ASSIGN_OR_RETURN(comm, nccl_communicator_create(group_.rank(r), device));
+#else
+        return make_error("this tern was built without NCCL: ranks on several GPUs are not available");
+#endif
+      }
+      rank_options.device_options.device = device;
       TERN_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model, model_build_host(dir, rank_options));
-      TERN_ASSIGN_OR_RETURN(runners_[static_cast<size_t>(r)], cpu_runner_create(std::move(model), &group_.rank(r)));
+      TERN_ASSIGN_OR_RETURN(runner, cuda_runner_create(std::move(model), rank_options.device_options, comm.get()));
       return {};
+#else
+      return make_error("this tern was built without CUDA");
+#endif
     });
   }
 
@@ -120,6 +154,7 @@ class TpRunner final : public ModelRunner {
     TERN_ASSIGN_OR_RETURN(const auto inputs, rank_inputs(batch));
     std::vector<float> logits;
     TERN_TRY(run_ranks("a step", [&](int r) -> Expected<void> {
+      TERN_TRY(bind(r));
       TERN_ASSIGN_OR_RETURN(std::vector<float> l, runners_[static_cast<size_t>(r)]->forward(
                                                       inputs[static_cast<size_t>(r)], which, r == 0 ? tracer : nullptr));
       if (r == 0) logits = std::move(l);
@@ -133,6 +168,7 @@ class TpRunner final : public ModelRunner {
     TERN_ASSIGN_OR_RETURN(const auto inputs, rank_inputs(batch));
     SampleResults results;
     TERN_TRY(run_ranks("a step", [&](int r) -> Expected<void> {
+      TERN_TRY(bind(r));
       ModelRunner& runner = *runners_[static_cast<size_t>(r)];
       if (r == 0) {
         TERN_ASSIGN_OR_RETURN(results, runner.forward_sample(inputs[0], rows));
@@ -142,6 +178,15 @@ class TpRunner final : public ModelRunner {
       return {};
     }));
     return results;
+  }
+
+  // Rank r's GPU current on the thread running it (rank 0 runs on the caller's thread, which may use others).
+  Expected<void> bind(int r) const {
+#if TERN_RUNTIME_CUDA
+    if (!devices_.empty()) return cuda_use_device(devices_[static_cast<size_t>(r)]);
+#endif
+    (void)r;
+    return {};
   }
 
   // Each rank's view of the step: the same tokens and ids over its slice of each sequence. Token ids are checked
@@ -191,8 +236,17 @@ class TpRunner final : public ModelRunner {
                       results.size(), first);
   }
 
+  bool shares_a_device() const {
+    std::vector<int> sorted = devices_;
+    std::sort(sorted.begin(), sorted.end());
+    return std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end();
+  }
+
   mutable LoopbackGroup group_;
   RankThreads threads_;
+  const std::vector<int> devices_;
+  // Declared before the runners, which use them, so that they outlive the runners.
+  std::vector<std::unique_ptr<DeviceCommunicator>> device_comms_;
   std::vector<std::unique_ptr<ModelRunner>> runners_;
   std::string failed_;
 };
@@ -203,10 +257,26 @@ Expected<std::unique_ptr<ModelRunner>> tp_runner_load(const std::filesystem::pat
                                                       const ModelLoadOptions& options) {
   const int world = options.tensor_parallel_size;
   if (world < 1) return make_error("--tensor-parallel-size must be at least 1, got {}", world);
+  std::vector<int> devices;
   if (options.device == ModelDevice::kCuda) {
-    return make_error("tensor parallelism (--tensor-parallel-size {}) is not supported on CUDA yet", world);
+    const int present = runner_cuda_device_count();
+    if (options.cuda_devices.empty()) {
+      if (present < world) {
+        return make_error("--tensor-parallel-size {} needs {} GPUs, {} present (--cuda-devices lists the GPU of each "
+                          "rank; ranks may share one GPU, slowly, for testing)", world, world, present);
+      }
+      for (int r = 0; r < world; ++r) devices.push_back(r);
+    } else {
+      devices = options.cuda_devices;
+      if (static_cast<int>(devices.size()) != world) {
+        return make_error("--cuda-devices lists {} GPUs for --tensor-parallel-size {}", devices.size(), world);
+      }
+      for (const int d : devices) {
+        if (d < 0 || d >= present) return make_error("--cuda-devices: GPU {} does not exist ({} present)", d, present);
+      }
+    }
   }
-  auto runner = std::make_unique<TpRunner>(world);
+  auto runner = std::make_unique<TpRunner>(world, std::move(devices));
   TERN_TRY(runner->load(dir, options));
   return std::unique_ptr<ModelRunner>(std::move(runner));
 }

@@ -156,6 +156,7 @@ TEST(TensorParallelRanks, EveryRankHoldsTheSameBits) {
     for (int r = 0; r < world; ++r) {
       ModelLoadOptions options;
       options.communicator = &group.rank(r);
+      options.shard = {r, world};
       auto model = model_build_host(fixture(name), options);
       ASSERT_TRUE(model.has_value()) << model.error().message;
       auto runner = cpu_runner_create(std::move(*model), &group.rank(r));

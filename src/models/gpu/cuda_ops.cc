@@ -1,5 +1,7 @@
 #include "models/gpu/cuda_ops.h"
 
+#include "models/shard.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -85,7 +87,10 @@ class CudaEmbedding final : public Block {
 class CudaAttentionBlock final : public Block {
  public:
   CudaAttentionBlock(CudaOps& ops, GpuNorm norm, GpuAttention a) : ops_(ops), norm_(norm), a_(std::move(a)) {}
-  Expected<void> forward(int64_t) const override { return ops_.run_attention(a_, norm_); }
+  Expected<void> forward(int64_t) const override {
+    TERN_TRY(ops_.run_attention(a_, norm_));
+    return ops_.reduce_out();
+  }
   GpuAttention& device() { return a_; }
 
  private:
@@ -97,7 +102,10 @@ class CudaAttentionBlock final : public Block {
 class CudaGdnBlock final : public Block {
  public:
   CudaGdnBlock(CudaOps& ops, GpuNorm norm, GpuGdn g) : ops_(ops), norm_(norm), g_(std::move(g)) {}
-  Expected<void> forward(int64_t layer) const override { return ops_.run_gdn(g_, norm_, layer); }
+  Expected<void> forward(int64_t layer) const override {
+    TERN_TRY(ops_.run_gdn(g_, norm_, layer));
+    return ops_.reduce_out();
+  }
   GpuGdn& device() { return g_; }
 
  private:
@@ -109,7 +117,10 @@ class CudaGdnBlock final : public Block {
 class CudaMlpBlock final : public Block {
  public:
   CudaMlpBlock(CudaOps& ops, GpuNorm norm, GpuMlp m) : ops_(ops), norm_(norm), m_(std::move(m)) {}
-  Expected<void> forward(int64_t) const override { return ops_.run_mlp(m_, norm_); }
+  Expected<void> forward(int64_t) const override {
+    TERN_TRY(ops_.run_mlp(m_, norm_));
+    return ops_.reduce_out();
+  }
   const GpuMlp& device() const { return m_; }
 
  private:
@@ -121,7 +132,10 @@ class CudaMlpBlock final : public Block {
 class CudaMoeBlock final : public Block {
  public:
   CudaMoeBlock(CudaOps& ops, GpuNorm norm, GpuMoe m) : ops_(ops), norm_(norm), m_(std::move(m)) {}
-  Expected<void> forward(int64_t layer) const override { return ops_.run_moe(m_, norm_, layer); }
+  Expected<void> forward(int64_t layer) const override {
+    TERN_TRY(ops_.run_moe(m_, norm_, layer));
+    return ops_.reduce_out();
+  }
   const GpuMoe& device() const { return m_; }
 
  private:
@@ -155,8 +169,9 @@ GdnVariant gdn_variant_of(GdnChoice c) {
 
 }  // namespace
 
-CudaOps::CudaOps(DeviceContext& ctx, const DeviceModelOptions& options, int64_t hidden)
+CudaOps::CudaOps(DeviceContext& ctx, const DeviceModelOptions& options, int64_t hidden, DeviceCommunicator* comm)
     : ctx_(ctx),
+      comm_(comm != nullptr && comm->world() > 1 ? comm : nullptr),
       options_(options),
       weights_(ctx.stream(), options.kernels.bf16_gemv),
       hidden_(hidden),
@@ -173,13 +188,14 @@ Expected<GpuNorm> CudaOps::norm(const RmsNorm& n) {
 }
 
 Expected<std::unique_ptr<Block>> CudaOps::embedding(const CpuMatrix& table, VocabRange vocab) {
-  if (vocab.begin != 0 || table.rows != vocab.full) {
-    return make_error("embed_tokens: tensor parallelism is not supported on CUDA yet (this rank holds vocabulary "
-                      "rows [{}, {}) of {})", vocab.begin, vocab.begin + table.rows, vocab.full);
+  if (comm_ == nullptr && (vocab.begin != 0 || table.rows != vocab.full)) {
+    return make_error("embed_tokens: this rank holds vocabulary rows [{}, {}) of {} but has no tensor-parallel group",
+                      vocab.begin, vocab.begin + table.rows, vocab.full);
   }
   TERN_ASSIGN_OR_RETURN(const DeviceMatrix embed, weights_.matrix(table, "embed_tokens"));
   if (embed.nvfp4) return make_error("embed_tokens: NVFP4 embeddings are not supported");
-  embedding_rows_ = embed.n;
+  embedding_rows_ = vocab.full;
+  vocab_begin_ = vocab.begin;
   return std::make_unique<CudaEmbedding>(*this, embed);
 }
 
@@ -268,18 +284,19 @@ Expected<std::unique_ptr<Block>> CudaOps::moe(const RmsNorm& post_norm, const Mo
 }
 
 Expected<std::unique_ptr<Block>> CudaOps::lm_head(const RmsNorm& final_norm, const Linear& head, VocabRange vocab) {
-  if (vocab.begin != 0 || head.out_features() != vocab.full) {
-    return make_error("lm_head: tensor parallelism is not supported on CUDA yet");
+  if (comm_ == nullptr && (vocab.begin != 0 || head.out_features() != vocab.full)) {
+    return make_error("lm_head: this rank holds part of the vocabulary but has no tensor-parallel group");
   }
   TERN_ASSIGN_OR_RETURN(const DeviceMatrix h, weights_.matrix(head));
   TERN_ASSIGN_OR_RETURN(const GpuNorm n, norm(final_norm));
-  vocab_ = h.n;
+  vocab_ = vocab.full;
   return std::make_unique<CudaHead>(*this, n, h);
 }
 
 // ---- Buffers and caches ----
 
 Expected<void> CudaOps::allocate() {
+  TERN_TRY(reserve_head_rows(std::max<int64_t>(options_.max_sequences, 1)));
   TERN_TRY(allocate_activations());
   return allocate_caches();
 }
@@ -456,13 +473,52 @@ Expected<void> CudaOps::run_embedding(const DeviceMatrix& table) {
   x_ = x_rows_;
   x_spare_ = x_row_;
   stream_started_ = false;
-  return embedding_lookup(ctx_, EmbeddingArgs{.ids = step_.ids,
-                                              .table = table.bf16,
-                                              .y = x_,
-                                              .bad = bad_id_,
-                                              .tokens = step_.tokens,
-                                              .vocab = table.n,
-                                              .hidden = hidden_});
+  TERN_TRY(embedding_lookup(ctx_, EmbeddingArgs{.ids = step_.ids,
+                                                .table = table.bf16,
+                                                .y = x_,
+                                                .bad = bad_id_,
+                                                .tokens = step_.tokens,
+                                                .vocab = embedding_rows_,
+                                                .hidden = hidden_,
+                                                .table_begin = vocab_begin_,
+                                                .table_rows = table.n}));
+  if (comm_ == nullptr) return {};
+  return comm_->all_reduce_sum_bf16(x_, static_cast<size_t>(step_.tokens * hidden_), ctx_.stream());
+}
+
+Expected<void> CudaOps::reduce_out() {
+  if (comm_ == nullptr) return {};
+  return comm_->all_reduce_sum_bf16(out_, static_cast<size_t>(step_.tokens * hidden_), ctx_.stream());
+}
+
+Expected<void> CudaOps::gather_logits(int64_t rows) {
+  const int64_t world = comm_->world(), range = vocab_shard_rows(vocab_, world);
+  TERN_TRY(comm_->all_gather_bf16(head_local_.as<uint16_t>(), head_all_.as<uint16_t>(),
+                                  static_cast<size_t>(rows * range), ctx_.stream()));
+  // Rank k's block [rows, range] holds vocabulary rows [k * range, ...) clipped to the vocabulary.
+  for (int64_t k = 0; k < world; ++k) {
+    const int64_t begin = std::min(vocab_, k * range), width = std::min(vocab_, begin + range) - begin;
+    if (width == 0) continue;
+    TERN_CUDA_CHECK(cudaMemcpy2DAsync(step_.logits + begin, static_cast<size_t>(vocab_) * 2,
+                                      head_all_.as<uint16_t>() + k * rows * range, static_cast<size_t>(range) * 2,
+                                      static_cast<size_t>(width) * 2, static_cast<size_t>(rows),
+                                      cudaMemcpyDeviceToDevice, ctx_.stream()));
+  }
+  return {};
+}
+
+Expected<void> CudaOps::reserve_head_rows(int64_t rows) {
+  if (comm_ == nullptr || rows <= head_rows_) return {};
+  const int64_t range = vocab_shard_rows(vocab_, comm_->world());
+  const size_t local = static_cast<size_t>(rows * range) * 2;
+  if (!DeviceBuffer::try_allocate(local, head_local_) ||
+      !DeviceBuffer::try_allocate(local * static_cast<size_t>(comm_->world()), head_all_)) {
+    return make_error("out of device memory for the logits of {} rows on each of {} ranks", rows, comm_->world());
+  }
+  // The padding columns past this rank's rows are never written: zero them once.
+  TERN_CUDA_CHECK(cudaMemsetAsync(head_local_.data(), 0, local, ctx_.stream()));
+  head_rows_ = rows;
+  return {};
 }
 
 Expected<void> CudaOps::run_attention(const GpuAttention& a, const GpuNorm& norm) {
@@ -621,8 +677,14 @@ Expected<void> CudaOps::run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t la
 Expected<void> CudaOps::run_head(const DeviceMatrix& head, const GpuNorm& norm) {
   const int64_t t = step_.tokens, h = hidden_;
   const NormedInput in = normed_input(norm);
+  // Under tensor parallelism this rank's logits go to head_local_ ([rows, range]) and are gathered into the step's.
+  const int64_t rows = step_.logit_rows();
+  TERN_TRY(reserve_head_rows(rows));
+  uint16_t* logits = comm_ ? head_local_.as<uint16_t>() : step_.logits;
+  const int64_t ld = comm_ ? vocab_shard_rows(vocab_, comm_->world()) : vocab_;
   if (!step_.gathers_last_rows()) {
-    TERN_TRY(norm_forward(in, head, t, step_.logits, vocab_));
+    TERN_TRY(norm_forward(in, head, t, logits, ld));
+    if (comm_) TERN_TRY(gather_logits(rows));
     return trace("final_norm", normed_, t, h, h);
   }
   const int64_t n = step_.n_seqs;
@@ -632,7 +694,8 @@ Expected<void> CudaOps::run_head(const DeviceMatrix& head, const GpuNorm& norm) 
       EmbeddingArgs{
           .ids = step_.last_rows, .table = normed_, .y = last_, .bad = bad_id_, .tokens = n, .vocab = t, .hidden = h}));
   TERN_TRY(trace("final_norm", last_, n, h, h));
-  return device_matrix_forward(ctx_, head, last_, n, step_.logits, vocab_);
+  TERN_TRY(device_matrix_forward(ctx_, head, last_, n, logits, ld));
+  return comm_ ? gather_logits(rows) : Expected<void>{};
 }
 
 Expected<void> CudaOps::trace_output(std::string_view name) {

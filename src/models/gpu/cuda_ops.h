@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "kernels/cuda/attention/attention.h"
 #include "kernels/cuda/device.h"
+#include "dist/device_communicator.h"
 #include "kernels/cuda/gated_delta/gated_delta.h"
 #include "layers/block_ops.h"
 #include "models/causal_lm.h"
@@ -50,7 +51,10 @@ struct GpuMoe;
 class CudaOps final : public BlockOps {
  public:
   // hidden: the model's hidden size; options.kernels (the self-test's choices) decide the kernels and fusions.
-  CudaOps(DeviceContext& ctx, const DeviceModelOptions& options, int64_t hidden);
+  // comm: the tensor-parallel group when the model is one rank's slice (null, or world 1: the whole model). Each
+  // block then sums its output over the ranks, the embedding sums the rows each rank holds, and lm_head gathers
+  // every rank's logits, so that the logits are the whole vocabulary's on every rank.
+  CudaOps(DeviceContext& ctx, const DeviceModelOptions& options, int64_t hidden, DeviceCommunicator* comm = nullptr);
   ~CudaOps() override;
 
   Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table, VocabRange vocab) override;
@@ -74,8 +78,9 @@ class CudaOps final : public BlockOps {
   int32_t spare_block() const { return static_cast<int32_t>(kv_blocks_); }
   int32_t spare_slot() const { return static_cast<int32_t>(options_.max_sequences); }
   bool has_gdn() const { return !gdns_.empty(); }
-  int64_t vocab() const { return vocab_; }                    // lm_head's rows: the logits' width
+  int64_t vocab() const { return vocab_; }                    // the logits' width: the whole vocabulary
   int64_t embedding_rows() const { return embedding_rows_; }  // the token ids the embedding takes
+  bool graph_capturable() const { return comm_ == nullptr || comm_->graph_capturable(); }
   size_t weight_bytes() const { return weights_.bytes(); }
 
   // ---- What the blocks call (cuda_ops.cc) ----
@@ -86,6 +91,8 @@ class CudaOps final : public BlockOps {
   Expected<void> run_mlp(const GpuMlp& m, const GpuNorm& norm);
   Expected<void> run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t layer);
   Expected<void> run_head(const DeviceMatrix& head, const GpuNorm& norm);
+  // The sum over the tensor-parallel ranks of the block output just written (out_); nothing on one device.
+  Expected<void> reduce_out();
 
  private:
   // The input of a block's first projection: the RMSNorm of the residual stream (x_, plus the previous block's
@@ -97,6 +104,10 @@ class CudaOps final : public BlockOps {
   };
   NormedInput normed_input(const GpuNorm& norm) const { return {&norm, stream_started_ ? out_ : nullptr}; }
   Expected<GpuNorm> norm(const RmsNorm& n);
+  // Under tensor parallelism: head_local_ / head_all_ for `rows` logit rows (grown outside graph captures only:
+  // allocate() reserves the decode steps' max_sequences), and the gather of every rank's logits into the step's.
+  Expected<void> reserve_head_rows(int64_t rows);
+  Expected<void> gather_logits(int64_t rows);
   Expected<void> allocate_caches();
   Expected<void> allocate_activations();
   Expected<void> rms_norm_rows(const GpuNorm& n, uint16_t* x, const uint16_t* residual, int64_t rows, uint16_t* y);
@@ -115,9 +126,13 @@ class CudaOps final : public BlockOps {
   Expected<void> trace(std::string_view name, const uint16_t* data, int64_t rows, int64_t cols, int64_t ld);
 
   DeviceContext& ctx_;
+  DeviceCommunicator* comm_ = nullptr;
   DeviceModelOptions options_;
   DeviceWeights weights_;
   int64_t hidden_ = 0, vocab_ = 0, embedding_rows_ = 0;
+  int64_t vocab_begin_ = 0;                   // the first vocabulary row this rank's embedding holds
+  DeviceBuffer head_local_, head_all_;        // tensor parallelism: this rank's logits, and every rank's
+  int64_t head_rows_ = 0;                      // the rows they hold
   AttentionVariant attention_variant_ = AttentionVariant::kAuto;
   GdnVariant gdn_variant_ = GdnVariant::kAuto;
 

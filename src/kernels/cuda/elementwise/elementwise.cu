@@ -184,7 +184,10 @@ __global__ void __launch_bounds__(kStreamThreads) embedding_kernel(const Embeddi
     const int32_t id = a.ids[t];
     uint4 v = make_uint4(0, 0, 0, 0);
     if (id >= 0 && id < a.vocab) {
-      v = *reinterpret_cast<const uint4*>(a.table + id * a.hidden + c * kVec);
+      const int64_t row = id - a.table_begin;
+      if (row >= 0 && row < (a.table_rows < 0 ? a.vocab : a.table_rows)) {
+        v = *reinterpret_cast<const uint4*>(a.table + row * a.hidden + c * kVec);
+      }
     } else if (c == 0) {
       atomicMin(a.bad, (static_cast<unsigned long long>(t) << 32) | static_cast<uint32_t>(id));
     }

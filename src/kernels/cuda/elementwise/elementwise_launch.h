@@ -58,13 +58,17 @@ struct SiluMulArgs {
 // the smallest (token << 32 | uint32(id)) there; kEmbeddingNoBadId means every id was in range.
 inline constexpr unsigned long long kEmbeddingNoBadId = ~0ull;
 struct EmbeddingArgs {
-  const int32_t* ids = nullptr;       // [tokens]
-  const uint16_t* table = nullptr;    // [vocab, hidden] bf16
+  const int32_t* ids = nullptr;       // [tokens], each in [0, vocab)
+  const uint16_t* table = nullptr;    // [table_rows, hidden] bf16: vocabulary rows [table_begin, table_begin + rows)
   uint16_t* y = nullptr;              // [tokens, hidden] bf16
   unsigned long long* bad = nullptr;  // one device word, reset to kEmbeddingNoBadId by the launcher
   int64_t tokens = 0;
   int64_t vocab = 0;
   int64_t hidden = 0;
+  // A tensor-parallel rank's slice of the table: ids outside it get zero rows (the sum over the ranks is then every
+  // row). table_rows -1: the table holds the whole vocabulary.
+  int64_t table_begin = 0;
+  int64_t table_rows = -1;
 };
 
 // y = a + b elementwise (fp32 sum rounded to bf16); y may alias a or b.
