@@ -5,7 +5,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config git ca-certificates
   nlohmann-json3-dev libexpected-dev libcli11-dev libspdlog-dev libfmt-dev
-  libpcre2-dev libutf8proc-dev libcpp-httplib-dev
+  libpcre2-dev libutf8proc-dev libcpp-httplib-dev libgloo-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang clang-format libclang-rt-dev
   python3
