@@ -70,6 +70,9 @@ class CudaRunner final : public DeviceRunner {
   using DeviceRunner::place;
 
   int64_t kv_cache_tokens() const override { return ops_.kv_blocks() * options_.kv_block_size; }
+  // The checks of plan_step and sequence_ids that change nothing: step sizes, token ids, a scheduler's ids against
+  // the cache, and room in the pool for the leased sequences' new blocks and slots.
+  Expected<void> check_inputs(std::span<const SequenceInput> batch) const override;
   ModelDevice device() const override { return ModelDevice::kCuda; }
   std::string describe() const override {
     const auto captured = std::count_if(graphs_.begin(), graphs_.end(), [](const auto& g) { return g.second.exec; });
@@ -282,7 +285,52 @@ Expected<CudaRunner::SequenceIds> CudaRunner::sequence_ids(const SequenceInput& 
   return SequenceIds{seq->blocks, seq->slot};
 }
 
+Expected<void> CudaRunner::check_inputs(std::span<const SequenceInput> batch) const {
+  TERN_TRY(ModelRunner::check_inputs(batch));
+  if (static_cast<int64_t>(batch.size()) > options_.max_sequences) {
+    return make_error("{} sequences in one step; this model was set up for at most {}", batch.size(),
+                      options_.max_sequences);
+  }
+  const int64_t bs = options_.kv_block_size, kv_blocks = ops_.kv_blocks();
+  const bool needs_blocks = kv_blocks > 0, needs_slot = ops_.has_gdn();
+  int64_t tokens = 0, new_blocks = 0, new_slots = 0;
+  for (const SequenceInput& in : batch) {
+    const int64_t n = static_cast<int64_t>(in.tokens.size()), need_blocks = (in.cache->length + n + bs - 1) / bs;
+    tokens += n;
+    if (!in.kv_blocks.empty() || in.state_slot >= 0) {
+      if (needs_blocks && static_cast<int64_t>(in.kv_blocks.size()) < need_blocks) {
+        return make_error("a sequence of {} tokens came with {} KV blocks of {} tokens", need_blocks * bs,
+                          in.kv_blocks.size(), bs);
+      }
+      for (const int32_t b : needs_blocks ? in.kv_blocks : std::span<const int32_t>{}) {
+        if (b < 0 || b >= kv_blocks) return make_error("KV block {} is outside the cache's {} blocks", b, kv_blocks);
+      }
+      if (needs_slot && (in.state_slot < 0 || in.state_slot >= options_.max_sequences)) {
+        return make_error("state slot {} is outside the {} this model holds", in.state_slot, options_.max_sequences);
+      }
+      continue;
+    }
+    const auto* seq = dynamic_cast<const CudaSequence*>(in.cache->device.get());
+    if (seq == nullptr) return make_error("a sequence was not created by this CUDA model (new_sequence())");
+    if (needs_blocks) new_blocks += std::max<int64_t>(0, need_blocks - static_cast<int64_t>(seq->blocks.size()));
+    if (needs_slot && seq->slot < 0) ++new_slots;
+  }
+  if (new_blocks > static_cast<int64_t>(pool_->free_blocks.size())) {
+    return make_error("the KV cache is full ({} tokens); finish or cancel requests, or raise --max-total-tokens",
+                      kv_blocks * bs);
+  }
+  if (new_slots > static_cast<int64_t>(pool_->free_slots.size())) {
+    return make_error("no free state slot: {} sequences are alive", options_.max_sequences);
+  }
+  if (tokens > options_.max_batch_tokens) {
+    return make_error("{} tokens in one step; this model was set up for at most {} (--max-batch-tokens)", tokens,
+                      options_.max_batch_tokens);
+  }
+  return {};
+}
+
 Expected<HostStepPlan> CudaRunner::plan_step(std::span<const SequenceInput> batch, bool decode) {
+  TERN_TRY(check_inputs(batch));
   HostStepPlan p;
   p.decode = decode;
   p.n_seqs = static_cast<int64_t>(batch.size());

@@ -37,6 +37,16 @@ Expected<SampleResults> ModelRunner::forward_sample(std::span<const SequenceInpu
   return results;
 }
 
+Expected<void> ModelRunner::check_inputs(std::span<const SequenceInput> batch) const {
+  const int64_t vocab = config().vocab_size;
+  for (const SequenceInput& in : batch) {
+    for (const int32_t id : in.tokens) {
+      if (id < 0 || id >= vocab) return make_error("token id {} is outside the vocabulary [0, {})", id, vocab);
+    }
+  }
+  return {};
+}
+
 Expected<SampleResults> ModelRunner::sample_step(std::span<const SequenceInput> batch,
                                                  std::span<const SampleRow> rows) {
   TERN_ASSIGN_OR_RETURN(const std::vector<float> logits, step(batch, LogitsFor::kLastToken, nullptr));

@@ -60,6 +60,11 @@ class ModelRunner {
   // entry.
   Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch, std::span<const SampleRow> rows);
 
+  // What a step would refuse of this batch, found before anything runs: token ids outside the vocabulary (the
+  // default) and, on a device, sizes and cache ids beyond what it holds. The tensor-parallel runner asks every rank
+  // first, so that a refused batch fails alike on every rank and leaves the group working.
+  virtual Expected<void> check_inputs(std::span<const SequenceInput> batch) const;
+
   virtual ModelDevice device() const = 0;
   virtual std::string describe() const = 0;  // one line: device and what it holds
   // Tokens the KV cache holds over all sequences (what DeviceModelOptions::kv_cache_tokens asked for, or what fit in

@@ -189,24 +189,26 @@ class TpRunner final : public ModelRunner {
     return {};
   }
 
-  // Each rank's view of the step: the same tokens and ids over its slice of each sequence. Token ids are checked
-  // here, so that a bad request fails every rank alike instead of breaking the group.
+  // Each rank's view of the step: the same tokens and ids over its slice of each sequence, checked by every rank
+  // here (check_inputs), so that a refused batch fails every rank alike instead of breaking the group.
   Expected<std::vector<std::vector<SequenceInput>>> rank_inputs(std::span<const SequenceInput> batch) const {
-    const int64_t vocab = config().vocab_size;
     std::vector<std::vector<SequenceInput>> inputs(runners_.size());
     for (const SequenceInput& in : batch) {
       auto* seq = dynamic_cast<TpSequence*>(in.cache->device.get());
       if (seq == nullptr || seq->ranks.size() != runners_.size()) {
         return make_error("a sequence not made by this tensor-parallel runner was passed to it");
       }
-      for (const int32_t id : in.tokens) {
-        if (id < 0 || id >= vocab) return make_error("token id {} is outside the vocabulary [0, {})", id, vocab);
-      }
       for (size_t r = 0; r < runners_.size(); ++r) {
         if (seq->ranks[r].length != in.cache->length) {
           return make_error("rank {} holds {} tokens of a sequence of {}", r, seq->ranks[r].length, in.cache->length);
         }
         inputs[r].push_back({&seq->ranks[r], in.tokens, in.kv_blocks, in.state_slot});
+      }
+    }
+    TERN_TRY(check_inputs(batch));
+    for (size_t r = 0; r < runners_.size(); ++r) {
+      if (auto checked = runners_[r]->check_inputs(inputs[r]); !checked) {
+        return tl::unexpected<Error>(checked.error());
       }
     }
     return inputs;

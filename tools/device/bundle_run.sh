@@ -7,7 +7,9 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cublas=$(find /usr/local/cuda*/ /usr/lib /opt -name 'libcublasLt.so.13*' 2>/dev/null | head -1)
-export LD_LIBRARY_PATH="$here${cublas:+:$(dirname "$cublas")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# NCCL is loaded at run time (dist/cuda/nccl_communicator.h): the toolkit's, the system's or the nvidia-nccl wheel's.
+nccl=$(find /usr/local/cuda*/ /usr/lib /opt /usr/local/lib/python3* -name 'libnccl.so.2' 2>/dev/null | head -1)
+export LD_LIBRARY_PATH="$here${cublas:+:$(dirname "$cublas")}${nccl:+:$(dirname "$nccl")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 cd "$here/.."

@@ -271,6 +271,12 @@ Expected<std::unique_ptr<Block>> CudaOps::moe(const RmsNorm& post_norm, const Mo
     }
     TERN_ASSIGN_OR_RETURN(m.shared_down, weights_.matrix(s.down_proj));
   }
+  // The expert GEMMs take K in steps of 16 (a tensor-parallel rank's slice of each expert included).
+  if (!w.experts.empty() && w.experts.front().down_proj.in_features() % 16 != 0) {
+    return make_error("{}: an expert width of {} (on this rank) is not a multiple of 16, which the CUDA MoE kernels "
+                      "need{}", w.experts.front().down_proj.name(), w.experts.front().down_proj.in_features(),
+                      comm_ ? fmt::format("; use fewer than {} tensor-parallel ranks", comm_->world()) : "");
+  }
   TERN_ASSIGN_OR_RETURN(m.router, weights_.projection(moe.input_projections(), 8));
   // The experts' name for errors: the router's module ("<prefix>layers.N.mlp.gate") with ".gate" replaced.
   const std::string& router_name = w.router.name();
