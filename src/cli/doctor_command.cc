@@ -1,6 +1,7 @@
 #include "cli/doctor_command.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <filesystem>
 #include <memory>
@@ -12,6 +13,7 @@
 #include "cli/version_command.h"
 #include "ops/registry.h"
 #include "ops/cuda_modules.h"
+#include "runtime/tp_runner.h"
 
 namespace tern {
 namespace {
@@ -22,7 +24,53 @@ struct DoctorOptions {
   std::string device = "auto";
   bool json = false;
   BackendFlags backends;
+  int tensor_parallel_size = 1;
+  std::vector<int> cuda_devices;
 };
+
+// The tensor-parallel group's start-up check (runtime/tp_runner.h), run when --tensor-parallel-size > 1.
+struct TpSection {
+  bool ran = false;
+  Expected<TpGroupCheck> check = make_error("not run");
+};
+
+TpSection tp_section(const DoctorOptions& o) {
+  TpSection t;
+  if (o.tensor_parallel_size <= 1) return t;
+  t.ran = true;
+  ModelLoadOptions options;
+  const bool cuda = o.device == "cuda" || (o.device == "auto" && runner_cuda_device_count() > 0);
+  options.device = cuda ? ModelDevice::kCuda : ModelDevice::kCpu;
+  options.tensor_parallel_size = o.tensor_parallel_size;
+  options.cuda_devices = o.cuda_devices;
+  t.check = tp_group_check(options, std::chrono::seconds(30));
+  return t;
+}
+
+nlohmann::ordered_json tp_json(const TpSection& t) {
+  if (!t.ran) return nlohmann::ordered_json();
+  if (!t.check) return {{"ok", false}, {"error", t.check.error().message}};
+  const TpGroupCheck& c = *t.check;
+  return {{"ok", true},         {"world", c.world},           {"devices", c.devices},
+          {"transport", c.transport}, {"peers", c.peers}, {"probe_bytes", c.probe_bytes},
+          {"all_reduce_ms", c.all_reduce_ms}};
+}
+
+void print_tp(const TpSection& t, int world) {
+  if (!t.ran) return;
+  fmt::print("tensor parallelism ({} ranks)\n", world);
+  if (!t.check) {
+    fmt::print("  NOT OK: {}\n", t.check.error().message);
+    return;
+  }
+  const TpGroupCheck& c = *t.check;
+  fmt::print("  ranks on {}\n", c.devices.empty() ? std::string("the CPU (threads)")
+                                                 : fmt::format("GPUs {}", fmt::join(c.devices, ", ")));
+  fmt::print("  collectives: {}\n", c.transport);
+  for (const std::string& p : c.peers) fmt::print("  {}\n", p);
+  fmt::print("  all-reduce of {:.1f} MiB on every rank: {:.3f} ms (exact sum on every rank)\n",
+             static_cast<double>(c.probe_bytes) / (1 << 20), c.all_reduce_ms);
+}
 
 nlohmann::ordered_json device_json(const DeviceDescription& d) {
   return {{"name", d.name}, {"backend", d.backend == Backend::kCpu ? "cpu" : "cuda"}, {"arch", d.arch()},
@@ -89,6 +137,7 @@ int run_doctor(const DoctorOptions& o) {
   modules = cuda_modules_describe();
 #endif
   const std::vector<LibraryVersion> libraries = linked_library_versions();
+  const TpSection tp = tp_section(o);
   if (o.json) {
     nlohmann::ordered_json j;
     j["build"] = build_info_json(libraries);
@@ -105,6 +154,7 @@ int run_doctor(const DoctorOptions& o) {
     for (const Selection& s : selections) j["ops"].push_back(selection_json(s));
     j["missing"] = report->notes;
     j["selftest_seconds"] = report->seconds;
+    j["tensor_parallel"] = tp_json(tp);
     j["verdict"] = verdict;
     fmt::print("{}\n", j.dump(2));
   } else {
@@ -127,9 +177,10 @@ int run_doctor(const DoctorOptions& o) {
     for (const Selection& s : selections) print_selection(s);
     for (const std::string& note : report->notes) fmt::print("  {}\n", note);
     fmt::print("self-test time\n  {:.2f} s\n", report->seconds);
+    print_tp(tp, o.tensor_parallel_size);
     fmt::print("verdict\n  {}\n", verdict);
   }
-  return n_missing == 0 ? 0 : 1;
+  return n_missing == 0 && (!tp.ran || tp.check.has_value()) ? 0 : 1;
 }
 
 }  // namespace
@@ -142,6 +193,12 @@ void register_doctor_command(CLI::App& app) {
   cmd->add_option("--device", o->device, "auto (the first GPU if any), cpu or cuda");
   cmd->add_flag("--json", o->json, "Print one JSON object");
   add_backend_options(*cmd, o->backends);
+  cmd->add_option("--tensor-parallel-size,--tp", o->tensor_parallel_size,
+                  "Also check a tensor-parallel group of this many ranks: peer access, NCCL, a timed all-reduce")
+      ->check(CLI::Range(1, 256));
+  cmd->add_option("--cuda-devices", o->cuda_devices, "The GPU of each rank (default: rank r on GPU r)")
+      ->delimiter(',')
+      ->check(CLI::Range(0, 1023));
   cmd->callback([o] { throw CLI::RuntimeError(run_doctor(*o)); });
 }
 

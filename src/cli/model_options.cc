@@ -24,7 +24,9 @@ Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceM
                                                                                             ? SelftestMode::kFast
                                                                                             : mode,
                                                                                 .device = cuda ? "cuda" : "cpu",
-                                                                                .forced = forced}));
+                                                                                .forced = forced,
+                                                                                .tensor_parallel_size =
+                                                                                    o.tensor_parallel_size}));
   // stderr: stdout carries the commands' results (JSON).
   fmt::print(stderr, "self-test on {}: {} ops in {:.2f} s: {}\n", r.device.name, r.selections.size(), r.seconds,
              r.verdict);

@@ -20,6 +20,7 @@ struct ModelSelftestOptions {
   std::string device = "auto";                // auto (the first GPU if any) | cpu | cuda
   std::map<std::string, std::string> forced;  // op -> implementation name ("auto" entries are ignored)
   std::vector<int64_t> batch_sizes = {1, 8};
+  int tensor_parallel_size = 1;  // plan rank 0's shapes of the model split this many ways
 };
 
 struct ModelSelftestReport {

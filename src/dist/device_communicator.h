@@ -30,6 +30,9 @@ class DeviceCommunicator {
   virtual Expected<void> all_reduce_sum_bf16(uint16_t* data, size_t n, void* stream) = 0;
   // all[r * n + i] = rank r's mine[i] (bf16, device memory).
   virtual Expected<void> all_gather_bf16(const uint16_t* mine, uint16_t* all, size_t n, void* stream) = 0;
+  // Gives up on the collectives in flight (a peer that will never join): NCCL aborts its communicator, which is
+  // unusable afterwards. The host-staged one waits on its host group, which has its own deadline.
+  virtual void abort() {}
 };
 
 }  // namespace tern

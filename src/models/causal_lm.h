@@ -10,6 +10,7 @@
 //   TERN_ASSIGN_OR_RETURN(auto logits, runner->forward(batch, LogitsFor::kLastToken));  // [1, vocab]
 #pragma once
 
+#include <chrono>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -117,6 +118,8 @@ struct ModelLoadOptions {
   // The GPU of each rank under tensor parallelism (empty: rank r on GPU r). Ranks on one GPU share it through
   // collectives staged through the host (slow; for tests); ranks on distinct GPUs use NCCL.
   std::vector<int> cuda_devices;
+  // How long the group's start-up all-reduce may take before start-up fails (runtime/tp_runner.h).
+  std::chrono::milliseconds tp_check_deadline{30000};
   bool nvfp4_quantize_activations = false;  // W4A4 instead of W4A16
   uint64_t dummy_seed = 0;
   ModelDevice device = ModelDevice::kCpu;

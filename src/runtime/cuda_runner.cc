@@ -7,6 +7,7 @@
 #include <bit>
 #include <chrono>
 #include <map>
+#include <thread>
 
 #include "core/formats.h"
 #include "models/gpu/cuda_ops.h"
@@ -521,6 +522,66 @@ Expected<void> cuda_use_device(int device) {
     return make_error("CUDA device {}: {}", device, cudaGetErrorString(e));
   }
   return {};
+}
+
+Expected<double> cuda_all_reduce_probe(DeviceCommunicator& comm, size_t n, std::chrono::milliseconds deadline) {
+  cudaStream_t stream = nullptr;
+  TERN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DeviceBuffer buffer(n * 2);
+  const std::vector<uint16_t> mine(n, float_to_bf16(static_cast<float>(comm.rank() + 1)));
+  std::vector<uint16_t> got(n, 0);
+  auto fail = [&](std::string why) -> Expected<double> {
+    cudaStreamDestroy(stream);
+    return make_error("{}", why);
+  };
+  if (cudaMemcpyAsync(buffer.data(), mine.data(), n * 2, cudaMemcpyHostToDevice, stream) != cudaSuccess ||
+      cudaStreamSynchronize(stream) != cudaSuccess) {
+    return fail(fmt::format("rank {}: could not stage the all-reduce probe", comm.rank()));
+  }
+  const auto start = std::chrono::steady_clock::now();
+  if (auto r = comm.all_reduce_sum_bf16(buffer.as<uint16_t>(), n, stream); !r) return fail(r.error().message);
+  // Poll, so that a peer that never joins is a deadline, not a hang.
+  cudaError_t status = cudaErrorNotReady;
+  while ((status = cudaStreamQuery(stream)) == cudaErrorNotReady) {
+    if (std::chrono::steady_clock::now() - start > deadline) {
+      comm.abort();
+      return fail(fmt::format("rank {}: an all-reduce over {} ranks ({}) did not finish within {} ms", comm.rank(),
+                              comm.world(), comm.describe(), deadline.count()));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  if (status != cudaSuccess) {
+    return fail(fmt::format("rank {}: the all-reduce probe failed: {}", comm.rank(), cudaGetErrorString(status)));
+  }
+  if (cudaMemcpy(got.data(), buffer.data(), n * 2, cudaMemcpyDeviceToHost) != cudaSuccess) {
+    return fail(fmt::format("rank {}: could not read the all-reduce probe back", comm.rank()));
+  }
+  cudaStreamDestroy(stream);
+  const float want = static_cast<float>(comm.world() * (comm.world() + 1) / 2);
+  for (size_t i = 0; i < n; ++i) {
+    if (bf16_to_float(got[i]) != want) {
+      return make_error("rank {}: the all-reduce probe summed to {} at element {}, not {} ({})", comm.rank(),
+                        bf16_to_float(got[i]), i, want, comm.describe());
+    }
+  }
+  return ms;
+}
+
+std::vector<std::string> cuda_peer_report(const std::vector<int>& devices) {
+  std::vector<std::string> lines;
+  for (const int a : devices) {
+    for (const int b : devices) {
+      if (a == b) continue;
+      int can = 0;
+      const cudaError_t e = cudaDeviceCanAccessPeer(&can, a, b);
+      lines.push_back(fmt::format("GPU {} -> GPU {}: {}", a, b,
+                                  e != cudaSuccess ? fmt::format("unknown ({})", cudaGetErrorString(e))
+                                  : can        ? "peer access"
+                                               : "no peer access (NCCL goes through host memory)"));
+    }
+  }
+  return lines;
 }
 
 Expected<std::unique_ptr<ModelRunner>> cuda_runner_create(std::unique_ptr<CausalLm> model,

@@ -7,7 +7,10 @@
 // (except the logits of a prefill asking for more rows than any step before).
 #pragma once
 
+#include <chrono>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "dist/device_communicator.h"
@@ -20,6 +23,13 @@ namespace tern {
 int cuda_device_count();
 // Makes `device` the calling thread's current CUDA device (a tensor-parallel rank's thread, before its work).
 Expected<void> cuda_use_device(int device);
+
+// One rank's part of the tensor-parallel start-up check, on its thread with its GPU current: an all-reduce of
+// `n` bf16 values (rank r contributes r + 1 everywhere) that must finish within `deadline` (else the collective is
+// aborted) and give world * (world + 1) / 2 exactly. Returns its time in milliseconds.
+Expected<double> cuda_all_reduce_probe(DeviceCommunicator& comm, size_t n, std::chrono::milliseconds deadline);
+// Peer access between every ordered pair of `devices`, one line each ("GPU 0 -> GPU 1: peer access").
+std::vector<std::string> cuda_peer_report(const std::vector<int>& devices);
 
 // The model placed on options.device: its blocks made by models/gpu/cuda_ops.h, its activations and caches
 // allocated. Errors name what does not fit or what the CUDA path does not support yet (a layer kind, a bias, W4A4).

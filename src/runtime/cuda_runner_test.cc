@@ -23,6 +23,7 @@
 #include <iostream>
 
 #include "runtime/model_runner.h"
+#include "runtime/tp_runner.h"
 
 namespace tern {
 namespace {
@@ -482,6 +483,21 @@ TEST(GpuModel, AnExpertSplitBelowTheKernelsStepIsRefused) {
             std::string::npos) << model.error().message;
   EXPECT_NE(model.error().message.find("fewer than 4 tensor-parallel ranks"), std::string::npos)
       << model.error().message;
+}
+
+// The start-up check of two ranks sharing this GPU: collectives staged through the host, the probe's exact sum.
+TEST(GpuModel, TheTensorParallelCheckRunsOnOneGpu) {
+  ModelLoadOptions options;
+  options.device = ModelDevice::kCuda;
+  options.tensor_parallel_size = 2;
+  options.cuda_devices = {0, 0};
+  auto check = tp_group_check(options, std::chrono::seconds(30));
+  ASSERT_TRUE(check.has_value()) << check.error().message;
+  EXPECT_EQ(check->devices, (std::vector<int>{0, 0}));
+  EXPECT_NE(check->transport.find("staged through the host"), std::string::npos) << check->transport;
+  EXPECT_EQ(check->probe_bytes, int64_t{2} << 20);
+  EXPECT_GT(check->all_reduce_ms, 0.0);
+  std::cout << "staged all-reduce of 2 MiB over 2 ranks on one GPU: " << check->all_reduce_ms << " ms\n";
 }
 
 // Impossible requests are errors that name what ran out; the model keeps working after them.

@@ -94,6 +94,66 @@ class TpRunner final : public ModelRunner {
       : group_(world), threads_(world), devices_(std::move(devices)), device_comms_(static_cast<size_t>(world)),
         runners_(static_cast<size_t>(world)) {}
 
+  // The group's start-up check, before any weight is read: the device collectives joined (NCCL's group made) and
+  // one timed all-reduce on every rank that must finish within `deadline` with the exact sum.
+  Expected<TpGroupCheck> connect(std::chrono::milliseconds deadline) {
+    TpGroupCheck check;
+    check.world = static_cast<int>(runners_.size());
+    check.transport = group_.rank(0).describe();
+    std::vector<double> ms(runners_.size(), 0.0);
+#if TERN_RUNTIME_CUDA
+    if (!devices_.empty()) {
+      check.peers = cuda_peer_report(devices_);
+#if TERN_HAVE_NCCL
+      if (!shares_a_device()) {
+        TERN_ASSIGN_OR_RETURN(const std::string version, nccl_version());
+        check.transport = "NCCL " + version;
+      }
+#endif
+    }
+#endif
+    const auto probe = [&](int r) -> Expected<void> {
+      if (devices_.empty()) {
+        std::vector<float> probe(kProbeElements, static_cast<float>(r + 1));
+        const auto start = std::chrono::steady_clock::now();
+        TERN_TRY(group_.rank(r).all_reduce_sum(probe));
+        ms[static_cast<size_t>(r)] =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+        const float want = static_cast<float>(check.world * (check.world + 1) / 2);
+        for (size_t i = 0; i < probe.size(); ++i) {
+          if (probe[i] != want) {
+            return make_error("rank {}: the all-reduce probe summed to {} at element {}, not {}", r, probe[i], i, want);
+          }
+        }
+        return {};
+      }
+#if TERN_RUNTIME_CUDA
+      const int device = devices_[static_cast<size_t>(r)];
+      TERN_TRY(cuda_use_device(device));
+      auto& comm = device_comms_[static_cast<size_t>(r)];
+      if (shares_a_device()) {
+        comm = staged_device_communicator(group_.rank(r));
+        if (r == 0) check.transport = comm->describe();
+      } else {
+#if TERN_HAVE_NCCL
+        TERN_ASSIGN_OR_RETURN(comm, nccl_communicator_create(group_.rank(r), device));
+#else
+        return make_error("this tern was built without NCCL: ranks on several GPUs are not available");
+#endif
+      }
+      TERN_ASSIGN_OR_RETURN(ms[static_cast<size_t>(r)], cuda_all_reduce_probe(*comm, kProbeElements, deadline));
+      return {};
+#else
+      (void)deadline;
+      return make_error("this tern was built without CUDA");
+#endif
+    };
+    TERN_TRY(run_ranks("the start-up check", probe));
+    check.probe_bytes = static_cast<int64_t>(kProbeElements) * (devices_.empty() ? 4 : 2);
+    check.all_reduce_ms = *std::max_element(ms.begin(), ms.end());
+    return check;
+  }
+
   Expected<void> load(const std::filesystem::path& dir, const ModelLoadOptions& options) {
     return run_ranks("loading", [&](int r) -> Expected<void> {
       ModelLoadOptions rank_options = options;
@@ -110,15 +170,6 @@ class TpRunner final : public ModelRunner {
       const int device = devices_[static_cast<size_t>(r)];
       TERN_TRY(cuda_use_device(device));
       auto& comm = device_comms_[static_cast<size_t>(r)];
-      if (shares_a_device()) {
-        comm = staged_device_communicator(group_.rank(r));
-      } else {
-#if TERN_HAVE_NCCL
-        TERN_ASSIGN_OR_RETURN(comm, nccl_communicator_create(group_.rank(r), device));
-#else
-        return make_error("this tern was built without NCCL: ranks on several GPUs are not available");
-#endif
-      }
       rank_options.device_options.device = device;
       TERN_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model, model_build_host(dir, rank_options));
       TERN_ASSIGN_OR_RETURN(runner, cuda_runner_create(std::move(model), rank_options.device_options, comm.get()));
@@ -244,6 +295,8 @@ class TpRunner final : public ModelRunner {
     return std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end();
   }
 
+  static constexpr size_t kProbeElements = size_t{1} << 20;
+
   mutable LoopbackGroup group_;
   RankThreads threads_;
   const std::vector<int> devices_;
@@ -253,10 +306,7 @@ class TpRunner final : public ModelRunner {
   std::string failed_;
 };
 
-}  // namespace
-
-Expected<std::unique_ptr<ModelRunner>> tp_runner_load(const std::filesystem::path& dir,
-                                                      const ModelLoadOptions& options) {
+Expected<std::vector<int>> rank_devices(const ModelLoadOptions& options) {
   const int world = options.tensor_parallel_size;
   if (world < 1) return make_error("--tensor-parallel-size must be at least 1, got {}", world);
   std::vector<int> devices;
@@ -278,7 +328,32 @@ Expected<std::unique_ptr<ModelRunner>> tp_runner_load(const std::filesystem::pat
       }
     }
   }
-  auto runner = std::make_unique<TpRunner>(world, std::move(devices));
+  return devices;
+}
+
+constexpr std::string_view kTpHint =
+    "; check the group with `tern doctor --tensor-parallel-size N`: on PCIe machines a hang in NCCL's peer-to-peer "
+    "path is usually fixed by NCCL_P2P_DISABLE=1 or by disabling ACS / the IOMMU in the BIOS; NCCL_DEBUG=INFO says "
+    "what NCCL chose";
+
+}  // namespace
+
+Expected<TpGroupCheck> tp_group_check(const ModelLoadOptions& options, std::chrono::milliseconds deadline) {
+  TERN_ASSIGN_OR_RETURN(std::vector<int> devices, rank_devices(options));
+  TpRunner group(options.tensor_parallel_size, devices);
+  auto check = group.connect(deadline);
+  if (!check) return make_error("{}{}", check.error().message, devices.size() > 1 ? kTpHint : "");
+  check->devices = std::move(devices);
+  return check;
+}
+
+Expected<std::unique_ptr<ModelRunner>> tp_runner_load(const std::filesystem::path& dir,
+                                                      const ModelLoadOptions& options) {
+  TERN_ASSIGN_OR_RETURN(std::vector<int> devices, rank_devices(options));
+  const bool gpus = devices.size() > 1;
+  auto runner = std::make_unique<TpRunner>(options.tensor_parallel_size, std::move(devices));
+  auto check = runner->connect(options.tp_check_deadline);
+  if (!check) return make_error("tensor-parallel start-up check failed: {}{}", check.error().message, gpus ? kTpHint : "");
   TERN_TRY(runner->load(dir, options));
   return std::unique_ptr<ModelRunner>(std::move(runner));
 }

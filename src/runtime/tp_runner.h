@@ -12,8 +12,11 @@
 // fails with the first rank's reason, and so does every later step: the runner is broken.
 #pragma once
 
+#include <chrono>
 #include <filesystem>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "models/causal_lm.h"
@@ -21,8 +24,24 @@
 
 namespace tern {
 
-// options.tensor_parallel_size ranks, each loaded from `dir` with its slice (in parallel). Errors name the rank and
-// what could not be split (a tensor, its sizes and the world size) or loaded.
+// What the start-up check of a tensor-parallel group found, before any weight was read.
+struct TpGroupCheck {
+  int world = 0;
+  std::vector<int> devices;         // each rank's GPU; empty on the CPU
+  std::string transport;            // "NCCL 2.28.9", "staged through the host over loopback ...", "loopback ..."
+  std::vector<std::string> peers;   // peer access between every pair of GPUs
+  int64_t probe_bytes = 0;          // the all-reduce each rank ran
+  double all_reduce_ms = 0;         // its time on the slowest rank
+};
+
+// The group of options.tensor_parallel_size ranks on options.device (and options.cuda_devices) made and checked:
+// the device collectives joined and one all-reduce that finished within `deadline` with the exact sum on every
+// rank. An error says what failed and what to try. `tern doctor --tensor-parallel-size N` prints it.
+Expected<TpGroupCheck> tp_group_check(const ModelLoadOptions& options, std::chrono::milliseconds deadline);
+
+// options.tensor_parallel_size ranks: the group checked as tp_group_check does (options.tp_check_deadline), then
+// each rank loaded from `dir` with its slice (in parallel). Errors name the rank and what could not be split (a
+// tensor, its sizes and the world size) or loaded.
 Expected<std::unique_ptr<ModelRunner>> tp_runner_load(const std::filesystem::path& dir, const ModelLoadOptions& options);
 
 }  // namespace tern

@@ -16,6 +16,7 @@
 #include "dist/loopback.h"
 #include "runtime/cpu_runner.h"
 #include "runtime/model_runner.h"
+#include "runtime/tp_runner.h"
 
 namespace tern {
 namespace {
@@ -232,6 +233,36 @@ TEST(TensorParallelFailures, ASequenceOfAnotherRunnerIsRefused) {
   ASSERT_FALSE(failed.has_value());
   EXPECT_NE(failed.error().message.find("not made by this tensor-parallel runner"), std::string::npos)
       << failed.error().message;
+}
+
+TEST(TensorParallelCheck, TheCpuGroupAllReducesTheExactSum) {
+  for (const int world : {2, 3}) {
+    ModelLoadOptions options;
+    options.tensor_parallel_size = world;
+    auto check = tp_group_check(options, std::chrono::seconds(30));
+    ASSERT_TRUE(check.has_value()) << check.error().message;
+    EXPECT_EQ(check->world, world);
+    EXPECT_TRUE(check->devices.empty());
+    EXPECT_NE(check->transport.find("loopback"), std::string::npos) << check->transport;
+    EXPECT_EQ(check->probe_bytes, int64_t{4} << 20);
+    EXPECT_GT(check->all_reduce_ms, 0.0);
+  }
+}
+
+TEST(TensorParallelCheck, MoreRanksThanGpusIsRefusedSayingWhatToDo) {
+  ModelLoadOptions options;
+  options.device = ModelDevice::kCuda;
+  options.tensor_parallel_size = 64;
+  auto check = tp_group_check(options, std::chrono::seconds(30));
+  ASSERT_FALSE(check.has_value());
+  EXPECT_NE(check.error().message.find("--tensor-parallel-size 64 needs 64 GPUs"), std::string::npos)
+      << check.error().message;
+  EXPECT_NE(check.error().message.find("--cuda-devices"), std::string::npos) << check.error().message;
+  options.cuda_devices = {0, 1};
+  auto listed = runner_load(fixture("qwen3"), options);
+  ASSERT_FALSE(listed.has_value());
+  EXPECT_NE(listed.error().message.find("--cuda-devices lists 2 GPUs for --tensor-parallel-size 64"),
+            std::string::npos) << listed.error().message;
 }
 
 }  // namespace

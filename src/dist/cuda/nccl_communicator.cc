@@ -66,16 +66,22 @@ class NcclCommunicator final : public DeviceCommunicator {
   ~NcclCommunicator() override {
     if (comm_ != nullptr) nccl().comm_destroy(comm_);
   }
+  void abort() override {
+    if (comm_ != nullptr) nccl().comm_abort(comm_);
+    comm_ = nullptr;
+  }
   int rank() const override { return rank_; }
   int world() const override { return world_; }
   std::string describe() const override { return fmt::format("NCCL, GPU {}", device_); }
   bool graph_capturable() const override { return true; }
 
   Expected<void> all_reduce_sum_bf16(uint16_t* data, size_t n, void* stream) override {
+    if (comm_ == nullptr) return make_error("NCCL all_reduce on rank {}: the communicator was aborted", rank_);
     return check(nccl().all_reduce(data, data, n, ncclBfloat16, ncclSum, comm_, static_cast<cudaStream_t>(stream)),
                  "all_reduce", rank_);
   }
   Expected<void> all_gather_bf16(const uint16_t* mine, uint16_t* all, size_t n, void* stream) override {
+    if (comm_ == nullptr) return make_error("NCCL all_gather on rank {}: the communicator was aborted", rank_);
     return check(nccl().all_gather(mine, all, n, ncclBfloat16, comm_, static_cast<cudaStream_t>(stream)),
                  "all_gather", rank_);
   }
