@@ -74,6 +74,7 @@ Expected<std::shared_ptr<RequestStream>> Engine::submit(GenerationRequest reques
   {
     std::lock_guard lock(inbox_mutex_);
     if (stopping_) return make_error("the server is shutting down");
+    if (failure_) return make_error("the model can run no more steps: {}", *failure_);
     if (static_cast<int64_t>(inbox_.size()) + num_waiting_snapshot_ >= config_.scheduler.max_waiting) {
       return make_error("the request queue is full ({} waiting)", config_.scheduler.max_waiting);
     }
@@ -168,6 +169,17 @@ void Engine::step() {
   if (!sampled) {
     spdlog::error("forward step failed: {}", sampled.error().message);
     for (const StepItem& item : plan.items) finish(item.id, "error", sampled.error().message);
+    if (std::optional<std::string> why = model_->failure()) {
+      spdlog::error("the model can run no more steps: {}", *why);
+      {
+        std::lock_guard lock(inbox_mutex_);
+        failure_ = why;
+      }
+      // Nothing queued can run either.
+      std::vector<uint64_t> rest;
+      for (const auto& [id, a] : active_) rest.push_back(id);
+      for (const uint64_t id : rest) finish(id, "error", "the model can run no more steps: " + *why);
+    }
     return;
   }
   for (size_t i = 0; i < plan.items.size(); ++i) {
@@ -204,6 +216,11 @@ void Engine::take_token(Active& a, Expected<SampledToken> token) {
   } else if (at_context_end) {
     finish(a.id, "length");
   }
+}
+
+std::optional<std::string> Engine::failure() const {
+  std::lock_guard lock(inbox_mutex_);
+  return failure_;
 }
 
 void Engine::finish(uint64_t id, std::string_view reason, std::string error) {

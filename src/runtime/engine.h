@@ -85,6 +85,9 @@ class Engine {
   void shutdown();
 
   const ModelConfig& model_config() const { return model_->config(); }
+  // Why the engine can serve nothing more (its model failed for good, e.g. a tensor-parallel rank); nullopt while it
+  // is healthy. /health answers 503 with it, and submit refuses new requests.
+  std::optional<std::string> failure() const;
 
  private:
   struct Active;
@@ -104,11 +107,12 @@ class Engine {
   Scheduler scheduler_;
   std::map<uint64_t, std::unique_ptr<Active>> active_;
 
-  std::mutex inbox_mutex_;
+  mutable std::mutex inbox_mutex_;
   std::condition_variable inbox_ready_;
   std::vector<std::unique_ptr<Active>> inbox_;
   int32_t num_waiting_snapshot_ = 0;  // scheduler's queue length after the last step (guarded by inbox_mutex_)
   bool stopping_ = false;
+  std::optional<std::string> failure_;  // guarded by inbox_mutex_
   uint64_t next_id_ = 1;
   std::thread thread_;
 };

@@ -123,5 +123,64 @@ TEST(Engine, ContextLengthEndsGenerationWithLength) {
   }
 }
 
+// A runner whose device is lost after `ok_steps` steps (a tensor-parallel rank gone): its steps fail from then on
+// and it says why in failure(), as TpRunner does.
+class FailingRunner final : public ModelRunner {
+ public:
+  FailingRunner(std::unique_ptr<ModelRunner> inner, int ok_steps) : inner_(std::move(inner)), ok_steps_(ok_steps) {}
+  const CausalLm& model() const override { return inner_->model(); }
+  SequenceCache new_sequence() override { return inner_->new_sequence(); }
+  ModelDevice device() const override { return inner_->device(); }
+  std::string describe() const override { return "a runner that fails"; }
+  int64_t kv_cache_tokens() const override { return inner_->kv_cache_tokens(); }
+  std::optional<std::string> failure() const override {
+    return failed_ ? std::optional<std::string>("rank 1: the GPU fell off the bus") : std::nullopt;
+  }
+
+ protected:
+  Expected<std::vector<float>> step(std::span<const SequenceInput> batch, LogitsFor which,
+                                    const Tracer* tracer) override {
+    if (failed_ || steps_++ >= ok_steps_) {
+      failed_ = true;
+      return make_error("a step failed on 1 of 2 tensor-parallel ranks; rank 1: the GPU fell off the bus");
+    }
+    auto logits = inner_->forward(batch, which, tracer);
+    // forward() advanced the caches; the caller's forward() advances them again.
+    for (const SequenceInput& in : batch) in.cache->length -= static_cast<int64_t>(in.tokens.size());
+    return logits;
+  }
+
+ private:
+  std::unique_ptr<ModelRunner> inner_;
+  const int ok_steps_;
+  int steps_ = 0;
+  bool failed_ = false;
+};
+
+TEST(Engine, AModelThatFailsForGoodEndsEveryRequestAndRefusesNewOnes) {
+  EngineMetrics metrics;
+  EngineConfig config{.scheduler = {.max_running = 1, .max_waiting = 8, .token_budget = 64, .block_size = 16,
+                                    .num_blocks = 64},
+                      .context_length = 256};
+  Engine engine(std::make_unique<FailingRunner>(load_fixture(), 3), std::nullopt, config, metrics);
+  EXPECT_FALSE(engine.failure().has_value());
+  // One runs, the other waits (max_running 1): both end with the error.
+  auto a = engine.submit(greedy({1, 2, 3}, 50));
+  auto b = engine.submit(greedy({4, 5, 6}, 50));
+  ASSERT_TRUE(a && b);
+  const Result ra = drain(**a), rb = drain(**b);
+  EXPECT_EQ(ra.finish_reason, "error");
+  EXPECT_EQ(rb.finish_reason, "error");
+  EXPECT_LT(ra.ids.size(), 50u);
+  const auto why = engine.failure();
+  ASSERT_TRUE(why.has_value());
+  EXPECT_NE(why->find("the GPU fell off the bus"), std::string::npos) << *why;
+  auto c = engine.submit(greedy({7}, 5));
+  ASSERT_FALSE(c.has_value());
+  EXPECT_NE(c.error().message.find("can run no more steps"), std::string::npos) << c.error().message;
+  engine.shutdown();  // the gauges are published after each loop: wait for the last
+  EXPECT_EQ(metrics.kv_blocks_used.load(), 0);
+}
+
 }  // namespace
 }  // namespace tern

@@ -14,6 +14,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -64,6 +65,10 @@ class ModelRunner {
   // default) and, on a device, sizes and cache ids beyond what it holds. The tensor-parallel runner asks every rank
   // first, so that a refused batch fails alike on every rank and leaves the group working.
   virtual Expected<void> check_inputs(std::span<const SequenceInput> batch) const;
+
+  // Why this runner can run no more steps (a tensor-parallel rank failed and its group was aborted); nullopt while
+  // it works. Read by the thread that drives the runner.
+  virtual std::optional<std::string> failure() const { return std::nullopt; }
 
   virtual ModelDevice device() const = 0;
   virtual std::string describe() const = 0;  // one line: device and what it holds

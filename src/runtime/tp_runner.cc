@@ -189,6 +189,10 @@ class TpRunner final : public ModelRunner {
     return cache;
   }
   ModelDevice device() const override { return runners_.front()->device(); }
+  std::optional<std::string> failure() const override {
+    if (failed_.empty()) return std::nullopt;
+    return failed_;
+  }
   std::string describe() const override {
     return fmt::format("{} tensor-parallel ranks ({}): {}", runners_.size(), group_.rank(0).describe(),
                        runners_.front()->describe());

@@ -124,6 +124,9 @@ void HttpServer::install_routes() {
   });
   s.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     if (stopping_) return send_error(res, {503, "the server is shutting down", "service_unavailable"});
+    if (auto why = engine_.failure()) {
+      return send_error(res, {503, "unhealthy: the model can run no more steps: " + *why, "service_unavailable"});
+    }
     res.set_content("{\"status\":\"ok\"}", "application/json");
   });
   s.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
