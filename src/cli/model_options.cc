@@ -1,5 +1,7 @@
 #include "cli/model_options.h"
 
+#include "runtime/tp_runner.h"
+
 #include <fmt/format.h>
 
 #include <charconv>
@@ -78,6 +80,17 @@ void add_parallel_options(CLI::App& cmd, ModelCliOptions& o) {
                  "are staged through the host, for testing)")
       ->delimiter(',')
       ->check(CLI::Range(0, 1023));
+  cmd.add_option("--nnodes", o.nnodes, "Processes (machines) the tensor-parallel ranks spread over, each running "
+                 "--tensor-parallel-size / --nnodes of them")
+      ->check(CLI::Range(1, 256));
+  cmd.add_option("--node-rank", o.node_rank, "This process's place among --nnodes: 0 serves (and hosts the "
+                 "rendezvous); the others run its steps and exit when it stops")
+      ->check(CLI::Range(0, 255));
+  cmd.add_option("--dist-init-addr", o.dist_init_addr, "HOST:PORT where node 0 serves the rendezvous (the same on "
+                 "every node)");
+  cmd.add_option("--dist-timeout", o.dist_timeout_s, "Seconds the nodes may take to join, and any one of them to "
+                 "answer a collective, before it counts as lost")
+      ->check(CLI::Range(1, 86400));
 }
 
 void add_backend_options(CLI::App& cmd, BackendFlags& b) {
@@ -106,6 +119,20 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
   options.dummy_seed = o.dummy_seed;
   options.tensor_parallel_size = o.tensor_parallel_size;
   options.cuda_devices = o.cuda_devices;
+  options.nnodes = o.nnodes;
+  options.node_rank = o.node_rank;
+  options.dist_init_addr = o.dist_init_addr;
+  options.tp_join_timeout = std::chrono::seconds(o.dist_timeout_s);
+  if (o.node_rank > 0) {
+    // Not node 0: this process runs its share of the ranks for node 0's command, and the command ends here.
+    const int local = o.tensor_parallel_size / std::max(o.nnodes, 1);
+    fmt::print(stderr, "node {} of {}: running ranks {}..{} of {} for node 0 at {}\n", o.node_rank, o.nnodes,
+               o.node_rank * local, (o.node_rank + 1) * local - 1, o.tensor_parallel_size, o.dist_init_addr);
+    const Expected<void> ran = tp_worker_run(o.model_dir, options);
+    if (!ran) fmt::print(stderr, "node {}: {}\n", o.node_rank, ran.error().message);
+    else fmt::print(stderr, "node {}: node 0 stopped; exiting\n", o.node_rank);
+    throw CLI::RuntimeError(ran ? 0 : 1);
+  }
   auto model = runner_load(o.model_dir, options);
   if (model) {
     for (const std::string& notice : (*model)->model().notices) fmt::print(stderr, "{}: {}\n", o.model_dir, notice);

@@ -27,6 +27,10 @@ struct ModelCliOptions {
   bool no_pdl = false;            // no programmatic dependent launch
   int tensor_parallel_size = 1;   // ranks the model is split over (runtime/tp_runner.h)
   std::vector<int> cuda_devices;  // each rank's GPU (empty: rank r on GPU r)
+  int nnodes = 1;                 // processes the ranks spread over (--nnodes; SGLang's names)
+  int node_rank = 0;              // this one (--node-rank; > 0: runs node 0's steps, then exits)
+  std::string dist_init_addr;     // node 0's rendezvous store, HOST:PORT
+  int dist_timeout_s = 120;       // joining the nodes, and each wait on another node
   BackendFlags backends;
 };
 

@@ -120,6 +120,12 @@ struct ModelLoadOptions {
   std::vector<int> cuda_devices;
   // How long the group's start-up all-reduce may take before start-up fails (runtime/tp_runner.h).
   std::chrono::milliseconds tp_check_deadline{30000};
+  // Several processes ("nodes", SGLang's flags): --nnodes, --node-rank, --dist-init-addr HOST:PORT (node 0's
+  // rendezvous store); each runs tensor_parallel_size / nnodes of the ranks. How long joining them may take.
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string dist_init_addr;
+  std::chrono::milliseconds tp_join_timeout{120000};
   bool nvfp4_quantize_activations = false;  // W4A4 instead of W4A16
   uint64_t dummy_seed = 0;
   ModelDevice device = ModelDevice::kCpu;

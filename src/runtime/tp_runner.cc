@@ -3,11 +3,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <condition_variable>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <thread>
 
+#include "dist/gloo_communicator.h"
 #include "dist/loopback.h"
 #include "runtime/cpu_runner.h"
 
@@ -82,24 +85,173 @@ class RankThreads {
   std::vector<std::thread> threads_;
 };
 
-// A sequence's slice on every rank.
-struct TpSequence final : DeviceSequenceState {
-  std::vector<SequenceCache> ranks;
+// Sequence ids whose sequences were released on node 0, for the next plan to tell the other nodes (a sequence may
+// outlive its runner, hence shared).
+struct ReleaseQueue {
+  std::mutex mu;
+  std::vector<int64_t> ids;
 };
+
+// A sequence's slice on every rank of this node; `id` names it in the plans sent to the other nodes.
+struct TpSequence final : DeviceSequenceState {
+  int64_t id = 0;
+  std::vector<SequenceCache> ranks;
+  std::shared_ptr<ReleaseQueue> released;  // null on one node
+  ~TpSequence() override {
+    if (released == nullptr) return;
+    std::lock_guard lock(released->mu);
+    released->ids.push_back(id);
+  }
+};
+
+// What node 0 sends the other nodes before each step (dist/communicator.h broadcast over the control group), as
+// int64 words: op, logits wanted, the released sequence ids, then per sequence its id, cached length, tokens, KV
+// block ids and state slot.
+enum class PlanOp : int64_t { kStep = 1, kHeartbeat = 2, kStop = 3 };
+
+struct PlanSequence {
+  int64_t id = 0, length = 0;
+  std::vector<int32_t> tokens, kv_blocks;
+  int32_t state_slot = -1;
+};
+
+struct Plan {
+  PlanOp op = PlanOp::kStep;
+  LogitsFor which = LogitsFor::kLastToken;
+  std::vector<int64_t> released;
+  std::vector<PlanSequence> sequences;
+};
+
+std::vector<int64_t> plan_words(const Plan& p) {
+  std::vector<int64_t> w{static_cast<int64_t>(p.op), p.which == LogitsFor::kAllTokens ? 1 : 0,
+                         static_cast<int64_t>(p.released.size())};
+  w.insert(w.end(), p.released.begin(), p.released.end());
+  w.push_back(static_cast<int64_t>(p.sequences.size()));
+  for (const PlanSequence& q : p.sequences) {
+    w.insert(w.end(), {q.id, q.length, static_cast<int64_t>(q.tokens.size())});
+    w.insert(w.end(), q.tokens.begin(), q.tokens.end());
+    w.push_back(static_cast<int64_t>(q.kv_blocks.size()));
+    w.insert(w.end(), q.kv_blocks.begin(), q.kv_blocks.end());
+    w.push_back(q.state_slot);
+  }
+  return w;
+}
+
+Expected<Plan> plan_of(const std::vector<int64_t>& w) {
+  size_t at = 0;
+  auto next = [&]() -> Expected<int64_t> {
+    if (at >= w.size()) return make_error("a step plan from node 0 ended early ({} words)", w.size());
+    return w[at++];
+  };
+  auto count = [&]() -> Expected<size_t> {
+    TERN_ASSIGN_OR_RETURN(const int64_t n, next());
+    if (n < 0 || static_cast<size_t>(n) > w.size() - at) return make_error("a step plan from node 0 is malformed");
+    return static_cast<size_t>(n);
+  };
+  Plan p;
+  TERN_ASSIGN_OR_RETURN(const int64_t op, next());
+  if (op < 1 || op > 3) return make_error("a step plan from node 0 has op {}", op);
+  p.op = static_cast<PlanOp>(op);
+  TERN_ASSIGN_OR_RETURN(const int64_t all, next());
+  p.which = all != 0 ? LogitsFor::kAllTokens : LogitsFor::kLastToken;
+  TERN_ASSIGN_OR_RETURN(const size_t n_released, count());
+  for (size_t i = 0; i < n_released; ++i) p.released.push_back(w[at++]);
+  TERN_ASSIGN_OR_RETURN(const size_t n_seqs, count());
+  for (size_t i = 0; i < n_seqs; ++i) {
+    PlanSequence q;
+    TERN_ASSIGN_OR_RETURN(q.id, next());
+    TERN_ASSIGN_OR_RETURN(q.length, next());
+    TERN_ASSIGN_OR_RETURN(const size_t n_tokens, count());
+    for (size_t t = 0; t < n_tokens; ++t) q.tokens.push_back(static_cast<int32_t>(w[at++]));
+    TERN_ASSIGN_OR_RETURN(const size_t n_blocks, count());
+    for (size_t b = 0; b < n_blocks; ++b) q.kv_blocks.push_back(static_cast<int32_t>(w[at++]));
+    TERN_ASSIGN_OR_RETURN(const int64_t slot, next());
+    q.state_slot = static_cast<int32_t>(slot);
+    p.sequences.push_back(std::move(q));
+  }
+  return p;
+}
 
 class TpRunner final : public ModelRunner {
  public:
-  // `devices`: each rank's GPU (empty on the CPU).
-  TpRunner(int world, std::vector<int> devices)
-      : group_(world), threads_(world), devices_(std::move(devices)), device_comms_(static_cast<size_t>(world)),
-        runners_(static_cast<size_t>(world)) {}
+  // `world` ranks over layout.nnodes processes, this one holding ranks [node_rank * local, (node_rank + 1) * local)
+  // as threads; `devices`: each of this node's ranks' GPU (empty on the CPU).
+  TpRunner(int world, std::vector<int> devices, const NodeLayout& layout)
+      : world_(world), layout_(layout), local_(world / std::max(layout.nnodes, 1)),
+        first_rank_(layout.node_rank * local_), group_(local_), threads_(local_), devices_(std::move(devices)),
+        rank_comms_(static_cast<size_t>(local_)), device_comms_(static_cast<size_t>(local_)),
+        runners_(static_cast<size_t>(local_)) {
+    if (layout_.nnodes > 1 && layout_.node_rank == 0) released_ = std::make_shared<ReleaseQueue>();
+  }
+  ~TpRunner() override {
+    if (control_ == nullptr || layout_.node_rank != 0) return;
+    {
+      std::lock_guard lock(control_mu_);
+      stopping_ = true;
+      // A failed group has lost a node (or will not hear from one): nothing to tell it.
+      if (failed_.empty()) (void)send_locked(Plan{.op = PlanOp::kStop});
+    }
+    heartbeat_cv_.notify_all();
+    if (heartbeat_.joinable()) heartbeat_.join();
+  }
+
+  // The other nodes' ranks wait for node 0's plans (and node 0 for them) over the control group, and every rank
+  // talks to every other over Gloo (dist/gloo_communicator.h) through the store at layout.store_host:store_port,
+  // which node 0 serves. One node: nothing to do (the ranks meet in the loopback group).
+  Expected<void> join_nodes(std::chrono::milliseconds timeout) {
+    if (layout_.nnodes <= 1) return {};
+    GlooOptions control{.rank = layout_.node_rank, .world = layout_.nnodes, .store_host = layout_.store_host,
+                        .store_port = layout_.store_port, .serve_store = layout_.node_rank == 0,
+                        .prefix = "tern/control", .timeout = timeout};
+    TERN_ASSIGN_OR_RETURN(control_, gloo_communicator_create(control));
+    TERN_TRY(run_ranks("joining the ranks of every node", [&](int l) -> Expected<void> {
+      GlooOptions rank{.rank = first_rank_ + l, .world = world_, .store_host = layout_.store_host,
+                       .store_port = layout_.store_port, .prefix = "tern/ranks", .timeout = timeout};
+      TERN_ASSIGN_OR_RETURN(rank_comms_[static_cast<size_t>(l)], gloo_communicator_create(rank));
+      return {};
+    }));
+    if (layout_.node_rank == 0) heartbeat_ = std::thread([this] { heartbeat(); });
+    return {};
+  }
+
+  // The other nodes' part: the plans node 0 sends, each run on this node's ranks, until node 0 stops (or fails:
+  // an error).
+  Expected<void> serve_plans() {
+    std::map<int64_t, std::unique_ptr<TpSequence>> sequences;
+    while (true) {
+      TERN_ASSIGN_OR_RETURN(const Plan plan, receive());
+      if (plan.op == PlanOp::kStop) return {};
+      if (plan.op == PlanOp::kHeartbeat) continue;
+      for (const int64_t id : plan.released) sequences.erase(id);
+      std::vector<std::vector<SequenceInput>> inputs(runners_.size());
+      for (const PlanSequence& q : plan.sequences) {
+        auto& seq = sequences[q.id];
+        if (seq == nullptr) {
+          seq = std::make_unique<TpSequence>();
+          seq->id = q.id;
+          for (const auto& runner : runners_) seq->ranks.push_back(runner->new_sequence());
+        }
+        for (size_t l = 0; l < runners_.size(); ++l) {
+          if (seq->ranks[l].length != q.length) {
+            return make_error("sequence {}: this node's rank holds {} tokens, node 0 says {}", q.id,
+                              seq->ranks[l].length, q.length);
+          }
+          inputs[l].push_back({&seq->ranks[l], q.tokens, q.kv_blocks, q.state_slot});
+        }
+      }
+      TERN_TRY(run_ranks("a step", [&](int l) -> Expected<void> {
+        TERN_TRY(bind(l));
+        return runners_[static_cast<size_t>(l)]->forward(inputs[static_cast<size_t>(l)], plan.which).map([](auto&&) {});
+      }));
+    }
+  }
 
   // The group's start-up check, before any weight is read: the device collectives joined (NCCL's group made) and
   // one timed all-reduce on every rank that must finish within `deadline` with the exact sum.
   Expected<TpGroupCheck> connect(std::chrono::milliseconds deadline) {
     TpGroupCheck check;
-    check.world = static_cast<int>(runners_.size());
-    check.transport = group_.rank(0).describe();
+    check.world = world_;
+    check.transport = host(0).describe();
     std::vector<double> ms(runners_.size(), 0.0);
 #if TERN_RUNTIME_CUDA
     if (!devices_.empty()) {
@@ -114,9 +266,9 @@ class TpRunner final : public ModelRunner {
 #endif
     const auto probe = [&](int r) -> Expected<void> {
       if (devices_.empty()) {
-        std::vector<float> probe(kProbeElements, static_cast<float>(r + 1));
+        std::vector<float> probe(kProbeElements, static_cast<float>(first_rank_ + r + 1));
         const auto start = std::chrono::steady_clock::now();
-        TERN_TRY(group_.rank(r).all_reduce_sum(probe));
+        TERN_TRY(host(r).all_reduce_sum(probe));
         ms[static_cast<size_t>(r)] =
             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
         const float want = static_cast<float>(check.world * (check.world + 1) / 2);
@@ -132,11 +284,11 @@ class TpRunner final : public ModelRunner {
       TERN_TRY(cuda_use_device(device));
       auto& comm = device_comms_[static_cast<size_t>(r)];
       if (shares_a_device()) {
-        comm = staged_device_communicator(group_.rank(r));
+        comm = staged_device_communicator(host(r));
         if (r == 0) check.transport = comm->describe();
       } else {
 #if TERN_HAVE_NCCL
-        TERN_ASSIGN_OR_RETURN(comm, nccl_communicator_create(group_.rank(r), device));
+        TERN_ASSIGN_OR_RETURN(comm, nccl_communicator_create(host(r), device));
 #else
         return make_error("this tern was built without NCCL: ranks on several GPUs are not available");
 #endif
@@ -158,12 +310,12 @@ class TpRunner final : public ModelRunner {
     return run_ranks("loading", [&](int r) -> Expected<void> {
       ModelLoadOptions rank_options = options;
       rank_options.tensor_parallel_size = 1;
-      rank_options.communicator = &group_.rank(r);
-      rank_options.shard = {r, static_cast<int>(runners_.size())};
+      rank_options.communicator = &host(r);
+      rank_options.shard = {first_rank_ + r, world_};
       auto& runner = runners_[static_cast<size_t>(r)];
       if (devices_.empty()) {
         TERN_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model, model_build_host(dir, rank_options));
-        TERN_ASSIGN_OR_RETURN(runner, cpu_runner_create(std::move(model), &group_.rank(r)));
+        TERN_ASSIGN_OR_RETURN(runner, cpu_runner_create(std::move(model), &host(r)));
         return {};
       }
 #if TERN_RUNTIME_CUDA
@@ -183,6 +335,8 @@ class TpRunner final : public ModelRunner {
   const CausalLm& model() const override { return runners_.front()->model(); }
   SequenceCache new_sequence() override {
     auto state = std::make_shared<TpSequence>();
+    state->id = next_sequence_++;
+    state->released = released_;
     for (const auto& runner : runners_) state->ranks.push_back(runner->new_sequence());
     SequenceCache cache;
     cache.device = std::move(state);
@@ -194,8 +348,9 @@ class TpRunner final : public ModelRunner {
     return failed_;
   }
   std::string describe() const override {
-    return fmt::format("{} tensor-parallel ranks ({}): {}", runners_.size(), group_.rank(0).describe(),
-                       runners_.front()->describe());
+    return fmt::format("{} tensor-parallel ranks{} ({}): {}", world_,
+                       layout_.nnodes > 1 ? fmt::format(" on {} nodes", layout_.nnodes) : std::string(),
+                       host(0).describe(), runners_.front()->describe());
   }
   int64_t kv_cache_tokens() const override {
     int64_t tokens = runners_.front()->kv_cache_tokens();
@@ -207,6 +362,7 @@ class TpRunner final : public ModelRunner {
   Expected<std::vector<float>> step(std::span<const SequenceInput> batch, LogitsFor which,
                                     const Tracer* tracer) override {
     TERN_ASSIGN_OR_RETURN(const auto inputs, rank_inputs(batch));
+    TERN_TRY(send_step(batch, which));
     std::vector<float> logits;
     TERN_TRY(run_ranks("a step", [&](int r) -> Expected<void> {
       TERN_TRY(bind(r));
@@ -221,6 +377,7 @@ class TpRunner final : public ModelRunner {
   // Rank 0 samples (the rows' Samplers and their random streams are used once); the others run the same step.
   Expected<SampleResults> sample_step(std::span<const SequenceInput> batch, std::span<const SampleRow> rows) override {
     TERN_ASSIGN_OR_RETURN(const auto inputs, rank_inputs(batch));
+    TERN_TRY(send_step(batch, LogitsFor::kLastToken));
     SampleResults results;
     TERN_TRY(run_ranks("a step", [&](int r) -> Expected<void> {
       TERN_TRY(bind(r));
@@ -293,6 +450,58 @@ class TpRunner final : public ModelRunner {
                       results.size(), first);
   }
 
+  Communicator& host(int l) const {
+    return layout_.nnodes > 1 ? *rank_comms_[static_cast<size_t>(l)] : group_.rank(l);
+  }
+
+  // Node 0: the step's plan to the other nodes, before its own ranks run it.
+  Expected<void> send_step(std::span<const SequenceInput> batch, LogitsFor which) {
+    if (control_ == nullptr) return {};
+    Plan plan{.op = PlanOp::kStep, .which = which};
+    {
+      std::lock_guard lock(released_->mu);
+      plan.released.swap(released_->ids);
+    }
+    for (const SequenceInput& in : batch) {
+      const auto* seq = static_cast<const TpSequence*>(in.cache->device.get());
+      plan.sequences.push_back({seq->id, in.cache->length, {in.tokens.begin(), in.tokens.end()},
+                                {in.kv_blocks.begin(), in.kv_blocks.end()}, in.state_slot});
+    }
+    std::lock_guard lock(control_mu_);
+    auto sent = send_locked(plan);
+    if (!sent) failed_ = sent.error().message;
+    return sent;
+  }
+
+  Expected<void> send_locked(const Plan& plan) {
+    std::vector<int64_t> words = plan_words(plan);
+    int64_t size = static_cast<int64_t>(words.size());
+    TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<int64_t>(&size, 1)), 0));
+    TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<int64_t>(words)), 0));
+    last_sent_ = std::chrono::steady_clock::now();
+    return {};
+  }
+
+  Expected<Plan> receive() {
+    int64_t size = 0;
+    TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<int64_t>(&size, 1)), 0));
+    if (size < 0 || size > (int64_t{1} << 28)) return make_error("a step plan of {} words from node 0", size);
+    std::vector<int64_t> words(static_cast<size_t>(size));
+    TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<int64_t>(words)), 0));
+    return plan_of(words);
+  }
+
+  // Node 0, while no step runs: a plan every few seconds, so that the other nodes, waiting for the next plan with
+  // the control group's deadline, can tell a quiet node 0 from a lost one.
+  void heartbeat() {
+    std::unique_lock lock(control_mu_);
+    while (!stopping_) {
+      heartbeat_cv_.wait_for(lock, kHeartbeat);
+      if (stopping_ || std::chrono::steady_clock::now() - last_sent_ < kHeartbeat) continue;
+      if (!send_locked(Plan{.op = PlanOp::kHeartbeat})) return;
+    }
+  }
+
   bool shares_a_device() const {
     std::vector<int> sorted = devices_;
     std::sort(sorted.begin(), sorted.end());
@@ -300,32 +509,77 @@ class TpRunner final : public ModelRunner {
   }
 
   static constexpr size_t kProbeElements = size_t{1} << 20;
+  static constexpr std::chrono::seconds kHeartbeat{5};
 
+  const int world_;
+  const NodeLayout layout_;
+  const int local_, first_rank_;  // this node's ranks: [first_rank_, first_rank_ + local_)
+  std::unique_ptr<Communicator> control_;  // several nodes: node 0 and the others' plan loops (serves the store)
   mutable LoopbackGroup group_;
   RankThreads threads_;
   const std::vector<int> devices_;
+  std::vector<std::unique_ptr<Communicator>> rank_comms_;  // several nodes: each rank's Gloo communicator
+  std::shared_ptr<ReleaseQueue> released_;
+  int64_t next_sequence_ = 1;
+  std::mutex control_mu_;  // one plan on the control group at a time (steps and heartbeats)
+  std::condition_variable heartbeat_cv_;
+  std::chrono::steady_clock::time_point last_sent_ = std::chrono::steady_clock::now();
+  bool stopping_ = false;
+  std::thread heartbeat_;
   // Declared before the runners, which use them, so that they outlive the runners.
   std::vector<std::unique_ptr<DeviceCommunicator>> device_comms_;
   std::vector<std::unique_ptr<ModelRunner>> runners_;
   std::string failed_;
 };
 
-Expected<std::vector<int>> rank_devices(const ModelLoadOptions& options) {
+// How the ranks spread over processes ("nodes"), from --nnodes, --node-rank and --dist-init-addr HOST:PORT.
+Expected<NodeLayout> node_layout(const ModelLoadOptions& options) {
+  NodeLayout n{.nnodes = options.nnodes, .node_rank = options.node_rank};
   const int world = options.tensor_parallel_size;
   if (world < 1) return make_error("--tensor-parallel-size must be at least 1, got {}", world);
+  if (n.nnodes < 1) return make_error("--nnodes must be at least 1, got {}", n.nnodes);
+  if (n.node_rank < 0 || n.node_rank >= n.nnodes) {
+    return make_error("--node-rank {} is outside [0, {}) (--nnodes {})", n.node_rank, n.nnodes, n.nnodes);
+  }
+  if (world % n.nnodes != 0) {
+    return make_error("--tensor-parallel-size {} does not divide over --nnodes {}", world, n.nnodes);
+  }
+  if (n.nnodes == 1) return n;
+  const std::string& addr = options.dist_init_addr;
+  const size_t colon = addr.rfind(':');
+  int port = -1;
+  if (colon != std::string::npos && colon > 0) {
+    const auto [ptr, ec] = std::from_chars(addr.data() + colon + 1, addr.data() + addr.size(), port);
+    if (ec != std::errc() || ptr != addr.data() + addr.size()) port = -1;
+  }
+  if (port < 1 || port > 65535) {
+    return make_error("--nnodes {} needs --dist-init-addr HOST:PORT (node 0's address and a free port), got '{}'",
+                      n.nnodes, addr);
+  }
+  n.store_host = addr.substr(0, colon);
+  n.store_port = port;
+  return n;
+}
+
+// Each of this node's ranks' GPU: rank r of the node on GPU r, or --cuda-devices.
+Expected<std::vector<int>> rank_devices(const ModelLoadOptions& options, const NodeLayout& layout) {
+  const int local = options.tensor_parallel_size / layout.nnodes;
   std::vector<int> devices;
   if (options.device == ModelDevice::kCuda) {
     const int present = runner_cuda_device_count();
     if (options.cuda_devices.empty()) {
-      if (present < world) {
-        return make_error("--tensor-parallel-size {} needs {} GPUs, {} present (--cuda-devices lists the GPU of each "
-                          "rank; ranks may share one GPU, slowly, for testing)", world, world, present);
+      if (present < local) {
+        return make_error("--tensor-parallel-size {} needs {} GPUs{}, {} present (--cuda-devices lists the GPU of "
+                          "each rank; ranks may share one GPU, slowly, for testing)", options.tensor_parallel_size,
+                          local, layout.nnodes > 1 ? " on each node" : "", present);
       }
-      for (int r = 0; r < world; ++r) devices.push_back(r);
+      for (int r = 0; r < local; ++r) devices.push_back(r);
     } else {
       devices = options.cuda_devices;
-      if (static_cast<int>(devices.size()) != world) {
-        return make_error("--cuda-devices lists {} GPUs for --tensor-parallel-size {}", devices.size(), world);
+      if (static_cast<int>(devices.size()) != local) {
+        return make_error("--cuda-devices lists {} GPUs for --tensor-parallel-size {}{}", devices.size(),
+                          options.tensor_parallel_size,
+                          layout.nnodes > 1 ? fmt::format(" ({} per node)", local) : std::string());
       }
       for (const int d : devices) {
         if (d < 0 || d >= present) return make_error("--cuda-devices: GPU {} does not exist ({} present)", d, present);
@@ -340,26 +594,49 @@ constexpr std::string_view kTpHint =
     "path is usually fixed by NCCL_P2P_DISABLE=1 or by disabling ACS / the IOMMU in the BIOS; NCCL_DEBUG=INFO says "
     "what NCCL chose";
 
+Expected<std::unique_ptr<TpRunner>> tp_group(const ModelLoadOptions& options, std::chrono::milliseconds deadline,
+                                             TpGroupCheck* report) {
+  TERN_ASSIGN_OR_RETURN(const NodeLayout layout, node_layout(options));
+  TERN_ASSIGN_OR_RETURN(std::vector<int> devices, rank_devices(options, layout));
+  const bool hint = devices.size() > 1 || layout.nnodes > 1;
+  auto group = std::make_unique<TpRunner>(options.tensor_parallel_size, devices, layout);
+  if (auto joined = group->join_nodes(options.tp_join_timeout); !joined) {
+    return make_error("joining the other nodes at {}:{} failed: {}", layout.store_host, layout.store_port,
+                      joined.error().message);
+  }
+  auto check = group->connect(deadline);
+  if (!check) return make_error("tensor-parallel start-up check failed: {}{}", check.error().message, hint ? kTpHint : "");
+  check->devices = std::move(devices);
+  if (report != nullptr) *report = std::move(*check);
+  return group;
+}
+
 }  // namespace
 
 Expected<TpGroupCheck> tp_group_check(const ModelLoadOptions& options, std::chrono::milliseconds deadline) {
-  TERN_ASSIGN_OR_RETURN(std::vector<int> devices, rank_devices(options));
-  TpRunner group(options.tensor_parallel_size, devices);
-  auto check = group.connect(deadline);
-  if (!check) return make_error("{}{}", check.error().message, devices.size() > 1 ? kTpHint : "");
-  check->devices = std::move(devices);
+  TpGroupCheck check;
+  TERN_TRY(tp_group(options, deadline, &check));
   return check;
 }
 
 Expected<std::unique_ptr<ModelRunner>> tp_runner_load(const std::filesystem::path& dir,
                                                       const ModelLoadOptions& options) {
-  TERN_ASSIGN_OR_RETURN(std::vector<int> devices, rank_devices(options));
-  const bool gpus = devices.size() > 1;
-  auto runner = std::make_unique<TpRunner>(options.tensor_parallel_size, std::move(devices));
-  auto check = runner->connect(options.tp_check_deadline);
-  if (!check) return make_error("tensor-parallel start-up check failed: {}{}", check.error().message, gpus ? kTpHint : "");
+  if (options.node_rank != 0) {
+    return make_error("node {} runs ranks for node 0 (tp_worker_run), not a runner of its own", options.node_rank);
+  }
+  TERN_ASSIGN_OR_RETURN(std::unique_ptr<TpRunner> runner, tp_group(options, options.tp_check_deadline, nullptr));
   TERN_TRY(runner->load(dir, options));
   return std::unique_ptr<ModelRunner>(std::move(runner));
+}
+
+Expected<void> tp_worker_run(const std::filesystem::path& dir, const ModelLoadOptions& options) {
+  if (options.nnodes <= 1 || options.node_rank == 0) {
+    return make_error("--node-rank {} of --nnodes {} is node 0, which serves; the others run its ranks",
+                      options.node_rank, options.nnodes);
+  }
+  TERN_ASSIGN_OR_RETURN(std::unique_ptr<TpRunner> runner, tp_group(options, options.tp_check_deadline, nullptr));
+  TERN_TRY(runner->load(dir, options));
+  return runner->serve_plans();
 }
 
 }  // namespace tern

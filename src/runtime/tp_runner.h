@@ -1,4 +1,5 @@
-// A model split over N tensor-parallel ranks in this process: each rank is a runner of its own (runtime/
+// A model split over N tensor-parallel ranks in this process (or over several processes, "nodes", each running its
+// share of the ranks: NodeLayout): each rank is a runner of its own (runtime/
 // cpu_runner.h) holding its slice of every weight (models/shard.h), driven by its own thread, and the ranks sum
 // their partial outputs over a LoopbackGroup (dist/loopback.h). One step here is the same step on every rank: the
 // same sequences and tokens, each rank extending its own slice of every sequence's caches; rank 0's logits (every
@@ -24,6 +25,15 @@
 
 namespace tern {
 
+// Where the ranks run: `nnodes` processes (machines, or processes of one machine) of world / nnodes ranks each,
+// meeting through the store node 0 serves at store_host:store_port (--dist-init-addr).
+struct NodeLayout {
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string store_host;
+  int store_port = 0;
+};
+
 // What the start-up check of a tensor-parallel group found, before any weight was read.
 struct TpGroupCheck {
   int world = 0;
@@ -43,5 +53,10 @@ Expected<TpGroupCheck> tp_group_check(const ModelLoadOptions& options, std::chro
 // each rank loaded from `dir` with its slice (in parallel). Errors name the rank and what could not be split (a
 // tensor, its sizes and the world size) or loaded.
 Expected<std::unique_ptr<ModelRunner>> tp_runner_load(const std::filesystem::path& dir, const ModelLoadOptions& options);
+
+// A node other than 0 (options.node_rank > 0): its ranks joined, checked and loaded as on node 0, then every step
+// node 0's runner sends run on them, until node 0 stops (success) or is lost (an error past the control group's
+// deadline). The command line's --node-rank N > 0 runs this instead of the command.
+Expected<void> tp_worker_run(const std::filesystem::path& dir, const ModelLoadOptions& options);
 
 }  // namespace tern

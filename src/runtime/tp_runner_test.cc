@@ -13,6 +13,11 @@
 #include <fstream>
 #include <thread>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "dist/loopback.h"
 #include "runtime/cpu_runner.h"
 #include "runtime/model_runner.h"
@@ -263,6 +268,101 @@ TEST(TensorParallelCheck, MoreRanksThanGpusIsRefusedSayingWhatToDo) {
   ASSERT_FALSE(listed.has_value());
   EXPECT_NE(listed.error().message.find("--cuda-devices lists 2 GPUs for --tensor-parallel-size 64"),
             std::string::npos) << listed.error().message;
+}
+
+// A port nothing listens on now (the OS's pick, released at once).
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Two "nodes" in one process: node 1's ranks (tp_worker_run on a thread, over Gloo and a real TCP store) run the
+// steps node 0's runner sends; the logits are one device's, greedy decode included, and node 1 ends when node 0's
+// runner goes away.
+TEST(TensorParallelNodes, TwoNodesOverLoopbackMatchOneDevice) {
+  const std::string name = "qwen3_5_moe";
+  auto one = load(name, 1);
+  ASSERT_TRUE(one);
+  ModelLoadOptions options;
+  options.tensor_parallel_size = 2;
+  options.nnodes = 2;
+  options.dist_init_addr = "127.0.0.1:" + std::to_string(free_port());
+  options.tp_join_timeout = std::chrono::seconds(30);
+  Expected<void> worker_result = make_error("not run");
+  std::thread worker([&] {
+    ModelLoadOptions node1 = options;
+    node1.node_rank = 1;
+    worker_result = tp_worker_run(fixture(name), node1);
+  });
+  {
+    auto split = runner_load(fixture(name), options);
+    ASSERT_TRUE(split.has_value()) << split.error().message;
+    EXPECT_NE((*split)->describe().find("2 tensor-parallel ranks on 2 nodes"), std::string::npos)
+        << (*split)->describe();
+    const int64_t vocab = one->config().vocab_size;
+    for (const auto& prompt : prompts(name)) {
+      SequenceCache a = one->new_sequence(), b = (*split)->new_sequence();
+      std::vector<int32_t> next = prompt;
+      for (int step = 0; step < 8; ++step) {
+        const std::vector<SequenceInput> in_a{{&a, next}}, in_b{{&b, next}};
+        auto want = one->forward(in_a, LogitsFor::kLastToken);
+        auto got = (*split)->forward(in_b, LogitsFor::kLastToken);
+        ASSERT_TRUE(want && got) << (want ? got.error().message : want.error().message);
+        double max_ref = 0.0, worst = 0.0;
+        for (int64_t v = 0; v < vocab; ++v) {
+          max_ref = std::max(max_ref, std::abs(double{(*want)[v]}));
+          worst = std::max(worst, std::abs(double{(*got)[v]} - double{(*want)[v]}));
+        }
+        EXPECT_LE(worst, 1e-5 * max_ref) << "step " << step;
+        const int32_t id = argmax(*want);
+        EXPECT_EQ(argmax(*got), id) << "step " << step;
+        next = {id};
+      }
+    }
+  }  // node 0's runner goes: node 1 is told to stop
+  worker.join();
+  EXPECT_TRUE(worker_result.has_value()) << worker_result.error().message;
+}
+
+TEST(TensorParallelNodes, ImpossibleLayoutsAreRefused) {
+  struct Bad {
+    int tp, nnodes, node_rank;
+    std::string addr, needle;
+  };
+  for (const Bad& b : {Bad{2, 2, 0, "", "needs --dist-init-addr HOST:PORT"},
+                       Bad{2, 2, 0, "127.0.0.1:99999", "needs --dist-init-addr HOST:PORT"},
+                       Bad{3, 2, 0, "127.0.0.1:29500", "--tensor-parallel-size 3 does not divide over --nnodes 2"},
+                       Bad{2, 2, 2, "127.0.0.1:29500", "--node-rank 2 is outside [0, 2)"}}) {
+    ModelLoadOptions options;
+    options.tensor_parallel_size = b.tp;
+    options.nnodes = b.nnodes;
+    options.node_rank = b.node_rank;
+    options.dist_init_addr = b.addr;
+    auto r = b.node_rank == 0 ? runner_load(fixture("qwen3"), options).map([](auto&&) {})
+                              : tp_worker_run(fixture("qwen3"), options);
+    ASSERT_FALSE(r.has_value()) << b.needle;
+    EXPECT_NE(r.error().message.find(b.needle), std::string::npos) << r.error().message;
+  }
+}
+
+TEST(TensorParallelNodes, ANodeThatNeverComesIsADeadlineNotAHang) {
+  ModelLoadOptions options;
+  options.tensor_parallel_size = 2;
+  options.nnodes = 2;
+  options.dist_init_addr = "127.0.0.1:" + std::to_string(free_port());
+  options.tp_join_timeout = std::chrono::seconds(2);
+  const auto start = std::chrono::steady_clock::now();
+  auto r = runner_load(fixture("qwen3"), options);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  EXPECT_NE(r.error().message.find("joining the other nodes at 127.0.0.1"), std::string::npos) << r.error().message;
 }
 
 }  // namespace
