@@ -130,7 +130,7 @@ int run_doctor(const DoctorOptions& o) {
   const DeviceDescription& device = report->device;
   const auto& selections = report->selections;
   const int n_missing = report->n_missing;
-  const std::string& verdict = report->verdict;
+  std::string verdict = report->verdict;
   // What the binary holds for the first GPU, module by module (cudaFuncGetAttributes).
   std::vector<CudaModuleReport> modules;
 #if TERN_HAVE_CUDA
@@ -138,6 +138,7 @@ int run_doctor(const DoctorOptions& o) {
 #endif
   const std::vector<LibraryVersion> libraries = linked_library_versions();
   const TpSection tp = tp_section(o);
+  if (tp.ran && !tp.check) verdict = "NOT OK: the tensor-parallel group failed its check: " + tp.check.error().message;
   if (o.json) {
     nlohmann::ordered_json j;
     j["build"] = build_info_json(libraries);
