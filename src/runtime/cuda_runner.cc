@@ -253,17 +253,7 @@ Expected<void> CudaRunner::capture_decode_graphs() {
 Expected<CudaRunner::SequenceIds> CudaRunner::sequence_ids(const SequenceInput& in, int64_t need_blocks) {
   const int64_t bs = options_.kv_block_size, kv_blocks = ops_.kv_blocks();
   const bool needs_blocks = kv_blocks > 0, needs_slot = ops_.has_gdn();
-  if (!in.kv_blocks.empty() || in.state_slot >= 0) {  // a scheduler's ids: checked, never allocated here
-    if (needs_blocks && static_cast<int64_t>(in.kv_blocks.size()) < need_blocks) {
-      return make_error("a sequence of {} tokens came with {} KV blocks of {} tokens", need_blocks * bs,
-                        in.kv_blocks.size(), bs);
-    }
-    for (const int32_t b : needs_blocks ? in.kv_blocks : std::span<const int32_t>{}) {
-      if (b < 0 || b >= kv_blocks) return make_error("KV block {} is outside the cache's {} blocks", b, kv_blocks);
-    }
-    if (needs_slot && (in.state_slot < 0 || in.state_slot >= options_.max_sequences)) {
-      return make_error("state slot {} is outside the {} this model holds", in.state_slot, options_.max_sequences);
-    }
+  if (!in.kv_blocks.empty() || in.state_slot >= 0) {  // a scheduler's ids: checked by check_inputs, never allocated
     return SequenceIds{in.kv_blocks, in.state_slot};
   }
   auto* seq = dynamic_cast<CudaSequence*>(in.cache->device.get());
