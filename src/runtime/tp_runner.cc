@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "dist/gloo_communicator.h"
+#include "dist/device_communicator.h"
 #include "dist/loopback.h"
 #include "runtime/cpu_runner.h"
 
