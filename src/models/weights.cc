@@ -125,6 +125,8 @@ Expected<Shard> WeightStore::shard_of(const std::string& name) const {
 
 const std::byte* WeightStore::gather(const std::byte* base, int64_t rows, int64_t row_bytes, bool by_rows,
                                      const std::vector<ShardPiece>& pieces) {
+  // A shapes-only store's tensors are all views of one zero buffer as long as the largest of them: so is any slice.
+  if (zeros_) return zeros_.get();
   if (by_rows && pieces.size() == 1) return base + pieces[0].offset * row_bytes;
   if (!by_rows && pieces.size() == 1 && pieces[0].offset == 0 && pieces[0].length == row_bytes) return base;
   std::vector<std::byte> out;

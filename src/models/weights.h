@@ -6,7 +6,8 @@
 // it the schema's shard declarations and the rank; linear(), vector(), dense_matrix() and experts() then return
 // this rank's slice of each tensor as its declaration says (models/shard.h). A slice of whole rows is a view into
 // the checkpoint, like an unsharded tensor; a column split or rows from several segments is a copy the store owns.
-// A store never given a sharding, or given world 1, reads every tensor whole, exactly as before.
+// A store never given a sharding, or given world 1, reads every tensor whole, exactly as before. A shapes-only store's
+// slices, copies included, are views of its one zero buffer (nothing is copied).
 #pragma once
 
 #include <cstdint>
