@@ -133,7 +133,8 @@ void add_tensor_parallel_report(Json& report, const StepTraffic& t, int64_t worl
                                 const std::vector<int64_t>& batch_sizes, const std::string& measured_note) {
   report["tensor_parallel_size"] = world;
   const StepCollectives one = step_collectives(t, world, 1, 1);
-  Json c{{"note", "computed from the blocks' shapes, bf16 as the CUDA runner moves them; not measured"},
+  Json c{{"note", "computed from the blocks' shapes, bf16 as the CUDA runner moves them, at the batch as given (a "
+                  "CUDA graph step pads it to its bucket: 1, 2, 4, 8, then multiples of 8); not measured"},
          {"all_reduces_per_step", one.all_reduces},
          {"hidden", t.hidden},
          {"vocab_range_per_rank", world > 1 ? vocab_shard_rows(t.vocab, world) : t.vocab},
