@@ -9,6 +9,7 @@
 #include <optional>
 #include <random>
 
+#include "cli/bench_plan.h"
 #include "cli/bench_traffic.h"
 #include "cli/model_options.h"
 #if TERN_HAVE_CUDA
@@ -30,6 +31,8 @@ struct BenchOptions {
   uint64_t seed = 1;
   bool json = false;
   bool profile_step = false;  // the last decode step of each batch size between cudaProfilerStart/Stop
+  bool plan_only = false;     // bench_plan.h: rank 0's slice from the config, nothing run
+  double hbm_gbs = 4800;      // --plan-only's bandwidth (H200's HBM3e, as NVIDIA states it)
 };
 
 // For `ncu --profile-from-start off` and `nsys --capture-range=cudaProfilerApi`: only the bracketed step is profiled.
@@ -147,6 +150,7 @@ Expected<void> check_options(const BenchOptions& o) {
   if (o.context < 1 || o.steps < 1 || o.repeats < 1) {
     return make_error("--context {}, --steps {} and --repeats {} must be positive", o.context, o.steps, o.repeats);
   }
+  if (!(o.hbm_gbs > 0)) return make_error("--hbm-gbs {} is not a positive bandwidth", o.hbm_gbs);
   return {};
 }
 
@@ -186,6 +190,9 @@ std::string percent(const nlohmann::ordered_json& v) {
 void print_table(const nlohmann::ordered_json& report) {
   fmt::print("{}\nloaded in {:.1f} s (weights, caches and the start-up self-test)\n",
              report["device"].get<std::string>(), report["load_s"].get<double>());
+  fmt::print("weights{}: {:.2f} GB\n", report["tensor_parallel_size"].get<int64_t>() > 1 ? " per rank" : "",
+             report["weights"]["per_rank_bytes"].get<double>() / 1e9);
+  print_tensor_parallel_report(report);
   if (!report["roofline"].is_null()) {
     fmt::print("limits measured now: copy {:.0f} GB/s (read + write), BF16 GEMM {:.0f} TFLOP/s\n",
                report["roofline"]["copy_gbs"].get<double>(), report["roofline"]["gemm_bf16_tflops"].get<double>());
@@ -205,8 +212,24 @@ void print_table(const nlohmann::ordered_json& report) {
   }
 }
 
+// Why bench reports no measured all-reduce time.
+std::string all_reduce_note(const ModelRunner& m, int world) {
+  if (world <= 1) return "no collectives at one rank";
+  return m.device() == ModelDevice::kCuda
+             ? "not measured: the CUDA runner does not time its all-reduces yet"
+             : "not measured: the CPU ranks' collectives are not timed";
+}
+
 int run_bench(const BenchOptions& o) {
   if (auto ok = check_options(o); !ok) return fail(ok.error().message);
+  if (o.plan_only) {
+    return run_bench_plan({.model_dir = o.model.model_dir,
+                           .world = o.model.tensor_parallel_size,
+                           .batch_sizes = o.batch_sizes,
+                           .context = o.context,
+                           .hbm_gbs = o.hbm_gbs,
+                           .json = o.json});
+  }
   const int64_t max_prefill = *std::max_element(o.prefill_lens.begin(), o.prefill_lens.end());
   const int64_t max_batch = *std::max_element(o.batch_sizes.begin(), o.batch_sizes.end());
   const int64_t chunk = std::min<int64_t>(o.context, 4096);
@@ -223,13 +246,22 @@ int run_bench(const BenchOptions& o) {
   nlohmann::ordered_json report{{"model", o.model.model_dir},
                                 {"device", m.describe()},
                                 {"load_s", load_s}};
-  const auto roof = measure_roofline(m, o.model.cuda_device);
+  // Rank 0's GPU (runtime/tp_runner.h: --cuda-devices, else rank r on GPU r).
+  const int rank0_device = o.model.tensor_parallel_size == 1 ? o.model.cuda_device
+                           : o.model.cuda_devices.empty()    ? 0
+                                                             : o.model.cuda_devices.front();
+  const auto roof = measure_roofline(m, rank0_device);
   report["roofline"] = roof ? *roof : nlohmann::ordered_json(nullptr);
-  report["weights"] = {{"dense_bytes", traffic.dense_weight_bytes},
+  // Every number from here on is one rank's (a tensor-parallel runner's model() is rank 0's slice).
+  report["weights"] = {{"per_rank_bytes", weight_bytes(traffic)},
+                       {"embedding_bytes", traffic.embedding_bytes},
+                       {"dense_bytes", traffic.dense_weight_bytes},
                        {"expert_bytes", traffic.expert_bytes},
                        {"moe_layers", traffic.moe_layers},
                        {"experts", traffic.n_experts},
                        {"top_k", traffic.top_k}};
+  add_tensor_parallel_report(report, traffic, o.model.tensor_parallel_size, o.batch_sizes,
+                             all_reduce_note(m, o.model.tensor_parallel_size));
   report["rows"] = nlohmann::ordered_json::array();
   std::mt19937_64 rng(o.seed);
   for (int64_t length : o.prefill_lens) {
@@ -265,6 +297,10 @@ void register_bench_command(CLI::App& app) {
   cmd->add_option("--repeats", o->repeats, "Timed repeats of each prefill (after one untimed)");
   cmd->add_option("--seed", o->seed, "Seed of the random prompt ids");
   cmd->add_flag("--json", o->json, "Print one JSON object");
+  cmd->add_flag("--plan-only", o->plan_only,
+                "Print what each of the --tp ranks holds and moves per decode step (weights, KV cache, collectives, "
+                "the time at --hbm-gbs) from the config's shapes, without loading or running anything");
+  cmd->add_option("--hbm-gbs", o->hbm_gbs, "--plan-only: the memory bandwidth (GB/s) of the decode time per step");
   cmd->add_flag("--profile-step", o->profile_step,
                 "Bracket the last decode step of each batch size with cudaProfilerStart/Stop (for ncu / nsys)");
   cmd->callback([o] { throw CLI::RuntimeError(run_bench(*o)); });

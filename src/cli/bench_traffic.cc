@@ -1,5 +1,7 @@
 #include "cli/bench_traffic.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <initializer_list>
 
@@ -7,12 +9,12 @@
 #include "layers/block_ops.h"
 #include "layers/gated_deltanet.h"
 #include "layers/moe.h"
+#include "models/shard.h"
 
 namespace tern {
 namespace {
 
-double matrix_bytes(const Linear& l) {
-  const CpuMatrix& m = l.matrix();
+double matrix_bytes(const CpuMatrix& m) {
   const double elements = static_cast<double>(m.rows) * static_cast<double>(m.cols);
   return m.format == CpuWeightFormat::kNvfp4 ? elements / 2 + elements / 16 : elements * 2;
 }
@@ -24,7 +26,7 @@ double matrix_params(const Linear& l) {
 // Bytes and parameters of the linears given, summed.
 void add_linears(std::initializer_list<const Linear*> linears, double& bytes, double& params) {
   for (const Linear* l : linears) {
-    bytes += matrix_bytes(*l);
+    bytes += matrix_bytes(l->matrix());
     params += matrix_params(*l);
   }
 }
@@ -36,8 +38,17 @@ void add_mlp(const MlpWeights& w, double& bytes, double& params) {
 // Counts what each block moves and computes per token, placed as a device would place it (no blocks made).
 class TrafficCounter final : public BlockOps {
  public:
-  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix&, VocabRange) override { return nullptr; }  // one row per token
+  explicit TrafficCounter(bool tied_config) : tied_config_(tied_config) {}
+  Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table, VocabRange vocab) override {
+    table_ = table.data;  // read one row per token: held, not counted per step
+    t_.embedding_bytes = matrix_bytes(table);
+    t_.hidden = table.cols;
+    t_.vocab = vocab.full;
+    ++t_.summed_blocks;
+    return nullptr;
+  }
   Expected<std::unique_ptr<Block>> attention(const RmsNorm&, const Attention& a) override {
+    ++t_.summed_blocks;
     const AttentionWeights& w = a.weights();
     add_linears({&w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj}, t_.dense_weight_bytes, dense_params_);
     const AttentionShape& s = a.shape();
@@ -46,6 +57,7 @@ class TrafficCounter final : public BlockOps {
     return nullptr;
   }
   Expected<std::unique_ptr<Block>> gated_deltanet(const RmsNorm&, const GatedDeltaNet& g) override {
+    ++t_.summed_blocks;
     const GatedDeltaNetWeights& w = g.weights();
     add_linears({&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a, &w.in_proj_qkvz, &w.in_proj_ba, &w.out_proj},
                 t_.dense_weight_bytes, dense_params_);
@@ -53,14 +65,16 @@ class TrafficCounter final : public BlockOps {
     const double state = static_cast<double>(s.n_value_heads * s.key_dim * s.value_dim) * 4;
     const double conv =
         static_cast<double>((2 * s.n_key_heads * s.key_dim + s.n_value_heads * s.value_dim) * (s.conv_kernel - 1)) * 2;
-    t_.state_bytes_per_sequence += 2 * (state + conv);  // read and written back
+    t_.state_bytes_per_sequence += state + conv;
     return nullptr;
   }
   Expected<std::unique_ptr<Block>> mlp(const RmsNorm&, const Mlp& m) override {
+    ++t_.summed_blocks;
     add_mlp(m.weights(), t_.dense_weight_bytes, dense_params_);
     return nullptr;
   }
   Expected<std::unique_ptr<Block>> moe(const RmsNorm&, const Moe& m) override {
+    ++t_.summed_blocks;
     const MoeWeights& w = m.weights();
     add_linears({&w.router}, t_.dense_weight_bytes, dense_params_);
     if (w.shared_expert) {
@@ -80,6 +94,8 @@ class TrafficCounter final : public BlockOps {
   }
   Expected<std::unique_ptr<Block>> lm_head(const RmsNorm&, const Linear& head, VocabRange) override {
     add_linears({&head}, t_.dense_weight_bytes, dense_params_);
+    // Tied: the one table, held once. (The config must say so too: a shapes-only store's tensors share one buffer.)
+    if (tied_config_ && head.matrix().data == table_) t_.embedding_bytes = 0;
     return nullptr;
   }
   Expected<void> trace_output(std::string_view) override { return {}; }
@@ -91,13 +107,15 @@ class TrafficCounter final : public BlockOps {
 
  private:
   StepTraffic t_;
+  const bool tied_config_;
+  const void* table_ = nullptr;
   double dense_params_ = 0, expert_params_ = 0;
 };
 
 }  // namespace
 
 StepTraffic step_traffic_of(const CausalLm& model) {
-  TrafficCounter counter;
+  TrafficCounter counter(model.config().tie_word_embeddings);
   (void)model.visit_blocks(counter);  // the counter's placements never fail
   return counter.finish();
 }
@@ -110,13 +128,93 @@ double expected_distinct_experts(int64_t n_experts, int64_t top_k, int64_t token
 
 double decode_step_bytes(const StepTraffic& t, int64_t batch, double context) {
   const double experts = expected_distinct_experts(t.n_experts, t.top_k, batch);
+  // The Gated DeltaNet state is read and written back.
   return t.dense_weight_bytes + static_cast<double>(t.moe_layers) * experts * t.expert_bytes +
-         static_cast<double>(batch) * (context * t.kv_bytes_per_token + t.state_bytes_per_sequence);
+         static_cast<double>(batch) * (context * t.kv_bytes_per_token + 2 * t.state_bytes_per_sequence);
+}
+
+double weight_bytes(const StepTraffic& t) {
+  return t.dense_weight_bytes + static_cast<double>(t.moe_layers * t.n_experts) * t.expert_bytes + t.embedding_bytes;
+}
+
+double rank_memory_bytes(const StepTraffic& t, int64_t batch, int64_t context) {
+  const double b = static_cast<double>(batch);
+  return weight_bytes(t) + b * (static_cast<double>(context) * t.kv_bytes_per_token + t.state_bytes_per_sequence);
+}
+
+StepCollectives step_collectives(const StepTraffic& t, int64_t world, int64_t tokens, int64_t logit_rows) {
+  if (world <= 1) return {};
+  constexpr double kBf16 = 2;
+  return {.all_reduces = t.summed_blocks,
+          .all_reduce_bytes = static_cast<double>(tokens * t.hidden) * kBf16,
+          .all_gather_bytes =
+              static_cast<double>(logit_rows * vocab_shard_rows(t.vocab, world) * world) * kBf16};
 }
 
 double prefill_flops(const StepTraffic& t, int64_t tokens) {
   const double n = static_cast<double>(tokens);
   return t.linear_flops_per_token * n + t.attention_flops_per_token2 * n * n;
+}
+
+namespace {
+
+// This rank's length of a split dimension of `extent`.
+Expected<double> rank_length(const Shard& shard, int64_t extent, ShardRank rank, const std::string& tensor) {
+  TERN_ASSIGN_OR_RETURN(const std::vector<ShardPiece> pieces, shard_pieces(shard, extent, rank, tensor));
+  return static_cast<double>(shard_pieces_length(pieces));
+}
+
+// Bytes of this rank's slice of a linear [out, in], NVFP4 or BF16.
+Expected<double> rank_linear_bytes(const std::string& module, int64_t out, int64_t in, const Shard& shard,
+                                   bool nvfp4, ShardRank rank) {
+  const bool by_columns = shard.dim == ShardDim::kInput;
+  TERN_ASSIGN_OR_RETURN(const double length, rank_length(shard, by_columns ? in : out, rank, module + ".weight"));
+  const double elements = length * static_cast<double>(by_columns ? out : in);
+  return nvfp4 ? elements / 2 + elements / 16 : elements * 2;
+}
+
+}  // namespace
+
+Expected<SchemaRankBytes> schema_rank_bytes(const WeightSchema& schema, const std::optional<QuantConfig>& quant,
+                                            ShardRank rank) {
+  const bool nvfp4_config = quant && quant->quant_algo.find("NVFP4") != std::string::npos;
+  auto nvfp4 = [&](const std::string& module) { return nvfp4_config && !quant->producer_excludes(module); };
+  SchemaRankBytes b;
+  for (const LinearSpec& l : schema.linears) {
+    if (l.role == LinearRole::kLmHead && schema.tied_embeddings) continue;  // the embedding table itself
+    TERN_ASSIGN_OR_RETURN(const double bytes,
+                          rank_linear_bytes(l.module, l.out_features, l.in_features, l.shard, nvfp4(l.module), rank));
+    b.linear_bytes += bytes;
+  }
+  for (const ExpertGroupSpec& g : schema.expert_groups) {
+    for (int64_t x = 0; x < g.num_experts; ++x) {
+      const std::string e = fmt::format("{}.{}.", g.prefix, x);
+      TERN_ASSIGN_OR_RETURN(const double gate, rank_linear_bytes(e + "gate_proj", g.intermediate, g.hidden,
+                                                                 g.gate_up_shard, nvfp4(e + "gate_proj"), rank));
+      TERN_ASSIGN_OR_RETURN(const double up, rank_linear_bytes(e + "up_proj", g.intermediate, g.hidden,
+                                                               g.gate_up_shard, nvfp4(e + "up_proj"), rank));
+      TERN_ASSIGN_OR_RETURN(const double down, rank_linear_bytes(e + "down_proj", g.hidden, g.intermediate,
+                                                                 g.down_shard, nvfp4(e + "down_proj"), rank));
+      b.expert_bytes += gate + up + down;
+    }
+  }
+  b.linear_bytes += b.expert_bytes;
+  for (const ParamSpec& p : schema.params) {
+    if (p.shard.dim != ShardDim::kVocab || p.shape.size() != 2) continue;  // embed_tokens; norms etc. left out
+    TERN_ASSIGN_OR_RETURN(const double rows, rank_length(p.shard, p.shape[0], rank, p.name));
+    b.embedding_bytes += rows * static_cast<double>(p.shape[1]) * 2;
+  }
+  for (const StateSpec& st : schema.states) {
+    if (st.shape.empty()) continue;
+    TERN_ASSIGN_OR_RETURN(double elements, rank_length(st.shard, st.shape[0], rank, st.name));
+    for (size_t d = 1; d < st.shape.size(); ++d) elements *= static_cast<double>(st.shape[d]);
+    if (st.name.ends_with("_cache")) {
+      b.cache_bytes_per_token += elements * 2;
+    } else {
+      b.state_bytes_per_sequence += elements * (st.name.ends_with("recurrent_state") ? 4 : 2);
+    }
+  }
+  return b;
 }
 
 }  // namespace tern

@@ -72,6 +72,11 @@ Expected<std::unique_ptr<WeightStore>> open_weights(const std::filesystem::path&
 
 Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir, const ModelLoadOptions& options) {
   TERN_ASSIGN_OR_RETURN(ModelConfig config, model_config_load(dir));
+  // Before any weights are made: dummy weights of a model tern cannot build (GLM-5: 1.5 TB) would only be thrown away.
+  if (!model_build_supported(config.architecture)) {
+    return make_error("{}: architecture '{}' is not supported on the CPU yet", dir.string(),
+                      architecture_name(config.architecture));
+  }
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<WeightStore> weights, open_weights(dir, config, options));
   const WeightSchema schema = weight_schema_build(config, weights->text_prefix());
   if (options.shard.world != 1 || options.shard.rank != 0) weights->set_sharding(schema, options.shard);
@@ -94,6 +99,11 @@ Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir,
 }
 
 }  // namespace
+
+bool model_build_supported(Architecture a) {
+  return a == Architecture::kQwen3 || a == Architecture::kQwen3Moe || a == Architecture::kQwen35Moe ||
+         a == Architecture::kQwen3Next;
+}
 
 Expected<std::unique_ptr<CausalLm>> model_build_host(const std::filesystem::path& dir,
                                                      const ModelLoadOptions& options) {

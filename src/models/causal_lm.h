@@ -135,6 +135,8 @@ struct ModelLoadOptions {
 // The model's host blocks, placed on no device (options.device and options.device_options are the runner's:
 // runtime/model_runner.h's runner_load): what its architecture file builds from the config and the weights.
 Expected<std::unique_ptr<CausalLm>> model_build_host(const std::filesystem::path& dir, const ModelLoadOptions& options);
+// Whether model_build_host has a builder for the architecture (it refuses the others before making any weights).
+bool model_build_supported(Architecture architecture);
 
 // Architecture builders (one file each). `quantize_input`: W4A4 for NVFP4 linears.
 Expected<void> qwen3_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema, bool quantize_input);

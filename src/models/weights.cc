@@ -123,8 +123,14 @@ Expected<Shard> WeightStore::shard_of(const std::string& name) const {
   return make_error("tensor '{}' has no shard declaration in the weight schema (world size {})", name, rank_.world);
 }
 
-const std::byte* WeightStore::gather(const std::byte* base, int64_t rows, int64_t row_bytes, bool by_rows,
-                                     const std::vector<ShardPiece>& pieces) {
+const std::byte* WeightStore::gather(const TensorView& t, int64_t offset, int64_t rows, int64_t row_bytes,
+                                     bool by_rows, const std::vector<ShardPiece>& pieces) {
+  // A shapes-only store's tensors are all views of one zero buffer as long as the largest of them: so is any slice.
+  if (zeros_) return zeros_.get();
+  if (auto it = dummies_.find(t.name); it != dummies_.end()) {
+    return generate(it->second, offset, rows, row_bytes, by_rows, pieces);
+  }
+  const std::byte* base = static_cast<const std::byte*>(aligned_data(t)) + offset;
   if (by_rows && pieces.size() == 1) return base + pieces[0].offset * row_bytes;
   if (!by_rows && pieces.size() == 1 && pieces[0].offset == 0 && pieces[0].length == row_bytes) return base;
   std::vector<std::byte> out;
@@ -164,10 +170,9 @@ Expected<CpuMatrix> WeightStore::dense_slice(const TensorView& t, int64_t rows, 
   const bool by_rows = shard.dim != ShardDim::kInput;
   TERN_ASSIGN_OR_RETURN(const std::vector<ShardPiece> pieces, shard_pieces(shard, by_rows ? rows : cols, rank_, what));
   const auto es = static_cast<int64_t>(dtype_size(t.dtype));
-  const auto* base = static_cast<const std::byte*>(aligned_data(t)) + row_offset * cols * es;
   m.rows = by_rows ? shard_pieces_length(pieces) : rows;
   m.cols = by_rows ? cols : shard_pieces_length(pieces);
-  m.data = gather(base, rows, cols * es, by_rows, by_rows ? pieces : in_bytes(pieces, es, 1));
+  m.data = gather(t, row_offset * cols * es, rows, cols * es, by_rows, by_rows ? pieces : in_bytes(pieces, es, 1));
   return m;
 }
 
@@ -221,9 +226,9 @@ Expected<Linear> WeightStore::sharded_linear(const std::string& module, int64_t 
             weight_name, p.offset, p.offset + p.length, rank_.rank, rank_.world);
       }
     }
-    const auto* codes = gather(lw.weight->data.data(), out, in / 2, by_rows, by_rows ? pieces : in_bytes(pieces, 1, 2));
+    const auto* codes = gather(*lw.weight, 0, out, in / 2, by_rows, by_rows ? pieces : in_bytes(pieces, 1, 2));
     const auto* scales =
-        gather(lw.weight_scale->data.data(), out, in / 16, by_rows, by_rows ? pieces : in_bytes(pieces, 1, 16));
+        gather(*lw.weight_scale, 0, out, in / 16, by_rows, by_rows ? pieces : in_bytes(pieces, 1, 16));
     const int64_t length = shard_pieces_length(pieces);
     CpuMatrix m{.format = CpuWeightFormat::kNvfp4,
                 .rows = by_rows ? length : out,
@@ -310,48 +315,120 @@ void WeightStore::add_owned(std::string name, DType dtype, std::vector<int64_t> 
   owned_views_[name] = TensorView{name, dtype, std::move(shape), {b.data(), b.size()}, nullptr};
 }
 
+void WeightStore::add_dummy(std::string name, DType dtype, std::vector<int64_t> shape, DummyTensor d) {
+  d.bytes = numel_of(shape) * static_cast<int64_t>(dtype_size(dtype));
+  owned_views_[name] = TensorView{name, dtype, std::move(shape), {}, nullptr};
+  dummies_.emplace(std::move(name), d);
+}
+
 void WeightStore::add_dummy_linear(const std::string& module, int64_t out, int64_t in, bool nvfp4, uint64_t seed) {
   const uint64_t stream = hash_name(module, seed);
-  const int64_t n = out * in;
   if (!nvfp4) {
-    std::vector<std::byte> bytes(static_cast<size_t>(n) * 2);
-    auto* w = reinterpret_cast<uint16_t*>(bytes.data());
-#pragma omp parallel for schedule(static)
-    for (int64_t k = 0; k < n; ++k) w[k] = float_to_bf16(kDummyStd * dummy_normal(stream, k));
-    add_owned(module + ".weight", DType::kBF16, {out, in}, std::move(bytes));
+    add_dummy(module + ".weight", DType::kBF16, {out, in}, {DummyKind::kNormal, stream});
     return;
   }
   // Random codes drawn directly (quantizing random floats took minutes for a 35B model): every e2m1 code equally
   // likely (root mean square 2.93 in magnitude), block scales e4m3 in [0.5, 1.875], and the global scale chosen so
   // the weights' spread is about kDummyStd, as for the BF16 dummies.
-  std::vector<std::byte> packed(static_cast<size_t>(n / 2)), scales(static_cast<size_t>(n / 16));
   constexpr float kCodeRms = 2.93f, kScaleMean = 1.08f;
   const float global = kDummyStd / (kCodeRms * kScaleMean);
-  const int64_t n_words = static_cast<int64_t>(packed.size()) / 8,
-                n_scale_words = static_cast<int64_t>(scales.size()) / 8;
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n_words; ++i) {
-    const uint64_t bits = splitmix64(stream + static_cast<uint64_t>(i) * 0xD1B54A32D192ED03ull);
-    std::memcpy(&packed[static_cast<size_t>(i * 8)], &bits, 8);
-  }
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n_scale_words; ++i) {
-    // 0x30 | a random low nibble: e4m3 0.5 .. 0.9375 or 1 .. 1.875 (mean 1.08).
-    const uint64_t bits =
-        (splitmix64(~stream + static_cast<uint64_t>(i)) & 0x0F0F0F0F0F0F0F0Full) | 0x3030303030303030ull;
-    std::memcpy(&scales[static_cast<size_t>(i * 8)], &bits, 8);
-  }
-  for (size_t i = static_cast<size_t>(n_words * 8); i < packed.size(); ++i) packed[i] = std::byte{0x21};
-  for (size_t i = static_cast<size_t>(n_scale_words * 8); i < scales.size(); ++i) scales[i] = std::byte{0x38};
   auto scalar = [](float v) {
     std::vector<std::byte> b(4);
     std::memcpy(b.data(), &v, 4);
     return b;
   };
-  add_owned(module + ".weight", DType::kU8, {out, in / 2}, std::move(packed));
-  add_owned(module + ".weight_scale", DType::kF8E4M3, {out, in / 16}, std::move(scales));
+  add_dummy(module + ".weight", DType::kU8, {out, in / 2}, {DummyKind::kCodes, stream});
+  add_dummy(module + ".weight_scale", DType::kF8E4M3, {out, in / 16}, {DummyKind::kScales, stream});
   add_owned(module + ".weight_scale_2", DType::kF32, {}, scalar(global));
   add_owned(module + ".input_scale", DType::kF32, {}, scalar(nvfp4_global_scale_from_amax(kDummyActivationAmax)));
+}
+
+namespace {
+
+// Element k of a dummy BF16 tensor.
+uint16_t dummy_bf16(DummyKind kind, uint64_t stream, int64_t k) {
+  float v = kDummyStd * dummy_normal(stream, k);
+  switch (kind) {
+    case DummyKind::kOne: v = 1.0f; break;
+    case DummyKind::kZero: v = 0.0f; break;
+    case DummyKind::kALog: v = std::log(0.1f + 1.9f * dummy_uniform(stream, k)); break;
+    case DummyKind::kConv: v = 0.2f * dummy_normal(stream, k); break;
+    default: break;
+  }
+  return float_to_bf16(v);
+}
+
+// Bytes [begin, begin + length) of a dummy tensor of `total` bytes into `out`.
+void dummy_fill(DummyKind kind, uint64_t stream, int64_t total, int64_t begin, int64_t length, std::byte* out) {
+  const int64_t end = begin + length;
+  if (kind == DummyKind::kCodes || kind == DummyKind::kScales) {
+    // 8-byte words; the bytes past the last whole word are fixed (0x21: codes +0.5, +1; 0x38: scale 1.0).
+    const int64_t words = total / 8;
+    for (int64_t b = begin; b < end;) {
+      const int64_t w = b / 8;
+      if (w >= words) {
+        out[b++ - begin] = std::byte{kind == DummyKind::kCodes ? uint8_t{0x21} : uint8_t{0x38}};
+        continue;
+      }
+      const uint64_t bits =
+          kind == DummyKind::kCodes
+              ? splitmix64(stream + static_cast<uint64_t>(w) * 0xD1B54A32D192ED03ull)
+              // 0x30 | a random low nibble: e4m3 0.5 .. 0.9375 or 1 .. 1.875 (mean 1.08).
+              : (splitmix64(~stream + static_cast<uint64_t>(w)) & 0x0F0F0F0F0F0F0F0Full) | 0x3030303030303030ull;
+      const int64_t from = b - w * 8, upto = std::min<int64_t>(8, end - w * 8);
+      std::memcpy(out + (b - begin), reinterpret_cast<const std::byte*>(&bits) + from,
+                  static_cast<size_t>(upto - from));
+      b = w * 8 + upto;
+    }
+    return;
+  }
+  for (int64_t b = begin; b < end;) {  // BF16 elements, little-endian
+    const uint16_t v = dummy_bf16(kind, stream, b / 2);
+    const int64_t from = b % 2, upto = std::min<int64_t>(2, end - (b - from));
+    std::memcpy(out + (b - begin), reinterpret_cast<const std::byte*>(&v) + from, static_cast<size_t>(upto - from));
+    b += upto - from;
+  }
+}
+
+}  // namespace
+
+const std::byte* WeightStore::generate(const DummyTensor& d, int64_t offset, int64_t rows, int64_t row_bytes,
+                                       bool by_rows, const std::vector<ShardPiece>& pieces) {
+  int64_t per_row = 0;
+  for (const ShardPiece& p : pieces) per_row += p.length;
+  const int64_t size = by_rows ? per_row * row_bytes : per_row * rows;
+  std::vector<std::byte> out(static_cast<size_t>(size));
+  if (by_rows) {
+    // Chunks of at most 1 MiB, generated in parallel.
+    struct Chunk {
+      int64_t source, length, at;
+    };
+    std::vector<Chunk> chunks;
+    constexpr int64_t kChunk = int64_t{1} << 20;
+    int64_t at = 0;
+    for (const ShardPiece& p : pieces) {
+      const int64_t length = p.length * row_bytes;
+      for (int64_t b = 0; b < length; b += kChunk) {
+        chunks.push_back({offset + p.offset * row_bytes + b, std::min(kChunk, length - b), at + b});
+      }
+      at += length;
+    }
+#pragma omp parallel for schedule(dynamic)
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      dummy_fill(d.kind, d.stream, d.bytes, chunks[c].source, chunks[c].length, out.data() + chunks[c].at);
+    }
+  } else {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t at = r * per_row;
+      for (const ShardPiece& p : pieces) {
+        dummy_fill(d.kind, d.stream, d.bytes, offset + r * row_bytes + p.offset, p.length, out.data() + at);
+        at += p.length;
+      }
+    }
+  }
+  owned_bytes_.push_back(std::move(out));
+  return owned_bytes_.back().data();
 }
 
 std::unique_ptr<WeightStore> WeightStore::make_dummy(const ModelConfig& config, const WeightSchema& schema,
@@ -361,22 +438,14 @@ std::unique_ptr<WeightStore> WeightStore::make_dummy(const ModelConfig& config, 
   const bool zero_centred = config.architecture == Architecture::kQwen35Moe ||
                             config.architecture == Architecture::kQwen3Next;
   for (const ParamSpec& p : schema.params) {
-    const uint64_t stream = hash_name(p.name, seed);
-    const int64_t n = numel_of(p.shape);
-    std::vector<std::byte> bytes(static_cast<size_t>(n) * 2);
-    auto* w = reinterpret_cast<uint16_t*>(bytes.data());
-    const bool is_norm = p.name.ends_with("norm.weight");
-    const bool gated_norm = p.name.ends_with("linear_attn.norm.weight");
-#pragma omp parallel for schedule(static)
-    for (int64_t k = 0; k < n; ++k) {
-      float v = kDummyStd * dummy_normal(stream, k);
-      if (is_norm) v = (zero_centred && !gated_norm) ? 0.0f : 1.0f;
-      if (p.name.ends_with("A_log")) v = std::log(0.1f + 1.9f * dummy_uniform(stream, k));
-      if (p.name.ends_with("dt_bias")) v = 1.0f;
-      if (p.name.ends_with("conv1d.weight")) v = 0.2f * dummy_normal(stream, k);
-      w[k] = float_to_bf16(v);
+    DummyKind kind = DummyKind::kNormal;
+    if (p.name.ends_with("norm.weight")) {
+      kind = zero_centred && !p.name.ends_with("linear_attn.norm.weight") ? DummyKind::kZero : DummyKind::kOne;
     }
-    store->add_owned(p.name, DType::kBF16, p.shape, std::move(bytes));
+    if (p.name.ends_with("A_log")) kind = DummyKind::kALog;
+    if (p.name.ends_with("dt_bias")) kind = DummyKind::kOne;
+    if (p.name.ends_with("conv1d.weight")) kind = DummyKind::kConv;
+    store->add_dummy(p.name, DType::kBF16, p.shape, {kind, hash_name(p.name, seed)});
   }
   for_each_dummy_linear(schema, quant, [&](const std::string& module, int64_t out, int64_t in, bool nvfp4) {
     store->add_dummy_linear(module, out, in, nvfp4, seed);

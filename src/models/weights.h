@@ -6,7 +6,8 @@
 // it the schema's shard declarations and the rank; linear(), vector(), dense_matrix() and experts() then return
 // this rank's slice of each tensor as its declaration says (models/shard.h). A slice of whole rows is a view into
 // the checkpoint, like an unsharded tensor; a column split or rows from several segments is a copy the store owns.
-// A store never given a sharding, or given world 1, reads every tensor whole, exactly as before.
+// A store never given a sharding, or given world 1, reads every tensor whole, exactly as before. A shapes-only store's
+// slices, copies included, are views of its one zero buffer (nothing is copied).
 #pragma once
 
 #include <cstdint>
@@ -28,10 +29,16 @@
 
 namespace tern {
 
+// How make_dummy generates a tensor: BF16 elements (N(0, 0.02); 1; 0; Gated DeltaNet's A_log and conv1d
+// initialisations), or NVFP4 codes or block scales.
+enum class DummyKind { kNormal, kOne, kZero, kALog, kConv, kCodes, kScales };
+
 class WeightStore {
  public:
   static Expected<std::unique_ptr<WeightStore>> open_checkpoint(const std::filesystem::path& dir);
-  // Deterministic in `seed`; activation input_scale of dummy NVFP4 linears is set for inputs of amax ~8.
+  // Deterministic in `seed`; activation input_scale of dummy NVFP4 linears is set for inputs of amax ~8. Each
+  // tensor is generated when read, and of a sharded store only the rank's slice (its values those of the whole
+  // tensor's at the same positions), so that a rank's host memory is its slice, not the whole model.
   static std::unique_ptr<WeightStore> make_dummy(const ModelConfig& config, const WeightSchema& schema,
                                                  const std::optional<QuantConfig>& quant, uint64_t seed);
   // The dummy store's tensors (names, shapes, formats) with all-zero contents, every large one a view of one shared
@@ -66,10 +73,19 @@ class WeightStore {
   // The tensor's data if aligned for its element type, else an aligned copy owned by the store.
   const void* aligned_data(const TensorView& t);
   Expected<Shard> shard_of(const std::string& name) const;
-  // This rank's part of a row-major [rows, row_bytes] block at `base`: `pieces` of rows (by_rows) or of each row's
-  // bytes. One piece of rows, or all of every row, is `base` itself (offset); anything else is copied.
-  const std::byte* gather(const std::byte* base, int64_t rows, int64_t row_bytes, bool by_rows,
+  // This rank's part of a row-major [rows, row_bytes] block at byte `offset` of `t`: `pieces` of rows (by_rows) or
+  // of each row's bytes. One piece of rows, or all of every row, is a view of `t`; anything else is copied; a dummy
+  // tensor's part is generated (generate).
+  const std::byte* gather(const TensorView& t, int64_t offset, int64_t rows, int64_t row_bytes, bool by_rows,
                           const std::vector<ShardPiece>& pieces);
+  struct DummyTensor {
+    DummyKind kind;
+    uint64_t stream;
+    int64_t bytes = 0;
+  };
+  const std::byte* generate(const DummyTensor& d, int64_t offset, int64_t rows, int64_t row_bytes, bool by_rows,
+                            const std::vector<ShardPiece>& pieces);
+  void add_dummy(std::string name, DType dtype, std::vector<int64_t> shape, DummyTensor d);
   // This rank's part of the dense [rows, cols] matrix in `t` that starts at row `row_offset`.
   Expected<CpuMatrix> dense_slice(const TensorView& t, int64_t rows, int64_t cols, int64_t row_offset,
                                   const Shard& shard, const std::string& what);
@@ -86,6 +102,7 @@ class WeightStore {
 
   std::optional<SafetensorsSet> checkpoint_;
   std::map<std::string, TensorView> owned_views_;
+  std::map<std::string, DummyTensor> dummies_;  // make_dummy's tensors, each a view without data in owned_views_
   std::deque<std::vector<std::byte>> owned_bytes_;
   std::string text_prefix_;
   ShardRank rank_;
