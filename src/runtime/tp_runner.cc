@@ -307,7 +307,29 @@ class TpRunner final : public ModelRunner {
     return check;
   }
 
+  // Every rank's slice loaded, then the KV capacity agreed: the fewest tokens any rank of any node holds, so that
+  // node 0's scheduler hands out only block ids every rank has.
   Expected<void> load(const std::filesystem::path& dir, const ModelLoadOptions& options) {
+    TERN_TRY(load_ranks(dir, options));
+    std::vector<int64_t> least(runners_.size(), 0);
+    TERN_TRY(run_ranks("agreeing on the KV cache", [&](int r) -> Expected<void> {
+      // As two exact floats (24 bits each) per rank.
+      const int64_t tokens = runners_[static_cast<size_t>(r)]->kv_cache_tokens();
+      const std::vector<float> mine{static_cast<float>(tokens >> 24), static_cast<float>(tokens & 0xFFFFFF)};
+      std::vector<float> all(2 * static_cast<size_t>(world_));
+      TERN_TRY(host(r).all_gather(mine, all));
+      int64_t fewest = tokens;
+      for (int k = 0; k < world_; ++k) {
+        fewest = std::min(fewest, (static_cast<int64_t>(all[2 * k]) << 24) + static_cast<int64_t>(all[2 * k + 1]));
+      }
+      least[static_cast<size_t>(r)] = fewest;
+      return {};
+    }));
+    kv_tokens_ = least.front();
+    return {};
+  }
+
+  Expected<void> load_ranks(const std::filesystem::path& dir, const ModelLoadOptions& options) {
     return run_ranks("loading", [&](int r) -> Expected<void> {
       ModelLoadOptions rank_options = options;
       rank_options.tensor_parallel_size = 1;
@@ -353,11 +375,7 @@ class TpRunner final : public ModelRunner {
                        layout_.nnodes > 1 ? fmt::format(" on {} nodes", layout_.nnodes) : std::string(),
                        host(0).describe(), runners_.front()->describe());
   }
-  int64_t kv_cache_tokens() const override {
-    int64_t tokens = runners_.front()->kv_cache_tokens();
-    for (const auto& runner : runners_) tokens = std::min(tokens, runner->kv_cache_tokens());
-    return tokens;
-  }
+  int64_t kv_cache_tokens() const override { return kv_tokens_; }
 
  private:
   Expected<std::vector<float>> step(std::span<const SequenceInput> batch, LogitsFor which,
@@ -521,6 +539,7 @@ class TpRunner final : public ModelRunner {
   const std::vector<int> devices_;
   std::vector<std::unique_ptr<Communicator>> rank_comms_;  // several nodes: each rank's Gloo communicator
   std::shared_ptr<ReleaseQueue> released_;
+  int64_t kv_tokens_ = 0;  // the fewest KV tokens any rank holds (load)
   int64_t next_sequence_ = 1;
   std::mutex control_mu_;  // one plan on the control group at a time (steps and heartbeats)
   std::condition_variable heartbeat_cv_;
