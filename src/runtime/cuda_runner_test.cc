@@ -33,18 +33,21 @@ struct Bf16Noise {
   std::vector<bool> greedy_reproduced;  // per prompt: transformers-bf16 decoded the reference continuation
 };
 
-// tp > 1: the model split over that many tensor-parallel ranks sharing this one GPU (their collectives staged
-// through the host, so every step runs eagerly), held to the same references as the whole model.
+// tp > 1: the model split over that many tensor-parallel ranks, held to the same references as the whole model:
+// sharing this one GPU (their collectives staged through the host, so every step runs eagerly), or with `nccl` one
+// GPU per rank over NCCL, decode graphs included (skipped where fewer GPUs are present).
 struct Case {
   std::string fixture;
   std::string reference;
   int tp = 1;
+  bool nccl = false;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.fixture << "/" << c.reference << " at TP " << c.tp; }
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
-  return info.param.fixture + (info.param.tp > 1 ? "_tp" + std::to_string(info.param.tp) : "");
+  return info.param.fixture + (info.param.tp > 1 ? "_tp" + std::to_string(info.param.tp) : "") +
+         (info.param.nccl ? "_nccl" : "");
 }
 
 nlohmann::json read_json(const std::string& path) {
@@ -58,11 +61,12 @@ nlohmann::json reference_of(const Case& c) {
   return read_json(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture + "/" + c.reference);
 }
 
-std::unique_ptr<ModelRunner> load_cuda(const std::string& fixture, DeviceModelOptions sizes = {}, int tp = 1) {
+std::unique_ptr<ModelRunner> load_cuda(const std::string& fixture, DeviceModelOptions sizes = {}, int tp = 1,
+                                       bool nccl = false) {
   ModelLoadOptions options;
   options.device = ModelDevice::kCuda;
   options.tensor_parallel_size = tp;
-  if (tp > 1) options.cuda_devices.assign(static_cast<size_t>(tp), 0);
+  if (tp > 1 && !nccl) options.cuda_devices.assign(static_cast<size_t>(tp), 0);
   options.device_options = sizes;
   if (sizes.kv_cache_tokens == 0) options.device_options.kv_cache_tokens = 4096;
   options.device_options.max_batch_tokens = std::min<int64_t>(options.device_options.max_batch_tokens, 1024);
@@ -80,7 +84,15 @@ Bf16Noise bf16_noise(const std::string& fixture) {
   return n;
 }
 
-class GpuModelReference : public testing::TestWithParam<Case> {};
+class GpuModelReference : public testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (GetParam().nccl && runner_cuda_device_count() < GetParam().tp) {
+      GTEST_SKIP() << GetParam().tp << " ranks over NCCL need " << GetParam().tp << " GPUs; "
+                   << runner_cuda_device_count() << " present";
+    }
+  }
+};
 
 // One position's logits against the reference's (its top ids and their logits): finite everywhere, each reference
 // id within `bound` of the largest reference logit, and our first choice as good as the reference's best. Returns
@@ -109,7 +121,7 @@ double expect_position_matches(const float* row, int64_t vocab, const nlohmann::
 
 TEST_P(GpuModelReference, TeacherForcedLogitsMatchTransformers) {
   const Case& c = GetParam();
-  auto model = load_cuda(c.fixture, {}, c.tp);
+  auto model = load_cuda(c.fixture, {}, c.tp, c.nccl);
   ASSERT_TRUE(model);
   const auto ref = reference_of(c);
   const int64_t vocab = model->config().vocab_size;
@@ -140,7 +152,7 @@ TEST_P(GpuModelReference, OneRowStepsWithTheFusedGemvsMatchTransformers) {
   const Case& c = GetParam();
   auto model = load_cuda(
       c.fixture, DeviceModelOptions{.kernels = {.bf16_gemv = true, .norm_gemv = true, .silu_gemv = true,
-                                                .gdn_norm_in_rule = true}}, c.tp);
+                                                .gdn_norm_in_rule = true}}, c.tp, c.nccl);
   ASSERT_TRUE(model);
   const auto ref = reference_of(c);
   const int64_t vocab = model->config().vocab_size;
@@ -159,7 +171,7 @@ TEST_P(GpuModelReference, OneRowStepsWithTheFusedGemvsMatchTransformers) {
       worst = std::max(worst, expect_position_matches(logits->data(), vocab, positions[t], bound, where));
     }
   }
-  EXPECT_NE(model->describe().find(c.tp > 1 ? "eager decode" : "decode graphs"), std::string::npos)
+  EXPECT_NE(model->describe().find(c.tp > 1 && !c.nccl ? "eager decode" : "decode graphs"), std::string::npos)
       << model->describe();
   std::cout << c.fixture << ": one row per step, max |logit - reference| / max |reference logit| = " << worst
             << " (transformers in bf16: " << bound << ")\n";
@@ -167,7 +179,7 @@ TEST_P(GpuModelReference, OneRowStepsWithTheFusedGemvsMatchTransformers) {
 
 TEST_P(GpuModelReference, GreedyContinuationMatchesTransformers) {
   const Case& c = GetParam();
-  auto model = load_cuda(c.fixture, {}, c.tp);
+  auto model = load_cuda(c.fixture, {}, c.tp, c.nccl);
   ASSERT_TRUE(model);
   const auto ref = reference_of(c);
   const Bf16Noise noise = bf16_noise(c.fixture);
@@ -201,7 +213,7 @@ TEST_P(GpuModelReference, GreedyContinuationMatchesTransformers) {
 // fixture's bf16 bound (kernels pick other tiles for other row counts, so rounding differs and is amplified as
 // any bf16 rounding is).
 TEST_P(GpuModelReference, CachedAndBatchedStepsMatchOnePass) {
-  auto model = load_cuda(GetParam().fixture, {}, GetParam().tp);
+  auto model = load_cuda(GetParam().fixture, {}, GetParam().tp, GetParam().nccl);
   ASSERT_TRUE(model);
   const double bound = bf16_noise(GetParam().fixture).max_rel_logit_error;
   const int64_t vocab = model->config().vocab_size;
@@ -253,7 +265,7 @@ TEST_P(GpuModelReference, CachedAndBatchedStepsMatchOnePass) {
 // sequence's own lease: KV blocks out of order and a state slot of the other end give bit-identical logits, over a
 // prefill and decode steps replayed from a CUDA graph. Ids that do not fit the cache are errors naming them.
 TEST_P(GpuModelReference, StepsOnASchedulersIdsMatchTheLeasedSteps) {
-  auto model = load_cuda(GetParam().fixture, {}, GetParam().tp);
+  auto model = load_cuda(GetParam().fixture, {}, GetParam().tp, GetParam().nccl);
   ASSERT_TRUE(model);
   const std::vector<int32_t> tokens{400, 5, 60, 7, 80, 9, 100, 21, 33, 250, 11, 4, 90, 17, 300, 42, 99, 5, 61, 2};
   const std::vector<int32_t> blocks{200, 3, 255, 17};  // 64 tokens in blocks of 16, none in the lease's order
@@ -308,7 +320,7 @@ TEST_P(GpuModelReference, StepsOnASchedulersIdsMatchTheLeasedSteps) {
 TEST_P(GpuModelReference, IntermediatesTrackTheCpuPath) {
   const Case& c = GetParam();
   // At several ranks both split alike, so that rank 0's own intermediates (a GDN layer's heads) are comparable.
-  auto gpu = load_cuda(c.fixture, {}, c.tp);
+  auto gpu = load_cuda(c.fixture, {}, c.tp, c.nccl);
   auto cpu = runner_load(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture, {.tensor_parallel_size = c.tp});
   ASSERT_TRUE(gpu && cpu.has_value());
   const auto ref = reference_of(c);
@@ -363,9 +375,12 @@ void run_lockstep(ModelRunner& model, const std::function<std::vector<int32_t>(s
 // to the bucket of 4, and 2). The graphs are all captured at load: one per batch-size bucket (1, 2, 4, 8, then steps
 // of 8 up to max_sequences) and block-table width (powers of two up to the KV cache's blocks), and the steps add none.
 TEST_P(GpuModelReference, DecodeGraphsReplayTheEagerSteps) {
-  if (GetParam().tp > 1) GTEST_SKIP() << "collectives staged through the host are not captured into graphs";
-  auto eager = load_cuda(GetParam().fixture, DeviceModelOptions{.cuda_graphs = false, .programmatic_launch = false});
-  auto graphed = load_cuda(GetParam().fixture);
+  if (GetParam().tp > 1 && !GetParam().nccl) {
+    GTEST_SKIP() << "collectives staged through the host are not captured into graphs";
+  }
+  auto eager = load_cuda(GetParam().fixture, DeviceModelOptions{.cuda_graphs = false, .programmatic_launch = false},
+                         GetParam().tp, GetParam().nccl);
+  auto graphed = load_cuda(GetParam().fixture, {}, GetParam().tp, GetParam().nccl);
   ASSERT_TRUE(eager && graphed);
   // load_cuda: 64 sequences, a KV cache of 4096 tokens in blocks of 16 (256 blocks, widths 1 to 256).
   const std::string at_load = graphed->describe();
@@ -410,7 +425,7 @@ TEST_P(GpuModelReference, DecodeGraphsReplayTheEagerSteps) {
 // forward_sample samples on the GPU what the CPU Sampler samples from forward's logits of the same step: per row
 // the same id (greedy, and seeded random sampling with top_p and a repetition penalty), logprob and top logprobs.
 TEST_P(GpuModelReference, SamplingOnTheGpuPicksTheCpuSamplersTokens) {
-  auto model = load_cuda(GetParam().fixture, {}, GetParam().tp);
+  auto model = load_cuda(GetParam().fixture, {}, GetParam().tp, GetParam().nccl);
   ASSERT_TRUE(model);
   const int64_t vocab = model->config().vocab_size;
   const std::vector<SamplingParams> params{
@@ -466,7 +481,12 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, GpuModelReference,
                                          Case{"qwen3_5_moe_nvfp4", "reference_w4a16.json"},
                                          Case{"qwen3", "reference.json", 2}, Case{"qwen3_moe", "reference.json", 2},
                                          Case{"qwen3_5_moe", "reference.json", 2},
-                                         Case{"qwen3_5_moe_nvfp4", "reference_w4a16.json", 2}),
+                                         Case{"qwen3_5_moe_nvfp4", "reference_w4a16.json", 2},
+                                         Case{"qwen3", "reference.json", 2, true},
+                                         Case{"qwen3_moe", "reference.json", 2, true},
+                                         Case{"qwen3_5_moe", "reference.json", 2, true},
+                                         Case{"qwen3_5_moe_nvfp4", "reference_w4a16.json", 2, true},
+                                         Case{"qwen3", "reference.json", 4, true}),
                          case_name);
 
 // qwen3_moe's experts are 32 wide: 8 per rank at TP 4, below the 16 the CUDA MoE GEMMs step K by (the CPU path
