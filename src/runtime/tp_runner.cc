@@ -436,7 +436,6 @@ class TpRunner final : public ModelRunner {
         inputs[r].push_back({&seq->ranks[r], in.tokens, in.kv_blocks, in.state_slot});
       }
     }
-    TERN_TRY(check_inputs(batch));
     for (size_t r = 0; r < runners_.size(); ++r) {
       if (auto checked = runners_[r]->check_inputs(inputs[r]); !checked) {
         return tl::unexpected<Error>(checked.error());
