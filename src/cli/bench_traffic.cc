@@ -98,6 +98,10 @@ class TrafficCounter final : public BlockOps {
     if (tied_config_ && head.matrix().data == table_) t_.embedding_bytes = 0;
     return nullptr;
   }
+  // Not visited: step_traffic_of counts the model's own step (CausalLm::visit_blocks without the draft module).
+  Expected<std::unique_ptr<Block>> draft_input(const RmsNorm&, const RmsNorm&, const Linear&) override {
+    return nullptr;
+  }
   Expected<void> trace_output(std::string_view) override { return {}; }
 
   StepTraffic finish() {

@@ -15,11 +15,20 @@
 
 namespace tern {
 
+// A Gated DeltaNet layer's states at one point of a sequence.
+struct RecurrentStates {
+  std::vector<float> conv_state;           // [conv_channels, kernel - 1]
+  std::vector<float> recurrent_state;      // [n_value_heads, key_dim, value_dim]
+};
+
 // Per layer, per sequence: the KV cache of an attention layer or the states of a Gated DeltaNet layer.
 struct LayerCache {
   std::vector<float> k, v;                 // [tokens, n_kv_heads, head_dim]
   std::vector<float> conv_state;           // [conv_channels, kernel - 1]
   std::vector<float> recurrent_state;      // [n_value_heads, key_dim, value_dim]
+  // The states after each row of the sequence's last verification step (SequenceInput::verify), so that
+  // ModelRunner::keep_rows can set the layer back to any of them.
+  std::vector<RecurrentStates> verified;
 };
 
 // What a sequence holds on a device when the model runs there (KV blocks, state slots); released with the
@@ -32,6 +41,7 @@ struct SequenceCache {
   std::vector<LayerCache> layers;
   std::shared_ptr<DeviceSequenceState> device;  // set when the model runs on a device
   int64_t length = 0;  // tokens already processed
+  int64_t verified_rows = 0;  // rows of the last step, when it verified this sequence (SequenceInput::verify)
 };
 
 // One sequence of a step: its cache and the tokens appended after what the cache holds.
@@ -44,6 +54,11 @@ struct SequenceInput {
   // (ModelRunner::new_sequence) takes them from the runner as it grows, for callers without a scheduler.
   std::span<const int32_t> kv_blocks;
   int32_t state_slot = -1;
+  // Speculative verification: these tokens are the last one and drafts after it. The step returns logits for every
+  // row of this sequence (whatever LogitsFor says) and keeps the recurrent states after each row, so that
+  // ModelRunner::keep_rows can keep the rows up to the first rejected draft. A mode, not a shape: a verification of
+  // k + 1 tokens and a prefill chunk of k + 1 tokens differ only here.
+  bool verify = false;
 };
 
 // Which rows of a step get logits: every token's, or each sequence's last.
@@ -54,6 +69,7 @@ struct BatchSlice {
   int64_t n_rows = 0;
   int64_t past = 0;  // cached tokens before these rows (the first row's position)
   SequenceCache* cache = nullptr;
+  bool verify = false;  // SequenceInput::verify
 };
 
 struct Batch {

@@ -51,6 +51,10 @@ class BlockOps {
   // The final norm and the vocabulary projection over the rows whose logits the step wants.
   virtual Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head,
                                                    VocabRange vocab) = 0;
+  // A draft module's input (models/causal_lm.h's DraftModule): the stream, which holds the embeddings of the step's
+  // tokens, becomes fc([norm_embedding(stream) ; norm_hidden(h)]) with h the hidden rows the step was given.
+  virtual Expected<std::unique_ptr<Block>> draft_input(const RmsNorm& norm_embedding, const RmsNorm& norm_hidden,
+                                                       const Linear& fc) = 0;
   // Hands the last block's output [rows, hidden] to the step's tracer, if it has one, as `name`.
   virtual Expected<void> trace_output(std::string_view name) = 0;
 };

@@ -78,6 +78,18 @@ void GatedDeltaNet::run_sequence(const BatchSlice& seq, LayerCache& cache, const
                                  const float* a, float* out) const {
   const int64_t hk = s_.n_key_heads, hv = s_.n_value_heads, dk = s_.key_dim, t = seq.n_rows;
   const int64_t c = conv_channels(), key_width = hk * dk;
+  if (seq.verify) {
+    // One row at a time (the same arithmetic: the rule is sequential), keeping the states after each.
+    cache.verified.clear();
+    BatchSlice row = seq;
+    row.n_rows = 1;
+    row.verify = false;
+    for (int64_t i = 0; i < t; ++i) {
+      run_sequence(row, cache, qkv + i * c, b + i * hv, a + i * hv, out + i * hv * s_.value_dim);
+      cache.verified.push_back({cache.conv_state, cache.recurrent_state});
+    }
+    return;
+  }
   if (cache.conv_state.empty()) {
     cache.conv_state.assign(c * (s_.conv_kernel - 1), 0.0f);
     cache.recurrent_state.assign(hv * dk * s_.value_dim, 0.0f);

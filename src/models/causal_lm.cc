@@ -11,35 +11,48 @@ namespace tern {
 
 SequenceCache CausalLm::new_cache() const {
   SequenceCache cache;
-  cache.layers.resize(layers.size());
+  cache.layers.resize(layers.size() + (draft ? 1 : 0));
   return cache;
 }
 
-Expected<std::vector<std::unique_ptr<Block>>> CausalLm::make_blocks(BlockOps& ops) const {
+Expected<std::vector<std::unique_ptr<Block>>> CausalLm::make_blocks(BlockOps& ops, bool with_draft) const {
   std::vector<std::unique_ptr<Block>> blocks;
-  blocks.reserve(2 * layers.size() + 2);
+  blocks.reserve(2 * layers.size() + 6);
   TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), ops.embedding(embed_tokens, vocab));
   for (const DecoderLayer& layer : layers) {
     TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), layer.mixer->place(ops, layer.input_norm));
     TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), layer.ffn->place(ops, layer.post_attention_norm));
   }
   TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), ops.lm_head(final_norm, lm_head, vocab));
+  if (with_draft && draft) {
+    TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), ops.draft_input(draft->norm_embedding, draft->norm_hidden, draft->fc));
+    TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), draft->layer.mixer->place(ops, draft->layer.input_norm));
+    TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), draft->layer.ffn->place(ops, draft->layer.post_attention_norm));
+    TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), ops.lm_head(draft->final_norm, lm_head, vocab));
+  }
   return blocks;
 }
 
 Expected<void> CausalLm::place(BlockOps& ops) {
-  TERN_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Block>> blocks, make_blocks(ops));
-  embedding_block_ = std::move(blocks.front());
-  for (size_t i = 0; i < layers.size(); ++i) {
-    layers[i].mixer_block = std::move(blocks[1 + 2 * i]);
-    layers[i].ffn_block = std::move(blocks[2 + 2 * i]);
+  TERN_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Block>> blocks, make_blocks(ops, true));
+  size_t b = 0;
+  embedding_block_ = std::move(blocks[b++]);
+  for (DecoderLayer& layer : layers) {
+    layer.mixer_block = std::move(blocks[b++]);
+    layer.ffn_block = std::move(blocks[b++]);
   }
-  head_block_ = std::move(blocks.back());
+  head_block_ = std::move(blocks[b++]);
+  if (draft) {
+    draft->input_block = std::move(blocks[b++]);
+    draft->layer.mixer_block = std::move(blocks[b++]);
+    draft->layer.ffn_block = std::move(blocks[b++]);
+    draft->head_block = std::move(blocks[b++]);
+  }
   return {};
 }
 
-Expected<void> CausalLm::visit_blocks(BlockOps& ops) const {
-  TERN_TRY(make_blocks(ops));
+Expected<void> CausalLm::visit_blocks(BlockOps& ops, bool with_draft) const {
+  TERN_TRY(make_blocks(ops, with_draft));
   return {};
 }
 
@@ -56,18 +69,29 @@ Expected<void> CausalLm::run_blocks(BlockOps& ops) const {
   return head_block_->forward(-1);
 }
 
+Expected<void> CausalLm::run_draft_blocks(BlockOps& ops) const {
+  if (!draft) return make_error("the model has no draft module (load it with ModelLoadOptions::load_draft)");
+  if (!draft->input_block) return make_error("the draft module's blocks were not placed on a device");
+  const int64_t li = static_cast<int64_t>(layers.size());
+  TERN_TRY(embedding_block_->forward(-1));
+  TERN_TRY(draft->input_block->forward(li));
+  TERN_TRY(draft->layer.mixer_block->forward(li));
+  TERN_TRY(ops.trace_output(trace_name(li, "mixer_out")));
+  TERN_TRY(draft->layer.ffn_block->forward(li));
+  TERN_TRY(ops.trace_output(trace_name(li, "ffn_out")));
+  return draft->head_block->forward(-1);
+}
+
 namespace {
 
 Expected<std::unique_ptr<WeightStore>> open_weights(const std::filesystem::path& dir, const ModelConfig& config,
                                                     const ModelLoadOptions& options) {
   if (options.load_format == LoadFormat::kAuto) return WeightStore::open_checkpoint(dir);
   TERN_ASSIGN_OR_RETURN(std::optional<QuantConfig> quant, quant_config_load(dir));
-  if (options.load_format == LoadFormat::kShapes) {
-    return WeightStore::make_shapes_only(weight_schema_build(config, weight_schema_default_text_prefix(config)),
-                                         quant);
-  }
-  return WeightStore::make_dummy(config, weight_schema_build(config, weight_schema_default_text_prefix(config)), quant,
-                                 options.dummy_seed);
+  const WeightSchema schema =
+      weight_schema_build(config, weight_schema_default_text_prefix(config), options.load_draft);
+  if (options.load_format == LoadFormat::kShapes) return WeightStore::make_shapes_only(schema, quant);
+  return WeightStore::make_dummy(config, schema, quant, options.dummy_seed);
 }
 
 Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir, const ModelLoadOptions& options) {
@@ -77,8 +101,13 @@ Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir,
     return make_error("{}: architecture '{}' is not supported on the CPU yet", dir.string(),
                       architecture_name(config.architecture));
   }
+  if (options.load_draft && !weight_schema_has_draft(config)) {
+    return make_error("{}: this model has no multi-token-prediction layers to draft with (config.json: "
+                      "mtp_num_hidden_layers / num_nextn_predict_layers is 0, or the architecture '{}' has none tern "
+                      "can run)", dir.string(), architecture_name(config.architecture));
+  }
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<WeightStore> weights, open_weights(dir, config, options));
-  const WeightSchema schema = weight_schema_build(config, weights->text_prefix());
+  const WeightSchema schema = weight_schema_build(config, weights->text_prefix(), options.load_draft);
   if (options.shard.world != 1 || options.shard.rank != 0) weights->set_sharding(schema, options.shard);
   WeightStore& store = *weights;
   auto model = std::make_unique<CausalLm>(config, std::move(weights));
@@ -94,6 +123,7 @@ Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir,
       return make_error("{}: architecture '{}' is not supported on the CPU yet", dir.string(),
                         architecture_name(config.architecture));
   }
+  if (built && options.load_draft) built = qwen3_5_moe_build_draft(*model, store, schema, wa4);
   if (!built) return wrap_error(built.error(), dir.string());
   return model;
 }

@@ -38,26 +38,43 @@ struct DecoderLayer {
   std::unique_ptr<Block> mixer_block, ffn_block;
 };
 
+// A multi-token-prediction module, run as the draft model of speculative decoding (Qwen3.5 / Qwen3-Next `mtp.*`,
+// docs/speculative.md): for the token x[t + 1] and the model's hidden state h[t] (after its final norm), the stream
+// starts as fc([norm_embedding(embed(x[t + 1])) ; norm_hidden(h[t])]), runs one decoder layer (layer
+// num_hidden_layers of a sequence's caches, at position t) and ends in final_norm and the model's lm_head: logits
+// for x[t + 2]. Chained, its own normed output stands in for h.
+struct DraftModule {
+  RmsNorm norm_embedding, norm_hidden, final_norm;
+  Linear fc;  // [hidden, 2 * hidden]
+  DecoderLayer layer;
+  std::unique_ptr<Block> input_block, head_block;
+};
+
 class CausalLm {
  public:
   CausalLm(ModelConfig config, std::unique_ptr<WeightStore> weights) : config_(std::move(config)),
                                                                       weights_(std::move(weights)) {}
 
   const ModelConfig& config() const { return config_; }
-  // A new sequence's host caches (one LayerCache per layer, empty), without any device state.
+  // A new sequence's host caches (one LayerCache per layer and one for the draft module's layer, empty), without
+  // any device state.
   SequenceCache new_cache() const;
 
   // Makes every block for `ops`'s device and keeps them: from then on run_blocks runs them (a runner does this once
   // at load; the host weights stay mapped, since the device's blocks may read them).
   Expected<void> place(BlockOps& ops);
   // Hands every host block to `ops` in the model's order (embedding, each layer's mixer and feed-forward block,
-  // lm_head) and drops what it makes: for devices that only look, such as the self-test's planner.
-  Expected<void> visit_blocks(BlockOps& ops) const;
+  // lm_head; then, `with_draft`, the draft module's) and drops what it makes: for devices that only look, such as
+  // the self-test's planner.
+  Expected<void> visit_blocks(BlockOps& ops, bool with_draft = false) const;
 
   // The layer loop, the same on every device and every tensor-parallel rank: embedding, each layer's mixer and
   // feed-forward block, the final norm and lm_head, as placed by place(ops). The runner sets up the step its blocks
   // read before calling it.
   Expected<void> run_blocks(BlockOps& ops) const;
+  // The draft module's loop (embedding, its input block, its layer, its head), as placed by place(ops); the runner
+  // sets up the step and the hidden rows its input block reads.
+  Expected<void> run_draft_blocks(BlockOps& ops) const;
 
   // Set by the architecture builders.
   CpuMatrix embed_tokens;
@@ -65,12 +82,13 @@ class CausalLm {
   RmsNorm final_norm;
   Linear lm_head;
   VocabRange vocab;  // the rows of the vocabulary embed_tokens and lm_head hold (a tensor-parallel rank's, or all)
+  std::unique_ptr<DraftModule> draft;  // loaded when asked for (ModelLoadOptions::load_draft)
   std::vector<std::string> notices;  // worth telling the user once (e.g. skipped vision weights)
 
  private:
   // Every host block made for `ops`, in the model's order: embedding, each layer's mixer and feed-forward block,
-  // lm_head.
-  Expected<std::vector<std::unique_ptr<Block>>> make_blocks(BlockOps& ops) const;
+  // lm_head; then, `with_draft`, the draft module's input block, mixer, feed-forward block and head.
+  Expected<std::vector<std::unique_ptr<Block>>> make_blocks(BlockOps& ops, bool with_draft) const;
 
   ModelConfig config_;
   std::unique_ptr<WeightStore> weights_;  // owns the memory the views above point into
@@ -127,6 +145,9 @@ struct ModelLoadOptions {
   std::string dist_init_addr;
   std::chrono::milliseconds tp_join_timeout{120000};
   bool nvfp4_quantize_activations = false;  // W4A4 instead of W4A16
+  // Also the model's multi-token-prediction module (CausalLm::draft), the draft model of speculative decoding: an
+  // error for a model without one.
+  bool load_draft = false;
   uint64_t dummy_seed = 0;
   ModelDevice device = ModelDevice::kCpu;
   DeviceModelOptions device_options;
@@ -143,5 +164,8 @@ Expected<void> qwen3_build(CausalLm& model, WeightStore& weights, const WeightSc
 Expected<void> qwen3_moe_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema, bool quantize_input);
 Expected<void> qwen3_5_moe_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
                                  bool quantize_input);
+// The draft module the schema declares (weight_schema_build's with_draft) into model.draft.
+Expected<void> qwen3_5_moe_build_draft(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
+                                       bool quantize_input);
 
 }  // namespace tern

@@ -7,7 +7,7 @@
 namespace tern {
 
 std::string layer_tensor(const WeightSchema& schema, int64_t layer, std::string_view rest) {
-  return fmt::format("{}layers.{}.{}", schema.text_prefix, layer, rest);
+  return fmt::format("{}{}", schema.layer_prefix(layer), rest);
 }
 
 Expected<RmsNorm> build_norm(WeightStore& w, const std::string& name, int64_t dim, double eps, bool zero_centred) {

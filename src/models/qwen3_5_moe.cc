@@ -64,4 +64,24 @@ Expected<void> qwen3_5_moe_build(CausalLm& model, WeightStore& w, const WeightSc
   return {};
 }
 
+Expected<void> qwen3_5_moe_build_draft(CausalLm& model, WeightStore& w, const WeightSchema& schema,
+                                       bool quantize_input) {
+  const ModelConfig& c = model.config();
+  const bool next = c.architecture == Architecture::kQwen3Next;
+  const std::string& p = schema.draft_prefix;
+  if (p.empty()) return make_error("the weight schema declares no draft module");
+  const int64_t h = c.hidden_size, li = c.num_hidden_layers;
+  auto draft = std::make_unique<DraftModule>();
+  TERN_ASSIGN_OR_RETURN(draft->norm_embedding,
+                        build_norm(w, p + "pre_fc_norm_embedding.weight", h, c.rms_norm_eps, true));
+  TERN_ASSIGN_OR_RETURN(draft->norm_hidden, build_norm(w, p + "pre_fc_norm_hidden.weight", h, c.rms_norm_eps, true));
+  TERN_ASSIGN_OR_RETURN(draft->final_norm, build_norm(w, p + "norm.weight", h, c.rms_norm_eps, true));
+  TERN_ASSIGN_OR_RETURN(draft->fc, w.linear(p + "fc", h, 2 * h, quantize_input));
+  TERN_TRY(build_layer_norms(c, w, schema, li, /*zero_centred=*/true, draft->layer));
+  TERN_ASSIGN_OR_RETURN(draft->layer.mixer, build_attention(c, w, schema, li, true, quantize_input));
+  TERN_ASSIGN_OR_RETURN(draft->layer.ffn, build_moe(c, w, schema, li, next ? c.norm_topk_prob : true, quantize_input));
+  model.draft = std::move(draft);
+  return {};
+}
+
 }  // namespace tern

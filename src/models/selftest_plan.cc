@@ -104,6 +104,11 @@ class Planner final : public BlockOps {
     for (int64_t rows : {1, 8}) add("sampling", sampling_case(rows, head.out_features()));
     return nullptr;
   }
+  // The draft module's fc; its norms are the model's kind (rms_norm's cases already cover the hidden width).
+  Expected<std::unique_ptr<Block>> draft_input(const RmsNorm&, const RmsNorm&, const Linear& fc) override {
+    linear(fc);
+    return nullptr;
+  }
   Expected<void> trace_output(std::string_view) override { return {}; }
 
   // The GEMM ops last: their cases are the shapes every block reported, lead first.

@@ -8,7 +8,11 @@ namespace {
 // Builds the schema layer by layer; each add_* mirrors one HF module and its parameter names.
 class SchemaBuilder {
  public:
-  SchemaBuilder(const ModelConfig& c, std::string_view prefix) : c_(c) { schema_.text_prefix = prefix; }
+  SchemaBuilder(const ModelConfig& c, std::string_view prefix, bool with_draft) : c_(c) {
+    schema_.text_prefix = prefix;
+    schema_.num_layers = c.num_hidden_layers;
+    if (with_draft) schema_.draft_prefix = "mtp.";
+  }
 
   WeightSchema build() {
     const int64_t h = c_.hidden_size;
@@ -16,6 +20,7 @@ class SchemaBuilder {
     for (int64_t i = 0; i < c_.num_hidden_layers; ++i) add_layer(i);
     param("norm.weight", {h});
     schema_.tied_embeddings = c_.tie_word_embeddings;
+    if (!schema_.draft_prefix.empty()) add_draft();
     schema_.linears.push_back({"lm_head", c_.vocab_size, h, LinearRole::kLmHead, -1, false, Shard::vocab()});
     add_skipped();
     return std::move(schema_);
@@ -23,7 +28,7 @@ class SchemaBuilder {
 
  private:
   std::string layer_name(int64_t layer, std::string_view rest) const {
-    return fmt::format("{}layers.{}.{}", schema_.text_prefix, layer, rest);
+    return fmt::format("{}{}", schema_.layer_prefix(layer), rest);
   }
   // Without a shard argument a tensor is replicated (norms, routers, MLA's latent projections, the indexer).
   void param(std::string_view rest, std::vector<int64_t> shape, Shard shard = {}) {
@@ -38,6 +43,22 @@ class SchemaBuilder {
   }
   void state(int64_t layer, std::string_view rest, std::vector<int64_t> shape, Shard shard) {
     schema_.states.push_back({layer_name(layer, rest), std::move(shape), std::move(shard)});
+  }
+
+  // Qwen3.5 / Qwen3-Next MTP: [norm(embedding) ; norm(hidden)] -> fc -> one full-attention MoE decoder layer ->
+  // norm, sharing embed_tokens and lm_head with the model. fc and the norms are replicated on every rank (fc is
+  // 2 * hidden^2: small beside the layer); the layer splits as the model's own layers do.
+  void add_draft() {
+    const int64_t h = c_.hidden_size, i = c_.num_hidden_layers;
+    const std::string& p = schema_.draft_prefix;
+    for (const char* norm : {"pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight"}) {
+      schema_.params.push_back({p + norm, {h}, Shard{}});
+    }
+    schema_.linears.push_back({p + "fc", h, 2 * h, LinearRole::kDraftInput, i, false, Shard{}});
+    layer_param(i, "input_layernorm.weight", {h});
+    layer_param(i, "post_attention_layernorm.weight", {h});
+    add_attention(i);
+    add_moe(i);
   }
 
   void add_layer(int64_t i) {
@@ -171,8 +192,11 @@ class SchemaBuilder {
         schema_.skipped_reasons.emplace_back("vision tower (tern serves the text model)");
       }
     }
-    schema_.skipped_prefixes.emplace_back("mtp.");  // Qwen3.5 / Qwen3-Next multi-token prediction
-    schema_.skipped_reasons.emplace_back("multi-token-prediction layers (not used for plain decoding)");
+    if (schema_.draft_prefix.empty()) {
+      schema_.skipped_prefixes.emplace_back("mtp.");  // Qwen3.5 / Qwen3-Next multi-token prediction
+      schema_.skipped_reasons.emplace_back(
+          "multi-token-prediction layers (used only as the draft model of --speculative-algorithm mtp)");
+    }
     for (int64_t m = 0; m < c_.num_mtp_layers; ++m) {  // DeepSeek-V3 / GLM-5 keep MTP as extra decoder layers
       schema_.skipped_prefixes.push_back(fmt::format("{}layers.{}.", schema_.text_prefix, c_.num_hidden_layers + m));
       schema_.skipped_reasons.emplace_back("multi-token-prediction layers (not used for plain decoding)");
@@ -196,8 +220,18 @@ std::string weight_schema_default_text_prefix(const ModelConfig& config) {
   return config.has_vision ? "model.language_model." : "model.";
 }
 
-WeightSchema weight_schema_build(const ModelConfig& config, std::string_view text_prefix) {
-  return SchemaBuilder(config, text_prefix).build();
+std::string WeightSchema::layer_prefix(int64_t layer) const {
+  if (layer >= num_layers && !draft_prefix.empty()) return fmt::format("{}layers.{}.", draft_prefix, layer - num_layers);
+  return fmt::format("{}layers.{}.", text_prefix, layer);
+}
+
+bool weight_schema_has_draft(const ModelConfig& config) {
+  return (config.architecture == Architecture::kQwen35Moe || config.architecture == Architecture::kQwen3Next) &&
+         config.num_mtp_layers > 0 && config.num_experts > 0;
+}
+
+WeightSchema weight_schema_build(const ModelConfig& config, std::string_view text_prefix, bool with_draft) {
+  return SchemaBuilder(config, text_prefix, with_draft && weight_schema_has_draft(config)).build();
 }
 
 }  // namespace tern

@@ -18,7 +18,7 @@
 namespace tern {
 
 enum class LinearRole { kAttention, kLinearAttention, kIndexer, kMlp, kRouter, kSharedExpert, kSharedExpertGate,
-                        kLmHead };
+                        kLmHead, kDraftInput };
 
 struct LinearSpec {
   std::string module;     // checkpoint name without ".weight"
@@ -64,11 +64,24 @@ struct WeightSchema {
   std::vector<std::string> skipped_prefixes;  // present in checkpoints but not served: vision tower, MTP layers
   std::vector<std::string> skipped_reasons;   // one per skipped prefix
   bool tied_embeddings = false;             // lm_head may be absent and reuse embed_tokens
+  // The decoder layers 0 .. num_layers - 1 live at "<text_prefix>layers.<i>."; a draft module's layers (the MTP
+  // layers, declared only when asked for) follow as layers num_layers, num_layers + 1, ... at
+  // "<draft_prefix>layers.<i - num_layers>.".
+  int64_t num_layers = 0;
+  std::string draft_prefix;                 // "mtp." (Qwen3.5 / Qwen3-Next); empty: no draft module declared
+
+  // Where layer `layer`'s tensors are named: "<text_prefix>layers.<layer>." or a draft layer's place.
+  std::string layer_prefix(int64_t layer) const;
 };
 
 // text_prefix is where the checkpoint keeps the text model ("model." for *ForCausalLM, "model.language_model." for
-// the multimodal *ForConditionalGeneration layout).
-WeightSchema weight_schema_build(const ModelConfig& config, std::string_view text_prefix);
+// the multimodal *ForConditionalGeneration layout). `with_draft`: also the model's multi-token-prediction module
+// (Qwen3.5 / Qwen3-Next `mtp.*`: two norms, `mtp.fc` [hidden, 2 * hidden], one gated-attention MoE decoder layer and
+// its final norm) instead of listing it as skipped; only for configs with weight_schema_has_draft.
+WeightSchema weight_schema_build(const ModelConfig& config, std::string_view text_prefix, bool with_draft = false);
+// Whether tern can run this config's MTP module as a draft model (Qwen3.5-MoE / Qwen3-Next with
+// mtp_num_hidden_layers / num_nextn_predict_layers > 0).
+bool weight_schema_has_draft(const ModelConfig& config);
 
 // Where a checkpoint keeps its text model: "model.language_model." when any tensor lives there, else "model.".
 std::string weight_schema_text_prefix(const SafetensorsSet& tensors);

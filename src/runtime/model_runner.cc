@@ -22,9 +22,84 @@ Expected<void> DeviceRunner::place() {
 
 Expected<std::vector<float>> ModelRunner::forward(std::span<const SequenceInput> batch, LogitsFor which,
                                                   const Tracer* tracer) {
+  std::vector<StepRows> rows = rows_of(batch);
   TERN_ASSIGN_OR_RETURN(std::vector<float> logits, step(batch, which, tracer));
-  for (const SequenceInput& in : batch) in.cache->length += static_cast<int64_t>(in.tokens.size());
+  last_forward_ = std::move(rows);
+  for (const SequenceInput& in : batch) {
+    in.cache->length += static_cast<int64_t>(in.tokens.size());
+    in.cache->verified_rows = in.verify ? static_cast<int64_t>(in.tokens.size()) : 0;
+  }
   return logits;
+}
+
+Expected<void> ModelRunner::keep_rows(SequenceCache& seq, int64_t rows) {
+  if (seq.verified_rows == 0) return make_error("keep_rows: the sequence's last step verified nothing");
+  if (rows < 1 || rows > seq.verified_rows) {
+    return make_error("keep_rows: {} rows asked of a verification of {}", rows, seq.verified_rows);
+  }
+  TERN_TRY(restore_verified(seq, rows));
+  seq.length -= seq.verified_rows - rows;
+  seq.verified_rows = 0;
+  return {};
+}
+
+std::vector<ModelRunner::StepRows> ModelRunner::rows_of(std::span<const SequenceInput> batch) {
+  std::vector<StepRows> rows;
+  int64_t begin = 0;
+  for (const SequenceInput& in : batch) {
+    rows.push_back({begin, static_cast<int64_t>(in.tokens.size()), in.cache->length});
+    begin += static_cast<int64_t>(in.tokens.size());
+  }
+  return rows;
+}
+
+Expected<std::vector<float>> ModelRunner::draft(std::span<const DraftInput> inputs, LogitsFor which) {
+  if (!has_draft()) return make_error("the model was loaded without its draft module");
+  const int64_t vocab = config().vocab_size;
+  std::vector<int64_t> hidden_rows;
+  std::vector<StepRows> rows;
+  int64_t begin = 0;
+  for (const DraftInput& in : inputs) {
+    const int64_t n = static_cast<int64_t>(in.seq.tokens.size());
+    if (in.seq.cache == nullptr || n == 0) return make_error("a draft input without a cache or tokens");
+    if (in.hidden != inputs.front().hidden) return make_error("a draft step reads the hidden states of one step");
+    for (const int32_t id : in.seq.tokens) {
+      if (id < 0 || id >= vocab) return make_error("token id {} is outside the vocabulary [0, {})", id, vocab);
+    }
+    const std::vector<StepRows>& from = in.hidden == DraftHidden::kModel ? last_forward_ : last_draft_;
+    if (in.source < 0 || in.source >= static_cast<int64_t>(from.size())) {
+      return make_error("a draft input reads sequence {} of a step of {}", in.source, from.size());
+    }
+    const StepRows& src = from[static_cast<size_t>(in.source)];
+    if (in.hidden == DraftHidden::kModel) {
+      // Row j is position src.position + j, whose hidden state the model computed.
+      if (in.position != src.position || n > src.n_rows) {
+        return make_error("draft rows at positions {}..{} read the model's rows at {}..{}", in.position,
+                          in.position + n - 1, src.position, src.position + src.n_rows - 1);
+      }
+      for (int64_t j = 0; j < n; ++j) hidden_rows.push_back(src.row_begin + j);
+    } else {
+      // A chain: one row at the position after the source's last.
+      if (n != 1 || in.position != src.position + src.n_rows) {
+        return make_error("a chained draft row at position {} (of {}) after draft rows ending at {}", in.position, n,
+                          src.position + src.n_rows - 1);
+      }
+      hidden_rows.push_back(src.row_begin + src.n_rows - 1);
+    }
+    rows.push_back({begin, n, in.position});
+    begin += n;
+  }
+  TERN_ASSIGN_OR_RETURN(std::vector<float> logits, draft_step(inputs, which, hidden_rows));
+  last_draft_ = std::move(rows);
+  return logits;
+}
+
+Expected<void> ModelRunner::restore_verified(SequenceCache&, int64_t) {
+  return make_error("{} cannot verify speculative tokens", describe());
+}
+
+Expected<std::vector<float>> ModelRunner::draft_step(std::span<const DraftInput>, LogitsFor, std::span<const int64_t>) {
+  return make_error("{} cannot run a draft module", describe());
 }
 
 Expected<SampleResults> ModelRunner::forward_sample(std::span<const SequenceInput> batch,
@@ -32,8 +107,16 @@ Expected<SampleResults> ModelRunner::forward_sample(std::span<const SequenceInpu
   if (rows.size() != batch.size()) {
     return make_error("forward_sample: {} sampling rows for {} sequences", rows.size(), batch.size());
   }
+  for (const SequenceInput& in : batch) {
+    if (in.verify) return make_error("forward_sample: a verification step returns logits (forward), not tokens");
+  }
+  std::vector<StepRows> step_rows = rows_of(batch);
   TERN_ASSIGN_OR_RETURN(SampleResults results, sample_step(batch, rows));
-  for (const SequenceInput& in : batch) in.cache->length += static_cast<int64_t>(in.tokens.size());
+  last_forward_ = std::move(step_rows);
+  for (const SequenceInput& in : batch) {
+    in.cache->length += static_cast<int64_t>(in.tokens.size());
+    in.cache->verified_rows = 0;
+  }
   return results;
 }
 

@@ -33,6 +33,22 @@ struct SampleRow {
   Sampler* sampler = nullptr;
   std::span<const int32_t> prompt_ids, output_ids;
 };
+// Which hidden states the rows of a draft step read (ModelRunner::draft).
+enum class DraftHidden {
+  kModel,  // the model's own, after its final norm: the sequence's rows in the runner's last forward step
+  kDraft,  // the draft module's output: the sequence's last row in the runner's last draft step
+};
+
+// One sequence of a draft step: row j runs the draft module at position `position + j` on seq.tokens[j] (the
+// token that followed that position) with hidden state j of the sequence `source` of the step named by `hidden`:
+// its rows from the first on (kModel), or its last row (kDraft, one row only).
+struct DraftInput {
+  SequenceInput seq;  // the cache, the tokens and the KV ids; `verify` is not used
+  int64_t position = 0;
+  DraftHidden hidden = DraftHidden::kModel;
+  int64_t source = 0;  // the sequence's index in that step's batch
+};
+
 // Per sequence of the step: the token, or why this sequence could not sample (a non-finite logit, a penalty id
 // outside the vocabulary); an entry for a null sampler holds an unused token.
 using SampleResults = std::vector<Expected<SampledToken>>;
@@ -61,6 +77,18 @@ class ModelRunner {
   // entry.
   Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch, std::span<const SampleRow> rows);
 
+  // Speculative decoding (runtime/speculative.h): whether the model's draft module was loaded
+  // (ModelLoadOptions::load_draft).
+  bool has_draft() const { return model().draft != nullptr; }
+  // After a step that verified `seq` (SequenceInput::verify) over n rows, keeps its first `rows` (1 <= rows <= n):
+  // the cache holds `rows` more tokens than before that step and its recurrent states are those after row `rows`,
+  // as if only those rows had run. The KV entries of the rows dropped are overwritten by later steps.
+  Expected<void> keep_rows(SequenceCache& seq, int64_t rows);
+  // The draft module over `inputs` (each sequence's cache gets the draft layer's KV at the inputs' positions; its
+  // length is not changed): logits of every row (kAllTokens) or of each input's last row (kLastToken). The hidden
+  // states of the last forward step and of this draft step stay with the runner until the next of each.
+  Expected<std::vector<float>> draft(std::span<const DraftInput> inputs, LogitsFor which);
+
   // What a step would refuse of this batch, found before anything runs: token ids outside the vocabulary (the
   // default) and, on a device, sizes and cache ids beyond what it holds. The tensor-parallel runner asks every rank
   // first, so that a refused batch fails alike on every rank and leaves the group working.
@@ -86,6 +114,21 @@ class ModelRunner {
   // step(kLastToken) ending in a token per sequence. The default samples step's logits through each row's Sampler;
   // a device that samples on its own (CUDA) overrides it.
   virtual Expected<SampleResults> sample_step(std::span<const SequenceInput> batch, std::span<const SampleRow> rows);
+  // The device's part of keep_rows: every recurrent state of `seq` set to the one after row `rows` of its last
+  // verification (the KV length is the caller's). The default: a device without a draft module.
+  virtual Expected<void> restore_verified(SequenceCache& seq, int64_t rows);
+  // The device's part of draft(), on inputs draft() checked: `hidden_rows[k]` is the row, in the buffer of hidden
+  // states of the step inputs.front().hidden names, that the k-th row of the draft step reads.
+  virtual Expected<std::vector<float>> draft_step(std::span<const DraftInput> inputs, LogitsFor which,
+                                                  std::span<const int64_t> hidden_rows);
+
+ private:
+  // Where each sequence's rows sat in the last forward step and the last draft step, for draft()'s checks.
+  struct StepRows {
+    int64_t row_begin = 0, n_rows = 0, position = 0;
+  };
+  static std::vector<StepRows> rows_of(std::span<const SequenceInput> batch);
+  std::vector<StepRows> last_forward_, last_draft_;
 };
 
 // A runner of one device holding the model it runs (the CPU's, a GPU's; or one tensor-parallel rank's slice).
@@ -102,6 +145,8 @@ class DeviceRunner : public ModelRunner {
   Expected<void> place();
   // The model's layer loop over the step the device has set up.
   Expected<void> run_model() { return model_->run_blocks(ops()); }
+  // The draft module's loop over the draft step the device has set up.
+  Expected<void> run_draft() { return model_->run_draft_blocks(ops()); }
 
   virtual BlockOps& ops() = 0;
   virtual Expected<void> finish_load() = 0;

@@ -216,17 +216,9 @@ std::vector<double> expected_distribution(const std::vector<int>& kept_ranks, do
   return q;
 }
 
-void expect_distribution(const SamplingParams& params, const std::vector<int>& kept_ranks) {
-  Sampler sampler(params);
-  const std::vector<float> row = ranked_row();
-  std::vector<int> counts(row.size(), 0);
-  for (int i = 0; i < kDraws; ++i) {
-    const int32_t id = sample_ok(sampler, row).id;
-    ASSERT_TRUE(id >= 0 && id < static_cast<int32_t>(row.size())) << id;
-    ++counts[id];
-  }
-  const std::vector<double> q = expected_distribution(kept_ranks, params.temperature);
-  for (size_t id = 0; id < row.size(); ++id) {
+// Each id's count of kDraws within 5 sigma of its expected probability `q`, none outside the support.
+void expect_counts(const std::vector<int>& counts, const std::vector<double>& q) {
+  for (size_t id = 0; id < q.size(); ++id) {
     if (q[id] == 0.0) {
       EXPECT_EQ(counts[id], 0) << "id " << id << " is outside the kept set";
       continue;
@@ -236,6 +228,18 @@ void expect_distribution(const SamplingParams& params, const std::vector<int>& k
     EXPECT_LE(std::abs(counts[id] - mean), 5.0 * sigma)
         << "id " << id << ": count " << counts[id] << ", expected " << mean;
   }
+}
+
+void expect_distribution(const SamplingParams& params, const std::vector<int>& kept_ranks) {
+  Sampler sampler(params);
+  const std::vector<float> row = ranked_row();
+  std::vector<int> counts(row.size(), 0);
+  for (int i = 0; i < kDraws; ++i) {
+    const int32_t id = sample_ok(sampler, row).id;
+    ASSERT_TRUE(id >= 0 && id < static_cast<int32_t>(row.size())) << id;
+    ++counts[id];
+  }
+  expect_counts(counts, expected_distribution(kept_ranks, params.temperature));
 }
 
 TEST(SamplerDistribution, PlainTemperatureOneFollowsSoftmax) {
@@ -284,6 +288,86 @@ TEST(SamplerDistribution, TemperatureComesBeforeTopP) {
   // At T = 0.5 the probabilities become p^2 / 0.1858 = 0.484 0.215 0.121 0.078 ...; cumulative 0.821 < 0.85 <=
   // 0.898 keeps four tokens (at T = 1 top_p 0.85 would keep five).
   expect_distribution({.temperature = 0.5f, .top_p = 0.85f, .seed = 20}, {0, 1, 2, 3});
+}
+
+// Speculative verification of a draft proposed with certainty: whatever the draft, the token that comes out is
+// distributed as sample() draws (the same kept set and probabilities, worked out above by hand), the draft is
+// accepted with its probability under that distribution, and a rejected draft is never the token.
+void expect_verified_distribution(const SamplingParams& params, const std::vector<int>& kept_ranks, int32_t draft) {
+  Sampler sampler(params);
+  const std::vector<float> row = ranked_row();
+  std::vector<int> counts(row.size(), 0);
+  int accepted = 0;
+  for (int i = 0; i < kDraws; ++i) {
+    auto verdict = sampler.verify_draft(row, {}, {}, draft);
+    ASSERT_TRUE(verdict.has_value()) << verdict.error().message;
+    const int32_t id = verdict->token.id;
+    ASSERT_TRUE(id >= 0 && id < static_cast<int32_t>(row.size())) << id;
+    ASSERT_EQ(verdict->accepted, id == draft) << "a rejected draft came back as the token";
+    ++counts[id];
+    accepted += verdict->accepted ? 1 : 0;
+  }
+  SCOPED_TRACE("draft " + std::to_string(draft));
+  expect_counts(counts, expected_distribution(kept_ranks, params.temperature));
+  EXPECT_EQ(accepted, counts[static_cast<size_t>(draft)]);
+}
+
+TEST(SamplerVerifyDraft, TheMostProbableDraftKeepsTheDistribution) {
+  expect_verified_distribution({.seed = 31}, {0, 1, 2, 3, 4, 5, 6}, kRankId[0]);
+}
+
+TEST(SamplerVerifyDraft, AnUnlikelyDraftKeepsTheDistribution) {
+  expect_verified_distribution({.temperature = 0.7f, .seed = 32}, {0, 1, 2, 3, 4, 5, 6}, kRankId[6]);
+}
+
+TEST(SamplerVerifyDraft, ADraftOutsideTheKeptSetIsNeverAccepted) {
+  // top_k 3 keeps ranks 0..2: the rank-4 draft has probability 0.
+  expect_verified_distribution({.top_k = 3, .seed = 33}, {0, 1, 2}, kRankId[4]);
+}
+
+TEST(SamplerVerifyDraft, TruncationsApplyAsInSample) {
+  expect_verified_distribution({.top_k = 4, .top_p = 0.8f, .seed = 34}, {0, 1, 2}, kRankId[1]);
+  expect_verified_distribution({.temperature = 0.5f, .top_p = 0.85f, .seed = 35}, {0, 1, 2, 3}, kRankId[2]);
+  expect_verified_distribution({.min_p = 0.3f, .seed = 38}, {0, 1, 2, 3, 4}, kRankId[4]);
+}
+
+TEST(SamplerVerifyDraft, TheOnlyKeptTokenIsAlwaysAccepted) {
+  Sampler sampler(SamplingParams{.top_k = 1, .seed = 36});
+  for (int i = 0; i < 100; ++i) {
+    auto verdict = sampler.verify_draft(ranked_row(), {}, {}, kRankId[0]);
+    ASSERT_TRUE(verdict.has_value());
+    EXPECT_TRUE(verdict->accepted);
+  }
+}
+
+TEST(SamplerVerifyDraft, GreedyAcceptsExactlyTheArgmax) {
+  Sampler sampler(SamplingParams{.temperature = 0.0f, .logprobs = 2});
+  const std::vector<float> row = ranked_row();
+  for (int32_t draft = 0; draft < 7; ++draft) {
+    auto verdict = sampler.verify_draft(row, {}, {}, draft);
+    ASSERT_TRUE(verdict.has_value());
+    EXPECT_EQ(verdict->accepted, draft == kRankId[0]);
+    EXPECT_EQ(verdict->token.id, kRankId[0]);
+    EXPECT_NEAR(verdict->token.logprob, std::log(kRankProbability[0]), 1e-5);
+    ASSERT_EQ(verdict->token.top_logprobs.size(), 2u);
+  }
+  // Penalties apply before the argmax: a repetition penalty on the best token hands the argmax to the next.
+  Sampler penalised(SamplingParams{.temperature = 0.0f, .repetition_penalty = 100.0f});
+  const std::vector<int32_t> seen = {kRankId[0]};
+  auto verdict = penalised.verify_draft(row, seen, {}, kRankId[1]);
+  ASSERT_TRUE(verdict.has_value());
+  EXPECT_TRUE(verdict->accepted);
+}
+
+TEST(SamplerVerifyDraft, BadInputIsAnError) {
+  Sampler sampler(SamplingParams{.seed = 37});
+  std::vector<float> row = ranked_row();
+  EXPECT_FALSE(sampler.verify_draft(row, {}, {}, 7).has_value());
+  EXPECT_FALSE(sampler.verify_draft(row, {}, {}, -1).has_value());
+  row[2] = std::nanf("");
+  auto nan = sampler.verify_draft(row, {}, {}, 0);
+  ASSERT_FALSE(nan.has_value());
+  EXPECT_NE(nan.error().message.find("2"), std::string::npos) << nan.error().message;
 }
 
 TEST(SamplerDistribution, TopKKeepsTiesWithTheKthLogit) {

@@ -75,26 +75,30 @@ class CpuFeedForwardBlock final : public Block {
   CpuStep& s_;
 };
 
-// Only the rows whose logits are wanted go through the final norm and lm_head. Under tensor parallelism each rank
-// computes its vocabulary rows' logits and every rank gathers all of them (padded to equal ranges: models/shard.h's
-// vocab_shard_rows).
+// Only the rows whose logits are wanted (each sequence's last, or all of it when verified) go through the final norm
+// and lm_head, unless the step keeps every row's normed hidden state for a draft module. Under tensor parallelism
+// each rank computes its vocabulary rows' logits and every rank gathers all of them (padded to equal ranges:
+// models/shard.h's vocab_shard_rows).
 class CpuHead final : public Block {
  public:
   CpuHead(const RmsNorm& norm, const Linear& head, VocabRange vocab, CpuStep& s)
       : norm_(norm), head_(head), vocab_(vocab), s_(s) {}
   Expected<void> forward(int64_t) const override {
     const int64_t hidden = s_.hidden;
+    const float* source = s_.x.data();
+    if (s_.keep_hidden) {
+      s_.hidden_out.resize(s_.x.size());
+      norm_.forward(s_.x.data(), s_.batch.n_rows, s_.hidden_out.data());
+      source = s_.hidden_out.data();
+    }
     std::vector<float> rows;
-    if (s_.which == LogitsFor::kAllTokens) {
-      rows = s_.x;
-    } else {
-      for (const BatchSlice& seq : s_.batch.sequences) {
-        const float* last = &s_.x[(seq.row_begin + seq.n_rows - 1) * hidden];
-        rows.insert(rows.end(), last, last + hidden);
-      }
+    for (const BatchSlice& seq : s_.batch.sequences) {
+      const int64_t n = s_.which == LogitsFor::kAllTokens || seq.verify ? seq.n_rows : 1;
+      const float* first = source + (seq.row_begin + seq.n_rows - n) * hidden;
+      rows.insert(rows.end(), first, first + n * hidden);
     }
     const int64_t n = static_cast<int64_t>(rows.size()) / hidden;
-    norm_.forward(rows.data(), n, rows.data());
+    if (!s_.keep_hidden) norm_.forward(rows.data(), n, rows.data());
     if (s_.tracer) (*s_.tracer)("final_norm", rows.data(), n, hidden);
     const int64_t local = head_.out_features();
     std::vector<float> mine(static_cast<size_t>(n * local), 0.0f);
@@ -127,7 +131,39 @@ class CpuHead final : public Block {
   CpuStep& s_;
 };
 
+// fc([norm_embedding(x) ; norm_hidden(h)]) into the stream, row by row; fc is whole on every rank, so the stream
+// stays replicated without a sum.
+class CpuDraftInput final : public Block {
+ public:
+  CpuDraftInput(const RmsNorm& norm_embedding, const RmsNorm& norm_hidden, const Linear& fc, CpuStep& s)
+      : norm_embedding_(norm_embedding), norm_hidden_(norm_hidden), fc_(fc), s_(s) {}
+  Expected<void> forward(int64_t) const override {
+    const int64_t m = s_.batch.n_rows, h = s_.hidden;
+    if (static_cast<int64_t>(s_.hidden_in.size()) != m * h) {
+      return make_error("the draft step was given {} hidden values for {} rows of {}", s_.hidden_in.size(), m, h);
+    }
+    std::vector<float> joined(static_cast<size_t>(m * 2 * h));
+    for (int64_t r = 0; r < m; ++r) {
+      norm_embedding_.forward(&s_.x[r * h], 1, &joined[r * 2 * h]);
+      norm_hidden_.forward(&s_.hidden_in[r * h], 1, &joined[r * 2 * h + h]);
+    }
+    fc_.forward(joined.data(), m, s_.x.data());
+    return {};
+  }
+
+ private:
+  const RmsNorm& norm_embedding_;
+  const RmsNorm& norm_hidden_;
+  const Linear& fc_;
+  CpuStep& s_;
+};
+
 }  // namespace
+
+Expected<std::unique_ptr<Block>> CpuOps::draft_input(const RmsNorm& norm_embedding, const RmsNorm& norm_hidden,
+                                                     const Linear& fc) {
+  return std::make_unique<CpuDraftInput>(norm_embedding, norm_hidden, fc, s_);
+}
 
 Expected<std::unique_ptr<Block>> CpuOps::embedding(const CpuMatrix& table, VocabRange vocab) {
   return std::make_unique<CpuEmbedding>(table, vocab, s_);
@@ -152,13 +188,16 @@ Expected<void> CpuOps::trace_output(std::string_view name) {
   return {};
 }
 
-void CpuStep::begin(std::span<const SequenceInput> batch_inputs, LogitsFor which_rows, const Tracer* step_tracer) {
+void CpuStep::begin(std::span<const SequenceInput> batch_inputs, LogitsFor which_rows, const Tracer* step_tracer,
+                    std::span<const int64_t> positions) {
   inputs = batch_inputs;
   which = which_rows;
   tracer = step_tracer;
   batch = Batch{};
-  for (const SequenceInput& in : inputs) {
-    batch.sequences.push_back({batch.n_rows, static_cast<int64_t>(in.tokens.size()), in.cache->length, in.cache});
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const SequenceInput& in = inputs[i];
+    const int64_t past = positions.empty() ? in.cache->length : positions[i];
+    batch.sequences.push_back({batch.n_rows, static_cast<int64_t>(in.tokens.size()), past, in.cache, in.verify});
     batch.n_rows += static_cast<int64_t>(in.tokens.size());
   }
   const size_t n = static_cast<size_t>(batch.n_rows * hidden);

@@ -26,9 +26,15 @@ struct CpuStep {
   int64_t hidden = 0;
   Communicator* comm = nullptr;  // the tensor-parallel group; null on one device
   std::vector<float> x, normed, out, logits;
+  // Speculative decoding: the head keeps every row's normed hidden state in `hidden_out` when `keep_hidden`; a draft
+  // module's input block reads the rows of `hidden_in` [batch.n_rows, hidden].
+  bool keep_hidden = false;
+  std::vector<float> hidden_out, hidden_in;
 
-  // Sets up the rows of `inputs` for the blocks; end() forgets the inputs once the step has run.
-  void begin(std::span<const SequenceInput> batch_inputs, LogitsFor which_rows, const Tracer* step_tracer);
+  // Sets up the rows of `inputs` for the blocks (each sequence's first row at its cache's length, or at
+  // `positions[i]` when given); end() forgets the inputs once the step has run.
+  void begin(std::span<const SequenceInput> batch_inputs, LogitsFor which_rows, const Tracer* step_tracer,
+             std::span<const int64_t> positions = {});
   void end();
   // x += out, with out first summed over the ranks when it is a partial sum on each.
   Expected<void> add_out();
@@ -45,6 +51,8 @@ class CpuOps final : public BlockOps {
   Expected<std::unique_ptr<Block>> mlp(const RmsNorm& norm, const Mlp& m) override;
   Expected<std::unique_ptr<Block>> moe(const RmsNorm& norm, const Moe& m) override;
   Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head, VocabRange vocab) override;
+  Expected<std::unique_ptr<Block>> draft_input(const RmsNorm& norm_embedding, const RmsNorm& norm_hidden,
+                                               const Linear& fc) override;
   Expected<void> trace_output(std::string_view name) override;
 
  private:

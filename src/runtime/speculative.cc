@@ -1,0 +1,161 @@
+#include "runtime/speculative.h"
+
+#include <algorithm>
+
+namespace tern {
+namespace {
+
+int32_t argmax(std::span<const float> row) {
+  return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
+}
+
+// The logits rows of each sequence of a step: all of a verified one's, the last of the others'.
+std::vector<int64_t> first_logit_rows(std::span<const SequenceInput> batch) {
+  std::vector<int64_t> first;
+  int64_t row = 0;
+  for (const SequenceInput& in : batch) {
+    first.push_back(row);
+    row += in.verify ? static_cast<int64_t>(in.tokens.size()) : 1;
+  }
+  return first;
+}
+
+// Accepts the drafts of a verified sequence in order; `logits` holds its drafts.size() + 1 rows.
+Expected<std::vector<SampledToken>> accept(const SampleRow& row, std::span<const int32_t> drafts,
+                                           std::span<const float> logits, size_t vocab) {
+  std::vector<SampledToken> tokens;
+  std::vector<int32_t> output(row.output_ids.begin(), row.output_ids.end());
+  for (size_t j = 0; j <= drafts.size(); ++j) {
+    const std::span<const float> logit_row = logits.subspan(j * vocab, vocab);
+    if (j == drafts.size()) {
+      TERN_ASSIGN_OR_RETURN(SampledToken bonus, row.sampler->sample(logit_row, row.prompt_ids, output));
+      tokens.push_back(std::move(bonus));
+      break;
+    }
+    TERN_ASSIGN_OR_RETURN(DraftVerdict verdict, row.sampler->verify_draft(logit_row, row.prompt_ids, output, drafts[j]));
+    output.push_back(verdict.token.id);
+    tokens.push_back(std::move(verdict.token));
+    if (!verdict.accepted) break;
+  }
+  return tokens;
+}
+
+}  // namespace
+
+Expected<std::vector<SpecOutcome>> speculative_step(ModelRunner& runner, std::span<SpecSequence> seqs,
+                                                    int num_steps) {
+  if (!runner.has_draft()) return make_error("speculative decoding needs the model's draft module loaded");
+  if (num_steps < 0 || num_steps > kMaxSpeculativeSteps) {
+    return make_error("{} speculative steps asked; 0 to {} are possible", num_steps, kMaxSpeculativeSteps);
+  }
+  const size_t n = seqs.size();
+  // The model's step: each chunk, with a sampling sequence's drafts after its last token.
+  std::vector<std::vector<int32_t>> tokens(n);
+  std::vector<SequenceInput> batch(n);
+  std::vector<int64_t> start(n);
+  for (size_t i = 0; i < n; ++i) {
+    const SpecSequence& s = seqs[i];
+    const bool samples = s.sample.sampler != nullptr;
+    const size_t known = s.input.tokens.size();
+    if (s.drafts == nullptr || known == 0) return make_error("a speculative sequence without tokens or drafts");
+    if (s.following.size() < known - (samples ? 1 : 0)) {
+      return make_error("a chunk of {} tokens with {} known after its first", known, s.following.size());
+    }
+    tokens[i].assign(s.input.tokens.begin(), s.input.tokens.end());
+    if (samples) tokens[i].insert(tokens[i].end(), s.drafts->begin(), s.drafts->end());
+    batch[i] = s.input;
+    batch[i].tokens = tokens[i];
+    batch[i].verify = samples && !s.drafts->empty();
+    start[i] = s.input.cache->length;
+  }
+  TERN_ASSIGN_OR_RETURN(const std::vector<float> logits, runner.forward(batch, LogitsFor::kLastToken));
+  const std::vector<int64_t> first = first_logit_rows(batch);
+  const size_t vocab = static_cast<size_t>(runner.config().vocab_size);
+
+  // Acceptance, and the rows each sequence keeps.
+  std::vector<SpecOutcome> outcomes(n);
+  std::vector<int64_t> kept(n);
+  for (size_t i = 0; i < n; ++i) {
+    SpecSequence& s = seqs[i];
+    SpecOutcome& out = outcomes[i];
+    kept[i] = static_cast<int64_t>(s.input.tokens.size());
+    if (s.sample.sampler == nullptr) continue;
+    const std::span<const float> rows = std::span(logits).subspan(static_cast<size_t>(first[i]) * vocab);
+    Expected<std::vector<SampledToken>> got;
+    if (batch[i].verify) {
+      got = accept(s.sample, *s.drafts, rows, vocab);
+    } else {
+      got = s.sample.sampler->sample(rows.first(vocab), s.sample.prompt_ids, s.sample.output_ids)
+                .map([](SampledToken t) { return std::vector<SampledToken>{std::move(t)}; });
+    }
+    if (!got) {
+      out.error = got.error();
+      continue;
+    }
+    out.tokens = std::move(*got);
+    if (batch[i].verify) {
+      out.drafted = static_cast<int64_t>(s.drafts->size());
+      out.accepted = static_cast<int64_t>(out.tokens.size()) - 1;
+      kept[i] = static_cast<int64_t>(s.input.tokens.size()) + out.accepted;
+      TERN_TRY(runner.keep_rows(*s.input.cache, kept[i]));
+    }
+  }
+
+  // The draft module over every kept row: row j runs on the token that followed it.
+  std::vector<std::vector<int32_t>> next(n);
+  std::vector<DraftInput> extend;
+  std::vector<size_t> owner;     // the sequence of each input of `extend`
+  std::vector<size_t> drafting;  // the inputs of the sampling sequences
+  for (size_t i = 0; i < n; ++i) {
+    SpecSequence& s = seqs[i];
+    s.drafts->clear();
+    if (outcomes[i].error) continue;
+    const bool samples = s.sample.sampler != nullptr;
+    const size_t rows = static_cast<size_t>(kept[i]);
+    if (samples) {
+      // The chunk's own tokens after its first, then the step's tokens (accepted drafts and the last one).
+      next[i].assign(s.following.begin(), s.following.begin() + static_cast<ptrdiff_t>(s.input.tokens.size() - 1));
+      for (const SampledToken& t : outcomes[i].tokens) next[i].push_back(t.id);
+    } else {
+      next[i].assign(s.following.begin(), s.following.begin() + static_cast<ptrdiff_t>(rows));
+    }
+    next[i].resize(rows);
+    SequenceInput in = s.input;
+    in.tokens = next[i];
+    extend.push_back({in, start[i], DraftHidden::kModel, static_cast<int64_t>(i)});
+    owner.push_back(i);
+    if (samples) drafting.push_back(extend.size() - 1);
+  }
+  if (extend.empty()) return outcomes;
+  TERN_ASSIGN_OR_RETURN(std::vector<float> draft_logits, runner.draft(extend, LogitsFor::kLastToken));
+
+  // Chained proposals, one row per step on the draft's own output.
+  std::vector<int32_t> proposal(extend.size());
+  std::vector<int64_t> position(extend.size());
+  for (size_t e = 0; e < extend.size(); ++e) {
+    proposal[e] = argmax(std::span<const float>(draft_logits).subspan(e * vocab, vocab));
+    position[e] = extend[e].position + static_cast<int64_t>(extend[e].seq.tokens.size());
+  }
+  std::vector<int64_t> source(extend.size());
+  for (size_t e = 0; e < extend.size(); ++e) source[e] = static_cast<int64_t>(e);
+  for (int step = 0; step < num_steps; ++step) {
+    for (size_t d : drafting) seqs[owner[d]].drafts->push_back(proposal[d]);
+    if (step + 1 == num_steps || drafting.empty()) break;
+    std::vector<DraftInput> chain;
+    for (size_t d : drafting) {
+      SequenceInput in = seqs[owner[d]].input;
+      in.tokens = std::span<const int32_t>(&proposal[d], 1);
+      chain.push_back({in, position[d], DraftHidden::kDraft, source[d]});
+    }
+    TERN_ASSIGN_OR_RETURN(draft_logits, runner.draft(chain, LogitsFor::kLastToken));
+    for (size_t c = 0; c < drafting.size(); ++c) {
+      const size_t d = drafting[c];
+      proposal[d] = argmax(std::span<const float>(draft_logits).subspan(c * vocab, vocab));
+      ++position[d];
+      source[d] = static_cast<int64_t>(c);
+    }
+  }
+  return outcomes;
+}
+
+}  // namespace tern

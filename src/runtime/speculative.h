@@ -1,0 +1,57 @@
+// Speculative decoding with the model's own multi-token-prediction layer as the draft model (docs/speculative.md).
+//
+// One step over a batch: every sequence that samples and holds drafts from the step before runs its last token and
+// those drafts [x, d1 .. dk] as one verification (SequenceInput::verify); the rows' logits accept the drafts in order
+// (Sampler::verify_draft: exact for greedy and for sampling) up to the first rejection, whose replacement — or, when
+// all k are accepted, a token sampled from the last row — ends the step's 1 .. k + 1 tokens; the cache keeps the
+// rows up to it (ModelRunner::keep_rows). Then the draft module runs over every row the model kept ("draft
+// extend": its KV cache follows the model's, and the last row proposes the next token) and chains num_steps - 1 more
+// single rows on its own output, one proposal each. Prompt chunks run plainly, with the draft extend over their rows.
+//
+//   std::vector<int32_t> drafts;                                       // per sequence, kept between steps
+//   SpecSequence s{.input = {&cache, last_token}, .following = {}, .sample = {&sampler, prompt, output},
+//                  .drafts = &drafts};
+//   TERN_ASSIGN_OR_RETURN(auto outcomes, speculative_step(runner, {&s, 1}, 3));
+//   for (const SampledToken& t : outcomes[0].tokens) ...                 // 1 .. 4 tokens
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "core/error.h"
+#include "runtime/model_runner.h"
+
+namespace tern {
+
+// The most draft tokens one step verifies (--speculative-num-steps).
+constexpr int kMaxSpeculativeSteps = 4;
+
+struct SpecSequence {
+  // The tokens the scheduler planned (a prompt chunk, or the last token of a decoding sequence), the cache and its
+  // ids; the step appends the drafts to verify. The KV ids must hold input.tokens.size() + drafts->size() more.
+  SequenceInput input;
+  // The known tokens after input.tokens.front() (the rest of the prompt and any output), which the draft module
+  // runs on: at least input.tokens.size() of them for a chunk that samples nothing, size() - 1 for one that samples.
+  std::span<const int32_t> following;
+  SampleRow sample;  // a null sampler: a prompt chunk that samples nothing
+  // In: the drafts to verify after the last token (only read when the chunk samples). Out: the next step's.
+  std::vector<int32_t>* drafts = nullptr;
+};
+
+struct SpecOutcome {
+  // The accepted drafts, then the token that replaced the first rejected one or followed the last accepted one.
+  std::vector<SampledToken> tokens;
+  std::optional<Error> error;  // this sequence could not sample (a non-finite logit); its tokens are empty
+  int64_t drafted = 0;         // drafts it verified this step
+  int64_t accepted = 0;        // of which accepted
+};
+
+// One step, as above: `num_steps` drafts proposed for each sampling sequence's next step (0: none; the draft
+// module still follows the model). An error fails the whole step (a runner's), a row's own failure is in its
+// outcome.
+Expected<std::vector<SpecOutcome>> speculative_step(ModelRunner& runner, std::span<SpecSequence> seqs,
+                                                    int num_steps);
+
+}  // namespace tern
