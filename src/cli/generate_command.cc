@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "cli/model_options.h"
+#include "runtime/speculative.h"
 #include "kernels/cpu/sampler.h"
 #include "runtime/stop.h"
 #include "template/model_template.h"
@@ -61,7 +62,9 @@ int run_generate(const GenerateOptions& o) {
   auto prompt = prompt_tokens(o, tokenizer);
   if (!prompt) return fail(prompt.error().message);
   if (prompt->empty()) return fail("the prompt is empty");
-  const int64_t total = static_cast<int64_t>(prompt->size()) + std::max<int64_t>(o.stop.max_tokens, 1);
+  // With speculation a step may write 2 * num_steps positions past the last token (runtime/speculative.h).
+  const int64_t total = static_cast<int64_t>(prompt->size()) + std::max<int64_t>(o.stop.max_tokens, 1) +
+                        2 * speculative_steps_of(o.model);
   auto model = load_model_from_options(o.model, DeviceModelOptions{.max_batch_tokens = static_cast<int64_t>(prompt->size()),
                                                                    .max_sequences = 1, .kv_cache_tokens = total});
   if (!model) return fail(model.error().message);
@@ -77,35 +80,65 @@ int run_generate(const GenerateOptions& o) {
   std::vector<int32_t> output;
   std::vector<SampledToken> sampled;
   std::string text, finish_reason = "length";
-  std::vector<int32_t> next = *prompt;
+  const int spec_steps = speculative_steps_of(o.model);
+  std::vector<int32_t> drafts;
+  int64_t drafted = 0, accepted = 0, steps = 0;
+  // One step: a token, or with speculation the accepted drafts and the token after them.
+  auto step = [&]() -> Expected<std::vector<SampledToken>> {
+    const std::span<const int32_t> next = output.empty() ? std::span<const int32_t>(*prompt)
+                                                         : std::span<const int32_t>(output).last(1);
+    const std::vector<SampleRow> rows{{&sampler, *prompt, output}};
+    if (spec_steps == 0) {
+      const std::vector<SequenceInput> batch{{&seq, next}};
+      TERN_ASSIGN_OR_RETURN(SampleResults got, (*model)->forward_sample(batch, rows));
+      if (!got[0]) return tl::unexpected<Error>(got[0].error());
+      return std::vector<SampledToken>{std::move(*got[0])};
+    }
+    SpecSequence s{.input = {&seq, next}, .following = next.subspan(1), .sample = rows[0], .drafts = &drafts};
+    TERN_ASSIGN_OR_RETURN(std::vector<SpecOutcome> got, speculative_step(**model, {&s, 1}, spec_steps));
+    if (got[0].error) return tl::unexpected<Error>(*got[0].error);
+    drafted += got[0].drafted;
+    accepted += got[0].accepted;
+    return std::move(got[0].tokens);
+  };
   const auto start = std::chrono::steady_clock::now();
   auto first_token = start;
   while (!stop_checker.finished()) {
-    const std::vector<SequenceInput> batch{{&seq, next}};
-    const std::vector<SampleRow> rows{{&sampler, *prompt, output}};
-    auto step = (*model)->forward_sample(batch, rows);
-    if (!step) return fail(step.error().message);
-    Expected<SampledToken>& token = (*step)[0];
-    if (!token) return fail(token.error().message);
+    auto tokens = step();
+    if (!tokens) return fail(tokens.error().message);
     if (output.empty()) first_token = std::chrono::steady_clock::now();
-    output.push_back(token->id);
-    sampled.push_back(*token);
-    next = {token->id};
-    const StopUpdate update = stop_checker.feed(token->id, detokenizer ? detokenizer->push(token->id) : "");
-    text += update.text;
-    if (update.finished) finish_reason = std::string(update.finish_reason);
+    else ++steps;
+    for (const SampledToken& token : *tokens) {
+      if (stop_checker.finished()) break;
+      output.push_back(token.id);
+      sampled.push_back(token);
+      const StopUpdate update = stop_checker.feed(token.id, detokenizer ? detokenizer->push(token.id) : "");
+      text += update.text;
+      if (update.finished) finish_reason = std::string(update.finish_reason);
+    }
   }
   const auto end = std::chrono::steady_clock::now();
   const double prefill_s = std::chrono::duration<double>(first_token - start).count();
   const double decode_s = std::chrono::duration<double>(end - first_token).count();
   const size_t n_decoded = output.empty() ? 0 : output.size() - 1;
-  fmt::print(stderr, "{} prompt tokens: prefill {:.3f} s; {} decode steps in {:.3f} s ({:.2f} tokens/s)\n",
-             prompt->size(), prefill_s, n_decoded, decode_s, n_decoded > 0 ? n_decoded / decode_s : 0.0);
+  fmt::print(stderr, "{} prompt tokens: prefill {:.3f} s; {} tokens in {} decode steps in {:.3f} s ({:.2f} tokens/s)\n",
+             prompt->size(), prefill_s, n_decoded, steps, decode_s, n_decoded > 0 ? n_decoded / decode_s : 0.0);
+  if (spec_steps > 0) {
+    fmt::print(stderr, "speculative (mtp, {} steps): {} of {} draft tokens accepted ({:.1f}%), {:.2f} tokens per step\n",
+               spec_steps, accepted, drafted, drafted > 0 ? 100.0 * accepted / drafted : 0.0,
+               steps > 0 ? static_cast<double>(n_decoded) / steps : 0.0);
+  }
   if (!o.json) {
     fmt::print("{}\n", tokenizer ? text : fmt::format("{}", fmt::join(output, ",")));
     return 0;
   }
   nlohmann::ordered_json j{{"prompt_ids", *prompt}, {"ids", output}, {"text", text}, {"finish_reason", finish_reason}};
+  if (spec_steps > 0) {
+    // Accepted length: tokens per verification step (accepted drafts + 1), as SGLang reports it.
+    j["speculative"] = {{"algorithm", "mtp"}, {"num_steps", spec_steps}, {"decode_steps", steps},
+                        {"draft_tokens", drafted}, {"accepted_tokens", accepted},
+                        {"mean_accepted_length", steps > 0 ? static_cast<double>(n_decoded) / steps : 0.0}};
+  }
   if (o.sampling.logprobs > 0) {
     j["logprobs"] = nlohmann::ordered_json::array();
     for (const SampledToken& t : sampled) {
@@ -145,6 +178,7 @@ void register_generate_command(CLI::App& app) {
       ->delimiter(',');
   cmd->add_option("--logprobs", p.logprobs, "Return the K most likely tokens' logprobs at each step");
   cmd->add_flag("--json", o->json, "Print one JSON object");
+  add_speculative_options(*cmd, o->model);
   cmd->callback([o, prompt, ids, messages] {
     if (prompt->count() + ids->count() + messages->count() == 0) {
       throw CLI::ValidationError("give one of --prompt, --prompt-ids or --messages");

@@ -1,5 +1,6 @@
 #include "cli/model_options.h"
 
+#include "runtime/speculative.h"
 #include "runtime/tp_runner.h"
 
 #include <fmt/format.h>
@@ -104,6 +105,21 @@ void add_backend_options(CLI::App& cmd, BackendFlags& b) {
                  "lists (repeatable; it must pass its self-test)");
 }
 
+void add_speculative_options(CLI::App& cmd, ModelCliOptions& o) {
+  cmd.add_option("--speculative-algorithm", o.speculative_algorithm,
+                 "Speculative decoding: mtp (alias nextn) drafts with the model's own multi-token-prediction layers")
+      ->transform(CLI::IsMember({"mtp", "nextn"}, CLI::ignore_case))
+      ->transform([](std::string v) { return v == "nextn" ? std::string("mtp") : v; });
+  cmd.add_option("--speculative-num-steps", o.speculative_num_steps,
+                 fmt::format("Draft tokens per step with --speculative-algorithm (1-{}; default 3)",
+                             kMaxSpeculativeSteps))
+      ->check(CLI::Range(1, kMaxSpeculativeSteps));
+}
+
+int speculative_steps_of(const ModelCliOptions& o) {
+  return o.speculative_algorithm.empty() ? 0 : o.speculative_num_steps;
+}
+
 Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOptions& o,
                                                                const DeviceModelOptions& sizes) {
   ModelLoadOptions options;
@@ -117,6 +133,7 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
   options.load_format = o.load_format == "dummy" ? LoadFormat::kDummy : LoadFormat::kAuto;
   options.nvfp4_quantize_activations = o.nvfp4_activations == "quantize";
   options.dummy_seed = o.dummy_seed;
+  options.load_draft = !o.speculative_algorithm.empty();
   options.tensor_parallel_size = o.tensor_parallel_size;
   options.cuda_devices = o.cuda_devices;
   options.nnodes = o.nnodes;

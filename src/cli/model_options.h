@@ -32,12 +32,20 @@ struct ModelCliOptions {
   std::string dist_init_addr;     // node 0's rendezvous store, HOST:PORT
   int dist_timeout_s = 120;       // joining the nodes, and each wait on another node
   BackendFlags backends;
+  // Speculative decoding (runtime/speculative.h): "" (off) or "mtp" (alias "nextn": the model's MTP layers draft),
+  // with this many draft tokens per step.
+  std::string speculative_algorithm;
+  int speculative_num_steps = 3;
 };
 
 void add_model_options(CLI::App& cmd, ModelCliOptions& options);
 // --tensor-parallel-size / --tp (part of add_model_options; serve adds it on its own).
 void add_parallel_options(CLI::App& cmd, ModelCliOptions& options);
 void add_backend_options(CLI::App& cmd, BackendFlags& backends);
+// --speculative-algorithm and --speculative-num-steps (serve, generate).
+void add_speculative_options(CLI::App& cmd, ModelCliOptions& options);
+// The draft tokens per step that the options ask for: 0 without --speculative-algorithm.
+int speculative_steps_of(const ModelCliOptions& options);
 // Runs the start-up self-test (--selftest) of the device that will run the model, then loads it there. Refuses to
 // load when an op the model needs has no verified implementation, or a forced backend fails its self-test.
 // `sizes`: what a device runner allocates (rows per step, sequences, KV tokens); the CPU ignores them.

@@ -33,6 +33,7 @@ struct ServeOptions {
   int64_t chunked_prefill = 2048;
   std::string reasoning_parser = "auto";
   std::string tool_parser = "auto";
+  int speculative_disable_batch_size = 0;
 };
 
 std::atomic<int> g_signal{0};
@@ -78,6 +79,8 @@ Expected<EngineConfig> engine_config(ServeOptions& o, const ModelConfig& config)
   e.scheduler = {.max_running = o.max_running, .max_waiting = o.max_queued, .token_budget = o.chunked_prefill,
                  .block_size = kBlock,
                  .num_blocks = static_cast<int32_t>(KvBlockAllocator::blocks_for_tokens(o.max_total_tokens, kBlock))};
+  e.speculative_steps = speculative_steps_of(o.model);
+  e.speculative_disable_batch_size = o.speculative_disable_batch_size;
   return e;
 }
 
@@ -113,10 +116,11 @@ int run_serve(ServeOptions& o) {
   const bool total_given = o.max_total_tokens > 0;
   auto econfig = engine_config(o, *model_config);
   if (!econfig) return fail(econfig.error().message);
-  // A step holds at most the prefill chunk plus one decode row per running request. Without --max-total-tokens a
-  // GPU's KV cache is sized from its free memory (as vLLM's --gpu-memory-utilization does), and the scheduler is
-  // given what fit.
-  const DeviceModelOptions sizes{.max_batch_tokens = o.chunked_prefill + o.max_running,
+  // A step holds at most the prefill chunk plus one decode row (and its drafts) per running request. Without
+  // --max-total-tokens a GPU's KV cache is sized from its free memory (as vLLM's --gpu-memory-utilization does), and
+  // the scheduler is given what fit.
+  const int64_t decode_rows = o.max_running * (1 + speculative_steps_of(o.model));
+  const DeviceModelOptions sizes{.max_batch_tokens = o.chunked_prefill + decode_rows,
                                  .max_sequences = o.max_running,
                                  .kv_cache_tokens = total_given ? o.max_total_tokens : 0,
                                  .max_context_tokens = o.context_length};
@@ -135,6 +139,12 @@ int run_serve(ServeOptions& o) {
   }
   spdlog::info("weights loaded in {:.2f} s", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   spdlog::info("running on {}", (*model)->describe());
+  if (econfig->speculative_steps > 0) {
+    spdlog::info("speculative decoding: the model's MTP layer drafts {} tokens per step{}", econfig->speculative_steps,
+                 o.speculative_disable_batch_size > 0
+                     ? fmt::format(", none in steps of {} or more sequences", o.speculative_disable_batch_size)
+                     : std::string());
+  }
   const ModelConfig config = (*model)->config();
   if (o.server.served_model_name.empty()) o.server.served_model_name = dir.filename().string();
   o.server.context_length = o.context_length;
@@ -202,6 +212,10 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--load-format", o->model.load_format, "auto: the checkpoint's weights; dummy: random weights")
       ->check(CLI::IsMember({"auto", "dummy"}));
   cmd->add_option("--dummy-seed", o->model.dummy_seed, "Seed of --load-format dummy weights");
+  add_speculative_options(*cmd, o->model);
+  cmd->add_option("--speculative-disable-batch-size", o->speculative_disable_batch_size,
+                  "With speculation: steps of this many decoding requests or more verify no drafts (0: never off)")
+      ->check(CLI::Range(0, 1 << 20));
   cmd->add_flag("--enforce-eager", o->model.enforce_eager,
                 "Launch every decode step's kernels from the host (no CUDA graphs)");
   cmd->add_flag("--no-pdl", o->model.no_pdl,

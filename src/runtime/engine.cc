@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "runtime/speculative.h"
+
 namespace tern {
 
 using Clock = std::chrono::steady_clock;
@@ -43,6 +45,7 @@ struct Engine::Active {
   SequenceCache cache;
   Clock::time_point arrival, last_token;
   bool has_token = false;
+  std::vector<int32_t> drafts;  // speculative decoding: the draft tokens the next step verifies
 
   Active(GenerationRequest r, const StopCriteria& criteria)
       : request(std::move(r)), tokens(request.prompt), sampler(request.sampling), stop(criteria) {}
@@ -54,7 +57,13 @@ struct Engine::Active {
 Engine::Engine(std::unique_ptr<ModelRunner> model, std::optional<Tokenizer> tokenizer, const EngineConfig& config,
                EngineMetrics& metrics)
     : model_(std::move(model)), tokenizer_(std::move(tokenizer)), config_(config), metrics_(metrics),
-      scheduler_(config.scheduler) {
+      scheduler_([&] {
+        // A sampling step writes the drafts after its last token and the draft module's chain after the kept
+        // tokens: at most 2 * steps positions past the last token.
+        SchedulerConfig c = config.scheduler;
+        c.num_lookahead = 2 * config.speculative_steps;
+        return c;
+      }()) {
   metrics_.kv_blocks_total = scheduler_.blocks().num_total();
   thread_ = std::thread([this] { run(); });
 }
@@ -146,9 +155,14 @@ void Engine::step() {
   const StepPlan plan = scheduler_.schedule();
   for (uint64_t id : plan.preempted) {
     active_.at(id)->cache = model_->new_sequence();
+    active_.at(id)->drafts.clear();
     ++metrics_.preemptions;
   }
   if (plan.items.empty()) return;
+  if (config_.speculative_steps > 0) {
+    step_speculative(plan);
+    return;
+  }
   std::vector<SequenceInput> batch;
   batch.reserve(plan.items.size());
   for (const StepItem& item : plan.items) {
@@ -167,19 +181,7 @@ void Engine::step() {
   }
   auto sampled = model_->forward_sample(batch, rows);
   if (!sampled) {
-    spdlog::error("forward step failed: {}", sampled.error().message);
-    for (const StepItem& item : plan.items) finish(item.id, "error", sampled.error().message);
-    if (std::optional<std::string> why = model_->failure()) {
-      spdlog::error("the model can run no more steps: {}", *why);
-      {
-        std::lock_guard lock(inbox_mutex_);
-        failure_ = why;
-      }
-      // Nothing queued can run either.
-      std::vector<uint64_t> rest;
-      for (const auto& [id, a] : active_) rest.push_back(id);
-      for (const uint64_t id : rest) finish(id, "error", "the model can run no more steps: " + *why);
-    }
+    fail_step(plan, sampled.error());
     return;
   }
   for (size_t i = 0; i < plan.items.size(); ++i) {
@@ -188,12 +190,75 @@ void Engine::step() {
   }
 }
 
-void Engine::take_token(Active& a, Expected<SampledToken> token) {
+void Engine::fail_step(const StepPlan& plan, const Error& error) {
+  spdlog::error("forward step failed: {}", error.message);
+  for (const StepItem& item : plan.items) finish(item.id, "error", error.message);
+  if (std::optional<std::string> why = model_->failure()) {
+    spdlog::error("the model can run no more steps: {}", *why);
+    {
+      std::lock_guard lock(inbox_mutex_);
+      failure_ = why;
+    }
+    // Nothing queued can run either.
+    std::vector<uint64_t> rest;
+    for (const auto& [id, a] : active_) rest.push_back(id);
+    for (const uint64_t id : rest) finish(id, "error", "the model can run no more steps: " + *why);
+  }
+}
+
+void Engine::step_speculative(const StepPlan& plan) {
+  int sampling = 0;
+  for (const StepItem& item : plan.items) sampling += item.samples ? 1 : 0;
+  // Past the batch size where verifying stops paying, this step verifies nothing; the draft module still follows.
+  const bool verify = config_.speculative_disable_batch_size <= 0 || sampling < config_.speculative_disable_batch_size;
+  std::vector<SpecSequence> seqs;
+  seqs.reserve(plan.items.size());
+  for (const StepItem& item : plan.items) {
+    Active& a = *active_.at(item.id);
+    if (!verify) a.drafts.clear();
+    const std::span<const int32_t> known(a.tokens);
+    SpecSequence s;
+    s.input = {.cache = &a.cache,
+               .tokens = known.subspan(static_cast<size_t>(item.begin), static_cast<size_t>(item.count)),
+               .kv_blocks = scheduler_.kv_blocks_of(item.id),
+               .state_slot = scheduler_.state_slot_of(item.id)};
+    s.following = known.subspan(static_cast<size_t>(item.begin) + 1);
+    if (item.samples) s.sample = {&a.sampler, a.request.prompt, a.output()};
+    s.drafts = &a.drafts;
+    seqs.push_back(s);
+  }
+  auto outcomes = speculative_step(*model_, seqs, verify ? config_.speculative_steps : 0);
+  if (!outcomes) {
+    fail_step(plan, outcomes.error());
+    return;
+  }
+  for (size_t i = 0; i < plan.items.size(); ++i) {
+    if (!plan.items[i].samples) continue;
+    Active& a = *active_.at(plan.items[i].id);
+    SpecOutcome& o = (*outcomes)[i];
+    if (o.error) {
+      take_token(a, tl::unexpected<Error>(*o.error));
+      continue;
+    }
+    if (o.drafted > 0) {
+      ++metrics_.spec_verify_steps;
+      metrics_.spec_draft_tokens += static_cast<uint64_t>(o.drafted);
+      metrics_.spec_accepted_tokens += static_cast<uint64_t>(o.accepted);
+    }
+    // The accepted drafts are in the cache already; the last token is not. A stop ends the rest.
+    for (size_t t = 0; t < o.tokens.size(); ++t) {
+      const bool computed = static_cast<int64_t>(t) < o.accepted;
+      if (!take_token(a, std::move(o.tokens[t]), computed)) break;
+    }
+  }
+}
+
+bool Engine::take_token(Active& a, Expected<SampledToken> token, bool computed) {
   if (!token) {
     ++metrics_.nan_aborts;
     spdlog::warn("request {} ended: {}", a.id, token.error().message);
     finish(a.id, "error", token.error().message);
-    return;
+    return false;
   }
   const auto now = Clock::now();
   if (a.has_token) {
@@ -205,7 +270,7 @@ void Engine::take_token(Active& a, Expected<SampledToken> token) {
   a.last_token = now;
   ++metrics_.generation_tokens;
   a.tokens.push_back(token->id);
-  scheduler_.append_token(a.id);
+  scheduler_.append_token(a.id, computed);
   StopUpdate update = a.stop.feed(token->id, a.detokenizer ? a.detokenizer->push(token->id) : std::string());
   TokenEvent event{.token_id = token->id, .logprob = token->logprob, .top_logprobs = std::move(token->top_logprobs),
                    .text = std::move(update.text)};
@@ -213,9 +278,13 @@ void Engine::take_token(Active& a, Expected<SampledToken> token) {
   a.stream->push(std::move(event));
   if (update.finished) {
     finish(a.id, update.finish_reason);
-  } else if (at_context_end) {
-    finish(a.id, "length");
+    return false;
   }
+  if (at_context_end) {
+    finish(a.id, "length");
+    return false;
+  }
+  return true;
 }
 
 std::optional<std::string> Engine::failure() const {

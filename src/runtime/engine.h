@@ -68,8 +68,12 @@ class RequestStream {
 };
 
 struct EngineConfig {
-  SchedulerConfig scheduler;
+  SchedulerConfig scheduler;  // its num_lookahead is set from speculative_steps
   int64_t context_length = 4096;
+  // Speculative decoding with the model's draft module (runtime/speculative.h): draft tokens verified per step of a
+  // sequence (0: off), and the number of sampling sequences in a step from which on it verifies none (0: never off).
+  int speculative_steps = 0;
+  int speculative_disable_batch_size = 0;
 };
 
 class Engine {
@@ -95,8 +99,13 @@ class Engine {
   void admit_new();
   void sweep_cancelled();
   void step();
-  // Hands a sampled token (or the row's failure) to its request: stream, stop check, metrics.
-  void take_token(Active& a, Expected<SampledToken> token);
+  // A step's failure: every request of the plan ends with it, and every other one too if the model failed for good.
+  void fail_step(const StepPlan& plan, const Error& error);
+  // The step with speculation (runtime/speculative.h): up to speculative_steps + 1 tokens per sampling sequence.
+  void step_speculative(const StepPlan& plan);
+  // Hands a sampled token (or the row's failure) to its request: stream, stop check, metrics. `computed`: the token
+  // is already in the cache (an accepted draft). False when the request finished.
+  bool take_token(Active& a, Expected<SampledToken> token, bool computed = false);
   void finish(uint64_t id, std::string_view reason, std::string error = {});
   void publish_gauges();
 

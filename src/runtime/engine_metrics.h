@@ -31,6 +31,10 @@ struct EngineMetrics {
   std::atomic<uint64_t> generation_tokens{0};
   std::atomic<uint64_t> nan_aborts{0};
   std::atomic<uint64_t> preemptions{0};
+  // Speculative decoding: verification steps of one sequence, the draft tokens they checked and those accepted.
+  std::atomic<uint64_t> spec_verify_steps{0};
+  std::atomic<uint64_t> spec_draft_tokens{0};
+  std::atomic<uint64_t> spec_accepted_tokens{0};
   std::atomic<int64_t> num_running{0};
   std::atomic<int64_t> num_waiting{0};
   std::atomic<int64_t> kv_blocks_used{0};

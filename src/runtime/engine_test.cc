@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 
 namespace tern {
@@ -91,6 +92,76 @@ TEST(Engine, ConcurrentGreedyRequestsMatchTheSingleSequenceLoop) {
   EXPECT_EQ(metrics.num_running.load(), 0);
   EXPECT_GT(metrics.generation_tokens.load(), 12u);
 }
+
+// Speculation in the engine on the trained demo model (its MTP layer drafts): the same greedy tokens as the plain
+// loop for concurrent requests with chunked prompts and preemptions, drafts verified and accepted, and the metrics
+// counting them; a batch at --speculative-disable-batch-size verifies nothing and still gives the same tokens.
+std::unique_ptr<ModelRunner> load_demo_with_draft() {
+  ModelLoadOptions options;
+  options.load_draft = true;
+  auto model = runner_load(std::string(TERN_SOURCE_DIR) + "/demo/tern-demo-bf16", options);
+  EXPECT_TRUE(model) << (model ? "" : model.error().message);
+  return model ? std::move(*model) : nullptr;
+}
+
+std::vector<int32_t> greedy_alone(ModelRunner& model, const std::vector<int32_t>& prompt, int32_t max_tokens) {
+  SequenceCache seq = model.new_sequence();
+  std::vector<int32_t> out, next = prompt;
+  while (static_cast<int32_t>(out.size()) < max_tokens) {
+    const std::vector<SequenceInput> batch{{&seq, next}};
+    auto logits = model.forward(batch, LogitsFor::kLastToken);
+    EXPECT_TRUE(logits);
+    if (!logits) break;
+    out.push_back(static_cast<int32_t>(std::max_element(logits->begin(), logits->end()) - logits->begin()));
+    next = {out.back()};
+    const std::vector<int64_t>& eos = model.config().eos_token_ids;
+    if (std::find(eos.begin(), eos.end(), out.back()) != eos.end()) break;
+  }
+  return out;
+}
+
+void expect_speculative_engine_matches(int disable_batch_size) {
+  auto reference = load_demo_with_draft();
+  ASSERT_TRUE(reference);
+  EngineMetrics metrics;
+  // Few KV blocks: some sequences are preempted and recomputed (their drafts dropped with their cache).
+  EngineConfig config{.scheduler = {.max_running = 4, .max_waiting = 64, .token_budget = 40, .block_size = 4,
+                                    .num_blocks = 36},
+                      .context_length = 256, .speculative_steps = 3,
+                      .speculative_disable_batch_size = disable_batch_size};
+  Engine engine(load_demo_with_draft(), std::nullopt, config, metrics);
+  std::mt19937 rng(11);
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 8; ++i) {
+    // Token ids of common words cut from ordinary ids: the demo's vocabulary is byte-level BPE over 4,096 ids.
+    std::vector<int32_t> p(3 + rng() % 30);
+    for (int32_t& t : p) t = static_cast<int32_t>(200 + rng() % 800);
+    prompts.push_back(p);
+    auto s = engine.submit(greedy(p, 20));
+    ASSERT_TRUE(s);
+    streams.push_back(*s);
+  }
+  for (size_t i = 0; i < streams.size(); ++i) {
+    Result r = drain(*streams[i]);
+    EXPECT_EQ(r.ids, greedy_alone(*reference, prompts[i], 20)) << "request " << i;
+  }
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(metrics.kv_blocks_used.load(), 0);
+  if (disable_batch_size == 1) {
+    EXPECT_EQ(metrics.spec_draft_tokens.load(), 0u);
+  } else {
+    EXPECT_GT(metrics.spec_verify_steps.load(), 0u);
+    EXPECT_GT(metrics.spec_accepted_tokens.load(), 0u);
+    EXPECT_LT(metrics.spec_accepted_tokens.load(), metrics.spec_draft_tokens.load());
+    EXPECT_LE(metrics.spec_draft_tokens.load(), 3 * metrics.spec_verify_steps.load());
+    EXPECT_GT(metrics.preemptions.load(), 0u);
+  }
+}
+
+TEST(Engine, SpeculativeGreedyRequestsMatchTheSingleSequenceLoop) { expect_speculative_engine_matches(0); }
+
+TEST(Engine, SpeculationOffPastTheDisableBatchSizeGivesTheSameTokens) { expect_speculative_engine_matches(1); }
 
 TEST(Engine, CancelFreesTheSequenceAndShutdownAbortsTheRest) {
   EngineMetrics metrics;

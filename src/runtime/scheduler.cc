@@ -29,10 +29,14 @@ void Scheduler::remove(uint64_t id) {
   std::erase(waiting_, id);
 }
 
-void Scheduler::append_token(uint64_t id) {
+void Scheduler::append_token(uint64_t id, bool computed) {
   auto it = seqs_.find(id);
   TERN_CHECK(it != seqs_.end());
   ++it->second.num_tokens;
+  if (computed) {
+    TERN_CHECK(it->second.num_computed < it->second.num_tokens);
+    ++it->second.num_computed;
+  }
 }
 
 bool Scheduler::reserve(Seq& seq, int64_t num_cached) {
@@ -69,14 +73,16 @@ bool Scheduler::schedule_running(uint64_t id, int64_t& budget, StepPlan& plan) {
   Seq& seq = seqs_.at(id);
   const int64_t count = std::min(seq.num_tokens - seq.num_computed, budget);
   if (count <= 0) return true;
-  while (!reserve(seq, seq.num_computed + count)) {
+  const bool samples = seq.num_computed + count == seq.num_tokens;
+  const int64_t lookahead = samples ? config_.num_lookahead : 0;
+  while (!reserve(seq, seq.num_computed + count + lookahead)) {
     const uint64_t victim = running_.back();
     preempt(victim, plan);
     if (victim == id) return false;
   }
-  plan.items.push_back({id, seq.num_computed, count, seq.num_computed + count == seq.num_tokens});
+  plan.items.push_back({id, seq.num_computed, count, samples});
   seq.num_computed += count;
-  budget -= count;
+  budget -= count + lookahead;
   return true;
 }
 
@@ -96,13 +102,15 @@ StepPlan Scheduler::schedule() {
     const uint64_t id = waiting_.front();
     Seq& seq = seqs_.at(id);
     const int64_t count = std::min(seq.num_tokens - seq.num_computed, budget);
-    if (!reserve(seq, seq.num_computed + count)) break;
+    const bool samples = seq.num_computed + count == seq.num_tokens;
+    const int64_t lookahead = samples ? config_.num_lookahead : 0;
+    if (!reserve(seq, seq.num_computed + count + lookahead)) break;
     seq.state_slot = slots_.allocate(1)->front();
     waiting_.pop_front();
     running_.push_back(id);
-    plan.items.push_back({id, seq.num_computed, count, seq.num_computed + count == seq.num_tokens});
+    plan.items.push_back({id, seq.num_computed, count, samples});
     seq.num_computed += count;
-    budget -= count;
+    budget -= count + lookahead;
   }
   return plan;
 }

@@ -15,6 +15,7 @@
 //   s.add(id, prompt_len);                  // false: the queue is full
 //   StepPlan plan = s.schedule();           // run plan.items; drop the caches of plan.preempted
 //   s.append_token(id);                     // after sampling a token for an item with `samples`
+//   s.append_token(id, /*computed=*/true);  // a speculative draft the step verified and accepted
 //   s.remove(id);                           // finished or cancelled
 #pragma once
 
@@ -35,6 +36,9 @@ struct SchedulerConfig {
   int32_t block_size = 16;
   int32_t num_blocks = 4096;
   int32_t num_state_slots = 0;  // recurrent-state slots; 0: one per running sequence (max_running)
+  // Positions past its last token that a sampling step of a sequence may write (speculative decoding's drafts and
+  // its draft module's chain): reserved in KV blocks and charged to the token budget.
+  int32_t num_lookahead = 0;
 };
 
 struct StepItem {
@@ -55,7 +59,8 @@ class Scheduler {
 
   bool add(uint64_t id, int64_t num_tokens);
   void remove(uint64_t id);
-  void append_token(uint64_t id);
+  // A token the sequence gained; `computed`: one the step already ran into the cache (an accepted draft).
+  void append_token(uint64_t id, bool computed = false);
   StepPlan schedule();
 
   int32_t num_running() const { return static_cast<int32_t>(running_.size()); }

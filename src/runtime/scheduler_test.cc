@@ -57,6 +57,37 @@ TEST(Scheduler, MixesDecodesWithAPrefillChunkAndCapsRunning) {
   EXPECT_TRUE(p.items[1].samples);
 }
 
+TEST(Scheduler, LookaheadReservesDraftPositionsAndAcceptedDraftsCountAsComputed) {
+  SchedulerConfig c = small_config();
+  c.num_lookahead = 4;
+  c.token_budget = 32;
+  c.num_blocks = 32;
+  Scheduler s(c);
+  ASSERT_TRUE(s.add(1, 5));
+  StepPlan p = s.schedule();
+  ASSERT_EQ(p.items.size(), 1u);
+  EXPECT_TRUE(p.items[0].samples);
+  EXPECT_EQ(s.blocks().num_used(), 3);  // ceil((5 + 4) / 4): the prompt and 4 positions after it
+  // The step sampled 3 tokens: 2 accepted drafts (in the cache) and one more (not).
+  s.append_token(1, true);
+  s.append_token(1, true);
+  s.append_token(1);
+  p = s.schedule();
+  ASSERT_EQ(p.items.size(), 1u);
+  EXPECT_EQ(p.items[0].begin, 7);  // 5 + 2 accepted drafts already computed
+  EXPECT_EQ(p.items[0].count, 1);
+  EXPECT_TRUE(p.items[0].samples);
+  EXPECT_EQ(s.blocks().num_used(), 3);  // ceil((7 + 1 + 4) / 4)
+  // A prompt chunk that samples nothing reserves no lookahead.
+  s.append_token(1);
+  ASSERT_TRUE(s.add(2, 40));
+  p = s.schedule();
+  ASSERT_EQ(p.items.size(), 2u);
+  EXPECT_FALSE(p.items[1].samples);
+  EXPECT_EQ(p.items[1].count, 32 - 1 - 4);  // the budget less the decode and its lookahead
+  EXPECT_EQ(s.blocks().num_used(), 4 + 7);  // seq 1: ceil((8 + 1 + 4) / 4) = 4 blocks; seq 2: ceil(27 / 4) = 7
+}
+
 TEST(Scheduler, BoundedQueueRefusesExtraRequests) {
   Scheduler s(small_config());
   EXPECT_TRUE(s.add(1, 1));

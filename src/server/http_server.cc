@@ -266,6 +266,10 @@ std::string HttpServer::render_metrics() const {
   metric("tern_generation_tokens_total", "counter", "Tokens generated.", metrics_.generation_tokens.load());
   metric("tern_nan_aborts_total", "counter", "Requests ended by non-finite logits.", metrics_.nan_aborts.load());
   metric("tern_preemptions_total", "counter", "Sequences preempted for KV capacity.", metrics_.preemptions.load());
+  metric("tern_spec_verify_steps_total", "counter", "Speculative verifications (one sequence, one step).",
+         metrics_.spec_verify_steps.load());
+  metric("tern_spec_draft_tokens_total", "counter", "Draft tokens verified.", metrics_.spec_draft_tokens.load());
+  metric("tern_spec_accepted_tokens_total", "counter", "Draft tokens accepted.", metrics_.spec_accepted_tokens.load());
   metric("tern_num_requests_running", "gauge", "Requests in the running batch.", metrics_.num_running.load());
   metric("tern_num_requests_waiting", "gauge", "Requests waiting to run.", metrics_.num_waiting.load());
   metric("tern_kv_blocks_used", "gauge", "KV-cache blocks in use.", metrics_.kv_blocks_used.load());

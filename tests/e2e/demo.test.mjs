@@ -7,7 +7,7 @@ import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
 import path from 'node:path';
-import { root, startServer, stopServer } from './harness.mjs';
+import { metrics, root, startServer, stopServer } from './harness.mjs';
 
 const KEY = 'sk-demo-test';
 const MODEL = 'tern-demo';
@@ -22,10 +22,14 @@ const STORY = [{ role: 'user', content: 'Continue the story: The old man walked 
 const CITY = [{ role: 'user', content: 'Write a sentence about the city.' }];
 const LOOKUP = [{ role: 'user', content: 'Look up the word "church".' }];
 const noThinking = { chat_template_kwargs: { enable_thinking: false } };
+// More `tern serve` flags for the whole suite (ctest's e2e.demo_mtp runs it with speculative decoding: the demo's MTP
+// layer drafts, and every greedy reply must still be transformers').
+const extraArgs = (process.env.TERN_E2E_SERVE_ARGS ?? '').split(' ').filter(Boolean);
+const speculative = extraArgs.includes('--speculative-algorithm');
 let server;
 
 before(async () => {
-  server = await startServer(null, MODEL, KEY, ['--device', 'cpu', '--context-length', '1024']);
+  server = await startServer(null, MODEL, KEY, ['--device', 'cpu', '--context-length', '1024', ...extraArgs]);
 });
 
 after(async () => {
@@ -118,4 +122,15 @@ test('a text completion continues a prompt in English, the same streamed and not
     streamed += chunk.choices[0]?.text ?? '';
   }
   assert.equal(streamed, text);
+});
+
+test('with --speculative-algorithm, drafts are verified and accepted, and /metrics counts them', { skip: !speculative },
+     async () => {
+  assert.match(server.log(), /speculative decoding: the model's MTP layer drafts \d+ tokens per step/);
+  await chat(CITY, { max_tokens: 48, ...noThinking });
+  const m = await metrics(server);
+  const steps = m.tern_spec_verify_steps_total, drafted = m.tern_spec_draft_tokens_total,
+        accepted = m.tern_spec_accepted_tokens_total;
+  assert.ok(steps > 0 && drafted > 0, JSON.stringify({ steps, drafted }));
+  assert.ok(accepted > 0 && accepted < drafted, JSON.stringify({ accepted, drafted }));
 });
