@@ -29,9 +29,10 @@ namespace {
 
 const std::string kDemo = std::string(TERN_DEMO_DIR) + "/tern-demo-bf16";
 
-std::unique_ptr<ModelRunner> load_demo(bool draft = true) {
+std::unique_ptr<ModelRunner> load_demo(bool draft = true, int world = 1) {
   ModelLoadOptions options;
   options.load_draft = draft;
+  options.tensor_parallel_size = world;
   auto runner = runner_load(kDemo, options);
   EXPECT_TRUE(runner.has_value()) << (runner ? "" : runner.error().message);
   return runner ? std::move(*runner) : nullptr;
@@ -219,6 +220,29 @@ TEST_P(GreedySteps, MatchPlainGreedyDecoding) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Speculative, GreedySteps, testing::Values(1, 2, 3, 4));
+
+TEST(Speculative, TensorParallelRanksDraftAndVerifyAsOneDevice) {
+  // The demo splits at 2 ranks (4 attention heads, 2 KV heads, 4 GDN key heads, experts 64 wide): the ranks' draft
+  // module and verification give the one device's greedy tokens, with drafts accepted and rejected.
+  auto one = load_demo(true, 1), two = load_demo(true, 2);
+  ASSERT_TRUE(one && two);
+  const SamplingParams greedy{.temperature = 0.0f};
+  std::vector<SpecRun> a, b;
+  for (auto [offset, length] : {std::pair<size_t, size_t>{100, 14}, {2500, 6}}) {
+    a.emplace_back(*one, prompt(offset, length), greedy);
+    b.emplace_back(*two, prompt(offset, length), greedy);
+  }
+  run_speculative(*one, a, 32, 3, 8);
+  run_speculative(*two, b, 32, 3, 8);
+  for (size_t i = 0; i < a.size(); ++i) {
+    a[i].output.resize(32);
+    b[i].output.resize(32);
+    EXPECT_EQ(b[i].output, a[i].output);
+    EXPECT_EQ(b[i].output, plain_greedy(*one, a[i].prompt, 32));
+    EXPECT_GT(b[i].accepted, 0);
+    EXPECT_LT(b[i].accepted, b[i].drafted);
+  }
+}
 
 TEST(Speculative, DraftsForcedRightOrWrongKeepGreedyOutput) {
   auto runner = load_demo();

@@ -411,6 +411,48 @@ class TpRunner final : public ModelRunner {
     return results;
   }
 
+  // Speculative decoding: every rank keeps the same rows of its slice of the sequence, and runs the same draft step
+  // over its slice of the draft module (whose fc and norms are whole on every rank), rank 0's logits the step's.
+  // The plan protocol of several nodes carries no draft steps yet.
+  Expected<void> restore_verified(SequenceCache& seq, int64_t rows) override {
+    TERN_ASSIGN_OR_RETURN(TpSequence* tp, tp_sequence(seq));
+    return run_ranks("keeping verified rows", [&](int r) -> Expected<void> {
+      TERN_TRY(bind(r));
+      return runners_[static_cast<size_t>(r)]->keep_rows(tp->ranks[static_cast<size_t>(r)], rows);
+    });
+  }
+
+  Expected<std::vector<float>> draft_step(std::span<const DraftInput> inputs, LogitsFor which,
+                                          std::span<const int64_t>) override {
+    if (layout_.nnodes > 1) return make_error("speculative decoding across several nodes is not supported yet");
+    std::vector<std::vector<DraftInput>> ranks(runners_.size());
+    for (const DraftInput& in : inputs) {
+      TERN_ASSIGN_OR_RETURN(TpSequence* tp, tp_sequence(*in.seq.cache));
+      for (size_t r = 0; r < runners_.size(); ++r) {
+        DraftInput mine = in;
+        mine.seq.cache = &tp->ranks[r];
+        ranks[r].push_back(mine);
+      }
+    }
+    std::vector<float> logits;
+    TERN_TRY(run_ranks("a draft step", [&](int r) -> Expected<void> {
+      TERN_TRY(bind(r));
+      TERN_ASSIGN_OR_RETURN(std::vector<float> l,
+                            runners_[static_cast<size_t>(r)]->draft(ranks[static_cast<size_t>(r)], which));
+      if (r == 0) logits = std::move(l);
+      return {};
+    }));
+    return logits;
+  }
+
+  Expected<TpSequence*> tp_sequence(SequenceCache& cache) const {
+    auto* seq = dynamic_cast<TpSequence*>(cache.device.get());
+    if (seq == nullptr || seq->ranks.size() != runners_.size()) {
+      return make_error("a sequence not made by this tensor-parallel runner was passed to it");
+    }
+    return seq;
+  }
+
   // Rank r's GPU current on the thread running it (rank 0 runs on the caller's thread, which may use others).
   Expected<void> bind(int r) const {
 #if TERN_RUNTIME_CUDA
@@ -425,15 +467,12 @@ class TpRunner final : public ModelRunner {
   Expected<std::vector<std::vector<SequenceInput>>> rank_inputs(std::span<const SequenceInput> batch) const {
     std::vector<std::vector<SequenceInput>> inputs(runners_.size());
     for (const SequenceInput& in : batch) {
-      auto* seq = dynamic_cast<TpSequence*>(in.cache->device.get());
-      if (seq == nullptr || seq->ranks.size() != runners_.size()) {
-        return make_error("a sequence not made by this tensor-parallel runner was passed to it");
-      }
+      TERN_ASSIGN_OR_RETURN(TpSequence* seq, tp_sequence(*in.cache));
       for (size_t r = 0; r < runners_.size(); ++r) {
         if (seq->ranks[r].length != in.cache->length) {
           return make_error("rank {} holds {} tokens of a sequence of {}", r, seq->ranks[r].length, in.cache->length);
         }
-        inputs[r].push_back({&seq->ranks[r], in.tokens, in.kv_blocks, in.state_slot});
+        inputs[r].push_back({&seq->ranks[r], in.tokens, in.kv_blocks, in.state_slot, in.verify});
       }
     }
     for (size_t r = 0; r < runners_.size(); ++r) {
@@ -642,6 +681,10 @@ Expected<std::unique_ptr<ModelRunner>> tp_runner_load(const std::filesystem::pat
                                                       const ModelLoadOptions& options) {
   if (options.node_rank != 0) {
     return make_error("node {} runs ranks for node 0 (tp_worker_run), not a runner of its own", options.node_rank);
+  }
+  if (options.load_draft && options.nnodes > 1) {
+    return make_error("speculative decoding across several nodes (--nnodes {}) is not supported yet: the nodes' step "
+                      "plans carry no draft steps", options.nnodes);
   }
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<TpRunner> runner, tp_group(options, options.tp_check_deadline, nullptr));
   TERN_TRY(runner->load(dir, options));
