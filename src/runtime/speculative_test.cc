@@ -197,10 +197,12 @@ TEST_P(GreedySteps, MatchPlainGreedyDecoding) {
   auto runner = load_demo();
   ASSERT_TRUE(runner);
   const SamplingParams greedy{.temperature = 0.0f};
-  // Three prompts of different lengths decoded together, prompts in chunks of 7 (so draft extends run over prompt
+  // Prompts of different lengths decoded together, prompts in chunks of 7 (so draft extends run over prompt
   // chunks that sample nothing, and decode steps share the batch with prompt chunks).
+  // The last prompt has steps + 1 tokens: a prefill of a verification's size, which must still run as a prefill.
   std::vector<SpecRun> runs;
-  for (auto [offset, length] : {std::pair<size_t, size_t>{0, 12}, {700, 31}, {3000, 5}}) {
+  for (auto [offset, length] : {std::pair<size_t, size_t>{0, 12}, {700, 31}, {3000, 5},
+                                {5000, static_cast<size_t>(steps) + 1}}) {
     runs.emplace_back(*runner, prompt(offset, length), greedy);
   }
   const int n = 48;
