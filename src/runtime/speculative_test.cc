@@ -21,7 +21,15 @@
 #include <random>
 #include <sstream>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <thread>
+
 #include "runtime/model_runner.h"
+#include "runtime/tp_runner.h"
 #include "tokenizer/tokenizer.h"
 
 namespace tern {
@@ -244,6 +252,50 @@ TEST(Speculative, TensorParallelRanksDraftAndVerifyAsOneDevice) {
     EXPECT_GT(b[i].accepted, 0);
     EXPECT_LT(b[i].accepted, b[i].drafted);
   }
+}
+
+// A port nothing listens on now (the OS's pick, released at once).
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+TEST(Speculative, TwoNodesDraftAndVerifyAsOneDevice) {
+  // Node 1 (tp_worker_run on a thread, over Gloo and a TCP store) runs node 0's verification, keep and draft plans.
+  auto one = load_demo(true, 1);
+  ASSERT_TRUE(one);
+  ModelLoadOptions options;
+  options.load_draft = true;
+  options.tensor_parallel_size = 2;
+  options.nnodes = 2;
+  options.dist_init_addr = "127.0.0.1:" + std::to_string(free_port());
+  options.tp_join_timeout = std::chrono::seconds(30);
+  Expected<void> worker_result = make_error("not run");
+  std::thread worker([&] {
+    ModelLoadOptions node1 = options;
+    node1.node_rank = 1;
+    worker_result = tp_worker_run(kDemo, node1);
+  });
+  {
+    auto split = runner_load(kDemo, options);
+    ASSERT_TRUE(split.has_value()) << split.error().message;
+    std::vector<SpecRun> runs;
+    runs.emplace_back(**split, prompt(300, 10), SamplingParams{.temperature = 0.0f});
+    run_speculative(**split, runs, 24, 2, 8);
+    runs[0].output.resize(24);
+    EXPECT_EQ(runs[0].output, plain_greedy(*one, runs[0].prompt, 24));
+    EXPECT_GT(runs[0].accepted, 0);
+    EXPECT_LT(runs[0].accepted, runs[0].drafted);
+  }  // node 0's runner goes: node 1 is told to stop
+  worker.join();
+  EXPECT_TRUE(worker_result.has_value()) << worker_result.error().message;
 }
 
 TEST(Speculative, DraftsForcedRightOrWrongKeepGreedyOutput) {

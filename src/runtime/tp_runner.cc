@@ -107,13 +107,17 @@ struct TpSequence final : DeviceSequenceState {
 
 // What node 0 sends the other nodes before each step (dist/communicator.h broadcast over the control group), as
 // int64 words: op, logits wanted, the released sequence ids, then per sequence its id, cached length, tokens, KV
-// block ids and state slot.
-enum class PlanOp : int64_t { kStep = 1, kHeartbeat = 2, kStop = 3 };
+// block ids, state slot, and the speculative fields below. kStep: a forward step; kDraft: a draft step
+// (ModelRunner::draft) over the sequences; kKeepRows: ModelRunner::keep_rows of each.
+enum class PlanOp : int64_t { kStep = 1, kHeartbeat = 2, kStop = 3, kDraft = 4, kKeepRows = 5 };
 
 struct PlanSequence {
   int64_t id = 0, length = 0;
   std::vector<int32_t> tokens, kv_blocks;
   int32_t state_slot = -1;
+  // kStep: SequenceInput::verify. kDraft: the DraftInput's position, hidden (0 the model's, 1 the draft's) and
+  // source. kKeepRows: the rows kept.
+  int64_t verify = 0, position = 0, hidden = 0, source = 0, rows = 0;
 };
 
 struct Plan {
@@ -133,7 +137,7 @@ std::vector<int64_t> plan_words(const Plan& p) {
     w.insert(w.end(), q.tokens.begin(), q.tokens.end());
     w.push_back(static_cast<int64_t>(q.kv_blocks.size()));
     w.insert(w.end(), q.kv_blocks.begin(), q.kv_blocks.end());
-    w.push_back(q.state_slot);
+    w.insert(w.end(), {int64_t{q.state_slot}, q.verify, q.position, q.hidden, q.source, q.rows});
   }
   return w;
 }
@@ -151,7 +155,7 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w) {
   };
   Plan p;
   TERN_ASSIGN_OR_RETURN(const int64_t op, next());
-  if (op < 1 || op > 3) return make_error("a step plan from node 0 has op {}", op);
+  if (op < 1 || op > 5) return make_error("a step plan from node 0 has op {}", op);
   p.op = static_cast<PlanOp>(op);
   TERN_ASSIGN_OR_RETURN(const int64_t all, next());
   p.which = all != 0 ? LogitsFor::kAllTokens : LogitsFor::kLastToken;
@@ -168,6 +172,9 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w) {
     for (size_t b = 0; b < n_blocks; ++b) q.kv_blocks.push_back(static_cast<int32_t>(w[at++]));
     TERN_ASSIGN_OR_RETURN(const int64_t slot, next());
     q.state_slot = static_cast<int32_t>(slot);
+    for (int64_t* field : {&q.verify, &q.position, &q.hidden, &q.source, &q.rows}) {
+      TERN_ASSIGN_OR_RETURN(*field, next());
+    }
     p.sequences.push_back(std::move(q));
   }
   return p;
@@ -225,6 +232,7 @@ class TpRunner final : public ModelRunner {
       if (plan.op == PlanOp::kHeartbeat) continue;
       for (const int64_t id : plan.released) sequences.erase(id);
       std::vector<std::vector<SequenceInput>> inputs(runners_.size());
+      std::vector<std::vector<DraftInput>> drafts(runners_.size());
       for (const PlanSequence& q : plan.sequences) {
         auto& seq = sequences[q.id];
         if (seq == nullptr) {
@@ -237,12 +245,22 @@ class TpRunner final : public ModelRunner {
             return make_error("sequence {}: this node's rank holds {} tokens, node 0 says {}", q.id,
                               seq->ranks[l].length, q.length);
           }
-          inputs[l].push_back({&seq->ranks[l], q.tokens, q.kv_blocks, q.state_slot});
+          const SequenceInput in{&seq->ranks[l], q.tokens, q.kv_blocks, q.state_slot, q.verify != 0};
+          inputs[l].push_back(in);
+          drafts[l].push_back({in, q.position, q.hidden != 0 ? DraftHidden::kDraft : DraftHidden::kModel, q.source});
         }
       }
       TERN_TRY(run_ranks("a step", [&](int l) -> Expected<void> {
         TERN_TRY(bind(l));
-        return runners_[static_cast<size_t>(l)]->forward(inputs[static_cast<size_t>(l)], plan.which).map([](auto&&) {});
+        ModelRunner& runner = *runners_[static_cast<size_t>(l)];
+        if (plan.op == PlanOp::kKeepRows) {
+          for (size_t i = 0; i < plan.sequences.size(); ++i) {
+            TERN_TRY(runner.keep_rows(*inputs[static_cast<size_t>(l)][i].cache, plan.sequences[i].rows));
+          }
+          return {};
+        }
+        if (plan.op == PlanOp::kDraft) return runner.draft(drafts[static_cast<size_t>(l)], plan.which).map([](auto&&) {});
+        return runner.forward(inputs[static_cast<size_t>(l)], plan.which).map([](auto&&) {});
       }));
     }
   }
@@ -412,10 +430,15 @@ class TpRunner final : public ModelRunner {
   }
 
   // Speculative decoding: every rank keeps the same rows of its slice of the sequence, and runs the same draft step
-  // over its slice of the draft module (whose fc and norms are whole on every rank), rank 0's logits the step's.
-  // The plan protocol of several nodes carries no draft steps yet.
+  // over its slice of the draft module (whose fc and norms are whole on every rank), rank 0's logits the step's;
+  // the other nodes get both as plans.
   Expected<void> restore_verified(SequenceCache& seq, int64_t rows) override {
     TERN_ASSIGN_OR_RETURN(TpSequence* tp, tp_sequence(seq));
+    if (control_ != nullptr) {
+      Plan plan{.op = PlanOp::kKeepRows};
+      plan.sequences.push_back({.id = tp->id, .length = seq.length, .rows = rows});
+      TERN_TRY(send_plan(std::move(plan)));
+    }
     return run_ranks("keeping verified rows", [&](int r) -> Expected<void> {
       TERN_TRY(bind(r));
       return runners_[static_cast<size_t>(r)]->keep_rows(tp->ranks[static_cast<size_t>(r)], rows);
@@ -424,16 +447,20 @@ class TpRunner final : public ModelRunner {
 
   Expected<std::vector<float>> draft_step(std::span<const DraftInput> inputs, LogitsFor which,
                                           std::span<const int64_t>) override {
-    if (layout_.nnodes > 1) return make_error("speculative decoding across several nodes is not supported yet");
     std::vector<std::vector<DraftInput>> ranks(runners_.size());
+    Plan plan{.op = PlanOp::kDraft, .which = which};
     for (const DraftInput& in : inputs) {
       TERN_ASSIGN_OR_RETURN(TpSequence* tp, tp_sequence(*in.seq.cache));
+      plan.sequences.push_back({tp->id, in.seq.cache->length, {in.seq.tokens.begin(), in.seq.tokens.end()},
+                                {in.seq.kv_blocks.begin(), in.seq.kv_blocks.end()}, in.seq.state_slot, 0,
+                                in.position, in.hidden == DraftHidden::kDraft ? 1 : 0, in.source});
       for (size_t r = 0; r < runners_.size(); ++r) {
         DraftInput mine = in;
         mine.seq.cache = &tp->ranks[r];
         ranks[r].push_back(mine);
       }
     }
+    if (control_ != nullptr) TERN_TRY(send_plan(std::move(plan)));
     std::vector<float> logits;
     TERN_TRY(run_ranks("a draft step", [&](int r) -> Expected<void> {
       TERN_TRY(bind(r));
@@ -515,14 +542,19 @@ class TpRunner final : public ModelRunner {
   Expected<void> send_step(std::span<const SequenceInput> batch, LogitsFor which) {
     if (control_ == nullptr) return {};
     Plan plan{.op = PlanOp::kStep, .which = which};
-    {
-      std::lock_guard lock(released_->mu);
-      plan.released.swap(released_->ids);
-    }
     for (const SequenceInput& in : batch) {
       const auto* seq = static_cast<const TpSequence*>(in.cache->device.get());
       plan.sequences.push_back({seq->id, in.cache->length, {in.tokens.begin(), in.tokens.end()},
-                                {in.kv_blocks.begin(), in.kv_blocks.end()}, in.state_slot});
+                                {in.kv_blocks.begin(), in.kv_blocks.end()}, in.state_slot, in.verify ? 1 : 0});
+    }
+    return send_plan(std::move(plan));
+  }
+
+  // Node 0: a plan to the other nodes, with the sequences released since the last one.
+  Expected<void> send_plan(Plan plan) {
+    {
+      std::lock_guard lock(released_->mu);
+      plan.released.swap(released_->ids);
     }
     std::lock_guard lock(control_mu_);
     auto sent = send_locked(plan);
@@ -681,10 +713,6 @@ Expected<std::unique_ptr<ModelRunner>> tp_runner_load(const std::filesystem::pat
                                                       const ModelLoadOptions& options) {
   if (options.node_rank != 0) {
     return make_error("node {} runs ranks for node 0 (tp_worker_run), not a runner of its own", options.node_rank);
-  }
-  if (options.load_draft && options.nnodes > 1) {
-    return make_error("speculative decoding across several nodes (--nnodes {}) is not supported yet: the nodes' step "
-                      "plans carry no draft steps", options.nnodes);
   }
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<TpRunner> runner, tp_group(options, options.tp_check_deadline, nullptr));
   TERN_TRY(runner->load(dir, options));
