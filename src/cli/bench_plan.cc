@@ -61,32 +61,6 @@ Json plan_from_blocks(const CausalLm& model, const BenchPlanOptions& o) {
   return report;
 }
 
-// The plan of a model tern cannot build yet: what its weight schema says one rank holds.
-Expected<Json> plan_from_schema(const BenchPlanOptions& o, const std::string& why) {
-  TERN_ASSIGN_OR_RETURN(const ModelConfig config, model_config_load(o.model_dir));
-  TERN_ASSIGN_OR_RETURN(const std::optional<QuantConfig> quant, quant_config_load(o.model_dir));
-  const WeightSchema schema = weight_schema_build(config, weight_schema_default_text_prefix(config));
-  TERN_ASSIGN_OR_RETURN(const SchemaRankBytes b, schema_rank_bytes(schema, quant, {0, o.world}));
-  Json report{{"not_runnable", why},
-              {"weights",
-               {{"per_rank_bytes", b.weight_bytes()},
-                {"dense_bytes", b.linear_bytes - b.expert_bytes},
-                {"expert_bytes", b.expert_bytes},
-                {"embedding_bytes", b.embedding_bytes}}},
-              {"kv_bytes_per_token", b.cache_bytes_per_token},
-              {"state_bytes_per_sequence", b.state_bytes_per_sequence},
-              {"tensor_parallel_size", o.world},
-              {"collectives_computed", nullptr}};
-  report["rows"] = Json::array();
-  for (int64_t batch : o.batch_sizes) {
-    const double memory = b.weight_bytes() + static_cast<double>(batch) *
-                                                 (static_cast<double>(o.context) * b.cache_bytes_per_token +
-                                                  b.state_bytes_per_sequence);
-    report["rows"].push_back({{"batch", batch}, {"context", o.context}, {"memory_bytes", memory}});
-  }
-  return report;
-}
-
 std::string gb(const Json& v) { return fmt::format("{:.2f} GB", v.get<double>() / kGB); }
 
 void print_plan(const Json& r) {
@@ -103,16 +77,6 @@ void print_plan(const Json& r) {
   fmt::print(" + {} embedding rows\n", gb(w["embedding_bytes"]));
   fmt::print("caches per rank: {:.1f} KB per token (KV caches), {:.2f} MB per sequence (Gated DeltaNet state)\n",
              r["kv_bytes_per_token"].get<double>() / 1e3, r["state_bytes_per_sequence"].get<double>() / kMB);
-  if (r.contains("not_runnable")) {
-    fmt::print("{}\nso from the weight schema alone: no decode traffic or collectives\n",
-               r["not_runnable"].get<std::string>());
-    fmt::print("{:>6} {:>8} {:>16}\n", "batch", "context", "memory/rank GB");
-    for (const Json& row : r["rows"]) {
-      fmt::print("{:>6} {:>8} {:>16.2f}\n", row["batch"].get<int64_t>(), row["context"].get<int64_t>(),
-                 row["memory_bytes"].get<double>() / kGB);
-    }
-    return;
-  }
   print_tensor_parallel_report(r);
   fmt::print("decode bound by HBM at {:.0f} GB/s (--hbm-gbs); memory: weights, KV cache and state, no activations\n",
              r["hbm_gbs"].get<double>());
@@ -174,17 +138,9 @@ int run_bench_plan(const BenchPlanOptions& o) {
   auto config = model_config_load(o.model_dir);
   if (!config) return fail(fmt::format("{}: {}", what, config.error().message));
   Json report{{"model", o.model_dir}, {"plan_only", true}, {"tensor_parallel_size", o.world}};
-  if (model_build_supported(config->architecture)) {
-    auto model = model_build_host(o.model_dir, {.load_format = LoadFormat::kShapes, .shard = {0, o.world}});
-    if (!model) return fail(fmt::format("{}: {}", what, model.error().message));
-    report.update(plan_from_blocks(**model, o));
-  } else {
-    const std::string why = fmt::format("architecture '{}' is not runnable in tern yet",
-                                        architecture_name(config->architecture));
-    auto plan = plan_from_schema(o, why);
-    if (!plan) return fail(fmt::format("{}: {}", what, plan.error().message));
-    report.update(*plan);
-  }
+  auto model = model_build_host(o.model_dir, {.load_format = LoadFormat::kShapes, .shard = {0, o.world}});
+  if (!model) return fail(fmt::format("{}: {}", what, model.error().message));
+  report.update(plan_from_blocks(**model, o));
   report["plan_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (o.json) {
     fmt::print("{}\n", report.dump(1));

@@ -8,6 +8,7 @@
 #include "layers/attention.h"
 #include "layers/block_ops.h"
 #include "layers/gated_deltanet.h"
+#include "layers/mla.h"
 #include "layers/moe.h"
 #include "models/shard.h"
 
@@ -66,6 +67,20 @@ class TrafficCounter final : public BlockOps {
     const double conv =
         static_cast<double>((2 * s.n_key_heads * s.key_dim + s.n_value_heads * s.value_dim) * (s.conv_kernel - 1)) * 2;
     t_.state_bytes_per_sequence += state + conv;
+    return nullptr;
+  }
+  Expected<std::unique_ptr<Block>> mla(const RmsNorm&, const MlaAttention& a) override {
+    ++t_.summed_blocks;
+    const MlaWeights& w = a.weights();
+    add_linears({&w.q_a_proj, &w.q_b_proj, &w.q_proj, &w.kv_a_proj, &w.kv_b_proj, &w.o_proj}, t_.dense_weight_bytes,
+                dense_params_);
+    if (w.indexer) {
+      add_linears({&w.indexer->wq_b, &w.indexer->wk, &w.indexer->weights_proj}, t_.dense_weight_bytes, dense_params_);
+    }
+    const MlaShape& s = a.shape();
+    // The latent cache: [c | k_pe] per token (bf16), and the indexer's key.
+    t_.kv_bytes_per_token += static_cast<double>(s.kv_lora_rank + s.qk_rope_head_dim + s.index_head_dim) * 2;
+    t_.attention_flops_per_token2 += 2.0 * static_cast<double>(s.n_heads * (s.qk_nope_head_dim + s.qk_rope_head_dim));
     return nullptr;
   }
   Expected<std::unique_ptr<Block>> mlp(const RmsNorm&, const Mlp& m) override {

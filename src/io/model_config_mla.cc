@@ -219,8 +219,9 @@ Expected<void> read_indexer(JsonFields& fields, ModelConfig& config) {
     return make_error("{} ({}) is smaller than qk_rope_head_dim ({}), the part of it RoPE rotates",
                       fields.where("index_head_dim"), config.index_head_dim, config.qk_rope_head_dim);
   }
-  // vLLM: is_neox_style = not getattr(config, "indexer_rope_interleave", False).
-  TERN_ASSIGN_OR_RETURN(config.indexer_rope_interleave, fields.get_bool("indexer_rope_interleave", false));
+  // vLLM: is_neox_style = not indexer_rope_interleave (GLM-5's config.json: true). transformers (5.17) always
+  // rotates GLM's indexer interleaved and reads no such key, so a config without it is interleaved too.
+  TERN_ASSIGN_OR_RETURN(config.indexer_rope_interleave, fields.get_bool("indexer_rope_interleave", true));
   TERN_ASSIGN_OR_RETURN(const auto names, indexer_type_names(fields, config.num_hidden_layers));
   if (static_cast<int64_t>(names.size()) != config.num_hidden_layers) {
     return make_error("{}: {} indexer types for {} layers", fields.where("indexer_types"), names.size(),

@@ -415,7 +415,7 @@ TEST(ModelConfigDefaults, GlmEmptyConfig) {
   EXPECT_EQ(c.v_head_dim, 256);
   EXPECT_EQ(c.qk_nope_head_dim, 192);
   EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-5);
-  EXPECT_FALSE(c.indexer_rope_interleave);  // vLLM's getattr default
+  EXPECT_TRUE(c.indexer_rope_interleave);  // transformers rotates GLM's indexer interleaved whatever the config says
   EXPECT_EQ(c.num_mtp_layers, 0);
   EXPECT_EQ(moe_flags(c), dense_then_moe(78, 3));
   EXPECT_EQ(c.indexer_types, std::vector<IndexerType>(78, IndexerType::kFull));

@@ -29,6 +29,9 @@ struct LayerCache {
   // The states after each row of the sequence's last verification step (SequenceInput::verify), so that
   // ModelRunner::keep_rows can set the layer back to any of them.
   std::vector<RecurrentStates> verified;
+  // MLA (layers/mla.h): k holds each token's latent [c | roped k_pe], v the DSA indexer's keys, and `selected` the
+  // keys each row of the last step attended to (read by the "shared" DSA layers after it).
+  std::vector<std::vector<int32_t>> selected;
 };
 
 // What a sequence holds on a device when the model runs there (KV blocks, state slots); released with the

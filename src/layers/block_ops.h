@@ -27,6 +27,7 @@ namespace tern {
 class Attention;
 class GatedDeltaNet;
 class Linear;
+class MlaAttention;
 class Mlp;
 class Moe;
 struct RmsNorm;
@@ -46,6 +47,7 @@ class BlockOps {
   virtual Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table, VocabRange vocab) = 0;
   virtual Expected<std::unique_ptr<Block>> attention(const RmsNorm& norm, const Attention& a) = 0;
   virtual Expected<std::unique_ptr<Block>> gated_deltanet(const RmsNorm& norm, const GatedDeltaNet& g) = 0;
+  virtual Expected<std::unique_ptr<Block>> mla(const RmsNorm& norm, const MlaAttention& a) = 0;
   virtual Expected<std::unique_ptr<Block>> mlp(const RmsNorm& norm, const Mlp& m) = 0;
   virtual Expected<std::unique_ptr<Block>> moe(const RmsNorm& norm, const Moe& m) = 0;
   // The final norm and the vocabulary projection over the rows whose logits the step wants.

@@ -39,6 +39,50 @@ Routing route(const std::vector<float>& logits, int64_t rows, int64_t n_experts,
   return r;
 }
 
+// DeepSeek-V3 / GLM-5 (noaux_tc): sigmoid scores; selection on score + bias within the best topk_group groups (a
+// group's worth: the sum of its two best biased scores); weights the unbiased scores, renormalised (+ 1e-20),
+// times routed_scaling. Ties to the lower index.
+Routing route_sigmoid(const std::vector<float>& logits, int64_t rows, int64_t n_experts, const MoeShape& s,
+                      const std::vector<float>& bias) {
+  const int64_t top_k = s.top_k, per_group = n_experts / s.n_group;
+  Routing r{std::vector<int32_t>(rows * top_k), std::vector<float>(rows * top_k)};
+  std::vector<float> score(n_experts), choice(n_experts), group_worth(s.n_group);
+  std::vector<int32_t> order(n_experts), groups(s.n_group);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t e = 0; e < n_experts; ++e) {
+      score[e] = 1.0f / (1.0f + std::exp(-logits[i * n_experts + e]));
+      choice[e] = score[e] + (bias.empty() ? 0.0f : bias[e]);
+    }
+    for (int64_t g = 0; g < s.n_group; ++g) {
+      std::vector<float> members(choice.begin() + g * per_group, choice.begin() + (g + 1) * per_group);
+      std::partial_sort(members.begin(), members.begin() + std::min<int64_t>(2, per_group), members.end(),
+                        std::greater<>());
+      group_worth[g] = members[0] + (per_group > 1 ? members[1] : 0.0f);
+    }
+    std::iota(groups.begin(), groups.end(), 0);
+    std::partial_sort(groups.begin(), groups.begin() + s.topk_group, groups.end(), [&](int32_t a, int32_t b) {
+      return group_worth[a] > group_worth[b] || (group_worth[a] == group_worth[b] && a < b);
+    });
+    std::vector<bool> kept(s.n_group, false);
+    for (int64_t g = 0; g < s.topk_group; ++g) kept[groups[g]] = true;
+    for (int64_t e = 0; e < n_experts; ++e) {
+      if (!kept[e / per_group]) choice[e] = -INFINITY;
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int32_t a, int32_t b) {
+      return choice[a] > choice[b] || (choice[a] == choice[b] && a < b);
+    });
+    float sum = 0.0f;
+    for (int64_t j = 0; j < top_k; ++j) sum += score[order[j]];
+    for (int64_t j = 0; j < top_k; ++j) {
+      const float w = s.renormalize ? score[order[j]] / (sum + 1e-20f) : score[order[j]];
+      r.expert[i * top_k + j] = order[j];
+      r.weight[i * top_k + j] = w * s.routed_scaling;
+    }
+  }
+  return r;
+}
+
 }  // namespace
 
 void mlp_forward(const MlpWeights& w, const float* x, int64_t rows, float* y) {
@@ -60,7 +104,8 @@ void Moe::forward(const float* x, float* y, int64_t rows, const std::string& tra
   std::vector<float> logits(rows * n_experts);
   w_.router.forward(x, rows, logits.data());
   if (tracer) (*tracer)(trace_prefix + "router_logits", logits.data(), rows, n_experts);
-  const Routing routing = route(logits, rows, n_experts, s_.top_k, s_.renormalize);
+  const Routing routing = s_.sigmoid ? route_sigmoid(logits, rows, n_experts, s_, w_.correction_bias)
+                                     : route(logits, rows, n_experts, s_.top_k, s_.renormalize);
 
   std::fill(y, y + rows * hidden, 0.0f);
   // Experts in index order, each over the rows routed to it, so every row sums its experts in the same order
@@ -86,11 +131,11 @@ void Moe::forward(const float* x, float* y, int64_t rows, const std::string& tra
     }
   }
   if (!w_.shared_expert) return;
-  std::vector<float> shared(rows * hidden), gate(rows);
+  std::vector<float> shared(rows * hidden), gate(rows, 0.0f);
   w_.shared_expert->forward(x, shared.data(), rows, trace_prefix, nullptr);
-  w_.shared_expert_gate.forward(x, rows, gate.data());
+  if (s_.shared_gate) w_.shared_expert_gate.forward(x, rows, gate.data());
   for (int64_t i = 0; i < rows; ++i) {
-    const float g = 1.0f / (1.0f + std::exp(-gate[i]));
+    const float g = s_.shared_gate ? 1.0f / (1.0f + std::exp(-gate[i])) : 1.0f;
     for (int64_t d = 0; d < hidden; ++d) y[i * hidden + d] += g * shared[i * hidden + d];
   }
 }
@@ -107,6 +152,7 @@ std::vector<const Linear*> Mlp::input_projections() const { return {&w_.gate_pro
 
 std::vector<const Linear*> Moe::input_projections() const {
   if (!w_.shared_expert) return {&w_.router};
+  if (!s_.shared_gate) return {&w_.shared_expert->weights().gate_proj, &w_.shared_expert->weights().up_proj, &w_.router};
   const MlpWeights& s = w_.shared_expert->weights();
   return {&s.gate_proj, &s.up_proj, &w_.router, &w_.shared_expert_gate};
 }

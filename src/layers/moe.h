@@ -1,6 +1,9 @@
 // Feed-forward blocks: the SwiGLU MLP y = down(silu(gate(x)) * up(x)), and the sparse MoE of Qwen3-MoE / Qwen3.5 /
 // Qwen3-Next (docs/model-specs.md §2.6): softmax router in fp32, top-k, optional renormalisation, routed SwiGLU
-// experts weighted by their probability, plus an optional shared expert scaled by sigmoid(shared_expert_gate(x)).
+// experts weighted by their probability, plus an optional shared expert scaled by sigmoid(shared_expert_gate(x));
+// and DeepSeek-V3 / GLM-5's (§3.4): sigmoid scores, the experts chosen on score + e_score_correction_bias within
+// the best topk_group of n_group groups, weighted by their unbiased scores (renormalised, + 1e-20), times
+// routed_scaling_factor, plus the shared experts unweighted.
 #pragma once
 
 #include <memory>
@@ -37,12 +40,17 @@ struct MoeWeights {
   Linear router;                       // [num_experts, hidden]
   std::vector<MlpWeights> experts;
   std::unique_ptr<Mlp> shared_expert;  // null when absent
-  Linear shared_expert_gate;           // [1, hidden], used when shared_expert is set
+  Linear shared_expert_gate;           // [1, hidden], used when shared_expert is set and MoeShape::shared_gate
+  std::vector<float> correction_bias;  // [num_experts] sigmoid routing's e_score_correction_bias (empty: none)
 };
 
 struct MoeShape {
   int64_t top_k = 0;
   bool renormalize = true;  // norm_topk_prob (always on for Qwen3.5)
+  bool sigmoid = false;     // DeepSeek-V3 / GLM-5 routing instead of softmax
+  int64_t n_group = 1, topk_group = 1;
+  float routed_scaling = 1.0f;
+  bool shared_gate = true;  // the shared expert behind sigmoid(shared_expert_gate(x)) (Qwen), or unweighted
 };
 
 class Moe final : public FeedForward {

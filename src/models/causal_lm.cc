@@ -119,6 +119,8 @@ Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir,
     case Architecture::kQwen3Moe: built = qwen3_moe_build(*model, store, schema, wa4); break;
     case Architecture::kQwen35Moe:
     case Architecture::kQwen3Next: built = qwen3_5_moe_build(*model, store, schema, wa4); break;
+    case Architecture::kGlmMoeDsa:
+    case Architecture::kDeepseekV3: built = glm_moe_dsa_build(*model, store, schema, wa4); break;
     default:
       return make_error("{}: architecture '{}' is not supported on the CPU yet", dir.string(),
                         architecture_name(config.architecture));
@@ -132,7 +134,7 @@ Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir,
 
 bool model_build_supported(Architecture a) {
   return a == Architecture::kQwen3 || a == Architecture::kQwen3Moe || a == Architecture::kQwen35Moe ||
-         a == Architecture::kQwen3Next;
+         a == Architecture::kQwen3Next || a == Architecture::kGlmMoeDsa || a == Architecture::kDeepseekV3;
 }
 
 Expected<std::unique_ptr<CausalLm>> model_build_host(const std::filesystem::path& dir,

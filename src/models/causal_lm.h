@@ -164,6 +164,8 @@ Expected<void> qwen3_build(CausalLm& model, WeightStore& weights, const WeightSc
 Expected<void> qwen3_moe_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema, bool quantize_input);
 Expected<void> qwen3_5_moe_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
                                  bool quantize_input);
+Expected<void> glm_moe_dsa_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
+                                 bool quantize_input);
 // The draft module the schema declares (weight_schema_build's with_draft) into model.draft.
 Expected<void> qwen3_5_moe_build_draft(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
                                        bool quantize_input);

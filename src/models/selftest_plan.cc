@@ -6,6 +6,7 @@
 #include "layers/attention.h"
 #include "layers/block_ops.h"
 #include "layers/gated_deltanet.h"
+#include "layers/mla.h"
 #include "layers/moe.h"
 #include "layers/norms.h"
 #include "ops/attention_op.h"
@@ -71,6 +72,9 @@ class Planner final : public BlockOps {
     projections(g.input_projections());
     linear(g.weights().out_proj);
     return nullptr;
+  }
+  Expected<std::unique_ptr<Block>> mla(const RmsNorm&, const MlaAttention&) override {
+    return make_error("multi-head latent attention has no GPU kernels yet");
   }
   Expected<std::unique_ptr<Block>> mlp(const RmsNorm& norm, const Mlp& m) override {
     block_norm(norm);

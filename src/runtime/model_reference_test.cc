@@ -195,7 +195,8 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, ModelReference,
                                          Case{"qwen3_5_moe", "reference.json", false},
                                          Case{"qwen3_5_moe_fused", "reference.json", false},
                                          Case{"qwen3_5_moe_nvfp4", "reference_w4a16.json", false},
-                                         Case{"qwen3_5_moe_nvfp4", "reference_w4a4.json", true}),
+                                         Case{"qwen3_5_moe_nvfp4", "reference_w4a4.json", true},
+                                         Case{"glm_moe_dsa", "reference.json", false}),
                          case_name);
 
 }  // namespace

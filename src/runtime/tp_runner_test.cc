@@ -149,7 +149,7 @@ TEST_P(TensorParallel, SampledTokensMatchOneDevice) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallel,
                          testing::Values(Case{"qwen3", 2}, Case{"qwen3", 4}, Case{"qwen3_moe", 2},
                                          Case{"qwen3_moe", 4}, Case{"qwen3_5_moe", 2}, Case{"qwen3_5_moe_fused", 2},
-                                         Case{"qwen3_5_moe_nvfp4", 2}),
+                                         Case{"qwen3_5_moe_nvfp4", 2}, Case{"glm_moe_dsa", 2}, Case{"glm_moe_dsa", 4}),
                          case_name);
 
 // The ranks' own runners, driven by hand: after each step every rank holds the same bits of the logits (gathered)

@@ -7,6 +7,7 @@
 #include "layers/attention.h"
 #include "layers/gated_deltanet.h"
 #include "layers/linear.h"
+#include "layers/mla.h"
 #include "layers/moe.h"
 #include "layers/norms.h"
 #include "models/shard.h"
@@ -173,6 +174,9 @@ Expected<std::unique_ptr<Block>> CpuOps::attention(const RmsNorm& norm, const At
 }
 Expected<std::unique_ptr<Block>> CpuOps::gated_deltanet(const RmsNorm& norm, const GatedDeltaNet& g) {
   return std::make_unique<CpuMixerBlock>(norm, g, s_);
+}
+Expected<std::unique_ptr<Block>> CpuOps::mla(const RmsNorm& norm, const MlaAttention& a) {
+  return std::make_unique<CpuMixerBlock>(norm, a, s_);
 }
 Expected<std::unique_ptr<Block>> CpuOps::mlp(const RmsNorm& norm, const Mlp& m) {
   return std::make_unique<CpuFeedForwardBlock>(norm, m, s_);

@@ -48,6 +48,7 @@ class CpuOps final : public BlockOps {
   Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table, VocabRange vocab) override;
   Expected<std::unique_ptr<Block>> attention(const RmsNorm& norm, const Attention& a) override;
   Expected<std::unique_ptr<Block>> gated_deltanet(const RmsNorm& norm, const GatedDeltaNet& g) override;
+  Expected<std::unique_ptr<Block>> mla(const RmsNorm& norm, const MlaAttention& a) override;
   Expected<std::unique_ptr<Block>> mlp(const RmsNorm& norm, const Mlp& m) override;
   Expected<std::unique_ptr<Block>> moe(const RmsNorm& norm, const Moe& m) override;
   Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head, VocabRange vocab) override;

@@ -257,6 +257,10 @@ Expected<std::unique_ptr<Block>> CudaOps::mlp(const RmsNorm& post_norm, const Ml
 }
 
 Expected<std::unique_ptr<Block>> CudaOps::moe(const RmsNorm& post_norm, const Moe& moe) {
+  if (moe.shape().sigmoid || !moe.shape().shared_gate) {
+    return make_error("{}: sigmoid-routed MoE (GLM-5, DeepSeek-V3) runs on the CPU only so far (--device cpu)",
+                      moe.weights().router.name());
+  }
   GpuMoe m;
   m.shape = moe.shape();
   const MoeWeights& w = moe.weights();

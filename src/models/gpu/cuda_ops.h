@@ -63,6 +63,10 @@ class CudaOps final : public BlockOps {
   Expected<std::unique_ptr<Block>> mlp(const RmsNorm& norm, const Mlp& m) override;
   Expected<std::unique_ptr<Block>> moe(const RmsNorm& norm, const Moe& m) override;
   Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head, VocabRange vocab) override;
+  // Not on CUDA yet: MLA (GLM-5, DeepSeek-V3) models are refused at load.
+  Expected<std::unique_ptr<Block>> mla(const RmsNorm&, const MlaAttention&) override {
+    return make_error("multi-head latent attention (GLM-5, DeepSeek-V3) runs on the CPU only so far (--device cpu)");
+  }
   // Not on CUDA yet: a model loaded with its draft module is refused at load.
   Expected<std::unique_ptr<Block>> draft_input(const RmsNorm&, const RmsNorm&, const Linear&) override {
     return make_error("speculative decoding with the model's MTP layers runs on the CPU only so far (--device cpu)");
