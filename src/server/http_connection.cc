@@ -152,9 +152,10 @@ void Connection::begin_request() {
   bytes_written_ = 0;
 }
 
-void Connection::begin_body(size_t max_bytes) {
-  budget_ = max_bytes;
+void Connection::begin_body(size_t max_bytes, bool exact) {
+  budget_ = body_budget_ = max_bytes;
   in_body_ = true;
+  exact_ = exact;
 }
 
 void Connection::write_timeout_response(const std::string& json_body) {

@@ -52,8 +52,12 @@ class Connection final : public httplib::Stream {
   bool wait_for_request(const std::function<bool()>& stopping);
   // Starts the next request's budgets and deadline.
   void begin_request();
-  // The headers are read: from now on at most `max_bytes` more may be read for this request (its body).
-  void begin_body(size_t max_bytes);
+  // The headers are read: from now on at most `max_bytes` more may be read for this request (its body), exactly
+  // that many when `exact` (a Content-Length), fewer for a chunked body.
+  void begin_body(size_t max_bytes, bool exact);
+  // The request announced a body that nobody read (a request refused before its body): the connection cannot
+  // carry another request after it.
+  bool body_unread() const { return in_body_ && budget_ > 0 && (exact_ || budget_ == body_budget_); }
   Failure failure() const { return failure_; }
   bool wrote_response() const { return bytes_written_ > 0; }
 
@@ -83,6 +87,8 @@ class Connection final : public httplib::Stream {
   std::chrono::steady_clock::time_point deadline_;
   size_t budget_ = 0;  // bytes this request may still read
   bool in_body_ = false;
+  bool exact_ = false;
+  size_t body_budget_ = 0;
   Failure failure_ = Failure::kNone;
   size_t bytes_written_ = 0;
   bool close_ = false;

@@ -190,9 +190,7 @@ void HttpServer::install_routes() {
     if (Connection* conn = Connection::current()) {
       const bool chunked = req.has_header("Transfer-Encoding");
       const uint64_t length = chunked ? config_.max_body_bytes : req.get_header_value<uint64_t>("Content-Length");
-      conn->begin_body(length);
-      // The library reads a body only for POST (and PUT, PATCH, DELETE): any other must not leave one unread.
-      if (length > 0 && req.method != "POST") conn->close_after_response();
+      conn->begin_body(length, !chunked);
     }
     if (config_.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
     if (req.get_header_value("Authorization") == "Bearer " + config_.api_key) {
@@ -212,7 +210,7 @@ void HttpServer::install_routes() {
     std::string asked = req.get_header_value("Connection");
     for (char& c : asked) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     if (asked == "close" || (req.version == "HTTP/1.0" && asked != "keep-alive") ||
-        res.get_header_value("Connection") == "close") {
+        res.get_header_value("Connection") == "close" || conn->body_unread()) {
       conn->close_after_response();
     }
     if (conn->closing()) {

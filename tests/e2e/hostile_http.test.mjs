@@ -288,6 +288,14 @@ test('pipelined requests are all answered, in order', async () => {
   assert.equal(JSON.parse(r[1].body).object, 'text_completion');
   assert.equal(JSON.parse(r[2].body).data[0].id, MODEL);
   assert.ok(res.closed);
+  // A request refused before its body was read ends the connection: the unread body is never taken for the next
+  // request.
+  const refused = await exchange([post('/v1/completions', { model: MODEL, prompt: 'x' }, { Authorization: 'Bearer no' })
+    .toString('latin1') + head('GET', '/health')]);
+  const rr = responses(refused.raw);
+  assert.deepEqual(rr.map((x) => x.status), [401]);
+  assert.equal(rr[0].headers.connection, 'close');
+  assert.ok(refused.closed);
 });
 
 test('an HTTP/1.0 client gets its stream close-delimited, never chunked', async () => {
