@@ -42,7 +42,8 @@ int millis_until(Clock::time_point t) {
 
 }  // namespace
 
-Connection::Connection(int fd, const ConnectionLimits& limits) : fd_(fd), limits_(limits), buffer_(kBufferSize) {}
+Connection::Connection(int fd, const ConnectionLimits& limits, std::function<bool()> stopping)
+    : fd_(fd), limits_(limits), stopping_(std::move(stopping)), buffer_(kBufferSize) {}
 
 Connection* Connection::current() { return t_current; }
 
@@ -69,10 +70,11 @@ bool Connection::peer_closed() const {
 
 ssize_t Connection::fill() {
   for (;;) {
+    if (stopping_()) return -1;
     const int left = millis_until(deadline_);
     pollfd p{fd_, POLLIN, 0};
-    const int ready = left > 0 ? ::poll(&p, 1, left) : 0;
-    if (ready < 0 && errno == EINTR) continue;
+    const int ready = left > 0 ? ::poll(&p, 1, std::min(left, 100)) : 0;
+    if ((ready < 0 && errno == EINTR) || (ready == 0 && left > 100)) continue;
     if (ready == 0) {
       failure_ = Failure::kTimeout;
       return -1;
@@ -127,10 +129,10 @@ void Connection::get_local_ip_and_port(std::string& ip, int& port) const {
   if (::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0) address_of(addr, ip, port);
 }
 
-bool Connection::wait_for_request(const std::function<bool()>& stopping) {
+bool Connection::wait_for_request() {
   if (buffer_begin_ < buffer_end_) return true;  // pipelined: the next request is already here
   const auto until = Clock::now() + limits_.keep_alive_timeout;
-  while (!stopping()) {
+  while (!stopping_()) {
     const int left = millis_until(until);
     if (left == 0) return false;
     pollfd p{fd_, POLLIN, 0};
@@ -185,12 +187,11 @@ void Connection::linger() {
 }
 
 bool ConnectionServer::process_and_close_socket(socket_t sock) {
-  Connection conn(sock, limits_);
+  Connection conn(sock, limits_, [this] { return svr_sock_ == INVALID_SOCKET; });
   t_current = &conn;
-  const auto stopping = [this] { return svr_sock_ == INVALID_SOCKET; };
   bool abnormal = false;
   for (size_t count = limits_.keep_alive_max_count; count > 0; --count) {
-    if (!conn.wait_for_request(stopping)) break;
+    if (!conn.wait_for_request()) break;
     conn.begin_request();
     bool closed_by_request = false;
     const bool ok = process_request(conn, count == 1, closed_by_request, nullptr);

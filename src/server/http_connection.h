@@ -34,7 +34,8 @@ class Connection final : public httplib::Stream {
   // Why reading the current request stopped early, if it did.
   enum class Failure { kNone, kTimeout, kHeadTooLarge, kBodyTooLarge };
 
-  Connection(int fd, const ConnectionLimits& limits);
+  // `stopping` turns true when the server shuts down: reads and waits then end within 100 ms.
+  Connection(int fd, const ConnectionLimits& limits, std::function<bool()> stopping);
 
   // The connection the calling thread is serving (nullptr outside a handler).
   static Connection* current();
@@ -49,7 +50,7 @@ class Connection final : public httplib::Stream {
 
   // Waits up to the keep-alive timeout for a request's first byte (buffered or on the socket); false when the
   // peer closed, the wait ran out or `stopping()` turned true.
-  bool wait_for_request(const std::function<bool()>& stopping);
+  bool wait_for_request();
   // Starts the next request's budgets and deadline.
   void begin_request();
   // The headers are read: from now on at most `max_bytes` more may be read for this request (its body), exactly
@@ -82,6 +83,7 @@ class Connection final : public httplib::Stream {
 
   int fd_;
   ConnectionLimits limits_;
+  std::function<bool()> stopping_;
   std::vector<char> buffer_;
   size_t buffer_begin_ = 0, buffer_end_ = 0;
   std::chrono::steady_clock::time_point deadline_;
