@@ -92,6 +92,22 @@ TEST(TemplateGolden, SemanticsMatchPythonJinja2) {
   }
 }
 
+// Found by template_fuzz: a slice among several subscripts reached the renderer without its operand (a null
+// dereference). Single slices and tuple subscripts still work.
+TEST(TemplateErrors, SliceAmongSeveralSubscriptsIsAnError) {
+  for (const char* source : {"{{ x[1, 2:3] }}", "{{ x[1:2, 3] }}", "{{ true [1,2,3-n:a:b] }}"}) {
+    auto t = ChatTemplate::parse(source);
+    ASSERT_FALSE(t) << source;
+    EXPECT_NE(t.error().message.find("a slice cannot be one of several subscripts"), std::string::npos)
+        << t.error().message;
+  }
+  auto ok = ChatTemplate::parse("{{ x[1:3] }}{{ x[::2] }}{{ d[1, 2] }}");
+  ASSERT_TRUE(ok) << ok.error().message;
+  auto out = ok->render(nlohmann::ordered_json{{"x", {1, 2, 3, 4}}, {"d", nlohmann::ordered_json::object()}});
+  ASSERT_TRUE(out) << out.error().message;
+  EXPECT_EQ(*out, "[2, 3][1, 3]");  // Python Jinja2's output (d[(1, 2)] is undefined: empty)
+}
+
 TEST(TemplateErrors, SyntaxErrorNamesTemplateAndLine) {
   auto t = ChatTemplate::parse("line one\n{% if x %}\n{{ 1 + }}\n{% endif %}", "my_template");
   ASSERT_FALSE(t);
