@@ -205,6 +205,9 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--api-key", o->server.api_key, "Require 'Authorization: Bearer KEY'");
   cmd->add_option("--max-body-bytes", o->server.max_body_bytes, "Largest request body (bigger: 413)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  cmd->add_option("--request-read-timeout", o->server.request_read_timeout_s, "Seconds from a request's first byte "
+                  "to the last byte of its body (slower: 408 and the connection closes)")
+      ->check(CLI::Range(1, 3600));
   cmd->add_option("--reasoning-parser", o->reasoning_parser, "Split <think> reasoning from the answer")
       ->check(CLI::IsMember({"auto", "qwen3", "glm45", "none"}));
   cmd->add_option("--tool-call-parser", o->tool_parser, "Tool-call format of the model's output")

@@ -9,6 +9,7 @@
 #include <map>
 #include <thread>
 
+#include "server/http_connection.h"
 #include "server/openai_response.h"
 
 namespace tern {
@@ -29,6 +30,7 @@ const char* error_type(int status) {
     case 401: return "authentication_error";
     case 404: return "not_found_error";
     case 405: return "method_not_allowed";
+    case 408: return "request_timeout";
     case 413: return "request_too_large";
     case 503: return "service_unavailable";
     default: return status >= 500 ? "server_error" : "invalid_request_error";
@@ -62,7 +64,11 @@ struct StreamState {
 HttpServer::HttpServer(ServerConfig config, Engine& engine, EngineMetrics& metrics, std::optional<Tokenizer> tokenizer,
                        std::optional<ChatTemplateSet> templates)
     : config_(std::move(config)), engine_(engine), metrics_(metrics), tokenizer_(std::move(tokenizer)),
-      templates_(std::move(templates)), server_(std::make_unique<httplib::Server>()) {
+      templates_(std::move(templates)),
+      server_(std::make_unique<ConnectionServer>(
+          ConnectionLimits{.request_read_timeout = std::chrono::seconds(config_.request_read_timeout_s)},
+          api_error_body({408, fmt::format("the request did not arrive within {} s", config_.request_read_timeout_s),
+                          "request_timeout"}))) {
   install_routes();
 }
 
@@ -80,16 +86,112 @@ void HttpServer::count_outcome(const std::string& outcome) {
   ++outcomes_[outcome];
 }
 
+std::optional<ApiError> HttpServer::check_framing(const httplib::Request& req) const {
+  auto lower = [](std::string v) {
+    for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return v;
+  };
+  const size_t lengths = req.headers.count("Content-Length"), encodings = req.headers.count("Transfer-Encoding");
+  if (const std::string coding = lower(req.get_header_value("Content-Encoding")); !coding.empty() &&
+                                                                                 coding != "identity") {
+    // The library would inflate it before any limit applies (a 65 KB gzip body inflates to 64 MiB).
+    return ApiError{415, fmt::format("Content-Encoding '{}' is not accepted on requests; send the body "
+                                     "uncompressed", coding)};
+  }
+  if (lengths > 1) return ApiError{400, "the request has more than one Content-Length header"};
+  if (encodings > 1) return ApiError{400, "the request has more than one Transfer-Encoding header"};
+  if (lengths && encodings) return ApiError{400, "the request has both Content-Length and Transfer-Encoding"};
+  if (encodings) {
+    if (const std::string te = lower(req.get_header_value("Transfer-Encoding")); te != "chunked") {
+      return ApiError{501, fmt::format("Transfer-Encoding '{}' is not supported (only chunked)", te)};
+    }
+    return std::nullopt;
+  }
+  if (!lengths) {
+    if (req.method != "POST") return std::nullopt;
+    return ApiError{411, "a POST needs a Content-Length (or Transfer-Encoding: chunked)"};
+  }
+  const std::string text = req.get_header_value("Content-Length");
+  if (text.empty() || text.size() > 18 || text.find_first_not_of("0123456789") != std::string::npos) {
+    return ApiError{400, fmt::format("Content-Length '{}' is not a byte count", text.substr(0, 40))};
+  }
+  if (const uint64_t length = std::stoull(text); length > config_.max_body_bytes) {
+    return ApiError{413, fmt::format("the request body ({} bytes by its Content-Length) exceeds the limit of {} bytes",
+                                     length, config_.max_body_bytes)};
+  }
+  return std::nullopt;
+}
+
+void HttpServer::describe_library_error(const httplib::Request& req, httplib::Response& res) {
+  // A read our connection stopped (deadline, head or body budget): the library only knows it failed (400).
+  Connection* conn = Connection::current();
+  if (conn && conn->failure() != Connection::Failure::kNone) {
+    conn->close_after_response();
+    switch (conn->failure()) {
+      case Connection::Failure::kTimeout:
+        return send_error(res, {408, fmt::format("the request did not arrive within {} s",
+                                                 config_.request_read_timeout_s)});
+      case Connection::Failure::kHeadTooLarge:
+        return send_error(res, {431, "the request line and headers exceed 64 KiB"});
+      default:
+        return send_error(res, {413, fmt::format("the request body exceeds the limit of {} bytes (chunked framing "
+                                                 "included)", config_.max_body_bytes)});
+    }
+  }
+  // A route that exists under another method: 405 with Allow (RFC 9110 §15.5.6), not 404.
+  static const std::map<std::string, std::string, std::less<>> kRoutes{
+      {"/health", "GET"}, {"/v1/models", "GET"}, {"/metrics", "GET"},
+      {"/v1/chat/completions", "POST"}, {"/v1/completions", "POST"}};
+  if (const auto route = kRoutes.find(req.path); res.status == 404 && route != kRoutes.end()) {
+    res.status = 405;
+    res.set_header("Allow", route->second);
+    return send_error(res, {405, fmt::format("{} is not allowed on {}; use {}", req.method, req.path, route->second),
+                            error_type(405)});
+  }
+  // What the HTTP library refused before any handler ran, said in words (it sets only the status).
+  std::string message;
+  switch (res.status) {
+    case 400: message = "the request is not valid HTTP (request line, headers or body framing)"; break;
+    case 404: message = fmt::format("no route for {} {}", req.method, req.path); break;
+    case 413: message = fmt::format("the request body exceeds {} bytes", config_.max_body_bytes); break;
+    case 414: message = "the request URI is too long"; break;
+    case 431: message = "the request headers are too large"; break;
+    default: message = fmt::format("HTTP {}", res.status);
+  }
+  if (res.status == 400 && conn) conn->close_after_response();  // the framing is unknown: nothing after it is safe
+  send_error(res, {res.status, message, error_type(res.status)});
+}
+
 void HttpServer::install_routes() {
   httplib::Server& s = *server_;
   const int threads = config_.num_threads;
   s.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
   s.set_tcp_nodelay(true);
-  s.set_keep_alive_timeout(5);
-  s.set_read_timeout(30);
-  s.set_write_timeout(30);
+  // Deadlines and the keep-alive loop are the connection's (http_connection.h); these only keep the library's
+  // Keep-Alive header true.
+  s.set_keep_alive_timeout(ConnectionLimits{}.keep_alive_timeout.count() / 1000);
+  s.set_keep_alive_max_count(ConnectionLimits{}.keep_alive_max_count);
+  s.set_write_timeout(ConnectionLimits{}.write_timeout.count() / 1000);
   s.set_payload_max_length(config_.max_body_bytes);
-  s.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+  // Framing first (before a byte of the body is read), then the API key. A refused body is never read: the
+  // connection closes after the answer.
+  auto refuse = [this](const httplib::Request& req, httplib::Response& res) {
+    auto error = check_framing(req);
+    if (!error) return false;
+    if (Connection* conn = Connection::current()) conn->close_after_response();
+    send_error(res, *error);
+    return true;
+  };
+  s.set_expect_100_continue_handler([refuse](const httplib::Request& req, httplib::Response& res) {
+    return refuse(req, res) ? res.status : 100;
+  });
+  s.set_pre_routing_handler([this, refuse](const httplib::Request& req, httplib::Response& res) {
+    if (refuse(req, res)) return httplib::Server::HandlerResponse::Handled;
+    if (Connection* conn = Connection::current()) {
+      const bool chunked = req.has_header("Transfer-Encoding");
+      const uint64_t length = chunked ? config_.max_body_bytes : req.get_header_value<uint64_t>("Content-Length");
+      conn->begin_body(length, !chunked);
+    }
     if (config_.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
     if (req.get_header_value("Authorization") == "Bearer " + config_.api_key) {
       return httplib::Server::HandlerResponse::Unhandled;
@@ -99,28 +201,23 @@ void HttpServer::install_routes() {
     return httplib::Server::HandlerResponse::Handled;
   });
   s.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return;
-    // A route that exists under another method: 405 with Allow (RFC 9110 §15.5.6), not 404.
-    static const std::map<std::string, std::string, std::less<>> kRoutes{
-        {"/health", "GET"}, {"/v1/models", "GET"}, {"/metrics", "GET"},
-        {"/v1/chat/completions", "POST"}, {"/v1/completions", "POST"}};
-    if (const auto route = kRoutes.find(req.path); res.status == 404 && route != kRoutes.end()) {
-      res.status = 405;
-      res.set_header("Allow", route->second);
-      return send_error(res, {405, fmt::format("{} is not allowed on {}; use {}", req.method, req.path, route->second),
-                              error_type(405)});
+    if (res.body.empty()) describe_library_error(req, res);
+  });
+  // Last before the head is written: say "close" exactly when the connection will close.
+  s.set_post_routing_handler([](const httplib::Request& req, httplib::Response& res) {
+    Connection* conn = Connection::current();
+    if (!conn) return;
+    std::string asked = req.get_header_value("Connection");
+    for (char& c : asked) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (asked == "close" || (req.version == "HTTP/1.0" && asked != "keep-alive") ||
+        res.get_header_value("Connection") == "close" || conn->body_unread()) {
+      conn->close_after_response();
     }
-    // What the HTTP library refused before any handler ran, said in words (it sets only the status).
-    std::string message;
-    switch (res.status) {
-      case 400: message = "the request is not valid HTTP (request line, headers or body framing)"; break;
-      case 404: message = fmt::format("no route for {} {}", req.method, req.path); break;
-      case 413: message = fmt::format("the request body exceeds {} bytes", config_.max_body_bytes); break;
-      case 414: message = "the request URI is too long"; break;
-      case 431: message = "the request headers are too large"; break;
-      default: message = fmt::format("HTTP {}", res.status);
+    if (conn->closing()) {
+      res.headers.erase("Keep-Alive");
+      res.headers.erase("Connection");
+      res.set_header("Connection", "close");
     }
-    send_error(res, {res.status, message, error_type(res.status)});
   });
   s.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     if (stopping_) return send_error(res, {503, "the server is shutting down", "service_unavailable"});
@@ -143,6 +240,19 @@ void HttpServer::install_routes() {
          [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); });
 }
 
+std::optional<ApiError> HttpServer::check_prompt_bytes(size_t bytes, const char* param) const {
+  const std::optional<size_t> per_token = tokenizer_->max_bytes_per_token();
+  uint64_t limit = 0;
+  if (!per_token || __builtin_mul_overflow(static_cast<uint64_t>(config_.context_length), *per_token, &limit) ||
+      bytes <= limit) {
+    return std::nullopt;
+  }
+  return ApiError{400, fmt::format("the prompt is {} bytes: a context of {} tokens holds at most {} bytes of text "
+                                   "with this tokenizer (one token covers at most {} bytes)",
+                                   bytes, config_.context_length, limit, *per_token),
+                  "invalid_request_error", param, "context_length_exceeded"};
+}
+
 tl::expected<std::vector<int32_t>, ApiError> HttpServer::prompt_tokens(const ApiRequest& r,
                                                                       bool& starts_in_reasoning) const {
   std::vector<int32_t> ids;
@@ -156,11 +266,13 @@ tl::expected<std::vector<int32_t>, ApiError> HttpServer::prompt_tokens(const Api
     std::string_view t = *text;
     while (!t.empty() && (t.back() == '\n' || t.back() == ' ')) t.remove_suffix(1);
     starts_in_reasoning = t.ends_with("<think>");
+    if (auto e = check_prompt_bytes(text->size(), "messages")) return tl::unexpected(*e);
     ids = tokenizer_->encode(*text, false);
   } else if (r.prompt_text) {
     if (!tokenizer_) {
       return tl::unexpected(ApiError{400, "this model has no tokenizer: give the prompt as token ids", "", "prompt"});
     }
+    if (auto e = check_prompt_bytes(r.prompt_text->size(), "prompt")) return tl::unexpected(*e);
     ids = tokenizer_->encode(*r.prompt_text, true);
   } else {
     ids = *r.prompt_ids;
@@ -212,10 +324,18 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   if (chat && r.tools_enabled && config_.tool_format != ToolFormat::kNone) ctx.tools.emplace(config_.tool_format, r.tools);
   if (!chat && r.echo) ctx.echo_text = r.prompt_text ? *r.prompt_text : (tokenizer_ ? tokenizer_->decode(*ids) : "");
 
+  Connection* conn = Connection::current();
   if (!r.stream) {
     ResponseBuilder builder(std::move(ctx));
     while (!builder.finished()) {
       for (const TokenEvent& e : (*stream)->wait(100ms)) builder.on_event(e);
+      // Nobody waits for the answer any more: end the request, as an abandoned stream does.
+      if (!builder.finished() && conn && conn->peer_closed()) {
+        (*stream)->cancel();
+        count_outcome("abort");
+        conn->close_after_response();
+        return;
+      }
     }
     count_outcome(builder.finish_reason());
     res.set_content(dump(builder.final_response()), "application/json");
@@ -223,7 +343,10 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   }
   auto state = std::make_shared<StreamState>(*stream, std::move(ctx), r.include_usage, active_streams_,
                                              [this] { count_outcome("abort"); });
-  res.set_chunked_content_provider("text/event-stream", [this, state](size_t, httplib::DataSink& sink) {
+  // HTTP/1.0 has no chunked encoding: its stream is delimited by closing the connection.
+  const bool http10 = req.version == "HTTP/1.0";
+  if (http10 && conn) conn->close_after_response();
+  auto provide = [this, state](size_t, httplib::DataSink& sink) {
     auto write = [&](const std::string& data) { return sink.write(data.data(), data.size()); };
     for (;;) {
       std::vector<TokenEvent> events = state->stream->wait(100ms);
@@ -245,7 +368,9 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
         return true;
       }
     }
-  });
+  };
+  if (http10) res.set_content_provider("text/event-stream", std::move(provide));
+  else res.set_chunked_content_provider("text/event-stream", std::move(provide));
 }
 
 std::string HttpServer::render_metrics() const {

@@ -31,6 +31,7 @@ struct ServerConfig {
   std::string served_model_name;
   std::string api_key;  // empty: no auth
   size_t max_body_bytes = 4 << 20;
+  int request_read_timeout_s = 30;  // first byte of a request to the last of its body (then 408)
   int64_t context_length = 4096;
   bool reasoning = true;  // split <think> blocks
   ToolFormat tool_format = ToolFormat::kNone;
@@ -52,8 +53,13 @@ class HttpServer {
   void install_routes();
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
   void send_error(httplib::Response& res, const ApiError& error);
+  // Refuses what the body's framing headers announce before a byte of the body is read (docs/server.md).
+  std::optional<ApiError> check_framing(const httplib::Request& req) const;
+  void describe_library_error(const httplib::Request& req, httplib::Response& res);
   std::string render_metrics() const;
   void count_outcome(const std::string& outcome);
+  // Refuses, before encoding, a text longer than the context can hold whatever it encodes to.
+  std::optional<ApiError> check_prompt_bytes(size_t bytes, const char* param) const;
   tl::expected<std::vector<int32_t>, ApiError> prompt_tokens(const ApiRequest& r, bool& starts_in_reasoning) const;
 
   ServerConfig config_;

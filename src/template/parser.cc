@@ -588,6 +588,10 @@ class Parser {
       subs[0]->args[0] = std::move(node);
       return std::move(subs[0]);
     }
+    for (const ExprPtr& s : subs) {
+      // Python would build a tuple of slice objects, which no list, string or dict accepts as an index.
+      if (s->kind == ExprKind::kSlice) error("a slice cannot be one of several subscripts");
+    }
     auto e = make(ExprKind::kGetItem, t.line);
     e->args.push_back(std::move(node));
     if (subs.size() == 1) {

@@ -60,6 +60,13 @@ void Renderer::count_step() {
   if (++steps_ > kMaxSteps) fail("template exceeded the step limit (runaway loop?)");
 }
 
+Renderer::~Renderer() {
+  for (const ScopePtr& scope : closures_) {
+    scope->vars.clear();
+    scope->parent.reset();
+  }
+}
+
 std::string Renderer::render(const Value& context) {
   auto globals = std::make_shared<Scope>();
   DictData g;
@@ -217,6 +224,7 @@ Value Renderer::make_macro(const std::string& name, const std::vector<MacroParam
   const bool takes_kwargs = body_uses_name(*body, "kwargs");
   const bool takes_caller = name != "caller" && body_uses_name(*body, "caller");
   auto program = program_;  // keeps the syntax tree alive as long as the macro value
+  if (closures_.empty() || closures_.back() != closure) closures_.push_back(closure);
   return Value::callable(name, [=](CallArgs& args, Renderer& r) -> Value {
     (void)program;
     r.count_step();

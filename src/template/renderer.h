@@ -28,6 +28,9 @@ class Renderer {
   static constexpr size_t kMaxOutput = 256u << 20;
 
   explicit Renderer(std::shared_ptr<const Program> program) : program_(std::move(program)) {}
+  // Breaks the reference cycles macros make (a scope holds the macro, the macro holds the scope) so that every
+  // scope and value of the render is freed.
+  ~Renderer();
   // Throws TemplateFailure on runtime errors.
   std::string render(const Value& context);
   Value call(const Value& callee, CallArgs& args);
@@ -52,6 +55,7 @@ class Renderer {
   std::shared_ptr<const Program> program_;
   int64_t steps_ = 0;
   int depth_ = 0;
+  std::vector<ScopePtr> closures_;  // every scope a macro captured
 };
 
 }  // namespace tern::jinja

@@ -156,6 +156,24 @@ void BpeModel::tokenize(std::string_view word, std::vector<int32_t>& out) const 
 
 namespace tern {
 
+std::optional<size_t> BpeModel::max_bytes_per_token(bool byte_level_input) const {
+  size_t longest = 4;  // an unknown token stands for one character
+  for (const auto& [token, id] : vocab_) longest = std::max(longest, token.size());
+  auto has_all = [&](auto&& name_of) {
+    for (int b = 0; b < 256; ++b) {
+      if (!vocab_.contains(name_of(b))) return false;
+    }
+    return true;
+  };
+  if (byte_fallback_ && has_all([](int b) { return fmt::format("<0x{:02X}>", b); })) return longest;
+  if (unk_id_ && !fuse_unk_) return longest;
+  const bool plain = continuing_subword_prefix_.empty() && end_of_word_suffix_.empty();
+  if (byte_level_input && plain && has_all([](int b) { return byte_level_alphabet().byte_to_utf8[b]; })) {
+    return longest;
+  }
+  return std::nullopt;
+}
+
 void BpeModel::initial_symbols(std::string_view word, std::vector<int32_t>& ids, std::vector<uint32_t>& lengths) const {
   std::optional<std::pair<int32_t, uint32_t>> unk;  // pending unknown run: id, bytes
   std::string piece;

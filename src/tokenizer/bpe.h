@@ -36,6 +36,11 @@ class BpeModel {
   std::optional<int32_t> token_to_id(std::string_view token) const;
   const std::string* id_to_token(int32_t id) const;  // nullptr when the id is not in the vocabulary
   const TokenMap& vocab() const { return vocab_; }
+  // The most bytes of a pre-tokenized word one token stands for, or nullopt when some input can be dropped or
+  // fused without bound: a character with no token (no byte fallback, no unknown token, or `byte_level_input`
+  // without the whole byte-level alphabet in the vocabulary) is dropped, and fuse_unk folds a run of any length
+  // into one token.
+  std::optional<size_t> max_bytes_per_token(bool byte_level_input) const;
 
  private:
   struct Merge {

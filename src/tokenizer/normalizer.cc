@@ -1,5 +1,6 @@
 #include "tokenizer/normalizer.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "tokenizer/json_fields.h"
@@ -13,6 +14,7 @@ class UnicodeNormalizer final : public Normalizer {
  public:
   explicit UnicodeNormalizer(NormalForm form) : form_(form) {}
   void normalize(std::string& text) const override { text = unicode_normalize(text, form_); }
+  size_t shrink_factor() const override { return 3; }
 
  private:
   NormalForm form_;
@@ -21,6 +23,7 @@ class UnicodeNormalizer final : public Normalizer {
 class LowercaseNormalizer final : public Normalizer {
  public:
   void normalize(std::string& text) const override { text = unicode_lowercase(text); }
+  size_t shrink_factor() const override { return 3; }
 };
 
 class PrependNormalizer final : public Normalizer {
@@ -49,6 +52,7 @@ class StripNormalizer final : public Normalizer {
     }
     text = text.substr(begin, end - begin);
   }
+  size_t shrink_factor() const override { return left_ || right_ ? 0 : 1; }
 
  private:
   bool left_, right_;
@@ -59,6 +63,10 @@ class ReplaceNormalizer final : public Normalizer {
   ReplaceNormalizer(std::optional<Regex> regex, std::string literal, std::string content)
       : regex_(std::move(regex)), literal_(std::move(literal)), content_(std::move(content)) {}
   void normalize(std::string& text) const override { text = replace_matches(text, regex_, literal_, content_); }
+  size_t shrink_factor() const override {
+    if (regex_ || content_.empty()) return 0;  // a regex match has no bounded length
+    return std::max<size_t>(1, (literal_.size() + content_.size() - 1) / content_.size());
+  }
 
  private:
   std::optional<Regex> regex_;
@@ -71,6 +79,17 @@ class SequenceNormalizer final : public Normalizer {
   explicit SequenceNormalizer(std::vector<std::unique_ptr<Normalizer>> steps) : steps_(std::move(steps)) {}
   void normalize(std::string& text) const override {
     for (const auto& step : steps_) step->normalize(text);
+  }
+  size_t shrink_factor() const override {
+    size_t factor = 1;
+    for (const auto& step : steps_) {
+      // Past 2^20 the bound is useless anyway; call it unbounded rather than overflow.
+      if (step->shrink_factor() == 0 || __builtin_mul_overflow(factor, step->shrink_factor(), &factor) ||
+          factor > (size_t{1} << 20)) {
+        return 0;
+      }
+    }
+    return factor;
   }
 
  private:

@@ -102,6 +102,7 @@ class SplitPreTokenizer final : public PreTokenizer {
     const auto spans = regex_ ? regex_spans(piece.text, *regex_, invert_) : literal_spans(piece.text, literal_, invert_);
     split_emit(std::move(piece), spans, behavior_, out);
   }
+  bool drops_text() const override { return behavior_ == SplitBehavior::kRemoved; }
 
  private:
   std::optional<Regex> regex_;
@@ -118,6 +119,7 @@ class CharSplitPreTokenizer final : public PreTokenizer {
   void split(Piece&& piece, std::vector<Piece>& out) const override {
     split_emit(std::move(piece), char_spans(piece.text, predicate_), behavior_, out);
   }
+  bool drops_text() const override { return behavior_ == SplitBehavior::kRemoved; }
 
  private:
   Predicate predicate_;
@@ -151,6 +153,7 @@ class ByteLevelPreTokenizer final : public PreTokenizer {
       out[k].text.swap(mapped);
     }
   }
+  bool byte_level() const override { return true; }
 
  private:
   bool add_prefix_space_;
@@ -200,6 +203,12 @@ class SequencePreTokenizer final : public PreTokenizer {
   }
   void apply(std::vector<Piece>& pieces) const override {
     for (const auto& step : steps_) step->apply(pieces);
+  }
+  bool drops_text() const override {
+    return std::any_of(steps_.begin(), steps_.end(), [](const auto& s) { return s->drops_text(); });
+  }
+  bool byte_level() const override {
+    return std::any_of(steps_.begin(), steps_.end(), [](const auto& s) { return s->byte_level(); });
   }
 
  private:

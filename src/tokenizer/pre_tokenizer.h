@@ -26,6 +26,10 @@ class PreTokenizer {
   virtual void split(Piece&& piece, std::vector<Piece>& out) const = 0;
   // Splits every piece that is not an added token, in place.
   virtual void apply(std::vector<Piece>& pieces) const;
+  // True when splitting can drop text (a Removed behaviour: WhitespaceSplit, Whitespace, CharDelimiterSplit...).
+  virtual bool drops_text() const { return false; }
+  // True when the pieces come out in the byte-level alphabet (ByteLevel), one character per input byte.
+  virtual bool byte_level() const { return false; }
 };
 
 // Parses a pre-tokenizer object; a JSON null gives nullptr.

@@ -78,6 +78,8 @@ bool Tokenizer::is_special(int32_t id) const {
   return token != nullptr && impl_->special_contents.count(*token) > 0;
 }
 
+std::optional<size_t> Tokenizer::max_bytes_per_token() const { return impl_->max_bytes_per_token; }
+
 std::optional<std::string> Tokenizer::chat_template() const { return impl_->chat_template; }
 std::optional<std::string> Tokenizer::bos_token() const { return impl_->bos_token; }
 std::optional<std::string> Tokenizer::eos_token() const { return impl_->eos_token; }

@@ -41,6 +41,12 @@ class Tokenizer {
   // True for added tokens marked "special" (those skip_special_tokens removes).
   bool is_special(int32_t id) const;
 
+  // At most this many bytes of text (before normalization) become one token, so `text` encodes to at least
+  // text.size() / max_bytes_per_token() tokens: a caller can refuse a text too long for its context before
+  // encoding it. The longest token's bytes times the normalizers' shrink factor; nullopt where this tokenizer can
+  // drop text without bound (Strip or Replace normalizers, Removed splits, characters with no token).
+  std::optional<size_t> max_bytes_per_token() const;
+
   std::optional<std::string> chat_template() const;
   std::optional<std::string> bos_token() const;
   std::optional<std::string> eos_token() const;

@@ -131,6 +131,17 @@ TEST_P(GoldenTest, VocabularyMatchesReference) {
   }
 }
 
+// The byte bound a server applies before encoding must never refuse a text the reference encodes into fewer
+// tokens: every reference encoding has at least bytes / max_bytes_per_token() ids.
+TEST_P(GoldenTest, ByteBoundHoldsForEveryReferenceEncoding) {
+  const std::optional<size_t> bound = tokenizer_->max_bytes_per_token();
+  if (!bound) GTEST_SKIP() << GetParam() << " can drop text: no byte bound";
+  for (const auto& c : golden_["cases"]) {
+    const std::string text = c["text"];
+    EXPECT_GE(c["ids"].size() * *bound, text.size()) << shorten(text);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(RealTokenizers, GoldenTest, testing::Values("qwen3", "deepseek_v3", "llama3", "gptoss"));
 // Small tokenizers from tools/tokenizer_golden/make_synthetic.mjs for the components the real ones do not use.
 INSTANTIATE_TEST_SUITE_P(SyntheticTokenizers, GoldenTest,

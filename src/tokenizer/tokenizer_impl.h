@@ -32,6 +32,7 @@ struct Tokenizer::Impl {
   TokenMap added_token_to_id;
   std::unordered_set<std::string> special_contents;
   size_t vocab_size = 0;
+  std::optional<size_t> max_bytes_per_token;
   std::optional<std::string> chat_template;
   std::optional<std::string> bos_token;
   std::optional<std::string> eos_token;

@@ -142,6 +142,21 @@ Expected<void> load_config(const fs::path& dir, Tokenizer::Impl& impl, std::vect
   return {};
 }
 
+// See Tokenizer::max_bytes_per_token. Normalizing shrinks text at most `shrink` times; pre-tokenizers that drop
+// nothing only split it or map it to longer text (ByteLevel, Metaspace); each token then covers at most `longest`
+// bytes of those pieces, and an added token its content.
+std::optional<size_t> text_bytes_per_token(const Tokenizer::Impl& impl,
+                                          const std::vector<std::string>& normalized) {
+  const size_t shrink = impl.normalizer ? impl.normalizer->shrink_factor() : 1;
+  if (shrink == 0 || (impl.pre_tokenizer && impl.pre_tokenizer->drops_text())) return std::nullopt;
+  std::optional<size_t> longest =
+      impl.model.max_bytes_per_token(impl.pre_tokenizer && impl.pre_tokenizer->byte_level());
+  if (!longest) return std::nullopt;
+  for (const auto& [content, id] : impl.added_token_to_id) longest = std::max(*longest, content.size());
+  for (const std::string& content : normalized) longest = std::max(*longest, content.size());
+  return *longest * shrink;
+}
+
 }  // namespace
 
 Expected<Tokenizer> Tokenizer::load(const fs::path& file_or_dir) {
@@ -191,6 +206,7 @@ Expected<Tokenizer> Tokenizer::load(const fs::path& file_or_dir) {
     if (token.special) impl->special_contents.insert(token.content);
   }
   impl->vocab_size = impl->model.vocab().size() + new_contents;
+  impl->max_bytes_per_token = text_bytes_per_token(*impl, normalized_contents);
   impl->added = AddedVocabulary(std::move(added), normalized_contents);
   Tokenizer tokenizer;
   tokenizer.impl_ = std::move(impl);

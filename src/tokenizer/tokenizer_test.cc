@@ -106,6 +106,73 @@ TEST(TokenizerLoad, UnknownComponentTypesAreNamed) {
             std::string::npos);
 }
 
+// synthetic_byte_level_splits.json with an NFC normalizer in place of its Replace and Strip and without its one
+// Removed split (those can drop text), then `edit`.
+template <class Edit>
+std::optional<Tokenizer> bounded_synthetic(Edit&& edit) {
+  TempDir dir;
+  auto json = read_json(kData / "synthetic_byte_level_splits.json");
+  json["normalizer"] = {{"type", "NFC"}};
+  auto& steps = json["pre_tokenizer"]["pretokenizers"];
+  EXPECT_EQ(steps[3]["behavior"], "Removed");
+  steps.erase(3);
+  edit(json);
+  auto tokenizer = Tokenizer::load(dir.write("tokenizer.json", json.dump()));
+  EXPECT_TRUE(tokenizer.has_value()) << (tokenizer ? "" : tokenizer.error().message);
+  return tokenizer ? std::optional<Tokenizer>(std::move(*tokenizer)) : std::nullopt;
+}
+
+// Which pipelines have a byte bound, and its value: the longest token's bytes times the normalizers' shrink.
+TEST(TokenizerByteBound, FollowsTheLongestTokenAndWhatCanDropText) {
+  auto bound_after = [](auto&& edit) {
+    auto tokenizer = bounded_synthetic(edit);
+    return tokenizer ? tokenizer->max_bytes_per_token() : std::optional<size_t>(0);
+  };
+  const auto base = read_json(kData / "synthetic_byte_level_splits.json");
+  size_t longest = 4;
+  for (const auto& [token, id] : base["model"]["vocab"].items()) longest = std::max(longest, token.size());
+  for (const auto& added : base["added_tokens"]) longest = std::max(longest, added["content"].get<std::string>().size());
+  EXPECT_EQ(bound_after([](auto&) {}), longest * 3);
+  EXPECT_EQ(bound_after([](auto& j) { j["normalizer"] = nullptr; }), longest);
+  EXPECT_EQ(bound_after([](auto& j) { j["normalizer"] = {{"type", "Sequence"}, {"normalizers", {{{"type", "NFKC"}},
+                                                         {{"type", "Lowercase"}}}}}; }), longest * 9);
+  // A longer added token raises it.
+  EXPECT_EQ(bound_after([](auto& j) {
+    j["normalizer"] = nullptr;
+    j["added_tokens"].push_back({{"id", 5000}, {"content", std::string(300, 'x')}, {"single_word", false},
+                                 {"lstrip", false}, {"rstrip", false}, {"normalized", false}, {"special", true}});
+  }), 300u);
+  // What can delete text without bound has none: the file as it is (Replace, Strip, a Removed split), each alone,
+  // and a tokenizer without the whole byte-level alphabet (a byte with no token is dropped).
+  auto as_is = Tokenizer::load(kData / "synthetic_byte_level_splits.json");
+  ASSERT_TRUE(as_is.has_value());
+  EXPECT_EQ(as_is->max_bytes_per_token(), std::nullopt);
+  EXPECT_EQ(bound_after([](auto& j) { j["normalizer"] = {{"type", "Strip"}, {"strip_left", true}, {"strip_right", true}}; }),
+            std::nullopt);
+  EXPECT_EQ(bound_after([](auto& j) { j["normalizer"] = {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", ""}}; }),
+            std::nullopt);
+  EXPECT_EQ(bound_after([](auto& j) { j["pre_tokenizer"]["pretokenizers"].push_back({{"type", "WhitespaceSplit"}}); }),
+            std::nullopt);
+  EXPECT_EQ(bound_after([](auto& j) {
+    j["model"]["vocab"].erase("!");
+    j["model"]["merges"] = nlohmann::json::array();
+  }), std::nullopt);
+}
+
+// The bound is sound on hostile text too: long runs of what normalization composes (Hangul jamo, 9 bytes to 3),
+// of two-byte characters, of spaces and of one letter.
+TEST(TokenizerByteBound, HoldsOnTextThatNormalizationShrinks) {
+  auto tokenizer = bounded_synthetic([](auto&) {});
+  ASSERT_TRUE(tokenizer.has_value());
+  const std::optional<size_t> bound = tokenizer->max_bytes_per_token();
+  ASSERT_TRUE(bound.has_value());
+  std::string jamo, high;
+  for (int i = 0; i < 500; ++i) jamo += "\u1100\u1161\u11A8", high += "\xC3\xBF";
+  for (const std::string& text : {jamo, high, std::string(20000, ' '), std::string(20000, 'a')}) {
+    EXPECT_GE(tokenizer->encode(text).size() * *bound, text.size()) << text.substr(0, 12);
+  }
+}
+
 TEST(TokenizerLoad, MergeNamingAnUnknownTokenIsAnError) {
   const std::string message = load_error_after([](auto& j) { j["model"]["merges"][3] = {"no_such_token", "a"}; });
   EXPECT_NE(message.find("model.merges[3]"), std::string::npos) << message;
