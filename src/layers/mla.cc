@@ -44,8 +44,8 @@ void MlaAttention::rope(float* v, int64_t n_vectors, int64_t stride, int64_t pos
   }
 }
 
-std::vector<std::vector<int32_t>> MlaAttention::select(const BatchSlice& seq, const Batch& batch, LayerCache& cache,
-                                                       const float* x, const float* cq, int64_t layer) const {
+std::vector<std::vector<int32_t>> MlaAttention::select(const BatchSlice& seq, LayerCache& cache, const float* x,
+                                                       const float* cq) const {
   const int64_t total = seq.past + seq.n_rows;
   std::vector<std::vector<int32_t>> keys(static_cast<size_t>(seq.n_rows));
   if (s_.index_topk <= 0) {  // plain causal
@@ -56,7 +56,6 @@ std::vector<std::vector<int32_t>> MlaAttention::select(const BatchSlice& seq, co
     return keys;
   }
   if (!w_.indexer) {  // a shared layer: the nearest full layer's selection of this step
-    (void)batch;
     return seq.cache->layers[static_cast<size_t>(s_.selection_layer)].selected;
   }
   const MlaIndexerWeights& ix = *w_.indexer;
@@ -103,7 +102,6 @@ std::vector<std::vector<int32_t>> MlaAttention::select(const BatchSlice& seq, co
     std::sort(chosen.begin(), chosen.end());
   }
   cache.selected = keys;
-  (void)layer;
   return keys;
 }
 
@@ -134,8 +132,8 @@ void MlaAttention::forward(const float* x, float* y, const Batch& batch, int64_t
       rope(lat + lora, 1, rp, pos, s_.rope_interleaved);
       rope(&q[row * h * qk + nope], h, qk, pos, s_.rope_interleaved);
     }
-    const auto keys = select(seq, batch, cache, x + seq.row_begin * w_.kv_a_proj.in_features(),
-                             cq.empty() ? nullptr : &cq[seq.row_begin * s_.q_lora_rank], layer);
+    const auto keys = select(seq, cache, x + seq.row_begin * w_.kv_a_proj.in_features(),
+                             cq.empty() ? nullptr : &cq[seq.row_begin * s_.q_lora_rank]);
     // Every cached token's K (nope part) and V, expanded from the latent.
     std::vector<float> c(total * lora), kv(total * h * (nope + vd));
     for (int64_t s = 0; s < total; ++s) std::copy(&cache.k[s * latent], &cache.k[s * latent + lora], &c[s * lora]);

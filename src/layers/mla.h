@@ -76,8 +76,8 @@ class MlaAttention final : public Mixer {
 
  private:
   // The keys each row of one sequence attends to (ascending positions), from the indexer or the shared selection.
-  std::vector<std::vector<int32_t>> select(const BatchSlice& seq, const Batch& batch, LayerCache& cache,
-                                           const float* x, const float* cq, int64_t layer) const;
+  std::vector<std::vector<int32_t>> select(const BatchSlice& seq, LayerCache& cache, const float* x,
+                                           const float* cq) const;
   void rope(float* v, int64_t n_vectors, int64_t stride, int64_t position, bool interleaved) const;
 
   MlaShape s_;

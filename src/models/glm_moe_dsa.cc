@@ -39,6 +39,7 @@ Expected<std::unique_ptr<Mixer>> build_mla(const ModelConfig& c, WeightStore& w,
              .rope_interleaved = c.rope.interleaved};
   if (c.rope.type != "default") return make_error("MLA with rope_type '{}' is not supported yet", c.rope.type);
   if (c.index_topk > 0) {
+    if (c.q_lora_rank <= 0) return make_error("a DSA indexer needs the query LoRA (q_lora_rank > 0) it reads");
     s.index_topk = c.index_topk;
     s.index_heads = c.index_n_heads;
     s.index_head_dim = c.index_head_dim;
