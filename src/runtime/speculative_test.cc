@@ -21,13 +21,10 @@
 #include <random>
 #include <sstream>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <thread>
 
+#include "runtime/free_port_test_util.h"
 #include "runtime/model_runner.h"
 #include "runtime/tp_runner.h"
 #include "tokenizer/tokenizer.h"
@@ -252,19 +249,6 @@ TEST(Speculative, TensorParallelRanksDraftAndVerifyAsOneDevice) {
     EXPECT_GT(b[i].accepted, 0);
     EXPECT_LT(b[i].accepted, b[i].drafted);
   }
-}
-
-// A port nothing listens on now (the OS's pick, released at once).
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  close(fd);
-  return ntohs(a.sin_port);
 }
 
 TEST(Speculative, TwoNodesDraftAndVerifyAsOneDevice) {

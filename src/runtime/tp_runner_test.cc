@@ -13,13 +13,10 @@
 #include <fstream>
 #include <thread>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include "dist/loopback.h"
 #include "runtime/cpu_runner.h"
+#include "runtime/free_port_test_util.h"
 #include "runtime/model_runner.h"
 #include "runtime/tp_runner.h"
 
@@ -268,19 +265,6 @@ TEST(TensorParallelCheck, MoreRanksThanGpusIsRefusedSayingWhatToDo) {
   ASSERT_FALSE(listed.has_value());
   EXPECT_NE(listed.error().message.find("--cuda-devices lists 2 GPUs for --tensor-parallel-size 64"),
             std::string::npos) << listed.error().message;
-}
-
-// A port nothing listens on now (the OS's pick, released at once).
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  close(fd);
-  return ntohs(a.sin_port);
 }
 
 // Two "nodes" in one process: node 1's ranks (tp_worker_run on a thread, over Gloo and a real TCP store) run the
