@@ -22,7 +22,8 @@ Expected<void> DeviceRunner::place() {
 
 Expected<std::vector<float>> ModelRunner::forward(std::span<const SequenceInput> batch, LogitsFor which,
                                                   const Tracer* tracer) {
-  std::vector<StepRows> rows = rows_of(batch);
+  // Where each sequence's rows sit, for a draft step after this one (nothing to keep without a draft module).
+  std::vector<StepRows> rows = has_draft() ? rows_of(batch) : std::vector<StepRows>{};
   TERN_ASSIGN_OR_RETURN(std::vector<float> logits, step(batch, which, tracer));
   last_forward_ = std::move(rows);
   for (const SequenceInput& in : batch) {
@@ -110,7 +111,7 @@ Expected<SampleResults> ModelRunner::forward_sample(std::span<const SequenceInpu
   for (const SequenceInput& in : batch) {
     if (in.verify) return make_error("forward_sample: a verification step returns logits (forward), not tokens");
   }
-  std::vector<StepRows> step_rows = rows_of(batch);
+  std::vector<StepRows> step_rows = has_draft() ? rows_of(batch) : std::vector<StepRows>{};
   TERN_ASSIGN_OR_RETURN(SampleResults results, sample_step(batch, rows));
   last_forward_ = std::move(step_rows);
   for (const SequenceInput& in : batch) {
