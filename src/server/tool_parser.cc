@@ -1,5 +1,8 @@
 #include "server/tool_parser.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "core/json_parse.h"
 #include "server/reasoning_parser.h"
 
@@ -25,20 +28,56 @@ const nlohmann::ordered_json* find_tool(const nlohmann::ordered_json& tools, std
   return nullptr;
 }
 
-// An XML/GLM argument value: a string when the schema says so, else JSON when it parses (numbers, booleans,
-// objects), else the raw string.
-nlohmann::ordered_json convert_value(const nlohmann::ordered_json& function, const std::string& key,
-                                     std::string_view raw) {
-  std::string type;
-  if (auto p = function.find("parameters"); p != function.end() && p->is_object()) {
-    if (auto props = p->find("properties"); props != p->end() && props->is_object()) {
-      if (auto prop = props->find(key); prop != props->end() && prop->is_object()) type = prop->value("type", "");
+// The JSON types the schema of parameter `key` declares: its "type" (a name or a list of names), else the types of
+// its anyOf/oneOf branches. Empty when the schema says nothing (no such parameter, no type).
+std::vector<std::string> declared_types(const nlohmann::ordered_json& function, const std::string& key) {
+  std::vector<std::string> types;
+  const auto p = function.find("parameters");
+  if (p == function.end() || !p->is_object()) return types;
+  const auto props = p->find("properties");
+  if (props == p->end() || !props->is_object()) return types;
+  const auto prop = props->find(key);
+  if (prop == props->end() || !prop->is_object()) return types;
+  const auto add_types = [&types](const nlohmann::ordered_json& schema) {
+    const auto t = schema.find("type");
+    if (t == schema.end()) return;
+    if (t->is_string()) types.push_back(t->get<std::string>());
+    if (t->is_array()) {
+      for (const auto& name : *t) {
+        if (name.is_string()) types.push_back(name.get<std::string>());
+      }
+    }
+  };
+  add_types(*prop);
+  if (!types.empty()) return types;
+  for (const char* keyword : {"anyOf", "oneOf"}) {
+    const auto branches = prop->find(keyword);
+    if (branches == prop->end() || !branches->is_array()) continue;
+    for (const auto& branch : *branches) {
+      if (branch.is_object()) add_types(branch);
     }
   }
-  if (type == "string") return std::string(raw);
-  auto parsed = json_parse_untrusted_ordered(raw);
-  if (!parsed) return std::string(raw);
-  return *parsed;
+  return types;
+}
+
+bool has_type(const nlohmann::ordered_json& value, std::string_view type) {
+  if (type == "integer") {
+    if (value.is_number_integer()) return true;
+    if (!value.is_number_float()) return false;
+    const double d = value.get<double>();
+    return std::isfinite(d) && std::floor(d) == d;  // JSON Schema: 3.0 is an integer
+  }
+  if (type == "number") return value.is_number();
+  if (type == "boolean") return value.is_boolean();
+  if (type == "object") return value.is_object();
+  if (type == "array") return value.is_array();
+  if (type == "null") return value.is_null();
+  return false;  // "string" values are the raw text, never parsed
+}
+
+// Invalid UTF-8 in the model's text becomes U+FFFD rather than an exception.
+std::string dump_arguments(const nlohmann::ordered_json& args) {
+  return args.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 // The text between `open` and `close` starting at `pos`; advances `pos` past `close`.
@@ -73,7 +112,7 @@ std::optional<ToolCall> parse_json_body(std::string_view body, const nlohmann::o
     args = std::move(*inner);
   }
   if (!args.is_object()) return std::nullopt;
-  return ToolCall{name, args.dump()};
+  return ToolCall{name, dump_arguments(args)};
 }
 
 std::optional<ToolCall> parse_xml_body(std::string_view body, const nlohmann::ordered_json& tools) {
@@ -95,10 +134,10 @@ std::optional<ToolCall> parse_xml_body(std::string_view body, const nlohmann::or
     const size_t value_end = inner.find("</parameter>", key_end);
     if (key_end == std::string_view::npos || value_end == std::string_view::npos) return std::nullopt;
     const std::string key(trim(inner.substr(start + 11, key_end - start - 11)));
-    args[key] = convert_value(*function, key, strip_one_newline(inner.substr(key_end + 1, value_end - key_end - 1)));
+    args[key] = tool_argument_value(*function, key, strip_one_newline(inner.substr(key_end + 1, value_end - key_end - 1)));
     pos = value_end + 12;
   }
-  return ToolCall{name, args.dump()};
+  return ToolCall{name, dump_arguments(args)};
 }
 
 std::optional<ToolCall> parse_glm_body(std::string_view body, const nlohmann::ordered_json& tools) {
@@ -114,22 +153,47 @@ std::optional<ToolCall> parse_glm_body(std::string_view body, const nlohmann::or
     auto value = take_between(body, pos, "<arg_value>", "</arg_value>");
     if (!value) return std::nullopt;
     const std::string k(trim(*key));
-    args[k] = convert_value(*function, k, *value);
+    args[k] = tool_argument_value(*function, k, *value);
   }
-  return ToolCall{name, args.dump()};
+  return ToolCall{name, dump_arguments(args)};
 }
 
 }  // namespace
+
+nlohmann::ordered_json tool_argument_value(const nlohmann::ordered_json& function, const std::string& key,
+                                           std::string_view raw) {
+  const std::vector<std::string> types = declared_types(function, key);
+  if (types.size() == 1 && types[0] == "string") return std::string(raw);
+  auto parsed = json_parse_untrusted_ordered(raw);
+  if (types.empty()) return parsed ? std::move(*parsed) : nlohmann::ordered_json(std::string(raw));
+  if (parsed && std::any_of(types.begin(), types.end(), [&](const std::string& t) { return has_type(*parsed, t); })) {
+    return std::move(*parsed);
+  }
+  return std::string(raw);
+}
 
 std::optional<ToolFormat> tool_format_from_name(std::string_view name) {
   if (name == "qwen3") return ToolFormat::kQwen3Json;
   if (name == "qwen3_coder") return ToolFormat::kQwen3Xml;
   if (name == "glm45") return ToolFormat::kGlm45;
+  if (name == "glm47") return ToolFormat::kGlm47;
   if (name == "none") return ToolFormat::kNone;
   return std::nullopt;
 }
 
+std::string_view tool_format_name(ToolFormat format) {
+  switch (format) {
+    case ToolFormat::kQwen3Json: return "qwen3";
+    case ToolFormat::kQwen3Xml: return "qwen3_coder";
+    case ToolFormat::kGlm45: return "glm45";
+    case ToolFormat::kGlm47: return "glm47";
+    case ToolFormat::kNone: break;
+  }
+  return "none";
+}
+
 ToolFormat tool_format_detect(std::string_view chat_template) {
+  if (chat_template.find("<tool_call>{function-name}<arg_key>") != std::string_view::npos) return ToolFormat::kGlm47;
   if (chat_template.find("<arg_key>") != std::string_view::npos) return ToolFormat::kGlm45;
   if (chat_template.find("<function=") != std::string_view::npos) return ToolFormat::kQwen3Xml;
   if (chat_template.find("<tool_call>") != std::string_view::npos) return ToolFormat::kQwen3Json;
@@ -141,7 +205,8 @@ std::optional<ToolCall> tool_call_parse_body(ToolFormat format, std::string_view
   switch (format) {
     case ToolFormat::kQwen3Json: return parse_json_body(body, tools);
     case ToolFormat::kQwen3Xml: return parse_xml_body(body, tools);
-    case ToolFormat::kGlm45: return parse_glm_body(body, tools);
+    case ToolFormat::kGlm45:
+    case ToolFormat::kGlm47: return parse_glm_body(body, tools);
     case ToolFormat::kNone: break;
   }
   return std::nullopt;
