@@ -247,6 +247,46 @@ Expected<ModelConfig> model_config_parse(const nlohmann::json& config, std::stri
   return parse_by_model_type(config, source, *model_type);
 }
 
+namespace {
+
+// generation_config.json's eos_token_id (an id or a list) joins config.json's: generation stops at either, as in
+// vLLM and SGLang (GLM-5 lists <|endoftext|>, <|user|> and <|observation|> there).
+Expected<void> add_generation_config_eos(const std::filesystem::path& path, ModelConfig& config) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return {};
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return make_error("{}: cannot open the file", path.string());
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  auto document = json_parse_untrusted(buffer.str());
+  if (!document) return make_error("{}: not valid JSON: {}", path.string(), document.error().message);
+  if (!document->is_object()) {
+    return make_error("{}: a generation config must be a JSON object, got {}", path.string(),
+                      json_type_name(*document));
+  }
+  const auto eos = document->find("eos_token_id");
+  if (eos == document->end() || eos->is_null()) return {};
+  const auto bad = [&] {
+    return make_error("{}: field 'eos_token_id' must be a token id or a list of token ids (integers in [0, {})), "
+                      "got {}", path.string(), config.vocab_size, eos->dump());
+  };
+  std::vector<int64_t> ids;
+  for (const nlohmann::json& id : eos->is_array() ? *eos : nlohmann::json::array({*eos})) {
+    if (!id.is_number_integer()) return bad();
+    const int64_t value = id.get<int64_t>();
+    if (value < 0 || value >= config.vocab_size) return bad();
+    ids.push_back(value);
+  }
+  for (int64_t id : ids) {
+    if (std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(), id) == config.eos_token_ids.end()) {
+      config.eos_token_ids.push_back(id);
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
 Expected<ModelConfig> model_config_load(const std::filesystem::path& dir_or_config_json) {
   std::error_code ec;
   const bool is_dir = std::filesystem::is_directory(dir_or_config_json, ec);
@@ -258,7 +298,9 @@ Expected<ModelConfig> model_config_load(const std::filesystem::path& dir_or_conf
   // Strict JSON, like Python's json module: no comments, and NaN/Infinity are not JSON.
   auto document = json_parse_untrusted(buffer.str());
   if (!document) return make_error("{}: not valid JSON: {}", path.string(), document.error().message);
-  return model_config_parse(*document, path.string());
+  TERN_ASSIGN_OR_RETURN(ModelConfig config, model_config_parse(*document, path.string()));
+  TERN_TRY(add_generation_config_eos(path.parent_path() / "generation_config.json", config));
+  return config;
 }
 
 }  // namespace tern

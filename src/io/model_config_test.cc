@@ -689,6 +689,44 @@ TEST_F(ModelConfigLoad, ErrorsNameThePath) {
 }
 
 
+// generation_config.json's eos_token_id (an id or a list) joins config.json's, as vLLM and SGLang stop on both: a
+// GLM-5 checkpoint lists <|endoftext|>, <|user|> and <|observation|> there. A bad file is an error naming it.
+TEST_F(ModelConfigLoad, GenerationConfigEosIdsJoinTheConfigs) {
+  write(R"({"model_type": "qwen3", "vocab_size": 1000, "eos_token_id": 7})");
+  const auto generation = [&](const std::string& text) { std::ofstream(dir_ / "generation_config.json") << text; };
+  const auto eos = [&] {
+    Expected<ModelConfig> c = model_config_load(dir_);
+    EXPECT_TRUE(c.has_value()) << c.error().message;
+    return c ? c->eos_token_ids : std::vector<int64_t>{-1};
+  };
+  EXPECT_EQ(eos(), std::vector<int64_t>{7});  // no generation_config.json
+  generation(R"({"eos_token_id": [7, 12, 9], "pad_token_id": 7, "do_sample": true})");
+  EXPECT_EQ(eos(), (std::vector<int64_t>{7, 12, 9}));
+  EXPECT_EQ(model_config_load(dir_ / "config.json")->eos_token_ids, (std::vector<int64_t>{7, 12, 9}));
+  generation(R"({"eos_token_id": 12})");
+  EXPECT_EQ(eos(), (std::vector<int64_t>{7, 12}));
+  generation(R"({"eos_token_id": null})");
+  EXPECT_EQ(eos(), std::vector<int64_t>{7});
+  generation(R"({"temperature": 0.6})");
+  EXPECT_EQ(eos(), std::vector<int64_t>{7});
+  write(R"({"model_type": "qwen3", "vocab_size": 1000})");
+  generation(R"({"eos_token_id": [3, 3]})");
+  EXPECT_EQ(eos(), std::vector<int64_t>{3});
+
+  for (const char* bad : {R"({"eos_token_id": "3"})", R"({"eos_token_id": [3, 2.5]})", R"({"eos_token_id": [1000]})",
+                          R"({"eos_token_id": -1})", R"([1, 2])", R"({"eos_token_id": [3,)"}) {
+    generation(bad);
+    Expected<ModelConfig> c = model_config_load(dir_);
+    ASSERT_FALSE(c.has_value()) << bad;
+    EXPECT_NE(c.error().message.find((dir_ / "generation_config.json").string()), std::string::npos)
+        << c.error().message;
+  }
+  generation(R"({"eos_token_id": [3, "4"]})");
+  EXPECT_NE(model_config_load(dir_).error().message.find("'eos_token_id' must be a token id or a list of token ids"),
+            std::string::npos);
+}
+
+
 // config.json nested 30,000 deep: an error naming the file and the limit, not a crash.
 TEST(ModelConfig, DeepNestingIsAnErrorNotACrash) {
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / "tern_deep_config";
