@@ -92,9 +92,11 @@ class Planner final : public BlockOps {
                   top_k = m.shape().top_k;
     const bool nvfp4 = is_nvfp4(w.experts.front().gate_proj);
     for (int64_t b : batches_) add("silu_mul", silu_mul_case(b * top_k, inter));
+    // The decode batches, then a prefill chunk (past the decode kernels' token limit: the grouped prefill GEMM).
     for (int64_t b : batches_) {
       add("moe", moe_case(b, hidden, inter, w.router.out_features(), top_k, nvfp4, w.shared_expert != nullptr));
     }
+    add("moe", moe_case(kPrefill, hidden, inter, w.router.out_features(), top_k, nvfp4, w.shared_expert != nullptr));
     projections(m.input_projections());
     if (w.shared_expert) silu_down(w.shared_expert->weights().down_proj);
     Shapes& experts = nvfp4 ? nvfp4_ : bf16_;

@@ -62,6 +62,9 @@ TEST(SelftestPlan, Qwen35BlocksReportTheirOpsAtTheConfigsShapes) {
   EXPECT_TRUE(has(*table, "gdn_conv", gdn_conv_case(2, 128, 2 * hk * dk + hv * dv, c.linear_conv_kernel_dim)));
   EXPECT_TRUE(
       has(*table, "moe", moe_case(8, h, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, false, true)));
+  // A prefill chunk too (128 tokens, past the decode kernels' 64): the grouped prefill GEMM is self-tested.
+  EXPECT_TRUE(
+      has(*table, "moe", moe_case(128, h, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, false, true)));
   EXPECT_TRUE(has(*table, "rms_norm", rms_norm_case(1, 1, h, RmsNormForm::kZeroCentred, true)));
   EXPECT_TRUE(has(*table, "rms_norm", rms_norm_case(1, hv, dv, RmsNormForm::kGated, false)));
   EXPECT_EQ(cases_of(*table, "gemm_nvfp4"), nullptr);  // a BF16 checkpoint

@@ -22,6 +22,7 @@ std::vector<CudaModuleReport> cuda_modules_describe() {
                                                    {"moe_route", moe_route_module_attributes},
                                                    {"moe_gemm", moe_gemm_module_attributes},
                                                    {"moe_gemm_decode", moe_gemm_decode_module_attributes},
+                                                   {"moe_gemm_prefill_sm90", moe_gemm_prefill_sm90_module_attributes},
                                                    {"sampling", sampling_module_attributes},
                                                    {"sampling_partials", sampling_partials_module_attributes},
                                                    {"gemv_bf16", gemv_bf16_module_attributes}};

@@ -72,6 +72,39 @@ __device__ __forceinline__ int64_t x_row_offset(const GemmParams& p, int r) {
   return static_cast<int64_t>(src) * p.ldx;
 }
 
+// The prefill kernels' row tiles (moe_gemm_prefill.cu, moe_gemm_prefill_sm90.cu).
+struct TileWork {
+  int expert;   // -1: no tile with this index
+  int row0;     // first permuted row of the tile
+  int row_end;  // the expert's end row
+};
+
+// Row tile `tile` when expert e owns ceil(rows_e / bm) consecutive tiles, in expert order. Whole warp.
+__device__ inline TileWork find_row_tile(const int32_t* off, int n_experts, int tile, int bm) {
+  const int lane = threadIdx.x % 32;
+  int first = 0;  // tiles of the experts before this group of 32
+  for (int base = 0; base < n_experts; base += 32) {
+    const int e = base + lane;
+    const int lo = e < n_experts ? off[e] : 0, hi = e < n_experts ? off[e + 1] : 0;
+    const int tiles = hi > lo ? (hi - lo + bm - 1) / bm : 0;
+    int incl = tiles;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int other = __shfl_up_sync(kFullMask, incl, d);
+      if (lane >= d) incl += other;
+    }
+    const int total = __shfl_sync(kFullMask, incl, 31);
+    if (tile < first + total) {
+      const bool mine = tile >= first + incl - tiles && tile < first + incl;
+      const int owner = __ffs(__ballot_sync(kFullMask, mine)) - 1;
+      const int local = tile - first - __shfl_sync(kFullMask, incl - tiles, owner);
+      return {base + owner, __shfl_sync(kFullMask, lo, owner) + local * bm, __shfl_sync(kFullMask, hi, owner)};
+    }
+    first += total;
+  }
+  return {-1, 0, 0};
+}
+
 bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
 GemmParams make_params(const MoeGemmArgs& a) {

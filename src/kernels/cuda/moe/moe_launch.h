@@ -123,9 +123,10 @@ struct MoeCombineArgs {
 };
 
 enum class MoeGemmVariant {
-  kAuto,     // decode while tokens (= rows / top_k) <= kMoeDecodeMaxTokens, else prefill
-  kDecode,   // weight streaming: any row count (an expert's rows are taken 16 at a time), best for few rows
-  kPrefill,  // tensor-core tiles over each expert's rows
+  kAuto,         // decode while tokens (= rows / top_k) <= kMoeDecodeMaxTokens, else prefill
+  kDecode,       // weight streaming: any row count (an expert's rows are taken 16 at a time), best for few rows
+  kPrefill,      // tensor-core tiles over each expert's rows: wgmma where it fits (below), else mma.sync
+  kPrefillMma,   // the mma.sync prefill kernel (every GPU), as a fallback and to compare against
 };
 
 // Up to here each expert has at most this many rows (a token picks an expert once), so decode reads each active
@@ -148,5 +149,11 @@ void moe_route_align_launch(const DeviceContext& ctx, const MoeRouteArgs& route,
 void moe_combine_launch(const DeviceContext& ctx, const MoeCombineArgs& args);
 void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& args);
 void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& args);
+
+// The prefill variant on Hopper's wgmma (moe_gemm_prefill_sm90.cu): for a device of compute capability 9.0 in a build
+// with sm_90a machine code, k % 64 == 0 for every projection, x 16-byte aligned with ldx % 8 == 0. Same results as
+// moe_gemm_launch_prefill (the same exact products, summed in fp32).
+bool moe_gemm_prefill_sm90_fits(const DeviceContext& ctx, const MoeGemmArgs& args);
+void moe_gemm_launch_prefill_sm90(const DeviceContext& ctx, const MoeGemmArgs& args);
 
 }  // namespace tern

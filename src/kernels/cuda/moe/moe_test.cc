@@ -398,7 +398,13 @@ std::vector<int32_t> distinct(std::vector<int32_t> ids) {
 }
 
 const char* variant_name(MoeGemmVariant v) {
-  return v == MoeGemmVariant::kDecode ? "decode" : v == MoeGemmVariant::kPrefill ? "prefill" : "auto";
+  switch (v) {
+    case MoeGemmVariant::kDecode: return "decode";
+    case MoeGemmVariant::kPrefill: return "prefill";
+    case MoeGemmVariant::kPrefillMma: return "prefill-mma";
+    case MoeGemmVariant::kAuto: break;
+  }
+  return "auto";
 }
 
 struct GemmCase {
@@ -504,7 +510,8 @@ void check_gemm(const DeviceContext& ctx, const ExpertWeights& w, const GemmCase
 void check_gemm_shapes(MoeWeightFormat format) {
   DeviceContext ctx;
   std::mt19937 rng(format == MoeWeightFormat::kBf16 ? 2004 : 2005);
-  const MoeGemmVariant variants[] = {MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill, MoeGemmVariant::kAuto};
+  const MoeGemmVariant variants[] = {MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill, MoeGemmVariant::kPrefillMma,
+                                     MoeGemmVariant::kAuto};
   struct Shape {
     int64_t n_experts, n, k, top_k;
   };
@@ -527,6 +534,19 @@ void check_gemm_shapes(MoeWeightFormat format) {
 
 TEST(MoeGemm, Bf16BothVariants) { check_gemm_shapes(MoeWeightFormat::kBf16); }
 TEST(MoeGemm, Nvfp4BothVariants) { check_gemm_shapes(MoeWeightFormat::kNvfp4); }
+
+// On an H100/H200 (compute capability 9.0; tern's builds carry sm_90a code) the prefill variant must take the wgmma
+// kernel where the shapes allow it, so the tests above checked it there rather than a silent fallback.
+TEST(MoeGemm, PrefillUsesWgmmaOnHopper) {
+  DeviceContext ctx;
+  if (ctx.props().cc_major != 9 || ctx.props().cc_minor != 0) GTEST_SKIP() << "not a compute capability 9.0 GPU";
+  const DeviceBuffer x(4096);
+  MoeGemmArgs a{.x = x.as<uint16_t>(), .ldx = 2048, .w = {.format = MoeWeightFormat::kNvfp4, .n_experts = 8,
+                                                            .n = 512, .k = 2048}};
+  EXPECT_TRUE(moe_gemm_prefill_sm90_fits(ctx, a));
+  a.w.k = 784;  // not a multiple of 64: the mma.sync kernel
+  EXPECT_FALSE(moe_gemm_prefill_sm90_fits(ctx, a));
+}
 
 // MoeGemmArgs::w2 on the routing `ids`: w into columns [0, w.n) and w2 into [y2_offset, y2_offset + w2.n) of
 // y [rows, ldy] in one call, each against its fp64 product, nothing else written.
@@ -570,7 +590,8 @@ void check_gemm_pair(const DeviceContext& ctx, const ExpertWeights& w, const Exp
 TEST(MoeGemm, SecondProjectionInTheSameLaunch) {
   DeviceContext ctx;
   std::mt19937 rng(2008);
-  const MoeGemmVariant variants[] = {MoeGemmVariant::kDecode, MoeGemmVariant::kAuto, MoeGemmVariant::kPrefill};
+  const MoeGemmVariant variants[] = {MoeGemmVariant::kDecode, MoeGemmVariant::kAuto, MoeGemmVariant::kPrefill,
+                                     MoeGemmVariant::kPrefillMma};
   struct Shape {
     int64_t n_experts, n, n2, k, top_k, gap;
   };

@@ -1,0 +1,283 @@
+// The prefill variant of the grouped expert GEMM on Hopper (sm_90a): the same contract and row tiles as
+// moe_gemm_prefill.cu (moe_launch.h, moe_gemm_device.cuh), with the products on wgmma instead of mma.sync.
+//
+// A block of two warpgroups computes a kBm x 128 tile of one expert's rows over K in 64-k steps. Every stage of a
+// kStages-deep ring holds the step's x tile (kBm gathered rows, by cp.async) and W tile (128 weight rows: bf16 by
+// cp.async; NVFP4 loaded into registers one step early and dequantized into the tile as exact bf16 factors), both in
+// the 128-byte-swizzled K-major layout wgmma reads from shared memory (wgmma.cuh). Per step each warpgroup issues
+// its four k16 wgmmas asynchronously, then refills the stage two steps behind while they run, and waits for the
+// previous step's group before the next barrier, so loads, dequantization and tensor-core work overlap.
+// Warpgroup tiles: kBm = 128: warpgroup w takes rows 64 w .. 64 w + 63 and all 128 columns (m64n128); kBm = 64:
+// all 64 rows and columns 64 w .. 64 w + 63 (m64n64).
+//
+// Why a stage is refilled two steps behind and not one: after the barrier of step s every warpgroup has waited for
+// its step s - 2 group (wait_group<1> at the end of step s - 1), so the stage of step s - 2 is free, while step s - 1
+// may still be in the tensor cores. Requires k % 64 == 0 (the launcher falls back to the mma.sync kernel otherwise).
+#include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/module_attributes.h"
+#include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/wgmma.cuh"
+
+#include "kernels/cuda/moe/moe_gemm_device.cuh"
+#include "kernels/cuda/moe/moe_launch.h"
+#include "kernels/cuda/nvfp4/nvfp4_device.cuh"
+
+namespace tern {
+
+using namespace nvfp4_device;
+
+namespace {
+
+constexpr int kWgBk = 64;        // k per step: one 128-byte swizzled row of bf16
+constexpr int kWgThreads = 256;  // two warpgroups
+
+template <int kBm, int kBn>
+__host__ __device__ constexpr uint32_t wg_stage_bytes() {
+  return static_cast<uint32_t>((kBm + kBn) * kWgBk * 2);
+}
+// The ring, 1024 bytes of alignment slack, the gathered row offsets.
+template <int kBm, int kBn, int kStages>
+constexpr size_t wg_smem_bytes() {
+  return static_cast<size_t>(kStages) * wg_stage_bytes<kBm, kBn>() + 1024 + kBm * sizeof(int64_t);
+}
+
+#if TERN_WGMMA_AVAILABLE  // the device helpers exist only where the kernel has a body
+// A stage is refilled this many steps after its products were issued. 1 (wait for every product each step, one
+// more step loaded ahead) measured the same within 2% (docs/perf/gpu.md §moe-prefill-wgmma).
+constexpr int kWgLag = 2;
+
+// x rows of step `kstep` into a stage's x tile (xoff[r] < 0: zeros).
+template <int kBm>
+__device__ __forceinline__ void wg_load_x(const GemmParams& p, const int64_t* xoff, int kstep, unsigned char* xs) {
+#pragma unroll
+  for (int i = 0; i < kBm * 8 / kWgThreads; ++i) {
+    const int id = threadIdx.x + i * kWgThreads, r = id / 8, c = id % 8;
+    const bool valid = xoff[r] >= 0;
+    cp_async_16_zfill(xs + wgmma::sw128_offset(r, c), valid ? p.x + xoff[r] + kstep * kWgBk + c * 8 : p.x, valid);
+  }
+}
+
+// bf16 W rows n0 .. n0 + kBn - 1 of step `kstep` into a stage's W tile (zeros past n).
+template <int kBn>
+__device__ __forceinline__ void wg_load_w_bf16(const uint16_t* w, int n, int k, int n0, int kstep, unsigned char* ws) {
+#pragma unroll
+  for (int i = 0; i < kBn * 8 / kWgThreads; ++i) {
+    const int id = threadIdx.x + i * kWgThreads, r = id / 8, c = id % 8;
+    const bool valid = n0 + r < n;
+    cp_async_16_zfill(ws + wgmma::sw128_offset(r, c),
+                      valid ? w + static_cast<int64_t>(n0 + r) * k + kstep * kWgBk + c * 8 : w, valid);
+  }
+}
+
+// Thread t's share of an NVFP4 step: for each i < kBn / 128, 32 codes (16 bytes) of W row 128 i + t / 2, k half
+// t % 2, and their two block scales.
+template <int kBn>
+struct WgFp4Regs {
+  uint4 packed[kBn / 128];
+  uint32_t scales[kBn / 128];  // bits 7:0 the first 16 codes' scale, 15:8 the second's
+};
+
+template <int kBn>
+__device__ __forceinline__ WgFp4Regs<kBn> wg_load_w_fp4(const uint8_t* packed, const uint8_t* scales, int n, int k,
+                                                        int n0, int kstep) {
+  WgFp4Regs<kBn> r;
+  const int kb = kstep * kWgBk + (threadIdx.x % 2) * 32;
+#pragma unroll
+  for (int i = 0; i < kBn / 128; ++i) {
+    const int row = n0 + 128 * i + threadIdx.x / 2;
+    r.packed[i] = make_uint4(0, 0, 0, 0);
+    r.scales[i] = 0;
+    if (row < n) {
+      r.packed[i] = ld_weight_16(packed + static_cast<int64_t>(row) * (k / 2) + kb / 2);
+      r.scales[i] = ld_scale_2(scales + static_cast<int64_t>(row) * (k / 16) + kb / 16);
+    }
+  }
+  return r;
+}
+
+// The 32 codes as bf16 e2m1 · e4m3 · 2^-kDecodeShift (exact) into chunks 4 (t % 2) .. + 3 of row t / 2: each 8-code
+// word through decode_e2m1_pairs (pairs (i, i + 4), each e2m1 · 2^-126), put back in k order, times the scale.
+template <int kBn>
+__device__ __forceinline__ void wg_store_w_fp4(const WgFp4Regs<kBn>& r, unsigned char* ws) {
+  const int half = threadIdx.x % 2;
+#pragma unroll
+  for (int u = 0; u < kBn / 128; ++u) {
+    const int row = 128 * u + threadIdx.x / 2;
+    uint32_t sc[2];
+    decode_scales(r.scales[u], sc);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint32_t p[4];
+      decode_e2m1_pairs(uint4_word(r.packed[u], i), p);
+      const uint32_t s = sc[i / 2];
+      const uint4 chunk = make_uint4(bf16x2_mul(byte_perm(p[0], p[1], 0x5410), s),
+                                     bf16x2_mul(byte_perm(p[2], p[3], 0x5410), s),
+                                     bf16x2_mul(byte_perm(p[0], p[1], 0x7632), s),
+                                     bf16x2_mul(byte_perm(p[2], p[3], 0x7632), s));
+      *reinterpret_cast<uint4*>(ws + wgmma::sw128_offset(row, half * 4 + i)) = chunk;
+    }
+  }
+}
+
+#endif  // TERN_WGMMA_AVAILABLE
+
+template <bool kIsNvfp4, int kBm, int kBn, int kStages>
+__global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const GemmParams p) {
+#if TERN_WGMMA_AVAILABLE
+  static_assert(kStages > kWgLag, "stages for the steps in flight");
+  constexpr int kLead = kStages - kWgLag;  // steps loaded ahead
+  static_assert((kBm == 64 || kBm == 128) && kBn % 128 == 0);
+  constexpr int kN = kBm == 128 ? kBn : kBn / 2;  // the warpgroup's columns
+  constexpr int kAcc = kN / 2;                     // fp32 accumulators per thread
+  ptx::grid_dependency_begin();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw_addr = ptx::smem_addr(smem_raw);
+  unsigned char* ring = smem_raw + ((1024 - raw_addr % 1024) % 1024);
+  int64_t* xoff = reinterpret_cast<int64_t*>(ring + kStages * wg_stage_bytes<kBm, kBn>());
+  const TileWork tw = find_row_tile(p.offsets, p.n_experts, blockIdx.y, kBm);
+  if (tw.expert < 0) return;  // every warp found the same: the whole block leaves
+  const int e = tw.expert, n0 = blockIdx.x * kBn, n_ksteps = p.k / kWgBk;
+  const float out_scale = kIsNvfp4 ? p.global_scales[e] * static_cast<float>(1u << kDecodeShift) : 1.0f;
+  const uint8_t* packed = kIsNvfp4 ? p.packed + e * p.packed_stride : nullptr;
+  const uint8_t* scales = kIsNvfp4 ? p.scales + e * p.scales_stride : nullptr;
+  const uint16_t* wbf = kIsNvfp4 ? nullptr : p.wbf + e * p.wbf_stride;
+
+  for (int i = threadIdx.x; i < kBm; i += kWgThreads) {
+    xoff[i] = tw.row0 + i < tw.row_end ? x_row_offset(p, tw.row0 + i) : -1;
+  }
+  __syncthreads();
+  auto x_tile = [&](int stage) { return ring + stage * wg_stage_bytes<kBm, kBn>(); };
+  auto w_tile = [&](int stage) { return ring + stage * wg_stage_bytes<kBm, kBn>() + kBm * kWgBk * 2; };
+  // Step s's tiles into its stage: x (and bf16 W) by cp.async in one commit group; NVFP4 W from the registers.
+  WgFp4Regs<kBn> wr{};
+  auto fill = [&](int s) {
+    if (s < n_ksteps) {
+      wg_load_x<kBm>(p, xoff, s, x_tile(s % kStages));
+      if constexpr (kIsNvfp4) {
+        wg_store_w_fp4(wr, w_tile(s % kStages));
+        if (s + 1 < n_ksteps) wr = wg_load_w_fp4<kBn>(packed, scales, p.n, p.k, n0, s + 1);
+      } else {
+        wg_load_w_bf16<kBn>(wbf, p.n, p.k, n0, s, w_tile(s % kStages));
+      }
+    }
+    cp_async_commit();  // always, so the group count per step stays uniform
+  };
+  if constexpr (kIsNvfp4) wr = wg_load_w_fp4<kBn>(packed, scales, p.n, p.k, n0, 0);
+#pragma unroll
+  for (int s = 0; s < kLead; ++s) fill(s);
+
+  const int wg = threadIdx.x / 128;
+  const uint32_t a_off = kBm == 128 ? wg * 64 * 128 : 0;       // the warpgroup's x rows
+  const uint32_t b_off = kBm == 128 ? 0 : wg * kN * 128;       // the warpgroup's W rows
+  // A warpgroup whose rows are all past the expert's (its last tile) issues no products.
+  const bool active = tw.row0 + (kBm == 128 ? wg * 64 : 0) < tw.row_end;
+  float acc[kAcc];
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+  for (int ks = 0; ks < n_ksteps; ++ks) {
+    cp_async_wait<kLead - 1>();  // this thread's copies of step ks have landed
+    wgmma::fence_proxy_async_shared();
+    __syncthreads();  // ... and everyone's; every warpgroup is done with step ks - 2
+    const uint32_t xa = ptx::smem_addr(x_tile(ks % kStages)) + a_off;
+    const uint32_t wa = ptx::smem_addr(w_tile(ks % kStages)) + b_off;
+    wgmma::fence();
+    if (active) {
+#pragma unroll
+      for (int j = 0; j < kWgBk / 16; ++j) {
+        wgmma::mma_m64k16<kN>(acc, wgmma::sw128_desc(xa + 32 * j), wgmma::sw128_desc(wa + 32 * j), 1);
+      }
+    }
+    wgmma::commit_group();
+    fill(ks + kLead);
+    wgmma::wait_group<kWgLag - 1>();
+    wgmma::fence_operands(acc);
+  }
+  wgmma::wait_group<0>();
+  wgmma::fence_operands(acc);
+  cp_async_wait<0>();
+
+  // y: accumulator 4 j + 2 h + c of thread (warp v of the warpgroup, lane l) is row 16 v + l / 4 + 8 h, column
+  // 8 j + 2 (l % 4) + c of the warpgroup's tile.
+  const int v = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int row_base = tw.row0 + (kBm == 128 ? wg * 64 : 0) + 16 * v + lane / 4;
+  const int col_base = n0 + (kBm == 128 ? 0 : wg * kN) + 2 * (lane % 4);
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row_base + 8 * h, col = col_base + 8 * j;
+      if (row >= tw.row_end || col >= p.n) continue;
+      uint16_t* dst = p.y + static_cast<int64_t>(row) * p.ldy + col;
+      const uint16_t v0 = f32_to_bf16(acc[4 * j + 2 * h] * out_scale);
+      const uint16_t v1 = f32_to_bf16(acc[4 * j + 2 * h + 1] * out_scale);
+      if (p.y_pairs) {
+        *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(v0) | (static_cast<uint32_t>(v1) << 16);
+      } else {
+        dst[0] = v0;
+        if (col + 1 < p.n) dst[1] = v1;
+      }
+    }
+  }
+#endif  // TERN_WGMMA_AVAILABLE
+}
+
+template <bool kIsNvfp4, int kBm, int kBn, int kStages>
+void wg_launch(const GemmParams& p, int64_t rows, int64_t n_experts, const DeviceContext& ctx) {
+  constexpr size_t kSmem = wg_smem_bytes<kBm, kBn, kStages>();
+  TERN_CUDA_CHECK(cudaFuncSetAttribute(moe_prefill_wgmma_kernel<kIsNvfp4, kBm, kBn, kStages>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  // Column tiles vary fastest, so the blocks that run together share their x rows.
+  const dim3 grid(static_cast<unsigned>((p.n + kBn - 1) / kBn),
+                  static_cast<unsigned>((rows + kBm - 1) / kBm + n_experts));
+  launch_kernel(ctx, moe_prefill_wgmma_kernel<kIsNvfp4, kBm, kBn, kStages>, grid, dim3(kWgThreads), kSmem, p);
+  TERN_CUDA_CHECK_LAUNCH();
+}
+
+template <bool kIsNvfp4>
+void wg_launch_tiles(const GemmParams& p, const MoeGemmArgs& a, const DeviceContext& ctx) {
+  // 128-row tiles once experts average 64 rows: a last tile's idle warpgroup skips its products, and the
+  // dequantized weight serves twice the rows (docs/perf/gpu.md §moe-prefill-wgmma).
+  if (a.rows >= 64 * a.w.n_experts) return wg_launch<kIsNvfp4, 128, 256, 4>(p, a.rows, a.w.n_experts, ctx);
+  wg_launch<kIsNvfp4, 64, 256, 4>(p, a.rows, a.w.n_experts, ctx);
+}
+
+void wg_launch_projection(const DeviceContext& ctx, const MoeGemmArgs& a) {
+  const GemmParams p = make_params(a);
+  if (a.w.format == MoeWeightFormat::kNvfp4) return wg_launch_tiles<true>(p, a, ctx);
+  wg_launch_tiles<false>(p, a, ctx);
+}
+
+}  // namespace
+
+bool moe_gemm_prefill_sm90_fits(const DeviceContext& ctx, const MoeGemmArgs& a) {
+#if TERN_BUILD_HAS_SM90A
+  const auto fits = [](const MoeExpertWeights& w) { return w.n == 0 || w.k % kWgBk == 0; };
+  return ctx.props().cc_major == 9 && ctx.props().cc_minor == 0 && fits(a.w) && fits(a.w2) && a.ldx % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
+         wg_smem_bytes<128, 256, 4>() <= ctx.props().shared_mem_per_block_optin;
+#else
+  (void)ctx;
+  (void)a;
+  return false;  // no sm_90a machine code in this build: the kernel's body would be empty
+#endif
+}
+
+void moe_gemm_launch_prefill_sm90(const DeviceContext& ctx, const MoeGemmArgs& a) {
+  wg_launch_projection(ctx, a);
+  if (a.w2.n != 0) {
+    MoeGemmArgs b = a;
+    b.w = a.w2;
+    b.y = a.y + a.y2_offset;
+    b.w2 = MoeExpertWeights{};
+    b.y2_offset = 0;
+    wg_launch_projection(ctx, b);
+  }
+}
+
+// What the driver loaded of this module for the current device (module_attributes.h). Its kernels have a body only
+// in sm_90a machine code.
+cudaError_t moe_gemm_prefill_sm90_module_attributes(cudaFuncAttributes* out) {
+  return cudaFuncGetAttributes(out, moe_prefill_wgmma_kernel<true, 128, 256, 4>);
+}
+
+}  // namespace tern
