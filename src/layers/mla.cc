@@ -105,6 +105,96 @@ std::vector<std::vector<int32_t>> MlaAttention::select(const BatchSlice& seq, La
   return keys;
 }
 
+namespace {
+
+// Softmax of p in place (the max subtracted first); returns nothing, p sums to 1 afterwards.
+void softmax_in_place(std::vector<float>& p) {
+  float mx = -INFINITY;
+  for (float v : p) mx = std::max(mx, v);
+  float sum = 0.0f;
+  for (float& v : p) sum += (v = std::exp(v - mx));
+  for (float& v : p) v /= sum;
+}
+
+}  // namespace
+
+void MlaAttention::attend_expanded(const BatchSlice& seq, const LayerCache& cache, const float* q,
+                                   const std::vector<std::vector<int32_t>>& keys, float* out) const {
+  const int64_t h = s_.n_heads, nope = s_.qk_nope_head_dim, rp = s_.qk_rope_head_dim, qk = nope + rp;
+  const int64_t vd = s_.v_head_dim, lora = s_.kv_lora_rank, latent = lora + rp, total = seq.past + seq.n_rows;
+  // Every cached token's K (nope part) and V, expanded from the latent.
+  std::vector<float> c(total * lora), kv(total * h * (nope + vd));
+  for (int64_t s = 0; s < total; ++s) std::copy(&cache.k[s * latent], &cache.k[s * latent + lora], &c[s * lora]);
+  w_.kv_b_proj.forward(c.data(), total, kv.data());
+  std::vector<float> p;
+  for (int64_t t = 0; t < seq.n_rows; ++t) {
+    const std::vector<int32_t>& sel = keys[t];
+    for (int64_t hd = 0; hd < h; ++hd) {
+      const float* qh = &q[(t * h + hd) * qk];
+      p.assign(sel.size(), 0.0f);
+      for (size_t j = 0; j < sel.size(); ++j) {
+        const int64_t s = sel[j];
+        const float* kn = &kv[(s * h + hd) * (nope + vd)];
+        const float* kp = &cache.k[s * latent + lora];
+        float dot = 0.0f;
+        for (int64_t i = 0; i < nope; ++i) dot += qh[i] * kn[i];
+        for (int64_t i = 0; i < rp; ++i) dot += qh[nope + i] * kp[i];
+        p[j] = dot * s_.scale;
+      }
+      softmax_in_place(p);
+      float* o = &out[(t * h + hd) * vd];
+      for (size_t j = 0; j < sel.size(); ++j) {
+        const float* vv = &kv[(sel[j] * h + hd) * (nope + vd) + nope];
+        for (int64_t i = 0; i < vd; ++i) o[i] += p[j] * vv[i];
+      }
+    }
+  }
+}
+
+void MlaAttention::attend_absorbed(const BatchSlice& seq, const LayerCache& cache, const float* q,
+                                   const std::vector<std::vector<int32_t>>& keys, float* out) const {
+  const int64_t h = s_.n_heads, nope = s_.qk_nope_head_dim, rp = s_.qk_rope_head_dim, qk = nope + rp;
+  const int64_t vd = s_.v_head_dim, lora = s_.kv_lora_rank, latent = lora + rp;
+  // kv_b_proj as fp32 rows: head hd's key rows W_UK [nope, lora] at hd * (nope + vd), its value rows W_UV [vd, lora]
+  // after them.
+  const int64_t wrows = w_.kv_b_proj.out_features();
+  std::vector<float> wkv(wrows * lora);
+  for (int64_t r = 0; r < wrows; ++r) cpu_matrix_row(w_.kv_b_proj.matrix(), r, &wkv[r * lora]);
+  std::vector<float> q_lat(lora), o_lat(lora), p;
+  for (int64_t t = 0; t < seq.n_rows; ++t) {
+    const std::vector<int32_t>& sel = keys[t];
+    for (int64_t hd = 0; hd < h; ++hd) {
+      const float* qh = &q[(t * h + hd) * qk];
+      const float* w_uk = &wkv[hd * (nope + vd) * lora];
+      const float* w_uv = w_uk + nope * lora;
+      std::fill(q_lat.begin(), q_lat.end(), 0.0f);
+      for (int64_t i = 0; i < nope; ++i) {
+        for (int64_t l = 0; l < lora; ++l) q_lat[l] += qh[i] * w_uk[i * lora + l];
+      }
+      p.assign(sel.size(), 0.0f);
+      for (size_t j = 0; j < sel.size(); ++j) {
+        const float* lat = &cache.k[sel[j] * latent];
+        float dot = 0.0f;
+        for (int64_t l = 0; l < lora; ++l) dot += q_lat[l] * lat[l];
+        for (int64_t i = 0; i < rp; ++i) dot += qh[nope + i] * lat[lora + i];
+        p[j] = dot * s_.scale;
+      }
+      softmax_in_place(p);
+      std::fill(o_lat.begin(), o_lat.end(), 0.0f);
+      for (size_t j = 0; j < sel.size(); ++j) {
+        const float* lat = &cache.k[sel[j] * latent];
+        for (int64_t l = 0; l < lora; ++l) o_lat[l] += p[j] * lat[l];
+      }
+      float* o = &out[(t * h + hd) * vd];
+      for (int64_t i = 0; i < vd; ++i) {
+        float sum = 0.0f;
+        for (int64_t l = 0; l < lora; ++l) sum += w_uv[i * lora + l] * o_lat[l];
+        o[i] = sum;
+      }
+    }
+  }
+}
+
 void MlaAttention::forward(const float* x, float* y, const Batch& batch, int64_t layer, const Tracer* tracer) const {
   const int64_t m = batch.n_rows, h = s_.n_heads, nope = s_.qk_nope_head_dim, rp = s_.qk_rope_head_dim;
   const int64_t qk = nope + rp, vd = s_.v_head_dim, lora = s_.kv_lora_rank, latent = lora + rp;
@@ -134,37 +224,13 @@ void MlaAttention::forward(const float* x, float* y, const Batch& batch, int64_t
     }
     const auto keys = select(seq, cache, x + seq.row_begin * w_.kv_a_proj.in_features(),
                              cq.empty() ? nullptr : &cq[seq.row_begin * s_.q_lora_rank]);
-    // Every cached token's K (nope part) and V, expanded from the latent.
-    std::vector<float> c(total * lora), kv(total * h * (nope + vd));
-    for (int64_t s = 0; s < total; ++s) std::copy(&cache.k[s * latent], &cache.k[s * latent + lora], &c[s * lora]);
-    w_.kv_b_proj.forward(c.data(), total, kv.data());
-    std::vector<float> p;
-    for (int64_t t = 0; t < seq.n_rows; ++t) {
-      const int64_t row = seq.row_begin + t;
-      const std::vector<int32_t>& sel = keys[t];
-      for (int64_t hd = 0; hd < h; ++hd) {
-        const float* qh = &q[(row * h + hd) * qk];
-        p.assign(sel.size(), 0.0f);
-        float mx = -INFINITY;
-        for (size_t j = 0; j < sel.size(); ++j) {
-          const int64_t s = sel[j];
-          const float* kn = &kv[(s * h + hd) * (nope + vd)];
-          const float* kp = &cache.k[s * latent + lora];
-          float dot = 0.0f;
-          for (int64_t i = 0; i < nope; ++i) dot += qh[i] * kn[i];
-          for (int64_t i = 0; i < rp; ++i) dot += qh[nope + i] * kp[i];
-          p[j] = dot * s_.scale;
-          mx = std::max(mx, p[j]);
-        }
-        float sum = 0.0f;
-        for (float& v : p) sum += (v = std::exp(v - mx));
-        float* o = &attn[(row * h + hd) * vd];
-        for (size_t j = 0; j < sel.size(); ++j) {
-          const float* vv = &kv[(sel[j] * h + hd) * (nope + vd) + nope];
-          const float a = p[j] / sum;
-          for (int64_t i = 0; i < vd; ++i) o[i] += a * vv[i];
-        }
-      }
+    const bool absorbed = s_.form == MlaForm::kAbsorbed || (s_.form == MlaForm::kAuto && seq.past > 0);
+    const float* q_seq = &q[seq.row_begin * h * qk];
+    float* out = &attn[seq.row_begin * h * vd];
+    if (absorbed) {
+      attend_absorbed(seq, cache, q_seq, keys, out);
+    } else {
+      attend_expanded(seq, cache, q_seq, keys, out);
     }
   }
   if (tracer) (*tracer)(trace_name(layer, "attn"), attn.data(), m, h * vd);

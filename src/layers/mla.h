@@ -12,8 +12,14 @@
 // of its causal keys (T: the keys, cached and new), ties to the earlier key. A "shared" layer reuses the selection
 // of the nearest full layer before it. Without an indexer (DeepSeek-V3) attention is plain causal.
 //
-// This is the expanded ("prefill") form for every step, with K and V recomputed from the cached latent: exact, and
-// slow for long caches. Devices run the weight-absorbed form over the same cache.
+// Two forms over the same latent cache (MlaForm), equal up to fp32 rounding:
+//   expanded:  K and V of every cached token from kv_b_proj(c), then ordinary attention (a fresh prompt: every
+//              token is new anyway);
+//   absorbed:  per head, kv_b_proj's key rows W_UK and value rows W_UV are folded into the query and the output,
+//              q_lat = W_UK^T q_nope, score = q_lat . c + q_pe . k_pe, o = W_UV (sum_s p_s c_s), so a step reads
+//              the 576-value latent of each cached token and never expands it (decode; what devices run).
+// kAuto takes the expanded form for a sequence with nothing cached and the absorbed one once it has a cache (decode
+// steps, later prefill chunks), as SGLang and vLLM split MLA between prefill and decode.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +57,8 @@ struct MlaWeights {
   std::optional<MlaIndexerWeights> indexer;  // a "full" DSA layer's own indexer
 };
 
+enum class MlaForm { kAuto, kExpanded, kAbsorbed };
+
 struct MlaShape {
   int64_t n_heads = 0;  // this rank's
   int64_t q_lora_rank = 0, kv_lora_rank = 0;
@@ -62,6 +70,7 @@ struct MlaShape {
   int64_t index_topk = 0, index_heads = 0, index_head_dim = 0;
   bool indexer_rope_interleaved = true;
   int64_t selection_layer = -1;
+  MlaForm form = MlaForm::kAuto;
 };
 
 class MlaAttention final : public Mixer {
@@ -79,6 +88,12 @@ class MlaAttention final : public Mixer {
   std::vector<std::vector<int32_t>> select(const BatchSlice& seq, LayerCache& cache, const float* x,
                                            const float* cq) const;
   void rope(float* v, int64_t n_vectors, int64_t stride, int64_t position, bool interleaved) const;
+  // One sequence's attention output [n_rows, heads * v_head_dim] over the keys `keys` of each row, from the latent
+  // cache and the roped queries q [n_rows, heads, qk_head_dim], in either form.
+  void attend_expanded(const BatchSlice& seq, const LayerCache& cache, const float* q,
+                       const std::vector<std::vector<int32_t>>& keys, float* out) const;
+  void attend_absorbed(const BatchSlice& seq, const LayerCache& cache, const float* q,
+                       const std::vector<std::vector<int32_t>>& keys, float* out) const;
 
   MlaShape s_;
   MlaWeights w_;
