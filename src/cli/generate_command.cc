@@ -114,6 +114,9 @@ int run_generate(const GenerateOptions& o) {
       sampled.push_back(token);
       const StopUpdate update = stop_checker.feed(token.id, detokenizer ? detokenizer->push(token.id) : "");
       text += update.text;
+      // As the serving engine: the detokenizer's tail (U+FFFD for an incomplete character) ends the text, unless a
+      // stop string cut it.
+      if (update.finished && !update.stop_string && detokenizer) text += detokenizer->finish();
       if (update.finished) finish_reason = std::string(update.finish_reason);
     }
   }

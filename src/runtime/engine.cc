@@ -272,6 +272,9 @@ bool Engine::take_token(Active& a, Expected<SampledToken> token, bool computed) 
   a.tokens.push_back(token->id);
   scheduler_.append_token(a.id, computed);
   StopUpdate update = a.stop.feed(token->id, a.detokenizer ? a.detokenizer->push(token->id) : std::string());
+  // Ended by a stop id or max_tokens: the detokenizer's held-back tail (a trailing incomplete UTF-8 sequence, as
+  // U+FFFD) belongs to the text, which then equals the decode of every generated id. After a stop string it does not.
+  if (update.finished && !update.stop_string && a.detokenizer) update.text += a.detokenizer->finish();
   TokenEvent event{.token_id = token->id, .logprob = token->logprob, .top_logprobs = std::move(token->top_logprobs),
                    .text = std::move(update.text)};
   const bool at_context_end = static_cast<int64_t>(a.tokens.size()) >= config_.context_length;
