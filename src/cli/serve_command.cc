@@ -1,6 +1,7 @@
 #include "cli/serve_command.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include <atomic>
@@ -52,6 +53,8 @@ ToolFormat pick_tool_format(const ServeOptions& o, const ModelConfig& config, co
   if (tok && tok->chat_template()) source += *tok->chat_template();
   ToolFormat detected = tool_format_detect(source);
   if (detected != ToolFormat::kNone) return detected;
+  // As SGLang's parsers: glm47 for GLM-4.7 / GLM-5 (glm_moe_dsa), glm45 for GLM-4.5 / 4.6 (glm4_moe).
+  if (config.model_type == "glm_moe_dsa") return ToolFormat::kGlm47;
   if (config.model_type.starts_with("glm")) return ToolFormat::kGlm45;
   if (config.model_type.starts_with("qwen3_5")) return ToolFormat::kQwen3Xml;
   return config.model_type.starts_with("qwen") ? ToolFormat::kQwen3Json : ToolFormat::kNone;
@@ -150,6 +153,12 @@ int run_serve(ServeOptions& o) {
   o.server.context_length = o.context_length;
   o.server.reasoning = o.reasoning_parser != "none";
   o.server.tool_format = pick_tool_format(o, config, tokenizer);
+  spdlog::info("tool-call parser: {}{}; reasoning parser: {}", tool_format_name(o.server.tool_format),
+               o.tool_parser == "auto" ? " (auto)" : "", o.server.reasoning ? "<think> ... </think>" : "none");
+  if (!config.eos_token_ids.empty()) {
+    spdlog::info("end-of-sequence token ids (config.json and generation_config.json): {}",
+                 fmt::join(config.eos_token_ids, ", "));
+  }
   o.server.num_threads = std::min(1024, o.max_running + o.max_queued + 16);
   spdlog::info("context {} tokens, KV capacity {} tokens in {} blocks, {} running / {} queued requests at most",
                o.context_length, o.max_total_tokens, econfig->scheduler.num_blocks, o.max_running, o.max_queued);
@@ -211,7 +220,7 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--reasoning-parser", o->reasoning_parser, "Split <think> reasoning from the answer")
       ->check(CLI::IsMember({"auto", "qwen3", "glm45", "none"}));
   cmd->add_option("--tool-call-parser", o->tool_parser, "Tool-call format of the model's output")
-      ->check(CLI::IsMember({"auto", "qwen3", "qwen3_coder", "glm45", "none"}));
+      ->check(CLI::IsMember({"auto", "qwen3", "qwen3_coder", "glm45", "glm47", "none"}));
   cmd->add_option("--load-format", o->model.load_format, "auto: the checkpoint's weights; dummy: random weights")
       ->check(CLI::IsMember({"auto", "dummy"}));
   cmd->add_option("--dummy-seed", o->model.dummy_seed, "Seed of --load-format dummy weights");

@@ -53,6 +53,16 @@ TEST(ReasoningParser, EmptyThinkBlockFromDisabledThinking) {
   expect_split_invariant(false, "<think>\n\n</think>\n\nHi", {"", "Hi"});
 }
 
+// GLM-5: the template's generation prompt ends "<|assistant|><think>" (so the server starts the parser inside the
+// block) and the model writes no newlines around the markers; a tool call may follow the answer, for the tool-call
+// parser to take from the content.
+TEST(ReasoningParser, Glm5AfterTheTemplatesThinkTag) {
+  expect_split_invariant(true, "User wants a week.</think>Checking now!<tool_call>get_forecast<arg_key>days</arg_key>",
+                         {"User wants a week.", "Checking now!<tool_call>get_forecast<arg_key>days</arg_key>"});
+  expect_split_invariant(true, "</think>Paris.", {"", "Paris."});
+  expect_split_invariant(true, "Still thinking </thin", {"Still thinking </thin", ""});  // cut by max_tokens
+}
+
 TEST(MarkerPrefixSuffix, LongestProperPrefix) {
   EXPECT_EQ(marker_prefix_suffix("abc</th", "</think>"), 4u);
   EXPECT_EQ(marker_prefix_suffix("abc<", "</think>"), 1u);
