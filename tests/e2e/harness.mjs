@@ -3,6 +3,7 @@
 // /metrics. The tests import this module; it holds no tests itself.
 import assert from 'node:assert/strict';
 import { spawn, execFileSync } from 'node:child_process';
+import { createRequire } from 'node:module';
 import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
@@ -61,12 +62,20 @@ export function tensor(shape, fill) {
   return { shape, data };
 }
 
+// An F32 tensor: shape and a Float32Array filled by `fill(index)` or left zero.
+export function tensorF32(shape, fill) {
+  const n = shape.reduce((a, b) => a * b, 1);
+  const data = new Float32Array(n);
+  if (fill) for (let i = 0; i < n; i++) data[i] = fill(i);
+  return { shape, data, dtype: 'F32' };
+}
+
 // safetensors: u64 little-endian header length, the JSON header (dtype, shape, data_offsets), the raw bytes.
 export function writeSafetensors(file, tensors) {
   const header = { __metadata__: { format: 'pt' } };
   let offset = 0;
   for (const [name, t] of Object.entries(tensors)) {
-    header[name] = { dtype: 'BF16', shape: t.shape, data_offsets: [offset, offset + t.data.byteLength] };
+    header[name] = { dtype: t.dtype ?? 'BF16', shape: t.shape, data_offsets: [offset, offset + t.data.byteLength] };
     offset += t.data.byteLength;
   }
   let json = JSON.stringify(header);
@@ -80,6 +89,19 @@ export function writeSafetensors(file, tensors) {
     fs.writeSync(fd, Buffer.from(t.data.buffer, t.data.byteOffset, t.data.byteLength));
   }
   fs.closeSync(fd);
+}
+
+// The JSON header of a safetensors file: {name: {dtype, shape, data_offsets}} (no __metadata__).
+export function readSafetensorsHeader(file) {
+  const fd = fs.openSync(file, 'r');
+  const len = Buffer.alloc(8);
+  fs.readSync(fd, len, 0, 8, 0);
+  const json = Buffer.alloc(Number(len.readBigUInt64LE()));
+  fs.readSync(fd, json, 0, json.length, 8);
+  fs.closeSync(fd);
+  const header = JSON.parse(json.toString('utf8'));
+  delete header.__metadata__;
+  return header;
 }
 
 // A tiny Qwen3ForCausalLM config over the real Qwen3 vocabulary, with an untied lm_head.
@@ -211,4 +233,89 @@ export function steerableQwen3(chains, { poison = [], numLayers = 2, seed = 7 } 
   tensors['model.norm.weight'] = tensor([h], () => 1);
   tensors['lm_head.weight'] = head;
   return writeCheckpoint(config, tensors);
+}
+
+// ---- GLM-5 (glm_moe_dsa) ----
+
+export const glmFixtureDir = path.join(root, 'tests/fixtures/glm_moe_dsa');
+// The GLM-5 serving files of that fixture: tokenizer, generation config (tools/make_glm5_tokenizer.mjs), template.
+export const glm5DataDir = path.join(root, 'tests/data/glm5');
+export const glm5Template = path.join(root, 'tests/data/templates/glm-5-style.jinja');
+
+// A GLM-5 checkpoint directory in a temporary folder: the fixture's config.json with `configEdit` applied, the
+// weights (`safetensors`: a file to link, or `tensors` to write), and the GLM-5 tokenizer, generation config and
+// chat template.
+export function glm5ModelDir({ safetensors = null, tensors = null, configEdit = {} } = {}) {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'tern-e2e-glm5-'));
+  const config = JSON.parse(fs.readFileSync(path.join(glmFixtureDir, 'config.json'), 'utf8'));
+  fs.writeFileSync(path.join(dir, 'config.json'), JSON.stringify({ ...config, ...configEdit }, null, 2));
+  if (tensors) writeSafetensors(path.join(dir, 'model.safetensors'), tensors);
+  else fs.symlinkSync(safetensors ?? path.join(glmFixtureDir, 'model.safetensors'), path.join(dir, 'model.safetensors'));
+  for (const f of ['tokenizer.json', 'tokenizer_config.json', 'generation_config.json']) {
+    fs.symlinkSync(path.join(glm5DataDir, f), path.join(dir, f));
+  }
+  fs.symlinkSync(glm5Template, path.join(dir, 'chat_template.jinja'));
+  return dir;
+}
+
+// The reference Rust `tokenizers` library (the @anush008/tokenizers binding) over a tokenizer.json:
+// encode(text) -> ids (no special tokens added), decode(ids, skipSpecial) -> text.
+export async function rustTokenizer(file) {
+  const require = createRequire(path.join(assets, 'package.json'));
+  const { Tokenizer } = require('@anush008/tokenizers');
+  const tok = Tokenizer.fromFile(file);
+  return {
+    encode: async (text) => (await tok.encode(text, null, { addSpecialTokens: false })).getIds(),
+    decode: (ids, skipSpecial = true) => tok.decode(ids, skipSpecial),
+  };
+}
+
+// The glm_moe_dsa fixture's architecture with chosen greedy output, as steerableQwen3 does it: each chain
+// [t0, t1, ..., tn] makes the model answer t(i+1) to the last input token t(i). A token with a successor gets its own
+// coordinate of the hidden state (its embedding row is that unit vector, lm_head's row of the successor reads it);
+// every norm weight is 1 (LayerNorm biases 0), the attention, dense MLP and expert output projections are small, so
+// that MLA, the DSA indexer and the MoE blocks run on real (random) weights while the residual stream still carries
+// the last token's unit vector to the head. Every tensor of the fixture is written, with its name and shape.
+export function steerableGlm(chains, { seed = 11 } = {}) {
+  const config = JSON.parse(fs.readFileSync(path.join(glmFixtureDir, 'config.json'), 'utf8'));
+  const h = config.hidden_size, vocab = config.vocab_size;
+  const next = new Map();
+  for (const chain of chains) {
+    for (let i = 0; i + 1 < chain.length; i++) {
+      const [a, b] = [chain[i], chain[i + 1]];
+      assert.ok(!next.has(a) || next.get(a) === b, `token ${a} would need two successors (${next.get(a)}, ${b})`);
+      next.set(a, b);
+    }
+  }
+  assert.ok(next.size <= h, `${next.size} chain tokens need a hidden size of at least that (${h})`);
+  const slot = new Map([...next.keys()].map((t, i) => [t, i]));
+  const rand = makeRandom(seed);
+  const uniform = (scale) => () => (rand() * 2 - 1) * scale;
+  const tensors = {};
+  for (const [name, { dtype, shape }] of Object.entries(readSafetensorsHeader(path.join(glmFixtureDir, 'model.safetensors')))) {
+    if (dtype === 'F32') {
+      tensors[name] = tensorF32(shape);  // e_score_correction_bias: no bias on the routing
+    } else if (name === 'model.embed_tokens.weight') {
+      const embed = tensor(shape, uniform(0.1));
+      for (const [t, k] of slot) {
+        embed.data.fill(0, t * h, (t + 1) * h);
+        embed.data[t * h + k] = toBf16(1);
+      }
+      tensors[name] = embed;
+    } else if (name === 'lm_head.weight') {
+      const head = tensor(shape);
+      for (const [a, b] of next) head.data[b * h + slot.get(a)] = toBf16(1);
+      tensors[name] = head;
+    } else if (/norm\.weight$/.test(name)) {
+      tensors[name] = tensor(shape, () => 1);
+    } else if (/norm\.bias$/.test(name)) {
+      tensors[name] = tensor(shape);
+    } else if (/(o_proj|down_proj)\.weight$/.test(name)) {
+      tensors[name] = tensor(shape, uniform(0.01));
+    } else {
+      tensors[name] = tensor(shape, uniform(0.05));
+    }
+  }
+  assert.equal(tensors['lm_head.weight'].shape[0], vocab);
+  return tensors;
 }
