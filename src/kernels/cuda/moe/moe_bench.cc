@@ -7,8 +7,9 @@
 // stacks in one launch (gate+up) and the down GEMM with silu_mul folded in (down+silu). --decode: only the decode
 // kernel at T = 1 and 8.
 // Every timing rotates over 16 random routings so consecutive launches read different experts and the L2 stays
-// cold. Prefill (4096 tokens): TFLOP/s of the same GEMMs. Route, align (apart and in one launch where the pairs
-// fit one block) and combine are timed at both sizes.
+// cold. Prefill (4096 tokens): TFLOP/s of the same GEMMs, with the kernel the model runs (wgmma on sm_90a) and the
+// mma.sync one. Route, align (apart and in one launch where the pairs fit one block) and combine are timed at both
+// sizes.
 // Each timing is a CUDA graph of back-to-back launches, replayed after a warm-up; the median replay is reported.
 #include <cuda_runtime.h>
 
@@ -214,9 +215,13 @@ void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::v
   const int64_t tokens = 4096;
   const Routings r = make_routings(tokens, rng);
   for (const auto& [proj, w, gather] : {std::tuple{"gate_up", &gate_up, true}, std::tuple{"down", &down, false}}) {
-    const GemmTiming t = time_gemm(ctx, *w, r, tokens, gather, MoeGemmVariant::kPrefill, x, y);
-    std::printf("%-6s prefill T=%-5lld %-8s %9.2f us %7.1f TFLOP/s\n", name, static_cast<long long>(tokens), proj,
-                t.ms * 1e3, t.flops / (t.ms * 1e9));
+    // The kernel the model runs (wgmma on sm_90a) and the mma.sync one every GPU has.
+    for (const MoeGemmVariant v : {MoeGemmVariant::kPrefill, MoeGemmVariant::kPrefillMma}) {
+      const GemmTiming t = time_gemm(ctx, *w, r, tokens, gather, v, x, y);
+      std::printf("%-6s %-11s T=%-5lld %-8s %9.2f us %7.1f TFLOP/s\n", name,
+                  v == MoeGemmVariant::kPrefill ? "prefill" : "prefill-mma", static_cast<long long>(tokens), proj,
+                  t.ms * 1e3, t.flops / (t.ms * 1e9));
+    }
   }
   std::fflush(stdout);
 }
