@@ -17,7 +17,11 @@ namespace {
 
 double matrix_bytes(const CpuMatrix& m) {
   const double elements = static_cast<double>(m.rows) * static_cast<double>(m.cols);
-  return m.format == CpuWeightFormat::kNvfp4 ? elements / 2 + elements / 16 : elements * 2;
+  if (m.format == CpuWeightFormat::kNvfp4) return elements / 2 + elements / 16;
+  if (m.format == CpuWeightFormat::kFp8Block128) {
+    return elements + 4.0 * static_cast<double>(((m.rows + 127) / 128) * ((m.cols + 127) / 128));  // + the scale grid
+  }
+  return elements * 2;
 }
 
 double matrix_params(const Linear& l) {

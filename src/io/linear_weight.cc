@@ -50,6 +50,29 @@ Expected<void> resolve_nvfp4(const SafetensorsSet& tensors, const std::string& m
   return {};
 }
 
+// DeepSeek-V3 / GLM-5-FP8 block-wise FP8: an F8_E4M3 weight [out, in] and an F32 (or BF16) `weight_scale_inv`
+// [ceil(out / 128), ceil(in / 128)], the weight being e4m3 times its block's scale.
+Expected<void> resolve_fp8_block(const SafetensorsSet& tensors, const std::string& module, LinearWeight& linear) {
+  const int64_t out = linear.out_features, in = linear.in_features;
+  linear.format = WeightFormat::kFp8Block128;
+  if (linear.weight->shape != std::vector<int64_t>{out, in}) {
+    return make_error("tensor '{}.weight' must have shape {}, found {}", module, shape_string({out, in}),
+                      describe(*linear.weight));
+  }
+  linear.weight_scale = tensors.find(module + ".weight_scale_inv");
+  if (linear.weight_scale == nullptr) {
+    return make_error("tensor '{}.weight' is F8_E4M3 but '{}.weight_scale_inv' (its 128 x 128 block scales) is missing",
+                      module, module);
+  }
+  const std::vector<int64_t> scale_shape{(out + 127) / 128, (in + 127) / 128};
+  const DType st = linear.weight_scale->dtype;
+  if ((st != DType::kF32 && st != DType::kBF16) || linear.weight_scale->shape != scale_shape) {
+    return make_error("tensor '{}.weight_scale_inv' must be F32 or BF16 {} (one scale per 128 x 128 block), found {}",
+                      module, shape_string(scale_shape), describe(*linear.weight_scale));
+  }
+  return {};
+}
+
 }  // namespace
 
 std::string_view weight_format_name(WeightFormat format) {
@@ -58,6 +81,7 @@ std::string_view weight_format_name(WeightFormat format) {
     case WeightFormat::kF16: return "f16";
     case WeightFormat::kF32: return "f32";
     case WeightFormat::kNvfp4: return "nvfp4";
+    case WeightFormat::kFp8Block128: return "fp8-block128";
   }
   return "?";
 }
@@ -97,11 +121,14 @@ Expected<LinearWeight> linear_weight_resolve(const SafetensorsSet& tensors, std:
     case DType::kU8:
       TERN_TRY(resolve_nvfp4(tensors, module, linear));
       return linear;
+    case DType::kF8E4M3:
+      TERN_TRY(resolve_fp8_block(tensors, module, linear));
+      return linear;
     case DType::kBF16: linear.format = WeightFormat::kBf16; break;
     case DType::kF16: linear.format = WeightFormat::kF16; break;
     case DType::kF32: linear.format = WeightFormat::kF32; break;
     default:
-      return make_error("tensor '{}.weight': unsupported weight type {} (supported: BF16, F16, F32, NVFP4 as U8)",
+      return make_error("tensor '{}.weight': unsupported weight type {} (supported: BF16, F16, F32, NVFP4 as U8, FP8 e4m3 with 128 x 128 block scales)",
                         module, describe(*linear.weight));
   }
   if (linear.weight->shape != dense_shape) {

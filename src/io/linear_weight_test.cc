@@ -76,6 +76,18 @@ TEST_F(LinearWeightTest, Nvfp4WithF32AndBf16Scalars) {
   EXPECT_EQ(linear_weight_tensor_names(*w).size(), 4u);
 }
 
+TEST_F(LinearWeightTest, Fp8WithBlockScales) {
+  // 200 x 300: a partial last block in both directions, so the grid is [2, 3].
+  auto set = write({{"m.weight", DType::kF8E4M3, {200, 300}}, {"m.weight_scale_inv", DType::kF32, {2, 3}}});
+  auto w = linear_weight_resolve(set, "m", 200, 300);
+  ASSERT_TRUE(w.has_value()) << w.error().message;
+  EXPECT_EQ(w->format, WeightFormat::kFp8Block128);
+  EXPECT_EQ(weight_format_name(w->format), "fp8-block128");
+  EXPECT_EQ(w->num_parameters(), 200 * 300);
+  EXPECT_EQ(w->num_bytes(), 200 * 300 + 2 * 3 * 4);
+  EXPECT_EQ(linear_weight_tensor_names(*w), (std::vector<std::string>{"m.weight", "m.weight_scale_inv"}));
+}
+
 TEST_F(LinearWeightTest, Errors) {
   struct Case {
     std::vector<Blob> blobs;
@@ -105,6 +117,13 @@ TEST_F(LinearWeightTest, Errors) {
         {"m.weight_scale_2", DType::kF32, {}}},
        32, 40, "multiple of 16"},
       {{{"m.weight", DType::kBF16, {32, 64}}, {"m.bias", DType::kBF16, {64}}}, 32, 64, "m.bias"},
+      {{{"m.weight", DType::kF8E4M3, {200, 300}}}, 200, 300, "'m.weight_scale_inv' (its 128 x 128 block scales)"},
+      {{{"m.weight", DType::kF8E4M3, {200, 300}}, {"m.weight_scale_inv", DType::kF32, {2, 2}}}, 200, 300,
+       "m.weight_scale_inv' must be F32 or BF16 [2, 3]"},
+      {{{"m.weight", DType::kF8E4M3, {200, 300}}, {"m.weight_scale_inv", DType::kF8E4M3, {2, 3}}}, 200, 300,
+       "m.weight_scale_inv' must be F32 or BF16"},
+      {{{"m.weight", DType::kF8E4M3, {300, 200}}, {"m.weight_scale_inv", DType::kF32, {2, 3}}}, 200, 300,
+       "m.weight' must have shape [200, 300]"},
   };
   for (const Case& c : cases) {
     auto set = write(c.blobs);

@@ -246,14 +246,53 @@ Expected<QuantConfig> quant_config_parse_hf_quant(const nlohmann::json& hf_quant
   return config;
 }
 
+namespace {
+
+// DeepSeek-V3 / GLM-5-FP8's {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+// "weight_block_size": [128, 128]}: e4m3 weights with one fp32 `weight_scale_inv` per 128 x 128 block
+// (docs/model-specs.md §1.7). tern runs them weight-only (W8A16), so the activation scheme is read but not applied.
+Expected<QuantConfig> parse_fp8_block(JsonFields& fields) {
+  QuantConfig config;
+  config.source = std::string(kConfigJsonSource);
+  TERN_ASSIGN_OR_RETURN(const std::string fmt, fields.get_string("fmt", "e4m3"));
+  if (to_upper(fmt) != "E4M3") {
+    return make_error("{} is '{}'; only e4m3 FP8 weights are supported", fields.where("fmt"), fmt);
+  }
+  std::vector<int64_t> block;
+  TERN_ASSIGN_OR_RETURN(const bool has_block, fields.get_int_list("weight_block_size", block));
+  if (!has_block) {
+    return make_error("{} is missing; only block-wise FP8 (weight_block_size [128, 128]) is supported, not per-tensor",
+                      fields.where("weight_block_size"));
+  }
+  if (block != std::vector<int64_t>{128, 128}) {
+    return make_error("{} is [{}]; only [128, 128] blocks are supported", fields.where("weight_block_size"),
+                      fmt::join(block, ", "));
+  }
+  TERN_ASSIGN_OR_RETURN(const std::string scheme, fields.get_string("activation_scheme", "dynamic"));
+  (void)scheme;
+  config.quant_algo = "FP8_BLOCK128";
+  config.group_size = 128;
+  config.activations_quantized = false;
+  // The modules left in BF16, as the exporters name them (informational: the tensors decide).
+  for (const char* key : {"modules_to_not_convert", "ignored_layers"}) {
+    std::vector<std::string> names;
+    TERN_ASSIGN_OR_RETURN(const bool has, fields.get_string_list(key, names));
+    if (has) config.exclude_modules.insert(config.exclude_modules.end(), names.begin(), names.end());
+  }
+  return config;
+}
+
+}  // namespace
+
 Expected<QuantConfig> quant_config_parse_quantization_config(const nlohmann::json& quantization_config,
                                                              std::string_view source) {
   if (!quantization_config.is_object()) return make_error("{}: expected a JSON object", source);
   JsonFields fields(quantization_config, source);
   TERN_ASSIGN_OR_RETURN(const std::string method, fields.get_string("quant_method", ""));
+  if (to_upper(method) == "FP8") return parse_fp8_block(fields);
   if (to_upper(method) != "MODELOPT") {
-    return make_error("{} is '{}'; only ModelOpt ('modelopt') quantization is supported", fields.where("quant_method"),
-                      method);
+    return make_error("{} is '{}'; only ModelOpt ('modelopt') and block-wise FP8 ('fp8') quantization are supported",
+                      fields.where("quant_method"), method);
   }
   // vLLM also accepts the hf_quant_config.json layout nested here.
   if (quantization_config.contains("quantization")) {

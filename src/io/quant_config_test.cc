@@ -93,6 +93,19 @@ TEST(QuantConfig, QuantizationConfigGlm5) {
   EXPECT_TRUE(q.is_excluded("lm_head"));
 }
 
+// DeepSeek-V3 / GLM-5-FP8's config.json quantization_config.
+TEST(QuantConfig, BlockFp8) {
+  const QuantConfig c = qc_ok(json{{"quant_method", "fp8"},
+                                   {"fmt", "e4m3"},
+                                   {"activation_scheme", "dynamic"},
+                                   {"weight_block_size", {128, 128}},
+                                   {"modules_to_not_convert", {"lm_head"}}});
+  EXPECT_EQ(c.quant_algo, "FP8_BLOCK128");
+  EXPECT_EQ(c.group_size, 128);
+  EXPECT_FALSE(c.activations_quantized);  // run as W8A16
+  EXPECT_EQ(c.exclude_modules, std::vector<std::string>{"lm_head"});
+}
+
 TEST(QuantConfig, MixedPrecision) {
   const QuantConfig q = qc_ok(load_quant_data("mixed_precision.config.json")["quantization_config"]);
   EXPECT_EQ(q.quant_algo, "MIXED_PRECISION");
@@ -170,7 +183,11 @@ TEST(QuantConfigErrors, UnknownAlgorithms) {
                                 {"kv_cache_quant_algo", "NVFP4"},
                                 {"kv_cache_scheme", {{"type", "float"}, {"num_bits", 8}}}}),
                   "kv_cache_quant_algo");
-  EXPECT_CONTAINS(qc_error(json{{"quant_method", "fp8"}, {"fmt", "e4m3"}}), "quant_method");
+  EXPECT_CONTAINS(qc_error(json{{"quant_method", "gptq"}, {"bits", 4}}), "quant_method");
+  // Block-wise FP8 only: per-tensor FP8, other blocks or formats are refused by name.
+  EXPECT_CONTAINS(qc_error(json{{"quant_method", "fp8"}, {"fmt", "e4m3"}}), "weight_block_size");
+  EXPECT_CONTAINS(qc_error(json{{"quant_method", "fp8"}, {"weight_block_size", {64, 64}}}), "[64, 64]");
+  EXPECT_CONTAINS(qc_error(json{{"quant_method", "fp8"}, {"fmt", "e5m2"}, {"weight_block_size", {128, 128}}}), "e5m2");
   EXPECT_CONTAINS(qc_error(json{{"quant_method", "modelopt"},
                                 {"quant_algo", "FP8"},
                                 {"kv_cache_scheme", {{"type", "int"}, {"num_bits", 8}}}}),
@@ -447,7 +464,7 @@ TEST_F(QuantConfigLoad, BrokenFilesNameThePath) {
   ASSERT_FALSE(loaded.has_value());
   EXPECT_CONTAINS(loaded.error().message, (dir_ / "hf_quant_config.json").string());
   std::filesystem::remove(dir_ / "hf_quant_config.json");
-  write("config.json", json{{"quantization_config", {{"quant_method", "fp8"}}}});
+  write("config.json", json{{"quantization_config", {{"quant_method", "awq"}}}});
   loaded = quant_config_load(dir_);
   ASSERT_FALSE(loaded.has_value());
   EXPECT_CONTAINS(loaded.error().message, "config.json");

@@ -86,8 +86,10 @@ namespace {
 
 Expected<std::unique_ptr<WeightStore>> open_weights(const std::filesystem::path& dir, const ModelConfig& config,
                                                     const ModelLoadOptions& options) {
-  if (options.load_format == LoadFormat::kAuto) return WeightStore::open_checkpoint(dir);
+  // The tensors decide each layer's format; the quantization config is still checked, so that one tern cannot run
+  // (another quant_method, FP8 blocks other than 128 x 128) is refused by name rather than at its first tensor.
   TERN_ASSIGN_OR_RETURN(std::optional<QuantConfig> quant, quant_config_load(dir));
+  if (options.load_format == LoadFormat::kAuto) return WeightStore::open_checkpoint(dir);
   const WeightSchema schema =
       weight_schema_build(config, weight_schema_default_text_prefix(config), options.load_draft);
   if (options.load_format == LoadFormat::kShapes) return WeightStore::make_shapes_only(schema, quant);

@@ -176,6 +176,61 @@ Expected<CpuMatrix> WeightStore::dense_slice(const TensorView& t, int64_t rows, 
   return m;
 }
 
+Expected<CpuMatrix> WeightStore::fp8_block_slice(const LinearWeight& lw, int64_t out, int64_t in, const Shard& shard,
+                                                 const std::string& what) {
+  constexpr int64_t kBlock = 128;
+  const bool by_rows = shard.dim != ShardDim::kInput;
+  TERN_ASSIGN_OR_RETURN(const std::vector<ShardPiece> pieces, shard_pieces(shard, by_rows ? out : in, rank_, what));
+  for (const ShardPiece& p : pieces) {
+    if (!by_rows && (p.offset % kBlock != 0 || (p.length % kBlock != 0 && p.offset + p.length != in))) {
+      return make_error("tensor '{}': FP8 input columns [{}, {}) of rank {} (world size {}) straddle its 128-column "
+                        "scale blocks",
+                        what, p.offset, p.offset + p.length, rank_.rank, rank_.world);
+    }
+  }
+  const int64_t length = shard_pieces_length(pieces);
+  CpuMatrix m{.format = CpuWeightFormat::kFp8Block128, .rows = by_rows ? length : out, .cols = by_rows ? in : length};
+  m.data = gather(*lw.weight, 0, out, in, by_rows, pieces);
+  if (zeros_) {  // a shapes-only store: zeros throughout (the expanded scales take fewer bytes than the codes)
+    m.row_block_scales = reinterpret_cast<const float*>(zeros_.get());
+    return m;
+  }
+  // Each kept row's scales over its kept column blocks, from the [ceil(out/128), ceil(in/128)] block grid.
+  const TensorView& st = *lw.weight_scale;
+  const int64_t grid_cols = (in + kBlock - 1) / kBlock;
+  auto scale_at = [&](int64_t row, int64_t col) {  // by bytes: a file may leave the scales unaligned
+    const int64_t i = (row / kBlock) * grid_cols + col / kBlock;
+    if (st.dtype == DType::kF32) {
+      float v;
+      std::memcpy(&v, st.data.data() + i * 4, 4);
+      return v;
+    }
+    uint16_t b;
+    std::memcpy(&b, st.data.data() + i * 2, 2);
+    return bf16_to_float(b);
+  };
+  std::vector<int64_t> rows, cols;  // the global row of each kept row, the global first column of each kept block
+  if (by_rows) {
+    for (const ShardPiece& p : pieces) {
+      for (int64_t r = p.offset; r < p.offset + p.length; ++r) rows.push_back(r);
+    }
+    for (int64_t c = 0; c < in; c += kBlock) cols.push_back(c);
+  } else {
+    for (int64_t r = 0; r < out; ++r) rows.push_back(r);
+    for (const ShardPiece& p : pieces) {
+      for (int64_t c = p.offset; c < p.offset + p.length; c += kBlock) cols.push_back(c);
+    }
+  }
+  std::vector<std::byte> bytes(rows.size() * cols.size() * sizeof(float));
+  auto* scales = reinterpret_cast<float*>(bytes.data());
+  for (size_t r = 0; r < rows.size(); ++r) {
+    for (size_t c = 0; c < cols.size(); ++c) scales[r * cols.size() + c] = scale_at(rows[r], cols[c]);
+  }
+  owned_bytes_.push_back(std::move(bytes));
+  m.row_block_scales = reinterpret_cast<const float*>(owned_bytes_.back().data());
+  return m;
+}
+
 Expected<std::vector<float>> WeightStore::float_rows(const TensorView& t, int64_t dim0, const Shard& shard) {
   TERN_ASSIGN_OR_RETURN(const std::vector<ShardPiece> pieces,
                         shard_pieces(shard.dim == ShardDim::kInput ? Shard::replicated() : shard, dim0, rank_, t.name));
@@ -242,6 +297,9 @@ Expected<Linear> WeightStore::sharded_linear(const std::string& module, int64_t 
       TERN_ASSIGN_OR_RETURN(const float input_scale, scalar_of(*lw.input_scale));
       linear.set_input_quantization(input_scale);
     }
+  } else if (lw.format == WeightFormat::kFp8Block128) {
+    TERN_ASSIGN_OR_RETURN(CpuMatrix m, fp8_block_slice(lw, out, in, shard, weight_name));
+    linear = Linear(module, m);
   } else {
     TERN_ASSIGN_OR_RETURN(CpuMatrix m, dense_slice(*lw.weight, out, in, 0, shard, weight_name));
     linear = Linear(module, m);

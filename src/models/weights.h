@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "io/linear_weight.h"
 #include "io/model_config.h"
 #include "io/quant_config.h"
 #include "io/safetensors.h"
@@ -89,6 +90,10 @@ class WeightStore {
   // This rank's part of the dense [rows, cols] matrix in `t` that starts at row `row_offset`.
   Expected<CpuMatrix> dense_slice(const TensorView& t, int64_t rows, int64_t cols, int64_t row_offset,
                                   const Shard& shard, const std::string& what);
+  // This rank's part of a block-wise FP8 linear [out, in] (its e4m3 codes gathered, each kept row's block scales
+  // expanded from the 128 x 128 grid).
+  Expected<CpuMatrix> fp8_block_slice(const LinearWeight& lw, int64_t out, int64_t in, const Shard& shard,
+                                      const std::string& what);
   // This rank's part of dim 0 (of `dim0` entries) of `t`, as fp32.
   Expected<std::vector<float>> float_rows(const TensorView& t, int64_t dim0, const Shard& shard);
   Expected<Linear> sharded_linear(const std::string& module, int64_t out, int64_t in, bool quantize_input,

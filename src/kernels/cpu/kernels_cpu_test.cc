@@ -95,6 +95,33 @@ TEST(CpuMatmul, Nvfp4MatchesDequantizedReference) {
   for (int64_t j = 0; j < k; ++j) ASSERT_EQ(row[j], wd[7 * k + j]);
 }
 
+// Block-wise FP8 (DeepSeek-V3 / GLM-5-FP8): e4m3 codes times one scale per 128 columns of a row (the loader expands
+// the checkpoint's 128 x 128 grid per row). k = 300 leaves a partial last block.
+TEST(CpuMatmul, Fp8BlockMatchesDequantizedReference) {
+  const int64_t m = 3, n = 19, k = 300, blocks = 3;
+  const auto x = random_vector(m * k, 21);
+  std::mt19937 rng(22);
+  std::vector<uint8_t> codes(static_cast<size_t>(n * k));
+  for (auto& c : codes) {
+    do c = static_cast<uint8_t>(rng() & 0xFF); while ((c & 0x7F) == 0x7F);  // every finite e4m3 code, no NaN
+  }
+  std::uniform_real_distribution<float> su(1e-3f, 2e-2f);
+  std::vector<float> scales(static_cast<size_t>(n * blocks));
+  for (float& v : scales) v = su(rng);
+  std::vector<float> wd(codes.size());
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t j = 0; j < k; ++j) wd[r * k + j] = e4m3_to_float(codes[r * k + j]) * scales[r * blocks + j / 128];
+  }
+  CpuMatrix w{.format = CpuWeightFormat::kFp8Block128, .rows = n, .cols = k, .data = codes.data()};
+  w.row_block_scales = scales.data();
+  std::vector<float> y(m * n);
+  cpu_matmul(x.data(), m, w, y.data());
+  expect_close(y, naive_matmul(x, m, wd, n, k), 1e-5);
+  std::vector<float> row(k);
+  cpu_matrix_row(w, 11, row.data());
+  for (int64_t j = 0; j < k; ++j) ASSERT_EQ(row[j], wd[11 * k + j]) << j;
+}
+
 // Shapes that exercise every path of the NVFP4 matmul: whole 128-column groups plus leftover 16-column blocks,
 // x-row counts 1..11 (one and two passes of up to 8 rows), weight-row counts that leave a partial tile.
 TEST(CpuMatmul, Nvfp4WideShapesMatchDequantizedReference) {

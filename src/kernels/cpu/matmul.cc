@@ -263,6 +263,14 @@ float dot_nvfp4(const float* a, const uint8_t* packed, const uint8_t* scales, fl
   return cpu_detail::dot_nvfp4(a, packed, scales, global_scale, n);
 }
 
+// FP8 e4m3 with a scale per 128 columns: each weight dequantized as e4m3 * scale (the fp32 product) first, so the
+// sum is the one over the dequantized row.
+float dot_fp8_block128(const float* x, const uint8_t* codes, const float* scales, int64_t k) {
+  float acc = 0.0f;
+  for (int64_t i = 0; i < k; ++i) acc += x[i] * (e4m3_table_value(codes[i]) * scales[i / 128]);
+  return acc;
+}
+
 float dot_row(const float* x, const CpuMatrix& w, int64_t row) {
   const int64_t k = w.cols;
   switch (w.format) {
@@ -275,6 +283,9 @@ float dot_row(const float* x, const CpuMatrix& w, int64_t row) {
     case CpuWeightFormat::kNvfp4:
       return dot_nvfp4(x, static_cast<const uint8_t*>(w.data) + row * (k / 2), w.block_scales + row * (k / 16),
                        w.global_scale, k);
+    case CpuWeightFormat::kFp8Block128:
+      return dot_fp8_block128(x, static_cast<const uint8_t*>(w.data) + row * k,
+                              w.row_block_scales + row * ((k + 127) / 128), k);
   }
   return 0.0f;
 }
@@ -383,6 +394,12 @@ void cpu_matrix_row(const CpuMatrix& w, int64_t row, float* out) {
         out[i] = pairs[packed[i / 2]][0] * scale;
         out[i + 1] = pairs[packed[i / 2]][1] * scale;
       }
+      return;
+    }
+    case CpuWeightFormat::kFp8Block128: {
+      const uint8_t* codes = static_cast<const uint8_t*>(w.data) + row * k;
+      const float* scales = w.row_block_scales + row * ((k + 127) / 128);
+      for (int64_t i = 0; i < k; ++i) out[i] = e4m3_table_value(codes[i]) * scales[i / 128];
       return;
     }
   }

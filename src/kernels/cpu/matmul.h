@@ -9,22 +9,25 @@
 
 namespace tern {
 
-enum class CpuWeightFormat { kF32, kBf16, kF16, kNvfp4 };
+enum class CpuWeightFormat { kF32, kBf16, kF16, kNvfp4, kFp8Block128 };
 
 // A [rows, cols] weight matrix in place (not owned).
 struct CpuMatrix {
   CpuWeightFormat format = CpuWeightFormat::kBf16;
   int64_t rows = 0;
   int64_t cols = 0;
-  const void* data = nullptr;            // f32/bf16/f16 [rows, cols], or NVFP4 packed e2m1 [rows, cols/2]
+  const void* data = nullptr;            // f32/bf16/f16 [rows, cols], NVFP4 packed e2m1 [rows, cols/2], FP8 e4m3
   const uint8_t* block_scales = nullptr;  // NVFP4: e4m3 [rows, cols/16]
   float global_scale = 1.0f;              // NVFP4: weight_scale_2
+  // FP8 (128 x 128 blocks): each row's scales, [rows, ceil(cols / 128)] fp32 (the checkpoint's weight_scale_inv row
+  // of the row's block, repeated per row so that a slice of rows stays a plain pointer). Weight = e4m3 * scale.
+  const float* row_block_scales = nullptr;
 };
 
 // y [m, w.rows] = x [m, w.cols] . w^T. Parallel over the rows of w.
 void cpu_matmul(const float* x, int64_t m, const CpuMatrix& w, float* y);
 
-// Row `row` of w as fp32 (NVFP4: e2m1 * (float(scale) * global_scale), ModelOpt's order).
+// Row `row` of w as fp32 (NVFP4: e2m1 * (float(scale) * global_scale), ModelOpt's order; FP8: e4m3 * scale).
 void cpu_matrix_row(const CpuMatrix& w, int64_t row, float* out);
 
 // The dot products the matmul uses, exposed for tests: sum over k of a[k] * row[k].

@@ -1,0 +1,237 @@
+// Block-wise FP8 checkpoints (DeepSeek-V3 / GLM-5-FP8 layout: F8_E4M3 weights, one F32 weight_scale_inv per
+// 128 x 128 block, config.json quantization_config {"quant_method": "fp8", "weight_block_size": [128, 128]}). The qwen3
+// fixture's linears are quantized here to that layout, and the same values dequantized (e4m3 times the block's scale,
+// core/formats.h's OCP decode) are written as an F32 checkpoint: the two models must give the same logits, and
+// tensor-parallel slices of an FP8 linear must hold the dequantized rows (row splits) or be refused (an input split
+// off the 128-column blocks).
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "core/formats.h"
+#include "io/model_config.h"
+#include "io/safetensors.h"
+#include "models/weight_schema.h"
+#include "models/weights.h"
+#include "runtime/model_runner.h"
+
+namespace tern {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int64_t kBlock = 128;
+
+// The qwen3 fixture as an FP8 checkpoint (dir / "fp8") and as the F32 checkpoint of its dequantized values
+// (dir / "f32"). Linears ("*_proj.weight", 2-d) are quantized; everything else is copied as it is.
+struct Fp8Pair {
+  fs::path root, fp8, f32;
+  std::vector<std::string> quantized;  // the linears' module names
+
+  Fp8Pair() {
+    std::random_device rd;
+    root = fs::temp_directory_path() / ("tern_fp8_" + std::to_string(rd()));
+    fp8 = root / "fp8";
+    f32 = root / "f32";
+    fs::create_directories(fp8);
+    fs::create_directories(f32);
+    const fs::path src = fs::path(TERN_FIXTURES_DIR) / "qwen3";
+    auto set = SafetensorsSet::open_dir(src);
+    EXPECT_TRUE(set.has_value()) << set.error().message;
+    std::vector<TensorToWrite> fp8_tensors, f32_tensors;
+    std::deque<std::vector<std::byte>> storage;
+    auto keep = [&](std::vector<std::byte> bytes) -> std::span<const std::byte> {
+      storage.push_back(std::move(bytes));
+      return storage.back();
+    };
+    for (const TensorView* t : set->tensors()) {
+      // lm_head too ([512, 64]: four row blocks with their own scales).
+      const bool linear = t->shape.size() == 2 && (t->name.ends_with("_proj.weight") || t->name == "lm_head.weight");
+      if (!linear) {
+        fp8_tensors.push_back({t->name, t->dtype, t->shape, t->data});
+        f32_tensors.push_back({t->name, t->dtype, t->shape, t->data});
+        continue;
+      }
+      quantized.push_back(t->name.substr(0, t->name.size() - std::string(".weight").size()));
+      const int64_t rows = t->shape[0], cols = t->shape[1];
+      const int64_t grid_r = (rows + kBlock - 1) / kBlock, grid_c = (cols + kBlock - 1) / kBlock;
+      std::vector<float> w(static_cast<size_t>(rows * cols));
+      for (int64_t i = 0; i < rows * cols; ++i) {
+        uint16_t b;
+        std::memcpy(&b, t->data.data() + 2 * i, 2);
+        w[i] = bf16_to_float(b);
+      }
+      std::vector<float> scale(static_cast<size_t>(grid_r * grid_c));
+      for (int64_t br = 0; br < grid_r; ++br) {
+        for (int64_t bc = 0; bc < grid_c; ++bc) {
+          float amax = 0.0f;
+          for (int64_t r = br * kBlock; r < std::min(rows, (br + 1) * kBlock); ++r) {
+            for (int64_t c = bc * kBlock; c < std::min(cols, (bc + 1) * kBlock); ++c) {
+              amax = std::max(amax, std::abs(w[r * cols + c]));
+            }
+          }
+          scale[br * grid_c + bc] = amax > 0.0f ? amax / 448.0f : 1.0f;
+        }
+      }
+      std::vector<std::byte> codes(static_cast<size_t>(rows * cols)), deq(static_cast<size_t>(rows * cols) * 4);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const float s = scale[(r / kBlock) * grid_c + c / kBlock];
+          const uint8_t code = float_to_e4m3(w[r * cols + c] / s);
+          codes[r * cols + c] = static_cast<std::byte>(code);
+          const float v = e4m3_to_float(code) * s;
+          std::memcpy(&deq[(r * cols + c) * 4], &v, 4);
+        }
+      }
+      std::vector<std::byte> scale_bytes(scale.size() * 4);
+      std::memcpy(scale_bytes.data(), scale.data(), scale_bytes.size());
+      fp8_tensors.push_back({t->name, DType::kF8E4M3, t->shape, keep(std::move(codes))});
+      fp8_tensors.push_back({t->name + "_scale_inv", DType::kF32, {grid_r, grid_c}, keep(std::move(scale_bytes))});
+      f32_tensors.push_back({t->name, DType::kF32, t->shape, keep(std::move(deq))});
+    }
+    EXPECT_TRUE(safetensors_write(fp8 / "model.safetensors", fp8_tensors).has_value());
+    EXPECT_TRUE(safetensors_write(f32 / "model.safetensors", f32_tensors).has_value());
+    for (const char* file : {"generation_config.json"}) {
+      fs::copy_file(src / file, fp8 / file);
+      fs::copy_file(src / file, f32 / file);
+    }
+    fs::copy_file(src / "config.json", f32 / "config.json");
+    nlohmann::json config = nlohmann::json::parse(std::ifstream(src / "config.json"));
+    config["quantization_config"] = {{"quant_method", "fp8"},
+                                     {"fmt", "e4m3"},
+                                     {"activation_scheme", "dynamic"},
+                                     {"weight_block_size", {128, 128}}};
+    std::ofstream(fp8 / "config.json") << config.dump(2);
+  }
+  ~Fp8Pair() { fs::remove_all(root); }
+};
+
+std::vector<float> logits_of(const fs::path& dir, const std::vector<int32_t>& tokens) {
+  auto model = runner_load(dir, {});
+  EXPECT_TRUE(model.has_value()) << (model ? "" : model.error().message);
+  if (!model) return {};
+  SequenceCache cache = (*model)->new_sequence();
+  const std::vector<SequenceInput> batch{{&cache, tokens}};
+  auto logits = (*model)->forward(batch, LogitsFor::kAllTokens);
+  EXPECT_TRUE(logits.has_value()) << (logits ? "" : logits.error().message);
+  return logits ? *logits : std::vector<float>{};
+}
+
+TEST(Fp8Checkpoint, LogitsEqualTheDequantizedF32Checkpoint) {
+  const Fp8Pair pair;
+  ASSERT_FALSE(pair.quantized.empty());
+  const std::vector<int32_t> tokens{17, 300, 42, 99, 5, 250, 123, 7, 411, 64};
+  const std::vector<float> fp8 = logits_of(pair.fp8, tokens), f32 = logits_of(pair.f32, tokens);
+  ASSERT_EQ(fp8.size(), f32.size());
+  ASSERT_FALSE(fp8.empty());
+  float scale = 0.0f;
+  for (float v : f32) scale = std::max(scale, std::abs(v));
+  for (size_t i = 0; i < fp8.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(fp8[i])) << i;
+    ASSERT_NEAR(fp8[i], f32[i], 1e-5f * scale) << "logit " << i;
+  }
+  // And the quantization was real: the FP8 model is not the BF16 fixture.
+  const std::vector<float> bf16 = logits_of(fs::path(TERN_FIXTURES_DIR) / "qwen3", tokens);
+  ASSERT_EQ(bf16.size(), fp8.size());
+  float diff = 0.0f;
+  for (size_t i = 0; i < fp8.size(); ++i) diff = std::max(diff, std::abs(fp8[i] - bf16[i]));
+  EXPECT_GT(diff, 1e-3f * scale);
+}
+
+// A row-split FP8 linear holds the dequantized rows of its rank; an input split inside a 128-column block is an
+// error naming the tensor.
+TEST(Fp8Checkpoint, TensorParallelSlices) {
+  const Fp8Pair pair;
+  auto config = model_config_load(pair.fp8);
+  ASSERT_TRUE(config.has_value()) << config.error().message;
+  auto fp8_raw = SafetensorsSet::open_dir(pair.fp8);
+  auto f32_raw = SafetensorsSet::open_dir(pair.f32);
+  ASSERT_TRUE(fp8_raw.has_value() && f32_raw.has_value());
+  const WeightSchema schema = weight_schema_build(*config, weight_schema_text_prefix(*fp8_raw));
+  const std::string q = "model.layers.0.self_attn.q_proj", o = "model.layers.0.self_attn.o_proj";
+  const TensorView* qf = f32_raw->find(q + ".weight");
+  ASSERT_NE(qf, nullptr);
+  const int64_t out = qf->shape[0], in = qf->shape[1];
+  for (int rank : {0, 1}) {
+    auto store = WeightStore::open_checkpoint(pair.fp8);
+    ASSERT_TRUE(store.has_value()) << store.error().message;
+    (*store)->set_sharding(schema, {rank, 2});
+    auto linear = (*store)->linear(q, out, in, false);
+    ASSERT_TRUE(linear.has_value()) << linear.error().message;
+    const CpuMatrix& m = linear->matrix();
+    ASSERT_EQ(m.format, CpuWeightFormat::kFp8Block128);
+    ASSERT_EQ(m.rows, out / 2);
+    std::vector<float> row(static_cast<size_t>(in));
+    for (int64_t r = 0; r < m.rows; ++r) {
+      cpu_matrix_row(m, r, row.data());
+      for (int64_t c = 0; c < in; ++c) {
+        float want;
+        std::memcpy(&want, f32_raw->find(q + ".weight")->data.data() + ((rank * m.rows + r) * in + c) * 4, 4);
+        ASSERT_EQ(row[c], want) << "rank " << rank << " row " << r << " column " << c;
+      }
+    }
+    const TensorView* of = f32_raw->find(o + ".weight");
+    auto split = (*store)->linear(o, of->shape[0], of->shape[1], false);
+    ASSERT_FALSE(split.has_value());
+    EXPECT_NE(split.error().message.find("straddle its 128-column scale blocks"), std::string::npos)
+        << split.error().message;
+  }
+}
+
+// One FP8 linear [300, 260] (a 3 x 3 block grid with partial last blocks, every block its own scale) read through the
+// weight store: each row, dequantized by cpu_matrix_row, is e4m3 times its own block's scale.
+TEST(Fp8Checkpoint, EveryBlockOfTheGridScalesItsOwnWeights) {
+  const fs::path dir = fs::temp_directory_path() / ("tern_fp8_grid_" + std::to_string(std::random_device{}()));
+  fs::create_directories(dir);
+  const int64_t out = 300, in = 260;
+  std::mt19937 rng(7);
+  std::vector<std::byte> codes(static_cast<size_t>(out * in)), scales(9 * 4);
+  for (auto& c : codes) {
+    uint8_t v;
+    do v = static_cast<uint8_t>(rng() & 0xFF); while ((v & 0x7F) == 0x7F);
+    c = static_cast<std::byte>(v);
+  }
+  for (int i = 0; i < 9; ++i) {
+    const float v = 0.01f * static_cast<float>(i + 1);
+    std::memcpy(&scales[i * 4], &v, 4);
+  }
+  ASSERT_TRUE(safetensors_write(dir / "model.safetensors", {{"m.weight", DType::kF8E4M3, {out, in}, codes},
+                                                           {"m.weight_scale_inv", DType::kF32, {3, 3}, scales}})
+                  .has_value());
+  auto store = WeightStore::open_checkpoint(dir);
+  ASSERT_TRUE(store.has_value()) << store.error().message;
+  auto linear = (*store)->linear("m", out, in, false);
+  ASSERT_TRUE(linear.has_value()) << linear.error().message;
+  std::vector<float> row(static_cast<size_t>(in));
+  for (int64_t r = 0; r < out; ++r) {
+    cpu_matrix_row(linear->matrix(), r, row.data());
+    for (int64_t c = 0; c < in; ++c) {
+      const float scale = 0.01f * static_cast<float>((r / 128) * 3 + c / 128 + 1);  // as written above
+      const float want = e4m3_to_float(static_cast<uint8_t>(codes[r * in + c])) * scale;
+      ASSERT_EQ(row[c], want) << "row " << r << " column " << c;
+    }
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Fp8Checkpoint, QuantizationConfigIsReadAndCheckedAtLoad) {
+  const Fp8Pair pair;
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(pair.fp8 / "config.json"));
+  config["quantization_config"]["weight_block_size"] = {64, 64};
+  std::ofstream(pair.fp8 / "config.json") << config.dump(2);
+  auto model = runner_load(pair.fp8, {});
+  ASSERT_FALSE(model.has_value());
+  EXPECT_NE(model.error().message.find("only [128, 128] blocks are supported"), std::string::npos)
+      << model.error().message;
+}
+
+}  // namespace
+}  // namespace tern
