@@ -128,8 +128,10 @@ Expected<LinearWeight> linear_weight_resolve(const SafetensorsSet& tensors, std:
     case DType::kF16: linear.format = WeightFormat::kF16; break;
     case DType::kF32: linear.format = WeightFormat::kF32; break;
     default:
-      return make_error("tensor '{}.weight': unsupported weight type {} (supported: BF16, F16, F32, NVFP4 as U8, FP8 e4m3 with 128 x 128 block scales)",
-                        module, describe(*linear.weight));
+      return make_error(
+          "tensor '{}.weight': unsupported weight type {} (supported: BF16, F16, F32, NVFP4 as U8, FP8 e4m3 with "
+          "128 x 128 block scales)",
+          module, describe(*linear.weight));
   }
   if (linear.weight->shape != dense_shape) {
     return make_error("tensor '{}.weight' must have shape {}, found {}", module, shape_string(dense_shape),
