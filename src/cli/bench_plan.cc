@@ -23,8 +23,7 @@ int fail(const std::string& message) {
 }
 
 std::string measured_note_for_plan(int world) {
-  return world > 1 ? fmt::format("measured: needs the run on {} GPUs, with the all-reduces timed (tern does not "
-                                 "time them yet)",
+  return world > 1 ? fmt::format("measured: needs the run (tern bench --tensor-parallel-size {} without --plan-only)",
                                  world)
                    : "no collectives at one rank";
 }
@@ -130,6 +129,13 @@ void print_tensor_parallel_report(const Json& r) {
                d["all_reduce_bytes_per_step"].get<double>() / kMB, d["logits_all_gather_bytes"].get<double>() / kMB);
   }
   fmt::print("all-reduce time per step: {}\n", r["measured_note"].get<std::string>());
+  if (const auto& measured = r["all_reduce_ms_per_step_measured"]; measured.is_array()) {
+    for (const Json& d : measured) {
+      fmt::print("  batch {:>4}: {:.3f} ms each, {:.3f} ms per step, {:.1f}% of the measured step\n",
+                 d["batch"].get<int64_t>(), d["ms_each"].get<double>(), d["ms_per_step"].get<double>(),
+                 100.0 * d["share_of_step"].get<double>());
+    }
+  }
 }
 
 int run_bench_plan(const BenchPlanOptions& o) {

@@ -2,7 +2,7 @@
 """`tern bench` under tensor parallelism, on a machine without GPUs: `--plan-only` on the full-size bench configs, its
 per-rank numbers against what is worked out here from each config.json (the sharding rules of docs/architecture.md,
 not tern's output), a split that cannot be made failing with the tensor's name, the plan staying fast and small; and
-a real run at --tp 2 on the CPU reporting the same per-rank numbers as its plan.
+a real run at --tp 2 on the CPU reporting the same per-rank numbers as its plan and its all-reduces timed.
 
 usage: bench_tp_cli_test.py TERN SOURCE_DIR FIXTURES_DIR
 """
@@ -169,15 +169,24 @@ def main():
     close(ran["weights"]["per_rank_bytes"], planned["weights"]["per_rank_bytes"], "run and plan")
     assert ran["collectives_computed"] == planned["collectives_computed"], (ran, planned)
     assert ran["collectives_computed"]["all_reduces_per_step"] == 2 * fc["num_hidden_layers"] + 1, ran
-    assert ran["all_reduce_ms_per_step_measured"] is None and "not measured" in ran["measured_note"], ran
     decode = [row for row in ran["rows"] if row["kind"] == "decode"]
     for row, p in zip(decode, planned["rows"]):
         assert row["batch"] == p["batch"], (row, p)
+    # The all-reduces timed on the two CPU ranks, one row per decode row: positive, the step's count of them, and
+    # (CPU ranks meeting in one process) less than the step they belong to.
+    measured = ran["all_reduce_ms_per_step_measured"]
+    assert isinstance(measured, list) and [m["batch"] for m in measured] == [1, 3], ran
+    assert "measured apart from the step" in ran["measured_note"], ran
+    count = ran["collectives_computed"]["all_reduces_per_step"]
+    for m, row in zip(measured, decode):
+        assert m["ms_each"] > 0 and math.isfinite(m["ms_each"]), m
+        close(m["ms_per_step"], m["ms_each"] * count, "all-reduce ms per step")
+        close(m["share_of_step"], m["ms_per_step"] / row["ms_per_step"], "all-reduce share of the step")
 
     # Text output, and nothing of the model's size was allocated.
     text = run(tern, "bench", "--plan-only", "--model", full, "--tp", "8")
     assert text.returncode == 0 and "weights per rank" in text.stdout and "121 all-reduces" in text.stdout, text
-    assert "needs the run on 8 GPUs" in text.stdout, text.stdout
+    assert "needs the run (tern bench --tensor-parallel-size 8 without --plan-only)" in text.stdout, text.stdout
     peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     assert peak_mb < 2048, f"a plan took {peak_mb:.0f} MB"
     elapsed = time.monotonic() - start

@@ -501,6 +501,52 @@ Expected<void> cuda_use_device(int device) {
   return {};
 }
 
+Expected<double> cuda_all_reduce_ms(DeviceCommunicator& comm, size_t n, int calls,
+                                   std::chrono::milliseconds deadline) {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t begin = nullptr, end = nullptr;
+  TERN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  TERN_CUDA_CHECK(cudaEventCreate(&begin));
+  TERN_CUDA_CHECK(cudaEventCreate(&end));
+  auto done = [&](Expected<double> result) {
+    cudaEventDestroy(begin);
+    cudaEventDestroy(end);
+    cudaStreamDestroy(stream);
+    return result;
+  };
+  DeviceBuffer buffer(std::max<size_t>(n, 1) * 2);
+  if (cudaMemsetAsync(buffer.data(), 0, n * 2, stream) != cudaSuccess) {
+    return done(make_error("rank {}: could not clear the all-reduce buffer", comm.rank()));
+  }
+  // The untimed first call, then the timed batch; poll, so that a peer that never joins is a deadline, not a hang.
+  for (int batch = 0; batch < 2; ++batch) {
+    const int count = batch == 0 ? 1 : calls;
+    if (batch == 1) TERN_CUDA_CHECK(cudaEventRecord(begin, stream));
+    for (int i = 0; i < count; ++i) {
+      if (auto r = comm.all_reduce_sum_bf16(buffer.as<uint16_t>(), n, stream); !r) {
+        return done(tl::unexpected(r.error()));
+      }
+    }
+    if (batch == 1) TERN_CUDA_CHECK(cudaEventRecord(end, stream));
+    const auto start = std::chrono::steady_clock::now();
+    cudaError_t status = cudaErrorNotReady;
+    while ((status = cudaStreamQuery(stream)) == cudaErrorNotReady) {
+      if (std::chrono::steady_clock::now() - start > deadline) {
+        comm.abort();
+        return done(make_error("rank {}: {} all-reduces over {} ranks ({}) did not finish within {} ms", comm.rank(),
+                               count, comm.world(), comm.describe(), deadline.count()));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    if (status != cudaSuccess) {
+      return done(make_error("rank {}: the timed all-reduces failed: {}", comm.rank(), cudaGetErrorString(status)));
+    }
+  }
+  float ms = 0.0f;
+  TERN_CUDA_CHECK(cudaEventElapsedTime(&ms, begin, end));
+  return done(static_cast<double>(ms) / std::max(calls, 1));
+}
+
 Expected<double> cuda_all_reduce_probe(DeviceCommunicator& comm, size_t n, std::chrono::milliseconds deadline) {
   cudaStream_t stream = nullptr;
   TERN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

@@ -28,6 +28,10 @@ Expected<void> cuda_use_device(int device);
 // `n` bf16 values (rank r contributes r + 1 everywhere) that must finish within `deadline` (else the collective is
 // aborted) and give world * (world + 1) / 2 exactly. Returns its time in milliseconds.
 Expected<double> cuda_all_reduce_probe(DeviceCommunicator& comm, size_t n, std::chrono::milliseconds deadline);
+// The time of one all-reduce of `n` bf16 values on `comm` (this rank's GPU current): `calls` of them back to back on
+// one stream between two events (after one untimed call), the elapsed time divided by `calls`. A batch that does not
+// finish within `deadline` aborts the collective and is an error.
+Expected<double> cuda_all_reduce_ms(DeviceCommunicator& comm, size_t n, int calls, std::chrono::milliseconds deadline);
 // Peer access between every ordered pair of `devices`, one line each ("GPU 0 -> GPU 1: peer access").
 std::vector<std::string> cuda_peer_report(const std::vector<int>& devices);
 

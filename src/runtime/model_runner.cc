@@ -95,6 +95,10 @@ Expected<std::vector<float>> ModelRunner::draft(std::span<const DraftInput> inpu
   return logits;
 }
 
+Expected<double> ModelRunner::all_reduce_ms(int64_t, int) {
+  return make_error("{}: one rank, no collectives to time", describe());
+}
+
 Expected<void> ModelRunner::restore_verified(SequenceCache&, int64_t) {
   return make_error("{} cannot verify speculative tokens", describe());
 }

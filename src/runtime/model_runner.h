@@ -105,6 +105,12 @@ class ModelRunner {
   // attention layers.
   virtual int64_t kv_cache_tokens() const = 0;
 
+  // The time of one all-reduce of `elements` activations over the runner's tensor-parallel ranks, in the type its
+  // steps reduce (bf16 on GPUs, fp32 on the CPU): the slowest rank's median of `repeats` (each repeat on the GPU a
+  // back-to-back batch timed by events, so that the launch gaps of a graph step are not counted). For `tern bench`;
+  // an error where there is nothing to time (one rank) or it cannot be timed from here (ranks on other nodes).
+  virtual Expected<double> all_reduce_ms(int64_t elements, int repeats);
+
  protected:
   ModelRunner() = default;
 

@@ -384,6 +384,42 @@ class TpRunner final : public ModelRunner {
     return cache;
   }
   ModelDevice device() const override { return runners_.front()->device(); }
+  Expected<double> all_reduce_ms(int64_t elements, int repeats) override {
+    if (!failed_.empty()) return make_error("the tensor-parallel group failed: {}", failed_);
+    if (layout_.nnodes > 1) {
+      return make_error("not timed: the ranks of the other {} nodes would have to join the collective",
+                        layout_.nnodes - 1);
+    }
+    if (elements < 1 || repeats < 1) return make_error("all_reduce_ms: elements and repeats must be positive");
+    std::vector<double> ms(runners_.size(), 0.0);
+    const auto time_rank = [&](int r) -> Expected<void> {
+      std::vector<double> each;
+      for (int i = 0; i < repeats; ++i) {
+        if (devices_.empty()) {
+          std::vector<float> v(static_cast<size_t>(elements), 1.0f);
+          const auto start = std::chrono::steady_clock::now();
+          TERN_TRY(host(r).all_reduce_sum(v));
+          each.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+          continue;
+        }
+#if TERN_RUNTIME_CUDA
+        constexpr int kCallsPerRepeat = 20;  // back to back, as a step's all-reduces
+        TERN_TRY(cuda_use_device(devices_[static_cast<size_t>(r)]));
+        TERN_ASSIGN_OR_RETURN(const double t, cuda_all_reduce_ms(*device_comms_[static_cast<size_t>(r)],
+                                                                 static_cast<size_t>(elements), kCallsPerRepeat,
+                                                                 std::chrono::milliseconds(10000)));
+        each.push_back(t);
+#else
+        return make_error("this tern was built without CUDA");
+#endif
+      }
+      std::sort(each.begin(), each.end());
+      ms[static_cast<size_t>(r)] = each[each.size() / 2];
+      return {};
+    };
+    TERN_TRY(run_ranks("timing an all-reduce", time_rank));
+    return *std::max_element(ms.begin(), ms.end());
+  }
   std::optional<std::string> failure() const override {
     if (failed_.empty()) return std::nullopt;
     return failed_;
