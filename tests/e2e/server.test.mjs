@@ -179,11 +179,19 @@ test('abort in the middle of a stream frees the request', async () => {
   const ac = new AbortController();
   const stream = await client.chat.completions.create({ ...chatReq('Go on', { max_tokens: 400 }), stream: true },
                                                       { signal: ac.signal });
+  // Leave at the third chunk: after abort() the client may still hand out chunks it had already read (several
+  // arrive in one network read under load), so how many the loop sees is the client's business, not the server's.
+  // The server's part is what follows: the request ends as an abort and nothing stays allocated.
   let n = 0;
   try {
-    for await (const c of stream) { if (++n === 3) ac.abort(); }
+    for await (const c of stream) {
+      if (++n === 3) {
+        ac.abort();
+        break;
+      }
+    }
   } catch { /* the client may report the abort as an error */ }
-  assert.equal(n, 3, 'no chunk after the abort');
+  assert.equal(n, 3);
   const m = await waitIdle();
   assert.ok(m['tern_requests_total{outcome="abort"}'] >= 1);
 });
