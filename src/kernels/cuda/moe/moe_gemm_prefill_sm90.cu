@@ -1,18 +1,19 @@
 // The prefill variant of the grouped expert GEMM on Hopper (sm_90a): the same contract and row tiles as
 // moe_gemm_prefill.cu (moe_launch.h, moe_gemm_device.cuh), with the products on wgmma instead of mma.sync.
 //
-// A block of two warpgroups computes a kBm x 128 tile of one expert's rows over K in 64-k steps. Every stage of a
-// kStages-deep ring holds the step's x tile (kBm gathered rows, by cp.async) and W tile (128 weight rows: bf16 by
-// cp.async; NVFP4 loaded into registers one step early and dequantized into the tile as exact bf16 factors), both in
-// the 128-byte-swizzled K-major layout wgmma reads from shared memory (wgmma.cuh). Per step each warpgroup issues
-// its four k16 wgmmas asynchronously, then refills the stage two steps behind while they run, and waits for the
-// previous step's group before the next barrier, so loads, dequantization and tensor-core work overlap.
-// Warpgroup tiles: kBm = 128: warpgroup w takes rows 64 w .. 64 w + 63 and all 128 columns (m64n128); kBm = 64:
-// all 64 rows and columns 64 w .. 64 w + 63 (m64n64).
+// A block of two warpgroups computes a kBm x kBn tile of one expert's rows (kBn weight rows, 256 as launched) over K
+// in 64-k steps. Every stage of a kStages-deep ring holds the step's x tile (kBm gathered rows, by cp.async) and W
+// tile (bf16 by cp.async; NVFP4 loaded into registers one step early and dequantized into the tile as exact bf16
+// factors), both in the 128-byte-swizzled K-major layout wgmma reads from shared memory (wgmma.cuh). Per step each
+// warpgroup issues its four k16 wgmmas asynchronously, then refills the stage kWgLag steps behind while they run,
+// and waits for the previous step's group before the next barrier, so loads, dequantization and tensor-core work
+// overlap. Warpgroup tiles: kBm = 128: warpgroup w takes rows 64 w .. 64 w + 63 and all kBn columns (m64n256);
+// kBm = 64: all 64 rows and columns kBn / 2 * w onwards (m64n128). A warpgroup whose rows all lie past its expert's
+// last row (the expert's last tile) issues no products.
 //
-// Why a stage is refilled two steps behind and not one: after the barrier of step s every warpgroup has waited for
-// its step s - 2 group (wait_group<1> at the end of step s - 1), so the stage of step s - 2 is free, while step s - 1
-// may still be in the tensor cores. Requires k % 64 == 0 (the launcher falls back to the mma.sync kernel otherwise).
+// Why a stage is refilled two steps behind: after the barrier of step s every warpgroup has waited for its step
+// s - 2 group (wait_group<1> at the end of step s - 1), so the stage of step s - 2 is free while step s - 1 may still
+// be in the tensor cores. Requires k % 64 == 0 (the launcher falls back to the mma.sync kernel otherwise).
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/ptx.cuh"
