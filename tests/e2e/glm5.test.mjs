@@ -16,7 +16,7 @@ import assert from 'node:assert/strict';
 import fs from 'node:fs';
 import path from 'node:path';
 import { glm5DataDir, glm5ModelDir, glmFixtureDir, root, rustTokenizer, startServer, steerableGlm, stopServer,
-         waitIdle } from './harness.mjs';
+         streamChat, waitIdle } from './harness.mjs';
 
 const KEY = 'sk-glm5-test';
 const readJson = (f) => JSON.parse(fs.readFileSync(f, 'utf8'));
@@ -60,27 +60,6 @@ after(async () => {
   await stopServer(steered);
   for (const d of dirs) fs.rmSync(d, { recursive: true, force: true });
 });
-
-async function streamChat(server, req) {
-  const stream = await server.client.chat.completions.create({ ...req, stream: true,
-                                                                stream_options: { include_usage: true } });
-  const out = { content: '', reasoning: '', calls: [], finish: null, usage: null, deltas: [] };
-  for await (const c of stream) {
-    if (c.usage) out.usage = c.usage;
-    if (!c.choices.length) continue;
-    const d = c.choices[0].delta;
-    out.deltas.push(d);
-    out.content += d.content ?? '';
-    out.reasoning += d.reasoning_content ?? '';
-    for (const t of d.tool_calls ?? []) {
-      out.calls[t.index] ??= { id: t.id, type: t.type, function: { name: '', arguments: '' } };
-      out.calls[t.index].function.name += t.function?.name ?? '';
-      out.calls[t.index].function.arguments += t.function?.arguments ?? '';
-    }
-    out.finish = c.choices[0].finish_reason ?? out.finish;
-  }
-  return out;
-}
 
 // A conversation of conversations.json as an OpenAI client sends it: tool-call arguments as JSON strings.
 const asRequest = (messages) => messages.map((m) => (m.tool_calls ? { ...m, tool_calls: m.tool_calls.map((c) => (

@@ -192,6 +192,45 @@ export async function waitIdle(server) {
   assert.fail('server did not return to idle: ' + JSON.stringify(await metrics(server)));
 }
 
+// The successor of each token of the chains [t0, t1, ..., tn] (t(i) -> t(i+1)) of a steered checkpoint; a token
+// with two successors, or more chain tokens than `hidden` coordinates to give them, fails the test.
+function chainSuccessors(chains, hidden) {
+  const next = new Map();
+  for (const chain of chains) {
+    for (let i = 0; i + 1 < chain.length; i++) {
+      const [a, b] = [chain[i], chain[i + 1]];
+      assert.ok(!next.has(a) || next.get(a) === b, `token ${a} would need two successors (${next.get(a)}, ${b})`);
+      next.set(a, b);
+    }
+  }
+  assert.ok(next.size <= hidden, `${next.size} chain tokens need a hidden size of at least that (${hidden})`);
+  return next;
+}
+
+// A streamed chat completion (with usage) put back together: content, reasoning_content, the tool calls (OpenAI
+// streaming: a call's first delta carries its index, id, type and name, later ones append to its arguments), the
+// finish reason, the usage and every delta as received.
+export async function streamChat(server, req) {
+  const stream = await server.client.chat.completions.create({ ...req, stream: true,
+                                                                stream_options: { include_usage: true } });
+  const out = { content: '', reasoning: '', calls: [], finish: null, usage: null, deltas: [] };
+  for await (const c of stream) {
+    if (c.usage) out.usage = c.usage;
+    if (!c.choices.length) continue;
+    const d = c.choices[0].delta;
+    out.deltas.push(d);
+    out.content += d.content ?? '';
+    out.reasoning += d.reasoning_content ?? '';
+    for (const t of d.tool_calls ?? []) {
+      out.calls[t.index] ??= { id: t.id, type: t.type, function: { name: '', arguments: '' } };
+      out.calls[t.index].function.name += t.function?.name ?? '';
+      out.calls[t.index].function.arguments += t.function?.arguments ?? '';
+    }
+    out.finish = c.choices[0].finish_reason ?? out.finish;
+  }
+  return out;
+}
+
 // A Qwen3 checkpoint whose greedy output is chosen: each chain [t0, t1, ..., tn] makes the model answer t(i+1) to
 // the last input token t(i). Every token that has a successor gets its own coordinate of the hidden state: its
 // embedding row is that unit vector and lm_head's row of the successor reads that coordinate. Attention and MLP are
@@ -201,15 +240,7 @@ export async function waitIdle(server) {
 export function steerableQwen3(chains, { poison = [], numLayers = 2, seed = 7 } = {}) {
   const config = qwen3Config(numLayers);
   const h = config.hidden_size;
-  const next = new Map();
-  for (const chain of chains) {
-    for (let i = 0; i + 1 < chain.length; i++) {
-      const [a, b] = [chain[i], chain[i + 1]];
-      assert.ok(!next.has(a) || next.get(a) === b, `token ${a} would need two successors (${next.get(a)}, ${b})`);
-      next.set(a, b);
-    }
-  }
-  assert.ok(next.size <= h, `${next.size} chain tokens need a hidden size of at least that (${h})`);
+  const next = chainSuccessors(chains, h);
   for (const p of poison) assert.ok(!next.has(p), `poisoned token ${p} is part of a chain`);
   const slot = new Map([...next.keys()].map((t, i) => [t, i]));
   const rand = makeRandom(seed);
@@ -279,15 +310,7 @@ export async function rustTokenizer(file) {
 export function steerableGlm(chains, { seed = 11 } = {}) {
   const config = JSON.parse(fs.readFileSync(path.join(glmFixtureDir, 'config.json'), 'utf8'));
   const h = config.hidden_size, vocab = config.vocab_size;
-  const next = new Map();
-  for (const chain of chains) {
-    for (let i = 0; i + 1 < chain.length; i++) {
-      const [a, b] = [chain[i], chain[i + 1]];
-      assert.ok(!next.has(a) || next.get(a) === b, `token ${a} would need two successors (${next.get(a)}, ${b})`);
-      next.set(a, b);
-    }
-  }
-  assert.ok(next.size <= h, `${next.size} chain tokens need a hidden size of at least that (${h})`);
+  const next = chainSuccessors(chains, h);
   const slot = new Map([...next.keys()].map((t, i) => [t, i]));
   const rand = makeRandom(seed);
   const uniform = (scale) => () => (rand() * 2 - 1) * scale;

@@ -6,7 +6,7 @@
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
-import { QWEN3, steerableQwen3, tokenize, startServer, stopServer, waitIdle } from './harness.mjs';
+import { QWEN3, steerableQwen3, tokenize, startServer, stopServer, streamChat, waitIdle } from './harness.mjs';
 
 const KEY = 'sk-reasoning-test';
 const MODEL = 'steered-qwen3';
@@ -39,29 +39,6 @@ const chat = (extra = {}) => ({ model: MODEL, messages: [{ role: 'user', content
                                 max_tokens: 64, temperature: 0, ...extra });
 const noThinking = { chat_template_kwargs: { enable_thinking: false } };
 
-async function streamChat(req) {
-  const stream = await server.client.chat.completions.create({ ...req, stream: true,
-                                                                stream_options: { include_usage: true } });
-  const out = { content: '', reasoning: '', calls: [], finish: null, usage: null, deltas: [] };
-  for await (const c of stream) {
-    if (c.usage) out.usage = c.usage;
-    if (!c.choices.length) continue;
-    const d = c.choices[0].delta;
-    out.deltas.push(d);
-    out.content += d.content ?? '';
-    out.reasoning += d.reasoning_content ?? '';
-    for (const t of d.tool_calls ?? []) {
-      // OpenAI streaming: the first delta of a call carries its index, id, type and name; later ones append to
-      // the arguments.
-      out.calls[t.index] ??= { id: t.id, type: t.type, function: { name: '', arguments: '' } };
-      out.calls[t.index].function.name += t.function?.name ?? '';
-      out.calls[t.index].function.arguments += t.function?.arguments ?? '';
-    }
-    out.finish = c.choices[0].finish_reason ?? out.finish;
-  }
-  return out;
-}
-
 test('thinking output is split into reasoning_content and content', async () => {
   const r = await server.client.chat.completions.create(chat());
   const m = r.choices[0].message;
@@ -74,7 +51,7 @@ test('thinking output is split into reasoning_content and content', async () => 
 });
 
 test('streamed thinking output gives reasoning_content deltas, then content deltas', async () => {
-  const s = await streamChat(chat());
+  const s = await streamChat(server, chat());
   assert.equal(s.reasoning, REASONING);
   assert.equal(s.content, ANSWER);
   assert.equal(s.finish, 'stop');
@@ -91,7 +68,7 @@ test('separate_reasoning false keeps the thinking in content, streamed and not',
   const r = await server.client.chat.completions.create(chat({ separate_reasoning: false }));
   assert.equal(r.choices[0].message.content, THINKING.join(''));
   assert.equal(r.choices[0].message.reasoning_content, undefined);
-  const s = await streamChat(chat({ separate_reasoning: false }));
+  const s = await streamChat(server, chat({ separate_reasoning: false }));
   assert.equal(s.content, THINKING.join(''));
   assert.equal(s.reasoning, '');
 });
@@ -112,7 +89,7 @@ test('a Qwen3 JSON tool call becomes tool_calls with finish_reason "tool_calls"'
 });
 
 test('a streamed tool call arrives as tool_calls deltas with finish_reason "tool_calls"', async () => {
-  const s = await streamChat(chat({ tools: [WEATHER], ...noThinking }));
+  const s = await streamChat(server, chat({ tools: [WEATHER], ...noThinking }));
   assert.equal(s.finish, 'tool_calls');
   assert.equal(s.content, '');
   assert.equal(s.reasoning, '');
@@ -131,7 +108,7 @@ test('a call to a function that was not offered stays text, streamed and not', a
   assert.equal(r.choices[0].message.content, text);
   assert.equal(r.choices[0].message.tool_calls, undefined);
   assert.equal(r.choices[0].finish_reason, 'stop');
-  const s = await streamChat(chat({ tools: [other], ...noThinking }));
+  const s = await streamChat(server, chat({ tools: [other], ...noThinking }));
   assert.equal(s.content, text);
   assert.equal(s.calls.length, 0);
   assert.equal(s.finish, 'stop');
