@@ -1,5 +1,8 @@
 #include "core/json_parse.h"
 
+#include <fstream>
+#include <sstream>
+
 #include <string>
 
 namespace tern {
@@ -53,6 +56,16 @@ Expected<Json> parse(std::string_view text) {
 Expected<nlohmann::json> json_parse_untrusted(std::string_view text) { return parse<nlohmann::json>(text); }
 Expected<nlohmann::ordered_json> json_parse_untrusted_ordered(std::string_view text) {
   return parse<nlohmann::ordered_json>(text);
+}
+
+Expected<nlohmann::json> json_read_file(const std::filesystem::path& path, std::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return make_error("{}: cannot open {}", path.string(), what);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  auto document = json_parse_untrusted(buffer.str());
+  if (!document) return make_error("{}: not valid JSON: {}", path.string(), document.error().message);
+  return document;
 }
 
 }  // namespace tern

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstddef>
+#include <filesystem>
 #include <string_view>
 
 #include "core/error.h"
@@ -26,5 +27,9 @@ size_t json_too_deep_at(std::string_view text, int max_depth = kJsonMaxDepth);
 // Strict JSON (RFC 8259, as Python's json module without NaN/Infinity), at most kJsonMaxDepth levels deep.
 Expected<nlohmann::json> json_parse_untrusted(std::string_view text);
 Expected<nlohmann::ordered_json> json_parse_untrusted_ordered(std::string_view text);
+
+// A file parsed as json_parse_untrusted does; errors start with the path: "<path>: cannot open <what>" or "<path>: not
+// valid JSON: <where and why>".
+Expected<nlohmann::json> json_read_file(const std::filesystem::path& path, std::string_view what = "the file");
 
 }  // namespace tern

@@ -6,8 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
-#include <sstream>
 
 #include "core/json_parse.h"
 #include "io/json_fields.h"
@@ -254,18 +252,13 @@ namespace {
 Expected<void> add_generation_config_eos(const std::filesystem::path& path, ModelConfig& config) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return {};
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return make_error("{}: cannot open the file", path.string());
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  auto document = json_parse_untrusted(buffer.str());
-  if (!document) return make_error("{}: not valid JSON: {}", path.string(), document.error().message);
-  if (!document->is_object()) {
+  TERN_ASSIGN_OR_RETURN(const nlohmann::json document, json_read_file(path));
+  if (!document.is_object()) {
     return make_error("{}: a generation config must be a JSON object, got {}", path.string(),
-                      json_type_name(*document));
+                      json_type_name(document));
   }
-  const auto eos = document->find("eos_token_id");
-  if (eos == document->end() || eos->is_null()) return {};
+  const auto eos = document.find("eos_token_id");
+  if (eos == document.end() || eos->is_null()) return {};
   const auto bad = [&] {
     return make_error("{}: field 'eos_token_id' must be a token id or a list of token ids (integers in [0, {})), "
                       "got {}", path.string(), config.vocab_size, eos->dump());
@@ -291,14 +284,9 @@ Expected<ModelConfig> model_config_load(const std::filesystem::path& dir_or_conf
   std::error_code ec;
   const bool is_dir = std::filesystem::is_directory(dir_or_config_json, ec);
   const std::filesystem::path path = is_dir ? dir_or_config_json / "config.json" : dir_or_config_json;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return make_error("{}: cannot open the model config", path.string());
-  std::stringstream buffer;
-  buffer << in.rdbuf();
   // Strict JSON, like Python's json module: no comments, and NaN/Infinity are not JSON.
-  auto document = json_parse_untrusted(buffer.str());
-  if (!document) return make_error("{}: not valid JSON: {}", path.string(), document.error().message);
-  TERN_ASSIGN_OR_RETURN(ModelConfig config, model_config_parse(*document, path.string()));
+  TERN_ASSIGN_OR_RETURN(const nlohmann::json document, json_read_file(path, "the model config"));
+  TERN_ASSIGN_OR_RETURN(ModelConfig config, model_config_parse(document, path.string()));
   TERN_TRY(add_generation_config_eos(path.parent_path() / "generation_config.json", config));
   return config;
 }

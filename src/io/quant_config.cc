@@ -6,9 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include "core/json_parse.h"
 #include "io/json_fields.h"
@@ -203,21 +201,6 @@ Expected<std::string> read_flat_kv_cache(JsonFields& fields) {
   return from_algo.empty() ? from_scheme : from_algo;
 }
 
-Expected<std::string> read_text_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return make_error("{}: cannot open", path.string());
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
-Expected<nlohmann::json> read_json_file(const std::filesystem::path& path) {
-  TERN_ASSIGN_OR_RETURN(const std::string text, read_text_file(path));
-  auto document = json_parse_untrusted(text);
-  if (!document) return make_error("{}: not valid JSON: {}", path.string(), document.error().message);
-  return document;
-}
-
 }  // namespace
 
 Expected<QuantConfig> quant_config_parse_hf_quant(const nlohmann::json& hf_quant_config, std::string_view source) {
@@ -367,12 +350,12 @@ Expected<std::optional<QuantConfig>> quant_config_load(const std::filesystem::pa
   std::error_code ec;
   std::optional<QuantConfig> hf;
   if (std::filesystem::exists(hf_path, ec)) {
-    TERN_ASSIGN_OR_RETURN(const nlohmann::json doc, read_json_file(hf_path));
+    TERN_ASSIGN_OR_RETURN(const nlohmann::json doc, json_read_file(hf_path));
     TERN_ASSIGN_OR_RETURN(hf, quant_config_parse_hf_quant(doc, hf_path.string()));
   }
   std::optional<QuantConfig> cfg;
   if (std::filesystem::exists(cfg_path, ec)) {
-    TERN_ASSIGN_OR_RETURN(const nlohmann::json doc, read_json_file(cfg_path));
+    TERN_ASSIGN_OR_RETURN(const nlohmann::json doc, json_read_file(cfg_path));
     const auto it = doc.is_object() ? doc.find("quantization_config") : doc.end();
     if (doc.is_object() && it != doc.end() && !it->is_null()) {
       TERN_ASSIGN_OR_RETURN(cfg,
