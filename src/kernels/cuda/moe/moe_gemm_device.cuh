@@ -105,6 +105,16 @@ __device__ inline TileWork find_row_tile(const int32_t* off, int n_experts, int 
   return {-1, 0, 0};
 }
 
+// The arguments of w2 alone, for the prefill kernels' second launch (both prefill launchers run w2 that way).
+inline MoeGemmArgs second_projection(const MoeGemmArgs& a) {
+  MoeGemmArgs b = a;
+  b.w = a.w2;
+  b.y = a.y + a.y2_offset;
+  b.w2 = MoeExpertWeights{};
+  b.y2_offset = 0;
+  return b;
+}
+
 bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
 GemmParams make_params(const MoeGemmArgs& a) {

@@ -157,16 +157,6 @@ __global__ void __launch_bounds__(kPrefillThreads) moe_prefill_kernel(const Gemm
 // ---------------------------------------------------------------------------------------------------------------
 // Host side: tile choices, launches.
 
-// The arguments of w2 alone, for the prefill variant's second launch.
-MoeGemmArgs second_projection(const MoeGemmArgs& a) {
-  MoeGemmArgs b = a;
-  b.w = a.w2;
-  b.y = a.y + a.y2_offset;
-  b.w2 = MoeExpertWeights{};
-  b.y2_offset = 0;
-  return b;
-}
-
 template <bool kIsNvfp4, int kBm, int kStages>
 void prefill_launch_tiles(const GemmParams& p, int64_t rows, int64_t n_experts, const DeviceContext& ctx) {
   constexpr size_t kSmem = prefill_smem_bytes<kBm>(kStages);

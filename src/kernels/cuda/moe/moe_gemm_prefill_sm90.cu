@@ -265,14 +265,7 @@ bool moe_gemm_prefill_sm90_fits(const DeviceContext& ctx, const MoeGemmArgs& a) 
 
 void moe_gemm_launch_prefill_sm90(const DeviceContext& ctx, const MoeGemmArgs& a) {
   wg_launch_projection(ctx, a);
-  if (a.w2.n != 0) {
-    MoeGemmArgs b = a;
-    b.w = a.w2;
-    b.y = a.y + a.y2_offset;
-    b.w2 = MoeExpertWeights{};
-    b.y2_offset = 0;
-    wg_launch_projection(ctx, b);
-  }
+  if (a.w2.n != 0) wg_launch_projection(ctx, second_projection(a));
 }
 
 // What the driver loaded of this module for the current device (module_attributes.h). Its kernels have a body only
