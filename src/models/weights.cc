@@ -176,18 +176,27 @@ Expected<CpuMatrix> WeightStore::dense_slice(const TensorView& t, int64_t rows, 
   return m;
 }
 
+// A split of a block-scaled weight's input columns keeps each rank's pieces whole blocks (a piece may end at the
+// last, partial block): the scales are per block of `block` columns.
+Expected<void> WeightStore::check_input_blocks(const std::vector<ShardPiece>& pieces, int64_t block, int64_t in,
+                                               std::string_view format, std::string_view block_name,
+                                               const std::string& what) const {
+  for (const ShardPiece& p : pieces) {
+    if (p.offset % block != 0 || (p.length % block != 0 && p.offset + p.length != in)) {
+      return make_error("tensor '{}': {} input columns [{}, {}) of rank {} (world size {}) straddle its {} scale "
+                        "blocks",
+                        what, format, p.offset, p.offset + p.length, rank_.rank, rank_.world, block_name);
+    }
+  }
+  return {};
+}
+
 Expected<CpuMatrix> WeightStore::fp8_block_slice(const LinearWeight& lw, int64_t out, int64_t in, const Shard& shard,
                                                  const std::string& what) {
   constexpr int64_t kBlock = 128;
   const bool by_rows = shard.dim != ShardDim::kInput;
   TERN_ASSIGN_OR_RETURN(const std::vector<ShardPiece> pieces, shard_pieces(shard, by_rows ? out : in, rank_, what));
-  for (const ShardPiece& p : pieces) {
-    if (!by_rows && (p.offset % kBlock != 0 || (p.length % kBlock != 0 && p.offset + p.length != in))) {
-      return make_error("tensor '{}': FP8 input columns [{}, {}) of rank {} (world size {}) straddle its 128-column "
-                        "scale blocks",
-                        what, p.offset, p.offset + p.length, rank_.rank, rank_.world);
-    }
-  }
+  if (!by_rows) TERN_TRY(check_input_blocks(pieces, kBlock, in, "FP8", "128-column", what));
   const int64_t length = shard_pieces_length(pieces);
   CpuMatrix m{.format = CpuWeightFormat::kFp8Block128, .rows = by_rows ? length : out, .cols = by_rows ? in : length};
   m.data = gather(*lw.weight, 0, out, in, by_rows, pieces);
@@ -273,14 +282,7 @@ Expected<Linear> WeightStore::sharded_linear(const std::string& module, int64_t 
     const bool by_rows = shard.dim != ShardDim::kInput;
     TERN_ASSIGN_OR_RETURN(const std::vector<ShardPiece> pieces,
                           shard_pieces(shard, by_rows ? out : in, rank_, weight_name));
-    for (const ShardPiece& p : pieces) {
-      if (!by_rows && (p.offset % 16 != 0 || p.length % 16 != 0)) {
-        return make_error(
-            "tensor '{}': NVFP4 input columns [{}, {}) of rank {} (world size {}) straddle its 16-element scale "
-            "blocks",
-            weight_name, p.offset, p.offset + p.length, rank_.rank, rank_.world);
-      }
-    }
+    if (!by_rows) TERN_TRY(check_input_blocks(pieces, 16, in, "NVFP4", "16-element", weight_name));
     const auto* codes = gather(*lw.weight, 0, out, in / 2, by_rows, by_rows ? pieces : in_bytes(pieces, 1, 2));
     const auto* scales =
         gather(*lw.weight_scale, 0, out, in / 16, by_rows, by_rows ? pieces : in_bytes(pieces, 1, 16));

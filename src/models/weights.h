@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/error.h"
@@ -90,6 +91,11 @@ class WeightStore {
   // This rank's part of the dense [rows, cols] matrix in `t` that starts at row `row_offset`.
   Expected<CpuMatrix> dense_slice(const TensorView& t, int64_t rows, int64_t cols, int64_t row_offset,
                                   const Shard& shard, const std::string& what);
+  // That a split of the input columns of a weight scaled per `block` columns keeps its blocks whole (an error naming
+  // the tensor, its format and its pieces otherwise).
+  Expected<void> check_input_blocks(const std::vector<ShardPiece>& pieces, int64_t block, int64_t in,
+                                    std::string_view format, std::string_view block_name,
+                                    const std::string& what) const;
   // This rank's part of a block-wise FP8 linear [out, in] (its e4m3 codes gathered, each kept row's block scales
   // expanded from the 128 x 128 grid).
   Expected<CpuMatrix> fp8_block_slice(const LinearWeight& lw, int64_t out, int64_t in, const Shard& shard,
