@@ -270,6 +270,32 @@ TEST_F(CudaElementwiseOps, StridedGatesMatchDenseGates) {
       << bad.error().message;
 }
 
+// x rows inside a wider projection output (MLA's q_a columns of [q_a | kv_a | ...]) must give the bits of the dense
+// call; the columns around them hold NaN.
+TEST_F(CudaElementwiseOps, StridedRowsMatchDenseRows) {
+  constexpr int64_t kDim = 512, kLead = 16, kStride = kLead + kDim + 72;
+  auto in = inputs<RmsNormInputs>("rms_norm", rms_norm_case(9, 1, kDim, RmsNormForm::kPlain, false));
+  auto dense = rms_norm_cuda_run(*context_, *in);
+  ASSERT_TRUE(dense.has_value()) << dense.error().message;
+  std::vector<uint16_t> wide(static_cast<size_t>(in->rows * kStride), 0x7FC0);  // bf16 NaN
+  for (int64_t r = 0; r < in->rows; ++r) std::copy_n(in->x.begin() + r * kDim, kDim, wide.begin() + r * kStride + kLead);
+  DeviceBuffer xs(wide.size() * 2);
+  xs.upload(wide.data(), wide.size() * 2);
+  auto strided = rms_norm_cuda_run(*context_, *in, [&](RmsNormArgs& a) {
+    a.x = xs.as<uint16_t>() + kLead;
+    a.x_stride = kStride;
+  });
+  ASSERT_TRUE(strided.has_value()) << strided.error().message;
+  ASSERT_EQ(strided->values.size(), dense->values.size());
+  for (size_t i = 0; i < dense->values.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(dense->values[i])) << i;
+    ASSERT_EQ(strided->values[i], dense->values[i]) << i;
+  }
+  auto bad = rms_norm_cuda_run(*context_, *in, [&](RmsNormArgs& a) { a.x_stride = kDim + 4; });
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_NE(bad.error().message.find("x_stride=516 must be a multiple of 8"), std::string::npos) << bad.error().message;
+}
+
 // silu_mul over the gate|up columns inside a wider projection output (the MoE block's [shared gate | shared up |
 // router | ...] rows) must give the bits of the dense call; the columns around them hold NaN.
 TEST_F(CudaElementwiseOps, StridedSiluMulMatchesDense) {

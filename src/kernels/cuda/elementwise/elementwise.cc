@@ -56,6 +56,13 @@ Expected<void> rms_norm_validate(const RmsNormArgs& a) {
                         k, a.gate_stride, a.gate_heads * a.dim);
     }
   }
+  if (a.x_stride != 0) {
+    if (a.residual != nullptr) return make_error("{}: x_stride with a residual is not supported", k);
+    if (a.x_stride < a.dim || a.x_stride % 8 != 0) {
+      return make_error("{}: x_stride={} must be a multiple of 8 (16-byte rows) and at least dim = {}", k, a.x_stride,
+                        a.dim);
+    }
+  }
   if (!(a.eps > 0.0f) || !std::isfinite(a.eps)) return make_error("{}: eps={} must be positive and finite", k, a.eps);
   return {};
 }

@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const NormParams
   const int g = threadIdx.x % p.group;
   const int64_t row = int64_t{blockIdx.x} * (kNormThreads / p.group) + threadIdx.x / p.group;
   const bool active = row < p.a.rows;
-  const int64_t base = row * p.a.dim;
+  const int64_t base = row * p.a.dim, x_base = p.a.x_stride == 0 ? base : row * p.a.x_stride;
   const int64_t gate_base =
       p.a.gate_stride == 0 ? base : (row / p.a.gate_heads) * p.a.gate_stride + (row % p.a.gate_heads) * p.a.dim;
   float h[kChunks][kVec], w[kChunks][kVec], z[kGated ? kChunks : 1][kVec];
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const NormParams
     if (!active || chunk >= p.n_chunks) continue;
     load_bf16x8(p.a.weight + chunk * kVec, w[c]);
     if constexpr (kGated) load_bf16x8(p.a.gate + gate_base + chunk * kVec, z[c]);
-    load_bf16x8(p.a.x + base + chunk * kVec, h[c]);
+    load_bf16x8(p.a.x + x_base + chunk * kVec, h[c]);
     if constexpr (kResidual) {
       float r[kVec];
       load_bf16x8(p.a.residual + base + chunk * kVec, r);

@@ -19,11 +19,27 @@ Expected<void> gemm_bf16_validate(const GemmBf16Args& a) {
     return make_error("gemm_bf16: dimension over 2^31-1 (m={} n={} k={})", a.m, a.n, a.k);
   }
   if (a.k % 8 != 0) return make_error("gemm_bf16: k={} is not a multiple of 8 (16-byte rows of x and W)", a.k);
-  if (a.x == nullptr || a.w == nullptr || a.y == nullptr) return make_error("gemm_bf16: null pointer (x, w or y)");
+  if ((a.y == nullptr) == (a.y_f32 == nullptr)) return make_error("gemm_bf16: exactly one of y and y_f32 is needed");
+  if (a.x == nullptr || a.w == nullptr) return make_error("gemm_bf16: null pointer (x or w)");
   if (!is_aligned16(a.x)) return make_error("gemm_bf16: x is not 16-byte aligned");
   if (!is_aligned16(a.w)) return make_error("gemm_bf16: w is not 16-byte aligned");
   if (reinterpret_cast<uintptr_t>(a.y) % 2 != 0) return make_error("gemm_bf16: y is not 2-byte aligned");
+  if (reinterpret_cast<uintptr_t>(a.y_f32) % 4 != 0) return make_error("gemm_bf16: y_f32 is not 4-byte aligned");
   if (a.ldy != 0 && a.ldy < a.n) return make_error("gemm_bf16: ldy={} is less than n={}", a.ldy, a.n);
+  if (a.ldx != 0 && (a.ldx < a.k || a.ldx % 8 != 0)) {
+    return make_error("gemm_bf16: ldx={} must be a multiple of 8 (16-byte rows) and at least k={}", a.ldx, a.k);
+  }
+  if (a.batch < 1 || a.batch > kMaxDim) return make_error("gemm_bf16: batch={} must be positive", a.batch);
+  if (a.batch > 1) {
+    for (const auto& [name, stride] : {std::pair{"x_batch_stride", a.x_batch_stride},
+                                       std::pair{"w_batch_stride", a.w_batch_stride},
+                                       std::pair{"y_batch_stride", a.y_batch_stride}}) {
+      if (stride <= 0 || stride % 8 != 0) {
+        return make_error("gemm_bf16: {}={} must be a positive multiple of 8 (16-byte aligned products)", name,
+                          stride);
+      }
+    }
+  }
   return {};
 }
 
@@ -34,7 +50,8 @@ struct Bf16Plan {
   cublasLtMatmulAlgo_t algo{};
 };
 
-using PlanKey = std::array<int64_t, 5>;  // m, n, k, ldy, y 16-byte aligned
+// m, n, k, ldy, y 16-byte aligned, ldx, batch and its three strides, fp32 output
+using PlanKey = std::array<int64_t, 11>;
 struct Bf16PlanCache {
   std::map<PlanKey, std::unique_ptr<Bf16Plan>> plans;
 };
@@ -50,9 +67,20 @@ Expected<std::unique_ptr<Bf16Plan>> plan_create(const DeviceContext& ctx, const 
   TERN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)));
   TERN_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &no_trans, sizeof(no_trans)));
   TERN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_16BF, k, n, static_cast<int64_t>(k)));
-  TERN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_16BF, k, m, static_cast<int64_t>(k)));
+  TERN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_16BF, k, m, args.ldx > 0 ? args.ldx : args.k));
   const int64_t ldy = args.ldy > 0 ? args.ldy : args.n;
-  TERN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.d, CUDA_R_16BF, n, m, ldy));
+  const bool f32 = args.y_f32 != nullptr;
+  TERN_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.d, f32 ? CUDA_R_32F : CUDA_R_16BF, n, m, ldy));
+  if (args.batch > 1) {
+    const auto count = static_cast<int32_t>(args.batch);
+    for (const auto& [layout, stride] : {std::pair{desc.a, args.w_batch_stride}, std::pair{desc.b, args.x_batch_stride},
+                                         std::pair{desc.d, args.y_batch_stride}}) {
+      TERN_CUBLAS_CHECK(
+          cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+      TERN_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                                         sizeof(stride)));
+    }
+  }
   TERN_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
   const size_t workspace = ctx.cublas_workspace_bytes();
   TERN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -60,10 +88,11 @@ Expected<std::unique_ptr<Bf16Plan>> plan_create(const DeviceContext& ctx, const 
   // Outputs whose rows are not all 16-byte aligned (a [1, H] gate, a vocabulary of odd size, a column slice of a
   // wider output) are only 2-byte aligned: say so, and cuBLASLt picks an algorithm that copes instead of one that
   // would fault.
-  if (ldy % 8 != 0 || !is_aligned16(args.y)) {
-    const uint32_t two_bytes = 2;
+  const void* y = f32 ? static_cast<const void*>(args.y_f32) : static_cast<const void*>(args.y);
+  if (ldy % (f32 ? 4 : 8) != 0 || !is_aligned16(y)) {
+    const uint32_t bytes = f32 ? 4 : 2;
     for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
-      TERN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &two_bytes, sizeof(two_bytes)));
+      TERN_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &bytes, sizeof(bytes)));
     }
   }
   cublasLtMatmulHeuristicResult_t heuristic{};
@@ -82,7 +111,17 @@ Expected<void> gemm_bf16(const DeviceContext& ctx, const GemmBf16Args& args) {
   if (args.m == 0) return {};
   if (!ctx.gemm_plans) ctx.gemm_plans = std::make_shared<Bf16PlanCache>();
   auto& plans = static_cast<Bf16PlanCache*>(ctx.gemm_plans.get())->plans;
-  const PlanKey key{args.m, args.n, args.k, args.ldy > 0 ? args.ldy : args.n, is_aligned16(args.y) ? 1 : 0};
+  const PlanKey key{args.m,
+                    args.n,
+                    args.k,
+                    args.ldy > 0 ? args.ldy : args.n,
+                    is_aligned16(args.y_f32 != nullptr ? static_cast<const void*>(args.y_f32) : args.y) ? 1 : 0,
+                    args.ldx > 0 ? args.ldx : args.k,
+                    args.batch,
+                    args.batch > 1 ? args.x_batch_stride : 0,
+                    args.batch > 1 ? args.w_batch_stride : 0,
+                    args.batch > 1 ? args.y_batch_stride : 0,
+                    args.y_f32 != nullptr ? 1 : 0};
   auto it = plans.find(key);
   if (it == plans.end()) {
     TERN_ASSIGN_OR_RETURN(std::unique_ptr<Bf16Plan> plan, plan_create(ctx, args));
@@ -90,8 +129,9 @@ Expected<void> gemm_bf16(const DeviceContext& ctx, const GemmBf16Args& args) {
   }
   const Bf16Plan& p = *it->second;
   const float alpha = 1.0f, beta = 0.0f;
+  void* y = args.y_f32 != nullptr ? static_cast<void*>(args.y_f32) : static_cast<void*>(args.y);
   TERN_CUBLAS_CHECK(cublasLtMatmul(ctx.cublaslt(), p.desc.op, &alpha, args.w, p.desc.a, args.x, p.desc.b, &beta,
-                                   args.y, p.desc.d, args.y, p.desc.d, &p.algo, ctx.cublas_workspace(),
+                                   y, p.desc.d, y, p.desc.d, &p.algo, ctx.cublas_workspace(),
                                    ctx.cublas_workspace_bytes(), ctx.stream()));
   return {};
 }
