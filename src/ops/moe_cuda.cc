@@ -19,7 +19,7 @@ DeviceBuffer poisoned(size_t bytes, cudaStream_t stream) {
 
 struct MoeDeviceInputs {
   DeviceBuffer x, router, gate_up, gate_up_scales, gate_up_global, down, down_scales, down_global;
-  DeviceBuffer shared_gate_up, shared_down, logits, shared_gu_out, shared_act, shared_out, workspace;
+  DeviceBuffer shared_gate_up, shared_down, logits, shared_gu_out, shared_act, shared_out, workspace, bias;
   size_t workspace_bytes = 0;
 };
 
@@ -34,6 +34,7 @@ MoeDeviceInputs moe_upload(const MoeInputs& in, cudaStream_t s) {
   d.down_global = cuda_upload(in.down_global, s);
   d.shared_gate_up = cuda_upload(in.shared_gate_up, s);
   d.shared_down = cuda_upload(in.shared_down, s);
+  d.bias = cuda_upload(in.correction_bias, s);
   d.logits = poisoned(t * static_cast<size_t>(in.n_experts + 1) * 2, s);
   d.shared_gu_out = poisoned(t * 2 * i * 2, s);
   d.shared_act = poisoned(t * i * 2, s);
@@ -99,11 +100,15 @@ Expected<RunOutput> moe_cuda_run(const DeviceContext& ctx, const MoeInputs& in, 
     TERN_TRY(moe_dense_layers(ctx, in, d));
     MoeForwardArgs a{.x = d.x.as<uint16_t>(), .router_logits = d.logits.as<uint16_t>(), .logits_stride = e + 1,
                      .tokens = in.tokens, .hidden = in.hidden, .inter = in.inter, .n_experts = e, .top_k = in.top_k,
-                     .renormalize = true,
+                     .renormalize = true, .sigmoid = in.sigmoid, .n_group = in.n_group, .topk_group = in.topk_group,
+                     .routed_scaling = in.routed_scaling,
+                     .correction_bias = in.correction_bias.empty() ? nullptr : d.bias.as<float>(),
                      .gate_up = expert_view(in, d.gate_up, d.gate_up_scales, d.gate_up_global, 2 * in.inter, in.hidden),
                      .down = expert_view(in, d.down, d.down_scales, d.down_global, in.hidden, in.inter),
                      .shared_out = in.shared ? d.shared_out.as<uint16_t>() : nullptr,
-                     .shared_gate = in.shared ? d.logits.as<uint16_t>() + e : nullptr, .shared_gate_stride = e + 1,
+                     // An unweighted shared expert has no gate; its column of the logits is then never read.
+                     .shared_gate = in.shared && in.shared_gate ? d.logits.as<uint16_t>() + e : nullptr,
+                     .shared_gate_stride = e + 1,
                      .y = y, .workspace = d.workspace.data(), .workspace_bytes = d.workspace_bytes, .variant = variant};
     if (tweak) tweak(a);
     if (!fold_combine(in) || a.shared_out == nullptr) return moe_forward(ctx, a);

@@ -39,6 +39,15 @@ TEST_F(CudaMoeOp, PassesOnFixtureAndModelLikeShapes) {
     cases.push_back(moe_case(37, 256, 64, 512, 10, nvfp4, false));  // 397B-like
     cases.push_back(moe_case(37, 2048, 512, 16, 8, nvfp4, true));   // 35B hidden and expert width
     cases.push_back(moe_case(200, 128, 32, 16, 1, nvfp4, false));   // top-1
+    // Sigmoid routing with a correction bias and an unweighted shared expert: the GLM-5 fixture's shape and
+    // DeepSeek-V3's 4 of 8 groups.
+    const MoeCaseRouting glm5{.sigmoid = true, .correction_bias = true, .shared_gate = false};
+    const MoeCaseRouting dsv3{.sigmoid = true, .n_group = 8, .topk_group = 4, .correction_bias = true,
+                              .shared_gate = false};
+    for (int64_t t : {1, 3, 37, 1000}) {
+      cases.push_back(moe_case(t, 64, 32, 8, 2, nvfp4, true, glm5));
+      cases.push_back(moe_case(t, 512, 128, 256, 8, nvfp4, true, dsv3));
+    }
   }
   expect_chosen(cases);
 }

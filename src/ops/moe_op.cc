@@ -16,6 +16,11 @@ namespace {
 
 constexpr uint16_t kBf16Nan = 0x7FC0;
 constexpr uint8_t kE4m3Nan = 0x7F;
+constexpr float kSigmoidRoutedScaling = 2.5f;  // DeepSeek-V3's and GLM-5's routed_scaling_factor
+// Two fp64 choice values or group worths closer than this (relative to the larger, at least 1: a score is in
+// (0, 1)) may be ordered either way by an fp32 implementation.
+constexpr double kNearTie = 1e-5;
+constexpr int kTieRedraws = 64;
 
 // scale * uniform(-1, 1), nudged away from zero, rounded to bf16 (ops/harness_util.h); as floats.
 std::vector<float> random_values(uint64_t seed, uint64_t stream, int64_t n, float scale) {
@@ -60,24 +65,117 @@ void store_experts(const MoeInputs& in, const std::vector<bool>& used, uint64_t 
   }
 }
 
-// The experts the tokens route to: softmax top-k of the router logits as the reference computes them (the one-hot
-// router makes every logit exact in bf16, so an implementation selects the same experts).
-std::vector<bool> routed_experts(const MoeInputs& in) {
-  const int64_t h = in.hidden, n_e = in.n_experts;
-  std::vector<bool> used(static_cast<size_t>(n_e), false);
-  std::vector<double> logits(static_cast<size_t>(n_e));
+// Token t's router logits in fp64: [n_experts + 1], the last the shared expert gate's.
+std::vector<double> token_logits(const MoeInputs& in, int64_t t) {
+  const int64_t h = in.hidden;
+  std::vector<double> logits(static_cast<size_t>(in.n_experts + 1), 0.0);
+  for (int64_t e = 0; e <= in.n_experts; ++e) {
+    for (int64_t j = 0; j < h; ++j) logits[e] += bf16_to_float(in.x[t * h + j]) * bf16_to_float(in.router[e * h + j]);
+  }
+  return logits;
+}
+
+// One token's routing in fp64: its top_k experts in selection order with their weights. near_tie (sigmoid router
+// only): a choice at the edge of the selection (the last kept group against the first dropped one, the k-th expert
+// against the next) is within kNearTie of its neighbour, but not equal (an exact tie comes from equal inputs, which
+// every implementation resolves alike).
+struct TokenRouting {
+  std::vector<int32_t> experts;
+  std::vector<double> weights;
+  bool near_tie = false;
+};
+
+bool near_tie(double a, double b) {
+  const double d = std::fabs(a - b);
+  return d > 0.0 && d <= kNearTie * std::max({1.0, std::fabs(a), std::fabs(b)});
+}
+
+// Softmax top-k (ties to the lower index), renormalised.
+TokenRouting route_softmax(const MoeInputs& in, const std::vector<double>& logits) {
+  const int64_t n_e = in.n_experts, k = in.top_k;
+  const double mx = *std::max_element(logits.begin(), logits.begin() + n_e);
+  std::vector<double> p(static_cast<size_t>(n_e));
+  for (int64_t e = 0; e < n_e; ++e) p[e] = std::exp(logits[e] - mx);
   std::vector<int32_t> order(static_cast<size_t>(n_e));
-  for (int64_t t = 0; t < in.tokens; ++t) {
-    for (int64_t e = 0; e < n_e; ++e) {
-      double s = 0.0;
-      for (int64_t j = 0; j < h; ++j) s += bf16_to_float(in.x[t * h + j]) * bf16_to_float(in.router[e * h + j]);
-      logits[e] = s;
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });  // ties: lower
+  double top_sum = 0.0;
+  for (int64_t j = 0; j < k; ++j) top_sum += p[order[j]];
+  TokenRouting r;
+  for (int64_t j = 0; j < k; ++j) {
+    r.experts.push_back(order[j]);
+    r.weights.push_back(p[order[j]] / top_sum);
+  }
+  return r;
+}
+
+// layers/moe.cc's route_sigmoid: score = sigmoid(logit), choice = score + bias; the topk_group groups of the best
+// two-choice sums, then top-k by choice among their experts (ties to the lower index); weights the renormalised
+// scores times routed_scaling.
+TokenRouting route_sigmoid(const MoeInputs& in, const std::vector<double>& logits) {
+  const int64_t n_e = in.n_experts, k = in.top_k, per_group = n_e / in.n_group;
+  std::vector<double> score(static_cast<size_t>(n_e)), choice(static_cast<size_t>(n_e));
+  for (int64_t e = 0; e < n_e; ++e) {
+    score[e] = 1.0 / (1.0 + std::exp(-logits[e]));
+    choice[e] = score[e] + (in.correction_bias.empty() ? 0.0 : double(in.correction_bias[e]));
+  }
+  std::vector<double> worth(static_cast<size_t>(in.n_group));
+  for (int64_t g = 0; g < in.n_group; ++g) {
+    std::vector<double> members(choice.begin() + g * per_group, choice.begin() + (g + 1) * per_group);
+    std::sort(members.begin(), members.end(), std::greater<>());
+    worth[g] = members[0] + (per_group > 1 ? members[1] : 0.0);
+  }
+  std::vector<int32_t> groups(static_cast<size_t>(in.n_group));
+  std::iota(groups.begin(), groups.end(), 0);
+  std::stable_sort(groups.begin(), groups.end(), [&](int32_t a, int32_t b) { return worth[a] > worth[b]; });
+  TokenRouting r;
+  r.near_tie = in.topk_group < in.n_group && near_tie(worth[groups[in.topk_group - 1]], worth[groups[in.topk_group]]);
+  std::vector<int32_t> candidates;
+  for (int64_t e = 0; e < n_e; ++e) {
+    if (std::find(groups.begin(), groups.begin() + in.topk_group, e / per_group) != groups.begin() + in.topk_group) {
+      candidates.push_back(static_cast<int32_t>(e));
     }
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
-    for (int64_t j = 0; j < in.top_k; ++j) used[order[j]] = true;
+  }
+  std::stable_sort(candidates.begin(), candidates.end(), [&](int32_t a, int32_t b) { return choice[a] > choice[b]; });
+  if (static_cast<int64_t>(candidates.size()) > k) {
+    r.near_tie = r.near_tie || near_tie(choice[candidates[k - 1]], choice[candidates[k]]);
+  }
+  double sum = 0.0;
+  for (int64_t j = 0; j < k; ++j) sum += score[candidates[j]];
+  for (int64_t j = 0; j < k; ++j) {
+    r.experts.push_back(candidates[j]);
+    r.weights.push_back(score[candidates[j]] / sum * in.routed_scaling);
+  }
+  return r;
+}
+
+TokenRouting route_token(const MoeInputs& in, const std::vector<double>& logits) {
+  return in.sigmoid ? route_sigmoid(in, logits) : route_softmax(in, logits);
+}
+
+// The experts the tokens route to, as the reference routes them (the one-hot router makes every logit exact in
+// bf16, so an implementation selects the same experts).
+std::vector<bool> routed_experts(const MoeInputs& in) {
+  std::vector<bool> used(static_cast<size_t>(in.n_experts), false);
+  for (int64_t t = 0; t < in.tokens; ++t) {
+    for (int32_t e : route_token(in, token_logits(in, t)).experts) used[e] = true;
   }
   return used;
+}
+
+// Sigmoid router: every token whose selection has a near-tie gets a fresh x row (from further streams of the seed),
+// until none has one.
+Expected<void> redraw_near_ties(MoeInputs& in, uint64_t seed) {
+  const int64_t h = in.hidden;
+  for (int64_t t = 0; t < in.tokens; ++t) {
+    for (int attempt = 0; route_token(in, token_logits(in, t)).near_tie; ++attempt) {
+      if (attempt == kTieRedraws) return make_error("moe: no input without a near-tie in the routing of token {}", t);
+      for (int64_t j = 0; j < h; ++j) {
+        in.x[t * h + j] = hashed_bf16_uncentred(seed, 16 + static_cast<uint64_t>(attempt), t * h + j, 2.0f);
+      }
+    }
+  }
+  return {};
 }
 
 // One-hot rows with 2^{-1, 0, 1} at a random column; the last expert copies expert 1 (an exact tie).
@@ -93,19 +191,38 @@ std::vector<uint16_t> make_router(uint64_t seed, int64_t n_experts, int64_t hidd
 }
 
 Expected<std::unique_ptr<OpInputs>> moe_make(const SelfTestCase& c, uint64_t seed) {
-  const char* layout = "{tokens, hidden, inter, n_experts, top_k, format, shared}";
-  if (c.dims.size() != 7) return make_error("moe case '{}' needs dims {}", c.label, layout);
-  const auto& d = c.dims;
+  const char* layout =
+      "{tokens, hidden, inter, n_experts, top_k, format, shared}, optionally + {sigmoid, n_group, topk_group, bias}";
+  if (c.dims.size() != 7 && c.dims.size() != 11) return make_error("moe case '{}' needs dims {}", c.label, layout);
+  std::vector<int64_t> d = c.dims;
+  if (d.size() == 7) d.insert(d.end(), {0, 1, 1, 0});
   if (d[0] < 0 || d[1] < 16 || d[1] % 16 || d[2] < 16 || d[2] % 16 || d[3] < 1 || d[4] < 1 || d[4] > d[3] ||
-      d[5] < 0 || d[5] > 1 || d[6] < 0 || d[6] > 1) {
+      d[5] < 0 || d[5] > 1 || d[6] < 0 || d[6] > 2) {
     return make_error("moe case '{}': bad dims (hidden and inter multiples of 16, 1 <= top_k <= n_experts)", c.label);
+  }
+  const bool sigmoid = d[7] == 1;
+  const bool groups_ok = d[8] >= 1 && d[3] % d[8] == 0 && d[9] >= 1 && d[9] <= d[8] && d[4] <= d[9] * (d[3] / d[8]);
+  if (d[7] < 0 || d[7] > 1 || d[10] < 0 || d[10] > 1 || !groups_ok ||
+      (!sigmoid && (d[8] != 1 || d[9] != 1 || d[10] != 0))) {
+    return make_error("moe case '{}': bad routing dims (sigmoid 0 or 1; n_group dividing n_experts, topk_group in "
+                      "[1, n_group] keeping at least top_k experts; bias 0 or 1; softmax takes 1, 1, 0)",
+                      c.label);
   }
   auto in = std::make_unique<MoeInputs>();
   in->tokens = d[0], in->hidden = d[1], in->inter = d[2], in->n_experts = d[3], in->top_k = d[4];
-  in->nvfp4 = d[5] == 1, in->shared = d[6] == 1;
+  in->nvfp4 = d[5] == 1, in->shared = d[6] != 0, in->shared_gate = d[6] != 2;
+  in->sigmoid = sigmoid, in->n_group = d[8], in->topk_group = d[9];
+  in->routed_scaling = sigmoid ? kSigmoidRoutedScaling : 1.0f;
   const int64_t h = in->hidden, i = in->inter, e = in->n_experts;
+  if (d[10] == 1) {
+    // Biases of about the scores' spread move experts across the selection's edge; expert 1's is repeated with its
+    // router row (make_router), so the exact tie stays one.
+    in->correction_bias = random_values(seed, 6, e, 0.25f);
+    if (e > 2) in->correction_bias[e - 1] = in->correction_bias[1];
+  }
   in->x = to_bf16(random_values(seed, 1, in->tokens * h, 2.0f));
   in->router = make_router(seed, e, h);
+  if (in->sigmoid) TERN_TRY(redraw_near_ties(*in, seed));
   // Uniform weights of variance 1 / fan-in keep every intermediate O(1).
   const float gu_scale = std::sqrt(3.0f / static_cast<float>(h)), down_scale = std::sqrt(3.0f / static_cast<float>(i));
   const std::vector<bool> used = routed_experts(*in);
@@ -180,28 +297,19 @@ std::vector<float> moe_reference(const OpInputs& base) {
   std::vector<float> y(static_cast<size_t>(in.tokens * h));
 #pragma omp parallel for schedule(dynamic)
   for (int64_t t = 0; t < in.tokens; ++t) {
-    std::vector<double> x(static_cast<size_t>(h)), logits(static_cast<size_t>(n_e + 1)), out(static_cast<size_t>(h));
+    std::vector<double> x(static_cast<size_t>(h)), out(static_cast<size_t>(h));
     std::vector<double> acc(static_cast<size_t>(h), 0.0);
     for (int64_t j = 0; j < h; ++j) x[j] = bf16_to_float(in.x[t * h + j]);
-    for (int64_t e = 0; e <= n_e; ++e) {
-      for (int64_t j = 0; j < h; ++j) logits[e] += x[j] * bf16_to_float(in.router[e * h + j]);
-    }
-    const double mx = *std::max_element(logits.begin(), logits.begin() + n_e);
-    std::vector<double> p(static_cast<size_t>(n_e));
-    for (int64_t e = 0; e < n_e; ++e) p[e] = std::exp(logits[e] - mx);
-    std::vector<int32_t> order(static_cast<size_t>(n_e));
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });  // ties: lower
-    double top_sum = 0.0;
-    for (int64_t j = 0; j < k; ++j) top_sum += p[order[j]];
+    const std::vector<double> logits = token_logits(in, t);
+    const TokenRouting routing = route_token(in, logits);
     for (int64_t j = 0; j < k; ++j) {
-      const int64_t u = slot[order[j]];
+      const int64_t u = slot[routing.experts[j]];
       swiglu_f64(x, &gate_up[u * 2 * inter * h], &down[u * h * inter], h, inter, out);
-      for (int64_t d = 0; d < h; ++d) acc[d] += p[order[j]] / top_sum * out[d];
+      for (int64_t d = 0; d < h; ++d) acc[d] += routing.weights[j] * out[d];
     }
     if (in.shared) {
       swiglu_f64(x, shared_gu.data(), shared_down.data(), h, inter, out);
-      const double g = 1.0 / (1.0 + std::exp(-logits[n_e]));
+      const double g = in.shared_gate ? 1.0 / (1.0 + std::exp(-logits[n_e])) : 1.0;
       for (int64_t d = 0; d < h; ++d) acc[d] += g * out[d];
     }
     for (int64_t d = 0; d < h; ++d) y[t * h + d] = static_cast<float>(acc[d]);
@@ -257,9 +365,19 @@ std::unique_ptr<Moe> moe_cpu_layer(const MoeInputs& in) {
         MlpWeights{Linear("shared_gate_proj", bf16_matrix(in.shared_gate_up.data(), inter, h)),
                    Linear("shared_up_proj", bf16_matrix(in.shared_gate_up.data() + inter * h, inter, h)),
                    Linear("shared_down_proj", bf16_matrix(in.shared_down.data(), h, inter))});
-    w.shared_expert_gate = Linear("shared_expert_gate", bf16_matrix(in.router.data() + in.n_experts * h, 1, h));
+    if (in.shared_gate) {
+      w.shared_expert_gate = Linear("shared_expert_gate", bf16_matrix(in.router.data() + in.n_experts * h, 1, h));
+    }
   }
-  return std::make_unique<Moe>(MoeShape{.top_k = in.top_k, .renormalize = true}, std::move(w));
+  w.correction_bias = in.correction_bias;
+  return std::make_unique<Moe>(MoeShape{.top_k = in.top_k,
+                                        .renormalize = true,
+                                        .sigmoid = in.sigmoid,
+                                        .n_group = in.n_group,
+                                        .topk_group = in.topk_group,
+                                        .routed_scaling = in.routed_scaling,
+                                        .shared_gate = in.shared_gate},
+                               std::move(w));
 }
 
 Expected<void> moe_register_cpu(Registry& registry) {
@@ -279,10 +397,18 @@ Expected<void> moe_register_cpu(Registry& registry) {
 }
 
 SelfTestCase moe_case(int64_t tokens, int64_t hidden, int64_t inter, int64_t n_experts, int64_t top_k, bool nvfp4,
-                      bool shared) {
-  return {fmt::format("T={} H={} I={} E={} top{} {}{}", tokens, hidden, inter, n_experts, top_k,
-                      nvfp4 ? "nvfp4" : "bf16", shared ? " +shared" : ""),
-          {tokens, hidden, inter, n_experts, top_k, nvfp4 ? 1 : 0, shared ? 1 : 0}};
+                      bool shared, const MoeCaseRouting& routing) {
+  const int64_t shared_dim = !shared ? 0 : routing.shared_gate ? 1 : 2;
+  std::string label = fmt::format("T={} H={} I={} E={} top{} {}{}", tokens, hidden, inter, n_experts, top_k,
+                                  nvfp4 ? "nvfp4" : "bf16",
+                                  shared_dim == 0 ? "" : shared_dim == 1 ? " +shared" : " +shared(unweighted)");
+  std::vector<int64_t> dims = {tokens, hidden, inter, n_experts, top_k, nvfp4 ? 1 : 0, shared_dim};
+  if (routing.sigmoid) {
+    label += fmt::format(" sigmoid groups {}/{}{}", routing.topk_group, routing.n_group,
+                         routing.correction_bias ? " +bias" : "");
+    dims.insert(dims.end(), {1, routing.n_group, routing.topk_group, routing.correction_bias ? 1 : 0});
+  }
+  return {std::move(label), std::move(dims)};
 }
 
 }  // namespace tern

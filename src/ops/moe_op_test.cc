@@ -12,10 +12,17 @@
 namespace tern {
 namespace {
 
+// Softmax cases, then sigmoid routing (GLM-5's one group, DeepSeek-V3-like groups) with a correction bias and the
+// shared expert unweighted or absent.
 std::vector<SelfTestCase> small_cases() {
-  return {moe_case(1, 64, 32, 8, 2, false, true),   moe_case(3, 64, 32, 8, 2, true, true),
-          moe_case(37, 64, 32, 8, 2, false, false), moe_case(5, 128, 64, 64, 8, true, false),
-          moe_case(4, 64, 32, 32, 32, false, true), moe_case(9, 32, 16, 16, 1, true, true)};
+  const MoeCaseRouting glm5{.sigmoid = true, .correction_bias = true, .shared_gate = false};
+  const MoeCaseRouting grouped{.sigmoid = true, .n_group = 8, .topk_group = 4, .correction_bias = true,
+                               .shared_gate = false};
+  return {moe_case(1, 64, 32, 8, 2, false, true),          moe_case(3, 64, 32, 8, 2, true, true),
+          moe_case(37, 64, 32, 8, 2, false, false),        moe_case(5, 128, 64, 64, 8, true, false),
+          moe_case(4, 64, 32, 32, 32, false, true),        moe_case(9, 32, 16, 16, 1, true, true),
+          moe_case(37, 64, 32, 8, 2, false, true, glm5),   moe_case(5, 128, 64, 64, 8, true, true, grouped),
+          moe_case(9, 64, 32, 64, 8, false, false, grouped)};
 }
 
 TEST(MoeOp, CpuImplementationPassesItsSelfTest) {
@@ -32,6 +39,12 @@ TEST(MoeOp, BadCasesAreErrors) {
   EXPECT_FALSE(r.harness("moe")->make_inputs({"short", {1, 64, 32}}, 1).has_value());
   EXPECT_FALSE(r.harness("moe")->make_inputs(moe_case(1, 64, 32, 4, 5, false, false), 1).has_value());  // top_k > E
   EXPECT_FALSE(r.harness("moe")->make_inputs(moe_case(1, 40, 32, 4, 2, false, false), 1).has_value());  // hidden % 16
+  // Sigmoid routing: groups that do not divide the experts, more kept groups than groups, too few kept experts.
+  for (const MoeCaseRouting& bad : {MoeCaseRouting{.sigmoid = true, .n_group = 3},
+                                    MoeCaseRouting{.sigmoid = true, .n_group = 2, .topk_group = 3},
+                                    MoeCaseRouting{.sigmoid = true, .n_group = 4, .topk_group = 1}}) {
+    EXPECT_FALSE(r.harness("moe")->make_inputs(moe_case(1, 64, 32, 8, 4, false, false, bad), 1).has_value());
+  }
 }
 
 // One token, two experts, top-1, identity-like weights: gate = up = down = I (hidden = inter = 16), so the routed
@@ -71,6 +84,47 @@ TEST(MoeOp, ReferenceMatchesHandComputedBlock) {
   for (int64_t j = 0; j < h; ++j) EXPECT_NEAR(out->values[j], y[j], 1e-5 * (1.0 + std::fabs(y[j]))) << j;
 }
 
+// Sigmoid routing by hand: one token, four experts in two groups, one group kept, top-2. x[e] is expert e's logit
+// (1, 2, 0.5, -1): unbiased, group {0, 1} is worth more, but the bias (0, 0, 0.5, 0.5) makes group {2, 3} worth
+// sigmoid(0.5) + sigmoid(-1) + 1 > sigmoid(1) + sigmoid(2), so experts 2 and 3 are taken, weighted by their unbiased
+// scores renormalised, times 2.5. Expert e's down projection is (e + 1) I, so which experts and weights were used
+// shows; the shared expert is added unweighted (its gate row, at x[4] = -1, must not be read).
+TEST(MoeOp, SigmoidReferenceMatchesHandComputedBlock) {
+  MoeInputs in;
+  in.tokens = 1, in.hidden = 16, in.inter = 16, in.n_experts = 4, in.top_k = 2, in.shared = true;
+  in.shared_gate = false, in.sigmoid = true, in.n_group = 2, in.topk_group = 1, in.routed_scaling = 2.5f;
+  in.correction_bias = {0.0f, 0.0f, 0.5f, 0.5f};
+  const int64_t h = 16;
+  const float first[] = {1.0f, 2.0f, 0.5f, -1.0f};
+  for (int64_t j = 0; j < h; ++j) in.x.push_back(float_to_bf16(j < 4 ? first[j] : 0.25f * float(j) - 2.0f));
+  in.router.assign(5 * h, float_to_bf16(0.0f));
+  for (int64_t e = 0; e < 5; ++e) in.router[e * h + e] = float_to_bf16(1.0f);
+  auto identity = [h](int64_t blocks, auto scale) {
+    std::vector<uint16_t> m(static_cast<size_t>(blocks * h * h), float_to_bf16(0.0f));
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t i = 0; i < h; ++i) m[(b * h + i) * h + i] = float_to_bf16(scale(b));
+    return m;
+  };
+  auto one = [](int64_t) { return 1.0f; };
+  in.gate_up_bf16 = identity(8, one);
+  in.down_bf16 = identity(4, [](int64_t e) { return float(e + 1); });
+  in.shared_gate_up = identity(2, one);
+  in.shared_down = identity(1, one);
+  Registry r;
+  ASSERT_TRUE(moe_register_cpu(r).has_value());
+  const std::vector<float> y = r.harness("moe")->reference(in);
+  const double s2 = 1.0 / (1.0 + std::exp(-0.5)), s3 = 1.0 / (1.0 + std::exp(1.0));
+  const double scale = 2.5 * (3.0 * s2 + 4.0 * s3) / (s2 + s3) + 1.0;
+  for (int64_t j = 0; j < h; ++j) {
+    const double x = bf16_to_float(in.x[j]);
+    const double silu_x_x = x / (1.0 + std::exp(-x)) * x;
+    EXPECT_NEAR(y[j], silu_x_x * scale, 1e-6 * (1.0 + std::fabs(silu_x_x * scale))) << j;
+  }
+  auto out = r.implementations("moe").front()->run(in);
+  ASSERT_TRUE(out.has_value());
+  for (int64_t j = 0; j < h; ++j) EXPECT_NEAR(out->values[j], y[j], 1e-5 * (1.0 + std::fabs(y[j]))) << j;
+}
+
 Implementation broken(const Registry& r, std::string name, std::function<void(MoeInputs&)> corrupt_inputs,
                       std::function<void(std::vector<float>&)> corrupt_out) {
   const Implementation* cpu = r.implementations("moe").front();
@@ -104,6 +158,26 @@ TEST(MoeOp, BrokenImplementationsAreRejected) {
     EXPECT_EQ(cand.status, CandidateStatus::kFailed) << cand.name;
     const char* want = cand.name == "unwritten" ? "never written" : "exceeds the tolerance";
     EXPECT_NE(cand.reason.find(want), std::string::npos) << cand.name << ": " << cand.reason;
+  }
+}
+
+// Sigmoid routing's faults: the bias ignored (other experts, which the harness left NaN, or other weights), the shared
+// expert gated, softmax routing.
+TEST(MoeOp, BrokenSigmoidImplementationsAreRejected) {
+  Registry r;
+  ASSERT_TRUE(moe_register_cpu(r).has_value());
+  ASSERT_TRUE(r.add(broken(r, "bias-dropped", [](MoeInputs& in) { in.correction_bias.clear(); }, {})).has_value());
+  ASSERT_TRUE(r.add(broken(r, "shared-gated", [](MoeInputs& in) { in.shared_gate = true; }, {})).has_value());
+  ASSERT_TRUE(r.add(broken(r, "softmax", [](MoeInputs& in) { in.sigmoid = false; }, {})).has_value());
+  const SelfTestCase c = moe_case(7, 64, 32, 64, 8, false, true,
+                                  {.sigmoid = true, .n_group = 8, .topk_group = 4, .correction_bias = true,
+                                   .shared_gate = false});
+  auto s = registry_select(r, "moe", cpu_device_describe(), std::span(&c, 1), {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_EQ(s->chosen, "cpu");
+  for (const auto& cand : s->candidates) {
+    if (cand.name == "cpu") continue;
+    EXPECT_EQ(cand.status, CandidateStatus::kFailed) << cand.name << ": " << cand.reason;
   }
 }
 

@@ -83,11 +83,11 @@ Expected<void> gemv_combine_validate(const GemmBf16Args& a, const MoeCombineArgs
   if (c.top_k < 1 || c.top_k > kGemvCombineMaxTopK) {
     return make_error("{}: top_k={} must be in [1, {}]", k, c.top_k, kGemvCombineMaxTopK);
   }
+  // shared_gate may be null: the shared expert is then added unweighted.
   const std::pair<const void*, const char*> ptrs[] = {{c.expert_out, "expert_out"},
                                                       {c.pair_row, "pair_row"},
                                                       {c.topk_ids, "topk_ids"},
-                                                      {c.topk_weights, "topk_weights"},
-                                                      {c.shared_gate, "shared_gate"}};
+                                                      {c.topk_weights, "topk_weights"}};
   for (const auto& [ptr, name] : ptrs) {
     if (ptr == nullptr) return make_error("{}: {} is null", k, name);
   }
@@ -96,7 +96,7 @@ Expected<void> gemv_combine_validate(const GemmBf16Args& a, const MoeCombineArgs
       reinterpret_cast<uintptr_t>(c.topk_weights) % 4 != 0) {
     return make_error("{}: a combine pointer is misaligned (bf16 ones 2 bytes, ids, rows and weights 4)", k);
   }
-  if (c.shared_gate_stride < 1)
+  if (c.shared_gate != nullptr && c.shared_gate_stride < 1)
     return make_error("{}: shared_gate_stride={} must be positive", k, c.shared_gate_stride);
   return {};
 }

@@ -267,7 +267,8 @@ __device__ __forceinline__ void gemv_bf16_block(const GemvBf16Params& p, const G
       if (col < p.n) {
         const int i = idx / kCols;
         const float shared = __bfloat162float(__float2bfloat16_rn(sum));  // the product as it would be stored
-        const float sig = sigmoid_f32(bf16_to_f32(cb.gate[i * cb.gate_stride]));  // moe_combine's form
+        // moe_combine's form; 1 for an ungated shared expert (fmaf(1, s, acc) is the plain sum), as moe_combine
+        const float sig = cb.gate != nullptr ? sigmoid_f32(bf16_to_f32(cb.gate[i * cb.gate_stride])) : 1.0f;
         sum = fmaf(sig, shared, combine_routed<kRows>(cb, p.n, order, i, col));
       }
     }

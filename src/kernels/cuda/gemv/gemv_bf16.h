@@ -41,8 +41,9 @@ Expected<void> gemv_bf16_silu_mul(const DeviceContext& ctx, const GemmBf16Args& 
 // epilogue (GemvMoeCombine in gemv_bf16_launch.h): args.y is what gemv_bf16_silu_mul into combine.shared_out
 // followed by moe_combine(combine) would write to combine.y, bit for bit, without the combine's launch and the
 // shared output's round trip (combine.shared_out and combine.y are not used; combine comes from
-// moe_forward_experts). As gemv_bf16_silu_mul, plus errors for a combine whose tokens or hidden are not args.m and
-// args.n, a top_k outside [1, kGemvCombineMaxTopK], null or unaligned combine pointers and a bad gate stride.
+// moe_forward_experts). A null combine.shared_gate adds the shared expert unweighted, as moe_combine does. As
+// gemv_bf16_silu_mul, plus errors for a combine whose tokens or hidden are not args.m and args.n, a top_k outside
+// [1, kGemvCombineMaxTopK], null or unaligned combine pointers (the gate may be null) and a bad gate stride.
 Expected<void> gemv_bf16_silu_mul_moe_combine(const DeviceContext& ctx, const GemmBf16Args& args, int64_t ldx,
                                               const MoeCombineArgs& combine);
 

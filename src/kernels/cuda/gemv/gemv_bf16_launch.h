@@ -14,8 +14,9 @@ inline constexpr int64_t kGemvMaxRows = 8;
 
 // The MoE block's combine as the epilogue of its shared expert's down projection (gemv_bf16_launch's combine): each
 // row i of x is a token, and y[i, c] = bf16(sum of topk_weights[i, j] * expert_out[pair_row[i, j], c] over the
-// token's top_k pairs in ascending expert id order, fp32, then + sigmoid(gate[i]) * bf16(product[i, c])),
-// moe_combine's arithmetic (moe_launch.h) with the product, rounded as it would have been stored, as shared_out.
+// token's top_k pairs in ascending expert id order, fp32, then + sigmoid(gate[i]) * bf16(product[i, c]), or
+// + bf16(product[i, c]) unweighted when gate is null), moe_combine's arithmetic (moe_launch.h) with the product,
+// rounded as it would have been stored, as shared_out.
 inline constexpr int kGemvCombineMaxTopK = 32;
 
 struct GemvMoeCombine {
@@ -24,7 +25,7 @@ struct GemvMoeCombine {
   const int32_t* topk_ids = nullptr;     // [m, top_k]: only the summation order is taken from them
   const float* topk_weights = nullptr;   // [m, top_k]
   int top_k = 0;                         // 1 .. kGemvCombineMaxTopK
-  const uint16_t* gate = nullptr;        // [m] bf16 at gate_stride elements apart
+  const uint16_t* gate = nullptr;        // optional [m] bf16 at gate_stride elements apart; null: unweighted
   int64_t gate_stride = 1;
 };
 

@@ -2,6 +2,7 @@
 // moe_gemm_decode.cu and moe_gemm_prefill.cu (the grouped expert GEMM).
 #include "kernels/cuda/moe/moe.h"
 
+#include <cmath>
 #include <limits>
 
 #include "kernels/cuda/elementwise/elementwise.h"
@@ -35,13 +36,60 @@ Expected<void> check_routing_shape(const char* kernel, int64_t tokens, int64_t n
   return {};
 }
 
+// The routing mode (MoeRouteArgs): sigmoid routing's groups, scaling and bias, or softmax's defaults for them.
+struct RoutingMode {
+  bool sigmoid;
+  int64_t n_group, topk_group;
+  float routed_scaling;
+  const float* correction_bias;
+};
+
+Expected<void> check_routing_mode(const char* kernel, const RoutingMode& m, int64_t n_experts, int64_t top_k) {
+  if (!m.sigmoid) {
+    if (m.n_group != 1 || m.topk_group != 1 || m.routed_scaling != 1.0f || m.correction_bias != nullptr) {
+      return make_error("{}: expert groups (n_group={}, topk_group={}), routed_scaling={} and a correction_bias are "
+                        "sigmoid routing's; softmax routing takes 1, 1, 1 and none",
+                        kernel, m.n_group, m.topk_group, m.routed_scaling);
+    }
+    return {};
+  }
+  if (m.n_group < 1 || m.n_group > kMoeMaxGroups) {
+    return make_error("{}: n_group={} must be in [1, {}]", kernel, m.n_group, kMoeMaxGroups);
+  }
+  if (n_experts % m.n_group != 0) {
+    return make_error("{}: n_experts={} is not a multiple of n_group={}", kernel, n_experts, m.n_group);
+  }
+  if (m.topk_group < 1 || m.topk_group > m.n_group) {
+    return make_error("{}: topk_group={} must be in [1, n_group={}]", kernel, m.topk_group, m.n_group);
+  }
+  const int64_t kept = m.topk_group * (n_experts / m.n_group);
+  if (top_k > kept) {
+    return make_error("{}: top_k={} is more than the {} experts of the topk_group={} kept groups of {}", kernel, top_k,
+                      kept, m.topk_group, n_experts / m.n_group);
+  }
+  if (!std::isfinite(m.routed_scaling)) {
+    return make_error("{}: routed_scaling={} must be finite", kernel, m.routed_scaling);
+  }
+  if (!is_aligned(m.correction_bias, 4)) return make_error("{}: correction_bias is not 4-byte aligned", kernel);
+  return {};
+}
+
 Expected<void> route_validate(const MoeRouteArgs& a) {
   constexpr const char* k = "moe_route";
   TERN_TRY(check_routing_shape(k, a.tokens, a.n_experts, a.top_k));
+  TERN_TRY(check_routing_mode(k, {a.sigmoid, a.n_group, a.topk_group, a.routed_scaling, a.correction_bias},
+                              a.n_experts, a.top_k));
   if (a.logits_stride < a.n_experts || a.logits_stride > kMaxDim) {
     return make_error("{}: logits_stride={} must be at least n_experts={}", k, a.logits_stride, a.n_experts);
   }
-  TERN_TRY(check_ptr(k, "logits", a.logits, 2));
+  if (a.logits_f32 != nullptr) {
+    if (a.logits != nullptr || !a.sigmoid) {
+      return make_error("{}: fp32 logits are for sigmoid routing, and instead of the bf16 ones", k);
+    }
+    TERN_TRY(check_ptr(k, "logits_f32", a.logits_f32, 4));
+  } else {
+    TERN_TRY(check_ptr(k, "logits", a.logits, 2));
+  }
   TERN_TRY(check_ptr(k, "topk_ids", a.topk_ids, 4));
   return check_ptr(k, "topk_weights", a.topk_weights, 4);
 }
@@ -150,6 +198,9 @@ Expected<void> route_in_launch_validate(const MoeGemmArgs& a, bool decode) {
   if (a.route.n_experts != a.w.n_experts) {
     return make_error("{}: route has {} experts, the weights {}", k, a.route.n_experts, a.w.n_experts);
   }
+  if (a.route.sigmoid) {
+    return make_error("{}: routing in the launch is softmax only (route sigmoid routing with moe_route_align)", k);
+  }
   return route_align_validate(k, a.route, a.align);
 }
 
@@ -196,6 +247,8 @@ ForwardLayout forward_layout(int64_t tokens, int64_t top_k, int64_t n_experts, i
 Expected<void> forward_validate(const MoeForwardArgs& a) {
   constexpr const char* k = "moe_forward";
   TERN_TRY(check_routing_shape(k, a.tokens, a.n_experts, a.top_k));
+  TERN_TRY(check_routing_mode(k, {a.sigmoid, a.n_group, a.topk_group, a.routed_scaling, a.correction_bias},
+                              a.n_experts, a.top_k));
   if (a.inter < 8 || a.inter % 8 != 0) return make_error("{}: inter={} must be a positive multiple of 8", k, a.inter);
   const bool split = a.up.n != 0;
   const int64_t gate_n = split ? a.inter : 2 * a.inter;
@@ -230,9 +283,11 @@ Expected<void> combine_validate(const MoeCombineArgs& a) {
   TERN_TRY(check_ptr(k, "topk_ids", a.topk_ids, 4));
   TERN_TRY(check_ptr(k, "topk_weights", a.topk_weights, 4));
   TERN_TRY(check_ptr(k, "y", a.y, 16));
-  if (a.shared_out != nullptr || a.shared_gate != nullptr) {
-    TERN_TRY(check_ptr(k, "shared_out", a.shared_out, 16));
-    TERN_TRY(check_ptr(k, "shared_gate (needed with shared_out)", a.shared_gate, 2));
+  // A shared expert without a gate is added unweighted; a gate without a shared expert is a caller's mistake.
+  if (a.shared_gate != nullptr) TERN_TRY(check_ptr(k, "shared_out (needed with shared_gate)", a.shared_out, 16));
+  if (a.shared_out != nullptr) TERN_TRY(check_ptr(k, "shared_out", a.shared_out, 16));
+  if (a.shared_gate != nullptr) {
+    TERN_TRY(check_ptr(k, "shared_gate", a.shared_gate, 2));
     if (a.shared_gate_stride < 1 || a.shared_gate_stride > kMaxDim) {
       return make_error("{}: shared_gate_stride={} must be positive", k, a.shared_gate_stride);
     }
@@ -329,13 +384,19 @@ struct Routing {
 
 Routing routing_args(const MoeForwardArgs& a, const ForwardBuffers& b) {
   const MoeRouteArgs route{.logits = a.router_logits,
+                           .logits_f32 = a.router_logits_f32,
                            .logits_stride = a.logits_stride,
                            .topk_ids = b.ids,
                            .topk_weights = b.weights,
                            .tokens = a.tokens,
                            .n_experts = a.n_experts,
                            .top_k = a.top_k,
-                           .renormalize = a.renormalize};
+                           .renormalize = a.renormalize,
+                           .sigmoid = a.sigmoid,
+                           .n_group = a.n_group,
+                           .topk_group = a.topk_group,
+                           .routed_scaling = a.routed_scaling,
+                           .correction_bias = a.correction_bias};
   const MoeAlignArgs align{.topk_ids = b.ids,
                            .tokens = a.tokens,
                            .top_k = a.top_k,
@@ -426,8 +487,9 @@ Expected<MoeCombineArgs> moe_forward_experts(const DeviceContext& ctx, const Moe
   if (a.tokens == 0) return combine;
   const bool decode =
       a.variant == MoeGemmVariant::kDecode || (a.variant == MoeGemmVariant::kAuto && a.tokens <= kMoeDecodeMaxTokens);
-  // One token at decode: the gate/up launch routes it, and route and align are no launch of their own.
-  const bool route_in_launch = decode && a.tokens == 1;
+  // One token at decode: the gate/up launch routes it, and route and align are no launch of their own (softmax
+  // routing only: the gate/up kernel's block routing has no sigmoid variant, so moe_route_align routes that token).
+  const bool route_in_launch = decode && a.tokens == 1 && !a.sigmoid;
   if (!route_in_launch) TERN_TRY(forward_route(ctx, a, b, decode));
   TERN_TRY(forward_gate_up(ctx, a, b, decode, route_in_launch));
   TERN_TRY(forward_down(ctx, a, b, decode));

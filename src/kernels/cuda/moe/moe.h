@@ -33,22 +33,30 @@ Expected<void> moe_combine(const DeviceContext& ctx, const MoeCombineArgs& args)
 // gate/up launch routes the token itself, MoeGemmArgs::route), a separate up stack joins the gate's launch
 // (MoeGemmArgs::w2) and the down GEMM applies silu_mul to its input itself (MoeGemmArgs::x_silu_mul); the fused
 // steps give the same bits as the separate ones, except that gate and up in one grid may split K differently (a
-// different fp32 summation order). The router GEMM and the shared expert
+// different fp32 summation order). Sigmoid routing (DeepSeek-V3 / GLM-5; MoeRouteArgs::sigmoid) is never routed
+// inside the gate/up launch: at one token it takes moe_route_align's launch. The router GEMM and the shared expert
 // are dense layers the caller runs first; their outputs come in as router_logits and shared_out / shared_gate (the
-// shared expert gate may be an extra column of the router's output, hence its stride).
+// shared expert gate may be an extra column of the router's output, hence its stride; without a gate the shared
+// expert is added unweighted, as DeepSeek-V3 and GLM-5 add theirs).
 struct MoeForwardArgs {
   const uint16_t* x = nullptr;              // [tokens, hidden] bf16
   const uint16_t* router_logits = nullptr;  // [tokens, logits_stride] bf16
+  const float* router_logits_f32 = nullptr; // or fp32 (sigmoid routing only: DeepSeek-V3 / GLM-5's fp32 router)
   int64_t logits_stride = 0;
   int64_t tokens = 0, hidden = 0, inter = 0, n_experts = 0, top_k = 0;
   bool renormalize = true;
+  // The routing: softmax, or with sigmoid DeepSeek-V3 / GLM-5's (MoeRouteArgs, whose fields these are).
+  bool sigmoid = false;
+  int64_t n_group = 1, topk_group = 1;
+  float routed_scaling = 1.0f;
+  const float* correction_bias = nullptr;  // [n_experts] fp32; null: none
   MoeExpertWeights gate_up;  // n = 2 * inter (gate rows first, then up; NVFP4: one global scale per expert), k = hidden
   MoeExpertWeights up;       // optional (n = 0: gate_up is fused): then gate_up holds the gate (n = inter) and this the
                              // up projection, for NVFP4 checkpoints whose gate and up have their own global scales
   MoeExpertWeights down;     // n = hidden, k = inter
   const uint16_t* shared_out = nullptr;   // optional [tokens, hidden] bf16
-  const uint16_t* shared_gate = nullptr;  // [tokens] at shared_gate_stride, with shared_out
-  int64_t shared_gate_stride = 1;
+  const uint16_t* shared_gate = nullptr;  // optional [tokens] at shared_gate_stride, only with shared_out; null:
+  int64_t shared_gate_stride = 1;         // shared_out is added unweighted
   uint16_t* y = nullptr;  // [tokens, hidden] bf16
   void* workspace = nullptr;  // moe_forward_workspace_bytes(); holds the routing and the intermediate activations
   size_t workspace_bytes = 0;

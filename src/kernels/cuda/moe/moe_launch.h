@@ -6,13 +6,15 @@
 // One MoE block on the GPU, with the router GEMM, the SwiGLU activation and the shared expert done by the dense
 // kernels (gemm_bf16 / gemm_nvfp4_w4a16, silu_mul):
 //   logits [T, E]        = x . router^T                      gemm_bf16
-//   topk ids, weights    = moe_route(logits)                 softmax (fp32), top-k, optional renormalisation
+//   topk ids, weights    = moe_route(logits)                 softmax (fp32), top-k, optional renormalisation; or
+//                                                            sigmoid, grouped top-k on score + bias (DeepSeek-V3)
 //   offsets, permutation = moe_align(ids)                    counting sort of the T*k (token, j) pairs by expert
 //                                                            (at decode both in one launch: moe_route_align)
 //   gate_up [T*k, 2I]    = moe_gemm(x gathered, W_gate_up)   one launch for all experts
 //   act [T*k, I]         = silu_mul(gate_up)                 at decode: inside the down GEMM (x_silu_mul)
 //   expert_out [T*k, H]  = moe_gemm(act, W_down)
 //   y [T, H]             = moe_combine(expert_out, weights)  + sigmoid(shared_gate) * shared_out
+//                                                            (no gate: + shared_out)
 // Nothing here synchronises with the host: the host knows tokens, top_k and n_experts, never the per-expert counts,
 // so every launch is sized for the worst case and blocks find their work in expert_offsets on the device.
 #pragma once
@@ -27,17 +29,34 @@ namespace tern {
 // Limits the kernels are built for (the launchers reject anything beyond them).
 inline constexpr int64_t kMoeMaxExperts = 512;  // the align kernel keeps per-warp counts of every expert in smem
 inline constexpr int64_t kMoeMaxTopK = 32;      // the route kernel keeps one selection per lane of a warp
+inline constexpr int64_t kMoeMaxGroups = 32;    // sigmoid routing ranks one expert group per lane of a warp
 
 // Softmax (fp32) over each row's logits, top-k with ties to the lower expert index (torch.topk, layers/moe.cc),
 // optional renormalisation of the k probabilities to sum 1. The weights stay fp32, as layers/moe.cc keeps them.
 // A NaN probability ranks below every number, so the ids are always k distinct experts in range.
+//
+// With sigmoid, DeepSeek-V3 / GLM-5's routing ("noaux_tc", layers/moe.cc route_sigmoid) instead, in fp32: score =
+// 1 / (1 + exp(-logit)), choice = score + correction_bias[e]; the experts form n_group groups of n_experts / n_group
+// consecutive ones, a group's worth is the sum of its two best choice values (its one value for groups of one), the
+// topk_group best groups are kept (ties to the lower group), and the top_k experts of the kept groups by choice value
+// are taken (ties to the lower expert index), in descending choice order. Each weight is the expert's unbiased
+// score, divided by the winners' score sum (added in selection order) + 1e-20 when renormalize, then times
+// routed_scaling. A NaN choice value ranks below every number; an expert outside the kept groups is never taken, so
+// the ids are always k distinct experts of the kept groups. Softmax routing takes the defaults of these fields.
 struct MoeRouteArgs {
   const uint16_t* logits = nullptr;  // [tokens, logits_stride] bf16, the first n_experts columns are used
+  // Instead of `logits`, fp32 logits (sigmoid routing only): DeepSeek-V3 / GLM-5 compute their router in fp32.
+  const float* logits_f32 = nullptr;
   int64_t logits_stride = 0;         // elements between rows, >= n_experts
-  int32_t* topk_ids = nullptr;       // [tokens, top_k], in descending probability order
+  int32_t* topk_ids = nullptr;       // [tokens, top_k], in descending probability (choice value) order
   float* topk_weights = nullptr;     // [tokens, top_k]
   int64_t tokens = 0, n_experts = 0, top_k = 0;
   bool renormalize = true;
+  bool sigmoid = false;                    // sigmoid routing (above) instead of softmax
+  int64_t n_group = 1, topk_group = 1;     // n_experts % n_group == 0, topk_group <= n_group <= kMoeMaxGroups,
+                                           // top_k <= topk_group * n_experts / n_group
+  float routed_scaling = 1.0f;             // finite
+  const float* correction_bias = nullptr;  // [n_experts] fp32 (device memory); null: none
 };
 
 // Counting sort of the tokens*top_k (token, j) pairs by expert, stable in pair order (pair index t*top_k + j), so
@@ -102,22 +121,24 @@ struct MoeGemmArgs {
   // set, every block routes the token itself (route.tokens == 1), as moe_route would, and finds its expert among
   // the winners; one block writes what moe_route and moe_align would (route's topk_ids and topk_weights, align's
   // expert_offsets, sorted_pairs and pair_row, align sorting route's ids) for the launches after it. expert_offsets
-  // and sorted_pairs above are then not read. At one token this saves the route launch and its wait.
+  // and sorted_pairs above are then not read. At one token this saves the route launch and its wait. Softmax
+  // routing only (route.sigmoid is an error; moe_forward routes a sigmoid token with moe_route_align first).
   MoeRouteArgs route;
   MoeAlignArgs align;
 };
 
 // y[t] = sum_j topk_weights[t,j] * expert_out[pair_row[t*top_k+j]] summed in fp32 in ascending expert index order
-// (as layers/moe.cc adds experts), then + sigmoid(shared_gate[t]) * shared_out[t] when shared_out is set; one bf16
-// rounding per output. Every pair must have a valid expert (the rows of out-of-range ids hold nothing).
+// (as layers/moe.cc adds experts), then + sigmoid(shared_gate[t]) * shared_out[t] when shared_out is set, or
+// + shared_out[t] unweighted when shared_gate is null (DeepSeek-V3 / GLM-5's shared experts); one bf16 rounding per
+// output. Every pair must have a valid expert (the rows of out-of-range ids hold nothing).
 struct MoeCombineArgs {
   const uint16_t* expert_out = nullptr;  // [tokens*top_k, hidden] bf16, permuted rows
   const int32_t* pair_row = nullptr;     // [tokens*top_k]
   const int32_t* topk_ids = nullptr;     // [tokens, top_k]: only the summation order is taken from them
   const float* topk_weights = nullptr;   // [tokens, top_k]
   const uint16_t* shared_out = nullptr;  // optional [tokens, hidden] bf16
-  const uint16_t* shared_gate = nullptr; // [tokens] bf16 at shared_gate_stride elements apart, with shared_out
-  int64_t shared_gate_stride = 1;
+  const uint16_t* shared_gate = nullptr; // optional [tokens] bf16 at shared_gate_stride elements apart, only with
+  int64_t shared_gate_stride = 1;        // shared_out; null: the shared expert is added unweighted
   uint16_t* y = nullptr;                 // [tokens, hidden] bf16
   int64_t tokens = 0, top_k = 0, hidden = 0;
 };

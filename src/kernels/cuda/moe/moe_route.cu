@@ -1,5 +1,6 @@
-// The small MoE kernels: routing (softmax + top-k), the alignment of pairs by expert, and the weighted combine of
-// the expert outputs. Contracts in moe_launch.h; the grouped expert GEMM in moe_gemm_*.cu.
+// The small MoE kernels: routing (softmax + top-k, or DeepSeek-V3's sigmoid + grouped top-k), the alignment of pairs
+// by expert, and the weighted combine of the expert outputs. Contracts in moe_launch.h; the grouped expert GEMM in
+// moe_gemm_*.cu.
 #include <cuda_bf16.h>
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.cuh"
@@ -103,12 +104,134 @@ __device__ __forceinline__ RouteChoice route_token(const MoeRouteArgs& a, int64_
   return {my_id, a.renormalize ? my_p / top_sum : my_p};
 }
 
+// warp_argmax carrying a payload along with the winner (every lane ends with the winner's).
+__device__ __forceinline__ void warp_argmax(float& key, int& index, float& payload) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float other_key = __shfl_xor_sync(kFullMask, key, offset);
+    const int other_index = __shfl_xor_sync(kFullMask, index, offset);
+    const float other_payload = __shfl_xor_sync(kFullMask, payload, offset);
+    if (other_key > key || (other_key == key && other_index < index)) {
+      key = other_key;
+      index = other_index;
+      payload = other_payload;
+    }
+  }
+}
+
+// Sigmoid routing (MoeRouteArgs::sigmoid; layers/moe.cc route_sigmoid), with route_token's layout: lane l holds the
+// score and choice value of experts l, l + 32, ...; the groups' worths are warp reductions, one group per pass, and
+// lane g ranks group g; the k winners are then found as route_token finds them, among the kept groups' experts.
+__device__ __forceinline__ RouteChoice route_token_sigmoid(const MoeRouteArgs& a, int64_t token) {
+  const int lane = threadIdx.x % 32;
+  const int n_experts = static_cast<int>(a.n_experts), top_k = static_cast<int>(a.top_k);
+  const uint16_t* logits = a.logits_f32 != nullptr ? nullptr : a.logits + token * a.logits_stride;
+  const float* logits_f32 = a.logits_f32 != nullptr ? a.logits_f32 + token * a.logits_stride : nullptr;
+
+  // Stage 1: score = 1 / (1 + exp(-l)) and choice = score + bias in fp32, as layers/moe.cc. A NaN choice becomes
+  // -inf, below every number; absent experts (e >= n_experts) are never candidates.
+  float score[kRoutePerLane], choice[kRoutePerLane];
+#pragma unroll
+  for (int i = 0; i < kRoutePerLane; ++i) {
+    const int e = lane + 32 * i;
+    score[i] = 0.0f;
+    choice[i] = -INFINITY;
+    if (e < n_experts) {
+      score[i] = sigmoid_f32(logits_f32 != nullptr ? logits_f32[e] : bf16_to_f32(logits[e]));
+      const float c = score[i] + (a.correction_bias != nullptr ? a.correction_bias[e] : 0.0f);
+      choice[i] = c == c ? c : -INFINITY;
+    }
+  }
+
+  // Stage 2: the kept groups. Bit i of `dropped`: expert lane + 32 i is outside them. With every group kept (one
+  // group, as GLM-5) there is nothing to rank.
+  uint32_t dropped = 0;
+  if (a.topk_group < a.n_group) {  // warp-uniform
+    const int n_group = static_cast<int>(a.n_group), per_group = n_experts / n_group;
+    float my_worth = -INFINITY;  // lane g < n_group: group g's worth
+    for (int g = 0; g < n_group; ++g) {
+      // The group's two best choice values: each lane's, then merged over the warp (max and second max of a
+      // multiset, so every lane ends with the same two).
+      const int first = g * per_group, end = first + per_group;
+      float best = -INFINITY, second = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < kRoutePerLane; ++i) {
+        const int e = lane + 32 * i;
+        if (e >= first && e < end) {
+          second = fmaxf(second, fminf(best, choice[i]));
+          best = fmaxf(best, choice[i]);
+        }
+      }
+      for (int offset = 16; offset > 0; offset /= 2) {
+        const float other_best = __shfl_xor_sync(kFullMask, best, offset);
+        const float other_second = __shfl_xor_sync(kFullMask, second, offset);
+        second = fmaxf(fminf(best, other_best), fmaxf(second, other_second));
+        best = fmaxf(best, other_best);
+      }
+      if (lane == g) my_worth = best + (per_group > 1 ? second : 0.0f);  // layers/moe.cc's sum
+    }
+    // Group g's rank: the groups worth more, or as much with a lower index.
+    int rank = 0;
+    for (int h = 0; h < n_group; ++h) {
+      const float other = __shfl_sync(kFullMask, my_worth, h);
+      rank += other > my_worth || (other == my_worth && h < lane);
+    }
+    const uint32_t kept = __ballot_sync(kFullMask, lane < n_group && rank < a.topk_group);
+#pragma unroll
+    for (int i = 0; i < kRoutePerLane; ++i) {
+      const int e = lane + 32 * i;
+      if (e < n_experts && !((kept >> (e / per_group)) & 1u)) dropped |= 1u << i;
+    }
+  }
+
+  // Stage 3: top-k by choice value among the kept groups' experts not yet taken (the validated shapes leave at least
+  // top_k of them); the first such expert of a lane is its candidate whatever its value, a later one only when
+  // higher. The winner's score comes along for its weight.
+  uint32_t unavailable = dropped;  // bit i: expert lane + 32 i is taken or outside the kept groups
+  float my_score = 0.0f, top_sum = 0.0f;
+  int my_id = 0;
+  for (int j = 0; j < top_k; ++j) {
+    float key = -INFINITY, key_score = 0.0f;
+    int index = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < kRoutePerLane; ++i) {
+      const int e = lane + 32 * i;
+      if (e < n_experts && !((unavailable >> i) & 1u) && (choice[i] > key || index == INT_MAX)) {
+        key = choice[i];  // ascending e: ties keep the lower index
+        key_score = score[i];
+        index = e;
+      }
+    }
+    warp_argmax(key, index, key_score);
+    if (index % 32 == lane) unavailable |= 1u << (index / 32);
+    top_sum += key_score;  // in selection order, as layers/moe.cc sums
+    if (lane == j) {
+      my_score = key_score;
+      my_id = index;
+    }
+  }
+  const float w = a.renormalize ? my_score / (top_sum + 1e-20f) : my_score;
+  return {my_id, w * a.routed_scaling};
+}
+
+// The routing a kernel instance does: softmax (route_token) or sigmoid (route_token_sigmoid), chosen at launch so
+// the softmax kernels stay as they were.
+template <bool kSigmoid>
+__device__ __forceinline__ RouteChoice route_one(const MoeRouteArgs& a, int64_t token) {
+  if constexpr (kSigmoid) {
+    return route_token_sigmoid(a, token);
+  } else {
+    return route_token(a, token);
+  }
+}
+
+template <bool kSigmoid>
 __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const MoeRouteArgs a) {
   ptx::grid_dependency_begin();
   const int lane = threadIdx.x % 32;
   const int64_t token = int64_t{blockIdx.x} * kRouteWarps + threadIdx.x / 32;
   if (token >= a.tokens) return;  // the whole warp
-  const RouteChoice c = route_token(a, token);
+  const RouteChoice c = route_one<kSigmoid>(a, token);
   if (lane < a.top_k) {
     a.topk_ids[token * a.top_k + lane] = c.id;
     a.topk_weights[token * a.top_k + lane] = c.weight;
@@ -206,12 +329,13 @@ __global__ void __launch_bounds__(kAlignWarps * 32) moe_align_kernel(const MoeAl
 // Route and align in one block: warp w routes tokens w, w + kAlignWarps, ..., writing the choices out and the ids
 // also to shared memory, from where the block sorts them once all are in. route_token and align_pairs are the two
 // kernels' code, so every output is the same bits.
+template <bool kSigmoid>
 __global__ void __launch_bounds__(kAlignWarps * 32) moe_route_align_kernel(const MoeRouteArgs r, const MoeAlignArgs a) {
   ptx::grid_dependency_begin();
   __shared__ int32_t ids[kMoeRouteAlignMaxPairs];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t token = warp; token < r.tokens; token += kAlignWarps) {  // warp-uniform
-    const RouteChoice c = route_token(r, token);
+    const RouteChoice c = route_one<kSigmoid>(r, token);
     if (lane < r.top_k) {
       r.topk_ids[token * r.top_k + lane] = c.id;
       r.topk_weights[token * r.top_k + lane] = c.weight;
@@ -229,6 +353,7 @@ __global__ void __launch_bounds__(kAlignWarps * 32) moe_route_align_kernel(const
 // n_experts + 1 buckets and its barriers were most of its time.
 constexpr int kRouteAlignWarpPairs = 32;
 
+template <bool kSigmoid>
 __global__ void __launch_bounds__(32) moe_route_align_warp_kernel(const MoeRouteArgs r, const MoeAlignArgs a) {
   ptx::grid_dependency_begin();
   const int lane = threadIdx.x;
@@ -236,7 +361,7 @@ __global__ void __launch_bounds__(32) moe_route_align_warp_kernel(const MoeRoute
   const int n_experts = static_cast<int>(a.n_experts);
   int bucket = INT_MAX;  // lanes past the pairs sort after all of them and are never written
   for (int token = 0; token < static_cast<int>(r.tokens); ++token) {  // warp-uniform
-    const RouteChoice c = route_token(r, token);
+    const RouteChoice c = route_one<kSigmoid>(r, token);
     if (lane < top_k) {
       r.topk_ids[int64_t{token} * top_k + lane] = c.id;
       r.topk_weights[int64_t{token} * top_k + lane] = c.weight;
@@ -265,7 +390,8 @@ __global__ void __launch_bounds__(32) moe_route_align_warp_kernel(const MoeRoute
 
 // ---------------------------------------------------------------------------------------------------------------
 // Combine: block (token, 1024-column slice). The first top_k threads rank the token's pairs by expert id; every
-// thread then sums its 8 columns over the pairs in that order, in fp32, and adds the gated shared expert.
+// thread then sums its 8 columns over the pairs in that order, in fp32, and adds the shared expert (gated, or
+// unweighted without a gate).
 
 constexpr int kCombineThreads = 128;
 constexpr int kVec = 8;  // load_bf16x8, store_bf16x8
@@ -298,8 +424,9 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const MoeC
     for (int i = 0; i < kVec; ++i) acc[i] = fmaf(v[i], w, acc[i]);  // explicit, as gemv_bf16's combine epilogue
   }
   if (a.shared_out != nullptr) {
-    const float g = bf16_to_f32(a.shared_gate[token * a.shared_gate_stride]);
-    const float sig = sigmoid_f32(g);  // layers/moe.cc's form
+    // layers/moe.cc's form; 1 for an ungated shared expert (fmaf(1, v, acc) below is the plain sum)
+    const float sig =
+        a.shared_gate != nullptr ? sigmoid_f32(bf16_to_f32(a.shared_gate[token * a.shared_gate_stride])) : 1.0f;
     float v[kVec];
     load_bf16x8(a.shared_out + token * a.hidden + col, v);
 #pragma unroll
@@ -312,7 +439,11 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const MoeC
 
 void moe_route_launch(const DeviceContext& ctx, const MoeRouteArgs& a) {
   const auto blocks = static_cast<unsigned>((a.tokens + kRouteWarps - 1) / kRouteWarps);
-  launch_kernel(ctx, moe_route_kernel, dim3(blocks), dim3(kRouteWarps * 32), 0, a);
+  if (a.sigmoid) {
+    launch_kernel(ctx, moe_route_kernel<true>, dim3(blocks), dim3(kRouteWarps * 32), 0, a);
+  } else {
+    launch_kernel(ctx, moe_route_kernel<false>, dim3(blocks), dim3(kRouteWarps * 32), 0, a);
+  }
   TERN_CUDA_CHECK_LAUNCH();
 }
 
@@ -324,10 +455,15 @@ void moe_align_launch(const DeviceContext& ctx, const MoeAlignArgs& a) {
 }
 
 void moe_route_align_launch(const DeviceContext& ctx, const MoeRouteArgs& route, const MoeAlignArgs& align) {
-  if (route.tokens * route.top_k <= kRouteAlignWarpPairs) {
-    launch_kernel(ctx, moe_route_align_warp_kernel, dim3(1), dim3(32), 0, route, align);
+  const bool warp = route.tokens * route.top_k <= kRouteAlignWarpPairs;
+  if (warp && route.sigmoid) {
+    launch_kernel(ctx, moe_route_align_warp_kernel<true>, dim3(1), dim3(32), 0, route, align);
+  } else if (warp) {
+    launch_kernel(ctx, moe_route_align_warp_kernel<false>, dim3(1), dim3(32), 0, route, align);
+  } else if (route.sigmoid) {
+    launch_kernel(ctx, moe_route_align_kernel<true>, dim3(1), dim3(kAlignWarps * 32), 0, route, align);
   } else {
-    launch_kernel(ctx, moe_route_align_kernel, dim3(1), dim3(kAlignWarps * 32), 0, route, align);
+    launch_kernel(ctx, moe_route_align_kernel<false>, dim3(1), dim3(kAlignWarps * 32), 0, route, align);
   }
   TERN_CUDA_CHECK_LAUNCH();
 }
@@ -341,7 +477,7 @@ void moe_combine_launch(const DeviceContext& ctx, const MoeCombineArgs& a) {
 
 // What the driver loaded of this module for the current device (module_attributes.h).
 cudaError_t moe_route_module_attributes(cudaFuncAttributes* out) {
-  return cudaFuncGetAttributes(out, moe_route_kernel);
+  return cudaFuncGetAttributes(out, moe_route_kernel<false>);
 }
 
 }  // namespace tern

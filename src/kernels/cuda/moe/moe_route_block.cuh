@@ -5,7 +5,8 @@
 // the k highest probabilities, ties to the lower index, NaN below every number; top_sum adds the winners in
 // selection order. Only the selection is spread over the block, in two rounds: each group of 32 experts (one
 // warp's lanes) ranks its members with 32 shuffles and keeps its best k as candidates, then the candidates rank
-// among themselves (the k best of all are among them). Include from .cu files only.
+// among themselves (the k best of all are among them). Softmax routing only (MoeGemmArgs::route rejects sigmoid
+// routing). Include from .cu files only.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,5 +1,6 @@
 // The MoE kernels against the CPU (label gpu): routing against an fp64 softmax/top-k with torch.topk's tie rule,
-// the alignment against a host counting sort (exactly), the grouped GEMM against an fp64 product per permuted row
+// and against an fp64 DeepSeek-V3 / GLM-5 sigmoid routing (groups, correction bias, scaling) up to near-ties, the
+// alignment against a host counting sort (exactly), the grouped GEMM against an fp64 product per permuted row
 // (gemm_test_util.h's tolerance), and the whole block against layers/moe.h Moe::forward on the same weights. Every
 // output buffer is poisoned first (0xFF bytes: -1 ids, NaN values), so an unwritten element fails.
 #include "kernels/cuda/moe/moe.h"
@@ -9,8 +10,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
+#include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -310,6 +314,298 @@ TEST(MoeRouteAlign, MatchesTwoKernelsAndHost) {
   ASSERT_TRUE(moe_route_align(ctx, out.route(logits, none), out.align(none)).has_value());
   ctx.synchronize();
   EXPECT_EQ(download<int32_t>(out.offsets, 17), std::vector<int32_t>(17, 0));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Sigmoid routing (DeepSeek-V3 / GLM-5)
+
+struct SigmoidShape {
+  const char* name;
+  int64_t n_experts, top_k, n_group, topk_group;
+  float routed_scaling;
+  bool renormalize;
+};
+
+// GLM-5 (one group), DeepSeek-V3 (4 of 8 groups of 32: one register of every lane per group) and the tiny GLM-5
+// fixture; then groups that are not 32 experts (16 of 4, 4 of 16, 8 of 1: a worth of one value), the most groups
+// (32, one kept), raw (not renormalised) weights and other scalings.
+const SigmoidShape kSigmoidShapes[] = {
+    {"GLM-5", 256, 8, 1, 1, 2.5f, true},         {"DeepSeek-V3", 256, 8, 8, 4, 2.5f, true},
+    {"fixture", 8, 2, 1, 1, 2.5f, true},         {"16 groups of 4", 64, 6, 16, 4, 1.0f, true},
+    {"4 groups of 16", 64, 8, 4, 2, 1.5f, false}, {"8 groups of 1", 8, 3, 8, 5, 1.0f, true},
+    {"32 groups of 16", 512, 10, 32, 1, 2.5f, true}};
+
+// Two fp64 choice values (or group worths) this close may come out in either order from fp32 arithmetic: within
+// 1e-5 of each other, relative to the larger and at least 1 (a score lies in (0, 1), so its fp32 rounding is
+// absolute, about 1e-7).
+bool sigmoid_near(double a, double b) { return std::fabs(a - b) <= 1e-5 * std::max({std::fabs(a), std::fabs(b), 1.0}); }
+
+// layers/moe.cc's route_sigmoid for one token in fp64, from its bf16 logits and the fp32 correction bias (empty:
+// none). kept[0] and ids[0] are the reference's groups and experts; where the last kept and the first dropped group
+// are worth near the same, kept[1] and ids[1] are the selection with those two swapped, which fp32 may reach as well.
+// near_tie: a near but unequal pair at either edge of the selection (equal values come from equal inputs, which
+// every implementation orders alike).
+struct SigmoidToken {
+  std::vector<double> score, choice;  // [n_experts]
+  std::vector<std::vector<bool>> kept;
+  std::vector<std::vector<int32_t>> ids;  // top_k, in descending choice order (ties: lower index)
+  bool near_tie = false;
+};
+
+SigmoidToken sigmoid_reference(const uint16_t* logits, const std::vector<float>& bias, const SigmoidShape& s) {
+  const int64_t n = s.n_experts, per_group = n / s.n_group, tg = s.topk_group;
+  SigmoidToken r{std::vector<double>(static_cast<size_t>(n)), std::vector<double>(static_cast<size_t>(n)), {}, {},
+                 false};
+  for (int64_t e = 0; e < n; ++e) {
+    r.score[e] = 1.0 / (1.0 + std::exp(-double(bf16_to_float(logits[e]))));
+    r.choice[e] = r.score[e] + (bias.empty() ? 0.0 : double(bias[e]));
+  }
+  std::vector<double> worth(static_cast<size_t>(s.n_group));
+  for (int64_t g = 0; g < s.n_group; ++g) {
+    std::vector<double> members(r.choice.begin() + g * per_group, r.choice.begin() + (g + 1) * per_group);
+    std::sort(members.begin(), members.end(), std::greater<>());
+    worth[g] = members[0] + (per_group > 1 ? members[1] : 0.0);
+  }
+  std::vector<int32_t> groups(static_cast<size_t>(s.n_group));
+  std::iota(groups.begin(), groups.end(), 0);
+  std::stable_sort(groups.begin(), groups.end(), [&](int32_t a, int32_t b) { return worth[a] > worth[b]; });
+  std::vector<bool> kept(static_cast<size_t>(s.n_group), false);
+  for (int64_t g = 0; g < tg; ++g) kept[groups[g]] = true;
+  r.kept.push_back(kept);
+  if (tg < s.n_group && sigmoid_near(worth[groups[tg - 1]], worth[groups[tg]])) {
+    r.near_tie = worth[groups[tg - 1]] != worth[groups[tg]];
+    kept[groups[tg - 1]] = false;
+    kept[groups[tg]] = true;
+    r.kept.push_back(kept);
+  }
+  for (const std::vector<bool>& k : r.kept) {
+    std::vector<int32_t> candidates;
+    for (int64_t e = 0; e < n; ++e) {
+      if (k[e / per_group]) candidates.push_back(static_cast<int32_t>(e));
+    }
+    std::stable_sort(candidates.begin(), candidates.end(),
+                     [&](int32_t a, int32_t b) { return r.choice[a] > r.choice[b]; });
+    if (r.ids.empty() && static_cast<int64_t>(candidates.size()) > s.top_k) {
+      const double last = r.choice[candidates[s.top_k - 1]], next = r.choice[candidates[s.top_k]];
+      r.near_tie = r.near_tie || (last != next && sigmoid_near(last, next));
+    }
+    candidates.resize(static_cast<size_t>(s.top_k));
+    r.ids.push_back(std::move(candidates));
+  }
+  return r;
+}
+
+// "" when one token's choices (ids and weights in selection order) are the reference's selection v up to near-ties:
+// distinct experts of v's kept groups, each with a choice value near that of the reference's expert at its place
+// (so two near-equal experts may swap, in order or across the k-th place); each weight the expert's unbiased score,
+// over the chosen experts' score sum when renormalised, times the scaling (the fp32 sigmoid, sum and division stay
+// within a few 2^-24 relative). Else what differs.
+std::string sigmoid_mismatch(const SigmoidToken& ref, size_t v, const int32_t* ids, const float* weights,
+                             const SigmoidShape& s) {
+  const int64_t k = s.top_k, per_group = s.n_experts / s.n_group;
+  std::ostringstream why;
+  double sum = 0.0;
+  for (int64_t j = 0; j < k; ++j) {
+    const int32_t id = ids[j], want = ref.ids[v][j];
+    if (id < 0 || id >= s.n_experts || std::count(ids, ids + k, id) != 1 || !ref.kept[v][id / per_group]) {
+      why << "place " << j << ": expert " << id << " is out of range, repeated or in a dropped group";
+      return why.str();
+    }
+    if (!sigmoid_near(ref.choice[id], ref.choice[want])) {
+      why << "place " << j << ": expert " << id << " (choice " << ref.choice[id] << "), want " << want << " (choice "
+          << ref.choice[want] << ")";
+      return why.str();
+    }
+    sum += ref.score[id];
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    const double score = ref.score[ids[j]];
+    const double want = (s.renormalize ? score / sum : score) * s.routed_scaling;
+    if (!(std::fabs(weights[j] - want) <= 4e-6 * std::fabs(want))) {
+      why << "place " << j << ": weight " << weights[j] << " of expert " << ids[j] << ", want " << want;
+      return why.str();
+    }
+  }
+  return "";
+}
+
+// Random non-zero bf16 logits, N(0, 2), in rows of n_experts + 3: the padding would win every selection if read.
+std::vector<uint16_t> nonzero_logits(int64_t tokens, int64_t n_experts, std::mt19937& rng) {
+  const int64_t stride = n_experts + 3;
+  std::normal_distribution<float> dist(0.0f, 2.0f);
+  std::vector<uint16_t> logits(static_cast<size_t>(tokens * stride));
+  for (int64_t i = 0; i < tokens * stride; ++i) {
+    if (i % stride >= n_experts) {
+      logits[i] = float_to_bf16(100.0f);
+      continue;
+    }
+    do {
+      logits[i] = float_to_bf16(dist(rng));
+    } while ((logits[i] & 0x7FFF) == 0);
+  }
+  return logits;
+}
+
+// U(-scale, scale) per expert; empty (no bias) for scale 0.
+std::vector<float> random_bias(int64_t n_experts, float scale, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-scale, scale);
+  std::vector<float> bias;
+  for (int64_t e = 0; scale > 0.0f && e < n_experts; ++e) bias.push_back(dist(rng));
+  return bias;
+}
+
+MoeRouteArgs sigmoid_route_args(const RoutingBuffers& b, const DeviceBuffer& logits, const DeviceBuffer* bias,
+                                const SigmoidShape& s, int64_t tokens) {
+  MoeRouteArgs r = b.route(logits, {tokens, s.n_experts, s.top_k, s.renormalize, false});
+  r.sigmoid = true;
+  r.n_group = s.n_group;
+  r.topk_group = s.topk_group;
+  r.routed_scaling = s.routed_scaling;
+  r.correction_bias = bias != nullptr ? bias->as<float>() : nullptr;
+  return r;
+}
+
+// moe_route with sigmoid routing against the fp64 reference, token by token, and (up to the one-block limit)
+// moe_route_align against moe_route + moe_align, every output bit for bit, its sort also against the host's.
+// Adds to `changed` the tokens whose chosen experts the bias changed (against the reference without it).
+void check_sigmoid_route(const DeviceContext& ctx, const SigmoidShape& s, int64_t tokens, float bias_scale,
+                         std::mt19937& rng, int64_t& changed) {
+  const int64_t stride = s.n_experts + 3, k = s.top_k, pairs = tokens * k, n_off = s.n_experts + 1;
+  const std::vector<uint16_t> logits = nonzero_logits(tokens, s.n_experts, rng);
+  const std::vector<float> bias = random_bias(s.n_experts, bias_scale, rng);
+  const DeviceBuffer d_logits = upload(logits), d_bias = upload(bias);
+  const DeviceBuffer* bias_ptr = bias.empty() ? nullptr : &d_bias;
+  const RoutingBuffers two(pairs, s.n_experts), one(pairs, s.n_experts);
+  const RouteCase c{tokens, s.n_experts, k, s.renormalize, false};
+  auto status = moe_route(ctx, sigmoid_route_args(two, d_logits, bias_ptr, s, tokens));
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ASSERT_TRUE(moe_align(ctx, two.align(c)).has_value());
+  const bool fused = pairs <= kMoeRouteAlignMaxPairs;
+  if (fused) {
+    status = moe_route_align(ctx, sigmoid_route_args(one, d_logits, bias_ptr, s, tokens), one.align(c));
+    ASSERT_TRUE(status.has_value()) << status.error().message;
+  }
+  ctx.synchronize();
+  const std::string what = std::string(s.name) + " T=" + std::to_string(tokens) +
+                           (bias.empty() ? " no bias" : " bias +-" + std::to_string(bias_scale));
+  const auto ids = download<int32_t>(two.ids, static_cast<size_t>(pairs));
+  const auto weights = download<float>(two.weights, static_cast<size_t>(pairs));
+  int bad = 0;
+  int64_t swapped = 0, near_groups = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const SigmoidToken ref = sigmoid_reference(&logits[t * stride], bias, s);
+    std::string why;
+    for (size_t v = 0; v < ref.kept.size(); ++v) {
+      why = sigmoid_mismatch(ref, v, &ids[t * k], &weights[t * k], s);
+      if (why.empty()) break;
+    }
+    if (!why.empty() && ++bad <= 5) ADD_FAILURE() << what << " token " << t << ": " << why;
+    swapped += !std::equal(ref.ids[0].begin(), ref.ids[0].end(), &ids[t * k]);
+    near_groups += ref.kept.size() > 1;
+    if (!bias.empty()) {
+      std::vector<int32_t> biased = ref.ids[0], plain = sigmoid_reference(&logits[t * stride], {}, s).ids[0];
+      std::sort(biased.begin(), biased.end());
+      std::sort(plain.begin(), plain.end());
+      changed += biased != plain;
+    }
+  }
+  if (fused) {
+    EXPECT_EQ(download<int32_t>(one.ids, static_cast<size_t>(pairs)), ids) << what;
+    EXPECT_EQ(download<uint32_t>(one.weights, static_cast<size_t>(pairs)),
+              download<uint32_t>(two.weights, static_cast<size_t>(pairs)))
+        << what << " weight bits";
+    const HostAlign al = align_reference(ids, s.n_experts);
+    EXPECT_EQ(download<int32_t>(one.offsets, static_cast<size_t>(n_off)), al.offsets) << what;
+    EXPECT_EQ(download<int32_t>(one.sorted_pairs, static_cast<size_t>(pairs)), al.sorted_pairs) << what;
+    EXPECT_EQ(download<int32_t>(one.pair_row, static_cast<size_t>(pairs)), al.pair_row) << what;
+  }
+  std::printf("sigmoid route %-40s order differs from fp64 at %ld tokens (near-ties), groups near-tied at %ld\n",
+              what.c_str(), long(swapped), long(near_groups));
+}
+
+// Every shape at token counts one warp routes and sorts (1, 4 at top-8), the one block does (5, 64) and moe_route
+// alone does (1000), without a bias, with a small one and with one of about the scores' spread at the top; with a
+// bias, some token's experts must differ from the unbiased choice, or the bias was not tested.
+TEST(MoeRoute, SigmoidMatchesGroupedTopK) {
+  DeviceContext ctx;
+  std::mt19937 rng(2014);
+  for (const SigmoidShape& s : kSigmoidShapes) {
+    int64_t changed = 0;
+    for (int64_t tokens : {1, 4, 5, 64, 1000}) {
+      for (float bias_scale : {0.0f, 0.01f, 0.1f}) check_sigmoid_route(ctx, s, tokens, bias_scale, rng, changed);
+    }
+    EXPECT_GT(changed, 0) << s.name << ": the correction bias never changed a choice";
+  }
+}
+
+// fp32 logits (the fp32 router of DeepSeek-V3 / GLM-5) holding the same bf16-exact values as bf16 logits route to the
+// same bits, through moe_route and the fused launch, with the same row stride; softmax routing refuses them.
+TEST(MoeRoute, SigmoidFp32LogitsRouteAsTheirBf16Values) {
+  DeviceContext ctx;
+  std::mt19937 rng(2016);
+  for (const SigmoidShape& s : kSigmoidShapes) {
+    for (int64_t tokens : {1, 5, 300}) {
+      const int64_t stride = s.n_experts + 3, k = s.top_k, pairs = tokens * k;
+      const std::vector<uint16_t> logits = nonzero_logits(tokens, s.n_experts, rng);
+      std::vector<float> wide(logits.size());
+      for (size_t i = 0; i < logits.size(); ++i) wide[i] = bf16_to_float(logits[i]);
+      const std::vector<float> bias = random_bias(s.n_experts, 0.1f, rng);
+      const DeviceBuffer d_logits = upload(logits), d_wide = upload(wide), d_bias = upload(bias);
+      const RoutingBuffers a(pairs, s.n_experts), b(pairs, s.n_experts);
+      const RouteCase c{tokens, s.n_experts, k, s.renormalize, false};
+      ASSERT_TRUE(moe_route(ctx, sigmoid_route_args(a, d_logits, &d_bias, s, tokens)).has_value());
+      MoeRouteArgs f = sigmoid_route_args(b, d_logits, &d_bias, s, tokens);
+      f.logits = nullptr;
+      f.logits_f32 = d_wide.as<float>();
+      ASSERT_EQ(f.logits_stride, stride);
+      auto status = pairs <= kMoeRouteAlignMaxPairs ? moe_route_align(ctx, f, b.align(c)) : moe_route(ctx, f);
+      ASSERT_TRUE(status.has_value()) << status.error().message;
+      ctx.synchronize();
+      EXPECT_EQ(download<int32_t>(b.ids, static_cast<size_t>(pairs)), download<int32_t>(a.ids, static_cast<size_t>(pairs)))
+          << s.name << " T=" << tokens;
+      EXPECT_EQ(download<uint32_t>(b.weights, static_cast<size_t>(pairs)),
+                download<uint32_t>(a.weights, static_cast<size_t>(pairs)))
+          << s.name << " T=" << tokens << " weight bits";
+      f.sigmoid = false;
+      f.n_group = f.topk_group = 1;
+      f.routed_scaling = 1.0f;
+      f.correction_bias = nullptr;
+      status = moe_route(ctx, f);
+      ASSERT_FALSE(status.has_value());
+      EXPECT_NE(status.error().message.find("fp32 logits are for sigmoid routing"), std::string::npos)
+          << status.error().message;
+    }
+  }
+}
+
+// NaN logits (one, and a whole token's): the ids stay k distinct experts in range, from moe_route and the fused
+// launches alike.
+TEST(MoeRoute, SigmoidNanLogitsStayInRange) {
+  DeviceContext ctx;
+  std::mt19937 rng(2015);
+  for (const SigmoidShape& s : {kSigmoidShapes[0], kSigmoidShapes[1]}) {
+    const int64_t tokens = 3, stride = s.n_experts + 3, k = s.top_k, pairs = tokens * k;
+    std::vector<uint16_t> logits = nonzero_logits(tokens, s.n_experts, rng);
+    logits[5] = 0x7FC0;
+    for (int64_t e = 0; e < s.n_experts; ++e) logits[stride + e] = 0x7FC0;
+    const std::vector<float> bias = random_bias(s.n_experts, 0.1f, rng);
+    const DeviceBuffer d_logits = upload(logits), d_bias = upload(bias);
+    const RoutingBuffers two(pairs, s.n_experts), one(pairs, s.n_experts);
+    const RouteCase c{tokens, s.n_experts, k, s.renormalize, false};
+    ASSERT_TRUE(moe_route(ctx, sigmoid_route_args(two, d_logits, &d_bias, s, tokens)).has_value());
+    ASSERT_TRUE(moe_route_align(ctx, sigmoid_route_args(one, d_logits, &d_bias, s, tokens), one.align(c)).has_value());
+    ctx.synchronize();
+    for (const RoutingBuffers* b : {&two, &one}) {
+      const auto ids = download<int32_t>(b->ids, static_cast<size_t>(pairs));
+      for (int64_t t = 0; t < tokens; ++t) {
+        std::vector<int32_t> mine(ids.begin() + t * k, ids.begin() + (t + 1) * k);
+        std::sort(mine.begin(), mine.end());
+        EXPECT_TRUE(mine.front() >= 0 && mine.back() < s.n_experts &&
+                    std::adjacent_find(mine.begin(), mine.end()) == mine.end())
+            << s.name << " token " << t << ": ids not k distinct experts in range";
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -821,8 +1117,10 @@ TEST(MoeGemm, Nvfp4DecodeModelShapes) {
 // m tokens of top_k pairs on random distinct experts: the fused launch against gemv_bf16_silu_mul into shared_out
 // followed by moe_combine (every bit, and nothing of y past n written), and against the block's fp64 value. Against
 // fp64 the bf16 act (2^-9 relative per term), the shared output's rounding (2^-9) and y's own add up to about
-// 2^-8 of the summed magnitudes; leaving out one expert's term moves y by about its own magnitude.
-void check_combine_gemv(const DeviceContext& ctx, int64_t m, int64_t top_k, int64_t n, int64_t k, std::mt19937& rng) {
+// 2^-8 of the summed magnitudes; leaving out one expert's term moves y by about its own magnitude. gated = false:
+// no shared gate, the shared expert added unweighted (DeepSeek-V3 / GLM-5).
+void check_combine_gemv(const DeviceContext& ctx, int64_t m, int64_t top_k, int64_t n, int64_t k, bool gated,
+                        std::mt19937& rng) {
   const int64_t n_experts = 64, pairs = m * top_k, ldx = 2 * k + 8, gate_stride = 3, ldy = n + 5;
   const std::vector<int32_t> ids = random_ids(m, top_k, n_experts, false, rng);
   const HostAlign al = align_reference(ids, n_experts);
@@ -846,7 +1144,7 @@ void check_combine_gemv(const DeviceContext& ctx, int64_t m, int64_t top_k, int6
                             .topk_ids = d_ids.as<int32_t>(),
                             .topk_weights = d_weights.as<float>(),
                             .shared_out = shared.as<uint16_t>(),
-                            .shared_gate = d_gates.as<uint16_t>(),
+                            .shared_gate = gated ? d_gates.as<uint16_t>() : nullptr,
                             .shared_gate_stride = gate_stride,
                             .y = y_two.as<uint16_t>(),
                             .tokens = m,
@@ -861,7 +1159,7 @@ void check_combine_gemv(const DeviceContext& ctx, int64_t m, int64_t top_k, int6
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
   const std::string what = "combine in the GEMV: T=" + std::to_string(m) + " top" + std::to_string(top_k) +
-                           " n=" + std::to_string(n) + " k=" + std::to_string(k);
+                           " n=" + std::to_string(n) + " k=" + std::to_string(k) + (gated ? "" : " ungated");
   const auto got = download<uint16_t>(y_one, static_cast<size_t>(m * ldy));
   const auto want = download<uint16_t>(y_two, static_cast<size_t>(m * n));
   EXPECT_EQ(y_columns(got, m, ldy, 0, n), want) << what << ": differs from gemv_bf16_silu_mul + moe_combine";
@@ -874,7 +1172,8 @@ void check_combine_gemv(const DeviceContext& ctx, int64_t m, int64_t top_k, int6
       const double g = bf16_to_float(gate_up[t * ldx + c]), u = bf16_to_float(gate_up[t * ldx + k + c]);
       act[c] = g / (1.0 + std::exp(-g)) * u;
     }
-    const double sig = 1.0 / (1.0 + std::exp(-static_cast<double>(bf16_to_float(gates[t * gate_stride]))));
+    const double sig =
+        gated ? 1.0 / (1.0 + std::exp(-static_cast<double>(bf16_to_float(gates[t * gate_stride])))) : 1.0;
     for (int64_t col = 0; col < n; ++col) {
       double shared_v = 0.0, shared_abs = 0.0, routed = 0.0, routed_abs = 0.0;
       for (int64_t c = 0; c < k; ++c) {
@@ -904,10 +1203,11 @@ TEST(MoeCombine, FoldedIntoTheSharedExpertGemv) {
     int64_t m, top_k, n, k;
   };
   // Qwen3.5-35B-A3B's shared expert down ([2048, 512], top-8) at 1 and 2 tokens; top-1 and top-32; a k of
-  // one chunk beyond 64, and every row count up to the GEMV's eight.
+  // one chunk beyond 64, and every row count up to the GEMV's eight; each with the shared expert gated and
+  // unweighted.
   for (const Shape& s : {Shape{1, 8, 2048, 512}, Shape{2, 8, 2048, 512}, Shape{1, 1, 200, 64}, Shape{3, 32, 136, 72},
                          Shape{8, 4, 96, 136}, Shape{5, 10, 1000, 48}}) {
-    check_combine_gemv(ctx, s.m, s.top_k, s.n, s.k, rng);
+    for (bool gated : {true, false}) check_combine_gemv(ctx, s.m, s.top_k, s.n, s.k, gated, rng);
   }
 }
 
@@ -947,11 +1247,41 @@ CpuMatrix cpu_view(const ExpertWeights& w, int64_t e, int64_t row0, int64_t rows
 
 // How moe_forward runs: the token counts, the GEMM variant, and whether gate and up come as two stacks
 // (MoeForwardArgs::up; NVFP4: each quantized on its own, so every expert has two global scales).
+// Sigmoid routing (DeepSeek-V3 / GLM-5) for check_block: the groups, the scaling, a correction bias of
+// U(-bias_scale, bias_scale) (0: none), and the shared expert added unweighted (no gate), as both models add theirs.
+struct BlockSigmoid {
+  int64_t n_group = 1, topk_group = 1;
+  float routed_scaling = 2.5f, bias_scale = 0.1f;
+};
+
 struct BlockRun {
   std::vector<int64_t> tokens = {1, 3, 37, 1000};
   MoeGemmVariant variant = MoeGemmVariant::kAuto;
   bool split = false;
+  std::optional<BlockSigmoid> sigmoid;  // none: softmax routing, the shared expert behind sigmoid(its gate)
 };
+
+// With sigmoid routing, x rows whose routing has a near-tie (sigmoid_reference) are drawn again: Moe::forward and the
+// GPU compute the choice values in fp32 with different exp functions, so only a clear selection must agree. The
+// router's rows are one-hot, so the logits are x's values times powers of two, exact in bf16.
+void redraw_sigmoid_near_ties(std::vector<uint16_t>& x, const std::vector<uint16_t>& router, int64_t h,
+                              const std::vector<float>& bias, const SigmoidShape& shape, std::mt19937& rng) {
+  const int64_t tokens = static_cast<int64_t>(x.size()) / h;
+  std::vector<uint16_t> logits(static_cast<size_t>(shape.n_experts));
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int attempt = 0;; ++attempt) {
+      for (int64_t e = 0; e < shape.n_experts; ++e) {
+        double l = 0.0;
+        for (int64_t j = 0; j < h; ++j) l += double(bf16_to_float(x[t * h + j])) * bf16_to_float(router[e * h + j]);
+        logits[e] = float_to_bf16(static_cast<float>(l));
+      }
+      if (!sigmoid_reference(logits.data(), bias, shape).near_tie) break;
+      ASSERT_LT(attempt, 100) << "no x row without a near-tie in its routing";
+      const std::vector<uint16_t> row = gemm_test::random_bf16(static_cast<size_t>(h), rng);
+      std::copy(row.begin(), row.end(), x.begin() + t * h);
+    }
+  }
+}
 
 void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat format, std::mt19937& rng,
                  const BlockRun& run = {}) {
@@ -977,18 +1307,39 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
                              Linear("up", run.split ? cpu_view(up, e, 0, inter) : cpu_view(gate_up, e, inter, inter)),
                              Linear("down", cpu_view(down, e, 0, h))});
   }
+  // Sigmoid routing: the shared expert has no gate (its router column is computed but must not be read), and a
+  // correction bias that repeats expert 1's for the last expert keeps make_router's exact tie.
+  const BlockSigmoid sig = run.sigmoid.value_or(BlockSigmoid{});
+  const bool gated = !run.sigmoid;
+  std::vector<float> bias = run.sigmoid ? random_bias(e_count, sig.bias_scale, rng) : std::vector<float>{};
+  if (e_count > 2 && !bias.empty()) bias[e_count - 1] = bias[1];
+  const SigmoidShape sig_shape{"block", e_count, s.top_k, sig.n_group, sig.topk_group, sig.routed_scaling, true};
   if (s.shared_inter > 0) {
     cpu_w.shared_expert = std::make_unique<Mlp>(MlpWeights{Linear("sg", cpu_view(shared_gu, 0, 0, si)),
                                                            Linear("su", cpu_view(shared_gu, 0, si, si)),
                                                            Linear("sd", cpu_view(shared_down, 0, 0, h))});
-    cpu_w.shared_expert_gate = Linear("gate", {.format = CpuWeightFormat::kBf16, .rows = 1, .cols = h,
-                                               .data = &router[static_cast<size_t>(e_count * h)]});
+    if (gated) {
+      cpu_w.shared_expert_gate = Linear("gate", {.format = CpuWeightFormat::kBf16, .rows = 1, .cols = h,
+                                                 .data = &router[static_cast<size_t>(e_count * h)]});
+    }
   }
-  const Moe cpu(MoeShape{.top_k = s.top_k, .renormalize = true}, std::move(cpu_w));
-  const DeviceBuffer d_router = upload(router);
+  cpu_w.correction_bias = bias;
+  const Moe cpu(MoeShape{.top_k = s.top_k,
+                         .renormalize = true,
+                         .sigmoid = !gated,
+                         .n_group = sig.n_group,
+                         .topk_group = sig.topk_group,
+                         .routed_scaling = gated ? 1.0f : sig.routed_scaling,
+                         .shared_gate = gated},
+                std::move(cpu_w));
+  const DeviceBuffer d_router = upload(router), d_bias = upload(bias);
 
   for (int64_t tokens : run.tokens) {
-    const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(tokens * h), rng);
+    std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(tokens * h), rng);
+    if (run.sigmoid) {
+      redraw_sigmoid_near_ties(x, router, h, bias, sig_shape, rng);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
     const std::vector<float> xf = gemm_test::bf16_to_floats(x);
     std::vector<float> want(static_cast<size_t>(tokens * h));
     cpu.forward(xf.data(), want.data(), tokens, "", nullptr);
@@ -1020,11 +1371,16 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
                                           .inter = inter,
                                           .n_experts = e_count,
                                           .top_k = s.top_k,
+                                          .sigmoid = !gated,
+                                          .n_group = sig.n_group,
+                                          .topk_group = sig.topk_group,
+                                          .routed_scaling = gated ? 1.0f : sig.routed_scaling,
+                                          .correction_bias = bias.empty() ? nullptr : d_bias.as<float>(),
                                           .gate_up = gate_up.view(),
                                           .up = run.split ? up.view() : MoeExpertWeights{},
                                           .down = down.view(),
                                           .shared_out = shared ? s_out.as<uint16_t>() : nullptr,
-                                          .shared_gate = shared ? logits.as<uint16_t>() + e_count : nullptr,
+                                          .shared_gate = shared && gated ? logits.as<uint16_t>() + e_count : nullptr,
                                           .shared_gate_stride = e_count + 1,
                                           .y = d_y.as<uint16_t>(),
                                           .workspace = ws.data(),
@@ -1053,10 +1409,12 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
         }
       }
     }
-    std::printf("block %s %s%s H=%ld I=%ld E=%ld top%ld shared=%ld T=%ld: max error / allowed = %.3f\n",
+    const std::string routing = gated ? "" : " sigmoid " + std::to_string(sig.topk_group) + "/" +
+                                                 std::to_string(sig.n_group) + (bias.empty() ? "" : " +bias");
+    std::printf("block %s %s%s%s H=%ld I=%ld E=%ld top%ld shared=%ld T=%ld: max error / allowed = %.3f\n",
                 format == MoeWeightFormat::kNvfp4 ? "nvfp4" : "bf16", variant_name(run.variant),
-                run.split ? " split" : "", long(h), long(inter), long(e_count), long(s.top_k), long(s.shared_inter),
-                long(tokens), worst);
+                run.split ? " split" : "", routing.c_str(), long(h), long(inter), long(e_count), long(s.top_k),
+                long(s.shared_inter), long(tokens), worst);
     EXPECT_EQ(bad, 0) << tokens << " tokens";
   }
 }
@@ -1091,6 +1449,34 @@ TEST(MoeBlock, DecodePathsMatchCpuMoeForward) {
   }
 }
 
+// Sigmoid routing (DeepSeek-V3 / GLM-5) through moe_forward against Moe::forward with the same routing, correction
+// bias and scaling, the shared expert added unweighted: the tiny GLM-5 fixture, a GLM-5-like block (256 experts,
+// one group, top-8) with and without a bias, DeepSeek-V3's 4 of 8 groups with and without a shared expert; at the
+// default token counts, then the decode paths (one token: moe_route_align, not the gate/up launch, routes it) and
+// kPrefill at decode token counts.
+TEST(MoeBlock, SigmoidRoutingMatchesCpuMoeForward) {
+  DeviceContext ctx;
+  std::mt19937 rng(2016);
+  struct Case {
+    BlockShape shape;
+    BlockSigmoid sigmoid;
+  };
+  const Case cases[] = {{{64, 32, 8, 2, 32}, {1, 1, 2.5f, 0.1f}},
+                        {{512, 128, 256, 8, 128}, {1, 1, 2.5f, 0.1f}},
+                        {{512, 128, 256, 8, 128}, {1, 1, 2.5f, 0.0f}},
+                        {{256, 64, 256, 8, 64}, {8, 4, 2.5f, 0.1f}},
+                        {{256, 64, 256, 8, 0}, {8, 4, 2.5f, 0.1f}}};
+  for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
+    for (const Case& c : cases) check_block(ctx, c.shape, f, rng, {.sigmoid = c.sigmoid});
+  }
+  for (const Case& c : {cases[0], cases[1], cases[3]}) {
+    for (MoeGemmVariant v : {MoeGemmVariant::kAuto, MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill}) {
+      check_block(ctx, c.shape, MoeWeightFormat::kNvfp4, rng,
+                  {.tokens = {1, 2, 7, 64}, .variant = v, .split = v == MoeGemmVariant::kDecode, .sigmoid = c.sigmoid});
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Bad arguments
 
@@ -1113,6 +1499,45 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
                "n_experts=513 must be in [1, 512]");
   expect_error([&] { auto a = route; a.logits_stride = 7; return moe_route(ctx, a); }, "logits_stride=7");
   expect_error([&] { auto a = route; a.topk_ids = nullptr; return moe_route(ctx, a); }, "topk_ids is null");
+  // Sigmoid routing's groups, scaling and bias; softmax routing takes their defaults.
+  const MoeRouteArgs sigmoid = [&] {
+    auto a = route;
+    a.sigmoid = true;
+    a.n_group = 4;
+    a.topk_group = 2;
+    a.routed_scaling = 2.5f;
+    a.correction_bias = buf.as<float>();
+    return a;
+  }();
+  ASSERT_TRUE(moe_route(ctx, [&] { auto a = sigmoid; a.tokens = 0; return a; }()).has_value());
+  expect_error([&] { auto a = sigmoid; a.n_group = 3; return moe_route(ctx, a); },
+               "n_experts=8 is not a multiple of n_group=3");
+  expect_error([&] { auto a = sigmoid; a.n_group = 0; return moe_route(ctx, a); }, "n_group=0 must be in [1, 32]");
+  expect_error(
+      [&] {
+        auto a = sigmoid;
+        a.n_experts = a.logits_stride = 128;
+        a.n_group = 64;
+        return moe_route(ctx, a);
+      },
+      "n_group=64 must be in [1, 32]");
+  expect_error([&] { auto a = sigmoid; a.topk_group = 5; return moe_route(ctx, a); },
+               "topk_group=5 must be in [1, n_group=4]");
+  expect_error([&] { auto a = sigmoid; a.top_k = 5; return moe_route(ctx, a); },
+               "top_k=5 is more than the 4 experts of the topk_group=2 kept groups of 2");
+  expect_error([&] { auto a = sigmoid; a.routed_scaling = NAN; return moe_route(ctx, a); },
+               "routed_scaling=nan must be finite");
+  expect_error(
+      [&] {
+        auto a = sigmoid;
+        a.correction_bias = reinterpret_cast<const float*>(buf.as<uint16_t>() + 1);
+        return moe_route(ctx, a);
+      },
+      "correction_bias is not 4-byte aligned");
+  expect_error([&] { auto a = route; a.n_group = 2; return moe_route(ctx, a); }, "are sigmoid routing's");
+  expect_error([&] { auto a = route; a.correction_bias = buf.as<float>(); return moe_route(ctx, a); },
+               "are sigmoid routing's");
+  expect_error([&] { auto a = route; a.routed_scaling = 2.5f; return moe_route(ctx, a); }, "are sigmoid routing's");
 
   const MoeExpertWeights w{.format = MoeWeightFormat::kBf16, .n_experts = 4, .n = 16, .k = 64, .bf16 = u16,
                            .bf16_expert_stride = 16 * 64};
@@ -1195,7 +1620,10 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
   const MoeCombineArgs comb{.expert_out = u16, .pair_row = i32, .topk_ids = i32, .topk_weights = buf.as<float>(),
                             .y = buf.as<uint16_t>(), .tokens = 1, .top_k = 2, .hidden = 64};
   expect_error([&] { auto a = comb; a.hidden = 12; return moe_combine(ctx, a); }, "hidden=12 must be a positive multiple of 8");
-  expect_error([&] { auto a = comb; a.shared_out = u16; return moe_combine(ctx, a); }, "shared_gate (needed with shared_out)");
+  expect_error([&] { auto a = comb; a.shared_gate = u16; return moe_combine(ctx, a); },
+               "shared_out (needed with shared_gate)");
+  // A shared expert without a gate is added unweighted (no launch at no tokens).
+  ASSERT_TRUE(moe_combine(ctx, [&] { auto a = comb; a.shared_out = u16; a.tokens = 0; return a; }()).has_value());
   expect_error([&] {
     return moe_align(ctx, {.topk_ids = i32, .tokens = 1, .top_k = 2, .n_experts = 0, .expert_offsets = i32,
                            .sorted_pairs = i32, .pair_row = i32});
@@ -1266,6 +1694,23 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
         return moe_gemm(ctx, a);
       },
       "moe_gemm: align must sort the route's topk_ids");
+  expect_error(
+      [&] {
+        auto a = routed;
+        a.route.sigmoid = true;
+        return moe_gemm(ctx, a);
+      },
+      "routing in the launch is softmax only");
+
+  // moe_forward checks the routing mode before anything runs, at no tokens too.
+  const MoeForwardArgs forward{.x = u16, .router_logits = u16, .logits_stride = 8, .tokens = 0, .hidden = 64,
+                               .inter = 16, .n_experts = 4, .top_k = 2, .sigmoid = true, .n_group = 2,
+                               .topk_group = 1, .gate_up = {.n_experts = 4, .n = 32, .k = 64},
+                               .down = {.n_experts = 4, .n = 64, .k = 16}, .y = buf.as<uint16_t>(),
+                               .workspace = buf.data(), .workspace_bytes = 1 << 16};
+  ASSERT_TRUE(moe_forward(ctx, forward).has_value());
+  expect_error([&] { auto a = forward; a.top_k = 3; return moe_forward(ctx, a); },
+               "moe_forward: top_k=3 is more than the 2 experts of the topk_group=1 kept groups of 2");
 }
 
 TEST(MoeCombine, FoldedCombineBadArgumentsAreErrors) {
