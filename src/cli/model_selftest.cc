@@ -18,6 +18,7 @@
 #include "ops/elementwise_op.h"
 #include "ops/gdn_op.h"
 #include "ops/gemm_op.h"
+#include "ops/mla_op.h"
 #include "ops/moe_op.h"
 #include "ops/sampling_op.h"
 #include "ops/silu_gemv_op.h"
@@ -28,6 +29,7 @@
 #include "ops/elementwise_cuda.h"
 #include "ops/gdn_cuda.h"
 #include "ops/gemm_cuda.h"
+#include "ops/mla_cuda.h"
 #include "ops/moe_cuda.h"
 #include "ops/sampling_cuda.h"
 #include "ops/silu_gemv_cuda.h"
@@ -40,6 +42,7 @@ Expected<void> register_all(Registry& registry, bool cuda) {
   TERN_TRY(gemm_register_cpu(registry));
   TERN_TRY(elementwise_register_cpu(registry));
   TERN_TRY(attention_register_cpu(registry));
+  TERN_TRY(mla_register_cpu(registry));
   TERN_TRY(gdn_register_cpu(registry));
   TERN_TRY(moe_register_cpu(registry));
   TERN_TRY(sampling_register_cpu(registry));
@@ -50,6 +53,7 @@ Expected<void> register_all(Registry& registry, bool cuda) {
     TERN_TRY(gemm_register_cuda(registry, context));
     TERN_TRY(elementwise_register_cuda(registry, context));
     TERN_TRY(attention_register_cuda(registry, context));
+    TERN_TRY(mla_register_cuda(registry, context));
     TERN_TRY(gdn_register_cuda(registry, context));
     TERN_TRY(moe_register_cuda(registry, context));
     TERN_TRY(sampling_register_cuda(registry, context));

@@ -82,6 +82,7 @@ class MlaAttention final : public Mixer {
 
   const MlaShape& shape() const { return s_; }
   const MlaWeights& weights() const { return w_; }
+  const Rope& rope() const { return rope_; }
 
  private:
   // The keys each row of one sequence attends to (ascending positions), from the indexer or the shared selection.

@@ -13,6 +13,7 @@
 #include "ops/elementwise_op.h"
 #include "ops/gdn_op.h"
 #include "ops/gemm_op.h"
+#include "ops/mla_op.h"
 #include "ops/moe_op.h"
 #include "ops/sampling_op.h"
 #include "ops/silu_gemv_op.h"
@@ -73,8 +74,59 @@ class Planner final : public BlockOps {
     linear(g.weights().out_proj);
     return nullptr;
   }
-  Expected<std::unique_ptr<Block>> mla(const RmsNorm&, const MlaAttention&) override {
-    return make_error("multi-head latent attention has no GPU kernels yet");
+  // GLM-5 / DeepSeek-V3 in the weight-absorbed form, as CudaOps runs it.
+  Expected<std::unique_ptr<Block>> mla(const RmsNorm& norm, const MlaAttention& a) override {
+    block_norm(norm);
+    const MlaShape& s = a.shape();
+    const MlaWeights& w = a.weights();
+    const bool q_lora = s.q_lora_rank > 0, indexer = s.index_topk > 0 && w.indexer.has_value();
+    // The query LoRA's norm, and the latent's (which a GPU runs inside its latent-cache write; tested as the norm op).
+    if (q_lora) add("rms_norm", rms_norm_case(batches_.front(), 1, s.q_lora_rank, form_of(w.q_a_norm), false));
+    add("rms_norm", rms_norm_case(batches_.front(), 1, s.kv_lora_rank, form_of(w.kv_a_norm), false));
+    // Attention over the latent cache: causal without DSA, else over each row's selection. The fp64 reference costs
+    // rows x heads x keys x latent, and a row selects a strict subset only with more keys than topk, so a large
+    // index_topk (GLM-5's 2048) is tested at 256 keys selected out of 1000 and more: the kernel walks a selection
+    // list the same way at any length.
+    const int64_t qk = s.qk_nope_head_dim + s.qk_rope_head_dim;
+    const int64_t topk = s.index_topk > 0 ? std::min<int64_t>(s.index_topk, 256) : 0;
+    for (int64_t b : batches_) {
+      add("mla_attention", mla_attention_case(b, 1, 1000, s.n_heads, s.kv_lora_rank, s.qk_rope_head_dim, topk, qk));
+    }
+    // A prefill chunk; with DSA starting kPrefill / 2 tokens short of topk, so that its first rows list every key and
+    // the later ones select.
+    add("mla_attention", mla_attention_case(2, kPrefill, std::max<int64_t>(0, topk - kPrefill / 2), s.n_heads,
+                                            s.kv_lora_rank, s.qk_rope_head_dim, topk, qk));
+    // The projections as CudaOps groups them: [q_a_proj (or q_proj) | kv_a_proj | the indexer's wk | weights_proj]
+    // over the block's normed input, and [q_b_proj | the indexer's wq_b] over the normed q_a output (no norm fused).
+    std::vector<const Linear*> in_parts{q_lora ? &w.q_a_proj : &w.q_proj, &w.kv_a_proj}, q_parts;
+    if (q_lora) q_parts.push_back(&w.q_b_proj);
+    if (indexer) {
+      const MlaIndexerWeights& ix = *w.indexer;
+      in_parts.push_back(&ix.wk);
+      in_parts.push_back(&ix.weights_proj);
+      q_parts.push_back(&ix.wq_b);
+      // The lightning indexer's top-k at the model's index_topk: decode rows with more keys than it, and a prefill
+      // chunk whose first rows have no more than it.
+      const int64_t past = std::max<int64_t>(1000, 2 * s.index_topk);
+      for (int64_t b : batches_) {
+        add("indexer_select", indexer_select_case(b, 1, past, s.index_heads, s.index_head_dim, s.index_topk));
+      }
+      add("indexer_select", indexer_select_case(1, kPrefill, std::max<int64_t>(0, s.index_topk - kPrefill / 2),
+                                                s.index_heads, s.index_head_dim, s.index_topk));
+    }
+    projections(in_parts);
+    int64_t q_n = 0, q_count = 0;
+    for (const Linear* l : q_parts) {
+      linear(*l);
+      if (is_nvfp4(*l)) continue;
+      q_n += l->out_features();
+      ++q_count;
+    }
+    if (q_count > 1) bf16_.insert({q_n, q_parts.front()->in_features()});
+    linear(w.o_proj);
+    // The per-head products around the attention (W_UK^T of each head's q_nope, W_UV of its latent output) are
+    // batched gemm_bf16 calls over strided heads; the gemm_bf16 op's harness has no batch, so they have no case here.
+    return nullptr;
   }
   Expected<std::unique_ptr<Block>> mlp(const RmsNorm& norm, const Mlp& m) override {
     block_norm(norm);
@@ -90,13 +142,21 @@ class Planner final : public BlockOps {
     if (w.experts.empty()) return make_error("{}: an MoE block without experts", w.router.name());
     const int64_t hidden = w.router.in_features(), inter = w.experts.front().gate_proj.out_features(),
                   top_k = m.shape().top_k;
-    const bool nvfp4 = is_nvfp4(w.experts.front().gate_proj);
+    const bool nvfp4 = is_nvfp4(w.experts.front().gate_proj), shared = w.shared_expert != nullptr;
+    // The block's router (softmax, or GLM-5 / DeepSeek-V3's sigmoid with its groups and correction bias) and how
+    // its shared expert is added.
+    const MoeShape& s = m.shape();
+    const MoeCaseRouting routing{.sigmoid = s.sigmoid,
+                                 .n_group = s.sigmoid ? s.n_group : 1,
+                                 .topk_group = s.sigmoid ? s.topk_group : 1,
+                                 .correction_bias = s.sigmoid && !w.correction_bias.empty(),
+                                 .shared_gate = s.shared_gate};
     for (int64_t b : batches_) add("silu_mul", silu_mul_case(b * top_k, inter));
     // The decode batches, then a prefill chunk (past the decode kernels' token limit: the grouped prefill GEMM).
     for (int64_t b : batches_) {
-      add("moe", moe_case(b, hidden, inter, w.router.out_features(), top_k, nvfp4, w.shared_expert != nullptr));
+      add("moe", moe_case(b, hidden, inter, w.router.out_features(), top_k, nvfp4, shared, routing));
     }
-    add("moe", moe_case(kPrefill, hidden, inter, w.router.out_features(), top_k, nvfp4, w.shared_expert != nullptr));
+    add("moe", moe_case(kPrefill, hidden, inter, w.router.out_features(), top_k, nvfp4, shared, routing));
     projections(m.input_projections());
     if (w.shared_expert) silu_down(w.shared_expert->weights().down_proj);
     Shapes& experts = nvfp4 ? nvfp4_ : bf16_;

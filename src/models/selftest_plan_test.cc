@@ -12,6 +12,7 @@
 #include "ops/elementwise_op.h"
 #include "ops/gdn_op.h"
 #include "ops/gemm_op.h"
+#include "ops/mla_op.h"
 #include "ops/moe_op.h"
 #include "ops/silu_gemv_op.h"
 
@@ -68,6 +69,54 @@ TEST(SelftestPlan, Qwen35BlocksReportTheirOpsAtTheConfigsShapes) {
   EXPECT_TRUE(has(*table, "rms_norm", rms_norm_case(1, 1, h, RmsNormForm::kZeroCentred, true)));
   EXPECT_TRUE(has(*table, "rms_norm", rms_norm_case(1, hv, dv, RmsNormForm::kGated, false)));
   EXPECT_EQ(cases_of(*table, "gemm_nvfp4"), nullptr);  // a BF16 checkpoint
+  // Every op once, every case of an op once.
+  std::set<std::string> ops;
+  for (const auto& [op, cases] : *table) {
+    EXPECT_TRUE(ops.insert(op).second) << op;
+    std::set<std::vector<int64_t>> dims;
+    for (const SelfTestCase& x : cases) EXPECT_TRUE(dims.insert(x.dims).second) << op << " " << x.label;
+  }
+}
+
+// GLM-5's MLA blocks (the tiny fixture: 4 heads, a latent of 32 + 16, qk_head_dim 48, a DSA indexer of 16 heads of 32
+// with topk 16 in every layer) report the latent attention with its selection, the indexer's top-k, both LoRA norms
+// and the projections as the CUDA block groups them.
+TEST(SelftestPlan, GlmMlaBlocksReportTheirOpsAtTheConfigsShapes) {
+  auto model = host("glm_moe_dsa");
+  ASSERT_TRUE(model);
+  const ModelConfig& c = model->config();
+  ASSERT_EQ(c.num_attention_heads, 4);
+  ASSERT_EQ(c.kv_lora_rank, 32);
+  ASSERT_EQ(c.qk_rope_head_dim, 16);
+  ASSERT_EQ(c.index_n_heads, 16);
+  ASSERT_EQ(c.index_head_dim, 32);
+  ASSERT_EQ(c.index_topk, 16);
+  auto table = selftest_cases_of(*model, {1, 8});
+  ASSERT_TRUE(table.has_value()) << table.error().message;
+  const int64_t h = c.hidden_size, heads = c.num_attention_heads, qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  for (const int64_t b : {1, 8}) {
+    EXPECT_TRUE(has(*table, "mla_attention", mla_attention_case(b, 1, 1000, heads, 32, 16, 16, qk))) << b;
+    EXPECT_TRUE(has(*table, "indexer_select", indexer_select_case(b, 1, 1000, 16, 32, 16))) << b;
+  }
+  // The prefill chunks start at position 0 (topk 16 is less than half a chunk of 128).
+  EXPECT_TRUE(has(*table, "mla_attention", mla_attention_case(2, 128, 0, heads, 32, 16, 16, qk)));
+  EXPECT_TRUE(has(*table, "indexer_select", indexer_select_case(1, 128, 0, 16, 32, 16)));
+  // The lead case (what `--selftest fast` runs) is the one-row decode step.
+  const auto* mla = cases_of(*table, "mla_attention");
+  ASSERT_NE(mla, nullptr);
+  EXPECT_EQ(mla->front().dims, mla_attention_case(1, 1, 1000, heads, 32, 16, 16, qk).dims);
+  // The q_a and kv_a norms (both 32 wide here), one row.
+  EXPECT_TRUE(has(*table, "rms_norm", rms_norm_case(1, 1, c.q_lora_rank, RmsNormForm::kPlain, false)));
+  EXPECT_TRUE(has(*table, "rms_norm", rms_norm_case(1, 1, c.kv_lora_rank, RmsNormForm::kPlain, false)));
+  // [q_a_proj | kv_a_proj | wk | weights_proj] over the normed input (with the norm fused in front at decode),
+  // [q_b_proj | wq_b] over the normed q_a output, o_proj.
+  const int64_t in_n = c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim + c.index_n_heads;
+  const int64_t q_n = heads * qk + c.index_n_heads * c.index_head_dim;
+  EXPECT_TRUE(has(*table, "gemm_bf16", gemm_selftest_cases({{in_n, h}}, {1}).front()));
+  EXPECT_TRUE(has(*table, "rms_norm_gemv", rms_norm_gemv_case(in_n, h, RmsNormForm::kPlain, true)));
+  EXPECT_TRUE(has(*table, "gemm_bf16", gemm_selftest_cases({{q_n, c.q_lora_rank}}, {8}).front()));
+  EXPECT_FALSE(has(*table, "rms_norm_gemv", rms_norm_gemv_case(q_n, c.q_lora_rank, RmsNormForm::kPlain, true)));
+  EXPECT_TRUE(has(*table, "gemm_bf16", gemm_selftest_cases({{h, heads * c.v_head_dim}}, {1}).front()));
   // Every op once, every case of an op once.
   std::set<std::string> ops;
   for (const auto& [op, cases] : *table) {

@@ -25,7 +25,9 @@ std::vector<CudaModuleReport> cuda_modules_describe() {
                                                    {"moe_gemm_prefill_sm90", moe_gemm_prefill_sm90_module_attributes},
                                                    {"sampling", sampling_module_attributes},
                                                    {"sampling_partials", sampling_partials_module_attributes},
-                                                   {"gemv_bf16", gemv_bf16_module_attributes}};
+                                                   {"gemv_bf16", gemv_bf16_module_attributes},
+                                                   {"mla", mla_module_attributes},
+                                                   {"mla_indexer", mla_indexer_module_attributes}};
   std::vector<CudaModuleReport> out;
   for (const auto& [name, query] : modules) {
     cudaFuncAttributes a{};

@@ -10,6 +10,7 @@
 
 #include "kernels/cuda/attention/attention.h"
 #include "kernels/cuda/gated_delta/gated_delta_launch.h"
+#include "kernels/cuda/mla/indexer_launch.h"
 #include "ops/device.h"
 
 namespace tern {
@@ -136,6 +137,35 @@ TEST(TileFit, GdnChunksFitEverySimulatedDevice) {
   // dk 128 takes the long chunk only where ~109 KB fit: H200 yes, RTX PRO 6000 no.
   EXPECT_EQ(gdn_chunked_chunk_len(props_of(*simulated_device("h200")), 128), 64);
   EXPECT_EQ(gdn_chunked_chunk_len(props_of(*simulated_device("rtx-pro-6000")), 128), 32);
+}
+
+// The DSA indexer's score tiles (GLM-5's 32 heads of 128, the fixture's 16 of 32, the largest supported shape, the
+// smallest) fit every device, two K stages where they fit; the planned resident blocks fit the SM's shared memory.
+TEST(TileFit, IndexerSelectTilesFitEverySimulatedDevice) {
+  const int64_t shapes[][2] = {{128, 32}, {32, 16}, {256, 64}, {16, 1}};  // head_dim, n_heads
+  for (const std::string& name : simulated_device_names()) {
+    auto d = simulated_device(name);
+    ASSERT_TRUE(d.has_value()) << name;
+    const DeviceProps p = props_of(*d);
+    for (const auto& [hd, heads] : shapes) {
+      const IndexerSelectTiles t = indexer_select_tiles(p, hd, heads);
+      std::printf("%-13s indexer hd %3lld heads %2lld: %d stage(s), %zu of %lld bytes, %d blocks per SM\n",
+                  name.c_str(), static_cast<long long>(hd), static_cast<long long>(heads), t.stages, t.smem_bytes,
+                  static_cast<long long>(d->smem_per_block_optin), t.blocks_per_sm);
+      EXPECT_GE(t.stages, 1) << name << " hd " << hd << " heads " << heads << ": no score tile fits";
+      EXPECT_LE(static_cast<int64_t>(t.smem_bytes), d->smem_per_block_optin) << name << " hd " << hd;
+      EXPECT_EQ(t.m_tiles, (heads + 15) / 16);
+      EXPECT_GE(t.blocks_per_sm, 1);
+      EXPECT_LE(static_cast<int64_t>(t.blocks_per_sm) * static_cast<int64_t>(t.smem_bytes + 1024), d->smem_per_sm)
+          << name << " hd " << hd << ": more resident blocks planned than the SM's shared memory holds";
+    }
+    EXPECT_EQ(indexer_select_tiles(p, 128, 32).stages, 2) << name << ": GLM-5's shape keeps two stages";
+  }
+  EXPECT_EQ(indexer_select_tiles(props_of(*simulated_device("h200")), 256, 64).stages, 2);
+  EXPECT_EQ(indexer_select_tiles(props_of(*simulated_device("rtx-pro-6000")), 256, 64).stages, 1);
+  DeviceProps tiny = props_of(*simulated_device("rtx-pro-6000"));
+  tiny.shared_mem_per_block_optin = 1024;
+  EXPECT_EQ(indexer_select_tiles(tiny, 128, 32).stages, 0) << "a tile that does not fit must be refused";
 }
 
 }  // namespace

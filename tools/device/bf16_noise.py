@@ -5,7 +5,7 @@ reproduces the 24-token continuation. This is the noise floor a bf16-activation 
 tests (src/runtime/cuda_runner_test.cc) allow no more than it. Writes FIXTURES_DIR/<name>/bf16_noise.json. Needs
 torch + transformers and a CUDA device.
 
-usage: bf16_noise.py FIXTURES_DIR
+usage: bf16_noise.py FIXTURES_DIR [NAME ...]   (default: every fixture below)
 """
 import json
 import sys
@@ -23,12 +23,16 @@ import make_fixtures as mf  # noqa: E402
 CLASSES = {"qwen3": ("Qwen3ForCausalLM", "reference.json"), "qwen3_moe": ("Qwen3MoeForCausalLM", "reference.json"),
            "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "reference.json"),
            "qwen3_5_moe_fused": ("Qwen3_5MoeForConditionalGeneration", "reference.json"),
-           "qwen3_5_moe_nvfp4": ("Qwen3_5MoeForConditionalGeneration", "reference_w4a16.json")}
+           "qwen3_5_moe_nvfp4": ("Qwen3_5MoeForConditionalGeneration", "reference_w4a16.json"),
+           "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "reference.json")}
 
 
 def load_bf16(root, name, cls):
     if name != "qwen3_5_moe_nvfp4":
-        return getattr(transformers, cls).from_pretrained(f"{root}/{name}", dtype=torch.bfloat16)
+        # GLM-5 with eager attention: transformers' SDPA path of the DSA indexer skipped its causal mask
+        # (huggingface/transformers#48289); its reference was made with eager too.
+        extra = {"attn_implementation": "eager"} if name == "glm_moe_dsa" else {}
+        return getattr(transformers, cls).from_pretrained(f"{root}/{name}", dtype=torch.bfloat16, **extra)
     model = getattr(transformers, cls).from_pretrained(f"{root}/qwen3_5_moe", dtype=torch.float32)
     mf.apply_nvfp4_weights(model, load_file(f"{root}/{name}/model.safetensors"))
     return model.to(torch.bfloat16)
@@ -36,7 +40,9 @@ def load_bf16(root, name, cls):
 
 def main():
     root = sys.argv[1]
-    for name, (cls, reference) in CLASSES.items():
+    names = sys.argv[2:] or list(CLASSES)
+    for name in names:
+        cls, reference = CLASSES[name]
         path = f"{root}/{name}"
         ref = json.load(open(f"{path}/{reference}"))
         model = load_bf16(root, name, cls).cuda().eval()

@@ -10,10 +10,14 @@
 
 #include "core/formats.h"
 #include "kernels/cuda/elementwise/elementwise.h"
+#include "kernels/cuda/gemm/gemm_bf16.h"
 #include "kernels/cuda/gemv/gemv_bf16.h"
+#include "kernels/cuda/mla/indexer.h"
+#include "kernels/cuda/mla/mla.h"
 #include "kernels/cuda/moe/moe.h"
 #include "layers/attention.h"
 #include "layers/gated_deltanet.h"
+#include "layers/mla.h"
 #include "layers/moe.h"
 #include "layers/norms.h"
 
@@ -35,6 +39,34 @@ struct GpuAttention {
   const float* inv_freq = nullptr;
   int64_t rotary_dim = 0;
   PagedKvCache cache{};
+};
+
+// Multi-head latent attention in the weight-absorbed form (layers/mla.h): kv_b_proj's key rows W_UK (transposed)
+// and value rows W_UV per head, so a step reads the latent cache and never expands it.
+struct GpuMla {
+  MlaShape shape;
+  // [q_a_proj | kv_a_proj] over the block's normed input ([q_proj | kv_a_proj] without a query LoRA).
+  DeviceProjection in_proj;
+  int64_t kv_col = 0;
+  GpuNorm q_a_norm;          // with a query LoRA: q_a's output normed, then
+  DeviceProjection q_proj;   // q_b_proj of it
+  GpuNorm kv_norm;
+  const uint16_t* w_uk_t = nullptr;  // [heads, kv_lora_rank, qk_nope_head_dim]
+  const uint16_t* w_uv = nullptr;    // [heads, v_head_dim, kv_lora_rank]
+  DeviceMatrix o_proj;
+  const float* inv_freq = nullptr;   // [qk_rope_head_dim / 2]
+  PagedLatentCache cache{};
+  // DSA (index_topk > 0). A layer with its own indexer: wk and weights_proj are columns of in_proj, wq_b of q_proj,
+  // its keys have a paged cache; a "shared" layer (no indexer) attends the selection its nearest full layer made
+  // earlier in the same step.
+  bool has_indexer = false;
+  int64_t idx_k_col = 0, idx_w_col = 0, idx_q_col = 0;
+  const uint16_t* idx_norm_weight = nullptr;
+  const uint16_t* idx_norm_bias = nullptr;
+  float idx_eps = 1e-6f;
+  PagedIndexerKeys idx_cache{};
+  int64_t latent() const { return shape.kv_lora_rank + shape.qk_rope_head_dim; }
+  int64_t qk() const { return shape.qk_nope_head_dim + shape.qk_rope_head_dim; }
 };
 
 struct GpuGdn {
@@ -60,13 +92,17 @@ struct GpuMlp {
 };
 
 struct GpuMoe {
-  MoeShape shape;
+  MoeShape shape;  // softmax or sigmoid routing (DeepSeek-V3 / GLM-5), the shared expert gated or not
   int64_t n_experts = 0;
   // [shared expert gate | shared expert up | router | shared_expert_gate] as one GEMM over the block's input (the
-  // shared expert's columns first, so its rows start 16-byte aligned for silu_mul); without a shared expert, the
-  // router.
+  // shared expert's columns first, so its rows start 16-byte aligned for silu_mul; no shared_expert_gate column when
+  // the shared expert is unweighted, Moe::input_projections); without a shared expert, the router.
   DeviceProjection router;
   int64_t logits_col = 0;  // the router's first column
+  // Sigmoid routing: the router is not in `router` but its own GEMM with fp32 logits, as DeepSeek-V3 / GLM-5 compute
+  // it (transformers' TopkRouter: F.linear in fp32 over the bf16 hidden state and weight).
+  std::optional<DeviceMatrix> router_f32;
+  const float* correction_bias = nullptr;  // sigmoid routing's e_score_correction_bias [n_experts]; null: none
   DeviceExperts experts;
   std::optional<DeviceMatrix> shared_down;
   int64_t shared_inter = 0;
@@ -97,6 +133,21 @@ class CudaAttentionBlock final : public Block {
   CudaOps& ops_;
   GpuNorm norm_;
   GpuAttention a_;
+};
+
+class CudaMlaBlock final : public Block {
+ public:
+  CudaMlaBlock(CudaOps& ops, GpuNorm norm, GpuMla a) : ops_(ops), norm_(norm), a_(std::move(a)) {}
+  Expected<void> forward(int64_t layer) const override {
+    TERN_TRY(ops_.run_mla(a_, norm_, layer));
+    return ops_.reduce_out();
+  }
+  GpuMla& device() { return a_; }
+
+ private:
+  CudaOps& ops_;
+  GpuNorm norm_;
+  GpuMla a_;
 };
 
 class CudaGdnBlock final : public Block {
@@ -218,6 +269,96 @@ Expected<std::unique_ptr<Block>> CudaOps::attention(const RmsNorm& input_norm, c
   return block;
 }
 
+Expected<std::unique_ptr<Block>> CudaOps::mla(const RmsNorm& input_norm, const MlaAttention& a) {
+  const MlaShape& s = a.shape();
+  const MlaWeights& w = a.weights();
+  const std::string& name = w.kv_a_proj.name();
+  if (s.index_topk > 0 && s.q_lora_rank == 0) {
+    return make_error("{}: a DSA indexer needs the query LoRA (q_lora_rank > 0)", name);
+  }
+  const int64_t h = s.n_heads, nope = s.qk_nope_head_dim, rope = s.qk_rope_head_dim, vd = s.v_head_dim,
+                lora = s.kv_lora_rank;
+  // The kernels' limits (mla.h), and 16-byte rows and heads for the batched per-head GEMMs.
+  if (lora % 8 != 0 || lora > kMlaMaxLoraRank || rope % 8 != 0 || rope > kMlaMaxRopeDim || nope % 8 != 0 ||
+      vd % 8 != 0) {
+    return make_error("{}: MLA shapes kv_lora_rank={} qk_rope_head_dim={} qk_nope_head_dim={} v_head_dim={} are not "
+                      "supported on CUDA (multiples of 8; kv_lora_rank <= {}, qk_rope_head_dim <= {})",
+                      name, lora, rope, nope, vd, kMlaMaxLoraRank, kMlaMaxRopeDim);
+  }
+  if (!mla_attention_fits(ctx_.props(), lora + rope)) {
+    return make_error("{}: the MLA attention kernel's tiles for a {}-value latent need {} bytes of shared memory per "
+                      "block; this GPU allows {}", name, lora + rope, mla_attention_smem_bytes(lora + rope),
+                      ctx_.props().shared_mem_per_block_optin);
+  }
+  if (a.rope().rotary_dim() != rope) {
+    return make_error("{}: RoPE over {} dims, but qk_rope_head_dim is {}", name, a.rope().rotary_dim(), rope);
+  }
+  if (w.kv_b_proj.out_features() != h * (nope + vd) || w.kv_b_proj.in_features() != lora) {
+    return make_error("{}: kv_b_proj is [{}, {}], expected [{}, {}]", w.kv_b_proj.name(), w.kv_b_proj.out_features(),
+                      w.kv_b_proj.in_features(), h * (nope + vd), lora);
+  }
+  GpuMla g;
+  g.shape = s;
+  g.has_indexer = s.index_topk > 0 && w.indexer.has_value();
+  std::vector<const Linear*> parts{s.q_lora_rank > 0 ? &w.q_a_proj : &w.q_proj, &w.kv_a_proj};
+  std::vector<const Linear*> q_parts{&w.q_b_proj};
+  if (g.has_indexer) {
+    const MlaIndexerWeights& ix = *w.indexer;
+    if (s.index_head_dim % 16 != 0 || s.index_head_dim > kIndexerMaxHeadDim || s.index_heads > kIndexerMaxHeads) {
+      return make_error("{}: indexer shapes index_n_heads={} index_head_dim={} are not supported on CUDA (head_dim a "
+                        "multiple of 16 up to {}, at most {} heads)", name, s.index_heads, s.index_head_dim,
+                        kIndexerMaxHeadDim, kIndexerMaxHeads);
+    }
+    parts.push_back(&ix.wk);
+    parts.push_back(&ix.weights_proj);
+    q_parts.push_back(&ix.wq_b);
+    TERN_ASSIGN_OR_RETURN(g.idx_norm_weight, weights_.vector_bf16(ix.k_norm.weight));
+    TERN_ASSIGN_OR_RETURN(g.idx_norm_bias, weights_.vector_bf16(ix.k_norm.bias));
+    g.idx_eps = ix.k_norm.eps;
+  }
+  // Each linear's first column in its projection's output: the widths before it (adjacent BF16 linears become one
+  // device matrix, so DeviceProjection::offsets are per matrix, not per linear).
+  const auto column = [](const std::vector<const Linear*>& linears, size_t i) {
+    int64_t col = 0;
+    for (size_t j = 0; j < i; ++j) col += linears[j]->out_features();
+    return col;
+  };
+  TERN_ASSIGN_OR_RETURN(g.in_proj, weights_.projection(parts, 8));
+  g.kv_col = column(parts, 1);
+  if (g.has_indexer) {
+    g.idx_k_col = column(parts, 2);
+    g.idx_w_col = column(parts, 3);
+  }
+  if (s.q_lora_rank > 0) {
+    if (s.q_lora_rank % 8 != 0) return make_error("{}: q_lora_rank={} is not a multiple of 8", name, s.q_lora_rank);
+    TERN_ASSIGN_OR_RETURN(g.q_a_norm, norm(w.q_a_norm));
+    TERN_ASSIGN_OR_RETURN(g.q_proj, weights_.projection(q_parts, 8));
+    if (g.has_indexer) g.idx_q_col = column(q_parts, 1);
+  }
+  TERN_ASSIGN_OR_RETURN(g.kv_norm, norm(w.kv_a_norm));
+  // kv_b_proj's rows per head: nope key rows (W_UK), then vd value rows (W_UV); W_UK is stored transposed so both
+  // products are x . W^T GEMMs. Dequantized to fp32 on the host first (any stored format), bf16 on the device.
+  std::vector<float> row(static_cast<size_t>(lora)), uk_t(static_cast<size_t>(h * lora * nope)),
+      uv(static_cast<size_t>(h * vd * lora));
+  for (int64_t hd = 0; hd < h; ++hd) {
+    for (int64_t i = 0; i < nope; ++i) {
+      cpu_matrix_row(w.kv_b_proj.matrix(), hd * (nope + vd) + i, row.data());
+      for (int64_t l = 0; l < lora; ++l) uk_t[(hd * lora + l) * nope + i] = row[l];
+    }
+    for (int64_t i = 0; i < vd; ++i) {
+      cpu_matrix_row(w.kv_b_proj.matrix(), hd * (nope + vd) + nope + i, &uv[(hd * vd + i) * lora]);
+    }
+  }
+  TERN_ASSIGN_OR_RETURN(g.w_uk_t, weights_.vector_bf16(uk_t));
+  TERN_ASSIGN_OR_RETURN(g.w_uv, weights_.vector_bf16(uv));
+  TERN_ASSIGN_OR_RETURN(g.o_proj, weights_.matrix(w.o_proj));
+  TERN_ASSIGN_OR_RETURN(g.inv_freq, weights_.vector_f32(a.rope().inv_freq()));
+  TERN_ASSIGN_OR_RETURN(const GpuNorm n, norm(input_norm));
+  auto block = std::make_unique<CudaMlaBlock>(*this, n, std::move(g));
+  mlas_.push_back(&block->device());
+  return block;
+}
+
 Expected<std::unique_ptr<Block>> CudaOps::gated_deltanet(const RmsNorm& input_norm, const GatedDeltaNet& gdn) {
   GpuGdn g;
   g.shape = gdn.shape();
@@ -257,14 +398,17 @@ Expected<std::unique_ptr<Block>> CudaOps::mlp(const RmsNorm& post_norm, const Ml
 }
 
 Expected<std::unique_ptr<Block>> CudaOps::moe(const RmsNorm& post_norm, const Moe& moe) {
-  if (moe.shape().sigmoid || !moe.shape().shared_gate) {
-    return make_error("{}: sigmoid-routed MoE (GLM-5, DeepSeek-V3) runs on the CPU only so far (--device cpu)",
-                      moe.weights().router.name());
-  }
   GpuMoe m;
   m.shape = moe.shape();
   const MoeWeights& w = moe.weights();
   m.n_experts = w.router.out_features();
+  if (!w.correction_bias.empty()) {
+    if (!m.shape.sigmoid || static_cast<int64_t>(w.correction_bias.size()) != m.n_experts) {
+      return make_error("{}: a correction bias of {} values needs sigmoid routing over {} experts", w.router.name(),
+                        w.correction_bias.size(), m.n_experts);
+    }
+    TERN_ASSIGN_OR_RETURN(m.correction_bias, weights_.vector_f32(w.correction_bias));
+  }
   if (w.shared_expert) {
     const MlpWeights& s = w.shared_expert->weights();
     m.shared_inter = s.gate_proj.out_features();
@@ -281,7 +425,17 @@ Expected<std::unique_ptr<Block>> CudaOps::moe(const RmsNorm& post_norm, const Mo
                       "need{}", w.experts.front().down_proj.name(), w.experts.front().down_proj.in_features(),
                       comm_ ? fmt::format("; use fewer than {} tensor-parallel ranks", comm_->world()) : "");
   }
-  TERN_ASSIGN_OR_RETURN(m.router, weights_.projection(moe.input_projections(), 8));
+  std::vector<const Linear*> parts = moe.input_projections();
+  if (m.shape.sigmoid) {
+    parts.erase(std::find(parts.begin(), parts.end(), &w.router));
+    TERN_ASSIGN_OR_RETURN(m.router_f32, weights_.matrix(w.router));
+    if (m.router_f32->nvfp4 || m.n_experts % 4 != 0) {
+      return make_error("{}: a sigmoid router on CUDA must be BF16 with a multiple of 4 experts", w.router.name());
+    }
+  }
+  if (!parts.empty()) {
+    TERN_ASSIGN_OR_RETURN(m.router, weights_.projection(parts, 8));
+  }
   // The experts' name for errors: the router's module ("<prefix>layers.N.mlp.gate") with ".gate" replaced.
   const std::string& router_name = w.router.name();
   const std::string block_name =
@@ -315,6 +469,9 @@ Expected<void> CudaOps::allocate_caches() {
   const int64_t bs = options_.kv_block_size, slots = options_.max_sequences + 1;  // + spare_slot()
   int64_t kv_bytes_per_token = 0;
   for (const GpuAttention* a : attentions_) kv_bytes_per_token += 2 * a->shape.n_kv_heads * a->shape.head_dim * 2;
+  for (const GpuMla* a : mlas_) {
+    kv_bytes_per_token += a->latent() * 2 + (a->has_indexer ? a->shape.index_head_dim * 2 : 0);
+  }
   for (GpuGdn* g : gdns_) {
     const size_t conv = static_cast<size_t>(slots * g->channels() * (g->shape.conv_kernel - 1)) * 2;
     const size_t state =
@@ -359,6 +516,42 @@ Expected<void> CudaOps::allocate_caches() {
     cache_buffers_.push_back(std::move(k));
     cache_buffers_.push_back(std::move(v));
   }
+  for (GpuMla* a : mlas_) {
+    const size_t bytes = static_cast<size_t>((kv_blocks_ + 1) * bs * a->latent()) * 2;
+    DeviceBuffer c;
+    if (!DeviceBuffer::try_allocate(bytes, c)) {
+      return make_error("out of device memory for a latent cache of {} tokens; ask for fewer (tern serve: "
+                        "--max-total-tokens)", kv_blocks_ * bs);
+    }
+    a->cache = PagedLatentCache{.data = c.as<uint16_t>(),
+                                .n_blocks = kv_blocks_ + 1,  // + spare_block()
+                                .block_size = bs,
+                                .kv_lora_rank = a->shape.kv_lora_rank,
+                                .rope_dim = a->shape.qk_rope_head_dim};
+    cache_buffers_.push_back(std::move(c));
+    if (!a->has_indexer) continue;
+    DeviceBuffer k;
+    const size_t key_bytes = static_cast<size_t>((kv_blocks_ + 1) * bs * a->shape.index_head_dim) * 2;
+    if (!DeviceBuffer::try_allocate(key_bytes, k)) {
+      return make_error("out of device memory for the indexer key cache of {} tokens; ask for fewer (tern serve: "
+                        "--max-total-tokens)", kv_blocks_ * bs);
+    }
+    a->idx_cache = PagedIndexerKeys{
+        .k = k.as<uint16_t>(), .n_blocks = kv_blocks_ + 1, .block_size = bs, .head_dim = a->shape.index_head_dim};
+    cache_buffers_.push_back(std::move(k));
+  }
+  // DSA: the selection of a step ([rows, index_topk] key positions) and the indexer's score rows, sized here for the
+  // decode steps (every CUDA graph: max_sequences rows over the longest context) and grown by a longer prefill.
+  for (const GpuMla* a : mlas_) {
+    if (a->shape.index_topk <= 0) continue;
+    const int64_t topk = a->shape.index_topk;
+    if (!DeviceBuffer::try_allocate(static_cast<size_t>(options_.max_batch_tokens * topk) * 4, selected_)) {
+      return make_error("out of device memory for the DSA selections of {} rows", options_.max_batch_tokens);
+    }
+    const int64_t context = options_.max_context_tokens > 0 ? options_.max_context_tokens : kv_blocks_ * bs;
+    TERN_TRY(reserve_indexer_workspace(indexer_select_workspace_bytes(options_.max_sequences, context)));
+    break;
+  }
   // The split-K workspace (decode variant only, which kAuto picks for at most kAttentionDecodeMaxQueryLen rows per
   // sequence) depends on the rows of a step and the longest context the cache can hold.
   const int64_t decode_rows =
@@ -386,6 +579,13 @@ Expected<void> CudaOps::allocate_activations() {
     proj = std::max(proj, a->qkv.width);
     heads = std::max(heads, a->shape.n_heads * a->shape.head_dim);
   }
+  int64_t latent = 0;
+  for (const GpuMla* a : mlas_) {
+    const MlaShape& s = a->shape;
+    proj = std::max(proj, a->in_proj.width);
+    heads = std::max({heads, s.q_lora_rank, a->q_proj.width, s.n_heads * a->qk(), s.n_heads * s.v_head_dim});
+    latent = std::max(latent, s.n_heads * (a->latent() + s.kv_lora_rank) + s.index_heads * s.index_head_dim);
+  }
   for (const GpuGdn* g : gdns_) {
     proj = std::max(proj, g->in_proj.width);
     conv = std::max(conv, g->channels());
@@ -395,8 +595,10 @@ Expected<void> CudaOps::allocate_activations() {
     proj = std::max(proj, m->gate_up.width);
     act = std::max(act, m->inter);
   }
+  int64_t router_f32 = 0;
   for (const GpuMoe* m : moes_) {
     router = std::max(router, m->router.width);
+    if (m->router_f32) router_f32 = std::max(router_f32, m->n_experts);
     act = std::max(act, m->shared_inter);
     moe_workspace_bytes_ = std::max(moe_workspace_bytes_,
                                     moe_forward_workspace_bytes(t, m->shape.top_k, m->n_experts, m->experts.inter, h));
@@ -406,9 +608,12 @@ Expected<void> CudaOps::allocate_activations() {
   const std::pair<uint16_t**, int64_t> buffers[] = {
       {&x_rows_, t * h},      {&x_row_, h},          {&normed_, t * h},   {&out_, t * h},     {&proj_, t * proj},
       {&q_, t * heads},       {&gate_, t * heads},   {&attn_, t * heads}, {&conv_, t * conv}, {&act_, t * act},
-      {&router_, t * router}, {&shared_out_, t * h}, {&last_, t * h}};
+      {&router_, t * router}, {&shared_out_, t * h}, {&last_, t * h},   {&latent_, t * latent}};
   size_t bytes = aligned(moe_workspace_bytes_) + aligned(8);
   for (const auto& [ptr, count] : buffers) bytes += aligned(static_cast<size_t>(count) * 2);
+  if (router_f32 > 0 && !DeviceBuffer::try_allocate(static_cast<size_t>(t * router_f32) * 4, router_f32_)) {
+    return make_error("out of device memory for the fp32 router logits of {} rows", t);
+  }
   if (!DeviceBuffer::try_allocate(bytes, arena_)) {
     return make_error("out of device memory for {} bytes of activation buffers", bytes);
   }
@@ -544,6 +749,161 @@ Expected<void> CudaOps::run_attention(const GpuAttention& a, const GpuNorm& norm
   return device_matrix_forward(ctx_, a.o_proj, attn_, t, out_, hidden_);
 }
 
+// q: with a query LoRA, cq = RMSNorm(q_a_proj(x)) (into gate_) and q = q_b_proj(cq) (into q_); without, q_proj(x)
+// from the block's projection. The latent of the new tokens goes to the cache, q_pe is roped into the absorbed
+// query rows (latent_), W_UK^T of each head's q_nope fills the rest of them; attention over the latent cache; W_UV
+// of each head's latent output, then o_proj.
+Expected<void> CudaOps::run_mla(const GpuMla& a, const GpuNorm& norm, int64_t layer) {
+  const MlaShape& s = a.shape;
+  const int64_t t = step_.tokens, h = s.n_heads, lora = s.kv_lora_rank, nope = s.qk_nope_head_dim,
+                latent = a.latent(), qk = a.qk();
+  TERN_TRY(norm_project(normed_input(norm), a.in_proj, t, proj_));
+  stream_started_ = true;
+  const uint16_t* q = proj_;
+  int64_t q_stride = a.in_proj.width;
+  if (s.q_lora_rank > 0) {
+    TERN_TRY(rms_norm(ctx_, RmsNormArgs{.x = proj_,
+                                        .weight = a.q_a_norm.weight,
+                                        .y = gate_,
+                                        .x_stride = a.in_proj.width,
+                                        .rows = t,
+                                        .dim = s.q_lora_rank,
+                                        .eps = a.q_a_norm.eps,
+                                        .zero_centred = a.q_a_norm.zero_centred}));
+    for (size_t i = 0; i < a.q_proj.parts.size(); ++i) {
+      TERN_TRY(device_matrix_forward(ctx_, a.q_proj.parts[i], gate_, t, q_ + a.q_proj.offsets[i], a.q_proj.width));
+    }
+    q = q_;
+    q_stride = a.q_proj.width;
+  }
+  uint16_t* q_latent = latent_;
+  uint16_t* out_latent = latent_ + t * h * latent;
+  TERN_TRY(mla_prepare(ctx_, MlaPrepareArgs{.kv_a = proj_ + a.kv_col,
+                                            .kv_a_stride = a.in_proj.width,
+                                            .kv_norm_weight = a.kv_norm.weight,
+                                            .eps = a.kv_norm.eps,
+                                            .zero_centred = a.kv_norm.zero_centred,
+                                            .q = q,
+                                            .q_stride = q_stride,
+                                            .q_latent = q_latent,
+                                            .positions = step_.positions,
+                                            .inv_freq = a.inv_freq,
+                                            .interleaved = s.rope_interleaved,
+                                            .slot_mapping = step_.slot_mapping,
+                                            .cache = a.cache,
+                                            .tokens = t,
+                                            .n_heads = h,
+                                            .nope_dim = nope}));
+  // q_lat[t, hd, :lora] = q_nope[t, hd] . W_UK[hd] (as x . (W_UK^T)^T), one product per head.
+  TERN_TRY(gemm_bf16(ctx_, GemmBf16Args{.x = q,
+                                        .w = a.w_uk_t,
+                                        .y = q_latent,
+                                        .m = t,
+                                        .n = lora,
+                                        .k = nope,
+                                        .ldy = h * latent,
+                                        .ldx = q_stride,
+                                        .batch = h,
+                                        .x_batch_stride = qk,
+                                        .w_batch_stride = lora * nope,
+                                        .y_batch_stride = latent}));
+  const int32_t* selected = nullptr;
+  if (s.index_topk > 0) {
+    if (a.has_indexer) TERN_TRY(run_indexer(a, out_latent + t * h * lora));
+    selected = selected_.as<int32_t>();
+  }
+  TERN_TRY(mla_attention(ctx_, MlaAttentionArgs{.q_latent = q_latent,
+                                                .out_latent = out_latent,
+                                                .cache = a.cache,
+                                                .block_tables = step_.block_tables,
+                                                .max_blocks_per_seq = step_.max_blocks,
+                                                .query_start = step_.query_start,
+                                                .seq_lens = step_.seq_lens,
+                                                .n_seqs = step_.n_seqs,
+                                                .tokens = t,
+                                                .n_heads = h,
+                                                .selected = selected,
+                                                .topk = s.index_topk,
+                                                .scale = s.scale}));
+  // attn[t, hd, :vd] = o_lat[t, hd] . W_UV[hd]^T
+  TERN_TRY(gemm_bf16(ctx_, GemmBf16Args{.x = out_latent,
+                                        .w = a.w_uv,
+                                        .y = attn_,
+                                        .m = t,
+                                        .n = s.v_head_dim,
+                                        .k = lora,
+                                        .ldy = h * s.v_head_dim,
+                                        .ldx = h * lora,
+                                        .batch = h,
+                                        .x_batch_stride = lora,
+                                        .w_batch_stride = s.v_head_dim * lora,
+                                        .y_batch_stride = s.v_head_dim}));
+  TERN_TRY(trace(trace_name(layer, "attn"), attn_, t, h * s.v_head_dim, h * s.v_head_dim));
+  return device_matrix_forward(ctx_, a.o_proj, attn_, t, out_, hidden_);
+}
+
+// The DSA indexer of a full layer: its queries (q_ columns from wq_b) and keys (proj_ columns from wk) normed and
+// roped, the keys into their cache, then each row's top index_topk keys into selected_. idx_q: [tokens, heads,
+// head_dim] scratch.
+Expected<void> CudaOps::run_indexer(const GpuMla& a, uint16_t* idx_q) {
+  const MlaShape& s = a.shape;
+  const int64_t t = step_.tokens;
+  TERN_TRY(indexer_prepare(ctx_, IndexerPrepareArgs{.q = q_ + a.idx_q_col,
+                                                    .q_stride = a.q_proj.width,
+                                                    .q_out = idx_q,
+                                                    .k = proj_ + a.idx_k_col,
+                                                    .k_stride = a.in_proj.width,
+                                                    .k_norm_weight = a.idx_norm_weight,
+                                                    .k_norm_bias = a.idx_norm_bias,
+                                                    .eps = a.idx_eps,
+                                                    .positions = step_.positions,
+                                                    .inv_freq = a.inv_freq,
+                                                    .rope_dim = s.qk_rope_head_dim,
+                                                    .interleaved = s.indexer_rope_interleaved,
+                                                    .slot_mapping = step_.slot_mapping,
+                                                    .cache = a.idx_cache,
+                                                    .tokens = t,
+                                                    .n_heads = s.index_heads,
+                                                    .head_dim = s.index_head_dim}));
+  const size_t need = indexer_select_workspace_bytes(t, step_.max_seq_len);
+  if (need > indexer_workspace_.size_bytes()) {
+    if (step_.decode) {
+      return make_error("the DSA indexer workspace ({} bytes) is smaller than a decode step needs ({})",
+                        indexer_workspace_.size_bytes(), need);
+    }
+    TERN_TRY(reserve_indexer_workspace(need));  // a prefill step: never inside a graph capture
+  }
+  return indexer_select(ctx_, IndexerSelectArgs{.q = idx_q,
+                                                .weights = proj_ + a.idx_w_col,
+                                                .weights_stride = a.in_proj.width,
+                                                .cache = a.idx_cache,
+                                                .block_tables = step_.block_tables,
+                                                .max_blocks_per_seq = step_.max_blocks,
+                                                .query_start = step_.query_start,
+                                                .seq_lens = step_.seq_lens,
+                                                .n_seqs = step_.n_seqs,
+                                                .tokens = t,
+                                                .n_heads = s.index_heads,
+                                                .head_dim = s.index_head_dim,
+                                                .topk = s.index_topk,
+                                                .max_seq_len = step_.max_seq_len,
+                                                .workspace = indexer_workspace_.data(),
+                                                .workspace_bytes = indexer_workspace_.size_bytes(),
+                                                .selected = selected_.as<int32_t>()});
+}
+
+Expected<void> CudaOps::reserve_indexer_workspace(size_t bytes) {
+  if (bytes <= indexer_workspace_.size_bytes()) return {};
+  DeviceBuffer grown;
+  if (!DeviceBuffer::try_allocate(bytes, grown)) {
+    return make_error("out of device memory for the DSA indexer's scores ({} bytes: rows x context x 4); use shorter "
+                      "prefill chunks (--max-batch-tokens) or a shorter context", bytes);
+  }
+  TERN_CUDA_CHECK(cudaStreamSynchronize(ctx_.stream()));  // the old buffer may still be read by queued work
+  indexer_workspace_ = std::move(grown);
+  return {};
+}
+
 Expected<void> CudaOps::run_gdn(const GpuGdn& g, const GpuNorm& input_norm, int64_t layer) {
   const GatedDeltaNetShape& s = g.shape;
   const int64_t t = step_.tokens, c = g.channels(), hv = s.n_value_heads;
@@ -610,8 +970,19 @@ Expected<void> CudaOps::run_mlp(const GpuMlp& m, const GpuNorm& norm) {
 
 Expected<void> CudaOps::run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t layer) {
   const int64_t tokens = step_.tokens;
-  TERN_TRY(norm_project(normed_input(norm), m.router, tokens, router_));
+  const NormedInput in = normed_input(norm);
+  if (!m.router.parts.empty()) {
+    TERN_TRY(norm_project(in, m.router, tokens, router_));
+  } else {
+    TERN_TRY(rms_norm_rows(*in.norm, x_, in.residual, tokens, normed_));
+  }
   stream_started_ = true;
+  float* logits_f32 = router_f32_.as<float>();
+  if (m.router_f32) {
+    const DeviceMatrix& r = *m.router_f32;
+    TERN_TRY(gemm_bf16(ctx_, GemmBf16Args{.x = normed_, .w = r.bf16, .m = tokens, .n = r.n, .k = r.k,
+                                          .y_f32 = logits_f32}));
+  }
   // At one token, with the fused SiLU GEMV for the shared expert's down projection, that GEMV runs last and does the
   // combine in its epilogue (the same bits as silu_forward + the combine launch, one launch fewer).
   const bool fold_combine = m.shared_down && silu_gemv_applies(*m.shared_down, m.router.width, tokens);
@@ -620,19 +991,28 @@ Expected<void> CudaOps::run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t la
   }
   const DeviceExperts& e = m.experts;
   const MoeForwardArgs args{.x = normed_,
-                            .router_logits = router_ + m.logits_col,
-                            .logits_stride = m.router.width,
+                            .router_logits = m.router_f32 ? nullptr : router_ + m.logits_col,
+                            .router_logits_f32 = m.router_f32 ? logits_f32 : nullptr,
+                            .logits_stride = m.router_f32 ? m.n_experts : m.router.width,
                             .tokens = tokens,
                             .hidden = hidden_,
                             .inter = e.inter,
                             .n_experts = m.n_experts,
                             .top_k = m.shape.top_k,
                             .renormalize = m.shape.renormalize,
+                            .sigmoid = m.shape.sigmoid,
+                            .n_group = m.shape.sigmoid ? m.shape.n_group : 1,
+                            .topk_group = m.shape.sigmoid ? m.shape.topk_group : 1,
+                            .routed_scaling = m.shape.sigmoid ? m.shape.routed_scaling : 1.0f,
+                            .correction_bias = m.correction_bias,
                             .gate_up = e.nvfp4 ? e.gate : e.gate_up,
                             .up = e.nvfp4 ? e.up : MoeExpertWeights{},
                             .down = e.down,
                             .shared_out = m.shared_down ? shared_out_ : nullptr,
-                            .shared_gate = m.shared_down ? router_ + m.logits_col + m.n_experts : nullptr,
+                            // The shared_expert_gate column follows the router's, when the block has one.
+                            .shared_gate = m.shared_down && m.shape.shared_gate
+                                               ? router_ + m.logits_col + m.n_experts
+                                               : nullptr,
                             .shared_gate_stride = m.router.width,
                             .y = out_,
                             .workspace = moe_workspace_,
@@ -646,6 +1026,7 @@ Expected<void> CudaOps::run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t la
         ctx_, GemmBf16Args{.x = router_, .w = w.bf16, .y = c.y, .m = 1, .n = w.n, .k = w.k, .ldy = hidden_},
         m.router.width, c));
   }
+  if (m.router_f32) return trace_f32(trace_name(layer, "router_logits"), logits_f32, tokens, m.n_experts);
   return trace(trace_name(layer, "router_logits"), router_ + m.logits_col, tokens, m.n_experts, m.router.width);
 }
 
@@ -675,6 +1056,16 @@ Expected<void> CudaOps::run_head(const DeviceMatrix& head, const GpuNorm& norm) 
 
 Expected<void> CudaOps::trace_output(std::string_view name) {
   return trace(name, out_, step_.tokens, hidden_, hidden_);
+}
+
+Expected<void> CudaOps::trace_f32(std::string_view name, const float* data, int64_t rows, int64_t cols) {
+  if (step_.tracer == nullptr) return {};
+  std::vector<float> values(static_cast<size_t>(rows * cols));
+  TERN_CUDA_CHECK(cudaMemcpyAsync(values.data(), data, values.size() * 4, cudaMemcpyDeviceToHost, ctx_.stream()));
+  const cudaError_t status = cudaStreamSynchronize(ctx_.stream());
+  if (status != cudaSuccess) return make_error("CUDA error before {}: {}", name, cudaGetErrorString(status));
+  (*step_.tracer)(name, values.data(), rows, cols);
+  return {};
 }
 
 Expected<void> CudaOps::trace(std::string_view name, const uint16_t* data, int64_t rows, int64_t cols, int64_t ld) {

@@ -45,6 +45,7 @@ struct CudaStep {
 struct GpuNorm;
 struct GpuAttention;
 struct GpuGdn;
+struct GpuMla;
 struct GpuMlp;
 struct GpuMoe;
 
@@ -63,10 +64,7 @@ class CudaOps final : public BlockOps {
   Expected<std::unique_ptr<Block>> mlp(const RmsNorm& norm, const Mlp& m) override;
   Expected<std::unique_ptr<Block>> moe(const RmsNorm& norm, const Moe& m) override;
   Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head, VocabRange vocab) override;
-  // Not on CUDA yet: MLA (GLM-5, DeepSeek-V3) models are refused at load.
-  Expected<std::unique_ptr<Block>> mla(const RmsNorm&, const MlaAttention&) override {
-    return make_error("multi-head latent attention (GLM-5, DeepSeek-V3) runs on the CPU only so far (--device cpu)");
-  }
+  Expected<std::unique_ptr<Block>> mla(const RmsNorm& norm, const MlaAttention& a) override;
   // Not on CUDA yet: a model loaded with its draft module is refused at load.
   Expected<std::unique_ptr<Block>> draft_input(const RmsNorm&, const RmsNorm&, const Linear&) override {
     return make_error("speculative decoding with the model's MTP layers runs on the CPU only so far (--device cpu)");
@@ -95,6 +93,8 @@ class CudaOps final : public BlockOps {
   const CudaStep& step() const { return step_; }
   Expected<void> run_embedding(const DeviceMatrix& table);
   Expected<void> run_attention(const GpuAttention& a, const GpuNorm& norm);
+  Expected<void> run_mla(const GpuMla& a, const GpuNorm& norm, int64_t layer);
+  Expected<void> run_indexer(const GpuMla& a, uint16_t* idx_q);
   Expected<void> run_gdn(const GpuGdn& g, const GpuNorm& norm, int64_t layer);
   Expected<void> run_mlp(const GpuMlp& m, const GpuNorm& norm);
   Expected<void> run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t layer);
@@ -117,6 +117,8 @@ class CudaOps final : public BlockOps {
   Expected<void> reserve_head_rows(int64_t rows);
   Expected<void> gather_logits(int64_t rows);
   Expected<void> allocate_caches();
+  // Grows the DSA indexer's score workspace to at least `bytes` (outside graph captures only).
+  Expected<void> reserve_indexer_workspace(size_t bytes);
   Expected<void> allocate_activations();
   Expected<void> rms_norm_rows(const GpuNorm& n, uint16_t* x, const uint16_t* residual, int64_t rows, uint16_t* y);
   // The norm of `in`, then w's product of normed_ into y (row stride ldy). At one row, where the self-test verified
@@ -132,6 +134,7 @@ class CudaOps final : public BlockOps {
                               int64_t ldy);
   // Waits for the stream and hands rows x cols of a bf16 matrix with row stride ld to the step's tracer as fp32.
   Expected<void> trace(std::string_view name, const uint16_t* data, int64_t rows, int64_t cols, int64_t ld);
+  Expected<void> trace_f32(std::string_view name, const float* data, int64_t rows, int64_t cols);
 
   DeviceContext& ctx_;
   DeviceCommunicator* comm_ = nullptr;
@@ -147,6 +150,7 @@ class CudaOps final : public BlockOps {
   // The device blocks made so far (owned by their Blocks, which the model keeps), for sizing buffers and caches.
   std::vector<GpuAttention*> attentions_;
   std::vector<GpuGdn*> gdns_;
+  std::vector<GpuMla*> mlas_;
   std::vector<const GpuMlp*> mlps_;
   std::vector<const GpuMoe*> moes_;
 
@@ -164,6 +168,12 @@ class CudaOps final : public BlockOps {
   uint16_t *normed_ = nullptr, *out_ = nullptr, *proj_ = nullptr, *q_ = nullptr, *gate_ = nullptr, *attn_ = nullptr,
            *conv_ = nullptr, *act_ = nullptr;
   uint16_t *router_ = nullptr, *shared_out_ = nullptr, *last_ = nullptr;
+  // MLA: [tokens, heads, latent] absorbed queries, [tokens, heads, lora] outputs, [tokens, index heads, index
+  // head_dim] indexer queries.
+  uint16_t* latent_ = nullptr;
+  DeviceBuffer selected_;            // DSA: [max_batch_tokens, index_topk] int32
+  DeviceBuffer router_f32_;          // sigmoid routing: [max_batch_tokens, n_experts] fp32 router logits
+  DeviceBuffer indexer_workspace_;   // DSA: the indexer's score rows
   unsigned long long* bad_id_ = nullptr;  // the embedding kernel's report (ids are checked on the host first)
   void* attention_workspace_ = nullptr;
   size_t attention_workspace_bytes_ = 0;

@@ -1,0 +1,91 @@
+// Argument structs and unchecked launchers of the multi-head latent attention kernels (DeepSeek-V3, GLM-5) in the
+// weight-absorbed form over a paged latent cache, with the semantics of the CPU layer (layers/mla.cc,
+// MlaAttention::attend_absorbed): per head, score_s = (q_lat . c_s + q_pe . k_pe_s) * scale over the keys the row
+// attends (causal, or the DSA indexer's selection), o_lat = sum_s softmax(score)_s c_s. The per-head products around
+// it (q_lat = W_UK^T q_nope, o = W_UV o_lat) are batched BF16 GEMMs (gemm_bf16 with batch), the indexer's kernels
+// are in indexer_launch.h. Activations are bf16 (uint16_t bit patterns), the math inside fp32. Validation lives in
+// mla.cc; callers use mla.h.
+//
+// Every pointer, metadata included, is a device pointer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/device.h"
+
+namespace tern {
+
+// One layer's paged latent cache: [n_blocks, block_size, kv_lora_rank + rope_dim] bf16, per token the normed
+// latent c then the roped k_pe (the 576 values a GLM-5 / DeepSeek-V3 token keeps). Token slot
+// `block * block_size + offset`; block_size a power of two (as PagedKvCache).
+struct PagedLatentCache {
+  uint16_t* data = nullptr;
+  int64_t n_blocks = 0;
+  int64_t block_size = 0;
+  int64_t kv_lora_rank = 0;
+  int64_t rope_dim = 0;
+  int64_t width() const { return kv_lora_rank + rope_dim; }
+};
+
+// Before attention, per new token t: c = RMSNorm(kv_a[t, :kv_lora_rank]) * weight and k_pe = RoPE(kv_a[t,
+// kv_lora_rank:]) written to the cache at slot_mapping[t] (a slot outside the pool, e.g. -1 for a padding row,
+// writes nothing); each head's q_pe = RoPE(q[t, h, nope_dim:]) written to the last rope_dim columns of
+// q_latent[t, h] (its first kv_lora_rank columns are the absorbed query, which the batched GEMM writes). RoPE:
+// angle = float(positions[t]) * inv_freq[i] in fp32; interleaved pairs (x[2i], x[2i + 1]) or NeoX halves (x[i],
+// x[i + rope_dim / 2]). fp32 math, one rounding to bf16.
+struct MlaPrepareArgs {
+  const uint16_t* kv_a = nullptr;  // [tokens, kv_a_stride]: c then k_pe
+  int64_t kv_a_stride = 0;
+  const uint16_t* kv_norm_weight = nullptr;  // [kv_lora_rank]
+  float eps = 1e-6f;
+  bool zero_centred = false;  // (1 + w) * x̂ instead of w * x̂
+  const uint16_t* q = nullptr;  // [tokens, q_stride]: per head [nope_dim | rope_dim]
+  int64_t q_stride = 0;
+  uint16_t* q_latent = nullptr;  // [tokens, n_heads, kv_lora_rank + rope_dim]
+  const int32_t* positions = nullptr;  // [tokens]
+  const float* inv_freq = nullptr;     // [rope_dim / 2]
+  bool interleaved = true;
+  const int32_t* slot_mapping = nullptr;  // [tokens]
+  PagedLatentCache cache;
+  int64_t tokens = 0;
+  int64_t n_heads = 0;
+  int64_t nope_dim = 0;
+};
+
+// Attention of every new token's heads over its sequence's latent cache (which already holds the new tokens).
+// Sequence s owns query rows [query_start[s], query_start[s+1]) and seq_lens[s] cached tokens; its row i sits at
+// position seq_lens[s] - n_q(s) + i. Without `selected` the row attends keys 0..its position (causal); with it, the
+// keys selected[t, 0..topk) (ascending positions, -1 ends the list; DSA). Contract on the device metadata, as
+// PagedAttentionArgs: n_q(s) <= seq_lens[s], block_tables[s] lists ceil(seq_lens[s] / block_size) valid block ids,
+// a selection lists positions below its row's position + 1.
+struct MlaAttentionArgs {
+  const uint16_t* q_latent = nullptr;  // [tokens, n_heads, kv_lora_rank + rope_dim]
+  uint16_t* out_latent = nullptr;      // [tokens, n_heads, kv_lora_rank]
+  PagedLatentCache cache;              // read only here
+  const int32_t* block_tables = nullptr;  // [n_seqs, max_blocks_per_seq]
+  int64_t max_blocks_per_seq = 0;
+  const int32_t* query_start = nullptr;  // [n_seqs + 1]
+  const int32_t* seq_lens = nullptr;     // [n_seqs]
+  int64_t n_seqs = 0;
+  int64_t tokens = 0;
+  int64_t n_heads = 0;
+  const int32_t* selected = nullptr;  // optional [tokens, topk]
+  int64_t topk = 0;
+  float scale = 1.0f;
+};
+
+// Limits of the kernels: the latent's widths, and the heads one attention block shares a key tile between.
+inline constexpr int64_t kMlaMaxLoraRank = 512;
+inline constexpr int64_t kMlaMaxRopeDim = 128;
+inline constexpr int kMlaHeadsPerBlock = 8;  // one warp per head
+inline constexpr int kMlaKeysPerTile = 32;   // one lane per key while scoring
+
+// Dynamic shared memory of the attention kernel for a latent of `width` values (the key tile and the queries).
+size_t mla_attention_smem_bytes(int64_t width);
+
+// Unchecked launches on ctx.stream() for arguments mla.cc has validated (counts >= 1).
+void mla_prepare_launch(const DeviceContext& ctx, const MlaPrepareArgs& args);
+void mla_attention_launch(const DeviceContext& ctx, const MlaAttentionArgs& args);
+
+}  // namespace tern

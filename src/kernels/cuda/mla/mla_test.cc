@@ -1,0 +1,343 @@
+// The MLA kernels against fp64 host references computed here from the same bf16 inputs (label gpu): mla_prepare's
+// latent norm, RoPE (both layouts) and cache writes, and mla_attention over a paged latent cache with scattered
+// blocks, causal and with DSA selections, for GLM-5's shapes (576-value latent) and the tiny fixture's. Outputs are
+// poisoned first; a padding row's slot -1 must write nothing.
+#include "kernels/cuda/mla/mla.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/formats.h"
+#include "kernels/cuda/cuda_check.h"
+
+namespace tern {
+namespace {
+
+constexpr uint16_t kPoison = 0xFFFF;  // a bf16 NaN
+
+std::vector<uint16_t> random_bf16(size_t n, std::mt19937& rng, float scale = 1.0f) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<uint16_t> out(n);
+  for (auto& v : out) {
+    do {
+      v = float_to_bf16(dist(rng) * scale);
+    } while ((v & 0x7FFF) == 0);
+  }
+  return out;
+}
+
+template <class T>
+DeviceBuffer upload(const std::vector<T>& host) {
+  DeviceBuffer b(std::max<size_t>(host.size() * sizeof(T), 16));
+  if (!host.empty()) b.upload(host.data(), host.size() * sizeof(T));
+  return b;
+}
+
+template <class T>
+std::vector<T> download(const DeviceBuffer& b, size_t count) {
+  std::vector<T> out(count);
+  TERN_CUDA_CHECK(cudaMemcpy(out.data(), b.data(), count * sizeof(T), cudaMemcpyDeviceToHost));
+  return out;
+}
+
+double bf(uint16_t v) { return static_cast<double>(bf16_to_float(v)); }
+
+// The rotation of pair slot j as mla_launch.h defines it, in double.
+void rope_ref(const std::vector<double>& x, std::vector<double>& y, int64_t dim, double position,
+              const std::vector<float>& inv_freq, bool interleaved) {
+  const int64_t half = dim / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const int64_t lo = interleaved ? 2 * j : j, hi = interleaved ? 2 * j + 1 : j + half;
+    const double angle = static_cast<double>(static_cast<float>(position) * inv_freq[j]);
+    y[lo] = x[lo] * std::cos(angle) - x[hi] * std::sin(angle);
+    y[hi] = x[hi] * std::cos(angle) + x[lo] * std::sin(angle);
+  }
+}
+
+std::vector<float> inv_freq_table(int64_t rope_dim) {
+  std::vector<float> f(static_cast<size_t>(rope_dim / 2));
+  for (size_t i = 0; i < f.size(); ++i) f[i] = static_cast<float>(std::pow(10000.0, -2.0 * i / rope_dim));
+  return f;
+}
+
+// |got - want| within bf16 rounding of the value plus `abs` (fp32 accumulation over long sums); NaN never passes.
+void expect_close(float got, double want, double abs, const std::string& what) {
+  ASSERT_TRUE(std::isfinite(got)) << what;
+  ASSERT_LE(std::abs(got - want), abs + std::abs(want) * (1.0 / 128)) << what << ": got " << got << " want " << want;
+}
+
+struct PrepareShape {
+  int64_t tokens, heads, lora, rope, nope;
+  bool interleaved;
+};
+
+void check_prepare(const PrepareShape& s, uint64_t seed) {
+  DeviceContext ctx;
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  const int64_t width = s.lora + s.rope, kv_stride = width + 24, q_stride = s.heads * (s.nope + s.rope) + 8;
+  const int64_t block_size = 16, n_blocks = (s.tokens + block_size - 1) / block_size + 2;
+  const auto kv_a = random_bf16(static_cast<size_t>(s.tokens * kv_stride), rng, 3.0f);
+  const auto q = random_bf16(static_cast<size_t>(s.tokens * q_stride), rng, 2.0f);
+  const auto weight = random_bf16(static_cast<size_t>(s.lora), rng, 2.0f);
+  const auto inv_freq = inv_freq_table(s.rope);
+  std::vector<int32_t> positions(s.tokens), slots(s.tokens);
+  std::uniform_int_distribution<int32_t> pos_dist(0, 200000);
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    positions[t] = pos_dist(rng);
+    slots[t] = static_cast<int32_t>((t * 7 + 3) % ((n_blocks - 1) * block_size));  // distinct for tokens < pool
+  }
+  slots[s.tokens / 2] = -1;  // a padding row
+  DeviceBuffer d_kv = upload(kv_a), d_q = upload(q), d_w = upload(weight), d_f = upload(inv_freq),
+               d_pos = upload(positions), d_slot = upload(slots);
+  DeviceBuffer cache(static_cast<size_t>(n_blocks * block_size * width) * 2),
+      q_lat(static_cast<size_t>(s.tokens * s.heads * width) * 2);
+  cache.fill(0xFF);
+  q_lat.fill(0xFF);
+  const PagedLatentCache pc{.data = cache.as<uint16_t>(),
+                            .n_blocks = n_blocks,
+                            .block_size = block_size,
+                            .kv_lora_rank = s.lora,
+                            .rope_dim = s.rope};
+  const auto status = mla_prepare(ctx, MlaPrepareArgs{.kv_a = d_kv.as<uint16_t>(),
+                                                      .kv_a_stride = kv_stride,
+                                                      .kv_norm_weight = d_w.as<uint16_t>(),
+                                                      .eps = 1e-5f,
+                                                      .q = d_q.as<uint16_t>(),
+                                                      .q_stride = q_stride,
+                                                      .q_latent = q_lat.as<uint16_t>(),
+                                                      .positions = d_pos.as<int32_t>(),
+                                                      .inv_freq = d_f.as<float>(),
+                                                      .interleaved = s.interleaved,
+                                                      .slot_mapping = d_slot.as<int32_t>(),
+                                                      .cache = pc,
+                                                      .tokens = s.tokens,
+                                                      .n_heads = s.heads,
+                                                      .nope_dim = s.nope});
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const auto got_cache = download<uint16_t>(cache, static_cast<size_t>(n_blocks * block_size * width));
+  const auto got_q = download<uint16_t>(q_lat, static_cast<size_t>(s.tokens * s.heads * width));
+  std::vector<bool> written(static_cast<size_t>(n_blocks * block_size), false);
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    const std::string what = "token " + std::to_string(t);
+    std::vector<double> x(static_cast<size_t>(s.rope)), y(static_cast<size_t>(s.rope));
+    for (int64_t h = 0; h < s.heads; ++h) {
+      for (int64_t i = 0; i < s.rope; ++i) x[i] = bf(q[t * q_stride + h * (s.nope + s.rope) + s.nope + i]);
+      rope_ref(x, y, s.rope, positions[t], inv_freq, s.interleaved);
+      const int64_t base = (t * s.heads + h) * width;
+      for (int64_t i = 0; i < s.lora; ++i) ASSERT_EQ(got_q[base + i], kPoison) << what << ": q_lat written";
+      for (int64_t i = 0; i < s.rope; ++i) {
+        expect_close(bf16_to_float(got_q[base + s.lora + i]), y[i], 1e-3, what + " q_pe head " + std::to_string(h));
+      }
+    }
+    if (slots[t] < 0) continue;
+    written[slots[t]] = true;
+    double sq = 0;
+    for (int64_t i = 0; i < s.lora; ++i) sq += bf(kv_a[t * kv_stride + i]) * bf(kv_a[t * kv_stride + i]);
+    const double inv = 1.0 / std::sqrt(sq / s.lora + 1e-5);
+    const uint16_t* row = &got_cache[slots[t] * width];
+    for (int64_t i = 0; i < s.lora; ++i) {
+      expect_close(bf16_to_float(row[i]), bf(kv_a[t * kv_stride + i]) * inv * bf(weight[i]), 1e-3, what + " c");
+    }
+    for (int64_t i = 0; i < s.rope; ++i) x[i] = bf(kv_a[t * kv_stride + s.lora + i]);
+    rope_ref(x, y, s.rope, positions[t], inv_freq, s.interleaved);
+    for (int64_t i = 0; i < s.rope; ++i) expect_close(bf16_to_float(row[s.lora + i]), y[i], 1e-3, what + " k_pe");
+  }
+  for (size_t slot = 0; slot < written.size(); ++slot) {
+    if (written[slot]) continue;
+    for (int64_t i = 0; i < width; ++i) ASSERT_EQ(got_cache[slot * width + i], kPoison) << "slot " << slot;
+  }
+}
+
+TEST(CudaMla, PrepareMatchesReference) {
+  check_prepare({.tokens = 37, .heads = 16, .lora = 512, .rope = 64, .nope = 192, .interleaved = true}, 1);
+  check_prepare({.tokens = 5, .heads = 16, .lora = 512, .rope = 64, .nope = 192, .interleaved = false}, 2);
+  check_prepare({.tokens = 9, .heads = 4, .lora = 32, .rope = 16, .nope = 32, .interleaved = true}, 3);
+}
+
+// A batch of sequences over one paged latent cache: seq_lens[s] cached tokens (new ones included), n_q[s] query rows.
+struct AttnCase {
+  int64_t heads, lora, rope;
+  std::vector<int64_t> seq_lens, n_q;
+  int64_t topk;  // 0: causal
+};
+
+void check_attention(const AttnCase& c, uint64_t seed) {
+  DeviceContext ctx;
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  const int64_t width = c.lora + c.rope, block_size = 16, n_seqs = static_cast<int64_t>(c.seq_lens.size());
+  int64_t max_blocks = 0, total_blocks = 0, tokens = 0;
+  for (int64_t s = 0; s < n_seqs; ++s) {
+    max_blocks = std::max(max_blocks, (c.seq_lens[s] + block_size - 1) / block_size);
+    total_blocks += (c.seq_lens[s] + block_size - 1) / block_size;
+    tokens += c.n_q[s];
+  }
+  // Blocks handed out in a shuffled order, so a sequence's blocks are scattered over the pool.
+  const int64_t n_blocks = total_blocks + 3;
+  std::vector<int32_t> order(n_blocks);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<int32_t> tables(static_cast<size_t>(n_seqs * max_blocks), -1), query_start(n_seqs + 1, 0),
+      seq_lens(n_seqs);
+  int64_t next = 0;
+  for (int64_t s = 0; s < n_seqs; ++s) {
+    for (int64_t b = 0; b < (c.seq_lens[s] + block_size - 1) / block_size; ++b) tables[s * max_blocks + b] = order[next++];
+    query_start[s + 1] = static_cast<int32_t>(query_start[s] + c.n_q[s]);
+    seq_lens[s] = static_cast<int32_t>(c.seq_lens[s]);
+  }
+  const auto pool = random_bf16(static_cast<size_t>(n_blocks * block_size * width), rng, 1.0f);
+  // Queries large enough for a peaked softmax (scores of several units).
+  const auto q = random_bf16(static_cast<size_t>(tokens * c.heads * width), rng, 1.5f);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(width));
+  // Selections: per row a random ascending subset of its causal keys (all of them when they are at most topk), the
+  // tail -1.
+  std::vector<int32_t> selected;
+  std::vector<int64_t> row_pos(tokens);
+  for (int64_t s = 0; s < n_seqs; ++s) {
+    for (int64_t i = 0; i < c.n_q[s]; ++i) row_pos[query_start[s] + i] = c.seq_lens[s] - c.n_q[s] + i;
+  }
+  if (c.topk > 0) {
+    selected.assign(static_cast<size_t>(tokens * c.topk), -1);
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::vector<int32_t> keys(row_pos[t] + 1);
+      std::iota(keys.begin(), keys.end(), 0);
+      if (static_cast<int64_t>(keys.size()) > c.topk) {
+        std::shuffle(keys.begin(), keys.end(), rng);
+        keys.resize(c.topk);
+        std::sort(keys.begin(), keys.end());
+      }
+      std::copy(keys.begin(), keys.end(), selected.begin() + t * c.topk);
+    }
+  }
+  DeviceBuffer d_pool = upload(pool), d_q = upload(q), d_tables = upload(tables), d_qs = upload(query_start),
+               d_lens = upload(seq_lens), d_sel = upload(selected);
+  DeviceBuffer out(static_cast<size_t>(tokens * c.heads * c.lora) * 2);
+  out.fill(0xFF);
+  const auto status = mla_attention(ctx, MlaAttentionArgs{.q_latent = d_q.as<uint16_t>(),
+                                                          .out_latent = out.as<uint16_t>(),
+                                                          .cache = {.data = d_pool.as<uint16_t>(),
+                                                                    .n_blocks = n_blocks,
+                                                                    .block_size = block_size,
+                                                                    .kv_lora_rank = c.lora,
+                                                                    .rope_dim = c.rope},
+                                                          .block_tables = d_tables.as<int32_t>(),
+                                                          .max_blocks_per_seq = max_blocks,
+                                                          .query_start = d_qs.as<int32_t>(),
+                                                          .seq_lens = d_lens.as<int32_t>(),
+                                                          .n_seqs = n_seqs,
+                                                          .tokens = tokens,
+                                                          .n_heads = c.heads,
+                                                          .selected = c.topk > 0 ? d_sel.as<int32_t>() : nullptr,
+                                                          .topk = c.topk,
+                                                          .scale = scale});
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  ctx.synchronize();
+  const auto got = download<uint16_t>(out, static_cast<size_t>(tokens * c.heads * c.lora));
+  for (int64_t s = 0; s < n_seqs; ++s) {
+    for (int64_t i = 0; i < c.n_q[s]; ++i) {
+      const int64_t t = query_start[s] + i;
+      std::vector<int64_t> keys;
+      if (c.topk > 0) {
+        for (int64_t j = 0; j < c.topk && selected[t * c.topk + j] >= 0; ++j) keys.push_back(selected[t * c.topk + j]);
+      } else {
+        for (int64_t p = 0; p <= row_pos[t]; ++p) keys.push_back(p);
+      }
+      for (int64_t h = 0; h < c.heads; ++h) {
+        const uint16_t* qh = &q[(t * c.heads + h) * width];
+        std::vector<double> score(keys.size()), o(static_cast<size_t>(c.lora), 0.0);
+        double mx = -INFINITY, sum = 0;
+        for (size_t j = 0; j < keys.size(); ++j) {
+          const int64_t slot = tables[s * max_blocks + keys[j] / block_size] * block_size + keys[j] % block_size;
+          double dot = 0;
+          for (int64_t d = 0; d < width; ++d) dot += bf(qh[d]) * bf(pool[slot * width + d]);
+          score[j] = dot * scale;
+          mx = std::max(mx, score[j]);
+        }
+        double cmax = 0;
+        for (size_t j = 0; j < keys.size(); ++j) {
+          const double p = std::exp(score[j] - mx);
+          sum += p;
+          const int64_t slot = tables[s * max_blocks + keys[j] / block_size] * block_size + keys[j] % block_size;
+          for (int64_t d = 0; d < c.lora; ++d) {
+            o[d] += p * bf(pool[slot * width + d]);
+            cmax = std::max(cmax, std::abs(bf(pool[slot * width + d])));
+          }
+        }
+        for (int64_t d = 0; d < c.lora; ++d) {
+          // fp32 scores of 576-term sums: an absolute error of ~1e-5 relative to the score magnitude moves the
+          // weights by as much; 2e-3 of the values' range covers it with room.
+          expect_close(bf16_to_float(got[(t * c.heads + h) * c.lora + d]), o[d] / sum, 2e-3 * cmax,
+                       "seq " + std::to_string(s) + " row " + std::to_string(i) + " head " + std::to_string(h) +
+                           " dim " + std::to_string(d));
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaMla, CausalAttentionMatchesReference) {
+  // GLM-5's latent at 16 heads (two blocks of heads) and at 12 (a partial group); decode rows, a prefill chunk
+  // continuing a cached prefix, a one-token sequence, a sequence of 300.
+  check_attention({.heads = 16, .lora = 512, .rope = 64, .seq_lens = {1, 300, 45, 77}, .n_q = {1, 1, 45, 20}}, 11);
+  check_attention({.heads = 12, .lora = 512, .rope = 64, .seq_lens = {130, 3}, .n_q = {1, 3}}, 12);
+  check_attention({.heads = 4, .lora = 32, .rope = 16, .seq_lens = {33, 5, 17}, .n_q = {33, 1, 4}}, 13);
+}
+
+TEST(CudaMla, SelectedAttentionMatchesReference) {
+  // DSA: rows with more causal keys than topk attend a subset; rows with fewer attend all, with a -1 tail.
+  check_attention({.heads = 16, .lora = 512, .rope = 64, .seq_lens = {600, 40, 90}, .n_q = {1, 40, 30}, .topk = 64},
+                  21);
+  check_attention({.heads = 4, .lora = 32, .rope = 16, .seq_lens = {33, 20}, .n_q = {33, 2}, .topk = 16}, 22);
+}
+
+TEST(CudaMla, BadArgumentsAreErrors) {
+  DeviceContext ctx;
+  DeviceBuffer buf(1 << 20);
+  MlaAttentionArgs a{.q_latent = buf.as<uint16_t>(),
+                     .out_latent = buf.as<uint16_t>(),
+                     .cache = {.data = buf.as<uint16_t>(), .n_blocks = 4, .block_size = 16, .kv_lora_rank = 512,
+                               .rope_dim = 64},
+                     .block_tables = buf.as<int32_t>(),
+                     .max_blocks_per_seq = 1,
+                     .query_start = buf.as<int32_t>(),
+                     .seq_lens = buf.as<int32_t>(),
+                     .n_seqs = 1,
+                     .tokens = 1,
+                     .n_heads = 8,
+                     .scale = 0.1f};
+  auto bad = a;
+  bad.cache.block_size = 24;
+  auto r = mla_attention(ctx, bad);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message.find("block_size=24 must be a power of two"), std::string::npos) << r.error().message;
+  bad = a;
+  bad.cache.kv_lora_rank = 1024;
+  r = mla_attention(ctx, bad);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message.find("kv_lora_rank=1024"), std::string::npos) << r.error().message;
+  MlaPrepareArgs p{.kv_a = buf.as<uint16_t>(),
+                   .kv_a_stride = 500,
+                   .kv_norm_weight = buf.as<uint16_t>(),
+                   .q = buf.as<uint16_t>(),
+                   .q_stride = 4096,
+                   .q_latent = buf.as<uint16_t>(),
+                   .positions = buf.as<int32_t>(),
+                   .inv_freq = buf.as<float>(),
+                   .slot_mapping = buf.as<int32_t>(),
+                   .cache = a.cache,
+                   .tokens = 1,
+                   .n_heads = 8,
+                   .nope_dim = 192};
+  r = mla_prepare(ctx, p);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message.find("kv_a_stride=500 is less than"), std::string::npos) << r.error().message;
+}
+
+}  // namespace
+}  // namespace tern
