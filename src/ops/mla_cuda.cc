@@ -88,6 +88,8 @@ Expected<RunOutput> mla_attention_cuda_run(const DeviceContext& ctx, const MlaAt
   const DeviceBuffer selected = cuda_upload(in.selected, stream);
   const DeviceBuffer tables = cuda_upload(host.tables, stream), starts = cuda_upload(host.query_start, stream);
   const DeviceBuffer lens = cuda_upload(host.seq_lens, stream);
+  const size_t ws_bytes = mla_attention_workspace_bytes(ctx.props(), in.kv_lora_rank);
+  const DeviceBuffer workspace(ws_bytes);
   return cuda_run_timed(ctx, in.tokens(), in.n_heads * in.kv_lora_rank, [&](uint16_t* out) {
     MlaAttentionArgs a{.q_latent = q.as<uint16_t>(),
                        .out_latent = out,
@@ -105,7 +107,10 @@ Expected<RunOutput> mla_attention_cuda_run(const DeviceContext& ctx, const MlaAt
                        .n_heads = in.n_heads,
                        .selected = in.topk > 0 ? selected.as<int32_t>() : nullptr,
                        .topk = in.topk,
-                       .scale = in.scale};
+                       .scale = in.scale,
+                       .max_seq_len = host.max_seq,
+                       .workspace = workspace.data(),
+                       .workspace_bytes = ws_bytes};
     if (tweak) tweak(a);
     return mla_attention(ctx, a);
   });

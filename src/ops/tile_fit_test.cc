@@ -11,6 +11,7 @@
 #include "kernels/cuda/attention/attention.h"
 #include "kernels/cuda/gated_delta/gated_delta_launch.h"
 #include "kernels/cuda/mla/indexer_launch.h"
+#include "kernels/cuda/mla/mla.h"
 #include "ops/device.h"
 
 namespace tern {
@@ -166,6 +167,23 @@ TEST(TileFit, IndexerSelectTilesFitEverySimulatedDevice) {
   DeviceProps tiny = props_of(*simulated_device("rtx-pro-6000"));
   tiny.shared_mem_per_block_optin = 1024;
   EXPECT_EQ(indexer_select_tiles(tiny, 128, 32).stages, 0) << "a tile that does not fit must be refused";
+}
+
+// GLM-5 / DeepSeek-V3's 576-value latent (two key tiles and eight heads' queries) fits every simulated device,
+// sm_120's 101,376 bytes included; a latent past the kernel's limits would not.
+TEST(TileFit, MlaAttentionTilesFitEverySimulatedDevice) {
+  for (const std::string& name : simulated_device_names()) {
+    auto d = simulated_device(name);
+    ASSERT_TRUE(d.has_value()) << name;
+    const DeviceProps p = props_of(*d);
+    std::printf("%-13s mla latent 576: %zu of %lld bytes\n", name.c_str(), mla_attention_smem_bytes(576),
+                static_cast<long long>(d->smem_per_block_optin));
+    EXPECT_TRUE(mla_attention_fits(p, 576)) << name;
+    EXPECT_TRUE(mla_attention_fits(p, 48)) << name;
+  }
+  DeviceProps tiny = props_of(*simulated_device("rtx-pro-6000"));
+  tiny.shared_mem_per_block_optin = 64 * 1024;
+  EXPECT_FALSE(mla_attention_fits(tiny, 576)) << "a tile that does not fit must be refused";
 }
 
 }  // namespace

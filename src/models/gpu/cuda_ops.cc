@@ -120,80 +120,29 @@ class CudaEmbedding final : public Block {
   DeviceMatrix table_;
 };
 
-class CudaAttentionBlock final : public Block {
+// A block between two norms of the residual stream: its device weights, the CudaOps method that runs it (which
+// leaves its output in out_), then the sum of that output over the tensor-parallel ranks.
+template <class Device, Expected<void> (CudaOps::*kRun)(const Device&, const GpuNorm&, int64_t)>
+class CudaStreamBlock final : public Block {
  public:
-  CudaAttentionBlock(CudaOps& ops, GpuNorm norm, GpuAttention a) : ops_(ops), norm_(norm), a_(std::move(a)) {}
-  Expected<void> forward(int64_t) const override {
-    TERN_TRY(ops_.run_attention(a_, norm_));
-    return ops_.reduce_out();
-  }
-  GpuAttention& device() { return a_; }
-
- private:
-  CudaOps& ops_;
-  GpuNorm norm_;
-  GpuAttention a_;
-};
-
-class CudaMlaBlock final : public Block {
- public:
-  CudaMlaBlock(CudaOps& ops, GpuNorm norm, GpuMla a) : ops_(ops), norm_(norm), a_(std::move(a)) {}
+  CudaStreamBlock(CudaOps& ops, GpuNorm norm, Device d) : ops_(ops), norm_(norm), d_(std::move(d)) {}
   Expected<void> forward(int64_t layer) const override {
-    TERN_TRY(ops_.run_mla(a_, norm_, layer));
+    TERN_TRY((ops_.*kRun)(d_, norm_, layer));
     return ops_.reduce_out();
   }
-  GpuMla& device() { return a_; }
+  Device& device() { return d_; }
 
  private:
   CudaOps& ops_;
   GpuNorm norm_;
-  GpuMla a_;
+  Device d_;
 };
 
-class CudaGdnBlock final : public Block {
- public:
-  CudaGdnBlock(CudaOps& ops, GpuNorm norm, GpuGdn g) : ops_(ops), norm_(norm), g_(std::move(g)) {}
-  Expected<void> forward(int64_t layer) const override {
-    TERN_TRY(ops_.run_gdn(g_, norm_, layer));
-    return ops_.reduce_out();
-  }
-  GpuGdn& device() { return g_; }
-
- private:
-  CudaOps& ops_;
-  GpuNorm norm_;
-  GpuGdn g_;
-};
-
-class CudaMlpBlock final : public Block {
- public:
-  CudaMlpBlock(CudaOps& ops, GpuNorm norm, GpuMlp m) : ops_(ops), norm_(norm), m_(std::move(m)) {}
-  Expected<void> forward(int64_t) const override {
-    TERN_TRY(ops_.run_mlp(m_, norm_));
-    return ops_.reduce_out();
-  }
-  const GpuMlp& device() const { return m_; }
-
- private:
-  CudaOps& ops_;
-  GpuNorm norm_;
-  GpuMlp m_;
-};
-
-class CudaMoeBlock final : public Block {
- public:
-  CudaMoeBlock(CudaOps& ops, GpuNorm norm, GpuMoe m) : ops_(ops), norm_(norm), m_(std::move(m)) {}
-  Expected<void> forward(int64_t layer) const override {
-    TERN_TRY(ops_.run_moe(m_, norm_, layer));
-    return ops_.reduce_out();
-  }
-  const GpuMoe& device() const { return m_; }
-
- private:
-  CudaOps& ops_;
-  GpuNorm norm_;
-  GpuMoe m_;
-};
+using CudaAttentionBlock = CudaStreamBlock<GpuAttention, &CudaOps::run_attention>;
+using CudaMlaBlock = CudaStreamBlock<GpuMla, &CudaOps::run_mla>;
+using CudaGdnBlock = CudaStreamBlock<GpuGdn, &CudaOps::run_gdn>;
+using CudaMlpBlock = CudaStreamBlock<GpuMlp, &CudaOps::run_mlp>;
+using CudaMoeBlock = CudaStreamBlock<GpuMoe, &CudaOps::run_moe>;
 
 class CudaHead final : public Block {
  public:
@@ -540,6 +489,11 @@ Expected<void> CudaOps::allocate_caches() {
         .k = k.as<uint16_t>(), .n_blocks = kv_blocks_ + 1, .block_size = bs, .head_dim = a->shape.index_head_dim};
     cache_buffers_.push_back(std::move(k));
   }
+  int64_t max_lora = 0;
+  for (const GpuMla* a : mlas_) max_lora = std::max(max_lora, a->shape.kv_lora_rank);
+  if (max_lora > 0 && !DeviceBuffer::try_allocate(mla_attention_workspace_bytes(ctx_.props(), max_lora), mla_workspace_)) {
+    return make_error("out of device memory for the MLA attention workspace");
+  }
   // DSA: the selection of a step ([rows, index_topk] key positions) and the indexer's score rows, sized here for the
   // decode steps (every CUDA graph: max_sequences rows over the longest context) and grown by a longer prefill.
   for (const GpuMla* a : mlas_) {
@@ -701,7 +655,7 @@ Expected<void> CudaOps::run_embedding(const DeviceMatrix& table) {
   return comm_->all_reduce_sum_bf16(x_, static_cast<size_t>(step_.tokens * hidden_), ctx_.stream());
 }
 
-Expected<void> CudaOps::run_attention(const GpuAttention& a, const GpuNorm& norm) {
+Expected<void> CudaOps::run_attention(const GpuAttention& a, const GpuNorm& norm, int64_t) {
   const AttentionShape& s = a.shape;
   const int64_t t = step_.tokens, q_width = s.n_heads * s.head_dim * (s.gated ? 2 : 1),
                 kv_width = s.n_kv_heads * s.head_dim;
@@ -824,7 +778,10 @@ Expected<void> CudaOps::run_mla(const GpuMla& a, const GpuNorm& norm, int64_t la
                                                 .n_heads = h,
                                                 .selected = selected,
                                                 .topk = s.index_topk,
-                                                .scale = s.scale}));
+                                                .scale = s.scale,
+                                                .max_seq_len = step_.max_seq_len,
+                                                .workspace = mla_workspace_.data(),
+                                                .workspace_bytes = mla_workspace_.size_bytes()}));
   // attn[t, hd, :vd] = o_lat[t, hd] . W_UV[hd]^T
   TERN_TRY(gemm_bf16(ctx_, GemmBf16Args{.x = out_latent,
                                         .w = a.w_uv,
@@ -961,7 +918,7 @@ Expected<void> CudaOps::run_gdn(const GpuGdn& g, const GpuNorm& input_norm, int6
   return device_matrix_forward(ctx_, g.out_proj, attn_, t, out_, hidden_);
 }
 
-Expected<void> CudaOps::run_mlp(const GpuMlp& m, const GpuNorm& norm) {
+Expected<void> CudaOps::run_mlp(const GpuMlp& m, const GpuNorm& norm, int64_t) {
   const int64_t rows = step_.tokens;
   TERN_TRY(norm_project(normed_input(norm), m.gate_up, rows, proj_));
   stream_started_ = true;

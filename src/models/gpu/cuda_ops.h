@@ -92,11 +92,11 @@ class CudaOps final : public BlockOps {
   // ---- What the blocks call (cuda_ops.cc) ----
   const CudaStep& step() const { return step_; }
   Expected<void> run_embedding(const DeviceMatrix& table);
-  Expected<void> run_attention(const GpuAttention& a, const GpuNorm& norm);
+  Expected<void> run_attention(const GpuAttention& a, const GpuNorm& norm, int64_t layer);
   Expected<void> run_mla(const GpuMla& a, const GpuNorm& norm, int64_t layer);
   Expected<void> run_indexer(const GpuMla& a, uint16_t* idx_q);
   Expected<void> run_gdn(const GpuGdn& g, const GpuNorm& norm, int64_t layer);
-  Expected<void> run_mlp(const GpuMlp& m, const GpuNorm& norm);
+  Expected<void> run_mlp(const GpuMlp& m, const GpuNorm& norm, int64_t layer);
   Expected<void> run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t layer);
   Expected<void> run_head(const DeviceMatrix& head, const GpuNorm& norm);
   // The sum over the tensor-parallel ranks of the block output just written (out_); nothing on one device.
@@ -174,6 +174,7 @@ class CudaOps final : public BlockOps {
   DeviceBuffer selected_;            // DSA: [max_batch_tokens, index_topk] int32
   DeviceBuffer router_f32_;          // sigmoid routing: [max_batch_tokens, n_experts] fp32 router logits
   DeviceBuffer indexer_workspace_;   // DSA: the indexer's score rows
+  DeviceBuffer mla_workspace_;       // MLA attention's split-K partials
   unsigned long long* bad_id_ = nullptr;  // the embedding kernel's report (ids are checked on the host first)
   void* attention_workspace_ = nullptr;
   size_t attention_workspace_bytes_ = 0;

@@ -79,7 +79,21 @@ Expected<void> mla_attention(const DeviceContext& ctx, const MlaAttentionArgs& a
     TERN_TRY(check_pointer(k, name, ptr));
   }
   if (reinterpret_cast<uintptr_t>(a.out_latent) % 4 != 0) return make_error("{}: out_latent is not 4-byte aligned", k);
-  if (a.selected != nullptr) TERN_TRY(check_count(k, "topk", a.topk));
+  if (a.selected != nullptr) {
+    TERN_TRY(check_count(k, "topk", a.topk));
+  } else {
+    TERN_TRY(check_count(k, "max_seq_len", a.max_seq_len));
+  }
+  if (a.cache.width() % 8 != 0 || reinterpret_cast<uintptr_t>(a.cache.data) % 16 != 0) {
+    return make_error("{}: the latent rows must be 16-byte aligned (kv_lora_rank + rope_dim = {}, a multiple of 8)", k,
+                      a.cache.width());
+  }
+  const int64_t splits =
+      mla_attention_splits(ctx.props(), a.tokens, a.n_heads, a.selected != nullptr ? a.topk : a.max_seq_len);
+  const size_t need = static_cast<size_t>(a.tokens * a.n_heads * splits * (a.cache.kv_lora_rank + 2)) * 4;
+  if (splits > 1 && (a.workspace == nullptr || a.workspace_bytes < need)) {
+    return make_error("{}: {} key ranges need a workspace of {} bytes ({} given)", k, splits, need, a.workspace_bytes);
+  }
   if (a.n_heads > int64_t{65535} * kMlaHeadsPerBlock) return make_error("{}: n_heads={} too large", k, a.n_heads);
   if (!(a.scale > 0.0f) || !std::isfinite(a.scale)) return make_error("{}: scale={} must be positive", k, a.scale);
   if (!mla_attention_fits(ctx.props(), a.cache.width())) {

@@ -73,16 +73,27 @@ struct MlaAttentionArgs {
   const int32_t* selected = nullptr;  // optional [tokens, topk]
   int64_t topk = 0;
   float scale = 1.0f;
+  int64_t max_seq_len = 0;     // host-known bound over the batch (causal rows), for the split count
+  void* workspace = nullptr;   // split-K partials; mla_attention_workspace_bytes()
+  size_t workspace_bytes = 0;
 };
 
-// Limits of the kernels: the latent's widths, and the heads one attention block shares a key tile between.
+// Limits of the kernels: the latent's widths (multiples of 8: 16-byte rows), and the heads one attention block
+// shares its key tiles between.
 inline constexpr int64_t kMlaMaxLoraRank = 512;
 inline constexpr int64_t kMlaMaxRopeDim = 128;
 inline constexpr int kMlaHeadsPerBlock = 8;  // one warp per head
 inline constexpr int kMlaKeysPerTile = 32;   // one lane per key while scoring
+inline constexpr int64_t kMlaMinKeysPerSplit = 256;
 
-// Dynamic shared memory of the attention kernel for a latent of `width` values (the key tile and the queries).
+// Dynamic shared memory of the attention kernel for a latent of `width` values (two key tiles and the queries).
 size_t mla_attention_smem_bytes(int64_t width);
+// Split-K: the key ranges each (row, head group) is cut into, so that a decode step of few rows still fills the
+// GPU: 1 when rows x head groups already fill the SMs, else enough for about two blocks per SM, each range at least
+// kMlaMinKeysPerSplit keys. rows x groups x splits stays below 3 x num_sms, which bounds the workspace.
+int64_t mla_attention_splits(const DeviceProps& props, int64_t tokens, int64_t n_heads, int64_t max_keys);
+// Bytes of split-K partials any call on this device may need: fp32 (m, l) and outputs [rows, heads, splits, lora].
+size_t mla_attention_workspace_bytes(const DeviceProps& props, int64_t kv_lora_rank);
 
 // Unchecked launches on ctx.stream() for arguments mla.cc has validated (counts >= 1).
 void mla_prepare_launch(const DeviceContext& ctx, const MlaPrepareArgs& args);

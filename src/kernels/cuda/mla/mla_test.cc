@@ -219,6 +219,9 @@ void check_attention(const AttnCase& c, uint64_t seed) {
                d_lens = upload(seq_lens), d_sel = upload(selected);
   DeviceBuffer out(static_cast<size_t>(tokens * c.heads * c.lora) * 2);
   out.fill(0xFF);
+  const int64_t max_seq_len = *std::max_element(c.seq_lens.begin(), c.seq_lens.end());
+  DeviceBuffer workspace(mla_attention_workspace_bytes(ctx.props(), c.lora));
+  workspace.fill(0xFF);
   const auto status = mla_attention(ctx, MlaAttentionArgs{.q_latent = d_q.as<uint16_t>(),
                                                           .out_latent = out.as<uint16_t>(),
                                                           .cache = {.data = d_pool.as<uint16_t>(),
@@ -235,7 +238,10 @@ void check_attention(const AttnCase& c, uint64_t seed) {
                                                           .n_heads = c.heads,
                                                           .selected = c.topk > 0 ? d_sel.as<int32_t>() : nullptr,
                                                           .topk = c.topk,
-                                                          .scale = scale});
+                                                          .scale = scale,
+                                                          .max_seq_len = max_seq_len,
+                                                          .workspace = workspace.data(),
+                                                          .workspace_bytes = workspace.size_bytes()});
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
   const auto got = download<uint16_t>(out, static_cast<size_t>(tokens * c.heads * c.lora));
@@ -287,6 +293,26 @@ TEST(CudaMla, CausalAttentionMatchesReference) {
   check_attention({.heads = 16, .lora = 512, .rope = 64, .seq_lens = {1, 300, 45, 77}, .n_q = {1, 1, 45, 20}}, 11);
   check_attention({.heads = 12, .lora = 512, .rope = 64, .seq_lens = {130, 3}, .n_q = {1, 3}}, 12);
   check_attention({.heads = 4, .lora = 32, .rope = 16, .seq_lens = {33, 5, 17}, .n_q = {33, 1, 4}}, 13);
+  // One long decode row (split over many key ranges) and a 200-row prefill (enough blocks for one range).
+  check_attention({.heads = 8, .lora = 512, .rope = 64, .seq_lens = {5000}, .n_q = {1}}, 14);
+  check_attention({.heads = 16, .lora = 512, .rope = 64, .seq_lens = {260}, .n_q = {200}}, 15);
+}
+
+TEST(CudaMla, SplitCountsCoverTheShapes) {
+  DeviceContext ctx;
+  const DeviceProps& p = ctx.props();
+  EXPECT_GT(mla_attention_splits(p, 1, 8, 5000), 1);          // one block alone would leave the GPU idle
+  EXPECT_EQ(mla_attention_splits(p, 1, 8, kMlaMinKeysPerSplit), 1);  // too few keys to split
+  EXPECT_EQ(mla_attention_splits(p, 200, 16, 260), 1);         // rows x groups fill the SMs
+  for (int64_t tokens : {1, 3, 17, 64}) {
+    for (int64_t heads : {4, 8, 64}) {
+      const int64_t groups = (heads + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock;
+      const int64_t splits = mla_attention_splits(p, tokens, heads, 131072);
+      if (splits > 1) {
+        EXPECT_LT(tokens * groups * splits, 3 * p.num_sms) << tokens << " rows, " << heads << " heads";
+      }
+    }
+  }
 }
 
 TEST(CudaMla, SelectedAttentionMatchesReference) {
@@ -310,7 +336,8 @@ TEST(CudaMla, BadArgumentsAreErrors) {
                      .n_seqs = 1,
                      .tokens = 1,
                      .n_heads = 8,
-                     .scale = 0.1f};
+                     .scale = 0.1f,
+                     .max_seq_len = 16};
   auto bad = a;
   bad.cache.block_size = 24;
   auto r = mla_attention(ctx, bad);
