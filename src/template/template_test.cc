@@ -260,5 +260,19 @@ TEST(TemplateLimits, StringGrowingOperationsRefuseHostileSizes) {
   EXPECT_EQ(render_ok("{{ '%5.2f' % 3.14159 }}|{{ '{:>4}'.format('a') }}|{{ 'a' ~ 1 }}"), " 3.14|   a|a1");
 }
 
+// A namespace that holds itself (found by template_fuzz: printing it recursed until the stack overflowed) is an
+// error naming the cause, by str() and repr() alike; a namespace nested in another prints as Python Jinja2 prints it.
+TEST(TemplateLimits, ANamespaceHoldingItselfIsAnErrorNotAStackOverflow) {
+  for (const char* text : {"{% set ns = namespace(x=0) %}{% set ns.x = ns %}{{ ns.x }}",
+                           "{% set ns = namespace(x=0) %}{% set ns.x = ns %}{{ [ns] }}",
+                           "{% set ns = namespace(x=0) %}{% for i in range(6) %}{% set ns.x = ns %}{% endfor %}"
+                           "{{ ns.x | string }}"}) {
+    const std::string e = render_error(text);
+    EXPECT_NE(e.find("nested too deeply to print"), std::string::npos) << text << " -> " << (e.empty() ? "(rendered)" : e);
+  }
+  EXPECT_EQ(render_ok("{% set a = namespace(v=1) %}{% set b = namespace(w=a) %}{{ b }}"),
+            "<Namespace {'w': <Namespace {'v': 1}>}>");
+}
+
 }  // namespace
 }  // namespace tern

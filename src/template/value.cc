@@ -319,6 +319,22 @@ std::string python_string_repr(std::string_view s) {
   return out;
 }
 
+// repr() and str() recurse into containers and namespaces; a namespace can hold itself (`{% set ns.x = ns %}`), so
+// the depth is bounded (Python prints such a cycle as {...}; tern fails with the reason instead of overflowing the
+// stack).
+namespace {
+thread_local int repr_depth = 0;
+struct ReprDepth {
+  ReprDepth() {
+    if (++repr_depth > 200) {
+      repr_depth = 0;
+      fail("a value nested too deeply to print (a namespace that contains itself?)");
+    }
+  }
+  ~ReprDepth() { repr_depth = repr_depth > 0 ? repr_depth - 1 : 0; }
+};
+}  // namespace
+
 static std::string join_reprs(const std::vector<Value>& items) {
   std::string out;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -329,6 +345,7 @@ static std::string join_reprs(const std::vector<Value>& items) {
 }
 
 std::string value_repr(const Value& v) {
+  const ReprDepth guard;
   switch (v.kind()) {
     case Kind::kString: return python_string_repr(v.str());
     case Kind::kUndefined: return "Undefined";
@@ -361,6 +378,7 @@ std::string value_repr(const Value& v) {
 }
 
 std::string value_to_string(const Value& v) {
+  const ReprDepth guard;
   switch (v.kind()) {
     case Kind::kUndefined: return "";
     case Kind::kNone: return "None";
