@@ -6,26 +6,13 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/cuda/arg_checks.h"
+
 namespace tern {
 namespace {
 
 constexpr int64_t kMaxCount = std::numeric_limits<int32_t>::max();
 constexpr int64_t kMaxGridYz = 65535;
-
-bool aligned16(const void* ptr) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-}
-
-Expected<void> check_pointer(const char* kernel, const char* name, const void* ptr) {
-  if (ptr == nullptr) return make_error("{}: {} is null", kernel, name);
-  return {};
-}
-
-Expected<void> check_vec_pointer(const char* kernel, const char* name, const void* ptr) {
-  TERN_TRY(check_pointer(kernel, name, ptr));
-  if (!aligned16(ptr)) return make_error("{}: {} is not 16-byte aligned", kernel, name);
-  return {};
-}
 
 Expected<void> check_head_dim(const char* kernel, const char* name, int64_t head_dim) {
   if (head_dim != 32 && head_dim != 64 && head_dim != 128 && head_dim != 256) {

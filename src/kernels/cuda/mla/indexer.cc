@@ -5,26 +5,13 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/cuda/arg_checks.h"
+
 namespace tern {
 namespace {
 
 constexpr int64_t kMaxCount = std::numeric_limits<int32_t>::max();
 constexpr int64_t kMaxSeqLen = int64_t{1} << 30;  // keeps every key index and chunk bound of the kernels in int
-
-bool aligned16(const void* ptr) {
-  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-}
-
-Expected<void> check_pointer(const char* kernel, const char* name, const void* ptr) {
-  if (ptr == nullptr) return make_error("{}: {} is null", kernel, name);
-  return {};
-}
-
-Expected<void> check_vec_pointer(const char* kernel, const char* name, const void* ptr) {
-  TERN_TRY(check_pointer(kernel, name, ptr));
-  if (!aligned16(ptr)) return make_error("{}: {} is not 16-byte aligned", kernel, name);
-  return {};
-}
 
 Expected<void> check_shape(const char* kernel, int64_t n_heads, int64_t head_dim) {
   if (head_dim < 16 || head_dim > kIndexerMaxHeadDim || head_dim % 16 != 0) {

@@ -4,15 +4,12 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/cuda/arg_checks.h"
+
 namespace tern {
 namespace {
 
 constexpr int64_t kMaxCount = std::numeric_limits<int32_t>::max();
-
-Expected<void> check_pointer(const char* kernel, const char* name, const void* ptr) {
-  if (ptr == nullptr) return make_error("{}: {} is null", kernel, name);
-  return {};
-}
 
 Expected<void> check_count(const char* kernel, const char* name, int64_t v, int64_t lo = 1) {
   if (v < lo || v > kMaxCount) return make_error("{}: {}={} out of range [{}, {}]", kernel, name, v, lo, kMaxCount);
@@ -84,7 +81,7 @@ Expected<void> mla_attention(const DeviceContext& ctx, const MlaAttentionArgs& a
   } else {
     TERN_TRY(check_count(k, "max_seq_len", a.max_seq_len));
   }
-  if (a.cache.width() % 8 != 0 || reinterpret_cast<uintptr_t>(a.cache.data) % 16 != 0) {
+  if (a.cache.width() % 8 != 0 || !aligned16(a.cache.data)) {
     return make_error("{}: the latent rows must be 16-byte aligned (kv_lora_rank + rope_dim = {}, a multiple of 8)", k,
                       a.cache.width());
   }
