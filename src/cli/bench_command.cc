@@ -33,6 +33,9 @@ struct BenchOptions {
   bool profile_step = false;  // the last decode step of each batch size between cudaProfilerStart/Stop
   bool plan_only = false;     // bench_plan.h: rank 0's slice from the config, nothing run
   double hbm_gbs = 4800;      // --plan-only's bandwidth (H200's HBM3e, as NVIDIA states it)
+  // --speculative-algorithm mtp: the decode rows are speculative steps whose drafts are accepted with this
+  // probability each (in order, up to the first rejection), whatever the weights say (dummy weights accept nothing).
+  double speculative_accept_rate = 0.7;
 };
 
 // For `ncu --profile-from-start off` and `nsys --capture-range=cudaProfilerApi`: only the bracketed step is profiled.
@@ -135,6 +138,88 @@ Expected<double> time_decode(ModelRunner& model, int64_t batch, const BenchOptio
   return median(times);
 }
 
+// Speculative decode steps (runtime/speculative.h's step, with the acceptance drawn instead of computed, so that
+// dummy weights can be timed at a chosen acceptance): per step each of `batch` sequences verifies its last token and
+// K drafts, keeps 1 + a rows (a accepted, each draft with probability p until the first rejection), the draft module
+// runs over the kept rows and then K - 1 chained rows. The median step time over o.steps steps after two untimed
+// ones, and the mean tokens a step yields per sequence.
+struct SpecTiming {
+  double step_s = 0, tokens_per_step = 0;
+  // Medians of the step's parts: the verification (forward, logits on the host), keep_rows, the draft module over
+  // the kept rows, and the K - 1 chained draft rows.
+  double verify_s = 0, keep_s = 0, extend_s = 0, chain_s = 0;
+};
+
+Expected<SpecTiming> time_speculative(ModelRunner& model, int64_t batch, const BenchOptions& o, int64_t max_chunk,
+                                      std::mt19937_64& rng) {
+  const int k = speculative_steps_of(o.model);
+  const int64_t vocab = model.config().vocab_size;
+  std::vector<SequenceCache> caches;
+  for (int64_t s = 0; s < batch; ++s) {
+    caches.push_back(model.new_sequence());
+    const std::vector<int32_t> prompt = random_ids(o.context, vocab, rng);
+    for (int64_t done = 0; done < o.context; done += max_chunk) {
+      const int64_t n = std::min(max_chunk, o.context - done);
+      const std::vector<SequenceInput> chunk{{&caches.back(), std::span(prompt).subspan(done, n)}};
+      TERN_TRY(model.forward(chunk, LogitsFor::kLastToken));
+    }
+  }
+  std::bernoulli_distribution accept(o.speculative_accept_rate);
+  std::vector<double> times, verify_t, keep_t, extend_t, chain_t;
+  int64_t yielded = 0, timed_steps = 0;
+  for (int64_t step = 0; step < o.steps + 2; ++step) {
+    std::vector<std::vector<int32_t>> rows(static_cast<size_t>(batch)), next(static_cast<size_t>(batch));
+    std::vector<SequenceInput> verify;
+    std::vector<int64_t> keep(static_cast<size_t>(batch)), start(static_cast<size_t>(batch));
+    for (int64_t s = 0; s < batch; ++s) {
+      rows[s] = random_ids(k + 1, vocab, rng);
+      int64_t a = 0;
+      while (a < k && accept(rng)) ++a;
+      keep[s] = a + 1;
+      next[s] = random_ids(a + 1, vocab, rng);
+      start[s] = caches[s].length;
+      verify.push_back({&caches[s], rows[s]});
+      verify.back().verify = true;
+    }
+    const auto begin = Clock::now();
+    TERN_TRY(model.forward(verify, LogitsFor::kLastToken));
+    const auto verified = Clock::now();
+    std::vector<DraftInput> extend;
+    for (int64_t s = 0; s < batch; ++s) {
+      TERN_TRY(model.keep_rows(caches[s], keep[s]));
+      extend.push_back({{&caches[s], next[s]}, start[s], DraftHidden::kModel, s});
+    }
+    const auto kept = Clock::now();
+    TERN_TRY(model.draft(extend, LogitsFor::kLastToken));
+    const auto extended = Clock::now();
+    std::vector<int32_t> proposal = random_ids(batch, vocab, rng);
+    for (int c = 1; c < k; ++c) {
+      std::vector<DraftInput> chain;
+      for (int64_t s = 0; s < batch; ++s) {
+        chain.push_back({{&caches[s], std::span(proposal).subspan(s, 1)}, start[s] + keep[s] + c - 1,
+                         DraftHidden::kDraft, s});
+      }
+      TERN_TRY(model.draft(chain, LogitsFor::kLastToken));
+    }
+    if (step >= 2) {
+      times.push_back(seconds_since(begin));
+      const auto s = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+      verify_t.push_back(s(begin, verified));
+      keep_t.push_back(s(verified, kept));
+      extend_t.push_back(s(kept, extended));
+      chain_t.push_back(seconds_since(extended));
+      for (int64_t s = 0; s < batch; ++s) yielded += keep[s];
+      timed_steps += batch;
+    }
+  }
+  return SpecTiming{.step_s = median(times),
+                    .tokens_per_step = static_cast<double>(yielded) / static_cast<double>(std::max<int64_t>(timed_steps, 1)),
+                    .verify_s = median(verify_t),
+                    .keep_s = median(keep_t),
+                    .extend_s = median(extend_t),
+                    .chain_s = median(chain_t)};
+}
+
 int fail(const std::string& message) {
   fmt::print(stderr, "tern bench: {}\n", message);
   return 2;
@@ -151,6 +236,9 @@ Expected<void> check_options(const BenchOptions& o) {
     return make_error("--context {}, --steps {} and --repeats {} must be positive", o.context, o.steps, o.repeats);
   }
   if (!(o.hbm_gbs > 0)) return make_error("--hbm-gbs {} is not a positive bandwidth", o.hbm_gbs);
+  if (!(o.speculative_accept_rate >= 0 && o.speculative_accept_rate <= 1)) {
+    return make_error("--speculative-accept-rate {} is not a probability", o.speculative_accept_rate);
+  }
   return {};
 }
 
@@ -204,10 +292,17 @@ void print_table(const nlohmann::ordered_json& report) {
       fmt::print("{:<8} {:>6} {:>8} {:>11.2f} {:>12.0f} {:>10.1f} {:>9}\n", "prefill", 1, r["tokens"].get<int64_t>(),
                  r["ms"].get<double>(), r["tokens_per_s"].get<double>(), r["tflops"].get<double>(),
                  percent(r["pct_of_gemm"]));
-    } else {
+    } else if (r["kind"] == "decode") {
       fmt::print("{:<8} {:>6} {:>8} {:>11.3f} {:>12.1f} {:>10.0f} {:>9}\n", "decode", r["batch"].get<int64_t>(),
                  r["context"].get<int64_t>(), r["ms_per_step"].get<double>(), r["tokens_per_s"].get<double>(),
                  r["gbs"].get<double>(), percent(r["pct_of_copy"]));
+    } else {
+      fmt::print("{:<8} {:>6} {:>8} {:>11.3f} {:>12.1f}   {:.2f} tokens per step, {:.2f}x the plain step (ms: "
+                 "verify {:.3f}, keep {:.3f}, draft {:.3f} + chain {:.3f})\n",
+                 "spec", r["batch"].get<int64_t>(), r["context"].get<int64_t>(), r["ms_per_step"].get<double>(),
+                 r["tokens_per_s"].get<double>(), r["tokens_per_step"].get<double>(),
+                 r["speedup_over_plain"].get<double>(), r["ms_verify"].get<double>(), r["ms_keep"].get<double>(),
+                 r["ms_draft_extend"].get<double>(), r["ms_draft_chain"].get<double>());
     }
   }
 }
@@ -256,10 +351,12 @@ int run_bench(const BenchOptions& o) {
   const int64_t max_prefill = *std::max_element(o.prefill_lens.begin(), o.prefill_lens.end());
   const int64_t max_batch = *std::max_element(o.batch_sizes.begin(), o.batch_sizes.end());
   const int64_t chunk = std::min<int64_t>(o.context, 4096);
-  const DeviceModelOptions sizes{.max_batch_tokens = std::max({max_prefill, chunk, max_batch}),
+  const int spec = speculative_steps_of(o.model);
+  const DeviceModelOptions sizes{.max_batch_tokens = std::max({max_prefill, chunk, max_batch * (spec + 1)}),
                                  .max_sequences = max_batch,
-                                 .kv_cache_tokens = std::max(max_batch * (o.context + o.steps + 16), max_prefill + 16),
-                                 .max_context_tokens = o.context + o.steps + 16};
+                                 .kv_cache_tokens = std::max(max_batch * (o.context + (o.steps + 2) * (spec + 1) + 16),
+                                                             max_prefill + 16),
+                                 .max_context_tokens = o.context + (o.steps + 2) * (spec + 1) + 16};
   const auto load_start = Clock::now();
   auto model = load_model_from_options(o.model, sizes);
   if (!model) return fail(model.error().message);
@@ -296,6 +393,23 @@ int run_bench(const BenchOptions& o) {
     auto s = time_decode(m, batch, o, chunk, rng);
     if (!s) return fail(fmt::format("decode at batch {}: {}", batch, s.error().message));
     report["rows"].push_back(decode_row(traffic, batch, o, *s, roof));
+    if (spec == 0) continue;
+    auto t = time_speculative(m, batch, o, chunk, rng);
+    if (!t) return fail(fmt::format("speculative decode at batch {}: {}", batch, t.error().message));
+    const double tokens_per_s = static_cast<double>(batch) * t->tokens_per_step / t->step_s;
+    report["rows"].push_back({{"kind", "speculative"},
+                              {"batch", batch},
+                              {"context", o.context},
+                              {"num_steps", spec},
+                              {"accept_rate", o.speculative_accept_rate},
+                              {"ms_per_step", t->step_s * 1e3},
+                              {"tokens_per_step", t->tokens_per_step},
+                              {"tokens_per_s", tokens_per_s},
+                              {"speedup_over_plain", tokens_per_s * *s / static_cast<double>(batch)},
+                              {"ms_verify", t->verify_s * 1e3},
+                              {"ms_keep", t->keep_s * 1e3},
+                              {"ms_draft_extend", t->extend_s * 1e3},
+                              {"ms_draft_chain", t->chain_s * 1e3}});
   }
   add_measured_all_reduces(report, m, traffic, o.model.tensor_parallel_size);
   report["device"] = m.describe();  // now with its graphs
@@ -327,6 +441,11 @@ void register_bench_command(CLI::App& app) {
   cmd->add_option("--hbm-gbs", o->hbm_gbs, "--plan-only: the memory bandwidth (GB/s) of the decode time per step");
   cmd->add_flag("--profile-step", o->profile_step,
                 "Bracket the last decode step of each batch size with cudaProfilerStart/Stop (for ncu / nsys)");
+  add_speculative_options(*cmd, o->model);
+  cmd->add_option("--speculative-accept-rate", o->speculative_accept_rate,
+                  "With --speculative-algorithm: each draft is accepted with this probability (in order, up to the "
+                  "first rejection) instead of by the model, so that dummy weights time a chosen acceptance "
+                  "(default 0.7)");
   cmd->callback([o] { throw CLI::RuntimeError(run_bench(*o)); });
 }
 

@@ -65,8 +65,10 @@ int run_generate(const GenerateOptions& o) {
   // With speculation a step may write 2 * num_steps positions past the last token (runtime/speculative.h).
   const int64_t total = static_cast<int64_t>(prompt->size()) + std::max<int64_t>(o.stop.max_tokens, 1) +
                         2 * speculative_steps_of(o.model);
-  auto model = load_model_from_options(o.model, DeviceModelOptions{.max_batch_tokens = static_cast<int64_t>(prompt->size()),
-                                                                   .max_sequences = 1, .kv_cache_tokens = total});
+  // A step's rows: the prompt, or a verification of the last token and its drafts.
+  const int64_t rows = std::max<int64_t>(static_cast<int64_t>(prompt->size()), speculative_steps_of(o.model) + 1);
+  auto model = load_model_from_options(
+      o.model, DeviceModelOptions{.max_batch_tokens = rows, .max_sequences = 1, .kv_cache_tokens = total});
   if (!model) return fail(model.error().message);
   if (auto valid = sampling_params_validate(o.sampling); !valid) return fail(valid.error().message);
   StopCriteria stop = o.stop;

@@ -134,6 +134,7 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
   options.nvfp4_quantize_activations = o.nvfp4_activations == "quantize";
   options.dummy_seed = o.dummy_seed;
   options.load_draft = !o.speculative_algorithm.empty();
+  options.device_options.verify_rows = speculative_steps_of(o) + 1;
   options.tensor_parallel_size = o.tensor_parallel_size;
   options.cuda_devices = o.cuda_devices;
   options.nnodes = o.nnodes;

@@ -121,6 +121,10 @@ struct DeviceModelOptions {
   // touching memory), hiding launch and block-scheduling latency between the many short kernels of a decode step.
   // Used where a probe at load shows the device takes it (sm_90 and later); off: plain stream order (--no-pdl).
   bool programmatic_launch = true;
+  // With the model's draft module (speculative decoding): the most rows one verification of a sequence holds, its
+  // last token and the drafts (--speculative-num-steps + 1). A GPU keeps a Gated DeltaNet state per row of it for
+  // every sequence (docs/speculative.md), so it is sized to what the server asks for.
+  int64_t verify_rows = 5;
 };
 
 struct ModelLoadOptions {

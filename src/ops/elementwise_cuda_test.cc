@@ -271,7 +271,8 @@ TEST_F(CudaElementwiseOps, StridedGatesMatchDenseGates) {
 }
 
 // x rows inside a wider projection output (MLA's q_a columns of [q_a | kv_a | ...]) must give the bits of the dense
-// call; the columns around them hold NaN.
+// call; the columns around them hold NaN. Then y rows written inside a wider buffer (y_stride, from strided x too):
+// the same bits in each row, and the poisoned columns between the rows unchanged.
 TEST_F(CudaElementwiseOps, StridedRowsMatchDenseRows) {
   constexpr int64_t kDim = 512, kLead = 16, kStride = kLead + kDim + 72;
   auto in = inputs<RmsNormInputs>("rms_norm", rms_norm_case(9, 1, kDim, RmsNormForm::kPlain, false));
@@ -294,6 +295,45 @@ TEST_F(CudaElementwiseOps, StridedRowsMatchDenseRows) {
   auto bad = rms_norm_cuda_run(*context_, *in, [&](RmsNormArgs& a) { a.x_stride = kDim + 4; });
   ASSERT_FALSE(bad.has_value());
   EXPECT_NE(bad.error().message.find("x_stride=516 must be a multiple of 8"), std::string::npos) << bad.error().message;
+
+  constexpr int64_t kYLead = 8, kYStride = kYLead + kDim + 40;
+  constexpr uint16_t kGap = 0x7FBA;  // a NaN pattern no bf16 result rounds to
+  const std::vector<uint16_t> poisoned(static_cast<size_t>(in->rows * kYStride), kGap);
+  DeviceBuffer ys(poisoned.size() * 2);
+  ys.upload(poisoned.data(), poisoned.size() * 2);
+  auto y_strided = rms_norm_cuda_run(*context_, *in, [&](RmsNormArgs& a) {
+    a.x = xs.as<uint16_t>() + kLead;
+    a.x_stride = kStride;
+    a.y = ys.as<uint16_t>() + kYLead;
+    a.y_stride = kYStride;
+  });
+  ASSERT_TRUE(y_strided.has_value()) << y_strided.error().message;
+  std::vector<uint16_t> wide_y(poisoned.size());
+  TERN_CUDA_CHECK(cudaMemcpy(wide_y.data(), ys.data(), wide_y.size() * 2, cudaMemcpyDeviceToHost));
+  for (int64_t r = 0; r < in->rows; ++r) {
+    for (int64_t c = 0; c < kYStride; ++c) {
+      const uint16_t got = wide_y[r * kYStride + c];
+      if (c < kYLead || c >= kYLead + kDim) {
+        ASSERT_EQ(got, kGap) << "row " << r << " column " << c << " outside the row was written";
+      } else {
+        ASSERT_EQ(bf16_to_float(got), dense->values[r * kDim + c - kYLead]) << "row " << r << " column " << c;
+      }
+    }
+  }
+  bad = rms_norm_cuda_run(*context_, *in, [&](RmsNormArgs& a) { a.y_stride = kDim + 4; });
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_NE(bad.error().message.find("y_stride=516 must be a multiple of 8"), std::string::npos) << bad.error().message;
+  bad = rms_norm_cuda_run(*context_, *in, [&](RmsNormArgs& a) { a.y_stride = kDim - 8; });
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_NE(bad.error().message.find("y_stride=504 must be a multiple of 8"), std::string::npos) << bad.error().message;
+  bad = rms_norm_cuda_run(*context_, *in, [&](RmsNormArgs& a) {
+    a.residual = a.x;
+    a.h_out = a.y;
+    a.y_stride = kYStride;
+  });
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_NE(bad.error().message.find("y_stride with a residual is not supported"), std::string::npos)
+      << bad.error().message;
 }
 
 // silu_mul over the gate|up columns inside a wider projection output (the MoE block's [shared gate | shared up |

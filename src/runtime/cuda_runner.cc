@@ -48,10 +48,17 @@ class CudaSequence final : public DeviceSequenceState {
 // depend on whether a graph replays it.
 struct HostStepPlan {
   bool decode = false;
+  // Replayed as a CUDA graph: a decode step, a verification of the same row count in every sequence, or a draft
+  // module's chained row per sequence. Padded to the batch bucket with `rows` rows per padding sequence, its block
+  // tables `max_blocks` wide (a power of two).
+  bool graphed = false;
+  bool draft = false;  // the draft module's step
+  int64_t rows = 1;    // rows per sequence of a graphed step
   int64_t tokens = 0, n_seqs = 0, max_query_len = 0, max_seq_len = 0, max_blocks = 0;
   int64_t real_seqs = 0;  // the step's own sequences, first; the padding rows after them
+  int64_t max_rows = 0;   // row_slots per sequence (CudaStep::row_slots), when the step verifies
   std::vector<int32_t> ids, positions, slot_mapping, query_start, seq_lens, block_tables, state_slot, seq_past,
-      last_rows;
+      head_rows, row_slots, hidden_rows;
 };
 
 class CudaRunner final : public DeviceRunner {
@@ -95,6 +102,9 @@ class CudaRunner final : public DeviceRunner {
   Expected<std::vector<float>> step(std::span<const SequenceInput> batch, LogitsFor which,
                                     const Tracer* tracer) override;
   Expected<SampleResults> sample_step(std::span<const SequenceInput> batch, std::span<const SampleRow> rows) override;
+  Expected<void> restore_verified(SequenceCache& seq, int64_t rows) override;
+  Expected<std::vector<float>> draft_step(std::span<const DraftInput> inputs, LogitsFor which,
+                                          std::span<const int64_t> hidden_rows) override;
 
   // A sequence's KV blocks (at least need_blocks) and state slot: the scheduler's, checked, when the input carries
   // them; else its lease's, grown from this runner's pool.
@@ -103,29 +113,51 @@ class CudaRunner final : public DeviceRunner {
     int32_t state_slot = -1;
   };
   Expected<SequenceIds> sequence_ids(const SequenceInput& in, int64_t need_blocks);
-  Expected<HostStepPlan> plan_step(std::span<const SequenceInput> batch, bool decode);
+  // check_inputs for sequences whose rows start at past[i] (their caches' lengths, or a draft step's positions).
+  Expected<void> check_batch(std::span<const SequenceInput> batch, std::span<const int64_t> past) const;
+  // The plan of a model step (past = the caches' lengths) or a draft step (past = the inputs' positions; no
+  // verification, every row's hidden state read from hidden_rows).
+  // `graphed`: the step is padded to its bucket and block-table width as a graph step (rows per sequence: the
+  // first sequence's; the caller checked they are all alike).
+  Expected<HostStepPlan> plan_step(std::span<const SequenceInput> batch, bool decode, LogitsFor which,
+                                   std::span<const int64_t> past, bool graphed = false, bool draft = false);
+  // The Gated DeltaNet slot holding a sequence's state (logical slot: the scheduler's or its lease's). Each
+  // logical slot owns verify_rows + 1 of the device's slots: the state's, and one per row of a verification,
+  // which keep_rows makes the state's by pointing the sequence there (no copy).
+  int32_t state_of(int32_t logical) const { return logical < 0 ? logical : state_at_[static_cast<size_t>(logical)]; }
   // Padding rows up to `n_seqs` sequences of one token each: token 0 at position 0 of a fresh sequence, its K and V
   // written to the spare block and its Gated DeltaNet state to the spare slot (CudaOps), its logits ignored. Then
   // the block tables, `width` blocks per sequence.
+  // A graphed step's padding (p.rows rows per padding sequence) is the same, at positions 0 .. rows - 1.
   void pad_decode(HostStepPlan& p, int64_t n_seqs, std::span<const std::span<const int32_t>> tables) const;
+  // Whether a step of n sequences of `rows` rows each can be a graphed step (its padded rows fit the buffers).
+  bool graph_fits(int64_t n, int64_t rows) const {
+    return graphs_enabled_ && decode_bucket(n) * rows <= options_.max_batch_tokens &&
+           decode_bucket(n) <= options_.max_sequences;
+  }
   // The batch-size bucket of a decode step of n sequences (the graphs' batch sizes: 1, 2, 4, 8, then steps of 8).
   int64_t decode_bucket(int64_t n) const;
   // Captures the decode graph of every bucket and block-table width up to max_context_tokens, at load, so that no
   // step pays a capture (a shape beyond them is captured on its second use, as before).
   Expected<void> capture_decode_graphs();
   // Uploads the plan and hands its device view to the blocks, with the logits buffer grown for its rows.
-  Expected<void> begin_step(const HostStepPlan& plan, LogitsFor which, const Tracer* tracer);
+  // A draft step (hidden_in set: the hidden states its input block reads) keeps its rows' hidden states in the
+  // draft's buffer, a model step in the model's.
+  Expected<void> begin_step(const HostStepPlan& plan, LogitsFor which, const Tracer* tracer,
+                            const uint16_t* hidden_in = nullptr);
   // The model's layer loop, on the stream, with no synchronisation. Programmatic launch hides the gaps between a
   // decode step's short kernels; in a prefill, whose kernels run many waves, it costs (see docs/perf/gpu.md
   // §model-path), so it is on in decode steps only.
-  Expected<void> run_body();
+  Expected<void> run_body();  // the model's layer loop, or the draft module's in a draft step
   // run_body through the decode step's CUDA graph: the first step of a shape runs eagerly (cuBLASLt plans, lazily
   // loaded kernels), the second is captured, later ones replay it. A capture that fails turns graphs off, loudly.
   Expected<void> run_decode(const HostStepPlan& plan);
+  // The first n rows of the step's logits, as fp32 on the host (waits for the stream).
+  Expected<std::vector<float>> download_logits(int64_t n);
   struct DecodeGraph;
   // Captures the body of the step begun into g (no launch). False when the capture failed: graphs are then off for
   // good, with a warning.
-  Expected<bool> capture(DecodeGraph& g, int64_t n_seqs);
+  Expected<bool> capture(DecodeGraph& g, const HostStepPlan& plan);
   void drop_graphs();
 
   DeviceModelOptions options_;
@@ -147,11 +179,20 @@ class CudaRunner final : public DeviceRunner {
     bool warmed = false;
     cudaGraphExec_t exec = nullptr;
   };
-  std::map<std::pair<int64_t, int64_t>, DecodeGraph> graphs_;
+  // Keyed by (n_seqs, block-table width, rows per sequence, draft step).
+  std::map<std::tuple<int64_t, int64_t, int64_t, bool>, DecodeGraph> graphs_;
   bool graphs_enabled_ = true;
   std::vector<int64_t> buckets_;  // decode batch sizes, ascending, the last = the most a step holds
   double capture_seconds_ = 0;
   CudaSampler sampler_;  // sized for max_sequences rows
+  // The device slot of each logical state slot's current state (identity without a draft module).
+  std::vector<int32_t> state_at_;
+  // The sequences verified in the last model step: their logical slot and the slots of their rows' states.
+  struct Verified {
+    int32_t logical = -1;
+    std::vector<int32_t> row_slots;
+  };
+  std::map<const SequenceCache*, Verified> verified_;
 };
 
 Expected<void> CudaRunner::finish_load() {
@@ -160,19 +201,24 @@ Expected<void> CudaRunner::finish_load() {
   graphs_enabled_ = options_.cuda_graphs && ops_.graph_capturable();
   TERN_TRY(ops_.allocate());
   TERN_TRY(sampler_.allocate(options_.max_sequences, ops_.vocab()));
-  // Logits of a decode step at the largest batch, allocated now so that no decode graph sees this buffer move.
-  if (!DeviceBuffer::try_allocate(static_cast<size_t>(options_.max_sequences * ops_.vocab()) * 2, logits_)) {
-    return make_error("out of device memory for the logits of {} sequences", options_.max_sequences);
+  // Logits of a decode step (or a verification) at the largest batch, allocated now so that no graph sees this
+  // buffer move.
+  const int64_t logit_rows = options_.max_sequences * std::max<int64_t>(ops_.verify_rows(), 1);
+  if (!DeviceBuffer::try_allocate(static_cast<size_t>(logit_rows * ops_.vocab()) * 2, logits_)) {
+    return make_error("out of device memory for the logits of {} rows", logit_rows);
   }
   for (int64_t b = ops_.kv_blocks() - 1; b >= 0; --b) pool_->free_blocks.push_back(static_cast<int32_t>(b));
   for (int64_t s = options_.max_sequences - 1; s >= 0; --s) pool_->free_slots.push_back(static_cast<int32_t>(s));
+  const int64_t group = ops_.verify_rows() + 1;
+  for (int64_t s = 0; s < options_.max_sequences; ++s) state_at_.push_back(static_cast<int32_t>(s * group));
   const int64_t most = std::min(options_.max_sequences, options_.max_batch_tokens);
   for (int64_t b = 1; b < most; b = b < 8 ? 2 * b : b + 8) buckets_.push_back(b);
   buckets_.push_back(most);
   // The step plan's largest size (a full prefill's rows and every sequence's whole block table), so that no step
   // reallocates it and drops the graphs.
-  const int64_t seqs = options_.max_sequences, rows = std::max(options_.max_batch_tokens, seqs);
-  meta_capacity_ = static_cast<size_t>(3 * rows + 6 * seqs + seqs * std::max<int64_t>(ops_.kv_blocks(), 1) + 64);
+  const int64_t seqs = options_.max_sequences, rows = std::max(options_.max_batch_tokens, logit_rows);
+  meta_capacity_ = static_cast<size_t>(5 * rows + 6 * seqs + seqs * ops_.verify_rows() +
+                                       seqs * std::max<int64_t>(ops_.kv_blocks(), 1) + 64);
   TERN_CUDA_CHECK(cudaMallocHost(&meta_host_, meta_capacity_ * 4));
   meta_buffer_ = DeviceBuffer(meta_capacity_ * 4);
   meta_ = meta_buffer_.as<int32_t>();
@@ -188,17 +234,21 @@ void CudaRunner::pad_decode(HostStepPlan& p, int64_t n_seqs, std::span<const std
   const int64_t bs = options_.kv_block_size;
   const bool has_kv = ops_.kv_blocks() > 0;
   while (p.n_seqs < n_seqs) {
-    p.ids.push_back(0);
-    p.positions.push_back(0);
-    p.slot_mapping.push_back(has_kv ? static_cast<int32_t>(ops_.spare_block() * bs) : 0);
-    p.tokens += 1;
+    for (int64_t i = 0; i < p.rows; ++i) {
+      p.ids.push_back(0);
+      p.positions.push_back(static_cast<int32_t>(i));
+      p.slot_mapping.push_back(has_kv ? static_cast<int32_t>(ops_.spare_block() * bs + i) : 0);
+      p.head_rows.push_back(static_cast<int32_t>(p.tokens + i));
+      if (p.draft) p.hidden_rows.push_back(0);
+    }
+    p.tokens += p.rows;
     p.query_start.push_back(static_cast<int32_t>(p.tokens));
-    p.seq_lens.push_back(1);
+    p.seq_lens.push_back(static_cast<int32_t>(p.rows));
     p.state_slot.push_back(ops_.spare_slot());
     p.seq_past.push_back(0);
-    p.last_rows.push_back(static_cast<int32_t>(p.tokens - 1));
+    if (!p.row_slots.empty()) p.row_slots.resize(p.row_slots.size() + static_cast<size_t>(p.max_rows), -1);
     p.n_seqs += 1;
-    p.max_query_len = std::max<int64_t>(p.max_query_len, 1);
+    p.max_query_len = std::max(p.max_query_len, p.rows);
   }
   p.block_tables.assign(static_cast<size_t>(p.n_seqs * p.max_blocks), has_kv ? ops_.spare_block() : 0);
   for (int64_t s = 0; s < p.n_seqs; ++s) {
@@ -224,12 +274,12 @@ Expected<void> CudaRunner::capture_decode_graphs() {
     bool warmed = false;
     for (const int64_t w : widths) {
       HostStepPlan p;
-      p.decode = true;
+      p.decode = p.graphed = true;
       p.max_blocks = w;
       p.max_seq_len = w * bs;
       p.query_start.push_back(0);
       pad_decode(p, n, {});
-      DecodeGraph& g = graphs_[{n, w}];
+      DecodeGraph& g = graphs_[{n, w, 1, false}];
       TERN_TRY(begin_step(p, LogitsFor::kLastToken, nullptr));
       if (!warmed) {  // cuBLASLt plans and lazily loaded kernels of this batch size, outside the capture
         TERN_TRY(run_body());
@@ -238,7 +288,7 @@ Expected<void> CudaRunner::capture_decode_graphs() {
       // The next plan is staged in the same pinned buffer: this one's copy (and warm-up) must be done first.
       TERN_CUDA_CHECK(cudaStreamSynchronize(ctx_.stream()));
       g.warmed = true;
-      TERN_ASSIGN_OR_RETURN(const bool captured, capture(g, n));
+      TERN_ASSIGN_OR_RETURN(const bool captured, capture(g, p));
       if (!captured) return {};  // decode steps run eagerly from now on
     }
   }
@@ -277,6 +327,12 @@ Expected<CudaRunner::SequenceIds> CudaRunner::sequence_ids(const SequenceInput& 
 }
 
 Expected<void> CudaRunner::check_inputs(std::span<const SequenceInput> batch) const {
+  std::vector<int64_t> past;
+  for (const SequenceInput& in : batch) past.push_back(in.cache->length);
+  return check_batch(batch, past);
+}
+
+Expected<void> CudaRunner::check_batch(std::span<const SequenceInput> batch, std::span<const int64_t> past) const {
   TERN_TRY(ModelRunner::check_inputs(batch));
   if (static_cast<int64_t>(batch.size()) > options_.max_sequences) {
     return make_error("{} sequences in one step; this model was set up for at most {}", batch.size(),
@@ -285,9 +341,14 @@ Expected<void> CudaRunner::check_inputs(std::span<const SequenceInput> batch) co
   const int64_t bs = options_.kv_block_size, kv_blocks = ops_.kv_blocks();
   const bool needs_blocks = kv_blocks > 0, needs_slot = ops_.has_gdn();
   int64_t tokens = 0, new_blocks = 0, new_slots = 0;
-  for (const SequenceInput& in : batch) {
-    const int64_t n = static_cast<int64_t>(in.tokens.size()), need_blocks = (in.cache->length + n + bs - 1) / bs;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const SequenceInput& in = batch[i];
+    const int64_t n = static_cast<int64_t>(in.tokens.size()), need_blocks = (past[i] + n + bs - 1) / bs;
     tokens += n;
+    if (in.verify && needs_slot && n > ops_.verify_rows()) {
+      return make_error("a verification of {} rows; this model was loaded for at most {} (a draft module and "
+                        "--speculative-num-steps {})", n, ops_.verify_rows(), ops_.verify_rows() - 1);
+    }
     if (!in.kv_blocks.empty() || in.state_slot >= 0) {
       if (needs_blocks && static_cast<int64_t>(in.kv_blocks.size()) < need_blocks) {
         return make_error("a sequence of {} tokens came with {} KV blocks of {} tokens", need_blocks * bs,
@@ -320,16 +381,25 @@ Expected<void> CudaRunner::check_inputs(std::span<const SequenceInput> batch) co
   return {};
 }
 
-Expected<HostStepPlan> CudaRunner::plan_step(std::span<const SequenceInput> batch, bool decode) {
-  TERN_TRY(check_inputs(batch));  // sizes, token ids, ids and room: nothing below refuses the batch for them
+Expected<HostStepPlan> CudaRunner::plan_step(std::span<const SequenceInput> batch, bool decode, LogitsFor which,
+                                             std::span<const int64_t> past_of, bool graphed, bool draft) {
+  TERN_TRY(check_batch(batch, past_of));  // sizes, token ids, ids and room: nothing below refuses the batch for them
   HostStepPlan p;
   p.decode = decode;
+  p.graphed = graphed || decode;
+  p.draft = draft;
+  p.rows = batch.empty() ? 1 : static_cast<int64_t>(batch.front().tokens.size());
   p.n_seqs = static_cast<int64_t>(batch.size());
   const int64_t bs = options_.kv_block_size, kv_blocks = ops_.kv_blocks();
+  const bool verifies = ops_.has_gdn() && std::any_of(batch.begin(), batch.end(), [](const SequenceInput& in) {
+    return in.verify;
+  });
+  if (verifies) p.max_rows = ops_.verify_rows();
   p.query_start.push_back(0);
   std::vector<std::span<const int32_t>> tables;
-  for (const SequenceInput& in : batch) {
-    const int64_t past = in.cache->length, n = static_cast<int64_t>(in.tokens.size());
+  for (size_t s = 0; s < batch.size(); ++s) {
+    const SequenceInput& in = batch[s];
+    const int64_t past = past_of[s], n = static_cast<int64_t>(in.tokens.size());
     const int64_t need_blocks = (past + n + bs - 1) / bs;
     TERN_ASSIGN_OR_RETURN(const SequenceIds ids, sequence_ids(in, need_blocks));
     tables.push_back(ids.blocks);
@@ -338,41 +408,67 @@ Expected<HostStepPlan> CudaRunner::plan_step(std::span<const SequenceInput> batc
       p.ids.push_back(in.tokens[i]);
       p.positions.push_back(static_cast<int32_t>(pos));
       p.slot_mapping.push_back(kv_blocks == 0 ? 0 : static_cast<int32_t>(ids.blocks[pos / bs] * bs + pos % bs));
+      if (which == LogitsFor::kAllTokens || in.verify || i == n - 1) {
+        p.head_rows.push_back(static_cast<int32_t>(p.tokens + i));
+      }
+      if (draft) p.hidden_rows.push_back(0);  // the caller's (draft_step)
+    }
+    if (verifies) {
+      // A verified sequence's rows' states go to the other slots of its group, in order.
+      const size_t first = p.row_slots.size();
+      p.row_slots.resize(first + static_cast<size_t>(p.max_rows), -1);
+      if (in.verify) {
+        const int32_t at = state_of(ids.state_slot), group = static_cast<int32_t>(p.max_rows + 1);
+        const int32_t base = at / group * group;
+        Verified& v = verified_[in.cache];
+        v.logical = ids.state_slot;
+        v.row_slots.clear();
+        for (int32_t k = 0; k <= p.max_rows; ++k) {
+          if (base + k != at) v.row_slots.push_back(base + k);
+        }
+        std::copy(v.row_slots.begin(), v.row_slots.end(), p.row_slots.begin() + static_cast<ptrdiff_t>(first));
+      }
     }
     p.tokens += n;
     p.query_start.push_back(static_cast<int32_t>(p.tokens));
     p.seq_lens.push_back(static_cast<int32_t>(past + n));
-    p.state_slot.push_back(ids.state_slot);
+    p.state_slot.push_back(state_of(ids.state_slot));
     p.seq_past.push_back(static_cast<int32_t>(past));
-    p.last_rows.push_back(static_cast<int32_t>(std::max<int64_t>(p.tokens - 1, 0)));
     p.max_query_len = std::max(p.max_query_len, n);
     p.max_seq_len = std::max(p.max_seq_len, past + n);
     p.max_blocks = std::max(p.max_blocks, need_blocks);
   }
   p.max_blocks = std::max<int64_t>(p.max_blocks, 1);
-  if (decode && kv_blocks > 0) {
+  if (p.graphed && kv_blocks > 0) {
     p.max_blocks = std::min(std::bit_ceil(static_cast<uint64_t>(p.max_blocks)), static_cast<uint64_t>(kv_blocks));
     p.max_seq_len = p.max_blocks * bs;
   }
   p.real_seqs = p.n_seqs;
-  pad_decode(p, decode ? decode_bucket(p.n_seqs) : p.n_seqs, tables);
+  pad_decode(p, p.graphed ? decode_bucket(p.n_seqs) : p.n_seqs, tables);
   return p;
 }
 
-Expected<void> CudaRunner::begin_step(const HostStepPlan& p, LogitsFor which, const Tracer* tracer) {
+Expected<void> CudaRunner::begin_step(const HostStepPlan& p, LogitsFor, const Tracer* tracer,
+                                     const uint16_t* hidden_in) {
   CudaStep step{.decode = p.decode,
+                .graphed = p.graphed,
+                .draft = p.draft,
                 .tokens = p.tokens,
                 .n_seqs = p.n_seqs,
                 .max_query_len = p.max_query_len,
                 .max_seq_len = p.max_seq_len,
                 .max_blocks = p.max_blocks,
-                .which = which,
+                .n_head_rows = static_cast<int64_t>(p.head_rows.size()),
+                .max_rows = p.max_rows,
+                .keep_hidden = hidden_in != nullptr ? ops_.draft_hidden() : ops_.model_hidden(),
+                .hidden_in = hidden_in,
                 .tracer = tracer};
-  const std::vector<int32_t>* parts[] = {&p.ids,          &p.positions,  &p.slot_mapping, &p.query_start, &p.seq_lens,
-                                         &p.block_tables, &p.state_slot, &p.seq_past,     &p.last_rows};
-  const int32_t** targets[] = {&step.ids,         &step.positions, &step.slot_mapping,
-                               &step.query_start, &step.seq_lens,  &step.block_tables,
-                               &step.state_slot,  &step.seq_past,  &step.last_rows};
+  const std::vector<int32_t>* parts[] = {&p.ids,          &p.positions,  &p.slot_mapping, &p.query_start,
+                                         &p.seq_lens,     &p.block_tables, &p.state_slot, &p.seq_past,
+                                         &p.head_rows,    &p.row_slots,  &p.hidden_rows};
+  const int32_t** targets[] = {&step.ids,         &step.positions,   &step.slot_mapping, &step.query_start,
+                               &step.seq_lens,    &step.block_tables, &step.state_slot,  &step.seq_past,
+                               &step.head_rows,   &step.row_slots,   &step.hidden_rows};
   size_t total = 0;
   for (const auto* v : parts) total += (v->size() + 3) / 4 * 4;  // 16-byte aligned parts
   if (total > meta_capacity_) {
@@ -386,15 +482,15 @@ Expected<void> CudaRunner::begin_step(const HostStepPlan& p, LogitsFor which, co
   size_t offset = 0;
   for (size_t i = 0; i < std::size(parts); ++i) {
     std::copy(parts[i]->begin(), parts[i]->end(), meta_host_ + offset);
-    *targets[i] = meta_ + offset;
+    *targets[i] = parts[i]->empty() ? nullptr : meta_ + offset;
     offset += (parts[i]->size() + 3) / 4 * 4;
   }
   TERN_CUDA_CHECK(cudaMemcpyAsync(meta_, meta_host_, total * 4, cudaMemcpyHostToDevice, ctx_.stream()));
-  const size_t logit_bytes = static_cast<size_t>(step.logit_rows() * ops_.vocab()) * 2;
+  const size_t logit_bytes = static_cast<size_t>(step.n_head_rows * ops_.vocab()) * 2;
   if (logits_.size_bytes() < logit_bytes) {
     drop_graphs();
     if (!DeviceBuffer::try_allocate(logit_bytes, logits_)) {
-      return make_error("out of device memory for {} rows of logits", step.logit_rows());
+      return make_error("out of device memory for {} rows of logits", step.n_head_rows);
     }
   }
   step.logits = logits_.as<uint16_t>();
@@ -403,8 +499,8 @@ Expected<void> CudaRunner::begin_step(const HostStepPlan& p, LogitsFor which, co
 }
 
 Expected<void> CudaRunner::run_body() {
-  ctx_.set_programmatic_launch(pdl_ && ops_.step().decode);
-  return run_model();
+  ctx_.set_programmatic_launch(pdl_ && ops_.step().graphed);
+  return ops_.step().draft ? run_draft() : run_model();
 }
 
 void CudaRunner::drop_graphs() {
@@ -415,21 +511,21 @@ void CudaRunner::drop_graphs() {
 }
 
 Expected<void> CudaRunner::run_decode(const HostStepPlan& plan) {
-  if (!graphs_enabled_) return run_body();
-  DecodeGraph& g = graphs_[{plan.n_seqs, plan.max_blocks}];
+  if (!graphs_enabled_ || !plan.graphed) return run_body();
+  DecodeGraph& g = graphs_[{plan.n_seqs, plan.max_blocks, plan.rows, plan.draft}];
   if (g.exec == nullptr && !g.warmed) {
     g.warmed = true;
     return run_body();
   }
   if (g.exec == nullptr) {
-    TERN_ASSIGN_OR_RETURN(const bool captured, capture(g, plan.n_seqs));
+    TERN_ASSIGN_OR_RETURN(const bool captured, capture(g, plan));
     if (!captured) return run_body();
   }
   TERN_CUDA_CHECK(cudaGraphLaunch(g.exec, ctx_.stream()));
   return {};
 }
 
-Expected<bool> CudaRunner::capture(DecodeGraph& g, int64_t n_seqs) {
+Expected<bool> CudaRunner::capture(DecodeGraph& g, const HostStepPlan& plan) {
   cudaGraph_t graph = nullptr;
   TERN_CUDA_CHECK(cudaStreamBeginCapture(ctx_.stream(), cudaStreamCaptureModeThreadLocal));
   const Expected<void> ran = run_body();
@@ -441,21 +537,38 @@ Expected<bool> CudaRunner::capture(DecodeGraph& g, int64_t n_seqs) {
   (void)cudaGetLastError();
   g.exec = nullptr;
   graphs_enabled_ = false;
-  spdlog::warn("CUDA graph capture of a decode step ({} sequences) failed ({}); decode steps run eagerly from now on",
-               n_seqs, ran ? cudaGetErrorString(made) : ran.error().message);
+  spdlog::warn("CUDA graph capture of a {} step ({} sequences of {} rows) failed ({}); steps run eagerly from now on",
+               plan.draft ? "draft" : plan.decode ? "decode" : "verification", plan.n_seqs, plan.rows,
+               ran ? cudaGetErrorString(made) : ran.error().message);
   return false;
 }
 
 Expected<std::vector<float>> CudaRunner::step(std::span<const SequenceInput> batch, LogitsFor which,
                                              const Tracer* tracer) {
-  const bool decode =
-      which == LogitsFor::kLastToken && tracer == nullptr &&
-      std::all_of(batch.begin(), batch.end(), [](const SequenceInput& in) { return in.tokens.size() == 1; });
-  TERN_ASSIGN_OR_RETURN(const HostStepPlan plan, plan_step(batch, decode));
+  // A verification is never a decode step, whatever its length: its states are kept per row.
+  const bool decode = which == LogitsFor::kLastToken && tracer == nullptr &&
+                      std::all_of(batch.begin(), batch.end(), [](const SequenceInput& in) {
+                        return in.tokens.size() == 1 && !in.verify;
+                      });
+  // Verifications of the same length in every sequence: a graph per (bucket, width, length), its logits every row.
+  const size_t rows = batch.empty() ? 0 : batch.front().tokens.size();
+  const bool verify_graph = !decode && rows > 1 && tracer == nullptr && which == LogitsFor::kLastToken &&
+                            graph_fits(static_cast<int64_t>(batch.size()), static_cast<int64_t>(rows)) &&
+                            std::all_of(batch.begin(), batch.end(), [&](const SequenceInput& in) {
+                              return in.verify && in.tokens.size() == rows;
+                            });
+  verified_.clear();
+  std::vector<int64_t> past;
+  for (const SequenceInput& in : batch) past.push_back(in.cache->length);
+  TERN_ASSIGN_OR_RETURN(const HostStepPlan plan, plan_step(batch, decode, which, past, verify_graph));
   if (plan.tokens == 0) return std::vector<float>{};
   TERN_TRY(begin_step(plan, which, tracer));
-  TERN_TRY(decode ? run_decode(plan) : run_body());
-  const int64_t n = decode ? plan.real_seqs : ops_.step().logit_rows(), vocab = ops_.vocab();
+  TERN_TRY(run_decode(plan));
+  return download_logits(plan.graphed ? plan.real_seqs * plan.rows : ops_.step().n_head_rows);
+}
+
+Expected<std::vector<float>> CudaRunner::download_logits(int64_t n) {
+  const int64_t vocab = ops_.vocab();
   logits_host_.resize(static_cast<size_t>(n * vocab));
   TERN_CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), logits_host_.size() * 2, cudaMemcpyDeviceToHost,
                                   ctx_.stream()));
@@ -473,14 +586,56 @@ Expected<SampleResults> CudaRunner::sample_step(std::span<const SequenceInput> b
   }
   const bool decode =
       std::all_of(batch.begin(), batch.end(), [](const SequenceInput& in) { return in.tokens.size() == 1; });
-  TERN_ASSIGN_OR_RETURN(const HostStepPlan plan, plan_step(batch, decode));
+  verified_.clear();
+  std::vector<int64_t> past;
+  for (const SequenceInput& in : batch) past.push_back(in.cache->length);
+  TERN_ASSIGN_OR_RETURN(const HostStepPlan plan, plan_step(batch, decode, LogitsFor::kLastToken, past));
   if (plan.tokens == 0) return make_error("forward_sample: the step has no tokens");
   TERN_TRY(begin_step(plan, LogitsFor::kLastToken, nullptr));
   TERN_TRY(sampler_.upload(ctx_, rows));
-  TERN_TRY(decode ? run_decode(plan) : run_body());
-  const int64_t n = decode ? plan.real_seqs : ops_.step().logit_rows();
+  TERN_TRY(run_decode(plan));
+  const int64_t n = decode ? plan.real_seqs : ops_.step().n_head_rows;
   TERN_TRY(sampler_.launch(ctx_, logits_.as<uint16_t>(), n));
   return sampler_.download(ctx_, rows, logits_.as<uint16_t>(), n);
+}
+
+Expected<void> CudaRunner::restore_verified(SequenceCache& seq, int64_t rows) {
+  if (!ops_.has_gdn()) return {};  // nothing but KV entries, which later steps overwrite
+  const auto it = verified_.find(&seq);
+  if (it == verified_.end()) return make_error("keep_rows: the sequence was not verified in this runner's last step");
+  const Verified& v = it->second;
+  if (rows < 1 || rows > static_cast<int64_t>(v.row_slots.size())) {
+    return make_error("keep_rows: {} rows asked of a verification that kept {}", rows, v.row_slots.size());
+  }
+  state_at_[static_cast<size_t>(v.logical)] = v.row_slots[static_cast<size_t>(rows - 1)];
+  verified_.erase(it);
+  return {};
+}
+
+Expected<std::vector<float>> CudaRunner::draft_step(std::span<const DraftInput> inputs, LogitsFor which,
+                                                   std::span<const int64_t> hidden_rows) {
+  if (ops_.model_hidden() == nullptr) return make_error("{}: the draft module was not placed", describe());
+  std::vector<SequenceInput> batch;
+  std::vector<int64_t> past;
+  for (const DraftInput& in : inputs) {
+    batch.push_back(in.seq);
+    batch.back().verify = false;
+    past.push_back(in.position);
+  }
+  for (const int64_t row : hidden_rows) {
+    if (row < 0 || row >= options_.max_batch_tokens) {
+      return make_error("a draft row reads hidden row {} of a step of at most {}", row, options_.max_batch_tokens);
+    }
+  }
+  // Chained rows (one per sequence): a graph per (bucket, width), as a decode step.
+  const bool chained = inputs.front().hidden == DraftHidden::kDraft;
+  const bool graphed = chained && graph_fits(static_cast<int64_t>(batch.size()), 1);
+  TERN_ASSIGN_OR_RETURN(HostStepPlan plan, plan_step(batch, false, which, past, graphed, true));
+  if (plan.tokens == 0) return std::vector<float>{};
+  std::copy(hidden_rows.begin(), hidden_rows.end(), plan.hidden_rows.begin());
+  TERN_TRY(begin_step(plan, which, nullptr, chained ? ops_.draft_hidden() : ops_.model_hidden()));
+  TERN_TRY(run_decode(plan));
+  return download_logits(plan.graphed ? plan.real_seqs : ops_.step().n_head_rows);
 }
 
 }  // namespace

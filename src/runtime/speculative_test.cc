@@ -20,19 +20,18 @@
 #include <map>
 #include <random>
 #include <sstream>
-
-
 #include <thread>
 
 #include "runtime/free_port_test_util.h"
 #include "runtime/model_runner.h"
+#include "runtime/speculative_test_util.h"
 #include "runtime/tp_runner.h"
 #include "tokenizer/tokenizer.h"
 
 namespace tern {
 namespace {
 
-const std::string kDemo = std::string(TERN_DEMO_DIR) + "/tern-demo-bf16";
+using namespace spec_test;
 
 std::unique_ptr<ModelRunner> load_demo(bool draft = true, int world = 1) {
   ModelLoadOptions options;
@@ -43,156 +42,18 @@ std::unique_ptr<ModelRunner> load_demo(bool draft = true, int world = 1) {
   return runner ? std::move(*runner) : nullptr;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// The held-out text's tokens (the demo's tokenizer is byte-identical to the Rust tokenizers library).
-const std::vector<int32_t>& heldout_tokens() {
-  static const std::vector<int32_t> tokens = [] {
-    auto tok = Tokenizer::load(kDemo);
-    EXPECT_TRUE(tok.has_value());
-    return tok ? tok->encode(read_file(std::string(TERN_DEMO_DIR) + "/heldout.txt")) : std::vector<int32_t>{};
-  }();
-  return tokens;
-}
-
-// Prompts cut from the held-out text: real text, so the drafts are right often enough to test acceptance.
-std::vector<int32_t> prompt(size_t offset, size_t length) {
-  const auto& t = heldout_tokens();
-  return {t.begin() + static_cast<ptrdiff_t>(offset), t.begin() + static_cast<ptrdiff_t>(offset + length)};
-}
-
-int32_t argmax(std::span<const float> row) {
-  return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
-}
-
-std::vector<double> log_softmax(std::span<const float> row) {
-  const double max = *std::max_element(row.begin(), row.end());
-  double sum = 0.0;
-  for (float x : row) sum += std::exp(double{x} - max);
-  std::vector<double> out;
-  for (float x : row) out.push_back(double{x} - max - std::log(sum));
-  return out;
-}
-
-// Plain greedy decoding, one token per step.
-std::vector<int32_t> plain_greedy(ModelRunner& runner, const std::vector<int32_t>& prompt_ids, int n) {
-  SequenceCache cache = runner.new_sequence();
-  std::vector<int32_t> out;
-  std::vector<int32_t> next = prompt_ids;
-  for (int i = 0; i < n; ++i) {
-    const std::vector<SequenceInput> batch{{&cache, next}};
-    auto logits = runner.forward(batch, LogitsFor::kLastToken);
-    EXPECT_TRUE(logits.has_value()) << logits.error().message;
-    if (!logits) return out;
-    out.push_back(argmax(*logits));
-    next = {out.back()};
-  }
-  return out;
-}
-
-// One sequence decoded with speculation: its prompt in chunks of `chunk` tokens, then steps of 1 + drafts.
-struct SpecRun {
-  std::vector<int32_t> prompt, output;
-  SequenceCache cache;
-  Sampler sampler;
-  std::vector<int32_t> drafts;
-  int64_t prompt_done = 0;
-  int64_t drafted = 0, accepted = 0;
-  SpecRun(ModelRunner& runner, std::vector<int32_t> p, SamplingParams params)
-      : prompt(std::move(p)), cache(runner.new_sequence()), sampler(params) {}
-  std::vector<int32_t> all() const {
-    std::vector<int32_t> t = prompt;
-    t.insert(t.end(), output.begin(), output.end());
-    return t;
-  }
-};
-
-// Runs `runs` together until each has `n` output tokens. `override_drafts`, if set, replaces each sequence's drafts
-// before every step (the test's forced acceptance or rejection).
-void run_speculative(ModelRunner& runner, std::vector<SpecRun>& runs, int n, int steps, int64_t chunk,
-                     const std::function<void(size_t, SpecRun&)>& override_drafts = nullptr) {
-  for (int guard = 0; guard < 10 * n + 100; ++guard) {
-    std::vector<SpecSequence> seqs;
-    std::vector<size_t> which;
-    std::vector<std::vector<int32_t>> known(runs.size());
-    for (size_t i = 0; i < runs.size(); ++i) {
-      SpecRun& r = runs[i];
-      if (static_cast<int>(r.output.size()) >= n) continue;
-      known[i] = r.all();
-      const int64_t begin = r.cache.length;
-      const int64_t count = std::min<int64_t>(chunk, static_cast<int64_t>(known[i].size()) - begin);
-      const bool samples = begin + count == static_cast<int64_t>(known[i].size());
-      if (override_drafts && samples && !r.output.empty()) override_drafts(i, r);
-      SpecSequence s;
-      s.input = {&r.cache, std::span<const int32_t>(known[i]).subspan(static_cast<size_t>(begin),
-                                                                         static_cast<size_t>(count))};
-      s.following = std::span<const int32_t>(known[i]).subspan(static_cast<size_t>(begin + 1));
-      if (samples) s.sample = {&r.sampler, r.prompt, r.output};
-      s.drafts = &r.drafts;
-      seqs.push_back(s);
-      which.push_back(i);
-    }
-    if (seqs.empty()) return;
-    auto outcomes = speculative_step(runner, seqs, steps);
-    ASSERT_TRUE(outcomes.has_value()) << outcomes.error().message;
-    for (size_t k = 0; k < which.size(); ++k) {
-      SpecRun& r = runs[which[k]];
-      const SpecOutcome& o = (*outcomes)[k];
-      ASSERT_FALSE(o.error) << o.error->message;
-      r.drafted += o.drafted;
-      r.accepted += o.accepted;
-      for (const SampledToken& t : o.tokens) r.output.push_back(t.id);
-      if (!o.tokens.empty()) {
-        ASSERT_EQ(r.cache.length + 1, static_cast<int64_t>(r.all().size()));
-      }
-    }
-  }
-  FAIL() << "the runs did not finish";
-}
-
 TEST(Speculative, TheDraftModuleMatchesTheTrainingScriptOnHeldOutText) {
-  // demo/eval.json's protocol: windows of 512 tokens every 256; in each, the draft module at row j runs on the
-  // model's hidden state at j and the token j + 1, predicting j + 2; targets t in [max(prev_e, b + 2), e).
   auto runner = load_demo();
   ASSERT_TRUE(runner);
-  const auto& tokens = heldout_tokens();
-  const int64_t T = static_cast<int64_t>(tokens.size()), context = 512, stride = 256;
   const auto eval = nlohmann::json::parse(read_file(std::string(TERN_DEMO_DIR) + "/eval.json"));
-  ASSERT_EQ(T, eval["tokens"].get<int64_t>());
-  const size_t vocab = static_cast<size_t>(runner->config().vocab_size);
-  double nll = 0.0;
-  int64_t hits = 0, scored = 0, prev_e = 0;
-  for (int64_t b = 0;; b += stride) {
-    const int64_t e = std::min(b + context, T);
-    const std::span<const int32_t> window(tokens.data() + b, static_cast<size_t>(e - b));
-    SequenceCache cache = runner->new_sequence();
-    const std::vector<SequenceInput> batch{{&cache, window}};
-    ASSERT_TRUE(runner->forward(batch, LogitsFor::kLastToken).has_value());
-    SequenceInput next{&cache, window.subspan(1)};
-    const std::vector<DraftInput> rows{{next, 0, DraftHidden::kModel, 0}};
-    auto logits = runner->draft(rows, LogitsFor::kAllTokens);
-    ASSERT_TRUE(logits.has_value()) << logits.error().message;
-    ASSERT_EQ(logits->size(), (window.size() - 1) * vocab);
-    for (int64_t t = std::max(prev_e, b + 2); t < e; ++t) {
-      const std::span<const float> row = std::span<const float>(*logits).subspan((t - 2 - b) * vocab, vocab);
-      for (float x : row) ASSERT_TRUE(std::isfinite(x));
-      nll -= log_softmax(row)[tokens[t]];
-      hits += argmax(row) == tokens[t] ? 1 : 0;
-      ++scored;
-    }
-    prev_e = e;
-    if (e == T) break;
-  }
-  ASSERT_EQ(scored, eval["mtp"]["scored"].get<int64_t>());
+  ASSERT_EQ(static_cast<int64_t>(heldout_tokens().size()), eval["tokens"].get<int64_t>());
+  const DraftHeldout got = draft_module_on_heldout_text(*runner);
+  ASSERT_EQ(got.scored, eval["mtp"]["scored"].get<int64_t>());
   const double want = eval["mtp"]["mean_nll"].get<double>();
-  EXPECT_NEAR(nll / static_cast<double>(scored), want, 1e-5 * want);
+  EXPECT_NEAR(got.nll / static_cast<double>(got.scored), want, 1e-5 * want);
   // Top-1 of 21,310 predictions: a near-tie may fall either way between fp32 implementations.
-  EXPECT_NEAR(static_cast<double>(hits), eval["mtp"]["top1_accuracy"].get<double>() * static_cast<double>(scored), 3.0);
+  EXPECT_NEAR(static_cast<double>(got.hits),
+              eval["mtp"]["top1_accuracy"].get<double>() * static_cast<double>(got.scored), 3.0);
 }
 
 class GreedySteps : public testing::TestWithParam<int> {};
@@ -285,31 +146,7 @@ TEST(Speculative, TwoNodesDraftAndVerifyAsOneDevice) {
 TEST(Speculative, DraftsForcedRightOrWrongKeepGreedyOutput) {
   auto runner = load_demo();
   ASSERT_TRUE(runner);
-  const std::vector<int32_t> p = prompt(1500, 9);
-  const int n = 40, steps = 3;
-  const std::vector<int32_t> want = plain_greedy(*runner, p, n + steps + 1);
-  // Right: the drafts are the true continuation, so every one is accepted.
-  std::vector<SpecRun> right;
-  right.emplace_back(*runner, p, SamplingParams{.temperature = 0.0f});
-  run_speculative(*runner, right, n, steps, 64, [&](size_t, SpecRun& r) {
-    r.drafts.assign(want.begin() + static_cast<ptrdiff_t>(r.output.size()),
-                    want.begin() + static_cast<ptrdiff_t>(r.output.size() + steps));
-  });
-  EXPECT_EQ(right[0].accepted, right[0].drafted);
-  EXPECT_GT(right[0].drafted, 0);
-  right[0].output.resize(n);
-  EXPECT_EQ(right[0].output, std::vector<int32_t>(want.begin(), want.begin() + n));
-  // Wrong: every draft is a token the model does not choose there, so none is.
-  std::vector<SpecRun> wrong;
-  wrong.emplace_back(*runner, p, SamplingParams{.temperature = 0.0f});
-  run_speculative(*runner, wrong, n, steps, 64, [&](size_t, SpecRun& r) {
-    const int32_t truth = want[r.output.size()];
-    r.drafts.assign(steps, (truth + 17) % static_cast<int32_t>(runner->config().vocab_size));
-  });
-  EXPECT_EQ(wrong[0].accepted, 0);
-  EXPECT_GT(wrong[0].drafted, 0);
-  wrong[0].output.resize(n);
-  EXPECT_EQ(wrong[0].output, std::vector<int32_t>(want.begin(), want.begin() + n));
+  expect_forced_drafts_keep_greedy_output(*runner);
 }
 
 TEST(Speculative, CachesAfterRejectionsEqualARecompute) {

@@ -155,6 +155,20 @@ class CudaHead final : public Block {
   DeviceMatrix head_;
 };
 
+// A draft module's input (BlockOps::draft_input): fc over [norm_embedding(stream) ; norm_hidden(h)] becomes the
+// stream. fc is whole on every tensor-parallel rank, so nothing is summed.
+class CudaDraftInput final : public Block {
+ public:
+  CudaDraftInput(CudaOps& ops, GpuNorm norm_embedding, GpuNorm norm_hidden, DeviceMatrix fc)
+      : ops_(ops), norm_embedding_(norm_embedding), norm_hidden_(norm_hidden), fc_(fc) {}
+  Expected<void> forward(int64_t) const override { return ops_.run_draft_input(norm_embedding_, norm_hidden_, fc_); }
+
+ private:
+  CudaOps& ops_;
+  GpuNorm norm_embedding_, norm_hidden_;
+  DeviceMatrix fc_;
+};
+
 AttentionVariant attention_variant_of(AttentionChoice c) {
   return c == AttentionChoice::kDecode    ? AttentionVariant::kDecode
          : c == AttentionChoice::kPrefill ? AttentionVariant::kPrefill
@@ -406,6 +420,24 @@ Expected<std::unique_ptr<Block>> CudaOps::lm_head(const RmsNorm& final_norm, con
   return std::make_unique<CudaHead>(*this, n, h);
 }
 
+Expected<std::unique_ptr<Block>> CudaOps::draft_input(const RmsNorm& norm_embedding, const RmsNorm& norm_hidden,
+                                                      const Linear& fc) {
+  if (fc.in_features() != 2 * hidden_ || fc.out_features() != hidden_) {
+    return make_error("{}: the draft module's fc is [{}, {}], expected [{}, {}]", fc.name(), fc.out_features(),
+                      fc.in_features(), hidden_, 2 * hidden_);
+  }
+  if (options_.verify_rows < 2) {
+    return make_error("a draft module needs verifications of at least 2 rows (verify_rows is {})",
+                      options_.verify_rows);
+  }
+  TERN_ASSIGN_OR_RETURN(const DeviceMatrix w, weights_.matrix(fc));
+  TERN_ASSIGN_OR_RETURN(const GpuNorm ne, norm(norm_embedding));
+  TERN_ASSIGN_OR_RETURN(const GpuNorm nh, norm(norm_hidden));
+  has_draft_ = true;
+  draft_fc_width_ = 2 * hidden_;
+  return std::make_unique<CudaDraftInput>(*this, ne, nh, w);
+}
+
 // ---- Buffers and caches ----
 
 Expected<void> CudaOps::allocate() {
@@ -415,7 +447,7 @@ Expected<void> CudaOps::allocate() {
 }
 
 Expected<void> CudaOps::allocate_caches() {
-  const int64_t bs = options_.kv_block_size, slots = options_.max_sequences + 1;  // + spare_slot()
+  const int64_t bs = options_.kv_block_size, slots = state_slots();
   int64_t kv_bytes_per_token = 0;
   for (const GpuAttention* a : attentions_) kv_bytes_per_token += 2 * a->shape.n_kv_heads * a->shape.head_dim * 2;
   for (const GpuMla* a : mlas_) {
@@ -428,9 +460,11 @@ Expected<void> CudaOps::allocate_caches() {
     DeviceBuffer c, s;
     if (!DeviceBuffer::try_allocate(conv, c) || !DeviceBuffer::try_allocate(state, s)) {
       return make_error(
-          "out of device memory for the Gated DeltaNet states of {} sequences ({} bytes per layer); "
-          "lower --max-sequences",
-          options_.max_sequences, conv + state);
+          "out of device memory for the Gated DeltaNet states of {} sequences ({} bytes per layer{}); "
+          "lower --max-running-requests{}",
+          options_.max_sequences, conv + state,
+          verify_rows() > 0 ? fmt::format(", a state for each of {} verified rows included", verify_rows()) : "",
+          verify_rows() > 0 ? " or --speculative-num-steps" : "");
     }
     g->conv_state = c.as<uint16_t>();
     g->state = s.as<float>();
@@ -557,12 +591,15 @@ Expected<void> CudaOps::allocate_activations() {
     moe_workspace_bytes_ = std::max(moe_workspace_bytes_,
                                     moe_forward_workspace_bytes(t, m->shape.top_k, m->n_experts, m->experts.inter, h));
   }
+  proj = std::max(proj, draft_fc_width_);  // a draft step joins its two normed inputs in proj_
+  const int64_t kept = has_draft_ ? t * h : 0;
   const auto aligned = [](size_t bytes) { return (std::max<size_t>(bytes, 1) + 255) / 256 * 256; };
   // Every bf16 buffer with its element count, once: sized first, then carved in this order, 256-byte aligned.
   const std::pair<uint16_t**, int64_t> buffers[] = {
       {&x_rows_, t * h},      {&x_row_, h},          {&normed_, t * h},   {&out_, t * h},     {&proj_, t * proj},
       {&q_, t * heads},       {&gate_, t * heads},   {&attn_, t * heads}, {&conv_, t * conv}, {&act_, t * act},
-      {&router_, t * router}, {&shared_out_, t * h}, {&last_, t * h},   {&latent_, t * latent}};
+      {&router_, t * router}, {&shared_out_, t * h}, {&last_, t * h},   {&latent_, t * latent},
+      {&model_hidden_, kept}, {&draft_hidden_, kept}};
   size_t bytes = aligned(moe_workspace_bytes_) + aligned(8);
   for (const auto& [ptr, count] : buffers) bytes += aligned(static_cast<size_t>(count) * 2);
   if (router_f32 > 0 && !DeviceBuffer::try_allocate(static_cast<size_t>(t * router_f32) * 4, router_f32_)) {
@@ -579,6 +616,7 @@ Expected<void> CudaOps::allocate_activations() {
   moe_workspace_ = next;
   next += aligned(moe_workspace_bytes_);
   bad_id_ = reinterpret_cast<unsigned long long*>(next);
+  if (!has_draft_) model_hidden_ = draft_hidden_ = nullptr;
   return {};
 }
 
@@ -824,7 +862,7 @@ Expected<void> CudaOps::run_indexer(const GpuMla& a, uint16_t* idx_q) {
                                                     .head_dim = s.index_head_dim}));
   const size_t need = indexer_select_workspace_bytes(t, step_.max_seq_len);
   if (need > indexer_workspace_.size_bytes()) {
-    if (step_.decode) {
+    if (step_.graphed) {
       return make_error("the DSA indexer workspace ({} bytes) is smaller than a decode step needs ({})",
                         indexer_workspace_.size_bytes(), need);
     }
@@ -871,7 +909,9 @@ Expected<void> CudaOps::run_gdn(const GpuGdn& g, const GpuNorm& input_norm, int6
                           .seq_past = step_.seq_past,
                           .n_seqs = step_.n_seqs,
                           .tokens = t,
-                          .max_query_len = step_.max_query_len};
+                          .max_query_len = step_.max_query_len,
+                          .row_slots = step_.row_slots,
+                          .max_rows = step_.max_rows};
   TERN_TRY(gdn_conv1d(ctx_, GdnConvArgs{.x = proj_,
                                         .x_stride = g.in_proj.width,
                                         .weight = g.conv_weight,
@@ -991,24 +1031,53 @@ Expected<void> CudaOps::run_head(const DeviceMatrix& head, const GpuNorm& norm) 
   const int64_t t = step_.tokens, h = hidden_;
   const NormedInput in = normed_input(norm);
   // Under tensor parallelism this rank's logits go to head_local_ ([rows, range]) and are gathered into the step's.
-  const int64_t rows = step_.logit_rows();
+  const int64_t rows = step_.n_head_rows;
   TERN_TRY(reserve_head_rows(rows));
   uint16_t* logits = comm_ ? head_local_.as<uint16_t>() : step_.logits;
   const int64_t ld = comm_ ? vocab_shard_rows(vocab_, comm_->world()) : vocab_;
-  if (!step_.gathers_last_rows()) {
+  // Every row's normed hidden state is in normed_ either way: kept for a draft step when there is a draft module.
+  const auto keep_hidden = [&]() -> Expected<void> {
+    if (step_.keep_hidden == nullptr) return {};
+    TERN_CUDA_CHECK(cudaMemcpyAsync(step_.keep_hidden, normed_, static_cast<size_t>(t * h) * 2,
+                                    cudaMemcpyDeviceToDevice, ctx_.stream()));
+    return {};
+  };
+  if (!step_.gathers_head_rows()) {
     TERN_TRY(norm_forward(in, head, t, logits, ld));
+    TERN_TRY(keep_hidden());
     if (comm_) TERN_TRY(gather_logits(rows));
     return trace("final_norm", normed_, t, h, h);
   }
-  const int64_t n = step_.n_seqs;
   TERN_TRY(rms_norm_rows(*in.norm, x_, in.residual, t, normed_));
+  TERN_TRY(keep_hidden());
   TERN_TRY(embedding_lookup(
-      ctx_,
-      EmbeddingArgs{
-          .ids = step_.last_rows, .table = normed_, .y = last_, .bad = bad_id_, .tokens = n, .vocab = t, .hidden = h}));
-  TERN_TRY(trace("final_norm", last_, n, h, h));
-  TERN_TRY(device_matrix_forward(ctx_, head, last_, n, logits, ld));
+      ctx_, EmbeddingArgs{
+                .ids = step_.head_rows, .table = normed_, .y = last_, .bad = bad_id_, .tokens = rows, .vocab = t,
+                .hidden = h}));
+  TERN_TRY(trace("final_norm", last_, rows, h, h));
+  TERN_TRY(device_matrix_forward(ctx_, head, last_, rows, logits, ld));
   return comm_ ? gather_logits(rows) : Expected<void>{};
+}
+
+Expected<void> CudaOps::run_draft_input(const GpuNorm& norm_embedding, const GpuNorm& norm_hidden,
+                                        const DeviceMatrix& fc) {
+  const int64_t t = step_.tokens, h = hidden_;
+  if (step_.hidden_in == nullptr || step_.hidden_rows == nullptr) {
+    return make_error("a draft module's step was given no hidden states");
+  }
+  // [norm_embedding(stream) ; norm_hidden(the hidden rows)] side by side in proj_, then fc's product is the stream.
+  TERN_TRY(rms_norm(ctx_, RmsNormArgs{.x = x_, .weight = norm_embedding.weight, .y = proj_, .y_stride = 2 * h,
+                                      .rows = t, .dim = h, .eps = norm_embedding.eps,
+                                      .zero_centred = norm_embedding.zero_centred}));
+  TERN_TRY(embedding_lookup(ctx_, EmbeddingArgs{.ids = step_.hidden_rows, .table = step_.hidden_in, .y = last_,
+                                                .bad = bad_id_, .tokens = t, .vocab = options_.max_batch_tokens,
+                                                .hidden = h}));
+  TERN_TRY(rms_norm(ctx_, RmsNormArgs{.x = last_, .weight = norm_hidden.weight, .y = proj_ + h, .y_stride = 2 * h,
+                                      .rows = t, .dim = h, .eps = norm_hidden.eps,
+                                      .zero_centred = norm_hidden.zero_centred}));
+  TERN_TRY(device_matrix_forward(ctx_, fc, proj_, t, x_, h));
+  stream_started_ = false;
+  return {};
 }
 
 Expected<void> CudaOps::trace_output(std::string_view name) {

@@ -27,19 +27,29 @@ namespace tern {
 // A step as the blocks see it: its sizes and the device copy of its metadata (runtime/cuda_runner.cc plans and
 // uploads it).
 struct CudaStep {
-  bool decode = false;  // one token per sequence, the last-token logits wanted: replayable as a CUDA graph
+  bool decode = false;   // one token per sequence, the last-token logits wanted
+  bool graphed = false;  // replayed as a CUDA graph (a decode step, a verification, a chained draft row): no allocation
+  bool draft = false;    // the draft module's step
   int64_t tokens = 0, n_seqs = 0, max_query_len = 0, max_seq_len = 0, max_blocks = 0;
   const int32_t *ids = nullptr, *positions = nullptr, *slot_mapping = nullptr, *query_start = nullptr,
-                *seq_lens = nullptr, *block_tables = nullptr, *state_slot = nullptr, *seq_past = nullptr,
-                *last_rows = nullptr;
-  LogitsFor which = LogitsFor::kLastToken;
+                *seq_lens = nullptr, *block_tables = nullptr, *state_slot = nullptr, *seq_past = nullptr;
+  // The rows whose logits the step returns, in order: each sequence's last row, or all of its rows (LogitsFor
+  // kAllTokens, or a verification). When they are fewer than the step's rows, the head gathers them.
+  const int32_t* head_rows = nullptr;
+  int64_t n_head_rows = 0;
+  // Speculative verification (GdnSequences::row_slots): [n_seqs * max_rows] state slots for the states after each
+  // row of a verified sequence; null when the step verifies nothing.
+  const int32_t* row_slots = nullptr;
+  int64_t max_rows = 0;
+  // A model with a draft module: the head copies every row's normed hidden state here ([tokens, hidden]); a draft
+  // step's input block reads row hidden_rows[k] of hidden_in for its row k.
+  uint16_t* keep_hidden = nullptr;
+  const uint16_t* hidden_in = nullptr;
+  const int32_t* hidden_rows = nullptr;
   const Tracer* tracer = nullptr;
-  uint16_t* logits = nullptr;  // [logit_rows(), vocab] bf16
+  uint16_t* logits = nullptr;  // [n_head_rows, vocab] bf16
 
-  // A prefill's last-token logits are of each sequence's last row, gathered out of the normed rows; a decode step's
-  // rows are its sequences already.
-  bool gathers_last_rows() const { return which == LogitsFor::kLastToken && !decode && tokens > 1; }
-  int64_t logit_rows() const { return gathers_last_rows() ? n_seqs : tokens; }
+  bool gathers_head_rows() const { return n_head_rows < tokens; }
 };
 
 struct GpuNorm;
@@ -65,10 +75,8 @@ class CudaOps final : public BlockOps {
   Expected<std::unique_ptr<Block>> moe(const RmsNorm& norm, const Moe& m) override;
   Expected<std::unique_ptr<Block>> lm_head(const RmsNorm& final_norm, const Linear& head, VocabRange vocab) override;
   Expected<std::unique_ptr<Block>> mla(const RmsNorm& norm, const MlaAttention& a) override;
-  // Not on CUDA yet: a model loaded with its draft module is refused at load.
-  Expected<std::unique_ptr<Block>> draft_input(const RmsNorm&, const RmsNorm&, const Linear&) override {
-    return make_error("speculative decoding with the model's MTP layers runs on the CPU only so far (--device cpu)");
-  }
+  Expected<std::unique_ptr<Block>> draft_input(const RmsNorm& norm_embedding, const RmsNorm& norm_hidden,
+                                               const Linear& fc) override;
   Expected<void> trace_output(std::string_view name) override;
 
   // Once every block is made: the activation arena for max_batch_tokens rows, the GDN state slots, and the KV
@@ -82,7 +90,16 @@ class CudaOps final : public BlockOps {
   // filled up with to its CUDA graph's batch size, so no sequence's cache sees them.
   int64_t kv_blocks() const { return kv_blocks_; }
   int32_t spare_block() const { return static_cast<int32_t>(kv_blocks_); }
-  int32_t spare_slot() const { return static_cast<int32_t>(options_.max_sequences); }
+  // Gated DeltaNet state slots: state_slots() of them, the last the spare. A model with a draft module holds
+  // rows_per_verification() + 1 slots per sequence (DeviceModelOptions::verify_rows): the sequence's state and one
+  // per row of a verification (runtime/cuda_runner.cc picks which is which).
+  int64_t state_slots() const { return options_.max_sequences * (verify_rows() + 1) + 1; }
+  int32_t spare_slot() const { return static_cast<int32_t>(state_slots() - 1); }
+  int64_t verify_rows() const { return has_draft_ ? options_.verify_rows : 0; }
+  // The normed hidden states of every row of the last model step and of the last draft step ([max_batch_tokens,
+  // hidden] each; a model with a draft module only).
+  uint16_t* model_hidden() const { return model_hidden_; }
+  uint16_t* draft_hidden() const { return draft_hidden_; }
   bool has_gdn() const { return !gdns_.empty(); }
   int64_t vocab() const { return vocab_; }                    // the logits' width: the whole vocabulary
   int64_t embedding_rows() const { return embedding_rows_; }  // the token ids the embedding takes
@@ -99,6 +116,7 @@ class CudaOps final : public BlockOps {
   Expected<void> run_mlp(const GpuMlp& m, const GpuNorm& norm, int64_t layer);
   Expected<void> run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t layer);
   Expected<void> run_head(const DeviceMatrix& head, const GpuNorm& norm);
+  Expected<void> run_draft_input(const GpuNorm& norm_embedding, const GpuNorm& norm_hidden, const DeviceMatrix& fc);
   // The sum over the tensor-parallel ranks of the block output just written (out_); nothing on one device.
   Expected<void> reduce_out();
 
@@ -171,6 +189,9 @@ class CudaOps final : public BlockOps {
   // MLA: [tokens, heads, latent] absorbed queries, [tokens, heads, lora] outputs, [tokens, index heads, index
   // head_dim] indexer queries.
   uint16_t* latent_ = nullptr;
+  bool has_draft_ = false;                 // draft_input was placed: speculative decoding
+  int64_t draft_fc_width_ = 0;             // its fc's input width, 2 * hidden (the joined rows land in proj_)
+  uint16_t *model_hidden_ = nullptr, *draft_hidden_ = nullptr;
   DeviceBuffer selected_;            // DSA: [max_batch_tokens, index_topk] int32
   DeviceBuffer router_f32_;          // sigmoid routing: [max_batch_tokens, n_experts] fp32 router logits
   DeviceBuffer indexer_workspace_;   // DSA: the indexer's score rows

@@ -63,6 +63,13 @@ Expected<void> rms_norm_validate(const RmsNormArgs& a) {
                         a.dim);
     }
   }
+  if (a.y_stride != 0) {
+    if (a.residual != nullptr) return make_error("{}: y_stride with a residual is not supported", k);
+    if (a.y_stride < a.dim || a.y_stride % 8 != 0) {
+      return make_error("{}: y_stride={} must be a multiple of 8 (16-byte rows) and at least dim = {}", k, a.y_stride,
+                        a.dim);
+    }
+  }
   if (!(a.eps > 0.0f) || !std::isfinite(a.eps)) return make_error("{}: eps={} must be positive and finite", k, a.eps);
   return {};
 }

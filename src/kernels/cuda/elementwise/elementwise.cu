@@ -48,6 +48,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const NormParams
   const int64_t row = int64_t{blockIdx.x} * (kNormThreads / p.group) + threadIdx.x / p.group;
   const bool active = row < p.a.rows;
   const int64_t base = row * p.a.dim, x_base = p.a.x_stride == 0 ? base : row * p.a.x_stride;
+  const int64_t y_base = p.a.y_stride == 0 ? base : row * p.a.y_stride;
   const int64_t gate_base =
       p.a.gate_stride == 0 ? base : (row / p.a.gate_heads) * p.a.gate_stride + (row % p.a.gate_heads) * p.a.dim;
   float h[kChunks][kVec], w[kChunks][kVec], z[kGated ? kChunks : 1][kVec];
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const NormParams
 #pragma unroll
       for (int i = 0; i < kVec; ++i) y[i] *= silu_f32(z[c][i]);
     }
-    store_bf16x8(p.a.y + base + chunk * kVec, y);
+    store_bf16x8(p.a.y + y_base + chunk * kVec, y);
   }
 }
 

@@ -23,10 +23,11 @@ struct RmsNormArgs {
   int64_t gate_stride = 0;
   int64_t gate_heads = 1;
   const uint16_t* weight = nullptr;    // [dim] bf16
-  uint16_t* y = nullptr;               // [rows, dim] bf16; may alias x
+  uint16_t* y = nullptr;               // [rows, dim] bf16 (row stride y_stride); may alias x at the same stride
   // Row stride of x when its rows sit inside a wider projection output (a multiple of 8, at least dim; not with a
-  // residual, whose rows are dense). 0: dense [rows, dim]. y stays dense.
+  // residual, whose rows are dense). 0: dense [rows, dim]. y has its own stride, y_stride.
   int64_t x_stride = 0;
+  int64_t y_stride = 0;  // row stride of y (a multiple of 8, at least dim; not with a residual). 0: dense [rows, dim].
   int64_t rows = 0;
   int64_t dim = 0;
   float eps = 1e-6f;

@@ -18,6 +18,9 @@ Expected<void> check_sequences(const char* kernel, const GdnSequences& q) {
   if (q.n_seqs > 0 && (q.query_start == nullptr || q.state_slot == nullptr || q.seq_past == nullptr)) {
     return make_error("{}: null sequence metadata (query_start, state_slot or seq_past)", kernel);
   }
+  if (q.row_slots != nullptr && (q.max_rows < 1 || q.max_rows > kMaxCount)) {
+    return make_error("{}: row_slots is set, so max_rows={} must be in [1, {}]", kernel, q.max_rows, kMaxCount);
+  }
   return {};
 }
 

@@ -10,6 +10,12 @@
 // normalises q and k into its own shared-memory buffer, reduces S^T k and S^T q with two shuffles, and moves on.
 // With the gated norm (GdnGatedNorm) they do wait: per token the block, then the cluster of the head's value slices,
 // add the sums of squares before each column is normed.
+//
+// Speculative verification (GdnSequences::row_slots): each kernel also writes the state after every row of a
+// verified sequence to that row's slot; the conv from its old window and the rows, the recurrent kernel after each
+// token's update, the chunked kernel in an extra stage from the chunk's start state. That code is in separate
+// instances (kVerify), launched only for calls with row_slots, so calls without them run exactly the plain kernels;
+// in a call with row_slots, a sequence that is no verification pays a branch.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include "kernels/cuda/common.cuh"
@@ -52,6 +58,13 @@ __device__ __forceinline__ SeqView seq_view(const GdnSequences& q, int64_t s) {
   return v;
 }
 
+// Sequence s's row slots when it is a verification (GdnSequences::row_slots), else null.
+__device__ __forceinline__ const int32_t* verify_slots(const GdnSequences& q, int64_t s) {
+  if (q.row_slots == nullptr) return nullptr;
+  const int32_t* slots = q.row_slots + s * q.max_rows;
+  return slots[0] >= 0 ? slots : nullptr;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // conv1d + SiLU. Block = kConvThreads threads as (token lanes) x (channel tile); lanes = 1 for decode, up to 8 for
 // long rows so a prefill has 8 runs in flight per channel. Loads are issued kConvBatch rows at a time so each
@@ -66,7 +79,7 @@ struct ConvParams {
   int ch_tile;  // channels per block = kConvThreads / lanes
 };
 
-template <int kK>
+template <int kK, bool kVerify>
 __global__ void __launch_bounds__(kConvThreads) gdn_conv1d_kernel(const ConvParams p) {
   ptx::grid_dependency_begin();
   constexpr int kHist = kK - 1;
@@ -119,6 +132,25 @@ __global__ void __launch_bounds__(kConvThreads) gdn_conv1d_kernel(const ConvPara
     for (int j = 0; j < kHist; ++j) {
       const int64_t pos = sq.len - kHist + j;
       state[j] = pos >= 0 ? x[pos * a.x_stride] : old[kHist + pos];
+    }
+  }
+  // Stage 4, verifications only: the window after row t (the kHist inputs ending at row t, older ones from old[])
+  // into row slot t, for t < min(len, max_rows); the lanes take the rows in turn. The row slots are not the
+  // sequence's slot, so stage 3's write cannot have changed what they copy.
+  if constexpr (kVerify) {
+    const int32_t* row_slots = verify_slots(a.seqs, blockIdx.x);
+    if (active && row_slots != nullptr) {
+      const int64_t rows = min(sq.len, a.seqs.max_rows);
+      for (int64_t t = lane; t < rows; t += p.lanes) {
+        const int64_t slot = row_slots[t];
+        if (slot < 0) continue;  // a broken caller: skipped rather than written out of bounds
+        uint16_t* row_state = a.conv_state + (slot * a.channels + c) * kHist;
+#pragma unroll
+        for (int j = 0; j < kHist; ++j) {
+          const int64_t pos = t + 1 - kHist + j;
+          row_state[j] = pos >= 0 ? x[pos * a.x_stride] : old[kHist + pos];
+        }
+      }
     }
   }
 }
@@ -208,7 +240,7 @@ __device__ __forceinline__ float gated_norm_inv(float o_rounded, int r, int warp
   return 1.0f / sqrtf(total / dv + eps);
 }
 
-template <int kDk, bool kNorm>
+template <int kDk, bool kNorm, bool kVerify>
 __global__ void __launch_bounds__(kRecThreads) gdn_recurrent_kernel(const GdnDeltaRuleArgs a) {
   ptx::grid_dependency_begin();
   // kNorm: per token parity, each warp's and the block's share of the head's sum of squares. The parities let one
@@ -228,6 +260,9 @@ __global__ void __launch_bounds__(kRecThreads) gdn_recurrent_kernel(const GdnDel
   const int64_t kh = j / (hv / a.n_key_heads);
   const int64_t q_off = kh * kDk, k_off = a.n_key_heads * kDk + kh * kDk, v_off = 2 * a.n_key_heads * kDk + j * dv + e;
   float* st = a.state + (sq.slot * hv + j) * kDk * dv + e;  // S[d][e] = st[d * dv]
+  // kVerify: a verification writes S after each of its first row_count tokens to that token's row slot (0: none).
+  const int32_t* row_slots = kVerify ? verify_slots(a.seqs, blockIdx.x) : nullptr;
+  const int64_t row_count = row_slots == nullptr ? 0 : min(sq.len, a.seqs.max_rows);
   float s[kRows];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) s[i] = sq.fresh ? 0.0f : st[(i * kSplit + r) * dv];
@@ -260,6 +295,13 @@ __global__ void __launch_bounds__(kRecThreads) gdn_recurrent_kernel(const GdnDel
     }
     o += __shfl_xor_sync(0xFFFFFFFFu, o, kColsPerWarp);
     o += __shfl_xor_sync(0xFFFFFFFFu, o, 2 * kColsPerWarp);
+    if constexpr (kVerify) {
+      if (t < row_count && row_slots[t] >= 0) {  // a negative slot (a broken caller) is skipped
+        float* row_st = a.state + (int64_t{row_slots[t]} * hv + j) * kDk * dv + e;
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) row_st[(i * kSplit + r) * dv] = s[i];
+      }
+    }
     const int64_t out_at = ((sq.begin + t) * hv + j) * dv + e;
     if constexpr (kNorm) {
       const float ob = bf16_to_f32(f32_to_bf16(o));  // the output as rms_norm would read it
@@ -294,6 +336,8 @@ __global__ void __launch_bounds__(kRecThreads) gdn_recurrent_kernel(const GdnDel
 //   1 load and normalise q, k; v slice, g, beta        2 gamma (prefix sum), decay weights
 //   3 A = the strictly lower beta e^.. (k.k) and R = beta (v - e^gamma K S0)    4 forward substitution R -> delta
 //   5 P = the lower e^.. (q.k)          6 out = e^gamma Q S0 + P delta          7 S = e^gamma_last S0 + K^T W delta
+// A verification (GdnSequences::row_slots) adds stage 6b before 7: S_t = e^gamma_t S0 + sum_{i<=t} e^(gamma_t -
+// gamma_i) k_i delta_i^T for each of its rows t into the row's slot.
 
 constexpr int kChunkThreads = 256;
 constexpr int kChunkWarps = kChunkThreads / 32;
@@ -509,7 +553,45 @@ __device__ void chunk_state_update(const ChunkHead& h, float* sm) {
   }
 }
 
+// Stage 6b, verifications only: S_t = e^gamma_t S0 + sum_{i<=t} e^(gamma_t - gamma_i) k_i delta_i^T for the chunk's
+// rows t < rows into slot slots[t], with stage 7's thread layout and expressions (so the row that ends the chunk
+// gets stage 7's values). Reads shared memory only, as stage 6 does, so the two need no barrier between them.
 template <int kDk, int kChunk>
+__device__ void chunk_row_states(const GdnDeltaRuleArgs& a, const int32_t* slots, int rows, int64_t j, int64_t e0,
+                                 const float* sm) {
+  using L = ChunkLayout<kDk, kChunk>;
+  constexpr int kRows = kDk / 32;
+  const int tr = threadIdx.x / 8, tc = threadIdx.x % 8;
+  const float* gamma = sm + L::kGamma;
+  const int64_t dv = a.value_dim;
+  for (int t = 0; t < rows; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;  // a broken caller: skipped rather than written out of bounds
+    float acc[kRows][4] = {};
+    for (int i = 0; i <= t; ++i) {
+      const float w = expf(gamma[t] - gamma[i]);
+      const float4 dl = ld4(sm + L::kV + i * kVLd + 4 * tc);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float kw = sm[L::kK + i * L::kLd + tr + 32 * r] * w;
+        acc[r][0] += kw * dl.x;
+        acc[r][1] += kw * dl.y;
+        acc[r][2] += kw * dl.z;
+        acc[r][3] += kw * dl.w;
+      }
+    }
+    const float decay = expf(gamma[t]);
+    float* out = a.state + (slot * a.n_value_heads + j) * kDk * dv + e0 + 4 * tc;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float* s = sm + L::kS + (tr + 32 * r) * kGdnValueSlice + 4 * tc;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) out[(tr + 32 * r) * dv + c] = decay * s[c] + acc[r][c];
+    }
+  }
+}
+
+template <int kDk, int kChunk, bool kVerify>
 __global__ void __launch_bounds__(kChunkThreads) gdn_chunked_kernel(const GdnDeltaRuleArgs a) {
   ptx::grid_dependency_begin();
   using L = ChunkLayout<kDk, kChunk>;
@@ -522,6 +604,7 @@ __global__ void __launch_bounds__(kChunkThreads) gdn_chunked_kernel(const GdnDel
   ChunkHead h{.row0 = sq.begin, .n = 0, .q_off = kh * kDk, .k_off = a.n_key_heads * kDk + kh * kDk,
               .v_off = 2 * a.n_key_heads * kDk + j * dv + e0, .j = j, .gates = head_gates(a, j)};
   float* state = a.state + (sq.slot * hv + j) * kDk * dv + e0;
+  const int32_t* row_slots = kVerify ? verify_slots(a.seqs, blockIdx.x) : nullptr;
   for (int i = threadIdx.x; i < kDk * kGdnValueSlice; i += kChunkThreads) {
     sm[L::kS + i] = sq.fresh ? 0.0f : state[(i / kGdnValueSlice) * dv + i % kGdnValueSlice];
   }
@@ -540,6 +623,12 @@ __global__ void __launch_bounds__(kChunkThreads) gdn_chunked_kernel(const GdnDel
     chunk_gram<kDk, kChunk, false>(sm);
     __syncthreads();
     chunk_output<kDk, kChunk>(a, h, e0, sm);
+    if constexpr (kVerify) {
+      if (row_slots != nullptr && c0 < a.seqs.max_rows) {
+        const int rows = static_cast<int>(min(int64_t{h.n}, a.seqs.max_rows - c0));
+        chunk_row_states<kDk, kChunk>(a, row_slots + c0, rows, j, e0, sm);
+      }
+    }
     __syncthreads();
     chunk_state_update<kDk, kChunk>(h, sm);
     __syncthreads();
@@ -549,12 +638,21 @@ __global__ void __launch_bounds__(kChunkThreads) gdn_chunked_kernel(const GdnDel
   }
 }
 
+template <int kDk, int kChunk, bool kVerify>
+void chunked_launch_instance(const DeviceContext& ctx, const GdnDeltaRuleArgs& args, dim3 grid) {
+  const int bytes = static_cast<int>(gdn_chunked_smem_bytes(kDk, kChunk));
+  TERN_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunked_kernel<kDk, kChunk, kVerify>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  launch_kernel(ctx, gdn_chunked_kernel<kDk, kChunk, kVerify>, grid, dim3(kChunkThreads), bytes, args);
+}
+
 template <int kDk, int kChunk>
 void chunked_launch(const DeviceContext& ctx, const GdnDeltaRuleArgs& args, dim3 grid) {
-  const int bytes = static_cast<int>(gdn_chunked_smem_bytes(kDk, kChunk));
-  TERN_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunked_kernel<kDk, kChunk>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  launch_kernel(ctx, gdn_chunked_kernel<kDk, kChunk>, grid, dim3(kChunkThreads), bytes, args);
+  if (args.seqs.row_slots != nullptr) {
+    chunked_launch_instance<kDk, kChunk, true>(ctx, args, grid);
+  } else {
+    chunked_launch_instance<kDk, kChunk, false>(ctx, args, grid);
+  }
 }
 
 template <int kChunk>
@@ -563,6 +661,15 @@ void chunked_dispatch(const DeviceContext& ctx, const GdnDeltaRuleArgs& args, di
     case 32: chunked_launch<32, kChunk>(ctx, args, grid); break;
     case 64: chunked_launch<64, kChunk>(ctx, args, grid); break;
     default: chunked_launch<128, kChunk>(ctx, args, grid); break;
+  }
+}
+
+template <int kK>
+void conv_launch(const DeviceContext& ctx, const ConvParams& p, dim3 grid) {
+  if (p.a.seqs.row_slots != nullptr) {
+    launch_kernel(ctx, gdn_conv1d_kernel<kK, true>, grid, dim3(kConvThreads), 0, p);
+  } else {
+    launch_kernel(ctx, gdn_conv1d_kernel<kK, false>, grid, dim3(kConvThreads), 0, p);
   }
 }
 
@@ -602,34 +709,20 @@ void gdn_conv1d_launch(const DeviceContext& ctx, const GdnConvArgs& args) {
   const dim3 grid(static_cast<unsigned>(args.seqs.n_seqs),
                   static_cast<unsigned>((args.channels + p.ch_tile - 1) / p.ch_tile));
   switch (args.kernel) {
-    case 2:
-      launch_kernel(ctx, gdn_conv1d_kernel<2>, grid, dim3(kConvThreads), 0, p);
-      break;
-    case 3:
-      launch_kernel(ctx, gdn_conv1d_kernel<3>, grid, dim3(kConvThreads), 0, p);
-      break;
-    case 4:
-      launch_kernel(ctx, gdn_conv1d_kernel<4>, grid, dim3(kConvThreads), 0, p);
-      break;
-    case 5:
-      launch_kernel(ctx, gdn_conv1d_kernel<5>, grid, dim3(kConvThreads), 0, p);
-      break;
-    case 6:
-      launch_kernel(ctx, gdn_conv1d_kernel<6>, grid, dim3(kConvThreads), 0, p);
-      break;
-    case 7:
-      launch_kernel(ctx, gdn_conv1d_kernel<7>, grid, dim3(kConvThreads), 0, p);
-      break;
-    default:
-      launch_kernel(ctx, gdn_conv1d_kernel<8>, grid, dim3(kConvThreads), 0, p);
-      break;
+    case 2: conv_launch<2>(ctx, p, grid); break;
+    case 3: conv_launch<3>(ctx, p, grid); break;
+    case 4: conv_launch<4>(ctx, p, grid); break;
+    case 5: conv_launch<5>(ctx, p, grid); break;
+    case 6: conv_launch<6>(ctx, p, grid); break;
+    case 7: conv_launch<7>(ctx, p, grid); break;
+    default: conv_launch<8>(ctx, p, grid); break;
   }
   TERN_CUDA_CHECK_LAUNCH();
 }
 
 // With the gated norm: a cluster of a head's value slices (grid z, 1 to 4 blocks), with programmatic launch where
 // the context has it on.
-template <int kDk>
+template <int kDk, bool kVerify>
 void launch_recurrent_norm(const DeviceContext& ctx, const GdnDeltaRuleArgs& args, dim3 grid) {
   cudaLaunchAttribute attrs[2]{};
   attrs[0].id = cudaLaunchAttributeClusterDimension;
@@ -644,29 +737,30 @@ void launch_recurrent_norm(const DeviceContext& ctx, const GdnDeltaRuleArgs& arg
   config.stream = ctx.stream();
   config.attrs = attrs;
   config.numAttrs = ctx.programmatic_launch() ? 2 : 1;
-  (void)cudaLaunchKernelEx(&config, gdn_recurrent_kernel<kDk, true>, args);
+  (void)cudaLaunchKernelEx(&config, gdn_recurrent_kernel<kDk, true, kVerify>, args);
+}
+
+template <int kDk>
+void launch_recurrent(const DeviceContext& ctx, const GdnDeltaRuleArgs& args, dim3 grid) {
+  const bool norm = args.norm.gate != nullptr, verify = args.seqs.row_slots != nullptr;
+  if (norm && verify) {
+    launch_recurrent_norm<kDk, true>(ctx, args, grid);
+  } else if (norm) {
+    launch_recurrent_norm<kDk, false>(ctx, args, grid);
+  } else if (verify) {
+    launch_kernel(ctx, gdn_recurrent_kernel<kDk, false, true>, grid, dim3(kRecThreads), 0, args);
+  } else {
+    launch_kernel(ctx, gdn_recurrent_kernel<kDk, false, false>, grid, dim3(kRecThreads), 0, args);
+  }
 }
 
 void gdn_delta_rule_launch_recurrent(const DeviceContext& ctx, const GdnDeltaRuleArgs& args) {
   const dim3 grid(static_cast<unsigned>(args.seqs.n_seqs), static_cast<unsigned>(args.n_value_heads),
                   static_cast<unsigned>(args.value_dim / kGdnValueSlice));
-  if (args.norm.gate != nullptr) {
-    if (args.key_dim == 32) launch_recurrent_norm<32>(ctx, args, grid);
-    if (args.key_dim == 64) launch_recurrent_norm<64>(ctx, args, grid);
-    if (args.key_dim == 128) launch_recurrent_norm<128>(ctx, args, grid);
-    TERN_CUDA_CHECK_LAUNCH();
-    return;
-  }
   switch (args.key_dim) {
-    case 32:
-      launch_kernel(ctx, gdn_recurrent_kernel<32, false>, grid, dim3(kRecThreads), 0, args);
-      break;
-    case 64:
-      launch_kernel(ctx, gdn_recurrent_kernel<64, false>, grid, dim3(kRecThreads), 0, args);
-      break;
-    default:
-      launch_kernel(ctx, gdn_recurrent_kernel<128, false>, grid, dim3(kRecThreads), 0, args);
-      break;
+    case 32: launch_recurrent<32>(ctx, args, grid); break;
+    case 64: launch_recurrent<64>(ctx, args, grid); break;
+    default: launch_recurrent<128>(ctx, args, grid); break;
   }
   TERN_CUDA_CHECK_LAUNCH();
 }
@@ -684,7 +778,7 @@ void gdn_delta_rule_launch_chunked(const DeviceContext& ctx, const GdnDeltaRuleA
 
 // What the driver loaded of this module for the current device (module_attributes.h).
 cudaError_t gated_delta_module_attributes(cudaFuncAttributes* out) {
-  return cudaFuncGetAttributes(out, gdn_conv1d_kernel<4>);
+  return cudaFuncGetAttributes(out, gdn_conv1d_kernel<4, false>);
 }
 
 }  // namespace tern

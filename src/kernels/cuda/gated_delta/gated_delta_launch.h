@@ -17,7 +17,8 @@ namespace tern {
 // holds). All metadata are device pointers. Preconditions the host cannot check without a synchronisation:
 // query_start is non-decreasing from 0 to at most `tokens`, every run is at most max_query_len rows, the slots are
 // valid and distinct within a call. Every sequence's slot holds its state after the call (a sequence with no rows
-// keeps its state, or gets zeros when it is new). Slots of sequences not in the call are never touched.
+// keeps its state, or gets zeros when it is new). Slots named neither by state_slot nor by row_slots are never
+// touched.
 struct GdnSequences {
   const int32_t* query_start = nullptr;  // [n_seqs + 1]
   const int32_t* state_slot = nullptr;   // [n_seqs]
@@ -25,6 +26,13 @@ struct GdnSequences {
   int64_t n_seqs = 0;
   int64_t tokens = 0;         // rows of the activations (query_start[n_seqs] <= tokens)
   int64_t max_query_len = 0;  // upper bound of query_start[s+1] - query_start[s]; picks the kernels' shapes
+  // Speculative verification: null, or [n_seqs * max_rows] slots. Where row_slots[s * max_rows] >= 0, sequence s
+  // is a verification and its states after each row t < min(len, max_rows) are also written to slot
+  // row_slots[s * max_rows + t] of the same state buffers (the conv window and the recurrent state), so that any
+  // prefix can be kept later. Those slots must be valid, distinct, and distinct from every state_slot of the call.
+  // The sequence's own slot still gets its state after its last row. -1 in row_slots[s * max_rows]: not a verification.
+  const int32_t* row_slots = nullptr;
+  int64_t max_rows = 0;
 };
 
 // Causal depthwise conv1d + SiLU over each sequence's rows, continuing from and updating its conv state:

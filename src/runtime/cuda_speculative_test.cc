@@ -1,0 +1,194 @@
+// Speculative decoding with the MTP layer on a CUDA GPU (label gpu), on the trained demo model (demo/), whose drafts
+// are accepted often and rejected often:
+// - the draft module's mean NLL on the held-out text against the training script's fp32 figure (demo/eval.json
+//   "mtp"), within the 1% that bf16 activations are allowed on the main model (src/cli/demo_model_test.py);
+// - greedy output with speculation identical to the GPU's own plain greedy decoding, batched, prompts in chunks
+//   (up to a near-tie of the fp32 reference, which bf16 may break either way: expect_same_greedy), and with drafts
+//   forced all right or all wrong (every step then keeps one row: the Gated DeltaNet state of row 0);
+// - after rejections, the next logits equal those of a fresh prefill of the kept tokens as closely as the GPU's
+//   plain decoding of the same tokens does (a state left after a rejected row is off by O(1));
+// - refusals: a verification longer than the runner was sized for.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <iostream>
+
+#include "runtime/model_runner.h"
+#include "runtime/speculative.h"
+#include "runtime/speculative_test_util.h"
+
+namespace tern {
+namespace {
+
+using namespace spec_test;
+
+std::unique_ptr<ModelRunner> load_gpu_demo(int64_t verify_rows = 5, bool graphs = true) {
+  if (runner_cuda_device_count() == 0) return nullptr;
+  ModelLoadOptions options;
+  options.load_draft = true;
+  options.device = ModelDevice::kCuda;
+  options.device_options.max_sequences = 8;
+  options.device_options.max_batch_tokens = 2048;
+  options.device_options.kv_cache_tokens = 16384;
+  options.device_options.verify_rows = verify_rows;
+  options.device_options.cuda_graphs = graphs;
+  auto runner = runner_load(kDemo, options);
+  EXPECT_TRUE(runner.has_value()) << (runner ? "" : runner.error().message);
+  return runner ? std::move(*runner) : nullptr;
+}
+
+#define REQUIRE_GPU(runner)                                   \
+  if (runner_cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
+  ASSERT_TRUE(runner)
+
+TEST(CudaSpeculative, TheDraftModuleMatchesTheTrainingScriptOnHeldOutText) {
+  auto runner = load_gpu_demo();
+  REQUIRE_GPU(runner);
+  const auto eval = nlohmann::json::parse(read_file(std::string(TERN_DEMO_DIR) + "/eval.json"));
+  ASSERT_EQ(static_cast<int64_t>(heldout_tokens().size()), eval["tokens"].get<int64_t>());
+  const DraftHeldout r = draft_module_on_heldout_text(*runner);
+  ASSERT_EQ(r.scored, eval["mtp"]["scored"].get<int64_t>());
+  const double want = eval["mtp"]["mean_nll"].get<double>(), got = r.nll / static_cast<double>(r.scored);
+  std::cout << "draft module mean NLL on the GPU " << got << ", fp32 reference " << want << "\n";
+  EXPECT_NEAR(got, want, 1e-2 * want);
+}
+
+double max_abs_diff(std::span<const float> a, std::span<const float> b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0.0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    EXPECT_TRUE(std::isfinite(a[i]) && std::isfinite(b[i]));
+    worst = std::max(worst, std::abs(double{a[i]} - double{b[i]}));
+  }
+  return worst;
+}
+
+// Greedy speculative output against the GPU's plain greedy output: identical, except that from a position where the
+// fp32 CPU path's logits of the two tokens chosen differ by less than the GPU's own deviation from those logits
+// there (a near-tie, which bf16 arithmetic in two kernel arrangements may break either way), the rest may differ.
+void expect_same_greedy(ModelRunner& gpu, ModelRunner& cpu, const std::vector<int32_t>& prompt_ids,
+                        const std::vector<int32_t>& got, const std::vector<int32_t>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size());
+  const auto diverge = std::mismatch(got.begin(), got.end(), want.begin());
+  if (diverge.first == got.end()) return;
+  const size_t i = static_cast<size_t>(diverge.first - got.begin());
+  std::vector<int32_t> context = prompt_ids;
+  context.insert(context.end(), want.begin(), want.begin() + static_cast<ptrdiff_t>(i));
+  SequenceCache gc = gpu.new_sequence(), cc = cpu.new_sequence();
+  auto g = gpu.forward(std::vector<SequenceInput>{{&gc, context}}, LogitsFor::kLastToken);
+  auto c = cpu.forward(std::vector<SequenceInput>{{&cc, context}}, LogitsFor::kLastToken);
+  ASSERT_TRUE(g && c);
+  const double margin = std::abs(double{(*c)[static_cast<size_t>(got[i])]} - double{(*c)[static_cast<size_t>(want[i])]});
+  const double noise = max_abs_diff(*g, *c);
+  std::cout << what << ": tokens " << got[i] << " and " << want[i] << " at output " << i << ", "
+            << margin << " apart in fp32; the GPU's logits there are off by up to " << noise << "\n";
+  EXPECT_LT(margin, noise) << what << ": speculative and plain greedy output differ at output " << i
+                           << " where the reference does not have them near-tied";
+}
+
+class CudaGreedySteps : public testing::TestWithParam<int> {};
+
+TEST_P(CudaGreedySteps, MatchPlainGreedyDecoding) {
+  const int steps = GetParam();
+  auto runner = load_gpu_demo(steps + 1);
+  REQUIRE_GPU(runner);
+  ModelLoadOptions cpu_options;
+  cpu_options.load_draft = true;
+  auto cpu = runner_load(kDemo, cpu_options);
+  ASSERT_TRUE(cpu.has_value());
+  const SamplingParams greedy{.temperature = 0.0f};
+  // Prompts of different lengths decoded together, prompts in chunks of 7 (draft extends over chunks that sample
+  // nothing; verifications sharing a step with prompt chunks, which are long enough for the chunked delta rule
+  // at chunk 40). The last prompt has steps + 1 tokens: a prefill of a verification's size.
+  for (const int64_t chunk : {int64_t{7}, int64_t{40}}) {
+    std::vector<SpecRun> runs;
+    for (auto [offset, length] : {std::pair<size_t, size_t>{0, 12}, {700, 90}, {3000, 5},
+                                  {5000, static_cast<size_t>(steps) + 1}}) {
+      runs.emplace_back(*runner, prompt(offset, length), greedy);
+    }
+    const int n = 48;
+    run_speculative(*runner, runs, n, steps, chunk);
+    int64_t drafted = 0, accepted = 0;
+    for (SpecRun& r : runs) {
+      const std::vector<int32_t> want = plain_greedy(*runner, r.prompt, n);
+      r.output.resize(n);  // the last step may go past n
+      expect_same_greedy(*runner, **cpu, r.prompt, r.output, want,
+                         "prompt of " + std::to_string(r.prompt.size()) + ", chunk " + std::to_string(chunk));
+      drafted += r.drafted;
+      accepted += r.accepted;
+    }
+    EXPECT_GT(accepted, 0);
+    EXPECT_LT(accepted, drafted);
+    std::cout << steps << " steps, chunk " << chunk << ": " << accepted << " of " << drafted
+              << " drafts accepted\n";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(CudaSpeculative, CudaGreedySteps, testing::Values(1, 3, 4));
+
+TEST(CudaSpeculative, DraftsForcedRightOrWrongKeepGreedyOutput) {
+  auto runner = load_gpu_demo(4);
+  REQUIRE_GPU(runner);
+  expect_forced_drafts_keep_greedy_output(*runner);
+}
+
+TEST(CudaSpeculative, StatesAfterRejectionsEqualARecompute) {
+  auto runner = load_gpu_demo();
+  REQUIRE_GPU(runner);
+  std::vector<SpecRun> runs;
+  runs.emplace_back(*runner, prompt(4200, 20), SamplingParams{.temperature = 0.0f});
+  run_speculative(*runner, runs, 30, 3, 64);
+  SpecRun& r = runs[0];
+  ASSERT_GT(r.drafted, r.accepted);  // some rejections happened
+  const std::vector<int32_t> all = r.all();
+  ASSERT_EQ(r.cache.length, static_cast<int64_t>(all.size()) - 1);
+  // The next token's logits from the speculative cache, from a fresh prefill of every token, and from plain
+  // one-token decoding of the same tokens after the prompt (the GPU's own spread between two exact paths).
+  const std::vector<int32_t> last{all.back()};
+  auto spec = runner->forward(std::vector<SequenceInput>{{&r.cache, last}}, LogitsFor::kLastToken);
+  ASSERT_TRUE(spec.has_value()) << spec.error().message;
+  SequenceCache fresh = runner->new_sequence();
+  auto recompute = runner->forward(std::vector<SequenceInput>{{&fresh, all}}, LogitsFor::kLastToken);
+  ASSERT_TRUE(recompute.has_value());
+  SequenceCache plain = runner->new_sequence();
+  auto step = runner->forward(std::vector<SequenceInput>{{&plain, r.prompt}}, LogitsFor::kLastToken);
+  ASSERT_TRUE(step.has_value());
+  for (size_t i = r.prompt.size(); i < all.size(); ++i) {
+    step = runner->forward(std::vector<SequenceInput>{{&plain, std::span<const int32_t>(&all[i], 1)}},
+                           LogitsFor::kLastToken);
+    ASSERT_TRUE(step.has_value());
+  }
+  double scale = 0.0;
+  for (float v : *recompute) scale = std::max(scale, std::abs(double{v}));
+  const double spec_error = max_abs_diff(*spec, *recompute), plain_error = max_abs_diff(*step, *recompute);
+  std::cout << "next logits vs a recompute: speculative " << spec_error << ", plain decoding " << plain_error
+            << " (largest logit " << scale << ")\n";
+  EXPECT_LE(spec_error, std::max(2.0 * plain_error, 1e-2 * scale));
+}
+
+TEST(CudaSpeculative, VerificationsLongerThanTheRunnerHoldsAreRefused) {
+  auto runner = load_gpu_demo(3);
+  REQUIRE_GPU(runner);
+  SequenceCache cache = runner->new_sequence();
+  const std::vector<int32_t> p = prompt(50, 6);
+  ASSERT_TRUE(runner->forward(std::vector<SequenceInput>{{&cache, p}}, LogitsFor::kLastToken).has_value());
+  const std::vector<int32_t> four = prompt(56, 4);
+  SequenceInput v{&cache, four};
+  v.verify = true;
+  auto refused = runner->forward(std::vector<SequenceInput>{v}, LogitsFor::kLastToken);
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_NE(refused.error().message.find("verification of 4 rows"), std::string::npos) << refused.error().message;
+  EXPECT_EQ(cache.length, 6);
+  v.tokens = std::span<const int32_t>(four).first(3);
+  auto ok = runner->forward(std::vector<SequenceInput>{v}, LogitsFor::kLastToken);
+  ASSERT_TRUE(ok.has_value()) << ok.error().message;
+  EXPECT_EQ(ok->size(), 3 * static_cast<size_t>(runner->config().vocab_size));  // every verified row's logits
+  EXPECT_TRUE(runner->keep_rows(cache, 2).has_value());
+  EXPECT_EQ(cache.length, 8);
+}
+
+}  // namespace
+}  // namespace tern
