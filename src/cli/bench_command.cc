@@ -190,16 +190,15 @@ Expected<SpecTiming> time_speculative(ModelRunner& model, int64_t batch, const B
       extend.push_back({{&caches[s], next[s]}, start[s], DraftHidden::kModel, s});
     }
     const auto kept = Clock::now();
-    TERN_TRY(model.draft(extend, LogitsFor::kLastToken));
+    TERN_ASSIGN_OR_RETURN(std::vector<int32_t> proposal, model.draft_argmax(extend));
     const auto extended = Clock::now();
-    std::vector<int32_t> proposal = random_ids(batch, vocab, rng);
     for (int c = 1; c < k; ++c) {
       std::vector<DraftInput> chain;
       for (int64_t s = 0; s < batch; ++s) {
         chain.push_back({{&caches[s], std::span(proposal).subspan(s, 1)}, start[s] + keep[s] + c - 1,
                          DraftHidden::kDraft, s});
       }
-      TERN_TRY(model.draft(chain, LogitsFor::kLastToken));
+      TERN_ASSIGN_OR_RETURN(proposal, model.draft_argmax(chain));
     }
     if (step >= 2) {
       times.push_back(seconds_since(begin));

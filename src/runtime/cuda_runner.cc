@@ -102,9 +102,19 @@ class CudaRunner final : public DeviceRunner {
   Expected<std::vector<float>> step(std::span<const SequenceInput> batch, LogitsFor which,
                                     const Tracer* tracer) override;
   Expected<SampleResults> sample_step(std::span<const SequenceInput> batch, std::span<const SampleRow> rows) override;
+  Expected<SampleResults> sample_rows_step(std::span<const SequenceInput> batch,
+                                           std::span<const SampleRow> rows) override;
+  // The plan of a model step (verifications of one length replayed as a graph), uploaded and queued.
+  Expected<HostStepPlan> run_step(std::span<const SequenceInput> batch, LogitsFor which, const Tracer* tracer);
   Expected<void> restore_verified(SequenceCache& seq, int64_t rows) override;
   Expected<std::vector<float>> draft_step(std::span<const DraftInput> inputs, LogitsFor which,
                                           std::span<const int64_t> hidden_rows) override;
+  Expected<std::vector<int32_t>> draft_argmax_step(std::span<const DraftInput> inputs,
+                                                   std::span<const int64_t> hidden_rows) override;
+  // The draft module's step queued on the stream (draft_step and draft_argmax_step): its logits in logits_, the
+  // plan returned.
+  Expected<HostStepPlan> run_draft_step(std::span<const DraftInput> inputs, LogitsFor which,
+                                        std::span<const int64_t> hidden_rows);
 
   // A sequence's KV blocks (at least need_blocks) and state slot: the scheduler's, checked, when the input carries
   // them; else its lease's, grown from this runner's pool.
@@ -184,7 +194,8 @@ class CudaRunner final : public DeviceRunner {
   bool graphs_enabled_ = true;
   std::vector<int64_t> buckets_;  // decode batch sizes, ascending, the last = the most a step holds
   double capture_seconds_ = 0;
-  CudaSampler sampler_;  // sized for max_sequences rows
+  CudaSampler sampler_;  // sized for sampler_rows_ rows
+  int64_t sampler_rows_ = 0;
   // The device slot of each logical state slot's current state (identity without a draft module).
   std::vector<int32_t> state_at_;
   // The sequences verified in the last model step: their logical slot and the slots of their rows' states.
@@ -200,7 +211,9 @@ Expected<void> CudaRunner::finish_load() {
   // Collectives staged through the host (ranks sharing one GPU) cannot be captured: those steps run eagerly.
   graphs_enabled_ = options_.cuda_graphs && ops_.graph_capturable();
   TERN_TRY(ops_.allocate());
-  TERN_TRY(sampler_.allocate(options_.max_sequences, ops_.vocab()));
+  // The sampler takes a decode step's rows, or a verification's (forward_sample_rows).
+  sampler_rows_ = options_.max_sequences * std::max<int64_t>(ops_.verify_rows(), 1);
+  TERN_TRY(sampler_.allocate(sampler_rows_, ops_.vocab()));
   // Logits of a decode step (or a verification) at the largest batch, allocated now so that no graph sees this
   // buffer move.
   const int64_t logit_rows = options_.max_sequences * std::max<int64_t>(ops_.verify_rows(), 1);
@@ -545,6 +558,29 @@ Expected<bool> CudaRunner::capture(DecodeGraph& g, const HostStepPlan& plan) {
 
 Expected<std::vector<float>> CudaRunner::step(std::span<const SequenceInput> batch, LogitsFor which,
                                              const Tracer* tracer) {
+  TERN_ASSIGN_OR_RETURN(const HostStepPlan plan, run_step(batch, which, tracer));
+  if (plan.tokens == 0) return std::vector<float>{};
+  return download_logits(plan.graphed ? plan.real_seqs * plan.rows : ops_.step().n_head_rows);
+}
+
+Expected<SampleResults> CudaRunner::sample_rows_step(std::span<const SequenceInput> batch,
+                                                    std::span<const SampleRow> rows) {
+  for (const SampleRow& r : rows) {
+    if (r.sampler != nullptr) TERN_TRY(sampling_params_validate(r.sampler->params()));
+  }
+  if (static_cast<int64_t>(rows.size()) > sampler_rows_) {
+    return make_error("{} rows to sample in one step; this runner samples at most {}", rows.size(), sampler_rows_);
+  }
+  TERN_TRY(sampler_.upload(ctx_, rows));
+  TERN_ASSIGN_OR_RETURN(const HostStepPlan plan, run_step(batch, LogitsFor::kLastToken, nullptr));
+  if (plan.tokens == 0) return make_error("forward_sample_rows: the step has no tokens");
+  const int64_t n = static_cast<int64_t>(rows.size());
+  TERN_TRY(sampler_.launch(ctx_, logits_.as<uint16_t>(), n));
+  return sampler_.download(ctx_, rows, logits_.as<uint16_t>(), n);
+}
+
+Expected<HostStepPlan> CudaRunner::run_step(std::span<const SequenceInput> batch, LogitsFor which,
+                                            const Tracer* tracer) {
   // A verification is never a decode step, whatever its length: its states are kept per row.
   const bool decode = which == LogitsFor::kLastToken && tracer == nullptr &&
                       std::all_of(batch.begin(), batch.end(), [](const SequenceInput& in) {
@@ -561,10 +597,10 @@ Expected<std::vector<float>> CudaRunner::step(std::span<const SequenceInput> bat
   std::vector<int64_t> past;
   for (const SequenceInput& in : batch) past.push_back(in.cache->length);
   TERN_ASSIGN_OR_RETURN(const HostStepPlan plan, plan_step(batch, decode, which, past, verify_graph));
-  if (plan.tokens == 0) return std::vector<float>{};
+  if (plan.tokens == 0) return plan;
   TERN_TRY(begin_step(plan, which, tracer));
   TERN_TRY(run_decode(plan));
-  return download_logits(plan.graphed ? plan.real_seqs * plan.rows : ops_.step().n_head_rows);
+  return plan;
 }
 
 Expected<std::vector<float>> CudaRunner::download_logits(int64_t n) {
@@ -612,8 +648,8 @@ Expected<void> CudaRunner::restore_verified(SequenceCache& seq, int64_t rows) {
   return {};
 }
 
-Expected<std::vector<float>> CudaRunner::draft_step(std::span<const DraftInput> inputs, LogitsFor which,
-                                                   std::span<const int64_t> hidden_rows) {
+Expected<HostStepPlan> CudaRunner::run_draft_step(std::span<const DraftInput> inputs, LogitsFor which,
+                                                  std::span<const int64_t> hidden_rows) {
   if (ops_.model_hidden() == nullptr) return make_error("{}: the draft module was not placed", describe());
   std::vector<SequenceInput> batch;
   std::vector<int64_t> past;
@@ -631,11 +667,38 @@ Expected<std::vector<float>> CudaRunner::draft_step(std::span<const DraftInput> 
   const bool chained = inputs.front().hidden == DraftHidden::kDraft;
   const bool graphed = chained && graph_fits(static_cast<int64_t>(batch.size()), 1);
   TERN_ASSIGN_OR_RETURN(HostStepPlan plan, plan_step(batch, false, which, past, graphed, true));
-  if (plan.tokens == 0) return std::vector<float>{};
+  if (plan.tokens == 0) return plan;
   std::copy(hidden_rows.begin(), hidden_rows.end(), plan.hidden_rows.begin());
   TERN_TRY(begin_step(plan, which, nullptr, chained ? ops_.draft_hidden() : ops_.model_hidden()));
   TERN_TRY(run_decode(plan));
+  return plan;
+}
+
+Expected<std::vector<float>> CudaRunner::draft_step(std::span<const DraftInput> inputs, LogitsFor which,
+                                                   std::span<const int64_t> hidden_rows) {
+  TERN_ASSIGN_OR_RETURN(const HostStepPlan plan, run_draft_step(inputs, which, hidden_rows));
+  if (plan.tokens == 0) return std::vector<float>{};
   return download_logits(plan.graphed ? plan.real_seqs : ops_.step().n_head_rows);
+}
+
+Expected<std::vector<int32_t>> CudaRunner::draft_argmax_step(std::span<const DraftInput> inputs,
+                                                            std::span<const int64_t> hidden_rows) {
+  TERN_ASSIGN_OR_RETURN(const HostStepPlan plan, run_draft_step(inputs, LogitsFor::kLastToken, hidden_rows));
+  const int64_t n = static_cast<int64_t>(inputs.size());
+  if (plan.tokens == 0 || n == 0) return std::vector<int32_t>{};
+  // The device sampler with greedy parameters: only the ids come back.
+  std::vector<Sampler> greedy(inputs.size(), Sampler(SamplingParams{.temperature = 0.0f}));
+  std::vector<SampleRow> rows;
+  for (Sampler& g : greedy) rows.push_back({&g, {}, {}});
+  TERN_TRY(sampler_.upload(ctx_, rows));
+  TERN_TRY(sampler_.launch(ctx_, logits_.as<uint16_t>(), n));
+  TERN_ASSIGN_OR_RETURN(const SampleResults got, sampler_.download(ctx_, rows, logits_.as<uint16_t>(), n));
+  std::vector<int32_t> ids;
+  for (const Expected<SampledToken>& t : got) {
+    if (!t) return make_error("the draft module's proposal: {}", t.error().message);
+    ids.push_back(t->id);
+  }
+  return ids;
 }
 
 }  // namespace

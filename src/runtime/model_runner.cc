@@ -1,5 +1,7 @@
 #include "runtime/model_runner.h"
 
+#include <algorithm>
+
 #include "runtime/cpu_runner.h"
 #include "runtime/tp_runner.h"
 
@@ -54,11 +56,11 @@ std::vector<ModelRunner::StepRows> ModelRunner::rows_of(std::span<const Sequence
   return rows;
 }
 
-Expected<std::vector<float>> ModelRunner::draft(std::span<const DraftInput> inputs, LogitsFor which) {
+Expected<std::vector<int64_t>> ModelRunner::draft_rows(std::span<const DraftInput> inputs,
+                                                       std::vector<StepRows>& rows) const {
   if (!has_draft()) return make_error("the model was loaded without its draft module");
   const int64_t vocab = config().vocab_size;
   std::vector<int64_t> hidden_rows;
-  std::vector<StepRows> rows;
   int64_t begin = 0;
   for (const DraftInput& in : inputs) {
     const int64_t n = static_cast<int64_t>(in.seq.tokens.size());
@@ -90,9 +92,35 @@ Expected<std::vector<float>> ModelRunner::draft(std::span<const DraftInput> inpu
     rows.push_back({begin, n, in.position});
     begin += n;
   }
+  return hidden_rows;
+}
+
+Expected<std::vector<float>> ModelRunner::draft(std::span<const DraftInput> inputs, LogitsFor which) {
+  std::vector<StepRows> rows;
+  TERN_ASSIGN_OR_RETURN(const std::vector<int64_t> hidden_rows, draft_rows(inputs, rows));
   TERN_ASSIGN_OR_RETURN(std::vector<float> logits, draft_step(inputs, which, hidden_rows));
   last_draft_ = std::move(rows);
   return logits;
+}
+
+Expected<std::vector<int32_t>> ModelRunner::draft_argmax(std::span<const DraftInput> inputs) {
+  std::vector<StepRows> rows;
+  TERN_ASSIGN_OR_RETURN(const std::vector<int64_t> hidden_rows, draft_rows(inputs, rows));
+  TERN_ASSIGN_OR_RETURN(std::vector<int32_t> ids, draft_argmax_step(inputs, hidden_rows));
+  last_draft_ = std::move(rows);
+  return ids;
+}
+
+Expected<std::vector<int32_t>> ModelRunner::draft_argmax_step(std::span<const DraftInput> inputs,
+                                                             std::span<const int64_t> hidden_rows) {
+  TERN_ASSIGN_OR_RETURN(const std::vector<float> logits, draft_step(inputs, LogitsFor::kLastToken, hidden_rows));
+  const size_t vocab = static_cast<size_t>(config().vocab_size);
+  std::vector<int32_t> ids;
+  for (size_t r = 0; r < inputs.size(); ++r) {
+    const auto row = std::span<const float>(logits).subspan(r * vocab, vocab);
+    ids.push_back(static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin()));
+  }
+  return ids;
 }
 
 Expected<double> ModelRunner::all_reduce_ms(int64_t, int) {
@@ -125,6 +153,37 @@ Expected<SampleResults> ModelRunner::forward_sample(std::span<const SequenceInpu
   return results;
 }
 
+Expected<SampleResults> ModelRunner::forward_sample_rows(std::span<const SequenceInput> batch,
+                                                         std::span<const SampleRow> rows) {
+  size_t want = 0;
+  for (const SequenceInput& in : batch) want += in.verify ? in.tokens.size() : 1;
+  if (rows.size() != want) return make_error("forward_sample_rows: {} sampling rows for {} logit rows", rows.size(), want);
+  std::vector<StepRows> step_rows = has_draft() ? rows_of(batch) : std::vector<StepRows>{};
+  TERN_ASSIGN_OR_RETURN(SampleResults results, sample_rows_step(batch, rows));
+  last_forward_ = std::move(step_rows);
+  for (const SequenceInput& in : batch) {
+    in.cache->length += static_cast<int64_t>(in.tokens.size());
+    in.cache->verified_rows = in.verify ? static_cast<int64_t>(in.tokens.size()) : 0;
+  }
+  return results;
+}
+
+Expected<SampleResults> ModelRunner::sample_rows_step(std::span<const SequenceInput> batch,
+                                                      std::span<const SampleRow> rows) {
+  TERN_ASSIGN_OR_RETURN(const std::vector<float> logits, step(batch, LogitsFor::kLastToken, nullptr));
+  const size_t vocab = static_cast<size_t>(config().vocab_size);
+  SampleResults results;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i].sampler == nullptr) {
+      results.emplace_back(SampledToken{});
+      continue;
+    }
+    results.push_back(rows[i].sampler->sample(std::span<const float>(logits).subspan(i * vocab, vocab),
+                                              rows[i].prompt_ids, rows[i].output_ids));
+  }
+  return results;
+}
+
 Expected<void> ModelRunner::check_inputs(std::span<const SequenceInput> batch) const {
   const int64_t vocab = config().vocab_size;
   for (const SequenceInput& in : batch) {
@@ -137,19 +196,7 @@ Expected<void> ModelRunner::check_inputs(std::span<const SequenceInput> batch) c
 
 Expected<SampleResults> ModelRunner::sample_step(std::span<const SequenceInput> batch,
                                                  std::span<const SampleRow> rows) {
-  TERN_ASSIGN_OR_RETURN(const std::vector<float> logits, step(batch, LogitsFor::kLastToken, nullptr));
-  const size_t vocab = batch.empty() ? 0 : logits.size() / batch.size();
-  SampleResults results;
-  results.reserve(rows.size());
-  for (size_t i = 0; i < rows.size(); ++i) {
-    if (rows[i].sampler == nullptr) {
-      results.emplace_back(SampledToken{});
-      continue;
-    }
-    results.push_back(rows[i].sampler->sample(std::span<const float>(logits).subspan(i * vocab, vocab),
-                                              rows[i].prompt_ids, rows[i].output_ids));
-  }
-  return results;
+  return sample_rows_step(batch, rows);  // no verification: one logit row per sequence
 }
 
 Expected<std::unique_ptr<ModelRunner>> runner_load(const std::filesystem::path& dir, const ModelLoadOptions& options) {

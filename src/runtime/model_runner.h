@@ -76,6 +76,10 @@ class ModelRunner {
   // kernels/cpu/sampler.h bounds. An error fails the whole step; a row's own failure (non-finite logits) is in its
   // entry.
   Expected<SampleResults> forward_sample(std::span<const SequenceInput> batch, std::span<const SampleRow> rows);
+  // One step that samples a token for every row forward() would return logits for (each sequence's last row, every
+  // row of a verified one: SequenceInput::verify), each with its own entry of `rows` (a null sampler: no token), on
+  // the device where the logits are: a speculative verification's rows without their logits leaving the GPU.
+  Expected<SampleResults> forward_sample_rows(std::span<const SequenceInput> batch, std::span<const SampleRow> rows);
 
   // Speculative decoding (runtime/speculative.h): whether the model's draft module was loaded
   // (ModelLoadOptions::load_draft).
@@ -88,6 +92,9 @@ class ModelRunner {
   // length is not changed): logits of every row (kAllTokens) or of each input's last row (kLastToken). The hidden
   // states of the last forward step and of this draft step stay with the runner until the next of each.
   Expected<std::vector<float>> draft(std::span<const DraftInput> inputs, LogitsFor which);
+  // draft(inputs, kLastToken) reduced to each input's greedy proposal (the arg-max of its last row, the lowest id
+  // among equal logits), computed where the logits are (on the GPU only the ids come back).
+  Expected<std::vector<int32_t>> draft_argmax(std::span<const DraftInput> inputs);
 
   // What a step would refuse of this batch, found before anything runs: token ids outside the vocabulary (the
   // default) and, on a device, sizes and cache ids beyond what it holds. The tensor-parallel runner asks every rank
@@ -120,6 +127,9 @@ class ModelRunner {
   // step(kLastToken) ending in a token per sequence. The default samples step's logits through each row's Sampler;
   // a device that samples on its own (CUDA) overrides it.
   virtual Expected<SampleResults> sample_step(std::span<const SequenceInput> batch, std::span<const SampleRow> rows);
+  // forward_sample_rows' step. The default samples step's logits through each row's Sampler.
+  virtual Expected<SampleResults> sample_rows_step(std::span<const SequenceInput> batch,
+                                                   std::span<const SampleRow> rows);
   // The device's part of keep_rows: every recurrent state of `seq` set to the one after row `rows` of its last
   // verification (the KV length is the caller's). The default: a device without a draft module.
   virtual Expected<void> restore_verified(SequenceCache& seq, int64_t rows);
@@ -127,6 +137,9 @@ class ModelRunner {
   // states of the step inputs.front().hidden names, that the k-th row of the draft step reads.
   virtual Expected<std::vector<float>> draft_step(std::span<const DraftInput> inputs, LogitsFor which,
                                                   std::span<const int64_t> hidden_rows);
+  // draft_argmax's part: the default takes draft_step's last-row logits to the host.
+  virtual Expected<std::vector<int32_t>> draft_argmax_step(std::span<const DraftInput> inputs,
+                                                           std::span<const int64_t> hidden_rows);
 
  private:
   // Where each sequence's rows sat in the last forward step and the last draft step, for draft()'s checks.
@@ -134,6 +147,9 @@ class ModelRunner {
     int64_t row_begin = 0, n_rows = 0, position = 0;
   };
   static std::vector<StepRows> rows_of(std::span<const SequenceInput> batch);
+  // draft()'s checks of the inputs against the steps their hidden states come from: the hidden row each draft row
+  // reads, and where each input's rows sit in the draft step.
+  Expected<std::vector<int64_t>> draft_rows(std::span<const DraftInput> inputs, std::vector<StepRows>& rows) const;
   std::vector<StepRows> last_forward_, last_draft_;
 };
 

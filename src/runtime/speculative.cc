@@ -5,10 +5,6 @@
 namespace tern {
 namespace {
 
-int32_t argmax(std::span<const float> row) {
-  return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
-}
-
 // The logits rows of each sequence of a step: all of a verified one's, the last of the others'.
 std::vector<int64_t> first_logit_rows(std::span<const SequenceInput> batch) {
   std::vector<int64_t> first;
@@ -36,6 +32,21 @@ Expected<std::vector<SampledToken>> accept(const SampleRow& row, std::span<const
     output.push_back(verdict.token.id);
     tokens.push_back(std::move(verdict.token));
     if (!verdict.accepted) break;
+  }
+  return tokens;
+}
+
+// Greedy acceptance from each row's arg-max (`rows`: the sequence's rows from its first): a draft is accepted while
+// it is the arg-max of the row before it; the first row whose arg-max differs gives the last token (after every
+// draft accepted, the last row's). Without a verification, the one row's token.
+Expected<std::vector<SampledToken>> accept_greedy(std::span<const Expected<SampledToken>> rows,
+                                                  std::span<const int32_t> drafts, bool verified) {
+  std::vector<SampledToken> tokens;
+  const size_t n = verified ? drafts.size() + 1 : 1;
+  for (size_t j = 0; j < n; ++j) {
+    if (!rows[j]) return tl::unexpected<Error>(rows[j].error());
+    tokens.push_back(*rows[j]);
+    if (j == drafts.size() || !verified || rows[j]->id != drafts[j]) break;
   }
   return tokens;
 }
@@ -68,7 +79,37 @@ Expected<std::vector<SpecOutcome>> speculative_step(ModelRunner& runner, std::sp
     batch[i].verify = samples && !s.drafts->empty();
     start[i] = s.input.cache->length;
   }
-  TERN_ASSIGN_OR_RETURN(const std::vector<float> logits, runner.forward(batch, LogitsFor::kLastToken));
+  // Greedy sequences only: every row's arg-max is all acceptance needs, sampled where the logits are (on a GPU
+  // they stay there). Row j of a verification sees the output with the drafts before it (its penalties' ids).
+  const bool greedy = std::all_of(seqs.begin(), seqs.end(), [](const SpecSequence& s) {
+    return s.sample.sampler == nullptr || s.sample.sampler->params().temperature < kSamplingGreedyTemperature;
+  });
+  std::vector<float> logits;
+  SampleResults row_tokens;
+  std::vector<std::vector<int32_t>> row_outputs;
+  if (greedy) {
+    for (size_t i = 0; i < n; ++i) {
+      for (size_t j = 0; batch[i].verify && j < batch[i].tokens.size(); ++j) {
+        std::vector<int32_t>& output = row_outputs.emplace_back(seqs[i].sample.output_ids.begin(),
+                                                                seqs[i].sample.output_ids.end());
+        output.insert(output.end(), seqs[i].drafts->begin(), seqs[i].drafts->begin() + static_cast<ptrdiff_t>(j));
+      }
+    }
+    std::vector<SampleRow> rows;  // row_outputs is complete: the spans into it stay valid
+    size_t o = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (!batch[i].verify) {
+        rows.push_back(seqs[i].sample);
+        continue;
+      }
+      for (size_t j = 0; j < batch[i].tokens.size(); ++j) {
+        rows.push_back({seqs[i].sample.sampler, seqs[i].sample.prompt_ids, row_outputs[o++]});
+      }
+    }
+    TERN_ASSIGN_OR_RETURN(row_tokens, runner.forward_sample_rows(batch, rows));
+  } else {
+    TERN_ASSIGN_OR_RETURN(logits, runner.forward(batch, LogitsFor::kLastToken));
+  }
   const std::vector<int64_t> first = first_logit_rows(batch);
   const size_t vocab = static_cast<size_t>(runner.config().vocab_size);
 
@@ -80,12 +121,15 @@ Expected<std::vector<SpecOutcome>> speculative_step(ModelRunner& runner, std::sp
     SpecOutcome& out = outcomes[i];
     kept[i] = static_cast<int64_t>(s.input.tokens.size());
     if (s.sample.sampler == nullptr) continue;
-    const std::span<const float> rows = std::span(logits).subspan(static_cast<size_t>(first[i]) * vocab);
     Expected<std::vector<SampledToken>> got;
-    if (batch[i].verify) {
-      got = accept(s.sample, *s.drafts, rows, vocab);
+    if (greedy) {
+      got = accept_greedy(std::span(row_tokens).subspan(static_cast<size_t>(first[i])), *s.drafts,
+                          batch[i].verify);
+    } else if (batch[i].verify) {
+      got = accept(s.sample, *s.drafts, std::span(logits).subspan(static_cast<size_t>(first[i]) * vocab), vocab);
     } else {
-      got = s.sample.sampler->sample(rows.first(vocab), s.sample.prompt_ids, s.sample.output_ids)
+      const std::span<const float> row = std::span(logits).subspan(static_cast<size_t>(first[i]) * vocab, vocab);
+      got = s.sample.sampler->sample(row, s.sample.prompt_ids, s.sample.output_ids)
                 .map([](SampledToken t) { return std::vector<SampledToken>{std::move(t)}; });
     }
     if (!got) {
@@ -127,13 +171,11 @@ Expected<std::vector<SpecOutcome>> speculative_step(ModelRunner& runner, std::sp
     if (samples) drafting.push_back(extend.size() - 1);
   }
   if (extend.empty()) return outcomes;
-  TERN_ASSIGN_OR_RETURN(std::vector<float> draft_logits, runner.draft(extend, LogitsFor::kLastToken));
-
-  // Chained proposals, one row per step on the draft's own output.
-  std::vector<int32_t> proposal(extend.size());
+  // Proposals are the draft's arg-maxes (the point mass the acceptance rule assumes), one row per step on the
+  // draft's own output after the first.
+  TERN_ASSIGN_OR_RETURN(std::vector<int32_t> proposal, runner.draft_argmax(extend));
   std::vector<int64_t> position(extend.size());
   for (size_t e = 0; e < extend.size(); ++e) {
-    proposal[e] = argmax(std::span<const float>(draft_logits).subspan(e * vocab, vocab));
     position[e] = extend[e].position + static_cast<int64_t>(extend[e].seq.tokens.size());
   }
   std::vector<int64_t> source(extend.size());
@@ -147,10 +189,10 @@ Expected<std::vector<SpecOutcome>> speculative_step(ModelRunner& runner, std::sp
       in.tokens = std::span<const int32_t>(&proposal[d], 1);
       chain.push_back({in, position[d], DraftHidden::kDraft, source[d]});
     }
-    TERN_ASSIGN_OR_RETURN(draft_logits, runner.draft(chain, LogitsFor::kLastToken));
+    TERN_ASSIGN_OR_RETURN(const std::vector<int32_t> chained, runner.draft_argmax(chain));
     for (size_t c = 0; c < drafting.size(); ++c) {
       const size_t d = drafting[c];
-      proposal[d] = argmax(std::span<const float>(draft_logits).subspan(c * vocab, vocab));
+      proposal[d] = chained[c];
       ++position[d];
       source[d] = static_cast<int64_t>(c);
     }
