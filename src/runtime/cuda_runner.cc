@@ -159,8 +159,9 @@ class CudaRunner final : public DeviceRunner {
   // decode step's short kernels; in a prefill, whose kernels run many waves, it costs (see docs/perf/gpu.md
   // §model-path), so it is on in decode steps only.
   Expected<void> run_body();  // the model's layer loop, or the draft module's in a draft step
-  // run_body through the decode step's CUDA graph: the first step of a shape runs eagerly (cuBLASLt plans, lazily
-  // loaded kernels), the second is captured, later ones replay it. A capture that fails turns graphs off, loudly.
+  // run_body, through the step's CUDA graph when it is a graphed step: the first step of a shape runs eagerly
+  // (cuBLASLt plans, lazily loaded kernels), the second is captured, later ones replay it. A capture that fails
+  // turns graphs off, loudly.
   Expected<void> run_decode(const HostStepPlan& plan);
   // The first n rows of the step's logits, as fp32 on the host (waits for the stream).
   Expected<std::vector<float>> download_logits(int64_t n);
@@ -183,8 +184,8 @@ class CudaRunner final : public DeviceRunner {
   int32_t* meta_host_ = nullptr;       // pinned staging
   size_t meta_capacity_ = 0;           // int32 elements
   std::vector<uint16_t> logits_host_;  // bf16 staging of the logits
-  // Decode graphs by (n_seqs, block-table width); they bake in every buffer address, so a reallocated meta_ or
-  // logits_ drops them all.
+  // The graphs of graphed steps (HostStepPlan::graphed); they bake in every buffer address, so a reallocated meta_
+  // or logits_ drops them all.
   struct DecodeGraph {
     bool warmed = false;
     cudaGraphExec_t exec = nullptr;
