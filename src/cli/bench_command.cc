@@ -202,7 +202,9 @@ Expected<SpecTiming> time_speculative(ModelRunner& model, int64_t batch, const B
     }
     if (step >= 2) {
       times.push_back(seconds_since(begin));
-      const auto s = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+      const auto s = [](Clock::time_point a, Clock::time_point b) {
+        return std::chrono::duration<double>(b - a).count();
+      };
       verify_t.push_back(s(begin, verified));
       keep_t.push_back(s(verified, kept));
       extend_t.push_back(s(kept, extended));
@@ -212,7 +214,8 @@ Expected<SpecTiming> time_speculative(ModelRunner& model, int64_t batch, const B
     }
   }
   return SpecTiming{.step_s = median(times),
-                    .tokens_per_step = static_cast<double>(yielded) / static_cast<double>(std::max<int64_t>(timed_steps, 1)),
+                    .tokens_per_step =
+                        static_cast<double>(yielded) / static_cast<double>(std::max<int64_t>(timed_steps, 1)),
                     .verify_s = median(verify_t),
                     .keep_s = median(keep_t),
                     .extend_s = median(extend_t),

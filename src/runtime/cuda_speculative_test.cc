@@ -81,7 +81,8 @@ void expect_same_greedy(ModelRunner& gpu, ModelRunner& cpu, const std::vector<in
   auto g = gpu.forward(std::vector<SequenceInput>{{&gc, context}}, LogitsFor::kLastToken);
   auto c = cpu.forward(std::vector<SequenceInput>{{&cc, context}}, LogitsFor::kLastToken);
   ASSERT_TRUE(g && c);
-  const double margin = std::abs(double{(*c)[static_cast<size_t>(got[i])]} - double{(*c)[static_cast<size_t>(want[i])]});
+  const double margin =
+      std::abs(double{(*c)[static_cast<size_t>(got[i])]} - double{(*c)[static_cast<size_t>(want[i])]});
   const double noise = max_abs_diff(*g, *c);
   std::cout << what << ": tokens " << got[i] << " and " << want[i] << " at output " << i << ", "
             << margin << " apart in fp32; the GPU's logits there are off by up to " << noise << "\n";

@@ -157,7 +157,9 @@ Expected<SampleResults> ModelRunner::forward_sample_rows(std::span<const Sequenc
                                                          std::span<const SampleRow> rows) {
   size_t want = 0;
   for (const SequenceInput& in : batch) want += in.verify ? in.tokens.size() : 1;
-  if (rows.size() != want) return make_error("forward_sample_rows: {} sampling rows for {} logit rows", rows.size(), want);
+  if (rows.size() != want) {
+    return make_error("forward_sample_rows: {} sampling rows for {} logit rows", rows.size(), want);
+  }
   std::vector<StepRows> step_rows = has_draft() ? rows_of(batch) : std::vector<StepRows>{};
   TERN_ASSIGN_OR_RETURN(SampleResults results, sample_rows_step(batch, rows));
   last_forward_ = std::move(step_rows);
