@@ -145,7 +145,7 @@ Expected<double> time_decode(ModelRunner& model, int64_t batch, const BenchOptio
 // ones, and the mean tokens a step yields per sequence.
 struct SpecTiming {
   double step_s = 0, tokens_per_step = 0;
-  // Medians of the step's parts: the verification (forward, logits on the host), keep_rows, the draft module over
+  // Medians of the step's parts: the greedy verification (every row sampled on the device), keep_rows, the draft module over
   // the kept rows, and the K - 1 chained draft rows.
   double verify_s = 0, keep_s = 0, extend_s = 0, chain_s = 0;
 };
@@ -165,6 +165,7 @@ Expected<SpecTiming> time_speculative(ModelRunner& model, int64_t batch, const B
     }
   }
   std::bernoulli_distribution accept(o.speculative_accept_rate);
+  Sampler greedy(SamplingParams{.temperature = 0.0f});
   std::vector<double> times, verify_t, keep_t, extend_t, chain_t;
   int64_t yielded = 0, timed_steps = 0;
   for (int64_t step = 0; step < o.steps + 2; ++step) {
@@ -181,9 +182,20 @@ Expected<SpecTiming> time_speculative(ModelRunner& model, int64_t batch, const B
       verify.push_back({&caches[s], rows[s]});
       verify.back().verify = true;
     }
+    // The greedy verification the server runs (runtime/speculative.cc): every row sampled where the logits are.
+    std::vector<SampleRow> sample_rows;
+    for (int64_t s = 0; s < batch; ++s) {
+      for (int j = 0; j <= k; ++j) sample_rows.push_back({&greedy, rows[s], {}});
+    }
+    const bool last = step == o.steps + 1;
+    profiler_bracket(o.profile_step && last, true);
     const auto begin = Clock::now();
-    TERN_TRY(model.forward(verify, LogitsFor::kLastToken));
+    TERN_ASSIGN_OR_RETURN(SampleResults verified_ids, model.forward_sample_rows(verify, sample_rows));
     const auto verified = Clock::now();
+    profiler_bracket(o.profile_step && last, false);
+    for (const auto& id : verified_ids) {
+      if (!id) return tl::unexpected<Error>(id.error());
+    }
     std::vector<DraftInput> extend;
     for (int64_t s = 0; s < batch; ++s) {
       TERN_TRY(model.keep_rows(caches[s], keep[s]));
@@ -442,7 +454,8 @@ void register_bench_command(CLI::App& app) {
                 "the time at --hbm-gbs) from the config's shapes, without loading or running anything");
   cmd->add_option("--hbm-gbs", o->hbm_gbs, "--plan-only: the memory bandwidth (GB/s) of the decode time per step");
   cmd->add_flag("--profile-step", o->profile_step,
-                "Bracket the last decode step of each batch size with cudaProfilerStart/Stop (for ncu / nsys)");
+                "Bracket the last decode step (speculative: its verification) of each batch size with "
+                "cudaProfilerStart/Stop (for ncu / nsys)");
   add_speculative_options(*cmd, o->model);
   cmd->add_option("--speculative-accept-rate", o->speculative_accept_rate,
                   "With --speculative-algorithm: each draft is accepted with this probability (in order, up to the "

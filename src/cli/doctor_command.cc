@@ -26,6 +26,8 @@ struct DoctorOptions {
   BackendFlags backends;
   int tensor_parallel_size = 1;
   std::vector<int> cuda_devices;
+  std::string speculative_algorithm;  // set: the self-test adds speculative verifications' shapes
+  int speculative_num_steps = 3;
 };
 
 // The tensor-parallel group's start-up check (runtime/tp_runner.h), run when --tensor-parallel-size > 1.
@@ -121,7 +123,11 @@ int run_doctor(const DoctorOptions& o) {
     fmt::print(stderr, "tern doctor: {}\n", forced.error().message);
     return 2;
   }
-  auto report = model_selftest_run(o.model_dir, {.mode = *mode, .device = o.device, .forced = *forced});
+  // The shapes rank 0 of the tensor-parallel group runs, and with speculative decoding its verifications'.
+  ModelSelftestOptions selftest{
+      .mode = *mode, .device = o.device, .forced = *forced, .tensor_parallel_size = o.tensor_parallel_size};
+  if (!o.speculative_algorithm.empty()) selftest.verify_rows = o.speculative_num_steps + 1;
+  auto report = model_selftest_run(o.model_dir, selftest);
   if (!report) {
     fmt::print(stderr, "tern doctor: {}\n", report.error().message);
     return 2;
@@ -200,6 +206,7 @@ void register_doctor_command(CLI::App& app) {
   cmd->add_option("--cuda-devices", o->cuda_devices, "The GPU of each rank (default: rank r on GPU r)")
       ->delimiter(',')
       ->check(CLI::Range(0, 1023));
+  add_speculative_options(*cmd, o->speculative_algorithm, o->speculative_num_steps);
   cmd->callback([o] { throw CLI::RuntimeError(run_doctor(*o)); });
 }
 

@@ -23,13 +23,13 @@ Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceM
     }
     if (!any_forced) return {};
   }
-  TERN_ASSIGN_OR_RETURN(ModelSelftestReport r, model_selftest_run(o.model_dir, {.mode = mode == SelftestMode::kOff
-                                                                                            ? SelftestMode::kFast
-                                                                                            : mode,
-                                                                                .device = cuda ? "cuda" : "cpu",
-                                                                                .forced = forced,
-                                                                                .tensor_parallel_size =
-                                                                                    o.tensor_parallel_size}));
+  ModelSelftestOptions selftest{.mode = mode == SelftestMode::kOff ? SelftestMode::kFast : mode,
+                                .device = cuda ? "cuda" : "cpu",
+                                .forced = forced,
+                                .tensor_parallel_size = o.tensor_parallel_size};
+  // With speculative decoding the verifications' shapes are tested too.
+  if (!o.speculative_algorithm.empty()) selftest.verify_rows = speculative_steps_of(o) + 1;
+  TERN_ASSIGN_OR_RETURN(ModelSelftestReport r, model_selftest_run(o.model_dir, selftest));
   // stderr: stdout carries the commands' results (JSON).
   fmt::print(stderr, "self-test on {}: {} ops in {:.2f} s: {}\n", r.device.name, r.selections.size(), r.seconds,
              r.verdict);
@@ -106,11 +106,15 @@ void add_backend_options(CLI::App& cmd, BackendFlags& b) {
 }
 
 void add_speculative_options(CLI::App& cmd, ModelCliOptions& o) {
-  cmd.add_option("--speculative-algorithm", o.speculative_algorithm,
+  add_speculative_options(cmd, o.speculative_algorithm, o.speculative_num_steps);
+}
+
+void add_speculative_options(CLI::App& cmd, std::string& algorithm, int& num_steps) {
+  cmd.add_option("--speculative-algorithm", algorithm,
                  "Speculative decoding: mtp (alias nextn) drafts with the model's own multi-token-prediction layers")
       ->transform(CLI::IsMember({"mtp", "nextn"}, CLI::ignore_case))
       ->transform([](std::string v) { return v == "nextn" ? std::string("mtp") : v; });
-  cmd.add_option("--speculative-num-steps", o.speculative_num_steps,
+  cmd.add_option("--speculative-num-steps", num_steps,
                  fmt::format("Draft tokens per step with --speculative-algorithm (1-{}; default 3)",
                              kMaxSpeculativeSteps))
       ->check(CLI::Range(1, kMaxSpeculativeSteps));

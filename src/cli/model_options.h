@@ -42,8 +42,9 @@ void add_model_options(CLI::App& cmd, ModelCliOptions& options);
 // --tensor-parallel-size / --tp (part of add_model_options; serve adds it on its own).
 void add_parallel_options(CLI::App& cmd, ModelCliOptions& options);
 void add_backend_options(CLI::App& cmd, BackendFlags& backends);
-// --speculative-algorithm and --speculative-num-steps (serve, generate).
+// --speculative-algorithm and --speculative-num-steps (serve, generate, bench; doctor into its own fields).
 void add_speculative_options(CLI::App& cmd, ModelCliOptions& options);
+void add_speculative_options(CLI::App& cmd, std::string& algorithm, int& num_steps);
 // The draft tokens per step that the options ask for: 0 without --speculative-algorithm.
 int speculative_steps_of(const ModelCliOptions& options);
 // Runs the start-up self-test (--selftest) of the device that will run the model, then loads it there. Refuses to

@@ -67,14 +67,16 @@ Expected<void> register_all(Registry& registry, bool cuda) {
 
 // The cases the model's blocks report (models/selftest_plan.h), from its host blocks: the checkpoint's, mapped, or
 // for a directory with a config only, the shapes and formats its dummy weights would have. Under tensor
-// parallelism, rank 0's slice: the shapes every rank runs (the last ranks' vocabulary ranges may be shorter).
-Expected<SelftestCaseTable> planned_cases(const std::string& model_dir, const std::vector<int64_t>& batches,
-                                          int tensor_parallel_size) {
+// parallelism, rank 0's slice: the shapes every rank runs (the last ranks' vocabulary ranges may be shorter). With
+// verification rows (speculative decoding), the verifications' shapes and the draft module's blocks too.
+Expected<SelftestCaseTable> planned_cases(const std::string& model_dir, const ModelConfig& config,
+                                          const ModelSelftestOptions& o) {
   const bool has_weights = SafetensorsSet::open_dir(model_dir).has_value();
   ModelLoadOptions load{.load_format = has_weights ? LoadFormat::kAuto : LoadFormat::kShapes};
-  load.shard = {0, tensor_parallel_size};
+  load.shard = {0, o.tensor_parallel_size};
+  load.load_draft = o.verify_rows > 0 && weight_schema_has_draft(config);
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> host, model_build_host(model_dir, load));
-  return selftest_cases_of(*host, batches);
+  return selftest_cases_of(*host, o.batch_sizes, o.verify_rows);
 }
 
 }  // namespace
@@ -118,7 +120,7 @@ Expected<ModelSelftestReport> model_selftest_run(const std::string& model_dir, c
     table.push_back({"gemm_nvfp4", gemm_selftest_cases({{4096, 4096}}, o.batch_sizes)});
   } else {
     TERN_ASSIGN_OR_RETURN(const ModelConfig config, model_config_load(model_dir));  // a bad config stops here
-    if (auto planned = planned_cases(model_dir, o.batch_sizes, o.tensor_parallel_size)) {
+    if (auto planned = planned_cases(model_dir, config, o)) {
       table = std::move(*planned);
     } else {
       r.notes.push_back(fmt::format("this model cannot be served yet: {}", planned.error().message));

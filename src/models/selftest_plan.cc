@@ -34,7 +34,14 @@ RmsNormForm form_of(const RmsNorm& n) {
 // A BlockOps that makes no blocks: each placement records the cases the block's ops need on a GPU.
 class Planner final : public BlockOps {
  public:
-  explicit Planner(std::vector<int64_t> batches) : batches_(std::move(batches)) {}
+  Planner(std::vector<int64_t> batches, int64_t verify_rows) : batches_(std::move(batches)), verify_rows_(verify_rows) {
+    gemm_rows_ = batches_;
+    for (int64_t b : batches_) {
+      if (verify_rows_ > 0 && std::find(gemm_rows_.begin(), gemm_rows_.end(), b * verify_rows_) == gemm_rows_.end()) {
+        gemm_rows_.push_back(b * verify_rows_);
+      }
+    }
+  }
 
   Expected<std::unique_ptr<Block>> embedding(const CpuMatrix& table, VocabRange) override {
     hidden_ = table.cols;
@@ -51,6 +58,9 @@ class Planner final : public BlockOps {
                           static_cast<int64_t>(a.rope().theta())));
     for (int64_t b : batches_) {
       add("attention", attention_case(b, 1, 1000, s.n_heads, s.n_kv_heads, s.head_dim, s.gated));
+      if (verify_rows_ > 0) {
+        add("attention", attention_case(b, verify_rows_, 1000, s.n_heads, s.n_kv_heads, s.head_dim, s.gated));
+      }
     }
     add("attention", attention_case(2, kPrefill, 0, s.n_heads, s.n_kv_heads, s.head_dim, s.gated));
     projections(a.input_projections());
@@ -65,6 +75,12 @@ class Planner final : public BlockOps {
     for (int64_t b : batches_) {
       add("gdn_conv", gdn_conv_case(b, 1, channels, s.conv_kernel));
       add("gdn_delta_rule", gdn_delta_rule_case(b, 1, s.n_key_heads, s.n_value_heads, s.key_dim, s.value_dim));
+    }
+    // Speculative verifications: each row's state also kept (GdnSequences::row_slots).
+    for (int64_t b : verify_rows_ > 0 ? batches_ : std::vector<int64_t>{}) {
+      add("gdn_conv", gdn_conv_case(b, verify_rows_, channels, s.conv_kernel, true));
+      add("gdn_delta_rule",
+          gdn_delta_rule_case(b, verify_rows_, s.n_key_heads, s.n_value_heads, s.key_dim, s.value_dim, true));
     }
     add("gdn_conv", gdn_conv_case(2, kPrefill, channels, s.conv_kernel));
     // The gated norm in the recurrent kernel, as the model runs it: one sequence, one token.
@@ -181,7 +197,7 @@ class Planner final : public BlockOps {
   SelftestCaseTable finish() {
     const auto bf16 = selftest_lead_first({bf16_.begin(), bf16_.end()});
     const auto fp4 = selftest_lead_first({nvfp4_.begin(), nvfp4_.end()});
-    if (!bf16.empty()) table_.push_back({"gemm_bf16", gemm_selftest_cases(bf16, batches_)});
+    if (!bf16.empty()) table_.push_back({"gemm_bf16", gemm_selftest_cases(bf16, gemm_rows_)});
     // The norm in front of the decode GEMV (one row), on every projection that follows a norm; the first layer's
     // has no residual to add.
     const auto normed = selftest_lead_first({normed_.begin(), normed_.end()});
@@ -190,7 +206,7 @@ class Planner final : public BlockOps {
     for (auto [n, k] : selftest_lead_first({silu_.begin(), silu_.end()})) {
       add("silu_mul_gemv", silu_mul_gemv_case(n, k));
     }
-    if (!fp4.empty()) table_.push_back({"gemm_nvfp4", gemm_selftest_cases(fp4, batches_)});
+    if (!fp4.empty()) table_.push_back({"gemm_nvfp4", gemm_selftest_cases(fp4, gemm_rows_)});
     return std::move(table_);
   }
 
@@ -235,6 +251,8 @@ class Planner final : public BlockOps {
   }
 
   std::vector<int64_t> batches_;
+  int64_t verify_rows_ = 0;
+  std::vector<int64_t> gemm_rows_;  // the GEMMs' rows: the batches, then each batch's verification rows
   int64_t hidden_ = 0;
   RmsNormForm form_ = RmsNormForm::kPlain;
   Shapes bf16_, nvfp4_, normed_, silu_;
@@ -257,10 +275,12 @@ std::vector<std::pair<int64_t, int64_t>> selftest_lead_first(const std::vector<s
   return out;
 }
 
-Expected<SelftestCaseTable> selftest_cases_of(const CausalLm& model, const std::vector<int64_t>& batches) {
+Expected<SelftestCaseTable> selftest_cases_of(const CausalLm& model, const std::vector<int64_t>& batches,
+                                              int64_t verify_rows) {
   if (batches.empty()) return make_error("the self-test needs at least one batch size");
-  Planner planner(batches);
-  TERN_TRY(model.visit_blocks(planner));
+  if (verify_rows < 0) return make_error("the self-test's verification rows ({}) must not be negative", verify_rows);
+  Planner planner(batches, verify_rows);
+  TERN_TRY(model.visit_blocks(planner, verify_rows > 0 && model.draft != nullptr));
   return planner.finish();
 }
 

@@ -19,8 +19,12 @@ namespace tern {
 // runs (for the GEMMs: the largest projection below lm_head size, cli/model_selftest.cc's lead rule).
 using SelftestCaseTable = std::vector<std::pair<std::string, std::vector<SelfTestCase>>>;
 
-// `batches`: the decode batch sizes to test at (each op's decode-like cases), then one prefill.
-Expected<SelftestCaseTable> selftest_cases_of(const CausalLm& model, const std::vector<int64_t>& batches);
+// `batches`: the decode batch sizes to test at (each op's decode-like cases), then one prefill. `verify_rows` > 0:
+// the model serves with speculative decoding, verifying that many rows per sequence: the cases add the
+// verifications' shapes (the Gated DeltaNet row states, attention over a verification's rows, the GEMMs at
+// batch x verify_rows rows) and, when the model has its draft module loaded, the draft module's blocks.
+Expected<SelftestCaseTable> selftest_cases_of(const CausalLm& model, const std::vector<int64_t>& batches,
+                                              int64_t verify_rows = 0);
 
 // The shapes with the lead one first: the largest of at most 2^26 weights (an lm_head is above it).
 std::vector<std::pair<int64_t, int64_t>> selftest_lead_first(const std::vector<std::pair<int64_t, int64_t>>& shapes);

@@ -163,5 +163,39 @@ TEST(SelftestPlan, ShapesOnlyHostHasTheDummyWeightsShapesAndFormats) {
   EXPECT_TRUE(cases_of(*b, "gemm_nvfp4") != nullptr);  // the exporter's formats, not all BF16
 }
 
+// With speculative decoding the plan adds the verifications' shapes and the draft module's blocks: the GDN ops with
+// row states at verify_rows rows per sequence, attention over verify_rows query rows, GEMMs at batch x verify_rows
+// rows, and the draft module's fc (a shape the model itself has not); without it none of them.
+TEST(SelftestPlan, SpeculativeVerificationsAndTheDraftModuleAreTested) {
+  const std::string demo = std::string(TERN_SOURCE_DIR) + "/demo/tern-demo-bf16";
+  auto model = model_build_host(demo, {.load_format = LoadFormat::kShapes, .load_draft = true});
+  ASSERT_TRUE(model.has_value()) << model.error().message;
+  const ModelConfig& c = (*model)->config();
+  const int64_t h = c.hidden_size, hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, channels = 2 * hk * dk + hv * dv;
+  const int64_t rows = 4;  // --speculative-num-steps 3
+  auto plain = selftest_cases_of(**model, {1, 8});
+  auto spec = selftest_cases_of(**model, {1, 8}, rows);
+  ASSERT_TRUE(plain.has_value() && spec.has_value());
+  for (int64_t b : {1, 8}) {
+    const SelfTestCase conv = gdn_conv_case(b, rows, channels, c.linear_conv_kernel_dim, true);
+    const SelfTestCase delta = gdn_delta_rule_case(b, rows, hk, hv, dk, dv, true);
+    const SelfTestCase attention = attention_case(b, rows, 1000, c.num_attention_heads, c.num_key_value_heads,
+                                                  c.head_dim, /*gated=*/true);  // Qwen3.5 gates its attention
+    const SelfTestCase fc = gemm_selftest_cases({{h, 2 * h}}, {b * rows}).front();
+    EXPECT_TRUE(has(*spec, "gdn_conv", conv)) << b;
+    EXPECT_TRUE(has(*spec, "gdn_delta_rule", delta)) << b;
+    EXPECT_TRUE(has(*spec, "attention", attention)) << b;
+    EXPECT_TRUE(has(*spec, "gemm_bf16", fc)) << b;
+    EXPECT_FALSE(has(*plain, "gdn_conv", conv)) << b;
+    EXPECT_FALSE(has(*plain, "gdn_delta_rule", delta)) << b;
+    EXPECT_FALSE(has(*plain, "attention", attention)) << b;
+    EXPECT_FALSE(has(*plain, "gemm_bf16", fc)) << b;
+  }
+  EXPECT_FALSE(has(*plain, "gemm_bf16", gemm_selftest_cases({{h, 2 * h}}, {1}).front()))
+      << "the draft module's fc is planned only with speculative decoding";
+  EXPECT_FALSE(selftest_cases_of(**model, {1}, -1).has_value());
+}
+
 }  // namespace
 }  // namespace tern

@@ -13,16 +13,21 @@ namespace tern {
 namespace {
 
 struct DeviceBatch {
-  DeviceBuffer query_start, state_slot, seq_past;
+  DeviceBuffer query_start, state_slot, seq_past, row_slots;
   GdnSequences seqs;
 };
 
 DeviceBatch batch_upload(const GdnBatch& b, cudaStream_t stream) {
   DeviceBatch d{cuda_upload(b.query_start, stream), cuda_upload(b.state_slot, stream),
-                cuda_upload(b.seq_past, stream), {}};
+                cuda_upload(b.seq_past, stream), DeviceBuffer(), {}};
   d.seqs = GdnSequences{.query_start = d.query_start.as<int32_t>(), .state_slot = d.state_slot.as<int32_t>(),
                         .seq_past = d.seq_past.as<int32_t>(), .n_seqs = b.n_seqs, .tokens = b.tokens,
                         .max_query_len = b.max_query_len};
+  if (!b.row_slots.empty()) {  // a verification case
+    d.row_slots = cuda_upload(b.row_slots, stream);
+    d.seqs.row_slots = d.row_slots.as<int32_t>();
+    d.seqs.max_rows = b.max_rows;
+  }
   return d;
 }
 
@@ -184,7 +189,7 @@ Expected<void> gdn_register_cuda(Registry& registry, std::shared_ptr<DeviceConte
       .tolerance = kGdnDeltaRuleBf16Tolerance,
       .unsupported_reason = [](const DeviceDescription& d, const SelfTestCase& c) -> std::string {
         if (std::string why = cuda_unsupported_reason(d); !why.empty()) return why;
-        const int64_t key_dim = c.dims.size() == 6 ? c.dims[4] : 0;
+        const int64_t key_dim = c.dims.size() >= 6 ? c.dims[4] : 0;
         DeviceProps props;
         props.shared_mem_per_block_optin = static_cast<size_t>(d.smem_per_block_optin);
         if (gdn_chunked_chunk_len(props, key_dim) == 0) return "needs more shared memory per block than the device has";

@@ -40,6 +40,7 @@ TEST_F(CudaGdnOps, ConvPassesOnRaggedBatches) {
     cases.push_back(gdn_conv_case(16, 1, 4096, kernel));
     cases.push_back(gdn_conv_case(5, 19, 999, kernel));
     cases.push_back(gdn_conv_case(2, 257, 2048, kernel));
+    cases.push_back(gdn_conv_case(9, 4, 1024, kernel, true));  // speculative verifications (row states)
   }
   expect_all_cuda_pass("gdn_conv", cases);
 }
@@ -52,6 +53,9 @@ TEST_F(CudaGdnOps, DeltaRulePassesOnRaggedBatches) {
     cases.push_back(gdn_delta_rule_case(3, 100, 2, 2, 32, d));
   }
   cases.push_back(gdn_delta_rule_case(2, 300, 4, 16, 128, 128));
+  // Speculative verifications (row states): the model's K + 1 = 4 rows, and more rows than a chunk's first stage.
+  cases.push_back(gdn_delta_rule_case(9, 4, 4, 8, 128, 128, true));
+  cases.push_back(gdn_delta_rule_case(3, 70, 2, 4, 64, 64, true));
   expect_all_cuda_pass("gdn_delta_rule", cases);
 }
 

@@ -21,13 +21,20 @@ std::vector<uint16_t> random_bf16_vector(uint64_t seed, uint64_t stream, int64_t
   return out;
 }
 
-Expected<void> check_dims(const SelfTestCase& c, size_t count, const char* layout) {
-  if (c.dims.size() != count) return make_error("case '{}' needs dims {}", c.label, layout);
+// The op's `count` dims, then optionally a verification flag (0 or 1); returns the flag.
+Expected<bool> check_dims(const SelfTestCase& c, size_t count, const char* layout) {
+  if (c.dims.size() != count && c.dims.size() != count + 1) {
+    return make_error("case '{}' needs dims {} (and optionally a verification flag)", c.label, layout);
+  }
   for (size_t i = 0; i < count; ++i) {
     if (c.dims[i] <= 0) return make_error("case '{}': dims {} must be positive", c.label, layout);
   }
   if (c.dims[0] > 4096 || c.dims[1] > 65536) return make_error("case '{}': batch too large", c.label);
-  return {};
+  if (c.dims.size() == count) return false;
+  if (c.dims[count] != 0 && c.dims[count] != 1) {
+    return make_error("case '{}': the verification flag after dims {} must be 0 or 1", c.label, layout);
+  }
+  return c.dims[count] == 1;
 }
 
 template <class F>
@@ -51,10 +58,10 @@ SeqRows seq_rows(const GdnBatch& b, int64_t s) {
 // gdn_conv
 
 Expected<std::unique_ptr<OpInputs>> conv_make(const SelfTestCase& c, uint64_t seed) {
-  TERN_TRY(check_dims(c, 4, "{n_seqs, max_query_len, channels, kernel}"));
+  TERN_ASSIGN_OR_RETURN(const bool verify, check_dims(c, 4, "{n_seqs, max_query_len, channels, kernel}"));
   if (c.dims[3] < 2 || c.dims[3] > 8) return make_error("gdn_conv case '{}': kernel must be in [2, 8]", c.label);
   auto in = std::make_unique<GdnConvInputs>();
-  in->batch = gdn_batch_make(c.dims[0], c.dims[1], seed);
+  in->batch = gdn_batch_make(c.dims[0], c.dims[1], seed, verify);
   in->channels = c.dims[2];
   in->kernel = c.dims[3];
   in->x_stride = in->channels + 24;  // a row stride that is not the width
@@ -88,6 +95,10 @@ std::vector<float> conv_reference(const OpInputs& base) {
         double acc = 0.0;
         for (int64_t j = 0; j < in.kernel; ++j) acc += double(in.weight[c * in.kernel + j]) * window[t + j];
         out[(r.begin + t) * ch + c] = static_cast<float>(acc / (1.0 + std::exp(-acc)));
+        // A verification row's state: the window after the row.
+        if (const int32_t rs = in.batch.row_slot(s, t); rs >= 0) {
+          for (int64_t j = 0; j < hist; ++j) out[y_size + (rs * ch + c) * hist + j] = float(window[t + 1 + j]);
+        }
       }
       for (int64_t j = 0; j < hist; ++j) state[c * hist + j] = static_cast<float>(window[r.len + j]);
     }
@@ -99,10 +110,11 @@ std::vector<float> conv_reference(const OpInputs& base) {
 // gdn_delta_rule
 
 Expected<std::unique_ptr<OpInputs>> delta_rule_make(const SelfTestCase& c, uint64_t seed) {
-  TERN_TRY(check_dims(c, 6, "{n_seqs, max_query_len, n_key_heads, n_value_heads, key_dim, value_dim}"));
+  TERN_ASSIGN_OR_RETURN(const bool verify,
+                        check_dims(c, 6, "{n_seqs, max_query_len, n_key_heads, n_value_heads, key_dim, value_dim}"));
   if (c.dims[3] % c.dims[2] != 0) return make_error("gdn_delta_rule case '{}': Hv must be a multiple of Hk", c.label);
   auto in = std::make_unique<GdnDeltaRuleInputs>();
-  in->batch = gdn_batch_make(c.dims[0], c.dims[1], seed);
+  in->batch = gdn_batch_make(c.dims[0], c.dims[1], seed, verify);
   in->n_key_heads = c.dims[2];
   in->n_value_heads = c.dims[3];
   in->key_dim = c.dims[4];
@@ -182,6 +194,10 @@ std::vector<float> delta_rule_reference(const OpInputs& base) {
         const double g = a_coef * softplus_f64(double(bf16_to_float(in.a[t * in.ab_stride + j])) + in.dt_bias[j]);
         const double beta = 1.0 / (1.0 + std::exp(-double(bf16_to_float(in.b[t * in.ab_stride + j]))));
         delta_rule_step_f64(st, q, k, row + 2 * hk * dk + j * dv, std::exp(g), beta, dv, &out[(t * hv + j) * dv]);
+        if (const int32_t rs = in.batch.row_slot(s, t - r.begin); rs >= 0) {
+          float* row_state = &out[out_size + (rs * hv + j) * head_state];
+          for (int64_t i = 0; i < head_state; ++i) row_state[i] = static_cast<float>(st[i]);
+        }
       }
       for (int64_t i = 0; i < head_state; ++i) slot[i] = static_cast<float>(st[i]);
     }
@@ -282,16 +298,25 @@ Expected<void> add_op(Registry& r, std::string op, decltype(OpHarness::make_inpu
 
 }  // namespace
 
-GdnBatch gdn_batch_make(int64_t n_seqs, int64_t max_query_len, uint64_t seed) {
+GdnBatch gdn_batch_make(int64_t n_seqs, int64_t max_query_len, uint64_t seed, bool verify) {
   GdnBatch b{.n_seqs = n_seqs, .max_query_len = max_query_len, .n_slots = n_seqs + 1};
   b.query_start.push_back(0);
   for (int64_t s = 0; s < n_seqs; ++s) {
     const int64_t len = s == 0 ? max_query_len : 1 + static_cast<int64_t>(hash_bits(seed, 50, s) % max_query_len);
     b.query_start.push_back(static_cast<int32_t>(b.query_start.back() + len));
     b.state_slot.push_back(static_cast<int32_t>(n_seqs - s));
-    b.seq_past.push_back(s % 2 == 0 ? 0 : static_cast<int32_t>(3 + hash_bits(seed, 51, s) % 1000));
+    const bool continues = verify || s % 2 == 1;
+    b.seq_past.push_back(continues ? static_cast<int32_t>(3 + hash_bits(seed, 51, s) % 1000) : 0);
   }
   b.tokens = b.query_start.back();
+  if (verify) {
+    // The even sequences verify; their row slots follow the sequences' slots, max_rows of them each.
+    b.max_rows = max_query_len;
+    b.row_slots.assign(static_cast<size_t>(n_seqs * max_query_len), -1);
+    for (int64_t s = 0; s < n_seqs; s += 2) {
+      for (int64_t t = 0; t < max_query_len; ++t) b.row_slots[s * max_query_len + t] = static_cast<int32_t>(b.n_slots++);
+    }
+  }
   return b;
 }
 
@@ -305,7 +330,18 @@ std::vector<float> gdn_conv_cpu(const GdnConvInputs& in) {
     if (r.fresh) std::fill_n(state, ch * hist, 0.0f);
     std::vector<float> x(static_cast<size_t>(r.len * in.x_stride));
     for (size_t i = 0; i < x.size(); ++i) x[i] = bf16_to_float(in.x[r.begin * in.x_stride + int64_t(i)]);
-    cpu_causal_conv1d_silu(x.data(), in.x_stride, r.len, ch, in.weight.data(), in.kernel, state, &out[r.begin * ch]);
+    if (in.batch.row_slot(s, 0) < 0) {
+      cpu_causal_conv1d_silu(x.data(), in.x_stride, r.len, ch, in.weight.data(), in.kernel, state, &out[r.begin * ch]);
+      continue;
+    }
+    // A verification: row by row, the state after each copied to the row's slot.
+    for (int64_t t = 0; t < r.len; ++t) {
+      cpu_causal_conv1d_silu(&x[t * in.x_stride], in.x_stride, 1, ch, in.weight.data(), in.kernel, state,
+                             &out[(r.begin + t) * ch]);
+      if (const int32_t rs = in.batch.row_slot(s, t); rs >= 0) {
+        std::copy_n(state, ch * hist, &out[y_size + rs * ch * hist]);
+      }
+    }
   }
   return out;
 }
@@ -321,10 +357,18 @@ std::vector<float> gdn_delta_rule_cpu(const GdnDeltaRuleInputs& in) {
     float* state = &out[out_size + r.slot * slot_state];
     if (r.fresh) std::fill_n(state, slot_state, 0.0f);
     delta_rule_prepare_f32(in, r, qkv, g, beta);
-    const CpuGatedDeltaShape shape{.n_tokens = r.len, .n_key_heads = hk, .n_value_heads = hv, .key_dim = dk,
-                                   .value_dim = dv};
-    cpu_gated_delta_rule(shape, qkv.data(), qkv.data() + hk * dk, w, qkv.data() + 2 * hk * dk, w, g.data(),
-                         beta.data(), state, &out[r.begin * hv * dv]);
+    // A verification runs row by row, the state after each copied to the row's slot.
+    const int64_t step = in.batch.row_slot(s, 0) < 0 ? r.len : 1;
+    for (int64_t t = 0; t < r.len; t += step) {
+      const CpuGatedDeltaShape shape{.n_tokens = step, .n_key_heads = hk, .n_value_heads = hv, .key_dim = dk,
+                                     .value_dim = dv};
+      const float* q = &qkv[t * w];
+      cpu_gated_delta_rule(shape, q, q + hk * dk, w, q + 2 * hk * dk, w, &g[t * hv], &beta[t * hv], state,
+                           &out[(r.begin + t) * hv * dv]);
+      if (const int32_t rs = in.batch.row_slot(s, t); step == 1 && rs >= 0) {
+        std::copy_n(state, slot_state, &out[out_size + rs * slot_state]);
+      }
+    }
   }
   return out;
 }
@@ -346,16 +390,21 @@ Expected<void> gdn_register_cpu(Registry& r) {
   return {};
 }
 
-SelfTestCase gdn_conv_case(int64_t n_seqs, int64_t max_query_len, int64_t channels, int64_t kernel) {
-  return {fmt::format("seqs={} T<={} C={} K={}", n_seqs, max_query_len, channels, kernel),
-          {n_seqs, max_query_len, channels, kernel}};
+SelfTestCase gdn_conv_case(int64_t n_seqs, int64_t max_query_len, int64_t channels, int64_t kernel, bool verify) {
+  SelfTestCase c{fmt::format("seqs={} T<={} C={} K={}{}", n_seqs, max_query_len, channels, kernel,
+                             verify ? " verify" : ""),
+                 {n_seqs, max_query_len, channels, kernel}};
+  if (verify) c.dims.push_back(1);
+  return c;
 }
 
 SelfTestCase gdn_delta_rule_case(int64_t n_seqs, int64_t max_query_len, int64_t n_key_heads, int64_t n_value_heads,
-                                 int64_t key_dim, int64_t value_dim) {
-  return {fmt::format("seqs={} T<={} Hk={} Hv={} dk={} dv={}", n_seqs, max_query_len, n_key_heads, n_value_heads,
-                      key_dim, value_dim),
-          {n_seqs, max_query_len, n_key_heads, n_value_heads, key_dim, value_dim}};
+                                 int64_t key_dim, int64_t value_dim, bool verify) {
+  SelfTestCase c{fmt::format("seqs={} T<={} Hk={} Hv={} dk={} dv={}{}", n_seqs, max_query_len, n_key_heads,
+                             n_value_heads, key_dim, value_dim, verify ? " verify" : ""),
+                 {n_seqs, max_query_len, n_key_heads, n_value_heads, key_dim, value_dim}};
+  if (verify) c.dims.push_back(1);
+  return c;
 }
 
 }  // namespace tern

@@ -12,7 +12,10 @@
 // The batch (gdn_batch_make): sequence 0 has max_query_len rows, the others 1..max_query_len drawn from the seed;
 // odd sequences continue (seq_past > 0, a random state in their slot), even ones are new (their slot holds NaN,
 // which must be ignored); slots are assigned in reverse and slot 0 belongs to no sequence, so it must come back
-// unchanged. Harnesses draw fresh, non-zero, bf16-exact inputs of realistic scale from the seed and compute the
+// unchanged. A verification case (a last dim of 1 after the op's dims: gdn_conv {.., kernel, 1}, gdn_delta_rule
+// {.., value_dim, 1}) is a speculative verification as the model runs it: every sequence continues, the even ones
+// are verifications whose state after each row also goes to a row slot of their own (GdnSequences::row_slots,
+// max_rows = max_query_len), and the row slots a verification's rows do not reach must come back unchanged. Harnesses draw fresh, non-zero, bf16-exact inputs of realistic scale from the seed and compute the
 // reference in fp64 from the spec formulas; the CPU implementations ("cpu") run kernels/cpu/gated_delta.h with the
 // fp32 preparation of layers/gated_deltanet.cc.
 #pragma once
@@ -30,8 +33,16 @@ struct GdnBatch {
   std::vector<int32_t> state_slot;   // [n_seqs]
   std::vector<int32_t> seq_past;     // [n_seqs]
   int64_t n_seqs = 0, tokens = 0, max_query_len = 0, n_slots = 0;
+  // A verification case: [n_seqs * max_rows] as GdnSequences::row_slots (-1 first: not a verification); else empty.
+  std::vector<int32_t> row_slots;
+  int64_t max_rows = 0;
+  // Where row t of sequence s leaves its state besides the sequence's slot, or -1.
+  int32_t row_slot(int64_t s, int64_t t) const {
+    if (row_slots.empty() || t >= max_rows || row_slots[s * max_rows] < 0) return -1;
+    return row_slots[s * max_rows + t];
+  }
 };
-GdnBatch gdn_batch_make(int64_t n_seqs, int64_t max_query_len, uint64_t seed);
+GdnBatch gdn_batch_make(int64_t n_seqs, int64_t max_query_len, uint64_t seed, bool verify = false);
 
 struct GdnConvInputs : OpInputs {
   GdnBatch batch;
@@ -66,9 +77,11 @@ std::vector<float> gdn_delta_rule_cpu(const GdnDeltaRuleInputs& in);
 // Adds the harnesses of both ops and their CPU implementations ("cpu").
 Expected<void> gdn_register_cpu(Registry& registry);
 
-SelfTestCase gdn_conv_case(int64_t n_seqs, int64_t max_query_len, int64_t channels, int64_t kernel);
+// `verify`: a speculative verification of max_query_len rows per sequence (the batch comment above).
+SelfTestCase gdn_conv_case(int64_t n_seqs, int64_t max_query_len, int64_t channels, int64_t kernel,
+                           bool verify = false);
 SelfTestCase gdn_delta_rule_case(int64_t n_seqs, int64_t max_query_len, int64_t n_key_heads, int64_t n_value_heads,
-                                 int64_t key_dim, int64_t value_dim);
+                                 int64_t key_dim, int64_t value_dim, bool verify = false);
 
 // bf16 outputs next to fp32 states in one vector, judged against max|ref| of the whole vector (see gdn_op.cc).
 inline constexpr Tolerance kGdnConvBf16Tolerance{.rel = 1.0 / 256 + 1.0 / 65536, .abs = 0.0};

@@ -15,14 +15,16 @@ namespace tern {
 namespace {
 
 std::vector<SelfTestCase> conv_cases() {
-  return {gdn_conv_case(1, 1, 40, 4), gdn_conv_case(5, 1, 96, 4), gdn_conv_case(4, 9, 64, 4),
-          gdn_conv_case(3, 2, 33, 8), gdn_conv_case(3, 17, 16, 2)};
+  return {gdn_conv_case(1, 1, 40, 4),       gdn_conv_case(5, 1, 96, 4),  gdn_conv_case(4, 9, 64, 4),
+          gdn_conv_case(3, 2, 33, 8),       gdn_conv_case(3, 17, 16, 2), gdn_conv_case(1, 4, 40, 4, true),
+          gdn_conv_case(5, 4, 24, 4, true)};
 }
 
 std::vector<SelfTestCase> delta_cases() {
-  return {gdn_delta_rule_case(1, 1, 1, 1, 32, 32), gdn_delta_rule_case(6, 1, 2, 4, 32, 64),
-          gdn_delta_rule_case(4, 23, 2, 2, 32, 32), gdn_delta_rule_case(3, 40, 1, 4, 64, 32),
-          gdn_delta_rule_case(2, 9, 2, 4, 128, 128)};
+  return {gdn_delta_rule_case(1, 1, 1, 1, 32, 32),        gdn_delta_rule_case(6, 1, 2, 4, 32, 64),
+          gdn_delta_rule_case(4, 23, 2, 2, 32, 32),       gdn_delta_rule_case(3, 40, 1, 4, 64, 32),
+          gdn_delta_rule_case(2, 9, 2, 4, 128, 128),      gdn_delta_rule_case(1, 4, 1, 2, 32, 32, true),
+          gdn_delta_rule_case(5, 5, 2, 4, 32, 64, true)};
 }
 
 TEST(GdnOp, CpuImplementationsPassTheirSelfTest) {
@@ -168,6 +170,54 @@ TEST(GdnOp, InjectedFaultsAreRejected) {
       EXPECT_NE(it->reason.find(f.expected_reason), std::string::npos) << f.name << ": " << it->reason;
     }
   }
+}
+
+// A verification case: the even sequences' row slots get the state after each of their rows (checked here against
+// the harness's own accounting of which slots exist), the odd sequences have none, and an implementation that runs
+// the verification as a plain call (no row states) or puts each row's state in another row's slot is rejected.
+TEST(GdnOp, VerificationCasesCheckEveryRowsState) {
+  const GdnBatch b = gdn_batch_make(5, 4, 7, true);
+  EXPECT_EQ(b.max_rows, 4);
+  EXPECT_EQ(b.n_slots, 6 + 3 * 4);  // the sequences' 5, slot 0, and 4 row slots for each of sequences 0, 2, 4
+  for (int64_t s = 0; s < b.n_seqs; ++s) {
+    EXPECT_GT(b.seq_past[s], 0) << "a verification continues its sequence";
+    EXPECT_EQ(b.row_slot(s, 0) >= 0, s % 2 == 0) << s;
+  }
+  EXPECT_EQ(b.row_slot(0, 4), -1) << "rows past max_rows have no slot";
+  const GdnBatch plain = gdn_batch_make(5, 4, 7);
+  EXPECT_TRUE(plain.row_slots.empty());
+  EXPECT_EQ(plain.n_slots, 6);
+
+  Registry r;
+  ASSERT_TRUE(gdn_register_cpu(r).has_value());
+  auto no_row_states = [](OpInputs& in) { op_batch(in).row_slots.clear(); };
+  auto slots_shifted = [](OpInputs& in) {  // row t's state lands in row t - 1's slot (row 0's in the last)
+    GdnBatch& batch = op_batch(in);
+    for (int64_t s = 0; s < batch.n_seqs; ++s) {
+      if (batch.row_slot(s, 0) < 0) continue;
+      std::rotate(batch.row_slots.begin() + s * batch.max_rows, batch.row_slots.begin() + (s + 1) * batch.max_rows - 1,
+                  batch.row_slots.begin() + (s + 1) * batch.max_rows);
+    }
+  };
+  for (const std::string op : {"gdn_conv", "gdn_delta_rule"}) {
+    ASSERT_TRUE(r.add(broken(r, op, "no-row-states", no_row_states, nullptr)).has_value());
+    ASSERT_TRUE(r.add(broken(r, op, "slots-shifted", slots_shifted, nullptr)).has_value());
+    const SelfTestCase c = op == "gdn_conv" ? gdn_conv_case(3, 4, 40, 4, true)
+                                            : gdn_delta_rule_case(3, 4, 2, 4, 32, 32, true);
+    auto s = registry_select(r, op, cpu_device_describe(), std::span(&c, 1), {});
+    ASSERT_TRUE(s.has_value()) << s.error().message;
+    EXPECT_EQ(s->chosen, "cpu") << op << ": " << s->candidate("cpu")->reason;
+    for (const char* name : {"no-row-states", "slots-shifted"}) {
+      const CandidateReport* k = s->candidate(name);
+      ASSERT_NE(k, nullptr) << name;
+      EXPECT_EQ(k->status, CandidateStatus::kFailed) << op << " " << name;
+      EXPECT_NE(k->reason.find("exceeds the tolerance"), std::string::npos) << op << " " << name << ": " << k->reason;
+    }
+  }
+  // A malformed flag is refused by the harness.
+  SelfTestCase bad = gdn_conv_case(3, 4, 40, 4);
+  bad.dims.push_back(2);
+  EXPECT_FALSE(r.harness("gdn_conv")->make_inputs(bad, 1).has_value());
 }
 
 // The delta rule with the gated norm: the CPU path passes against fp64 on ragged batches, and a norm that drops the
