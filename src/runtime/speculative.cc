@@ -5,8 +5,8 @@
 namespace tern {
 namespace {
 
-// The logits rows of each sequence of a step: all of a verified one's, the last of the others'.
-std::vector<int64_t> first_logit_rows(std::span<const SequenceInput> batch) {
+// The first sampled row of each sequence of a step: a verified one samples all its rows, the others their last.
+std::vector<int64_t> first_sampled_rows(std::span<const SequenceInput> batch) {
   std::vector<int64_t> first;
   int64_t row = 0;
   for (const SequenceInput& in : batch) {
@@ -16,31 +16,14 @@ std::vector<int64_t> first_logit_rows(std::span<const SequenceInput> batch) {
   return first;
 }
 
-// Accepts the drafts of a verified sequence in order; `logits` holds its drafts.size() + 1 rows.
-Expected<std::vector<SampledToken>> accept(const SampleRow& row, std::span<const int32_t> drafts,
-                                           std::span<const float> logits, size_t vocab) {
-  std::vector<SampledToken> tokens;
-  std::vector<int32_t> output(row.output_ids.begin(), row.output_ids.end());
-  for (size_t j = 0; j <= drafts.size(); ++j) {
-    const std::span<const float> logit_row = logits.subspan(j * vocab, vocab);
-    if (j == drafts.size()) {
-      TERN_ASSIGN_OR_RETURN(SampledToken bonus, row.sampler->sample(logit_row, row.prompt_ids, output));
-      tokens.push_back(std::move(bonus));
-      break;
-    }
-    TERN_ASSIGN_OR_RETURN(DraftVerdict verdict, row.sampler->verify_draft(logit_row, row.prompt_ids, output, drafts[j]));
-    output.push_back(verdict.token.id);
-    tokens.push_back(std::move(verdict.token));
-    if (!verdict.accepted) break;
-  }
-  return tokens;
-}
-
-// Greedy acceptance from each row's arg-max (`rows`: the sequence's rows from its first): a draft is accepted while
-// it is the arg-max of the row before it; the first row whose arg-max differs gives the last token (after every
-// draft accepted, the last row's). Without a verification, the one row's token.
-Expected<std::vector<SampledToken>> accept_greedy(std::span<const Expected<SampledToken>> rows,
-                                                  std::span<const int32_t> drafts, bool verified) {
+// Acceptance in order from the tokens sampled at each row (`rows`: the sequence's rows from its first). Draft d is
+// accepted when the row before it sampled d, and the first row that sampled something else gives the step's last
+// token (after every draft accepted, the last row's). With a point-mass proposal q = δ(d) this is the Leviathan /
+// Chen rejection rule: the row samples d with probability p(d), the acceptance probability min(1, p(d) / q(d)), and
+// a token other than d comes from p without d, renormalised; greedy rows take the arg-max. So the output is
+// distributed exactly as plain sampling's (greedy: identical). Without a verification, the one row's token.
+Expected<std::vector<SampledToken>> accept_in_order(std::span<const Expected<SampledToken>> rows,
+                                                    std::span<const int32_t> drafts, bool verified) {
   std::vector<SampledToken> tokens;
   const size_t n = verified ? drafts.size() + 1 : 1;
   for (size_t j = 0; j < n; ++j) {
@@ -79,39 +62,30 @@ Expected<std::vector<SpecOutcome>> speculative_step(ModelRunner& runner, std::sp
     batch[i].verify = samples && !s.drafts->empty();
     start[i] = s.input.cache->length;
   }
-  // Greedy sequences only: every row's arg-max is all acceptance needs, sampled where the logits are (on a GPU
-  // they stay there). Row j of a verification sees the output with the drafts before it (its penalties' ids).
-  const bool greedy = std::all_of(seqs.begin(), seqs.end(), [](const SpecSequence& s) {
-    return s.sample.sampler == nullptr || s.sample.sampler->params().temperature < kSamplingGreedyTemperature;
-  });
-  std::vector<float> logits;
-  SampleResults row_tokens;
+  // Every row samples where its logits are (on a GPU they stay there, only ids come back): a verified sequence's
+  // rows each with a draw of their own from the sequence's sampler, row j seeing the output with the drafts before
+  // it (its penalties' ids).
   std::vector<std::vector<int32_t>> row_outputs;
-  if (greedy) {
-    for (size_t i = 0; i < n; ++i) {
-      for (size_t j = 0; batch[i].verify && j < batch[i].tokens.size(); ++j) {
-        std::vector<int32_t>& output = row_outputs.emplace_back(seqs[i].sample.output_ids.begin(),
-                                                                seqs[i].sample.output_ids.end());
-        output.insert(output.end(), seqs[i].drafts->begin(), seqs[i].drafts->begin() + static_cast<ptrdiff_t>(j));
-      }
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t j = 0; batch[i].verify && j < batch[i].tokens.size(); ++j) {
+      std::vector<int32_t>& output = row_outputs.emplace_back(seqs[i].sample.output_ids.begin(),
+                                                              seqs[i].sample.output_ids.end());
+      output.insert(output.end(), seqs[i].drafts->begin(), seqs[i].drafts->begin() + static_cast<ptrdiff_t>(j));
     }
-    std::vector<SampleRow> rows;  // row_outputs is complete: the spans into it stay valid
-    size_t o = 0;
-    for (size_t i = 0; i < n; ++i) {
-      if (!batch[i].verify) {
-        rows.push_back(seqs[i].sample);
-        continue;
-      }
-      for (size_t j = 0; j < batch[i].tokens.size(); ++j) {
-        rows.push_back({seqs[i].sample.sampler, seqs[i].sample.prompt_ids, row_outputs[o++]});
-      }
-    }
-    TERN_ASSIGN_OR_RETURN(row_tokens, runner.forward_sample_rows(batch, rows));
-  } else {
-    TERN_ASSIGN_OR_RETURN(logits, runner.forward(batch, LogitsFor::kLastToken));
   }
-  const std::vector<int64_t> first = first_logit_rows(batch);
-  const size_t vocab = static_cast<size_t>(runner.config().vocab_size);
+  std::vector<SampleRow> rows;  // row_outputs is complete: the spans into it stay valid
+  size_t o = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!batch[i].verify) {
+      rows.push_back(seqs[i].sample);
+      continue;
+    }
+    for (size_t j = 0; j < batch[i].tokens.size(); ++j) {
+      rows.push_back({seqs[i].sample.sampler, seqs[i].sample.prompt_ids, row_outputs[o++]});
+    }
+  }
+  TERN_ASSIGN_OR_RETURN(const SampleResults row_tokens, runner.forward_sample_rows(batch, rows));
+  const std::vector<int64_t> first = first_sampled_rows(batch);
 
   // Acceptance, and the rows each sequence keeps.
   std::vector<SpecOutcome> outcomes(n);
@@ -121,17 +95,8 @@ Expected<std::vector<SpecOutcome>> speculative_step(ModelRunner& runner, std::sp
     SpecOutcome& out = outcomes[i];
     kept[i] = static_cast<int64_t>(s.input.tokens.size());
     if (s.sample.sampler == nullptr) continue;
-    Expected<std::vector<SampledToken>> got;
-    if (greedy) {
-      got = accept_greedy(std::span(row_tokens).subspan(static_cast<size_t>(first[i])), *s.drafts,
-                          batch[i].verify);
-    } else if (batch[i].verify) {
-      got = accept(s.sample, *s.drafts, std::span(logits).subspan(static_cast<size_t>(first[i]) * vocab), vocab);
-    } else {
-      const std::span<const float> row = std::span(logits).subspan(static_cast<size_t>(first[i]) * vocab, vocab);
-      got = s.sample.sampler->sample(row, s.sample.prompt_ids, s.sample.output_ids)
-                .map([](SampledToken t) { return std::vector<SampledToken>{std::move(t)}; });
-    }
+    Expected<std::vector<SampledToken>> got =
+        accept_in_order(std::span(row_tokens).subspan(static_cast<size_t>(first[i])), *s.drafts, batch[i].verify);
     if (!got) {
       out.error = got.error();
       continue;

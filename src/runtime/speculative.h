@@ -1,9 +1,10 @@
 // Speculative decoding with the model's own multi-token-prediction layer as the draft model (docs/speculative.md).
 //
 // One step over a batch: every sequence that samples and holds drafts from the step before runs its last token and
-// those drafts [x, d1 .. dk] as one verification (SequenceInput::verify); the rows' logits accept the drafts in order
-// (Sampler::verify_draft: exact for greedy and for sampling) up to the first rejection, whose replacement — or, when
-// all k are accepted, a token sampled from the last row — ends the step's 1 .. k + 1 tokens; the cache keeps the
+// those drafts [x, d1 .. dk] as one verification (SequenceInput::verify); every row samples a token where its
+// logits are (ModelRunner::forward_sample_rows), and draft d is accepted when the row before it sampled d (exact for
+// greedy and for sampling: speculative.cc) up to the first row that sampled another token — or, when all k are
+// accepted, the last row's token — which ends the step's 1 .. k + 1 tokens; the cache keeps the
 // rows up to it (ModelRunner::keep_rows). Then the draft module runs over every row the model kept ("draft
 // extend": its KV cache follows the model's, and the last row proposes the next token) and chains num_steps - 1 more
 // single rows on its own output, one proposal each. Prompt chunks run plainly, with the draft extend over their rows.

@@ -246,48 +246,6 @@ Expected<SampledToken> Sampler::sample(std::span<const float> logits, std::span<
   return token;
 }
 
-Expected<DraftVerdict> Sampler::verify_draft(std::span<const float> logits, std::span<const int32_t> prompt_ids,
-                                             std::span<const int32_t> output_ids, int32_t draft) {
-  float raw_max = 0.0f;
-  TERN_ASSIGN_OR_RETURN(const std::span<const float> processed, prepare(logits, prompt_ids, output_ids, raw_max));
-  if (draft < 0 || static_cast<size_t>(draft) >= logits.size()) {
-    return make_error("draft token {} is outside the vocabulary [0, {})", draft, logits.size());
-  }
-  DraftVerdict verdict;
-  if (params_.temperature < kSamplingGreedyTemperature) {
-    verdict.token.id = logits_argmax(processed);
-    verdict.accepted = verdict.token.id == draft;
-  } else {
-    mass_scale_ = std::ldexp(1.0f, 62 - static_cast<int>(std::bit_width(processed.size())));
-    select_candidates(processed);
-    if (params_.top_p < 1.0f) apply_top_p();
-    uint64_t total = 0, draft_mass = 0;
-    for (const Candidate& c : candidates_) {
-      total += mass(c);
-      if (c.id == draft) draft_mass = mass(c);
-    }
-    // Accept with probability draft_mass / total, in the same fixed-point mass sample_random draws with.
-    const auto coin = std::min(total - 1, static_cast<uint64_t>(rng_.next_unit() * static_cast<double>(total)));
-    verdict.accepted = coin < draft_mass;
-    verdict.token.id = draft;
-    if (!verdict.accepted) {
-      // The rest of the distribution, renormalised: an inverse CDF over the kept tokens but the draft. Not empty:
-      // with the draft the only kept token, coin < total == draft_mass accepts.
-      const uint64_t rest = total - draft_mass;
-      const auto target = std::min(rest - 1, static_cast<uint64_t>(rng_.next_unit() * static_cast<double>(rest)));
-      uint64_t cumulative = 0;
-      for (const Candidate& c : candidates_) {
-        if (c.id == draft) continue;
-        cumulative += mass(c);
-        verdict.token.id = c.id;
-        if (target < cumulative) break;
-      }
-    }
-  }
-  describe(logits, raw_max, verdict.token);
-  return verdict;
-}
-
 Expected<std::span<const float>> Sampler::apply_penalties(std::span<const float> logits,
                                                           std::span<const int32_t> prompt_ids,
                                                           std::span<const int32_t> output_ids) {

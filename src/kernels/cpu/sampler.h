@@ -58,12 +58,6 @@ struct SampledToken {
   std::vector<std::pair<int32_t, float>> top_logprobs;
 };
 
-// The outcome of checking a draft token against one row (Sampler::verify_draft).
-struct DraftVerdict {
-  bool accepted = false;
-  SampledToken token;  // the draft when accepted; otherwise the token drawn in its place
-};
-
 // xoshiro256** seeded through splitmix64: fixed integer arithmetic, so one seed gives one stream everywhere.
 class SamplerRng {
  public:
@@ -85,15 +79,6 @@ class Sampler {
   Expected<SampledToken> sample(std::span<const float> logits, std::span<const int32_t> prompt_ids,
                                 std::span<const int32_t> output_ids);
 
-  // Speculative decoding with a drafter that proposes one token with certainty (an MTP layer's argmax): keeps the
-  // output distributed exactly as sample() would draw it. Greedy: the draft is accepted when it is the argmax, and
-  // the token is the argmax either way. Otherwise, with p the distribution sample() draws from (penalties,
-  // temperature, min_p, top_k, top_p): the draft is accepted with probability p(draft), else the token is drawn from
-  // p without the draft, renormalised (the rejection rule of Leviathan et al. / Chen et al. for a point-mass
-  // proposal). Takes one uniform, two when it rejects; logprobs as sample() gives them.
-  Expected<DraftVerdict> verify_draft(std::span<const float> logits, std::span<const int32_t> prompt_ids,
-                                      std::span<const int32_t> output_ids, int32_t draft);
-
   const SamplingParams& params() const { return params_; }
   // For a device sampler that reproduces sample(): the uniform this step's random draw uses, taken from this
   // Sampler's stream exactly as sample() would take it (one value), or 0 for a greedy step (none taken).
@@ -109,7 +94,7 @@ class Sampler {
   // which a standard library's nth_element leaves the candidates.
   uint64_t mass(const Candidate& c) const { return static_cast<uint64_t>(c.weight * mass_scale_); }
 
-  // The checks and penalties sample() and verify_draft() begin with: the processed row (and its raw maximum).
+  // The checks and penalties sample() begins with: the processed row (and its raw maximum).
   Expected<std::span<const float>> prepare(std::span<const float> logits, std::span<const int32_t> prompt_ids,
                                            std::span<const int32_t> output_ids, float& raw_max);
   // `token`'s logprob and the top logprobs from the raw row.
