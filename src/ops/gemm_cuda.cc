@@ -111,10 +111,11 @@ Implementation bf16_implementation(std::string name, int priority, std::shared_p
   };
 }
 
-// The decode GEMV for m <= kGemvPreferredMaxRows and cuBLASLt above it: one implementation, so a model calls one
-// entry point at every batch size, and its self-test (run over every batch size the model uses) verifies both paths.
+// The decode GEMV where gemv_bf16_preferred holds and cuBLASLt elsewhere, as the model calls them: one
+// implementation, so a model calls one entry point at every batch size, and its self-test (run over every batch
+// size and verification size the model uses) verifies both paths.
 Expected<void> gemv_or_cublaslt(const DeviceContext& ctx, const GemmBf16Args& args) {
-  return args.m <= kGemvPreferredMaxRows ? gemv_bf16(ctx, args) : gemm_bf16(ctx, args);
+  return gemv_bf16_preferred(args.m, args.n, args.k) ? gemv_bf16(ctx, args) : gemm_bf16(ctx, args);
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// The CUDA implementations of the GEMM ops (built only with CUDA): "cublaslt" and "gemv" (the decode GEMV up to
-// kGemvPreferredMaxRows rows, cuBLASLt above) for gemm_bf16, "w4a16" for gemm_nvfp4 and "cuda" (the GEMV with its
+// The CUDA implementations of the GEMM ops (built only with CUDA): "cublaslt" and "gemv" (the decode GEMV where
+// gemv_bf16_preferred holds, cuBLASLt elsewhere) for gemm_bf16, "w4a16" for gemm_nvfp4 and "cuda" (the GEMV with its
 // fused RMSNorm) for rms_norm_gemv, run through the same harnesses and verdicts as the CPU ones. The helpers every
 // op's CUDA implementations share (uploads, timed runs, the devices) are in ops/cuda_util.h.
 #pragma once

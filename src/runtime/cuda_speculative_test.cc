@@ -7,6 +7,7 @@
 //   forced all right or all wrong (every step then keeps one row: the Gated DeltaNet state of row 0);
 // - after rejections, the next logits equal those of a fresh prefill of the kept tokens as closely as the GPU's
 //   plain decoding of the same tokens does (a state left after a rejected row is off by O(1));
+// - sampling: the output's distribution over many seeds is the model's (a chi-square test);
 // - refusals: a verification longer than the runner was sized for.
 #include <gtest/gtest.h>
 
@@ -168,6 +169,14 @@ TEST(CudaSpeculative, StatesAfterRejectionsEqualARecompute) {
   std::cout << "next logits vs a recompute: speculative " << spec_error << ", plain decoding " << plain_error
             << " (largest logit " << scale << ")\n";
   EXPECT_LE(spec_error, std::max(2.0 * plain_error, 1e-2 * scale));
+}
+
+// Sampling (T > 0) verification: every row samples on the device with its own draw; the output keeps the model's
+// distribution.
+TEST(CudaSpeculative, SamplingKeepsTheModelsDistribution) {
+  auto runner = load_gpu_demo();
+  ASSERT_TRUE(runner);
+  expect_sampling_keeps_the_models_distribution(*runner);
 }
 
 TEST(CudaSpeculative, VerificationsLongerThanTheRunnerHoldsAreRefused) {

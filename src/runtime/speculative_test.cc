@@ -191,57 +191,9 @@ TEST(Speculative, CachesAfterRejectionsEqualARecompute) {
 }
 
 TEST(Speculative, SamplingKeepsTheModelsDistribution) {
-  // The second output token (the first a draft can propose) over many seeds, with top_k 6 so that the support is
-  // small: its distribution given the first token must be the model's own, softmax(logits / T) over the top 6.
   auto runner = load_demo();
   ASSERT_TRUE(runner);
-  const std::vector<int32_t> p = prompt(9000, 6);
-  const SamplingParams base{.temperature = 0.8f, .top_k = 6};
-  const int draws = 2000;
-  std::map<int32_t, std::map<int32_t, int>> second;  // first token -> second token -> count
-  int64_t accepted = 0;
-  for (int seed = 0; seed < draws; ++seed) {
-    SamplingParams params = base;
-    params.seed = 1000 + seed;
-    std::vector<SpecRun> runs;
-    runs.emplace_back(*runner, p, params);
-    run_speculative(*runner, runs, 2, 1, 64);
-    ++second[runs[0].output[0]][runs[0].output[1]];
-    accepted += runs[0].accepted;
-  }
-  // The most frequent first token, and the model's distribution after it.
-  int32_t first = -1;
-  int most = 0;
-  for (const auto& [token, counts] : second) {
-    int total = 0;
-    for (const auto& [t, c] : counts) total += c;
-    if (total > most) most = total, first = token;
-  }
-  ASSERT_GT(most, 200);
-  std::vector<int32_t> context = p;
-  context.push_back(first);
-  SequenceCache cache = runner->new_sequence();
-  const std::vector<SequenceInput> batch{{&cache, context}};
-  auto logits = runner->forward(batch, LogitsFor::kLastToken);
-  ASSERT_TRUE(logits.has_value());
-  std::vector<std::pair<float, int32_t>> ranked;
-  for (size_t i = 0; i < logits->size(); ++i) ranked.push_back({(*logits)[i], static_cast<int32_t>(i)});
-  std::partial_sort(ranked.begin(), ranked.begin() + 6, ranked.end(), std::greater<>());
-  double z = 0.0;
-  for (int k = 0; k < 6; ++k) z += std::exp((double{ranked[k].first} - ranked[0].first) / base.temperature);
-  double chi2 = 0.0;
-  int inside = 0;
-  for (int k = 0; k < 6; ++k) {
-    const double q = std::exp((double{ranked[k].first} - ranked[0].first) / base.temperature) / z;
-    const int seen = second[first].contains(ranked[k].second) ? second[first][ranked[k].second] : 0;
-    inside += seen;
-    const double expected = q * most;
-    chi2 += (seen - expected) * (seen - expected) / expected;
-  }
-  EXPECT_EQ(inside, most) << "a token outside the top 6 was sampled";
-  // 5 degrees of freedom: P(chi2 > 25.7) = 1e-4.
-  EXPECT_LT(chi2, 25.7) << "after token " << first << " (" << most << " draws)";
-  EXPECT_GT(accepted, 0);
+  expect_sampling_keeps_the_models_distribution(*runner);
 }
 
 TEST(Speculative, ModelsWithoutAWholeDraftModuleAreRefused) {

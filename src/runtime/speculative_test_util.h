@@ -9,6 +9,7 @@
 #include <cmath>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -164,6 +165,60 @@ inline void expect_forced_drafts_keep_greedy_output(ModelRunner& runner) {
 // The draft module over the held-out text with demo/eval.json's protocol (tools/train_demo.py): windows of 512 tokens
 // every 256; in each, the draft module at row j runs on the model's hidden state at j and the token j + 1,
 // predicting j + 2; targets t in [max(prev_e, b + 2), e). Sums of the NLL and of top-1 hits, and the count.
+// The second output token (the first a draft can propose) over many seeds, sampled with speculation, against the
+// model's own distribution after the most frequent first token (a chi-square test on the top 6).
+inline void expect_sampling_keeps_the_models_distribution(ModelRunner& runner) {
+  // top_k 6 keeps the support small: the distribution given the first token must be softmax(logits / T) over the
+  // model's top 6.
+  const std::vector<int32_t> p = prompt(9000, 6);
+  const SamplingParams base{.temperature = 0.8f, .top_k = 6};
+  const int draws = 2000;
+  std::map<int32_t, std::map<int32_t, int>> second;  // first token -> second token -> count
+  int64_t accepted = 0;
+  for (int seed = 0; seed < draws; ++seed) {
+    SamplingParams params = base;
+    params.seed = 1000 + seed;
+    std::vector<SpecRun> runs;
+    runs.emplace_back(runner, p, params);
+    run_speculative(runner, runs, 2, 1, 64);
+    ++second[runs[0].output[0]][runs[0].output[1]];
+    accepted += runs[0].accepted;
+  }
+  // The most frequent first token, and the model's distribution after it.
+  int32_t first = -1;
+  int most = 0;
+  for (const auto& [token, counts] : second) {
+    int total = 0;
+    for (const auto& [t, c] : counts) total += c;
+    if (total > most) most = total, first = token;
+  }
+  ASSERT_GT(most, 200);
+  std::vector<int32_t> context = p;
+  context.push_back(first);
+  SequenceCache cache = runner.new_sequence();
+  const std::vector<SequenceInput> batch{{&cache, context}};
+  auto logits = runner.forward(batch, LogitsFor::kLastToken);
+  ASSERT_TRUE(logits.has_value());
+  std::vector<std::pair<float, int32_t>> ranked;
+  for (size_t i = 0; i < logits->size(); ++i) ranked.push_back({(*logits)[i], static_cast<int32_t>(i)});
+  std::partial_sort(ranked.begin(), ranked.begin() + 6, ranked.end(), std::greater<>());
+  double z = 0.0;
+  for (int k = 0; k < 6; ++k) z += std::exp((double{ranked[k].first} - ranked[0].first) / base.temperature);
+  double chi2 = 0.0;
+  int inside = 0;
+  for (int k = 0; k < 6; ++k) {
+    const double q = std::exp((double{ranked[k].first} - ranked[0].first) / base.temperature) / z;
+    const int seen = second[first].contains(ranked[k].second) ? second[first][ranked[k].second] : 0;
+    inside += seen;
+    const double expected = q * most;
+    chi2 += (seen - expected) * (seen - expected) / expected;
+  }
+  EXPECT_EQ(inside, most) << "a token outside the top 6 was sampled";
+  // 5 degrees of freedom: P(chi2 > 25.7) = 1e-4.
+  EXPECT_LT(chi2, 25.7) << "after token " << first << " (" << most << " draws)";
+  EXPECT_GT(accepted, 0);
+}
+
 struct DraftHeldout {
   double nll = 0.0;
   int64_t hits = 0, scored = 0;

@@ -221,7 +221,7 @@ Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatri
     return gemm_nvfp4_w4a16(ctx, args);
   }
   const GemmBf16Args args{.x = x, .w = w.bf16, .y = y, .m = m, .n = w.n, .k = w.k, .ldy = ldy};
-  return w.gemv && m <= kGemvPreferredMaxRows ? gemv_bf16(ctx, args) : gemm_bf16(ctx, args);
+  return w.gemv && gemv_bf16_preferred(m, w.n, w.k) ? gemv_bf16(ctx, args) : gemm_bf16(ctx, args);
 }
 
 }  // namespace tern

@@ -26,7 +26,7 @@ struct DeviceMatrix {
   const uint8_t* packed = nullptr;   // NVFP4 [n, k/2]
   const uint8_t* scales = nullptr;   // NVFP4 e4m3 [n, k/16]
   float global_scale = 1.0f;
-  bool gemv = false;  // BF16 with at most kGemvPreferredMaxRows rows through gemv_bf16 (self-test verified)
+  bool gemv = false;  // BF16 through gemv_bf16 where gemv_bf16_preferred holds (self-test verified)
 };
 
 // y[:, offset .. offset + n) = x . W^T for y with row stride ldy (BF16 through cuBLASLt or, for few rows when the

@@ -62,9 +62,16 @@ struct GemvBf16Params {
 // shared-memory sums grow with the rows).
 int gemv_bf16_group_threads(int m, int64_t n, int64_t k, int num_sms);
 
-// Rows up to which the GEMV beats cuBLASLt: from two rows on, cuBLASLt's tensor-core kernels win on most shapes
-// (see docs/perf/gpu.md §gemv-rows). Models call the GEMV up to here.
+// Where the GEMV beats cuBLASLt (docs/perf/gpu.md §gemv-rows): at one row on every shape; up to four rows on the
+// small projections (at most kGemvPreferredSmallWeights weights: routers, the MoE's shared expert, GDN's b|a), where
+// cuBLASLt's kernels for a few rows are 1.2-3x slower; from two rows on larger ones its tensor-core kernels win on
+// most shapes. Models and the self-test's "gemv" implementation call the GEMV where this holds.
 inline constexpr int64_t kGemvPreferredMaxRows = 1;
+inline constexpr int64_t kGemvPreferredSmallMaxRows = 4;
+inline constexpr int64_t kGemvPreferredSmallWeights = int64_t{1} << 22;
+inline bool gemv_bf16_preferred(int64_t m, int64_t n, int64_t k) {
+  return m <= kGemvPreferredMaxRows || (m <= kGemvPreferredSmallMaxRows && n * k <= kGemvPreferredSmallWeights);
+}
 
 // Unchecked launch on ctx.stream() for arguments gemv_bf16() has validated (group_threads 0 or one of the four).
 // combine (optional, with the SiLU prologue only): the MoE combine epilogue, in a kernel of its own so the others

@@ -346,29 +346,36 @@ __global__ void __launch_bounds__(kAlignWarps * 32) moe_route_align_kernel(const
   align_pairs(ids, a);
 }
 
-// Route and align of at most 32 pairs (a decode step of a few tokens) in one warp: lane p ends up holding pair p's
-// bucket, and the sort becomes counting in registers: pair p's row is the number of pairs before it in (bucket,
-// pair index) order, which is the order the block sort's stable scatter gives, and expert_offsets[e] the number of
-// pairs in buckets below e. No shared memory, no block barrier: at one token the block version's passes over
-// n_experts + 1 buckets and its barriers were most of its time.
+// Route and align of at most 32 pairs (a decode step or a verification of a few tokens): warp w routes tokens w,
+// w + W, ... (W warps, one per token up to kRouteAlignWarpWarps) into shared memory, then warp 0 holds pair p's
+// bucket in lane p, and the sort becomes counting in registers: pair p's row is the number of pairs before it in
+// (bucket, pair index) order, which is the order the block sort's stable scatter gives, and expert_offsets[e] the
+// number of pairs in buckets below e. No pass over n_experts + 1 buckets and one barrier: at a few tokens the block
+// version's passes and barriers were most of its time, and routing the tokens one after another in one warp took
+// 22 us at 4 tokens (docs/perf/gpu.md).
 constexpr int kRouteAlignWarpPairs = 32;
+constexpr int kRouteAlignWarpWarps = 8;
 
 template <bool kSigmoid>
-__global__ void __launch_bounds__(32) moe_route_align_warp_kernel(const MoeRouteArgs r, const MoeAlignArgs a) {
+__global__ void __launch_bounds__(kRouteAlignWarpWarps * 32)
+    moe_route_align_warp_kernel(const MoeRouteArgs r, const MoeAlignArgs a) {
   ptx::grid_dependency_begin();
-  const int lane = threadIdx.x;
+  __shared__ int pair_bucket[kRouteAlignWarpPairs];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const int top_k = static_cast<int>(r.top_k), rows = static_cast<int>(r.tokens) * top_k;
   const int n_experts = static_cast<int>(a.n_experts);
-  int bucket = INT_MAX;  // lanes past the pairs sort after all of them and are never written
-  for (int token = 0; token < static_cast<int>(r.tokens); ++token) {  // warp-uniform
+  for (int token = warp; token < static_cast<int>(r.tokens); token += warps) {  // warp-uniform
     const RouteChoice c = route_one<kSigmoid>(r, token);
     if (lane < top_k) {
       r.topk_ids[int64_t{token} * top_k + lane] = c.id;
       r.topk_weights[int64_t{token} * top_k + lane] = c.weight;
+      pair_bucket[token * top_k + lane] = align_bucket(c.id, n_experts);
     }
-    const int id = __shfl_sync(kFullMask, c.id, (lane - token * top_k) & 31);
-    if (lane >= token * top_k && lane < (token + 1) * top_k) bucket = align_bucket(id, n_experts);
   }
+  __syncthreads();
+  if (warp != 0) return;
+  // Lanes past the pairs sort after all of them and are never written.
+  const int bucket = lane < rows ? pair_bucket[lane] : INT_MAX;
   int buckets[kRouteAlignWarpPairs];
 #pragma unroll
   for (int q = 0; q < kRouteAlignWarpPairs; ++q) buckets[q] = __shfl_sync(kFullMask, bucket, q);
@@ -456,10 +463,12 @@ void moe_align_launch(const DeviceContext& ctx, const MoeAlignArgs& a) {
 
 void moe_route_align_launch(const DeviceContext& ctx, const MoeRouteArgs& route, const MoeAlignArgs& align) {
   const bool warp = route.tokens * route.top_k <= kRouteAlignWarpPairs;
+  const int64_t route_warps = std::min<int64_t>(std::max<int64_t>(route.tokens, 1), kRouteAlignWarpWarps);
+  const dim3 warps(static_cast<unsigned>(32 * route_warps));
   if (warp && route.sigmoid) {
-    launch_kernel(ctx, moe_route_align_warp_kernel<true>, dim3(1), dim3(32), 0, route, align);
+    launch_kernel(ctx, moe_route_align_warp_kernel<true>, dim3(1), warps, 0, route, align);
   } else if (warp) {
-    launch_kernel(ctx, moe_route_align_warp_kernel<false>, dim3(1), dim3(32), 0, route, align);
+    launch_kernel(ctx, moe_route_align_warp_kernel<false>, dim3(1), warps, 0, route, align);
   } else if (route.sigmoid) {
     launch_kernel(ctx, moe_route_align_kernel<true>, dim3(1), dim3(kAlignWarps * 32), 0, route, align);
   } else {
