@@ -145,8 +145,8 @@ Expected<double> time_decode(ModelRunner& model, int64_t batch, const BenchOptio
 // ones, and the mean tokens a step yields per sequence.
 struct SpecTiming {
   double step_s = 0, tokens_per_step = 0;
-  // Medians of the step's parts: the greedy verification (every row sampled on the device), keep_rows, the draft module over
-  // the kept rows, and the K - 1 chained draft rows.
+  // Medians of the step's parts: the greedy verification (every row sampled on the device), keep_rows, the draft
+  // module over the kept rows, and the K - 1 chained draft rows.
   double verify_s = 0, keep_s = 0, extend_s = 0, chain_s = 0;
 };
 

@@ -196,7 +196,8 @@ void register_doctor_command(CLI::App& app) {
   auto o = std::make_shared<DoctorOptions>();
   CLI::App* cmd = app.add_subcommand("doctor", "Check which kernels are verified on this machine, and why");
   cmd->add_option("--model", o->model_dir, "Self-test on this model's shapes (checkpoint or config-only directory)");
-  cmd->add_option("--selftest", o->selftest, "fast (one case per op) or full (every shape)");
+  cmd->add_option("--selftest", o->selftest,
+                  "fast (each op's first case, and the cases marked for it) or full (every shape)");
   cmd->add_option("--device", o->device, "auto (the first GPU if any), cpu or cuda");
   cmd->add_flag("--json", o->json, "Print one JSON object");
   add_backend_options(*cmd, o->backends);

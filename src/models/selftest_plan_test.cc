@@ -185,6 +185,14 @@ TEST(SelftestPlan, SpeculativeVerificationsAndTheDraftModuleAreTested) {
     const SelfTestCase fc = gemm_selftest_cases({{h, 2 * h}}, {b * rows}).front();
     EXPECT_TRUE(has(*spec, "gdn_conv", conv)) << b;
     EXPECT_TRUE(has(*spec, "gdn_delta_rule", delta)) << b;
+    for (const auto& [op, want] : {std::pair{"gdn_conv", conv}, std::pair{"gdn_delta_rule", delta}}) {
+      const auto* cases = cases_of(*spec, op);
+      ASSERT_NE(cases, nullptr);
+      const auto it =
+          std::find_if(cases->begin(), cases->end(), [&](const SelfTestCase& c) { return c.dims == want.dims; });
+      ASSERT_NE(it, cases->end());
+      EXPECT_TRUE(it->in_fast) << op << ": the verification kernels are tested by --selftest fast too";
+    }
     EXPECT_TRUE(has(*spec, "attention", attention)) << b;
     EXPECT_TRUE(has(*spec, "gemm_bf16", fc)) << b;
     EXPECT_FALSE(has(*plain, "gdn_conv", conv)) << b;

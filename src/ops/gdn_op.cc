@@ -314,7 +314,9 @@ GdnBatch gdn_batch_make(int64_t n_seqs, int64_t max_query_len, uint64_t seed, bo
     b.max_rows = max_query_len;
     b.row_slots.assign(static_cast<size_t>(n_seqs * max_query_len), -1);
     for (int64_t s = 0; s < n_seqs; s += 2) {
-      for (int64_t t = 0; t < max_query_len; ++t) b.row_slots[s * max_query_len + t] = static_cast<int32_t>(b.n_slots++);
+      for (int64_t t = 0; t < max_query_len; ++t) {
+        b.row_slots[s * max_query_len + t] = static_cast<int32_t>(b.n_slots++);
+      }
     }
   }
   return b;
@@ -395,6 +397,7 @@ SelfTestCase gdn_conv_case(int64_t n_seqs, int64_t max_query_len, int64_t channe
                              verify ? " verify" : ""),
                  {n_seqs, max_query_len, channels, kernel}};
   if (verify) c.dims.push_back(1);
+  c.in_fast = verify;  // the kernels' verification instances: no other case reaches them
   return c;
 }
 
@@ -404,6 +407,7 @@ SelfTestCase gdn_delta_rule_case(int64_t n_seqs, int64_t max_query_len, int64_t 
                              n_value_heads, key_dim, value_dim, verify ? " verify" : ""),
                  {n_seqs, max_query_len, n_key_heads, n_value_heads, key_dim, value_dim}};
   if (verify) c.dims.push_back(1);
+  c.in_fast = verify;
   return c;
 }
 

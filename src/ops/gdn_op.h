@@ -15,9 +15,10 @@
 // unchanged. A verification case (a last dim of 1 after the op's dims: gdn_conv {.., kernel, 1}, gdn_delta_rule
 // {.., value_dim, 1}) is a speculative verification as the model runs it: every sequence continues, the even ones
 // are verifications whose state after each row also goes to a row slot of their own (GdnSequences::row_slots,
-// max_rows = max_query_len), and the row slots a verification's rows do not reach must come back unchanged. Harnesses draw fresh, non-zero, bf16-exact inputs of realistic scale from the seed and compute the
-// reference in fp64 from the spec formulas; the CPU implementations ("cpu") run kernels/cpu/gated_delta.h with the
-// fp32 preparation of layers/gated_deltanet.cc.
+// max_rows = max_query_len), and the row slots a verification's rows do not reach must come back unchanged.
+// Harnesses draw fresh, non-zero, bf16-exact inputs of realistic scale from the seed and compute the reference in
+// fp64 from the spec formulas; the CPU implementations ("cpu") run kernels/cpu/gated_delta.h with the fp32
+// preparation of layers/gated_deltanet.cc.
 #pragma once
 
 #include <cstdint>
@@ -77,7 +78,8 @@ std::vector<float> gdn_delta_rule_cpu(const GdnDeltaRuleInputs& in);
 // Adds the harnesses of both ops and their CPU implementations ("cpu").
 Expected<void> gdn_register_cpu(Registry& registry);
 
-// `verify`: a speculative verification of max_query_len rows per sequence (the batch comment above).
+// `verify`: a speculative verification of max_query_len rows per sequence (the batch comment above); such a case is
+// run by `--selftest fast` too (SelfTestCase::in_fast).
 SelfTestCase gdn_conv_case(int64_t n_seqs, int64_t max_query_len, int64_t channels, int64_t kernel,
                            bool verify = false);
 SelfTestCase gdn_delta_rule_case(int64_t n_seqs, int64_t max_query_len, int64_t n_key_heads, int64_t n_value_heads,

@@ -117,12 +117,16 @@ Expected<Selection> registry_select(const Registry& registry, std::string_view o
   const auto start = std::chrono::steady_clock::now();
   Selection sel{.op = std::string(op), .forced = options.forced != "auto", .tested = options.mode != SelftestMode::kOff};
 
-  const size_t n_cases = options.mode == SelftestMode::kFast ? std::min<size_t>(cases.size(), 1) : cases.size();
+  // The cases run: all of them, or in fast mode the first and those marked in_fast.
+  std::vector<SelfTestCase> run_cases;
+  for (size_t c = 0; c < cases.size(); ++c) {
+    if (options.mode != SelftestMode::kFast || c == 0 || cases[c].in_fast) run_cases.push_back(cases[c]);
+  }
   std::vector<std::unique_ptr<OpInputs>> inputs;
   std::vector<std::vector<float>> references;
   if (sel.tested) {
-    for (size_t c = 0; c < n_cases; ++c) {
-      TERN_ASSIGN_OR_RETURN(auto in, harness->make_inputs(cases[c], options.seed + c));
+    for (size_t c = 0; c < run_cases.size(); ++c) {
+      TERN_ASSIGN_OR_RETURN(auto in, harness->make_inputs(run_cases[c], options.seed + c));
       references.push_back(harness->reference(*in));
       inputs.push_back(std::move(in));
     }
@@ -138,7 +142,7 @@ Expected<Selection> registry_select(const Registry& registry, std::string_view o
       }
     }
     if (report.status == CandidateStatus::kUnsupported || !sel.tested) continue;
-    test_candidate(*impl, inputs, references, cases.first(n_cases), report);
+    test_candidate(*impl, inputs, references, run_cases, report);
   }
   sel.selftest_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 

@@ -29,6 +29,9 @@ Expected<SelftestMode> selftest_mode_parse(std::string_view text);  // "off" | "
 struct SelfTestCase {
   std::string label;          // e.g. "M=1 N=4096 K=4096"
   std::vector<int64_t> dims;  // the op's own meaning (documented by its harness)
+  // Also run by `--selftest fast` (which otherwise runs each op's first case only): a case that reaches kernel code
+  // no other case of the op does (the Gated DeltaNet kernels' speculative-verification instances).
+  bool in_fast = false;
 };
 
 // Base of each op's input bundle; the harness creates it, implementations read their op's concrete type.

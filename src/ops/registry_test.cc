@@ -211,6 +211,31 @@ TEST(Registry, NothingVerifiedLeavesTheOpWithoutAnImplementation) {
   EXPECT_FALSE(r.add(axpy_impl("zeros", 1, 1e-6, correct)).has_value()) << "duplicate names are refused";
 }
 
+// Fast mode runs each op's first case and the cases marked in_fast, not the others: an implementation wrong only
+// on an unmarked later case passes in fast mode and fails in full mode; wrong only on a marked one, it fails both.
+TEST(Registry, FastModeRunsTheFirstCaseAndTheMarkedOnes) {
+  Registry r;
+  ASSERT_TRUE(r.add_harness(axpy_harness()).has_value());
+  auto wrong_at = [](size_t n) {
+    return [n](const AxpyInputs& in, std::vector<float>& y) {
+      correct(in, y);
+      if (in.x.size() == n) y[0] += 1.0f;
+    };
+  };
+  ASSERT_TRUE(r.add(axpy_impl("wrong-on-unmarked", 2, 1e-3, wrong_at(4099))).has_value());
+  ASSERT_TRUE(r.add(axpy_impl("wrong-on-marked", 1, 1e-3, wrong_at(777))).has_value());
+  const std::vector<SelfTestCase> cases = {{"n=1000", {1000}}, {"n=4099", {4099}}, {"n=777", {777}, true}};
+  auto fast = registry_select(r, "axpy", cpu_device_describe(), cases, {.mode = SelftestMode::kFast});
+  auto full = registry_select(r, "axpy", cpu_device_describe(), cases, {.mode = SelftestMode::kFull});
+  ASSERT_TRUE(fast.has_value() && full.has_value());
+  EXPECT_EQ(report_of(*fast, "wrong-on-unmarked").status, CandidateStatus::kPassed);
+  EXPECT_EQ(report_of(*fast, "wrong-on-marked").status, CandidateStatus::kFailed);
+  EXPECT_EQ(report_of(*full, "wrong-on-unmarked").status, CandidateStatus::kFailed);
+  EXPECT_EQ(report_of(*full, "wrong-on-marked").status, CandidateStatus::kFailed);
+  EXPECT_NE(report_of(*fast, "wrong-on-marked").reason.find("n=777"), std::string::npos)
+      << report_of(*fast, "wrong-on-marked").reason;
+}
+
 TEST(Registry, SelftestModes) {
   EXPECT_EQ(*selftest_mode_parse("off"), SelftestMode::kOff);
   EXPECT_EQ(*selftest_mode_parse("fast"), SelftestMode::kFast);
