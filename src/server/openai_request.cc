@@ -17,6 +17,13 @@ tl::unexpected<ApiError> bad(std::string param, std::string message, int status 
                                  std::move(code)});
 }
 
+// Whether object `v` has `key` as the string `want` (a key of another JSON type is not: Json::value would throw).
+bool has_string(const Json& v, const char* key, std::string_view want) {
+  if (!v.is_object()) return false;
+  auto it = v.find(key);
+  return it != v.end() && it->is_string() && it->get_ref<const std::string&>() == want;
+}
+
 const char* type_name(const Json& v) {
   if (v.is_null()) return "null";
   if (v.is_boolean()) return "a boolean";
@@ -179,7 +186,7 @@ Result parse_content(const Json& m, size_t i, Json& out) {
   const std::string param = fmt::format("messages[{}].content", i);
   auto it = m.find("content");
   if (it == m.end() || it->is_null()) {
-    if (m.value("role", "") == "assistant") return {};
+    if (has_string(m, "role", "assistant")) return {};
     return bad(param, fmt::format("'{}' is required", param));
   }
   if (it->is_string()) return {};
@@ -187,7 +194,7 @@ Result parse_content(const Json& m, size_t i, Json& out) {
   std::string text;
   for (size_t k = 0; k < it->size(); ++k) {
     const Json& part = (*it)[k];
-    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string()) {
+    if (!has_string(part, "type", "text") || !part.contains("text") || !part["text"].is_string()) {
       return bad(fmt::format("{}[{}]", param, k),
                  fmt::format("'{}[{}]' must be a text part {{\"type\": \"text\", \"text\": ...}}; other parts are not "
                              "supported", param, k));
@@ -236,7 +243,7 @@ Result parse_tools(const Json& body, ApiRequest& r) {
     if (!it->is_array()) return bad("tools", "'tools' must be an array");
     for (size_t i = 0; i < it->size(); ++i) {
       const Json& t = (*it)[i];
-      if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") ||
+      if (!has_string(t, "type", "function") || !t.contains("function") ||
           !t["function"].is_object() || !t["function"].contains("name") || !t["function"]["name"].is_string()) {
         return bad(fmt::format("tools[{}]", i),
                    fmt::format("'tools[{}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", i));

@@ -71,6 +71,12 @@ TEST(ApiRequest, ErrorsNameTheParameter) {
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}})", "stream_options"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": {}})", "tools"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "always"})", "tool_choice"},
+      // A "type" that is not a string (the fuzzer's find: an object there threw out of the parser).
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": {"name": "f"}}]})",
+       "tools[0]"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}]})",
+       "messages[0].content[0]"},
+      {R"({"model": "m", "messages": [{"role": ["assistant"], "content": null}]})", "messages[0].role"},
       {R"({"model": "m", "prompt": ""})", "prompt", false},
       {R"({"model": "m", "prompt": [1, -2]})", "prompt", false},
       {R"({"model": "m", "prompt": ["a", "b"]})", "prompt", false},
