@@ -661,15 +661,17 @@ Expected<void> CudaOps::norm_project(const NormedInput& in, const DeviceProjecti
   return {};
 }
 
+// Where the GEMV runs the product (gemv_bf16_preferred: one row, or up to four on a small projection), its SiLU
+// prologue gives the bits of silu_mul followed by the GEMV (kernels/cuda/gemv tests, every row count).
 bool CudaOps::silu_gemv_applies(const DeviceMatrix& w, int64_t ldx, int64_t rows) const {
-  return options_.kernels.silu_gemv && rows == 1 && !w.nvfp4 && w.gemv && ldx % 8 == 0;
+  return options_.kernels.silu_gemv && !w.nvfp4 && w.gemv && gemv_bf16_preferred(rows, w.n, w.k) && ldx % 8 == 0;
 }
 
 Expected<void> CudaOps::silu_forward(const DeviceMatrix& w, const uint16_t* gate_up, int64_t ldx, int64_t rows,
                                      uint16_t* y, int64_t ldy) {
   if (silu_gemv_applies(w, ldx, rows)) {
     return gemv_bf16_silu_mul(
-        ctx_, GemmBf16Args{.x = gate_up, .w = w.bf16, .y = y, .m = 1, .n = w.n, .k = w.k, .ldy = ldy}, ldx);
+        ctx_, GemmBf16Args{.x = gate_up, .w = w.bf16, .y = y, .m = rows, .n = w.n, .k = w.k, .ldy = ldy}, ldx);
   }
   TERN_TRY(
       silu_mul(ctx_, SiluMulArgs{.gate_up = gate_up, .y = act_, .rows = rows, .inter = w.k, .gate_up_stride = ldx}));
@@ -980,8 +982,9 @@ Expected<void> CudaOps::run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t la
     TERN_TRY(gemm_bf16(ctx_, GemmBf16Args{.x = normed_, .w = r.bf16, .m = tokens, .n = r.n, .k = r.k,
                                           .y_f32 = logits_f32}));
   }
-  // At one token, with the fused SiLU GEMV for the shared expert's down projection, that GEMV runs last and does the
-  // combine in its epilogue (the same bits as silu_forward + the combine launch, one launch fewer).
+  // Where the shared expert's down projection is the fused SiLU GEMV (one token, or a few on a small projection:
+  // silu_gemv_applies), that GEMV runs last and does the combine in its epilogue (the same bits as silu_forward + the
+  // combine launch, two launches fewer; kernels/cuda/moe tests at every row count up to eight).
   const bool fold_combine = m.shared_down && silu_gemv_applies(*m.shared_down, m.router.width, tokens);
   if (m.shared_down && !fold_combine) {
     TERN_TRY(silu_forward(*m.shared_down, router_, m.router.width, tokens, shared_out_, hidden_));
@@ -1020,7 +1023,7 @@ Expected<void> CudaOps::run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t la
     TERN_ASSIGN_OR_RETURN(const MoeCombineArgs c, moe_forward_experts(ctx_, args));
     const DeviceMatrix& w = *m.shared_down;
     TERN_TRY(gemv_bf16_silu_mul_moe_combine(
-        ctx_, GemmBf16Args{.x = router_, .w = w.bf16, .y = c.y, .m = 1, .n = w.n, .k = w.k, .ldy = hidden_},
+        ctx_, GemmBf16Args{.x = router_, .w = w.bf16, .y = c.y, .m = tokens, .n = w.n, .k = w.k, .ldy = hidden_},
         m.router.width, c));
   }
   if (m.router_f32) return trace_f32(trace_name(layer, "router_logits"), logits_f32, tokens, m.n_experts);
