@@ -206,6 +206,10 @@ class Planner final : public BlockOps {
     for (auto [n, k] : selftest_lead_first({silu_.begin(), silu_.end()})) {
       add("silu_mul_gemv", silu_mul_gemv_case(n, k));
     }
+    // A verification of one sequence runs the SiLU GEMV over its rows where the device's GEMV takes a few rows.
+    if (verify_rows_ > 0) {
+      for (auto [n, k] : silu_) add("silu_mul_gemv", silu_mul_gemv_case(n, k, verify_rows_));
+    }
     if (!fp4.empty()) table_.push_back({"gemm_nvfp4", gemm_selftest_cases(fp4, gemm_rows_)});
     return std::move(table_);
   }

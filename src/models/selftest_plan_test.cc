@@ -183,6 +183,9 @@ TEST(SelftestPlan, SpeculativeVerificationsAndTheDraftModuleAreTested) {
     const SelfTestCase attention = attention_case(b, rows, 1000, c.num_attention_heads, c.num_key_value_heads,
                                                   c.head_dim, /*gated=*/true);  // Qwen3.5 gates its attention
     const SelfTestCase fc = gemm_selftest_cases({{h, 2 * h}}, {b * rows}).front();
+    const SelfTestCase silu = silu_mul_gemv_case(h, c.shared_expert_intermediate_size, rows);
+    EXPECT_TRUE(has(*spec, "silu_mul_gemv", silu)) << "the shared expert's SiLU GEMV over a verification's rows";
+    EXPECT_FALSE(has(*plain, "silu_mul_gemv", silu));
     EXPECT_TRUE(has(*spec, "gdn_conv", conv)) << b;
     EXPECT_TRUE(has(*spec, "gdn_delta_rule", delta)) << b;
     for (const auto& [op, want] : {std::pair{"gdn_conv", conv}, std::pair{"gdn_delta_rule", delta}}) {

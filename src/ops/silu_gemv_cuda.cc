@@ -22,9 +22,10 @@ constexpr Tolerance kBf16ActOutputTolerance{.rel = 1.0 / 128, .abs = 0.0};
 
 std::string silu_gemv_unsupported_reason(const DeviceDescription& d, const SelfTestCase& c) {
   if (std::string why = cuda_unsupported_reason(d, c); !why.empty()) return why;
-  if (c.dims.size() == 2 && c.dims[1] % 8 != 0) return fmt::format("needs K a multiple of 8 (K={})", c.dims[1]);
+  if (c.dims.size() >= 2 && c.dims[1] % 8 != 0) return fmt::format("needs K a multiple of 8 (K={})", c.dims[1]);
   constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
-  if (c.dims.size() == 2 && (c.dims[0] > kMaxDim || c.dims[1] > kMaxDim)) return "needs N and K below 2^31";
+  if (c.dims.size() >= 2 && (c.dims[0] > kMaxDim || c.dims[1] > kMaxDim)) return "needs N and K below 2^31";
+  if (c.dims.size() == 3 && c.dims[2] > kGemvMaxRows) return fmt::format("needs M <= {} (M={})", kGemvMaxRows, c.dims[2]);
   return "";
 }
 
@@ -32,12 +33,13 @@ std::string silu_gemv_unsupported_reason(const DeviceDescription& d, const SelfT
 Expected<RunOutput> run_cuda_silu_gemv(const DeviceContext& ctx, const OpInputs& base, bool fused) {
   const auto& in = static_cast<const SiluGemvInputs&>(base);
   const DeviceBuffer gate_up = cuda_upload(in.gate_up, ctx.stream()), w = cuda_upload(in.w, ctx.stream());
-  DeviceBuffer act(fused ? 16 : static_cast<size_t>(in.k) * 2);
-  return cuda_run_timed(ctx, 1, in.n, [&](uint16_t* y) -> Expected<void> {
-    const GemmBf16Args args{.x = gate_up.as<uint16_t>(), .w = w.as<uint16_t>(), .y = y, .m = 1, .n = in.n, .k = in.k};
+  DeviceBuffer act(fused ? 16 : static_cast<size_t>(in.m * in.k) * 2);
+  return cuda_run_timed(ctx, in.m, in.n, [&](uint16_t* y) -> Expected<void> {
+    const GemmBf16Args args{
+        .x = gate_up.as<uint16_t>(), .w = w.as<uint16_t>(), .y = y, .m = in.m, .n = in.n, .k = in.k};
     if (fused) return gemv_bf16_silu_mul(ctx, args, 2 * in.k);
     TERN_TRY(silu_mul(
-        ctx, SiluMulArgs{.gate_up = gate_up.as<uint16_t>(), .y = act.as<uint16_t>(), .rows = 1, .inter = in.k}));
+        ctx, SiluMulArgs{.gate_up = gate_up.as<uint16_t>(), .y = act.as<uint16_t>(), .rows = in.m, .inter = in.k}));
     GemmBf16Args on_act = args;
     on_act.x = act.as<uint16_t>();
     return gemv_bf16(ctx, on_act);

@@ -48,8 +48,10 @@ std::vector<Fault> faults() {
 class CudaSiluGemvOps : public CudaOpTest<silu_gemv_register_cpu, silu_gemv_register_cuda> {};
 
 TEST_F(CudaSiluGemvOps, CudaImplementationPassesOnModelShapes) {
-  // Qwen3-8B's down_proj (intermediate 12288 -> 4096) and Qwen3.5-35B-A3B's shared-expert down (512 -> 2048).
-  const std::vector<SelfTestCase> cases = {silu_mul_gemv_case(4096, 12288), silu_mul_gemv_case(2048, 512)};
+  // Qwen3-8B's down_proj (intermediate 12288 -> 4096) and Qwen3.5-35B-A3B's shared-expert down (512 -> 2048), the
+  // latter also over a speculative verification's 4 rows and the GEMV's most (8).
+  const std::vector<SelfTestCase> cases = {silu_mul_gemv_case(4096, 12288), silu_mul_gemv_case(2048, 512),
+                                           silu_mul_gemv_case(2048, 512, 4), silu_mul_gemv_case(2048, 512, 8)};
   auto s = registry_select(registry_, "silu_mul_gemv", devices_[0], cases, {});
   ASSERT_TRUE(s.has_value()) << s.error().message;
   expect_fused_and_separate_pass(*s, cases.size());

@@ -17,8 +17,9 @@ namespace {
 
 std::vector<SelfTestCase> small_cases() {
   // K = 8: one chunk; 1040 and 12 not multiples of 16 (the CPU dot's lanes); N = 1 and 37: odd.
-  return {silu_mul_gemv_case(1, 8), silu_mul_gemv_case(64, 256), silu_mul_gemv_case(37, 1040),
-          silu_mul_gemv_case(5, 12)};
+  // M = 3 and 4: a speculative verification's rows.
+  return {silu_mul_gemv_case(1, 8),  silu_mul_gemv_case(64, 256),    silu_mul_gemv_case(37, 1040),
+          silu_mul_gemv_case(5, 12), silu_mul_gemv_case(37, 1040, 3), silu_mul_gemv_case(64, 256, 4)};
 }
 
 TEST(SiluGemvOp, ReferenceMatchesHandComputedValue) {
@@ -53,14 +54,16 @@ Implementation broken(std::string name, std::function<double(double gate, double
       .tolerance = {.rel = 1e-5},
       .run = [act](const OpInputs& base) -> Expected<RunOutput> {
         const auto& in = static_cast<const SiluGemvInputs&>(base);
-        RunOutput out{.values = std::vector<float>(static_cast<size_t>(in.n))};
-        for (int64_t j = 0; j < in.n; ++j) {
-          double acc = 0.0;
-          for (int64_t i = 0; i < in.k; ++i) {
-            acc += act(bf16_to_float(in.gate_up[i]), bf16_to_float(in.gate_up[in.k + i])) *
-                   bf16_to_float(in.w[j * in.k + i]);
+        RunOutput out{.values = std::vector<float>(static_cast<size_t>(in.m * in.n))};
+        for (int64_t r = 0; r < in.m; ++r) {
+          const uint16_t* row = &in.gate_up[2 * in.k * r];
+          for (int64_t j = 0; j < in.n; ++j) {
+            double acc = 0.0;
+            for (int64_t i = 0; i < in.k; ++i) {
+              acc += act(bf16_to_float(row[i]), bf16_to_float(row[in.k + i])) * bf16_to_float(in.w[j * in.k + i]);
+            }
+            out.values[r * in.n + j] = static_cast<float>(acc);
           }
-          out.values[j] = static_cast<float>(acc);
         }
         return out;
       },
@@ -88,11 +91,12 @@ TEST(SiluGemvOp, BadCasesAreErrors) {
   Registry r;
   ASSERT_TRUE(silu_gemv_register_cpu(r).has_value());
   for (const SelfTestCase& bad : {SelfTestCase{"N=0", {0, 64}}, SelfTestCase{"K=0", {8, 0}},
-                                  SelfTestCase{"M N K", {1, 8, 64}}, SelfTestCase{"N", {8}}}) {
+                                  SelfTestCase{"M=0", {8, 64, 0}}, SelfTestCase{"M=65", {8, 64, 65}},
+                                  SelfTestCase{"N", {8}}, SelfTestCase{"4 dims", {8, 64, 1, 1}}}) {
     const std::vector<SelfTestCase> cases = {bad};
     auto s = registry_select(r, "silu_mul_gemv", cpu_device_describe(), cases, {});
     ASSERT_FALSE(s.has_value()) << bad.label;
-    EXPECT_NE(s.error().message.find("needs dims {N, K} > 0"), std::string::npos) << s.error().message;
+    EXPECT_NE(s.error().message.find("needs dims {N, K} or {N, K, M} > 0"), std::string::npos) << s.error().message;
   }
   const std::vector<SelfTestCase> cuda_only = {silu_mul_gemv_case(8, 64)};
   auto on_gpu = registry_select(r, "silu_mul_gemv", *simulated_device("h200"), cuda_only, {});
