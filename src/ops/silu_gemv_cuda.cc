@@ -25,7 +25,9 @@ std::string silu_gemv_unsupported_reason(const DeviceDescription& d, const SelfT
   if (c.dims.size() >= 2 && c.dims[1] % 8 != 0) return fmt::format("needs K a multiple of 8 (K={})", c.dims[1]);
   constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
   if (c.dims.size() >= 2 && (c.dims[0] > kMaxDim || c.dims[1] > kMaxDim)) return "needs N and K below 2^31";
-  if (c.dims.size() == 3 && c.dims[2] > kGemvMaxRows) return fmt::format("needs M <= {} (M={})", kGemvMaxRows, c.dims[2]);
+  if (c.dims.size() == 3 && c.dims[2] > kGemvMaxRows) {
+    return fmt::format("needs M <= {} (M={})", kGemvMaxRows, c.dims[2]);
+  }
   return "";
 }
 
