@@ -124,9 +124,12 @@ int run_doctor(const DoctorOptions& o) {
     return 2;
   }
   // The shapes rank 0 of the tensor-parallel group runs, and with speculative decoding its verifications'.
-  ModelSelftestOptions selftest{
-      .mode = *mode, .device = o.device, .forced = *forced, .tensor_parallel_size = o.tensor_parallel_size};
-  if (!o.speculative_algorithm.empty()) selftest.verify_rows = o.speculative_num_steps + 1;
+  const ModelSelftestOptions selftest{
+      .mode = *mode,
+      .device = o.device,
+      .forced = *forced,
+      .tensor_parallel_size = o.tensor_parallel_size,
+      .verify_rows = speculative_verify_rows(o.speculative_algorithm, o.speculative_num_steps)};
   auto report = model_selftest_run(o.model_dir, selftest);
   if (!report) {
     fmt::print(stderr, "tern doctor: {}\n", report.error().message);

@@ -23,12 +23,13 @@ Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceM
     }
     if (!any_forced) return {};
   }
-  ModelSelftestOptions selftest{.mode = mode == SelftestMode::kOff ? SelftestMode::kFast : mode,
-                                .device = cuda ? "cuda" : "cpu",
-                                .forced = forced,
-                                .tensor_parallel_size = o.tensor_parallel_size};
   // With speculative decoding the verifications' shapes are tested too.
-  if (!o.speculative_algorithm.empty()) selftest.verify_rows = speculative_steps_of(o) + 1;
+  const ModelSelftestOptions selftest{
+      .mode = mode == SelftestMode::kOff ? SelftestMode::kFast : mode,
+      .device = cuda ? "cuda" : "cpu",
+      .forced = forced,
+      .tensor_parallel_size = o.tensor_parallel_size,
+      .verify_rows = speculative_verify_rows(o.speculative_algorithm, o.speculative_num_steps)};
   TERN_ASSIGN_OR_RETURN(ModelSelftestReport r, model_selftest_run(o.model_dir, selftest));
   // stderr: stdout carries the commands' results (JSON).
   fmt::print(stderr, "self-test on {}: {} ops in {:.2f} s: {}\n", r.device.name, r.selections.size(), r.seconds,
@@ -122,6 +123,10 @@ void add_speculative_options(CLI::App& cmd, std::string& algorithm, int& num_ste
 
 int speculative_steps_of(const ModelCliOptions& o) {
   return o.speculative_algorithm.empty() ? 0 : o.speculative_num_steps;
+}
+
+int64_t speculative_verify_rows(const std::string& algorithm, int num_steps) {
+  return algorithm.empty() ? 0 : num_steps + 1;
 }
 
 Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOptions& o,

@@ -47,6 +47,8 @@ void add_speculative_options(CLI::App& cmd, ModelCliOptions& options);
 void add_speculative_options(CLI::App& cmd, std::string& algorithm, int& num_steps);
 // The draft tokens per step that the options ask for: 0 without --speculative-algorithm.
 int speculative_steps_of(const ModelCliOptions& options);
+// The rows one verification holds (num_steps + 1) for the self-test's plan; 0 without an algorithm.
+int64_t speculative_verify_rows(const std::string& algorithm, int num_steps);
 // Runs the start-up self-test (--selftest) of the device that will run the model, then loads it there. Refuses to
 // load when an op the model needs has no verified implementation, or a forced backend fails its self-test.
 // `sizes`: what a device runner allocates (rows per step, sequences, KV tokens); the CPU ignores them.

@@ -77,10 +77,12 @@ class Planner final : public BlockOps {
       add("gdn_delta_rule", gdn_delta_rule_case(b, 1, s.n_key_heads, s.n_value_heads, s.key_dim, s.value_dim));
     }
     // Speculative verifications: each row's state also kept (GdnSequences::row_slots).
-    for (int64_t b : verify_rows_ > 0 ? batches_ : std::vector<int64_t>{}) {
-      add("gdn_conv", gdn_conv_case(b, verify_rows_, channels, s.conv_kernel, true));
-      add("gdn_delta_rule",
-          gdn_delta_rule_case(b, verify_rows_, s.n_key_heads, s.n_value_heads, s.key_dim, s.value_dim, true));
+    if (verify_rows_ > 0) {
+      for (int64_t b : batches_) {
+        add("gdn_conv", gdn_conv_case(b, verify_rows_, channels, s.conv_kernel, true));
+        add("gdn_delta_rule",
+            gdn_delta_rule_case(b, verify_rows_, s.n_key_heads, s.n_value_heads, s.key_dim, s.value_dim, true));
+      }
     }
     add("gdn_conv", gdn_conv_case(2, kPrefill, channels, s.conv_kernel));
     // The gated norm in the recurrent kernel, as the model runs it: one sequence, one token.

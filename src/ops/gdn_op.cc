@@ -332,15 +332,12 @@ std::vector<float> gdn_conv_cpu(const GdnConvInputs& in) {
     if (r.fresh) std::fill_n(state, ch * hist, 0.0f);
     std::vector<float> x(static_cast<size_t>(r.len * in.x_stride));
     for (size_t i = 0; i < x.size(); ++i) x[i] = bf16_to_float(in.x[r.begin * in.x_stride + int64_t(i)]);
-    if (in.batch.row_slot(s, 0) < 0) {
-      cpu_causal_conv1d_silu(x.data(), in.x_stride, r.len, ch, in.weight.data(), in.kernel, state, &out[r.begin * ch]);
-      continue;
-    }
-    // A verification: row by row, the state after each copied to the row's slot.
-    for (int64_t t = 0; t < r.len; ++t) {
-      cpu_causal_conv1d_silu(&x[t * in.x_stride], in.x_stride, 1, ch, in.weight.data(), in.kernel, state,
+    // A verification runs row by row, the state after each copied to the row's slot.
+    const int64_t step = in.batch.row_slot(s, 0) < 0 ? r.len : 1;
+    for (int64_t t = 0; t < r.len; t += step) {
+      cpu_causal_conv1d_silu(&x[t * in.x_stride], in.x_stride, step, ch, in.weight.data(), in.kernel, state,
                              &out[(r.begin + t) * ch]);
-      if (const int32_t rs = in.batch.row_slot(s, t); rs >= 0) {
+      if (const int32_t rs = in.batch.row_slot(s, t); step == 1 && rs >= 0) {
         std::copy_n(state, ch * hist, &out[y_size + rs * ch * hist]);
       }
     }

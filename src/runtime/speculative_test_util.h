@@ -162,9 +162,6 @@ inline void expect_forced_drafts_keep_greedy_output(ModelRunner& runner) {
   EXPECT_EQ(wrong[0].output, std::vector<int32_t>(want.begin(), want.begin() + n));
 }
 
-// The draft module over the held-out text with demo/eval.json's protocol (tools/train_demo.py): windows of 512 tokens
-// every 256; in each, the draft module at row j runs on the model's hidden state at j and the token j + 1,
-// predicting j + 2; targets t in [max(prev_e, b + 2), e). Sums of the NLL and of top-1 hits, and the count.
 // The second output token (the first a draft can propose) over many seeds, sampled with speculation, against the
 // model's own distribution after the most frequent first token (a chi-square test on the top 6).
 inline void expect_sampling_keeps_the_models_distribution(ModelRunner& runner) {
@@ -219,6 +216,9 @@ inline void expect_sampling_keeps_the_models_distribution(ModelRunner& runner) {
   EXPECT_GT(accepted, 0);
 }
 
+// The draft module over the held-out text with demo/eval.json's protocol (tools/train_demo.py): windows of 512 tokens
+// every 256; in each, the draft module at row j runs on the model's hidden state at j and the token j + 1,
+// predicting j + 2; targets t in [max(prev_e, b + 2), e). Sums of the NLL and of top-1 hits, and the count.
 struct DraftHeldout {
   double nll = 0.0;
   int64_t hits = 0, scored = 0;
