@@ -84,16 +84,20 @@ std::optional<nlohmann::ordered_json> measure_roofline(const ModelRunner& model,
 #endif
 }
 
-// One prompt of `length` tokens in a fresh sequence: median seconds over the repeats after one warm-up.
-Expected<double> time_prefill(ModelRunner& model, int64_t length, int64_t repeats, std::mt19937_64& rng) {
+// One prompt of `length` tokens in a fresh sequence: median seconds over the repeats after one warm-up. profile:
+// the last repeat is bracketed for a profiler.
+Expected<double> time_prefill(ModelRunner& model, int64_t length, int64_t repeats, bool profile,
+                              std::mt19937_64& rng) {
   std::vector<double> times;
   for (int64_t r = 0; r <= repeats; ++r) {
     const std::vector<int32_t> ids = random_ids(length, model.config().vocab_size, rng);
     SequenceCache seq = model.new_sequence();
     const std::vector<SequenceInput> batch{{&seq, ids}};
+    profiler_bracket(profile && r == repeats, true);
     const auto start = Clock::now();
     TERN_TRY(model.forward(batch, LogitsFor::kLastToken));
     if (r > 0) times.push_back(seconds_since(start));
+    profiler_bracket(profile && r == repeats, false);
   }
   return median(times);
 }
@@ -246,6 +250,9 @@ Expected<void> check_options(const BenchOptions& o) {
   for (int64_t b : o.batch_sizes) {
     if (b < 1) return make_error("--batch {} is not a positive batch size", b);
   }
+  if (o.prefill_lens.empty() && o.batch_sizes.empty()) {
+    return make_error("--prefill 0 and --batch 0: no rows to time");
+  }
   if (o.context < 1 || o.steps < 1 || o.repeats < 1) {
     return make_error("--context {}, --steps {} and --repeats {} must be positive", o.context, o.steps, o.repeats);
   }
@@ -362,8 +369,8 @@ int run_bench(const BenchOptions& o) {
                            .hbm_gbs = o.hbm_gbs,
                            .json = o.json});
   }
-  const int64_t max_prefill = *std::max_element(o.prefill_lens.begin(), o.prefill_lens.end());
-  const int64_t max_batch = *std::max_element(o.batch_sizes.begin(), o.batch_sizes.end());
+  const int64_t max_prefill = o.prefill_lens.empty() ? 1 : std::ranges::max(o.prefill_lens);
+  const int64_t max_batch = o.batch_sizes.empty() ? 1 : std::ranges::max(o.batch_sizes);
   const int64_t chunk = std::min<int64_t>(o.context, 4096);
   const int spec = speculative_steps_of(o.model);
   const DeviceModelOptions sizes{.max_batch_tokens = std::max({max_prefill, chunk, max_batch * (spec + 1)}),
@@ -399,7 +406,7 @@ int run_bench(const BenchOptions& o) {
   report["rows"] = nlohmann::ordered_json::array();
   std::mt19937_64 rng(o.seed);
   for (int64_t length : o.prefill_lens) {
-    auto s = time_prefill(m, length, o.repeats, rng);
+    auto s = time_prefill(m, length, o.repeats, o.profile_step, rng);
     if (!s) return fail(fmt::format("prefill of {} tokens: {}", length, s.error().message));
     report["rows"].push_back(prefill_row(traffic, length, *s, roof));
   }
@@ -442,8 +449,8 @@ void register_bench_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "bench", "Offline throughput: prefill and decode rows, each against the limit measured in the same run");
   add_model_options(*cmd, o->model);
-  cmd->add_option("--prefill", o->prefill_lens, "Prompt lengths to time (one sequence each)")->delimiter(',');
-  cmd->add_option("--batch", o->batch_sizes, "Decode batch sizes")->delimiter(',');
+  cmd->add_option("--prefill", o->prefill_lens, "Prompt lengths to time (one sequence each; 0: none)")->delimiter(',');
+  cmd->add_option("--batch", o->batch_sizes, "Decode batch sizes (0: none)")->delimiter(',');
   cmd->add_option("--context", o->context, "Cached tokens per sequence before the timed decode steps");
   cmd->add_option("--steps", o->steps, "Timed decode steps per batch size (after two untimed ones)");
   cmd->add_option("--repeats", o->repeats, "Timed repeats of each prefill (after one untimed)");
@@ -454,14 +461,19 @@ void register_bench_command(CLI::App& app) {
                 "the time at --hbm-gbs) from the config's shapes, without loading or running anything");
   cmd->add_option("--hbm-gbs", o->hbm_gbs, "--plan-only: the memory bandwidth (GB/s) of the decode time per step");
   cmd->add_flag("--profile-step", o->profile_step,
-                "Bracket the last decode step (speculative: its verification) of each batch size with "
-                "cudaProfilerStart/Stop (for ncu / nsys)");
+                "Bracket the last prefill of each length and the last decode step (speculative: its verification) of "
+                "each batch size with cudaProfilerStart/Stop (for ncu / nsys)");
   add_speculative_options(*cmd, o->model);
   cmd->add_option("--speculative-accept-rate", o->speculative_accept_rate,
                   "With --speculative-algorithm: each draft is accepted with this probability (in order, up to the "
                   "first rejection) instead of by the model, so that dummy weights time a chosen acceptance "
                   "(default 0.7)");
-  cmd->callback([o] { throw CLI::RuntimeError(run_bench(*o)); });
+  cmd->callback([o] {
+    // A lone 0: no rows of that kind (to time or profile the other kind alone).
+    if (o->prefill_lens == std::vector<int64_t>{0}) o->prefill_lens.clear();
+    if (o->batch_sizes == std::vector<int64_t>{0}) o->batch_sizes.clear();
+    throw CLI::RuntimeError(run_bench(*o));
+  });
 }
 
 }  // namespace tern

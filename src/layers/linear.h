@@ -40,4 +40,13 @@ class Linear {
   float input_scale_ = 1.0f;
 };
 
+// A device computes the BF16 linears a block fuses (Block::input_projections) as one GEMM whose weight rows end with
+// zero rows up to a multiple of this: cuBLASLt takes 1-aligned kernels for an odd row count (the Qwen3.5 MoE
+// router group has 2 * 512 + 256 + 1 rows), 20x slower at 4096 tokens (docs/perf/gpu.md §fused-rows). The self-test
+// plans the padded shape.
+inline constexpr int64_t kFusedProjectionRowMultiple = 8;
+inline int64_t fused_projection_rows(int64_t rows) {
+  return (rows + kFusedProjectionRowMultiple - 1) / kFusedProjectionRowMultiple * kFusedProjectionRowMultiple;
+}
+
 }  // namespace tern

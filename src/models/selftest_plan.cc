@@ -247,8 +247,10 @@ class Planner final : public BlockOps {
       ++count;
     }
     if (count == 0) return;
-    if (count > 1) bf16_.insert({n, parts.front()->in_features()});
-    normed_.insert({n, parts.front()->in_features()});
+    // A device pads the run's rows (layers/linear.h fused_projection_rows).
+    const int64_t rows = fused_projection_rows(n);
+    if (count > 1 || rows != n) bf16_.insert({rows, parts.front()->in_features()});
+    normed_.insert({rows, parts.front()->in_features()});
   }
   // A down projection that reads a SiLU-and-mul (dense MLPs, shared experts).
   void silu_down(const Linear& down) {

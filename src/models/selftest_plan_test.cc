@@ -47,9 +47,11 @@ TEST(SelftestPlan, Qwen35BlocksReportTheirOpsAtTheConfigsShapes) {
   const int64_t h = c.hidden_size, hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
   // Gated attention: q_proj carries [query | gate] per head, so the fused q|k|v GEMM is 2 nq hd + 2 nkv hd wide.
-  const int64_t qkv = 2 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim;
-  const int64_t gdn_in = (2 * hk * dk + hv * dv) + hv * dv + hv + hv;  // qkv | z | b | a
-  const int64_t router = 2 * c.shared_expert_intermediate_size + c.num_experts + 1;
+  // Each fused GEMM's rows end with zero rows up to a multiple of 8 (layers/linear.h).
+  const int64_t qkv =
+      fused_projection_rows(2 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim);
+  const int64_t gdn_in = fused_projection_rows((2 * hk * dk + hv * dv) + hv * dv + hv + hv);  // qkv | z | b | a
+  const int64_t router = fused_projection_rows(2 * c.shared_expert_intermediate_size + c.num_experts + 1);
   EXPECT_TRUE(has(*table, "gemm_bf16", gemm_selftest_cases({{qkv, h}}, {1}).front()));
   EXPECT_TRUE(has(*table, "gemm_bf16", gemm_selftest_cases({{gdn_in, h}}, {8}).front()));
   EXPECT_TRUE(has(*table, "gemm_bf16", gemm_selftest_cases({{router, h}}, {1}).front()));
@@ -110,8 +112,9 @@ TEST(SelftestPlan, GlmMlaBlocksReportTheirOpsAtTheConfigsShapes) {
   EXPECT_TRUE(has(*table, "rms_norm", rms_norm_case(1, 1, c.kv_lora_rank, RmsNormForm::kPlain, false)));
   // [q_a_proj | kv_a_proj | wk | weights_proj] over the normed input (with the norm fused in front at decode),
   // [q_b_proj | wq_b] over the normed q_a output, o_proj.
-  const int64_t in_n = c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim + c.index_n_heads;
-  const int64_t q_n = heads * qk + c.index_n_heads * c.index_head_dim;
+  const int64_t in_n =
+      fused_projection_rows(c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim + c.index_n_heads);
+  const int64_t q_n = fused_projection_rows(heads * qk + c.index_n_heads * c.index_head_dim);
   EXPECT_TRUE(has(*table, "gemm_bf16", gemm_selftest_cases({{in_n, h}}, {1}).front()));
   EXPECT_TRUE(has(*table, "rms_norm_gemv", rms_norm_gemv_case(in_n, h, RmsNormForm::kPlain, true)));
   EXPECT_TRUE(has(*table, "gemm_bf16", gemm_selftest_cases({{q_n, c.q_lora_rank}}, {8}).front()));

@@ -91,13 +91,18 @@ namespace {
 struct DeviceDeltaRule {
   DeviceBuffer qkv, a, b, a_log, dt_bias;
   DeviceBatch batch;
+  int64_t workspace_bytes;
+  DeviceBuffer workspace;  // the chunked kernels'
   DeviceDeltaRule(const GdnDeltaRuleInputs& in, cudaStream_t s)
       : qkv(cuda_upload(in.qkv, s)),
         a(cuda_upload(in.a, s)),
         b(cuda_upload(in.b, s)),
         a_log(cuda_upload(in.a_log, s)),
         dt_bias(cuda_upload(in.dt_bias, s)),
-        batch(batch_upload(in.batch, s)) {}
+        batch(batch_upload(in.batch, s)),
+        workspace_bytes(gdn_chunked_workspace_bytes(in.batch.tokens, in.n_key_heads, in.n_value_heads, in.key_dim,
+                                                    in.value_dim)),
+        workspace(static_cast<size_t>(workspace_bytes)) {}
   GdnDeltaRuleArgs args(const GdnDeltaRuleInputs& in, uint16_t* out, float* state) const {
     return GdnDeltaRuleArgs{.qkv = qkv.as<uint16_t>(),
                             .qkv_stride = in.qkv_stride,
@@ -112,7 +117,9 @@ struct DeviceDeltaRule {
                             .n_key_heads = in.n_key_heads,
                             .n_value_heads = in.n_value_heads,
                             .key_dim = in.key_dim,
-                            .value_dim = in.value_dim};
+                            .value_dim = in.value_dim,
+                            .workspace = workspace.as<float>(),
+                            .workspace_bytes = workspace_bytes};
   }
 };
 

@@ -575,6 +575,9 @@ Expected<void> CudaOps::allocate_activations() {
     latent = std::max(latent, s.n_heads * (a->latent() + s.kv_lora_rank) + s.index_heads * s.index_head_dim);
   }
   for (const GpuGdn* g : gdns_) {
+    const GatedDeltaNetShape& s = g->shape;
+    scratch_bytes_ = std::max(scratch_bytes_, static_cast<size_t>(gdn_chunked_workspace_bytes(
+                                                  t, s.n_key_heads, s.n_value_heads, s.key_dim, s.value_dim)));
     proj = std::max(proj, g->in_proj.width);
     conv = std::max(conv, g->channels());
     heads = std::max(heads, g->shape.n_value_heads * g->shape.value_dim);  // the GDN core lands in attn_
@@ -588,8 +591,8 @@ Expected<void> CudaOps::allocate_activations() {
     router = std::max(router, m->router.width);
     if (m->router_f32) router_f32 = std::max(router_f32, m->n_experts);
     act = std::max(act, m->shared_inter);
-    moe_workspace_bytes_ = std::max(moe_workspace_bytes_,
-                                    moe_forward_workspace_bytes(t, m->shape.top_k, m->n_experts, m->experts.inter, h));
+    scratch_bytes_ = std::max(scratch_bytes_,
+                              moe_forward_workspace_bytes(t, m->shape.top_k, m->n_experts, m->experts.inter, h));
   }
   proj = std::max(proj, draft_fc_width_);  // a draft step joins its two normed inputs in proj_
   const int64_t kept = has_draft_ ? t * h : 0;
@@ -600,7 +603,7 @@ Expected<void> CudaOps::allocate_activations() {
       {&q_, t * heads},       {&gate_, t * heads},   {&attn_, t * heads}, {&conv_, t * conv}, {&act_, t * act},
       {&router_, t * router}, {&shared_out_, t * h}, {&last_, t * h},   {&latent_, t * latent},
       {&model_hidden_, kept}, {&draft_hidden_, kept}};
-  size_t bytes = aligned(moe_workspace_bytes_) + aligned(8);
+  size_t bytes = aligned(scratch_bytes_) + aligned(8);
   for (const auto& [ptr, count] : buffers) bytes += aligned(static_cast<size_t>(count) * 2);
   if (router_f32 > 0 && !DeviceBuffer::try_allocate(static_cast<size_t>(t * router_f32) * 4, router_f32_)) {
     return make_error("out of device memory for the fp32 router logits of {} rows", t);
@@ -613,8 +616,8 @@ Expected<void> CudaOps::allocate_activations() {
     *ptr = reinterpret_cast<uint16_t*>(next);
     next += aligned(static_cast<size_t>(count) * 2);
   }
-  moe_workspace_ = next;
-  next += aligned(moe_workspace_bytes_);
+  scratch_ = next;
+  next += aligned(scratch_bytes_);
   bad_id_ = reinterpret_cast<unsigned long long*>(next);
   if (!has_draft_) model_hidden_ = draft_hidden_ = nullptr;
   return {};
@@ -943,7 +946,9 @@ Expected<void> CudaOps::run_gdn(const GpuGdn& g, const GpuNorm& input_norm, int6
                                            .n_value_heads = hv,
                                            .key_dim = s.key_dim,
                                            .value_dim = s.value_dim,
-                                           .norm = norm_in_rule ? norm : GdnGatedNorm{}},
+                                           .norm = norm_in_rule ? norm : GdnGatedNorm{},
+                                           .workspace = static_cast<float*>(scratch_),
+                                           .workspace_bytes = static_cast<int64_t>(scratch_bytes_)},
                           gdn_variant_));
   TERN_TRY(trace(trace_name(layer, "gdn_core"), attn_, t, hv * s.value_dim, hv * s.value_dim));
   if (!norm_in_rule) {
@@ -1015,8 +1020,8 @@ Expected<void> CudaOps::run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t la
                                                : nullptr,
                             .shared_gate_stride = m.router.width,
                             .y = out_,
-                            .workspace = moe_workspace_,
-                            .workspace_bytes = moe_workspace_bytes_};
+                            .workspace = scratch_,
+                            .workspace_bytes = scratch_bytes_};
   if (!fold_combine) {
     TERN_TRY(moe_forward(ctx_, args));
   } else {

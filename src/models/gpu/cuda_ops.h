@@ -199,8 +199,9 @@ class CudaOps final : public BlockOps {
   unsigned long long* bad_id_ = nullptr;  // the embedding kernel's report (ids are checked on the host first)
   void* attention_workspace_ = nullptr;
   size_t attention_workspace_bytes_ = 0;
-  void* moe_workspace_ = nullptr;
-  size_t moe_workspace_bytes_ = 0;
+  // Scratch of the MoE block (moe_forward) and of the chunked GDN kernels, which never run at once.
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
 };
 
 }  // namespace tern

@@ -78,12 +78,13 @@ Expected<DeviceMatrix> DeviceWeights::matrix(const Linear& linear) {
   return matrix(linear.matrix(), linear.name());
 }
 
-Expected<DeviceMatrix> DeviceWeights::concat_bf16(std::span<const Linear* const> linears) {
-  if (linears.size() == 1) return matrix(*linears[0]);
+Expected<DeviceMatrix> DeviceWeights::concat_bf16(std::span<const Linear* const> linears, int64_t rows_multiple) {
   int64_t rows = 0;
   for (const Linear* l : linears) rows += l->out_features();
+  const int64_t padded = (rows + rows_multiple - 1) / rows_multiple * rows_multiple;
+  if (linears.size() == 1 && padded == rows) return matrix(*linears[0]);
   const int64_t k = linears[0]->in_features();
-  TERN_ASSIGN_OR_RETURN(void* dst, allocate(static_cast<size_t>(rows * k) * 2, linears[0]->name()));
+  TERN_ASSIGN_OR_RETURN(void* dst, allocate(static_cast<size_t>(padded * k) * 2, linears[0]->name()));
   auto* out = static_cast<uint16_t*>(dst);
   for (const Linear* l : linears) {
     if (!l->bias().empty()) return make_error("{}: linear layers with a bias are not supported on CUDA yet", l->name());
@@ -94,7 +95,9 @@ Expected<DeviceMatrix> DeviceWeights::concat_bf16(std::span<const Linear* const>
     TERN_CUDA_CHECK(cudaStreamSynchronize(stream_));
     out += l->out_features() * k;
   }
-  return DeviceMatrix{.nvfp4 = false, .n = rows, .k = k, .bf16 = static_cast<const uint16_t*>(dst), .gemv = bf16_gemv_};
+  TERN_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>((padded - rows) * k) * 2, stream_));
+  return DeviceMatrix{
+      .nvfp4 = false, .n = padded, .k = k, .bf16 = static_cast<const uint16_t*>(dst), .gemv = bf16_gemv_};
 }
 
 Expected<DeviceProjection> DeviceWeights::projection(std::span<const Linear* const> linears, int64_t width_multiple) {
@@ -110,7 +113,12 @@ Expected<DeviceProjection> DeviceWeights::projection(std::span<const Linear* con
     if (!is_nvfp4(*linears[i])) {
       while (j < linears.size() && !is_nvfp4(*linears[j])) ++j;
     }
-    TERN_ASSIGN_OR_RETURN(DeviceMatrix m, is_nvfp4(*linears[i]) ? matrix(*linears[i]) : concat_bf16(linears.subspan(i, j - i)));
+    // A BF16 run that ends the projection gets zero rows up to kFusedProjectionRowMultiple (layers/linear.h); one
+    // inside it does not, so that the parts after it keep the columns their consumers compute.
+    const int64_t rows_multiple = j == linears.size() ? kFusedProjectionRowMultiple : 1;
+    TERN_ASSIGN_OR_RETURN(DeviceMatrix m, is_nvfp4(*linears[i])
+                                              ? matrix(*linears[i])
+                                              : concat_bf16(linears.subspan(i, j - i), rows_multiple));
     p.offsets.push_back(p.width);
     p.width += m.n;
     p.parts.push_back(m);

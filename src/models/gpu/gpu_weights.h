@@ -63,6 +63,7 @@ class DeviceWeights {
   Expected<DeviceMatrix> matrix(const Linear& linear);
   Expected<DeviceMatrix> matrix(const CpuMatrix& m, const std::string& name);
   // width_multiple: the output's row stride is rounded up to it (16-byte rows for consumers that load 8 at a time).
+  // A BF16 run that ends the projection gets zero rows up to kFusedProjectionRowMultiple (layers/linear.h).
   Expected<DeviceProjection> projection(std::span<const Linear* const> linears, int64_t width_multiple = 1);
   Expected<DeviceExperts> experts(const std::vector<MlpWeights>& experts, const std::string& name);
   // A norm weight or other vector, as bf16 (exact for weights that came from bf16) or fp32.
@@ -74,7 +75,8 @@ class DeviceWeights {
  private:
   Expected<void*> allocate(size_t bytes, const std::string& what);
   Expected<void*> upload(const void* host, size_t bytes, const std::string& what);
-  Expected<DeviceMatrix> concat_bf16(std::span<const Linear* const> linears);
+  // rows_multiple: zero rows after the last linear's up to a multiple of it.
+  Expected<DeviceMatrix> concat_bf16(std::span<const Linear* const> linears, int64_t rows_multiple);
   Expected<MoeExpertWeights> expert_stack(const std::vector<MlpWeights>& experts, int part, const std::string& name);
 
   cudaStream_t stream_;

@@ -2,6 +2,7 @@
 #include "kernels/cuda/gated_delta/gated_delta.h"
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 namespace tern {
@@ -99,6 +100,15 @@ Expected<void> gdn_delta_rule(const DeviceContext& ctx, const GdnDeltaRuleArgs& 
       variant == GdnVariant::kChunked || (variant == GdnVariant::kAuto && chunk_fits && args.norm.gate == nullptr &&
                                           args.seqs.max_query_len > kGdnRecurrentMaxQueryLen);
   if (chunked) {
+    const int64_t needed = gdn_chunked_workspace_bytes(args.seqs.tokens, args.n_key_heads, args.n_value_heads,
+                                                       args.key_dim, args.value_dim);
+    const bool usable = args.workspace != nullptr && args.workspace_bytes >= needed &&
+                        reinterpret_cast<uintptr_t>(args.workspace) % 16 == 0;
+    if (needed > 0 && !usable) {
+      return make_error("gdn_delta_rule: the chunked kernels need a 16-byte aligned workspace of {} bytes for {} "
+                        "tokens (workspace {} of {} bytes)", needed, args.seqs.tokens,
+                        static_cast<const void*>(args.workspace), args.workspace_bytes);
+    }
     gdn_delta_rule_launch_chunked(ctx, args);
   } else {
     gdn_delta_rule_launch_recurrent(ctx, args);

@@ -324,243 +324,265 @@ __global__ void __launch_bounds__(kRecThreads) gdn_recurrent_kernel(const GdnDel
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Chunked delta rule (the WY form of flash-linear-attention's chunk_gated_delta_rule, worked out for this
-// recurrence). Within a chunk of n rows starting from state S0, with gamma_t = sum_{i<=t} g_i:
-//   delta_t = beta_t (v_t - e^gamma_t S0^T k_t) - sum_{i<t} beta_t e^(gamma_t - gamma_i) (k_t.k_i) delta_i
-//   o_t     = e^gamma_t S0^T q_t + sum_{i<=t} e^(gamma_t - gamma_i) (q_t.k_i) delta_i
-//   S_end   = e^gamma_last S0 + sum_i e^(gamma_last - gamma_i) k_i delta_i^T
-// The first line is a unit lower-triangular system, solved by forward substitution. Every exponent is <= 0 (g <= 0),
-// so nothing overflows. One block per (sequence, value head, 32 value columns) walks the sequence's chunks in
-// order with S0's slice in shared memory; all math is fp32 on CUDA cores. Rows past n are zero (k = v = beta = 0,
-// g = 0), which makes them inert in every sum. Stages, each ended by a block barrier:
-//   1 load and normalise q, k; v slice, g, beta        2 gamma (prefix sum), decay weights
-//   3 A = the strictly lower beta e^.. (k.k) and R = beta (v - e^gamma K S0)    4 forward substitution R -> delta
-//   5 P = the lower e^.. (q.k)          6 out = e^gamma Q S0 + P delta          7 S = e^gamma_last S0 + K^T W delta
-// A verification (GdnSequences::row_slots) adds stage 6b before 7: S_t = e^gamma_t S0 + sum_{i<=t} e^(gamma_t -
-// gamma_i) k_i delta_i^T for each of its rows t into the row's slot.
+// Chunked delta rule: the WY form of flash-linear-attention's chunk_gated_delta_rule, worked out for this
+// recurrence. Within a chunk of n rows that starts from state S0, with gamma_t = sum_{i<=t} g_i:
+//   A[t][i] = beta_t e^(gamma_t - gamma_i) (k_t . k_i) for i < t                  (strictly lower triangular)
+//   (I + A) [W | U] = [diag(beta e^gamma) K | diag(beta) V]                       (forward substitution)
+//   delta = U - W S0                                  (= beta_t (v_t - e^gamma_t S0^T k_t) - sum_{i<t} A[t][i] delta_i)
+//   P[t][i] = e^(gamma_t - gamma_i) (q_t . k_i) for i <= t
+//   o_t = e^gamma_t (q_t . S0) + sum_{i<=t} P[t][i] delta_i
+//   S_end = e^gamma_last S0 + sum_i e^(gamma_last - gamma_i) k_i delta_i^T
+// Every exponent is <= 0 (g <= 0), so nothing overflows. All but the last three lines are independent of S0, so two
+// kernels: the prepare kernel (one block per (sequence, chunk, value head), every chunk at once) computes the
+// normalised q and k, W, U, P and gamma into the workspace (GdnDeltaRuleArgs::workspace); the walk kernel (one block
+// per (sequence, value head, 32 value columns)) takes the sequence's chunks in order with S's slice in shared
+// memory: delta, the outputs, S. All math is fp32 on CUDA cores. Rows past n are zero (q = k = v = beta = 0, g = 0):
+// inert in every sum, and never written.
+// A verification (GdnSequences::row_slots) also writes S_t = e^gamma_t S0 + sum_{i<=t} e^(gamma_t - gamma_i) k_i
+// delta_i^T for each of its rows t into the row's slot.
 
-constexpr int kChunkThreads = 256;
+constexpr int kChunkThreads = 256;  // the prepare kernel's block
 constexpr int kChunkWarps = kChunkThreads / 32;
+// The walk kernel's block: thread (tr, tc) = (tid / 8, tid % 8) takes rows tr, tr + kWalkRowStep, ... and value
+// columns 4 tc .. 4 tc + 3. (512 threads, twice the warps for the one block an SM gets at one sequence, measured
+// 8% slower: docs/perf/gpu.md "Gated DeltaNet prefill in two kernels".)
+constexpr int kWalkThreads = 256;
+constexpr int kWalkRowStep = kWalkThreads / 8;
 constexpr int kVLd = kGdnValueSlice + 4;  // row stride of the delta buffer (padding spreads banks)
+constexpr int kMaxValueDim = 128;         // gdn_head_dim_supported
 
-template <int kDk, int kChunk>
-struct ChunkLayout {  // offsets in floats into dynamic shared memory; all multiples of 4 for float4 access
-  static constexpr int kLd = kDk + 4, kALd = kChunk + 4;
-  static constexpr int kQ = 0, kK = kQ + kChunk * kLd, kS = kK + kChunk * kLd, kA = kS + kDk * kGdnValueSlice;
-  static constexpr int kV = kA + kChunk * kALd, kGamma = kV + kChunk * kVLd, kBeta = kGamma + kChunk;
-  static constexpr int kWeight = kBeta + kChunk, kFloats = kWeight + kChunk;
+// The workspace, indexed by token row (a chunk's rows are its sequence's rows): per key head the normalised q (times
+// dk^-0.5) and k; per value head W, U, P's row and gamma. Sections in this order, each a multiple of 4 floats but
+// the last.
+struct ChunkWorkspace {
+  float *qk, *w, *u, *p, *gamma;
+  int64_t p_ld;  // floats per P row: the chunk length
 };
 
-struct ChunkHead {  // what the stages need of the block's (sequence, head, slice)
-  int64_t row0;     // first row of the current chunk
-  int n;            // its rows
-  int64_t q_off, k_off, v_off, j;
-  HeadGates gates;
-};
+__host__ __device__ inline ChunkWorkspace chunk_workspace(float* base, int64_t tokens, int64_t hk, int64_t hv,
+                                                          int64_t dk, int64_t dv, int64_t chunk) {
+  ChunkWorkspace w;
+  w.qk = base;
+  w.w = w.qk + tokens * hk * 2 * dk;
+  w.u = w.w + tokens * hv * dk;
+  w.p = w.u + tokens * hv * dv;
+  w.gamma = w.p + tokens * hv * chunk;
+  w.p_ld = chunk;
+  return w;
+}
+
+__device__ __forceinline__ ChunkWorkspace chunk_workspace(const GdnDeltaRuleArgs& a, int64_t chunk) {
+  return chunk_workspace(a.workspace, a.seqs.tokens, a.n_key_heads, a.n_value_heads, a.key_dim, a.value_dim, chunk);
+}
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 
-// Stage 1: warp w takes rows w, w + 8, ...
+// Inclusive prefix sum of x[0, n) in place by one warp (n <= 64).
+__device__ __forceinline__ void warp_prefix_sum(float* x, int n) {
+  const int lane = threadIdx.x % 32;
+  float carry = 0.0f;
+  for (int base = 0; base < n; base += 32) {
+    float v = base + lane < n ? x[base + lane] : 0.0f;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const float other = __shfl_up_sync(0xFFFFFFFFu, v, d);
+      if (lane >= d) v += other;
+    }
+    if (base + lane < n) x[base + lane] = carry + v;
+    carry += __shfl_sync(0xFFFFFFFFu, v, 31);
+  }
+}
+
+// Shared memory of the prepare kernel, in floats: R0 holds q, later v; R1 k, later nothing (the substitution's
+// columns live in registers).
 template <int kDk, int kChunk>
-__device__ void chunk_load(const GdnDeltaRuleArgs& a, const ChunkHead& h, float* sm) {
-  using L = ChunkLayout<kDk, kChunk>;
+struct PrepareLayout {
+  static constexpr int kR0Ld = (kDk > kMaxValueDim ? kDk : kMaxValueDim) + 4, kLd = kDk + 4, kALd = kChunk + 4;
+  static constexpr int kR0 = 0, kR1 = kR0 + kChunk * kR0Ld, kA = kR1 + kChunk * kLd, kGamma = kA + kChunk * kALd;
+  static constexpr int kBeta = kGamma + kChunk, kFloats = kBeta + kChunk;
+};
+
+template <int kDk, int kChunk>
+__global__ void __launch_bounds__(kChunkThreads) gdn_chunk_prepare_kernel(const GdnDeltaRuleArgs a) {
+  ptx::grid_dependency_begin();
+  using L = PrepareLayout<kDk, kChunk>;
+  constexpr int kVPerLane = kMaxValueDim / 32;
+  extern __shared__ float4 chunk_smem[];
+  float* sm = reinterpret_cast<float*>(chunk_smem);
+  const SeqView sq = seq_view(a.seqs, blockIdx.x);
+  const int64_t c0 = int64_t{blockIdx.y} * kChunk;
+  if (!sq.valid || c0 >= sq.len) return;
+  const int n = static_cast<int>(min(int64_t{kChunk}, sq.len - c0));
+  const int64_t j = blockIdx.z, hv = a.n_value_heads, hk = a.n_key_heads, dv = a.value_dim;
+  const int64_t group = hv / hk, kh = j / group, row0 = sq.begin + c0;
+  const ChunkWorkspace ws = chunk_workspace(a, kChunk);
+  const HeadGates gates = head_gates(a, j);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int t = warp; t < kChunk; t += kChunkWarps) {
-    float *q = sm + L::kQ + t * L::kLd, *k = sm + L::kK + t * L::kLd, *v = sm + L::kV + t * kVLd;
-    if (t >= h.n) {
+  float *q_s = sm + L::kR0, *k_s = sm + L::kR1, *a_s = sm + L::kA, *gamma = sm + L::kGamma, *beta = sm + L::kBeta;
+  const int64_t v_off = 2 * hk * kDk + j * dv;
+
+  // Stage 1 (warp w: rows w, w + 8, ...): q and k normalised, g and beta; the first value head of a key head writes
+  // q and k out for the walk. The lane's v values wait in registers until R0 is free.
+  float v_regs[kChunk / kChunkWarps][kVPerLane];
+#pragma unroll
+  for (int r = 0; r < kChunk / kChunkWarps; ++r) {
+    const int t = warp + r * kChunkWarps;
+    float *q = q_s + t * L::kR0Ld, *k = k_s + t * L::kLd;
+    if (t >= n) {
       for (int d = lane; d < kDk; d += 32) q[d] = k[d] = 0.0f;
-      v[lane] = 0.0f;
-      if (lane == 0) sm[L::kGamma + t] = sm[L::kBeta + t] = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kVPerLane; ++u) v_regs[r][u] = 0.0f;
+      if (lane == 0) gamma[t] = beta[t] = 0.0f;
       continue;
     }
+    const int64_t row = row0 + t;
     TokenRaw<kDk / 32> raw;
-    token_load(raw, a, h.row0 + t, h.q_off, h.k_off, h.v_off + lane, h.j, lane);
-    token_normalise<kDk>(raw, q, k, lane);
-    v[lane] = bf16_to_f32(raw.v);
+    token_load(raw, a, row, kh * kDk, hk * kDk + kh * kDk, v_off + lane, j, lane);
+#pragma unroll
+    for (int u = 0; u < kVPerLane; ++u) {
+      v_regs[r][u] = lane + 32 * u < dv ? bf16_to_f32(a.qkv[row * a.qkv_stride + v_off + lane + 32 * u]) : 0.0f;
+    }
+    token_normalise<kDk>(raw, q, k, lane);  // each lane writes (and below reads) its own d = lane + 32 u
+    if (j % group == 0) {
+      float* out = ws.qk + (row * hk + kh) * 2 * kDk;
+      for (int d = lane; d < kDk; d += 32) {
+        out[d] = q[d];
+        out[kDk + d] = k[d];
+      }
+    }
     if (lane == 0) {
-      sm[L::kGamma + t] = h.gates.a_coef * softplus_f32(bf16_to_f32(raw.a) + h.gates.dt_bias);
-      sm[L::kBeta + t] = sigmoid_f32(bf16_to_f32(raw.b));
+      gamma[t] = gates.a_coef * softplus_f32(bf16_to_f32(raw.a) + gates.dt_bias);
+      beta[t] = sigmoid_f32(bf16_to_f32(raw.b));
     }
   }
-}
+  __syncthreads();
+  if (warp == 0) warp_prefix_sum(gamma, kChunk);
+  __syncthreads();
 
-// Stage 2 (one thread; 64 adds): gamma in place, then the weights e^(gamma_last - gamma_i) of the state update.
-template <int kDk, int kChunk>
-__device__ void chunk_gamma(const ChunkHead& h, float* sm) {
-  using L = ChunkLayout<kDk, kChunk>;
-  float* gamma = sm + L::kGamma;
-  for (int t = 1; t < kChunk; ++t) gamma[t] += gamma[t - 1];
-  const float last = gamma[h.n - 1];
-  for (int t = 0; t < kChunk; ++t) sm[L::kWeight + t] = t < h.n ? expf(last - gamma[t]) : 0.0f;
-}
-
-// Stages 3 and 5: a[t][i] = mask(t, i) * scale_t * e^(gamma_t - gamma_i) * (x_t . k_i), x = k (kStrict: i < t,
-// scale beta) or q (i <= t, scale 1). A 16 x 16 thread grid, each thread a (kChunk/16)^2 tile of rows ty + 16 a,
-// columns tx + 16 b.
-template <int kDk, int kChunk, bool kStrict>
-__device__ void chunk_gram(float* sm) {
-  using L = ChunkLayout<kDk, kChunk>;
-  constexpr int kT = kChunk / 16;
-  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-  const float* x = sm + (kStrict ? L::kK : L::kQ);
-  const float* k = sm + L::kK;
-  float acc[kT][kT] = {};
-  for (int d = 0; d < kDk; d += 4) {
-    float4 xr[kT], kr[kT];
+  // Stage 2: both Gram matrices in one pass over d; a 16 x 16 thread grid, each thread rows ty + 16 u and columns
+  // tx + 16 w. P goes to the workspace, A to shared memory.
+  {
+    constexpr int kT = kChunk / 16;
+    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    float acc_q[kT][kT] = {}, acc_k[kT][kT] = {};
+    for (int d = 0; d < kDk; d += 4) {
+      float4 qr[kT], kr[kT], kc[kT];
 #pragma unroll
-    for (int u = 0; u < kT; ++u) {
-      xr[u] = ld4(x + (ty + 16 * u) * L::kLd + d);
-      kr[u] = ld4(k + (tx + 16 * u) * L::kLd + d);
+      for (int u = 0; u < kT; ++u) {
+        qr[u] = ld4(q_s + (ty + 16 * u) * L::kR0Ld + d);
+        kr[u] = ld4(k_s + (ty + 16 * u) * L::kLd + d);
+        kc[u] = ld4(k_s + (tx + 16 * u) * L::kLd + d);
+      }
+#pragma unroll
+      for (int u = 0; u < kT; ++u) {
+#pragma unroll
+        for (int w = 0; w < kT; ++w) {
+          acc_q[u][w] += qr[u].x * kc[w].x + qr[u].y * kc[w].y + qr[u].z * kc[w].z + qr[u].w * kc[w].w;
+          acc_k[u][w] += kr[u].x * kc[w].x + kr[u].y * kc[w].y + kr[u].z * kc[w].z + kr[u].w * kc[w].w;
+        }
+      }
     }
 #pragma unroll
     for (int u = 0; u < kT; ++u) {
+      const int t = ty + 16 * u;
+      float* p_row = ws.p + ((row0 + t) * hv + j) * ws.p_ld;
 #pragma unroll
       for (int w = 0; w < kT; ++w) {
-        acc[u][w] += xr[u].x * kr[w].x + xr[u].y * kr[w].y + xr[u].z * kr[w].z + xr[u].w * kr[w].w;
+        const int i = tx + 16 * w;
+        const float decay = expf(gamma[t] - gamma[i]);  // only used where i <= t, so <= 1
+        a_s[t * L::kALd + i] = i < t ? beta[t] * decay * acc_k[u][w] : 0.0f;
+        if (t < n) p_row[i] = i <= t ? decay * acc_q[u][w] : 0.0f;
       }
     }
   }
-  const float* gamma = sm + L::kGamma;
+  __syncthreads();  // q is read, A is complete
+
+  // Stage 3: v into R0 (where q was).
 #pragma unroll
-  for (int u = 0; u < kT; ++u) {
-    const int t = ty + 16 * u;
-    const float scale = kStrict ? sm[L::kBeta + t] : 1.0f;
+  for (int r = 0; r < kChunk / kChunkWarps; ++r) {
+    const int t = warp + r * kChunkWarps;
 #pragma unroll
-    for (int w = 0; w < kT; ++w) {
-      const int i = tx + 16 * w;
-      const bool keep = kStrict ? i < t : i <= t;
-      sm[L::kA + t * L::kALd + i] = keep ? scale * expf(gamma[t] - gamma[i]) * acc[u][w] : 0.0f;
+    for (int u = 0; u < kVPerLane; ++u) q_s[t * L::kR0Ld + lane + 32 * u] = v_regs[r][u];
+  }
+  __syncthreads();
+
+  // Stage 4: thread c owns column c of [diag(beta e^gamma) K | diag(beta) V] in registers and solves (I + A) X = it
+  // by forward substitution; then W and U to the workspace, and gamma.
+  const int col = threadIdx.x;
+  if (col < kDk + dv) {
+    const bool is_k = col < kDk;
+    float x[kChunk];
+#pragma unroll
+    for (int t = 0; t < kChunk; ++t) {
+      x[t] = is_k ? k_s[t * L::kLd + col] * (beta[t] * expf(gamma[t])) : q_s[t * L::kR0Ld + col - kDk] * beta[t];
+    }
+#pragma unroll
+    for (int t = 1; t < kChunk; ++t) {
+      float s = 0.0f;
+#pragma unroll
+      for (int i = 0; i < t; ++i) s += a_s[t * L::kALd + i] * x[i];
+      x[t] -= s;
+    }
+    float* dst = is_k ? ws.w + j * kDk + col : ws.u + j * dv + col - kDk;
+    const int64_t row_stride = is_k ? hv * kDk : hv * dv;
+#pragma unroll
+    for (int t = 0; t < kChunk; ++t) {
+      if (t < n) dst[(row0 + t) * row_stride] = x[t];
     }
   }
+  if (threadIdx.x < n) ws.gamma[(row0 + threadIdx.x) * hv + j] = gamma[threadIdx.x];
 }
 
-// (x_t . S0[:, e]) for the thread's rows t = tr + 32 a and columns e = 4 tc .. 4 tc + 3 (stages 3 and 6).
+// Shared memory of the walk kernel, in floats.
 template <int kDk, int kChunk>
-__device__ void chunk_times_state(const float* x, const float* sm, float (&acc)[kChunk / 32][4]) {
-  using L = ChunkLayout<kDk, kChunk>;
-  const int tr = threadIdx.x / 8, tc = threadIdx.x % 8;
-  for (int d = 0; d < kDk; d += 4) {
-    float4 s[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) s[u] = ld4(sm + L::kS + (d + u) * kGdnValueSlice + 4 * tc);
-#pragma unroll
-    for (int r = 0; r < kChunk / 32; ++r) {
-      const float4 xv = ld4(x + (tr + 32 * r) * L::kLd + d);
-      const float xs[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        acc[r][0] += xs[u] * s[u].x;
-        acc[r][1] += xs[u] * s[u].y;
-        acc[r][2] += xs[u] * s[u].z;
-        acc[r][3] += xs[u] * s[u].w;
-      }
-    }
+struct WalkLayout {
+  static constexpr int kLd = kDk + 4, kALd = kChunk + 4;
+  static constexpr int kS = 0, kQ = kS + kDk * kGdnValueSlice, kK = kQ + kChunk * kLd, kW = kK + kChunk * kLd;
+  static constexpr int kD = kW + kChunk * kLd, kP = kD + kChunk * kVLd, kGamma = kP + kChunk * kALd;
+  static constexpr int kWeight = kGamma + kChunk, kFloats = kWeight + kChunk;
+};
+
+// A chunk's rows from the workspace into shared memory (zeros past n): q, k, W, U's slice (into the delta buffer),
+// P and gamma.
+template <int kDk, int kChunk>
+__device__ void walk_load(const ChunkWorkspace& ws, const GdnDeltaRuleArgs& a, int64_t row0, int n, int64_t j,
+                          int64_t kh, int64_t e0, float* sm) {
+  using L = WalkLayout<kDk, kChunk>;
+  const int64_t hv = a.n_value_heads, hk = a.n_key_heads;
+  constexpr int kRowVecs = kDk / 4;
+  for (int i = threadIdx.x; i < kChunk * kRowVecs; i += kWalkThreads) {
+    const int t = i / kRowVecs, d = (i % kRowVecs) * 4;
+    const bool in = t < n;
+    const int64_t row = row0 + t;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    st4(sm + L::kQ + t * L::kLd + d, in ? ld4(ws.qk + (row * hk + kh) * 2 * kDk + d) : zero);
+    st4(sm + L::kK + t * L::kLd + d, in ? ld4(ws.qk + (row * hk + kh) * 2 * kDk + kDk + d) : zero);
+    st4(sm + L::kW + t * L::kLd + d, in ? ld4(ws.w + (row * hv + j) * kDk + d) : zero);
+  }
+  for (int i = threadIdx.x; i < kChunk * (kGdnValueSlice / 4); i += kWalkThreads) {
+    const int t = i / (kGdnValueSlice / 4), c = (i % (kGdnValueSlice / 4)) * 4;
+    st4(sm + L::kD + t * kVLd + c,
+        t < n ? ld4(ws.u + ((row0 + t) * hv + j) * a.value_dim + e0 + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+  }
+  for (int i = threadIdx.x; i < kChunk * (kChunk / 4); i += kWalkThreads) {
+    const int t = i / (kChunk / 4), c = (i % (kChunk / 4)) * 4;
+    st4(sm + L::kP + t * L::kALd + c,
+        t < n ? ld4(ws.p + ((row0 + t) * hv + j) * ws.p_ld + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+  }
+  if (threadIdx.x < kChunk) {
+    sm[L::kGamma + threadIdx.x] = threadIdx.x < n ? ws.gamma[(row0 + threadIdx.x) * hv + j] : 0.0f;
   }
 }
 
-// Stage 3b: R = beta_t (v_t - e^gamma_t (k_t . S0)), in place over v.
+// S_t = e^gamma_t S0 + sum_{i<=t} e^(gamma_t - gamma_i) k_i delta_i^T for the verified rows t < rows into slot
+// slots[t], rows d = tr + kWalkRowStep r and columns 4 tc of the thread (the S update's layout, so the row that ends
+// the chunk gets the S update's values). Reads S before the same thread updates it.
 template <int kDk, int kChunk>
-__device__ void chunk_residual(float* sm) {
-  using L = ChunkLayout<kDk, kChunk>;
-  const int tr = threadIdx.x / 8, tc = threadIdx.x % 8;
-  float acc[kChunk / 32][4] = {};
-  chunk_times_state<kDk, kChunk>(sm + L::kK, sm, acc);
-#pragma unroll
-  for (int r = 0; r < kChunk / 32; ++r) {
-    const int t = tr + 32 * r;
-    const float decay = expf(sm[L::kGamma + t]), beta = sm[L::kBeta + t];
-    float* v = sm + L::kV + t * kVLd + 4 * tc;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) v[c] = beta * (v[c] - decay * acc[r][c]);
-  }
-}
-
-// Stage 4: delta_t = R_t - sum_{i<t} A[t][i] delta_i, row by row. Warp w owns columns 4w .. 4w + 3; in a warp,
-// lane = column * 8 + part, and part sums the i = part (mod 8). Only __syncwarp is needed: a column never leaves
-// its warp.
-template <int kDk, int kChunk>
-__device__ void chunk_substitute(float* sm) {
-  using L = ChunkLayout<kDk, kChunk>;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, part = lane % 8;
-  const int e = warp * 4 + lane / 8;
-  float* v = sm + L::kV;
-  for (int t = 1; t < kChunk; ++t) {
-    const float* arow = sm + L::kA + t * L::kALd;
-    float sum = 0.0f;
-    for (int i = part; i < t; i += 8) sum += arow[i] * v[i * kVLd + e];
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 4);
-    if (part == 0) v[t * kVLd + e] -= sum;
-    __syncwarp();
-  }
-}
-
-// Stage 6: out_t = e^gamma_t (q_t . S0) + sum_{i<=t} P[t][i] delta_i for the chunk's real rows.
-template <int kDk, int kChunk>
-__device__ void chunk_output(const GdnDeltaRuleArgs& a, const ChunkHead& h, int64_t e0, const float* sm) {
-  using L = ChunkLayout<kDk, kChunk>;
-  const int tr = threadIdx.x / 8, tc = threadIdx.x % 8;
-  float acc[kChunk / 32][4] = {};
-  chunk_times_state<kDk, kChunk>(sm + L::kQ, sm, acc);
-#pragma unroll
-  for (int r = 0; r < kChunk / 32; ++r) {
-    const int t = tr + 32 * r;
-    const float decay = expf(sm[L::kGamma + t]);
-    float o[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) o[c] = decay * acc[r][c];
-    for (int i = 0; i <= t; ++i) {
-      const float p = sm[L::kA + t * L::kALd + i];
-      const float4 dv = ld4(sm + L::kV + i * kVLd + 4 * tc);
-      o[0] += p * dv.x;
-      o[1] += p * dv.y;
-      o[2] += p * dv.z;
-      o[3] += p * dv.w;
-    }
-    if (t >= h.n) continue;
-    uint16_t* out = a.out + ((h.row0 + t) * a.n_value_heads + h.j) * a.value_dim + e0 + 4 * tc;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) out[c] = f32_to_bf16(o[c]);
-  }
-}
-
-// Stage 7: S[d][e] = e^gamma_last S[d][e] + sum_i k_i[d] w_i delta_i[e], rows d = tr + 32 a, columns 4 tc ...
-template <int kDk, int kChunk>
-__device__ void chunk_state_update(const ChunkHead& h, float* sm) {
-  using L = ChunkLayout<kDk, kChunk>;
-  constexpr int kRows = kDk / 32;
-  const int tr = threadIdx.x / 8, tc = threadIdx.x % 8;
-  float acc[kRows][4] = {};
-  for (int i = 0; i < h.n; ++i) {
-    const float w = sm[L::kWeight + i];
-    const float4 dv = ld4(sm + L::kV + i * kVLd + 4 * tc);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const float kw = sm[L::kK + i * L::kLd + tr + 32 * r] * w;
-      acc[r][0] += kw * dv.x;
-      acc[r][1] += kw * dv.y;
-      acc[r][2] += kw * dv.z;
-      acc[r][3] += kw * dv.w;
-    }
-  }
-  const float decay = expf(sm[L::kGamma + h.n - 1]);
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    float* s = sm + L::kS + (tr + 32 * r) * kGdnValueSlice + 4 * tc;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) s[c] = decay * s[c] + acc[r][c];
-  }
-}
-
-// Stage 6b, verifications only: S_t = e^gamma_t S0 + sum_{i<=t} e^(gamma_t - gamma_i) k_i delta_i^T for the chunk's
-// rows t < rows into slot slots[t], with stage 7's thread layout and expressions (so the row that ends the chunk
-// gets stage 7's values). Reads shared memory only, as stage 6 does, so the two need no barrier between them.
-template <int kDk, int kChunk>
-__device__ void chunk_row_states(const GdnDeltaRuleArgs& a, const int32_t* slots, int rows, int64_t j, int64_t e0,
-                                 const float* sm) {
-  using L = ChunkLayout<kDk, kChunk>;
-  constexpr int kRows = kDk / 32;
+__device__ void walk_row_states(const GdnDeltaRuleArgs& a, const int32_t* slots, int rows, int64_t j, int64_t e0,
+                                const float* sm) {
+  using L = WalkLayout<kDk, kChunk>;
+  constexpr int kRows = (kDk + kWalkRowStep - 1) / kWalkRowStep;
   const int tr = threadIdx.x / 8, tc = threadIdx.x % 8;
   const float* gamma = sm + L::kGamma;
   const int64_t dv = a.value_dim;
@@ -570,10 +592,11 @@ __device__ void chunk_row_states(const GdnDeltaRuleArgs& a, const int32_t* slots
     float acc[kRows][4] = {};
     for (int i = 0; i <= t; ++i) {
       const float w = expf(gamma[t] - gamma[i]);
-      const float4 dl = ld4(sm + L::kV + i * kVLd + 4 * tc);
+      const float4 dl = ld4(sm + L::kD + i * kVLd + 4 * tc);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        const float kw = sm[L::kK + i * L::kLd + tr + 32 * r] * w;
+        const int d = tr + kWalkRowStep * r;
+        const float kw = d < kDk ? sm[L::kK + i * L::kLd + d] * w : 0.0f;
         acc[r][0] += kw * dl.x;
         acc[r][1] += kw * dl.y;
         acc[r][2] += kw * dl.z;
@@ -584,83 +607,171 @@ __device__ void chunk_row_states(const GdnDeltaRuleArgs& a, const int32_t* slots
     float* out = a.state + (slot * a.n_value_heads + j) * kDk * dv + e0 + 4 * tc;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const float* s = sm + L::kS + (tr + 32 * r) * kGdnValueSlice + 4 * tc;
+      const int d = tr + kWalkRowStep * r;
+      if (d >= kDk) continue;
+      const float* s = sm + L::kS + d * kGdnValueSlice + 4 * tc;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) out[(tr + 32 * r) * dv + c] = decay * s[c] + acc[r][c];
+      for (int c = 0; c < 4; ++c) out[d * dv + c] = decay * s[c] + acc[r][c];
     }
   }
 }
 
 template <int kDk, int kChunk, bool kVerify>
-__global__ void __launch_bounds__(kChunkThreads) gdn_chunked_kernel(const GdnDeltaRuleArgs a) {
+__global__ void __launch_bounds__(kWalkThreads) gdn_chunk_walk_kernel(const GdnDeltaRuleArgs a) {
   ptx::grid_dependency_begin();
-  using L = ChunkLayout<kDk, kChunk>;
+  using L = WalkLayout<kDk, kChunk>;
+  constexpr int kRowsT = (kChunk + kWalkRowStep - 1) / kWalkRowStep;
+  constexpr int kRowsD = (kDk + kWalkRowStep - 1) / kWalkRowStep;
   extern __shared__ float4 chunk_smem[];
   float* sm = reinterpret_cast<float*>(chunk_smem);
   const SeqView sq = seq_view(a.seqs, blockIdx.x);
   if (!sq.valid) return;
   const int64_t j = blockIdx.y, hv = a.n_value_heads, dv = a.value_dim, e0 = int64_t{blockIdx.z} * kGdnValueSlice;
   const int64_t kh = j / (hv / a.n_key_heads);
-  ChunkHead h{.row0 = sq.begin, .n = 0, .q_off = kh * kDk, .k_off = a.n_key_heads * kDk + kh * kDk,
-              .v_off = 2 * a.n_key_heads * kDk + j * dv + e0, .j = j, .gates = head_gates(a, j)};
+  const ChunkWorkspace ws = chunk_workspace(a, kChunk);
   float* state = a.state + (sq.slot * hv + j) * kDk * dv + e0;
   const int32_t* row_slots = kVerify ? verify_slots(a.seqs, blockIdx.x) : nullptr;
-  for (int i = threadIdx.x; i < kDk * kGdnValueSlice; i += kChunkThreads) {
+  const int tr = threadIdx.x / 8, tc = threadIdx.x % 8;
+  for (int i = threadIdx.x; i < kDk * kGdnValueSlice; i += kWalkThreads) {
     sm[L::kS + i] = sq.fresh ? 0.0f : state[(i / kGdnValueSlice) * dv + i % kGdnValueSlice];
   }
   for (int64_t c0 = 0; c0 < sq.len; c0 += kChunk) {
-    h.row0 = sq.begin + c0;
-    h.n = static_cast<int>(min(int64_t{kChunk}, sq.len - c0));
-    chunk_load<kDk, kChunk>(a, h, sm);
+    const int64_t row0 = sq.begin + c0;
+    const int n = static_cast<int>(min(int64_t{kChunk}, sq.len - c0));
+    walk_load<kDk, kChunk>(ws, a, row0, n, j, kh, e0, sm);
     __syncthreads();
-    if (threadIdx.x == 0) chunk_gamma<kDk, kChunk>(h, sm);
-    __syncthreads();
-    chunk_gram<kDk, kChunk, true>(sm);
-    chunk_residual<kDk, kChunk>(sm);
-    __syncthreads();
-    chunk_substitute<kDk, kChunk>(sm);
-    __syncthreads();
-    chunk_gram<kDk, kChunk, false>(sm);
-    __syncthreads();
-    chunk_output<kDk, kChunk>(a, h, e0, sm);
-    if constexpr (kVerify) {
-      if (row_slots != nullptr && c0 < a.seqs.max_rows) {
-        const int rows = static_cast<int>(min(int64_t{h.n}, a.seqs.max_rows - c0));
-        chunk_row_states<kDk, kChunk>(a, row_slots + c0, rows, j, e0, sm);
+    const float* gamma = sm + L::kGamma;
+    if (threadIdx.x < kChunk) {
+      sm[L::kWeight + threadIdx.x] = threadIdx.x < n ? expf(gamma[n - 1] - gamma[threadIdx.x]) : 0.0f;
+    }
+    // Phase 1: W S0 and Q S0 for rows t = tr + kWalkRowStep r, columns 4 tc ..; delta = U - W S0 in place. (Rows
+    // past the chunk, t >= kChunk, exist only where the block has more row groups than the chunk rows.)
+    float qs[kRowsT][4] = {};
+    {
+      float ws0[kRowsT][4] = {};
+      for (int d = 0; d < kDk; d += 4) {
+        float4 s[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) s[u] = ld4(sm + L::kS + (d + u) * kGdnValueSlice + 4 * tc);
+#pragma unroll
+        for (int r = 0; r < kRowsT; ++r) {
+          const int t = min(tr + kWalkRowStep * r, kChunk - 1);  // past the chunk: row kChunk - 1, dropped
+          const float4 wv = ld4(sm + L::kW + t * L::kLd + d);
+          const float4 qv = ld4(sm + L::kQ + t * L::kLd + d);
+          const float wx[4] = {wv.x, wv.y, wv.z, wv.w}, qx[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            ws0[r][0] += wx[u] * s[u].x;
+            ws0[r][1] += wx[u] * s[u].y;
+            ws0[r][2] += wx[u] * s[u].z;
+            ws0[r][3] += wx[u] * s[u].w;
+            qs[r][0] += qx[u] * s[u].x;
+            qs[r][1] += qx[u] * s[u].y;
+            qs[r][2] += qx[u] * s[u].z;
+            qs[r][3] += qx[u] * s[u].w;
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRowsT; ++r) {
+        if (tr + kWalkRowStep * r >= kChunk) continue;
+        float* dl = sm + L::kD + (tr + kWalkRowStep * r) * kVLd + 4 * tc;
+        const float4 uv = ld4(dl);
+        st4(dl, make_float4(uv.x - ws0[r][0], uv.y - ws0[r][1], uv.z - ws0[r][2], uv.w - ws0[r][3]));
       }
     }
     __syncthreads();
-    chunk_state_update<kDk, kChunk>(h, sm);
+    // Phase 2: the outputs, the verified rows' states, then S (each thread updates only the S entries it read).
+#pragma unroll
+    for (int r = 0; r < kRowsT; ++r) {
+      const int t = tr + kWalkRowStep * r;
+      if (t >= kChunk) continue;
+      const float decay = expf(gamma[t]);
+      float o[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[c] = decay * qs[r][c];
+      for (int i = 0; i <= t; ++i) {
+        const float p = sm[L::kP + t * L::kALd + i];
+        const float4 dl = ld4(sm + L::kD + i * kVLd + 4 * tc);
+        o[0] += p * dl.x;
+        o[1] += p * dl.y;
+        o[2] += p * dl.z;
+        o[3] += p * dl.w;
+      }
+      if (t >= n) continue;
+      uint16_t* out = a.out + ((row0 + t) * hv + j) * dv + e0 + 4 * tc;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) out[c] = f32_to_bf16(o[c]);
+    }
+    if constexpr (kVerify) {
+      if (row_slots != nullptr && c0 < a.seqs.max_rows) {
+        const int rows = static_cast<int>(min(int64_t{n}, a.seqs.max_rows - c0));
+        walk_row_states<kDk, kChunk>(a, row_slots + c0, rows, j, e0, sm);
+      }
+    }
+    {
+      float acc[kRowsD][4] = {};
+      for (int i = 0; i < n; ++i) {
+        const float w = sm[L::kWeight + i];
+        const float4 dl = ld4(sm + L::kD + i * kVLd + 4 * tc);
+#pragma unroll
+        for (int r = 0; r < kRowsD; ++r) {
+          const int d = min(tr + kWalkRowStep * r, kDk - 1);  // past dk: row dk - 1, dropped
+          const float kw = sm[L::kK + i * L::kLd + d] * w;
+          acc[r][0] += kw * dl.x;
+          acc[r][1] += kw * dl.y;
+          acc[r][2] += kw * dl.z;
+          acc[r][3] += kw * dl.w;
+        }
+      }
+      const float decay = expf(gamma[n - 1]);
+#pragma unroll
+      for (int r = 0; r < kRowsD; ++r) {
+        if (tr + kWalkRowStep * r >= kDk) continue;
+        float* s = sm + L::kS + (tr + kWalkRowStep * r) * kGdnValueSlice + 4 * tc;
+        const float4 sv = ld4(s);
+        st4(s, make_float4(decay * sv.x + acc[r][0], decay * sv.y + acc[r][1], decay * sv.z + acc[r][2],
+                           decay * sv.w + acc[r][3]));
+      }
+    }
     __syncthreads();
   }
-  for (int i = threadIdx.x; i < kDk * kGdnValueSlice; i += kChunkThreads) {
+  for (int i = threadIdx.x; i < kDk * kGdnValueSlice; i += kWalkThreads) {
     state[(i / kGdnValueSlice) * dv + i % kGdnValueSlice] = sm[L::kS + i];
   }
 }
 
-template <int kDk, int kChunk, bool kVerify>
-void chunked_launch_instance(const DeviceContext& ctx, const GdnDeltaRuleArgs& args, dim3 grid) {
-  const int bytes = static_cast<int>(gdn_chunked_smem_bytes(kDk, kChunk));
-  TERN_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunked_kernel<kDk, kChunk, kVerify>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  launch_kernel(ctx, gdn_chunked_kernel<kDk, kChunk, kVerify>, grid, dim3(kChunkThreads), bytes, args);
-}
-
 template <int kDk, int kChunk>
-void chunked_launch(const DeviceContext& ctx, const GdnDeltaRuleArgs& args, dim3 grid) {
+void chunked_launch(const DeviceContext& ctx, const GdnDeltaRuleArgs& args) {
+  const int prepare_bytes = static_cast<int>(PrepareLayout<kDk, kChunk>::kFloats * sizeof(float));
+  const int walk_bytes = static_cast<int>(WalkLayout<kDk, kChunk>::kFloats * sizeof(float));
+  const dim3 prepare_grid(static_cast<unsigned>(args.seqs.n_seqs),
+                          static_cast<unsigned>((args.seqs.max_query_len + kChunk - 1) / kChunk),
+                          static_cast<unsigned>(args.n_value_heads));
+  const dim3 walk_grid(static_cast<unsigned>(args.seqs.n_seqs), static_cast<unsigned>(args.n_value_heads),
+                       static_cast<unsigned>(args.value_dim / kGdnValueSlice));
+  TERN_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_prepare_kernel<kDk, kChunk>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, prepare_bytes));
+  if (prepare_grid.y > 0) {
+    launch_kernel(ctx, gdn_chunk_prepare_kernel<kDk, kChunk>, prepare_grid, dim3(kChunkThreads), prepare_bytes, args);
+  }
+  auto launch_walk = [&](auto kernel) {
+    TERN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, walk_bytes));
+    launch_kernel(ctx, kernel, walk_grid, dim3(kWalkThreads), walk_bytes, args);
+  };
   if (args.seqs.row_slots != nullptr) {
-    chunked_launch_instance<kDk, kChunk, true>(ctx, args, grid);
+    launch_walk(gdn_chunk_walk_kernel<kDk, kChunk, true>);
   } else {
-    chunked_launch_instance<kDk, kChunk, false>(ctx, args, grid);
+    launch_walk(gdn_chunk_walk_kernel<kDk, kChunk, false>);
   }
 }
 
 template <int kChunk>
-void chunked_dispatch(const DeviceContext& ctx, const GdnDeltaRuleArgs& args, dim3 grid) {
+void chunked_dispatch(const DeviceContext& ctx, const GdnDeltaRuleArgs& args) {
   switch (args.key_dim) {
-    case 32: chunked_launch<32, kChunk>(ctx, args, grid); break;
-    case 64: chunked_launch<64, kChunk>(ctx, args, grid); break;
-    default: chunked_launch<128, kChunk>(ctx, args, grid); break;
+    case 32: chunked_launch<32, kChunk>(ctx, args); break;
+    case 64: chunked_launch<64, kChunk>(ctx, args); break;
+    default: chunked_launch<128, kChunk>(ctx, args); break;
   }
 }
 
@@ -684,13 +795,28 @@ int conv_lanes(int64_t max_query_len) {
 bool gdn_head_dim_supported(int64_t dim) { return dim == 32 || dim == 64 || dim == 128; }
 
 int64_t gdn_chunked_smem_bytes(int64_t key_dim, int64_t chunk) {
-  auto bytes = [](auto layout) { return int64_t{decltype(layout)::kFloats} * 4; };
+  auto bytes = [](auto prepare, auto walk) {
+    return int64_t{std::max(decltype(prepare)::kFloats, decltype(walk)::kFloats)} * 4;
+  };
   const bool long_chunk = chunk == 64;
   switch (key_dim) {
-    case 32: return long_chunk ? bytes(ChunkLayout<32, 64>{}) : bytes(ChunkLayout<32, 32>{});
-    case 64: return long_chunk ? bytes(ChunkLayout<64, 64>{}) : bytes(ChunkLayout<64, 32>{});
-    default: return long_chunk ? bytes(ChunkLayout<128, 64>{}) : bytes(ChunkLayout<128, 32>{});
+    case 32:
+      return long_chunk ? bytes(PrepareLayout<32, 64>{}, WalkLayout<32, 64>{})
+                        : bytes(PrepareLayout<32, 32>{}, WalkLayout<32, 32>{});
+    case 64:
+      return long_chunk ? bytes(PrepareLayout<64, 64>{}, WalkLayout<64, 64>{})
+                        : bytes(PrepareLayout<64, 32>{}, WalkLayout<64, 32>{});
+    default:
+      return long_chunk ? bytes(PrepareLayout<128, 64>{}, WalkLayout<128, 64>{})
+                        : bytes(PrepareLayout<128, 32>{}, WalkLayout<128, 32>{});
   }
+}
+
+int64_t gdn_chunked_workspace_bytes(int64_t tokens, int64_t n_key_heads, int64_t n_value_heads, int64_t key_dim,
+                                    int64_t value_dim) {
+  // chunk_workspace's sections, sized for 64-row chunks (the longer of the two: P's rows).
+  const int64_t per_token = n_key_heads * 2 * key_dim + n_value_heads * (key_dim + value_dim + 64 + 1);
+  return tokens * per_token * static_cast<int64_t>(sizeof(float));
 }
 
 int64_t gdn_chunked_chunk_len(const DeviceProps& props, int64_t key_dim) {
@@ -766,12 +892,10 @@ void gdn_delta_rule_launch_recurrent(const DeviceContext& ctx, const GdnDeltaRul
 }
 
 void gdn_delta_rule_launch_chunked(const DeviceContext& ctx, const GdnDeltaRuleArgs& args) {
-  const dim3 grid(static_cast<unsigned>(args.seqs.n_seqs), static_cast<unsigned>(args.n_value_heads),
-                  static_cast<unsigned>(args.value_dim / kGdnValueSlice));
   if (gdn_chunked_chunk_len(ctx.props(), args.key_dim) == 64) {
-    chunked_dispatch<64>(ctx, args, grid);
+    chunked_dispatch<64>(ctx, args);
   } else {
-    chunked_dispatch<32>(ctx, args, grid);
+    chunked_dispatch<32>(ctx, args);
   }
   TERN_CUDA_CHECK_LAUNCH();
 }

@@ -98,12 +98,14 @@ void bench_delta(const DeviceContext& ctx, const Weights& w, int64_t n_seqs, int
   const DeviceBuffer ab = random_bf16_device(static_cast<size_t>(tokens * kHv), 2.0f, rng);
   DeviceBuffer state(state_bytes * n_rot), out(static_cast<size_t>(tokens * kHv * kDv * 2));
   TERN_CUDA_CHECK(cudaMemset(state.data(), 0, state.size_bytes()));
+  const int64_t ws_bytes = gdn_chunked_workspace_bytes(tokens, kHk, kHv, kDk, kDv);
+  const DeviceBuffer workspace(static_cast<size_t>(ws_bytes));
   const double ms = time_ms(ctx, n_rot, [&](int r) {
     const GdnDeltaRuleArgs a{.qkv = qkv.as<uint16_t>(), .qkv_stride = kWidth, .a = ab.as<uint16_t>(),
                              .b = ab.as<uint16_t>(), .ab_stride = kHv, .a_log = w.a_log.as<float>(),
                              .dt_bias = w.dt_bias.as<float>(), .state = state.as<float>(), .out = out.as<uint16_t>(),
                              .seqs = batch.seqs(r), .n_key_heads = kHk, .n_value_heads = kHv, .key_dim = kDk,
-                             .value_dim = kDv};
+                             .value_dim = kDv, .workspace = workspace.as<float>(), .workspace_bytes = ws_bytes};
     if (!gdn_delta_rule(ctx, a, variant)) std::abort();
   });
   const char* name = variant == GdnVariant::kChunked ? "chunked" : variant == GdnVariant::kRecurrent ? "recurrent" : "auto";

@@ -79,12 +79,16 @@ struct GdnDeltaRuleArgs {
   int64_t key_dim = 0;
   int64_t value_dim = 0;
   GdnGatedNorm norm;  // the recurrent kernel only
+  // The chunked kernels' scratch of gdn_chunked_workspace_bytes(seqs.tokens, ...) bytes, 16-byte aligned (what they
+  // pass from the first to the second kernel); the recurrent kernel needs none.
+  float* workspace = nullptr;
+  int64_t workspace_bytes = 0;
 };
 
 enum class GdnVariant {
   kAuto,       // recurrent for max_query_len <= kGdnRecurrentMaxQueryLen, chunked otherwise
   kRecurrent,  // tokens in order, the state in registers (decode; a correct fallback for any length)
-  kChunked,    // chunks of 32/64 tokens in the WY form (prefill)
+  kChunked,    // chunks of 32/64 tokens in the WY form (prefill): two kernels through GdnDeltaRuleArgs::workspace
 };
 
 // Limits the kernels are built for (the launchers reject anything else).
@@ -99,6 +103,9 @@ bool gdn_head_dim_supported(int64_t dim);                // 32, 64 or 128
 // it uses on this device (64 where it fits, else 32; 0 if neither fits).
 int64_t gdn_chunked_smem_bytes(int64_t key_dim, int64_t chunk);
 int64_t gdn_chunked_chunk_len(const DeviceProps& props, int64_t key_dim);
+// The workspace the chunked kernels need for `tokens` rows (tokens x (2 Hk dk + Hv (dk + dv + 65)) floats).
+int64_t gdn_chunked_workspace_bytes(int64_t tokens, int64_t n_key_heads, int64_t n_value_heads, int64_t key_dim,
+                                    int64_t value_dim);
 
 // Unchecked launches on ctx.stream() for arguments the checked launchers have validated (n_seqs >= 1).
 void gdn_conv1d_launch(const DeviceContext& ctx, const GdnConvArgs& args);

@@ -88,6 +88,15 @@ DeviceMeta meta_upload(const GdnBatch& b) {
   return {upload(b.query_start), upload(b.state_slot), upload(b.seq_past)};
 }
 
+// The chunked kernels' workspace for `tokens` rows of a case's shapes, poisoned (the kernels write before they read).
+struct ChunkedWorkspace {
+  int64_t bytes;
+  DeviceBuffer buffer;
+  ChunkedWorkspace(const GdnDeltaRuleInputs& in, int64_t tokens)
+      : bytes(gdn_chunked_workspace_bytes(tokens, in.n_key_heads, in.n_value_heads, in.key_dim, in.value_dim)),
+        buffer(upload(std::vector<uint32_t>(static_cast<size_t>(bytes / 4), kPoisonF32Bits))) {}
+};
+
 // Checks got against want with per-element |err| <= rel |want| + abs_of_max max|want|; NaN never passes. Returns
 // the largest error / allowed.
 double check_close(const std::vector<float>& got, const std::vector<float>& want, double rel, double abs_of_max,
@@ -150,12 +159,13 @@ class GdnKernels : public ::testing::Test {
       const DeviceMeta meta = meta_upload(sb.batch);
       const size_t out_count = static_cast<size_t>((sb.batch.tokens + kSpareRows) * hv * dv);
       DeviceBuffer dout = upload(std::vector<uint16_t>(out_count, kPoison));
+      const ChunkedWorkspace ws(in, sb.batch.tokens);
       const GdnDeltaRuleArgs args{.qkv = qkv.as<uint16_t>(), .qkv_stride = in.qkv_stride, .a = a.as<uint16_t>(),
                                   .b = b.as<uint16_t>(), .ab_stride = in.ab_stride, .a_log = a_log.as<float>(),
                                   .dt_bias = dt_bias.as<float>(), .state = state.as<float>(),
                                   .out = dout.as<uint16_t>(), .seqs = meta.seqs(sb.batch),
                                   .n_key_heads = in.n_key_heads, .n_value_heads = hv, .key_dim = in.key_dim,
-                                  .value_dim = dv};
+                                  .value_dim = dv, .workspace = ws.buffer.as<float>(), .workspace_bytes = ws.bytes};
       const auto status = gdn_delta_rule(*ctx_, args, variant);
       EXPECT_TRUE(status.has_value()) << (status ? "" : status.error().message);
       ctx_->synchronize();
@@ -490,11 +500,13 @@ VerifyDeltaRun run_verify_delta(const DeviceContext& ctx, const GdnDeltaRuleInpu
   const DeviceMeta meta = meta_upload(in.batch);
   const size_t out_count = static_cast<size_t>((in.batch.tokens + kSpareRows) * hv * dv);
   DeviceBuffer dout = upload(std::vector<uint16_t>(out_count, kPoison));
+  const ChunkedWorkspace ws(in, in.batch.tokens);
   GdnDeltaRuleArgs args{.qkv = qkv.as<uint16_t>(), .qkv_stride = in.qkv_stride, .a = a.as<uint16_t>(),
                         .b = b.as<uint16_t>(), .ab_stride = in.ab_stride, .a_log = a_log.as<float>(),
                         .dt_bias = dt_bias.as<float>(), .state = state.as<float>(), .out = dout.as<uint16_t>(),
                         .seqs = meta.seqs(in.batch), .n_key_heads = in.n_key_heads, .n_value_heads = hv,
-                        .key_dim = in.key_dim, .value_dim = dv};
+                        .key_dim = in.key_dim, .value_dim = dv, .workspace = ws.buffer.as<float>(),
+                        .workspace_bytes = ws.bytes};
   if (rows) {
     args.seqs.row_slots = row_slots.as<int32_t>();
     args.seqs.max_rows = v.max_rows;
@@ -701,6 +713,15 @@ TEST_F(GdnKernels, BadArgumentsAreErrors) {
                "row_slots is set, so max_rows=0 must be in [1, ");
   expect_error([&] { auto a = good; a.seqs.row_slots = buf.as<int32_t>(); a.seqs.max_rows = -2; return a; }(),
                "max_rows=-2");
+  {  // the chunked kernels without (or with too small) a workspace
+    const auto r = gdn_delta_rule(*ctx_, good, GdnVariant::kChunked);
+    ASSERT_FALSE(r.has_value());
+    EXPECT_NE(r.error().message.find("need a 16-byte aligned workspace of"), std::string::npos) << r.error().message;
+    auto small = good;
+    small.workspace = buf.as<float>();
+    small.workspace_bytes = gdn_chunked_workspace_bytes(4, 1, 1, 32, 32) - 4;
+    EXPECT_FALSE(gdn_delta_rule(*ctx_, small, GdnVariant::kChunked).has_value());
+  }
   const GdnConvArgs conv{.x = buf.as<uint16_t>(), .x_stride = 64, .weight = buf.as<float>(),
                          .conv_state = buf.as<uint16_t>(), .y = buf.as<uint16_t>(), .seqs = seqs, .channels = 64,
                          .kernel = 4};

@@ -21,8 +21,9 @@ size_t moe_align_workspace_bytes(int64_t tokens, int64_t top_k, int64_t n_expert
 
 Expected<void> moe_route(const DeviceContext& ctx, const MoeRouteArgs& args);
 Expected<void> moe_align(const DeviceContext& ctx, const MoeAlignArgs& args);
-// moe_route then moe_align in one launch; align must sort the ids route writes (same topk_ids, tokens, top_k and
-// n_experts) and tokens * top_k <= kMoeRouteAlignMaxPairs. tokens == 0 writes the all-zero offsets, as moe_align.
+// moe_route then moe_align, in one launch up to 8 tokens (beyond, as the two launches: faster there); align must
+// sort the ids route writes (same topk_ids, tokens, top_k and n_experts) and tokens * top_k <=
+// kMoeRouteAlignMaxPairs. tokens == 0 writes the all-zero offsets, as moe_align.
 Expected<void> moe_route_align(const DeviceContext& ctx, const MoeRouteArgs& route, const MoeAlignArgs& align);
 Expected<void> moe_gemm(const DeviceContext& ctx, const MoeGemmArgs& args, MoeGemmVariant variant = MoeGemmVariant::kAuto);
 Expected<void> moe_combine(const DeviceContext& ctx, const MoeCombineArgs& args);

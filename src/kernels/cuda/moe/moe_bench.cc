@@ -1,6 +1,6 @@
 // MoE kernel timings on one GPU for Qwen3.5-35B-A3B's expert shapes (hidden 2048, 256 experts, top-8,
 // moe_intermediate 512), bf16 and NVFP4 experts. Plain main (not run by ctest):
-//   moe_bench [--quick | --decode]
+//   moe_bench [--quick | --decode | --small]
 // Decode (tokens 1..64, both GEMM variants): the grouped gate_up (n = 1024, k = 2048) and down (n = 2048, k = 512)
 // GEMMs, reported as GB/s of the active experts' weight bytes (packed + block scales for NVFP4) against a
 // device-to-device copy kernel's bandwidth (read + written); also, decode only, gate and up as two [512, 2048]
@@ -9,7 +9,7 @@
 // Every timing rotates over 16 random routings so consecutive launches read different experts and the L2 stays
 // cold. Prefill (4096 tokens): TFLOP/s of the same GEMMs, with the kernel the model runs (wgmma on sm_90a) and the
 // mma.sync one. Route, align (apart and in one launch where the pairs fit one block) and combine are timed at both
-// sizes.
+// sizes; --small: only those, at 1 to 256 tokens and 4096.
 // Each timing is a CUDA graph of back-to-back launches, replayed after a warm-up; the median replay is reported.
 #include <cuda_runtime.h>
 
@@ -226,9 +226,9 @@ void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::v
   std::fflush(stdout);
 }
 
-// Route, align and combine at a decode and a prefill size.
-void bench_small_kernels(const DeviceContext& ctx, std::mt19937& rng) {
-  for (int64_t tokens : {int64_t{1}, int64_t{64}, int64_t{4096}}) {
+// Route, align and combine at decode and prefill sizes.
+void bench_small_kernels(const DeviceContext& ctx, const std::vector<int64_t>& token_counts, std::mt19937& rng) {
+  for (int64_t tokens : token_counts) {
     const int64_t rows = tokens * kTopK;
     const Routings r = make_routings(tokens, rng);
     const DeviceBuffer logits = fill_random<uint16_t>(static_cast<size_t>(tokens * kExperts), [&] {
@@ -279,7 +279,7 @@ void bench_small_kernels(const DeviceContext& ctx, std::mt19937& rng) {
   }
 }
 
-int bench_main(bool quick, bool decode_only) {
+int bench_main(bool quick, bool decode_only, bool small_only) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB\n", p.name.c_str(), p.cc_major, p.cc_minor, p.num_sms,
@@ -292,9 +292,13 @@ int bench_main(bool quick, bool decode_only) {
                                              : quick     ? std::vector<int64_t>{1, 8, 16, 64}
                                                          : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64};
   std::mt19937 rng(4242);
+  if (small_only) {
+    bench_small_kernels(ctx, {1, 4, 8, 16, 32, 64, 128, 256, 4096}, rng);
+    return 0;
+  }
   bench_format(ctx, MoeWeightFormat::kBf16, decode_tokens, decode_only, copy_gbs, rng);
   bench_format(ctx, MoeWeightFormat::kNvfp4, decode_tokens, decode_only, copy_gbs, rng);
-  if (!decode_only) bench_small_kernels(ctx, rng);
+  if (!decode_only) bench_small_kernels(ctx, {1, 64, 4096}, rng);
   return 0;
 }
 
@@ -304,5 +308,6 @@ int bench_main(bool quick, bool decode_only) {
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool decode_only = argc > 1 && std::strcmp(argv[1], "--decode") == 0;
-  return tern::bench_main(quick, decode_only);
+  const bool small_only = argc > 1 && std::strcmp(argv[1], "--small") == 0;
+  return tern::bench_main(quick, decode_only, small_only);
 }

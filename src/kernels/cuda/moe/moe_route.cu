@@ -461,7 +461,16 @@ void moe_align_launch(const DeviceContext& ctx, const MoeAlignArgs& a) {
   TERN_CUDA_CHECK_LAUNCH();
 }
 
+// The one-block route + align routes a warp's tokens one after another (each warp argmax round waits on the last),
+// so past half a token per warp the two launches are faster: 10.2 against 33.0 us at 64 tokens, 8.6 against 9.3
+// at 8 (moe_bench --small on the H200; docs/perf/gpu.md §route-align).
+constexpr int64_t kRouteAlignBlockMaxTokens = kAlignWarps / 2;
+
 void moe_route_align_launch(const DeviceContext& ctx, const MoeRouteArgs& route, const MoeAlignArgs& align) {
+  if (route.tokens > kRouteAlignBlockMaxTokens) {
+    moe_route_launch(ctx, route);
+    return moe_align_launch(ctx, align);
+  }
   const bool warp = route.tokens * route.top_k <= kRouteAlignWarpPairs;
   const int64_t route_warps = std::min<int64_t>(std::max<int64_t>(route.tokens, 1), kRouteAlignWarpWarps);
   const dim3 warps(static_cast<unsigned>(32 * route_warps));

@@ -304,8 +304,9 @@ TEST(MoeRouteAlign, MatchesTwoKernelsAndHost) {
   for (const Shape& s : {Shape{8, 2, true, false}, Shape{256, 8, true, false}, Shape{256, 8, true, true},
                          Shape{512, 10, false, true}, Shape{64, 1, true, false}, Shape{40, 32, true, true}}) {
     // Up to 32 pairs the warp kernel sorts (its warps route a token each, up to 8, then more per warp: 32 tokens
-    // of top-1); past that the block does. 4 and 5 tokens of top-8 sit on either side.
-    for (int64_t tokens : {1, 2, 4, 5, 7, 32, 64}) {
+    // of top-1); past that the block does, up to 8 tokens; past 8 tokens route's and align's launches. 4 and 5
+    // tokens of top-8 sit on either side of the first bound, 8 and 9 of the second.
+    for (int64_t tokens : {1, 2, 4, 5, 7, 8, 9, 32, 64}) {
       check_route_align(ctx, {tokens, s.n_experts, s.top_k, s.renormalize, s.coarse}, rng);
     }
   }
