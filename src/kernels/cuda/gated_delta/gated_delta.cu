@@ -543,36 +543,57 @@ struct WalkLayout {
   static constexpr int kWeight = kGamma + kChunk, kFloats = kWeight + kChunk;
 };
 
-// A chunk's rows from the workspace into shared memory (zeros past n): q, k, W, U's slice (into the delta buffer),
-// P and gamma.
+// A chunk's rows from the workspace into shared memory by cp.async (zeros past n), in the three groups the walk
+// overlaps with its phases: q and W (phase 1 only: loaded for the next chunk during phase 2), U's slice into the
+// delta buffer (phase 1 updates it in place), k and P (phase 2 only: loaded during phase 1). gamma (4-byte entries
+// strided by Hv) by plain loads.
+
+// Chunk rows t < kChunk of kWidth floats from src(row) (row: the token row of chunk row t) to dst, dst_ld floats
+// apart.
+template <int kChunk, int kWidth, class Src>
+__device__ __forceinline__ void walk_copy_rows(float* dst, int dst_ld, int64_t row0, int n, Src src) {
+  constexpr int kVecs = kWidth / 4;
+  for (int i = threadIdx.x; i < kChunk * kVecs; i += kWalkThreads) {
+    const int t = i / kVecs, c = (i % kVecs) * 4;
+    const bool in = t < n;
+    ptx::cp_async_16_zfill(dst + t * dst_ld + c, src(in ? row0 + t : row0) + c, in);
+  }
+}
+
 template <int kDk, int kChunk>
-__device__ void walk_load(const ChunkWorkspace& ws, const GdnDeltaRuleArgs& a, int64_t row0, int n, int64_t j,
-                          int64_t kh, int64_t e0, float* sm) {
+__device__ void walk_load_qw(const ChunkWorkspace& ws, const GdnDeltaRuleArgs& a, int64_t row0, int n, int64_t j,
+                             int64_t kh, float* sm) {
   using L = WalkLayout<kDk, kChunk>;
   const int64_t hv = a.n_value_heads, hk = a.n_key_heads;
-  constexpr int kRowVecs = kDk / 4;
-  for (int i = threadIdx.x; i < kChunk * kRowVecs; i += kWalkThreads) {
-    const int t = i / kRowVecs, d = (i % kRowVecs) * 4;
-    const bool in = t < n;
-    const int64_t row = row0 + t;
-    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    st4(sm + L::kQ + t * L::kLd + d, in ? ld4(ws.qk + (row * hk + kh) * 2 * kDk + d) : zero);
-    st4(sm + L::kK + t * L::kLd + d, in ? ld4(ws.qk + (row * hk + kh) * 2 * kDk + kDk + d) : zero);
-    st4(sm + L::kW + t * L::kLd + d, in ? ld4(ws.w + (row * hv + j) * kDk + d) : zero);
-  }
-  for (int i = threadIdx.x; i < kChunk * (kGdnValueSlice / 4); i += kWalkThreads) {
-    const int t = i / (kGdnValueSlice / 4), c = (i % (kGdnValueSlice / 4)) * 4;
-    st4(sm + L::kD + t * kVLd + c,
-        t < n ? ld4(ws.u + ((row0 + t) * hv + j) * a.value_dim + e0 + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f));
-  }
-  for (int i = threadIdx.x; i < kChunk * (kChunk / 4); i += kWalkThreads) {
-    const int t = i / (kChunk / 4), c = (i % (kChunk / 4)) * 4;
-    st4(sm + L::kP + t * L::kALd + c,
-        t < n ? ld4(ws.p + ((row0 + t) * hv + j) * ws.p_ld + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f));
-  }
+  walk_copy_rows<kChunk, kDk>(sm + L::kQ, L::kLd, row0, n,
+                              [&](int64_t row) { return ws.qk + (row * hk + kh) * 2 * kDk; });
+  walk_copy_rows<kChunk, kDk>(sm + L::kW, L::kLd, row0, n, [&](int64_t row) { return ws.w + (row * hv + j) * kDk; });
+  ptx::cp_async_commit();
+}
+
+template <int kDk, int kChunk>
+__device__ void walk_load_u(const ChunkWorkspace& ws, const GdnDeltaRuleArgs& a, int64_t row0, int n, int64_t j,
+                            int64_t e0, float* sm) {
+  using L = WalkLayout<kDk, kChunk>;
+  const int64_t hv = a.n_value_heads;
+  walk_copy_rows<kChunk, kGdnValueSlice>(sm + L::kD, kVLd, row0, n,
+                                         [&](int64_t row) { return ws.u + (row * hv + j) * a.value_dim + e0; });
+  ptx::cp_async_commit();
   if (threadIdx.x < kChunk) {
     sm[L::kGamma + threadIdx.x] = threadIdx.x < n ? ws.gamma[(row0 + threadIdx.x) * hv + j] : 0.0f;
   }
+}
+
+template <int kDk, int kChunk>
+__device__ void walk_load_kp(const ChunkWorkspace& ws, const GdnDeltaRuleArgs& a, int64_t row0, int n, int64_t j,
+                             int64_t kh, float* sm) {
+  using L = WalkLayout<kDk, kChunk>;
+  const int64_t hv = a.n_value_heads, hk = a.n_key_heads;
+  walk_copy_rows<kChunk, kDk>(sm + L::kK, L::kLd, row0, n,
+                              [&](int64_t row) { return ws.qk + (row * hk + kh) * 2 * kDk + kDk; });
+  walk_copy_rows<kChunk, kChunk>(sm + L::kP, L::kALd, row0, n,
+                                 [&](int64_t row) { return ws.p + (row * hv + j) * ws.p_ld; });
+  ptx::cp_async_commit();
 }
 
 // S_t = e^gamma_t S0 + sum_{i<=t} e^(gamma_t - gamma_i) k_i delta_i^T for the verified rows t < rows into slot
@@ -635,10 +656,14 @@ __global__ void __launch_bounds__(kWalkThreads) gdn_chunk_walk_kernel(const GdnD
   for (int i = threadIdx.x; i < kDk * kGdnValueSlice; i += kWalkThreads) {
     sm[L::kS + i] = sq.fresh ? 0.0f : state[(i / kGdnValueSlice) * dv + i % kGdnValueSlice];
   }
+  auto chunk_rows = [&](int64_t c0) { return static_cast<int>(min(int64_t{kChunk}, sq.len - c0)); };
+  if (sq.len > 0) walk_load_qw<kDk, kChunk>(ws, a, sq.begin, chunk_rows(0), j, kh, sm);
   for (int64_t c0 = 0; c0 < sq.len; c0 += kChunk) {
     const int64_t row0 = sq.begin + c0;
-    const int n = static_cast<int>(min(int64_t{kChunk}, sq.len - c0));
-    walk_load<kDk, kChunk>(ws, a, row0, n, j, kh, e0, sm);
+    const int n = chunk_rows(c0);
+    walk_load_u<kDk, kChunk>(ws, a, row0, n, j, e0, sm);
+    walk_load_kp<kDk, kChunk>(ws, a, row0, n, j, kh, sm);
+    ptx::cp_async_wait<1>();  // q, W and U are in; k and P may still be on their way
     __syncthreads();
     const float* gamma = sm + L::kGamma;
     if (threadIdx.x < kChunk) {
@@ -680,7 +705,11 @@ __global__ void __launch_bounds__(kWalkThreads) gdn_chunk_walk_kernel(const GdnD
         st4(dl, make_float4(uv.x - ws0[r][0], uv.y - ws0[r][1], uv.z - ws0[r][2], uv.w - ws0[r][3]));
       }
     }
-    __syncthreads();
+    ptx::cp_async_wait<0>();
+    __syncthreads();  // delta complete, k and P in, q and W read: the next chunk's q and W may come in now
+    if (c0 + kChunk < sq.len) {
+      walk_load_qw<kDk, kChunk>(ws, a, row0 + kChunk, chunk_rows(c0 + kChunk), j, kh, sm);
+    }
     // Phase 2: the outputs, the verified rows' states, then S (each thread updates only the S entries it read).
 #pragma unroll
     for (int r = 0; r < kRowsT; ++r) {

@@ -1,6 +1,6 @@
 // MoE kernel timings on one GPU for Qwen3.5-35B-A3B's expert shapes (hidden 2048, 256 experts, top-8,
 // moe_intermediate 512), bf16 and NVFP4 experts. Plain main (not run by ctest):
-//   moe_bench [--quick | --decode | --small]
+//   moe_bench [--quick | --decode | --small | --tiles]
 // Decode (tokens 1..64, both GEMM variants): the grouped gate_up (n = 1024, k = 2048) and down (n = 2048, k = 512)
 // GEMMs, reported as GB/s of the active experts' weight bytes (packed + block scales for NVFP4) against a
 // device-to-device copy kernel's bandwidth (read + written); also, decode only, gate and up as two [512, 2048]
@@ -9,7 +9,8 @@
 // Every timing rotates over 16 random routings so consecutive launches read different experts and the L2 stays
 // cold. Prefill (4096 tokens): TFLOP/s of the same GEMMs, with the kernel the model runs (wgmma on sm_90a) and the
 // mma.sync one. Route, align (apart and in one launch where the pairs fit one block) and combine are timed at both
-// sizes; --small: only those, at 1 to 256 tokens and 4096.
+// sizes; --small: only those, at 1 to 256 tokens and 4096. --tiles: NVFP4 decode at 8 to 64 tokens with each x-row
+// tile width forced as well (MoeGemmArgs::decode_token_tiles).
 // Each timing is a CUDA graph of back-to-back launches, replayed after a warm-up; the median replay is reported.
 #include <cuda_runtime.h>
 
@@ -202,6 +203,24 @@ void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::v
             a.ldx = 2 * kInter;
             a.x_silu_mul = true;
           }));
+    // Past 8 tokens, each x-row tile width forced (MoeGemmArgs::decode_token_tiles), to check the launcher's rule.
+    for (const int tiles : {1, 2}) {
+      if (tokens <= 8) break;
+      const char* label = tiles == 1 ? "dec-t1" : "dec-t2";
+      print(label, tokens, "gate+up", r.mean_active,
+            time_gemm(ctx, gate, r, tokens, true, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a) {
+              a.w2 = up.view;
+              a.y2_offset = kInter;
+              a.ldy = 2 * kInter;
+              a.decode_token_tiles = tiles;
+            }));
+      print(label, tokens, "down+silu", r.mean_active,
+            time_gemm(ctx, down, r, tokens, false, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a) {
+              a.ldx = 2 * kInter;
+              a.x_silu_mul = true;
+              a.decode_token_tiles = tiles;
+            }));
+    }
     for (const auto& [proj, w, gather] : {std::tuple{"gate_up", &gate_up, true}, std::tuple{"down", &down, false}}) {
       // Both variants, so kMoeDecodeMaxTokens can be checked against where they cross.
       for (const MoeGemmVariant v : {MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill}) {
@@ -279,7 +298,7 @@ void bench_small_kernels(const DeviceContext& ctx, const std::vector<int64_t>& t
   }
 }
 
-int bench_main(bool quick, bool decode_only, bool small_only) {
+int bench_main(bool quick, bool decode_only, bool small_only, bool tiles) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB\n", p.name.c_str(), p.cc_major, p.cc_minor, p.num_sms,
@@ -296,6 +315,10 @@ int bench_main(bool quick, bool decode_only, bool small_only) {
     bench_small_kernels(ctx, {1, 4, 8, 16, 32, 64, 128, 256, 4096}, rng);
     return 0;
   }
+  if (tiles) {
+    bench_format(ctx, MoeWeightFormat::kNvfp4, {8, 16, 32, 64}, true, copy_gbs, rng);
+    return 0;
+  }
   bench_format(ctx, MoeWeightFormat::kBf16, decode_tokens, decode_only, copy_gbs, rng);
   bench_format(ctx, MoeWeightFormat::kNvfp4, decode_tokens, decode_only, copy_gbs, rng);
   if (!decode_only) bench_small_kernels(ctx, {1, 64, 4096}, rng);
@@ -309,5 +332,6 @@ int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool decode_only = argc > 1 && std::strcmp(argv[1], "--decode") == 0;
   const bool small_only = argc > 1 && std::strcmp(argv[1], "--small") == 0;
-  return tern::bench_main(quick, decode_only, small_only);
+  const bool tiles = argc > 1 && std::strcmp(argv[1], "--tiles") == 0;
+  return tern::bench_main(quick, decode_only, small_only, tiles);
 }

@@ -372,8 +372,10 @@ void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, const 
 }  // namespace
 
 void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& a) {
-  // One 8-row tile per pass covers every expert while tokens <= 8 (a token picks an expert once).
-  const bool one_tile = a.rows <= 8 * a.top_k;
+  // One 8-row tile per pass covers every expert while tokens <= 8 (a token picks an expert once). Past that two
+  // tiles, although alone one tile streams the weights 1.3-1.5x faster at 16-64 tokens of random routing: in the
+  // model's steps it was slower (docs/perf/gpu.md §decode-token-tiles).
+  const bool one_tile = a.decode_token_tiles == 1 || (a.decode_token_tiles == 0 && a.rows <= 8 * a.top_k);
   if (a.x_silu_mul) {
     if (one_tile) return decode_launch_format<1, true>(a, ctx.props(), ctx);
     return decode_launch_format<2, true>(a, ctx.props(), ctx);

@@ -117,6 +117,9 @@ struct MoeGemmArgs {
   MoeExpertWeights w2;    // optional second projection (see above)
   int64_t y2_offset = 0;  // elements from a row of y to w2's column 0: w.n <= y2_offset <= ldy - w2.n
   bool x_silu_mul = false;  // x holds [gate | up] rows (see above)
+  // Decode variant: an expert's rows are taken 8 * decode_token_tiles at a time (1 or 2; each pass streams the
+  // expert's weight again, two tiles need twice the registers); 0: the launcher's rule. Benchmarks and tests force it.
+  int decode_token_tiles = 0;
   // Routing in the launch (decode variant, one token: rows == top_k, gather, no x_silu_mul). When route.logits is
   // set, every block routes the token itself (route.tokens == 1), as moe_route would, and finds its expert among
   // the winners; one block writes what moe_route and moe_align would (route's topk_ids and topk_weights, align's

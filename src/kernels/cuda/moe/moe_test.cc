@@ -709,6 +709,7 @@ struct GemmCase {
   int64_t tokens, top_k;
   bool gather, skew;
   int64_t col0 = 0, ldy_extra = 0;  // write columns [col0, col0 + n) of rows ldy = col0 + n + ldy_extra wide
+  int token_tiles = 0;               // MoeGemmArgs::decode_token_tiles
 };
 
 // fp64 product of every permuted row with its expert's weight: [rows, w.n], x read at src(r) (gather: token rows).
@@ -788,7 +789,8 @@ void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const Gemm
                          .w = w.view(),
                          .y = d_y.as<uint16_t>() + c.col0,
                          .ldy = ldy,
-                         .rows = rows};
+                         .rows = rows,
+                         .decode_token_tiles = c.token_tiles};
   const auto status = moe_gemm(ctx, args, variant);
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
@@ -796,7 +798,8 @@ void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const Gemm
   EXPECT_EQ(written_outside(y, rows, ldy, {{c.col0, c.col0 + n}}), 0)
       << "columns outside [col0, col0 + n) were written";
   gemm_test::check_gemm(y_columns(y, rows, ldy, c.col0, n), expert_reference(w, x, ldx, al, c.gather, c.top_k), rows, n,
-                        gemm_name(w, variant, c.tokens, c.top_k) + (c.skew ? " skewed" : ""));
+                        gemm_name(w, variant, c.tokens, c.top_k) + (c.skew ? " skewed" : "") +
+                            (c.token_tiles > 0 ? " tiles=" + std::to_string(c.token_tiles) : ""));
 }
 
 // The same on a fresh random routing (skew: see random_ids).
@@ -827,6 +830,12 @@ void check_gemm_shapes(MoeWeightFormat format) {
     check_gemm(ctx, w, {1000, 4, true, true}, v, rng);
     check_gemm(ctx, w, {37, 4, false, true, 0, 6}, v, rng);
     check_gemm(ctx, w, {300, 2, true, false, 130, 0}, v, rng);  // the up half of a [rows, 2n] buffer
+  }
+  // The decode kernel with each x-row tile width forced: one 8-row tile over experts of many rows (several passes
+  // over the same weight) and two tiles at a few tokens.
+  for (const int tiles : {1, 2}) {
+    check_gemm(ctx, w, {37, 4, true, true, 0, 0, tiles}, MoeGemmVariant::kDecode, rng);
+    check_gemm(ctx, w, {3, 4, true, false, 0, 0, tiles}, MoeGemmVariant::kDecode, rng);
   }
 }
 
@@ -921,7 +930,7 @@ TEST(MoeGemm, SecondProjectionInTheSameLaunch) {
 // fp32 silu's few ulp) adds at most 2^-9 S to gemm_test's bound; dropping a 16-k block still moves y by about
 // 16 S / k, at least 2^-7 S here.
 void check_gemm_silu(const DeviceContext& ctx, const ExpertWeights& w, const std::vector<int32_t>& ids, int64_t top_k,
-                     std::mt19937& rng) {
+                     std::mt19937& rng, int token_tiles = 0) {
   const int64_t rows = static_cast<int64_t>(ids.size()), n = w.n, k = w.k;
   const HostAlign al = align_reference(ids, w.n_experts);
   const std::vector<uint16_t> gate_up = gemm_test::random_bf16(static_cast<size_t>(rows * 2 * k), rng);
@@ -937,7 +946,8 @@ void check_gemm_silu(const DeviceContext& ctx, const ExpertWeights& w, const std
                          .y = y_fused.as<uint16_t>(),
                          .ldy = n,
                          .rows = rows,
-                         .x_silu_mul = true};
+                         .x_silu_mul = true,
+                         .decode_token_tiles = token_tiles};
   auto status = moe_gemm(ctx, base, MoeGemmVariant::kDecode);
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ASSERT_TRUE(
@@ -986,6 +996,8 @@ TEST(MoeGemm, SiluMulFoldedIntoTheDecodeKernel) {
       for (int64_t tokens : {1, 2, 7, 64}) {
         check_gemm_silu(ctx, w, random_ids(tokens, s.top_k, s.n_experts, s.skew, rng), s.top_k, rng);
       }
+      // One 8-row tile per pass at 64 tokens: more passes, each restaging its act rows.
+      check_gemm_silu(ctx, w, random_ids(64, s.top_k, s.n_experts, s.skew, rng), s.top_k, rng, 1);
     }
   }
   for (int64_t tokens : {1, 2, 7}) {
@@ -1546,6 +1558,7 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
   const MoeGemmArgs gemm{.x = u16, .ldx = 64, .sorted_pairs = i32, .top_k = 2, .gather = true, .expert_offsets = i32,
                          .w = w, .y = buf.as<uint16_t>(), .ldy = 16, .rows = 4};
   expect_error([&] { auto a = gemm; a.w.k = 40; return moe_gemm(ctx, a); }, "k=40 must be a positive multiple of 16");
+  expect_error([&] { auto a = gemm; a.decode_token_tiles = 3; return moe_gemm(ctx, a); }, "decode_token_tiles=3");
   expect_error([&] { auto a = gemm; a.x = u16 + 1; return moe_gemm(ctx, a); }, "x is not 16-byte aligned");
   expect_error([&] { auto a = gemm; a.ldx = 56; return moe_gemm(ctx, a); }, "ldx=56 must be a multiple of 8");
   expect_error([&] { auto a = gemm; a.sorted_pairs = nullptr; return moe_gemm(ctx, a); }, "sorted_pairs (needed to gather)");
