@@ -359,20 +359,30 @@ struct ChunkWorkspace {
   int64_t p_ld;  // floats per P row: the chunk length
 };
 
-__host__ __device__ inline ChunkWorkspace chunk_workspace(float* base, int64_t tokens, int64_t hk, int64_t hv,
-                                                          int64_t dk, int64_t dv, int64_t chunk) {
-  ChunkWorkspace w;
-  w.qk = base;
-  w.w = w.qk + tokens * hk * 2 * dk;
-  w.u = w.w + tokens * hv * dk;
-  w.p = w.u + tokens * hv * dv;
-  w.gamma = w.p + tokens * hv * chunk;
-  w.p_ld = chunk;
-  return w;
+// The sections' offsets in floats, and the floats of all of them (end): the one definition of the layout, for the
+// kernels' pointers and gdn_chunked_workspace_bytes.
+struct ChunkWorkspaceOffsets {
+  int64_t qk, w, u, p, gamma, end;
+};
+
+__host__ __device__ inline ChunkWorkspaceOffsets chunk_workspace_offsets(int64_t tokens, int64_t hk, int64_t hv,
+                                                                         int64_t dk, int64_t dv, int64_t chunk) {
+  ChunkWorkspaceOffsets o;
+  o.qk = 0;
+  o.w = o.qk + tokens * hk * 2 * dk;
+  o.u = o.w + tokens * hv * dk;
+  o.p = o.u + tokens * hv * dv;
+  o.gamma = o.p + tokens * hv * chunk;
+  o.end = o.gamma + tokens * hv;
+  return o;
 }
 
 __device__ __forceinline__ ChunkWorkspace chunk_workspace(const GdnDeltaRuleArgs& a, int64_t chunk) {
-  return chunk_workspace(a.workspace, a.seqs.tokens, a.n_key_heads, a.n_value_heads, a.key_dim, a.value_dim, chunk);
+  const ChunkWorkspaceOffsets o =
+      chunk_workspace_offsets(a.seqs.tokens, a.n_key_heads, a.n_value_heads, a.key_dim, a.value_dim, chunk);
+  float* base = a.workspace;
+  return {.qk = base + o.qk, .w = base + o.w, .u = base + o.u, .p = base + o.p, .gamma = base + o.gamma,
+          .p_ld = chunk};
 }
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
@@ -843,9 +853,9 @@ int64_t gdn_chunked_smem_bytes(int64_t key_dim, int64_t chunk) {
 
 int64_t gdn_chunked_workspace_bytes(int64_t tokens, int64_t n_key_heads, int64_t n_value_heads, int64_t key_dim,
                                     int64_t value_dim) {
-  // chunk_workspace's sections, sized for 64-row chunks (the longer of the two: P's rows).
-  const int64_t per_token = n_key_heads * 2 * key_dim + n_value_heads * (key_dim + value_dim + 64 + 1);
-  return tokens * per_token * static_cast<int64_t>(sizeof(float));
+  // Sized for 64-row chunks, the longer of the two (P's rows).
+  const ChunkWorkspaceOffsets o = chunk_workspace_offsets(tokens, n_key_heads, n_value_heads, key_dim, value_dim, 64);
+  return o.end * static_cast<int64_t>(sizeof(float));
 }
 
 int64_t gdn_chunked_chunk_len(const DeviceProps& props, int64_t key_dim) {

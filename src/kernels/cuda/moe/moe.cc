@@ -164,10 +164,10 @@ Expected<void> second_projection_validate(const MoeGemmArgs& a) {
 }
 
 Expected<void> gemm_validate(const MoeGemmArgs& a) {
-  if (a.decode_token_tiles < 0 || a.decode_token_tiles > 2) {
-    return make_error("moe_gemm: decode_token_tiles={} must be 0 (the launcher's rule), 1 or 2", a.decode_token_tiles);
-  }
   constexpr const char* k = "moe_gemm";
+  if (a.decode_token_tiles < 0 || a.decode_token_tiles > 2) {
+    return make_error("{}: decode_token_tiles={} must be 0 (the launcher's rule), 1 or 2", k, a.decode_token_tiles);
+  }
   const MoeExpertWeights& w = a.w;
   if (w.n_experts < 1 || w.n_experts > kMoeMaxExperts) {
     return make_error("{}: n_experts={} must be in [1, {}]", k, w.n_experts, kMoeMaxExperts);

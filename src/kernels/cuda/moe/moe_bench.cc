@@ -191,22 +191,11 @@ void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::v
   };
   for (int64_t tokens : decode_tokens) {
     const Routings r = make_routings(tokens, rng);
-    print("decode", tokens, "gate+up", r.mean_active,
-          time_gemm(ctx, gate, r, tokens, true, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a) {
-            a.w2 = up.view;
-            a.y2_offset = kInter;
-            a.ldy = 2 * kInter;
-          }));
-    // The down projection reading [gate | up] rows and applying silu_mul itself (MoeGemmArgs::x_silu_mul).
-    print("decode", tokens, "down+silu", r.mean_active,
-          time_gemm(ctx, down, r, tokens, false, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a) {
-            a.ldx = 2 * kInter;
-            a.x_silu_mul = true;
-          }));
-    // Past 8 tokens, each x-row tile width forced (MoeGemmArgs::decode_token_tiles), to check the launcher's rule.
-    for (const int tiles : {1, 2}) {
-      if (tokens <= 8) break;
-      const char* label = tiles == 1 ? "dec-t1" : "dec-t2";
+    // The launcher's x-row tiles (decode), then past 8 tokens each width forced (MoeGemmArgs::decode_token_tiles),
+    // to check the launcher's rule.
+    for (const int tiles : {0, 1, 2}) {
+      if (tiles > 0 && tokens <= 8) break;
+      const char* label = tiles == 0 ? "decode" : tiles == 1 ? "dec-t1" : "dec-t2";
       print(label, tokens, "gate+up", r.mean_active,
             time_gemm(ctx, gate, r, tokens, true, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a) {
               a.w2 = up.view;
@@ -214,6 +203,7 @@ void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::v
               a.ldy = 2 * kInter;
               a.decode_token_tiles = tiles;
             }));
+      // The down projection reading [gate | up] rows and applying silu_mul itself (MoeGemmArgs::x_silu_mul).
       print(label, tokens, "down+silu", r.mean_active,
             time_gemm(ctx, down, r, tokens, false, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a) {
               a.ldx = 2 * kInter;
