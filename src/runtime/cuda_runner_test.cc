@@ -7,6 +7,8 @@
 // reproduces none of the greedy continuations (tools/device/bf16_noise.py writes what it measured to each fixture's
 // bf16_noise.json). So against transformers the bound is that measured bf16 deviation of the reference
 // implementation itself, and a greedy continuation must equal the reference where transformers-bf16 reproduced it.
+// With DeepSeek Sparse Attention (glm_moe_dsa), positions where the indexer's top-k choice is a near tie in float64
+// are left out of that bound, here as in bf16_noise.json (near_tie_positions below).
 //
 // The tight check is layer by layer against the CPU path (IntermediatesTrackTheCpuPath): each traced intermediate
 // within 1/16 of its largest value, where a wrong kernel (a missed head, a wrong expert, a skipped norm) is off by
@@ -21,6 +23,8 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include "runtime/model_runner.h"
 #include "runtime/tp_runner.h"
@@ -84,6 +88,33 @@ Bf16Noise bf16_noise(const std::string& fixture) {
   return n;
 }
 
+// Per prompt, the teacher-forced positions where the fixture's DSA indexer choice is a near tie (dsa_margins.json,
+// written by tools/device/dsa_margins.py from transformers in float64: the topk-th and (topk+1)-th index scores closer
+// than near_tie_below of the row's largest). bf16 rounding can swap those keys, in transformers-bf16 as in any bf16
+// path, so the logits there are not determined at bf16 precision; bf16_noise.json's bound leaves them out and so do
+// the tests below. No file (models without DSA): none.
+std::vector<std::vector<bool>> near_tie_positions(const Case& c, const nlohmann::json& ref) {
+  std::vector<std::vector<bool>> out;
+  for (const auto& prompt : ref["prompts"]) out.emplace_back(prompt.size(), false);
+  const std::string path = std::string(TERN_FIXTURES_DIR) + "/" + c.fixture + "/dsa_margins.json";
+  if (!std::ifstream(path).good()) return out;
+  const auto margins = read_json(path);
+  EXPECT_EQ(margins["prompts"].size(), out.size()) << path;
+  for (size_t p = 0; p < std::min(out.size(), margins["prompts"].size()); ++p) {
+    for (const size_t t : margins["prompts"][p]["near_tie"].get<std::vector<size_t>>()) {
+      EXPECT_LT(t, out[p].size()) << path;
+      if (t < out[p].size()) out[p][t] = true;
+    }
+  }
+  return out;
+}
+
+// Leaving positions out must stay the exception: at most a quarter of them.
+void expect_few_left_out(size_t left_out, size_t positions, const std::string& fixture) {
+  EXPECT_LE(4 * left_out, positions) << fixture << ": " << left_out << " of " << positions
+                                     << " positions are DSA near ties";
+}
+
 class GpuModelReference : public testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
@@ -126,7 +157,9 @@ TEST_P(GpuModelReference, TeacherForcedLogitsMatchTransformers) {
   const auto ref = reference_of(c);
   const int64_t vocab = model->config().vocab_size;
   const double bound = bf16_noise(c.fixture).max_rel_logit_error;
+  const auto near_tie = near_tie_positions(c, ref);
   double worst = 0.0;
+  size_t left_out = 0, positions_seen = 0;
   for (size_t p = 0; p < ref["prompts"].size(); ++p) {
     const auto prompt = ref["prompts"][p].get<std::vector<int32_t>>();
     SequenceCache seq = model->new_sequence();
@@ -136,12 +169,20 @@ TEST_P(GpuModelReference, TeacherForcedLogitsMatchTransformers) {
     ASSERT_EQ(logits->size(), prompt.size() * vocab);
     const auto& positions = ref["teacher_forced"][p]["positions"];
     for (size_t t = 0; t < prompt.size(); ++t) {
+      ++positions_seen;
       const std::string where = fmt::format("prompt {} position {}", p, t);
+      if (near_tie[p][t]) {
+        ++left_out;
+        EXPECT_TRUE(std::all_of(&(*logits)[t * vocab], &(*logits)[(t + 1) * vocab],
+                                [](float v) { return std::isfinite(v); })) << where;
+        continue;
+      }
       worst = std::max(worst, expect_position_matches(&(*logits)[t * vocab], vocab, positions[t], bound, where));
     }
   }
+  expect_few_left_out(left_out, positions_seen, c.fixture);
   std::cout << c.fixture << ": max |logit - reference| / max |reference logit| = " << worst
-            << " (transformers in bf16: " << bound << ")\n";
+            << " (transformers in bf16: " << bound << "; " << left_out << " DSA near-tie positions left out)\n";
 }
 
 // The kernels the self-test may pick for one row (the decode GEMV, with each RMSNorm fused in front of it and the
@@ -157,20 +198,29 @@ TEST_P(GpuModelReference, OneRowStepsWithTheFusedGemvsMatchTransformers) {
   const auto ref = reference_of(c);
   const int64_t vocab = model->config().vocab_size;
   const double bound = bf16_noise(c.fixture).max_rel_logit_error;
+  const auto near_tie = near_tie_positions(c, ref);
   double worst = 0.0;
+  size_t left_out = 0, positions_seen = 0;
   for (size_t p = 0; p < ref["prompts"].size(); ++p) {
     const auto prompt = ref["prompts"][p].get<std::vector<int32_t>>();
     const auto& positions = ref["teacher_forced"][p]["positions"];
     SequenceCache seq = model->new_sequence();
     for (size_t t = 0; t < prompt.size(); ++t) {
+      ++positions_seen;
       const std::vector<SequenceInput> batch{{&seq, std::span<const int32_t>(&prompt[t], 1)}};
       auto logits = model->forward(batch, LogitsFor::kLastToken);
       ASSERT_TRUE(logits.has_value()) << logits.error().message;
       ASSERT_EQ(logits->size(), static_cast<size_t>(vocab));
       const std::string where = fmt::format("prompt {} position {} (one row per step)", p, t);
+      if (near_tie[p][t]) {
+        ++left_out;
+        EXPECT_TRUE(std::all_of(logits->begin(), logits->end(), [](float v) { return std::isfinite(v); })) << where;
+        continue;
+      }
       worst = std::max(worst, expect_position_matches(logits->data(), vocab, positions[t], bound, where));
     }
   }
+  expect_few_left_out(left_out, positions_seen, c.fixture);
   EXPECT_NE(model->describe().find(c.tp > 1 && !c.nccl ? "eager decode" : "decode graphs"), std::string::npos)
       << model->describe();
   std::cout << c.fixture << ": one row per step, max |logit - reference| / max |reference logit| = " << worst
