@@ -8,8 +8,9 @@
 // warpgroup issues its four k16 wgmmas asynchronously, then refills the stage kWgLag steps behind while they run,
 // and waits for the previous step's group before the next barrier, so loads, dequantization and tensor-core work
 // overlap. Warpgroup tiles: kBm = 128: warpgroup w takes rows 64 w .. 64 w + 63 and all kBn columns (m64n256);
-// kBm = 64: all 64 rows and columns kBn / 2 * w onwards (m64n128). A warpgroup whose rows all lie past its expert's
-// last row (the expert's last tile) issues no products.
+// kBm = 64: all 64 rows and columns kBn / 2 * w onwards (m64n128). Every warpgroup issues its products, also one
+// whose rows all lie past its expert's last row (zero rows, never stored): skipping them puts the wgmmas under a
+// branch, and ptxas then serializes them (docs/perf/gpu.md §moe-prefill-wgmma).
 //
 // Why a stage is refilled two steps behind: after the barrier of step s every warpgroup has waited for its step
 // s - 2 group (wait_group<1> at the end of step s - 1), so the stage of step s - 2 is free while step s - 1 may still
@@ -170,8 +171,6 @@ __global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const Gem
   const int wg = threadIdx.x / 128;
   const uint32_t a_off = kBm == 128 ? wg * 64 * 128 : 0;       // the warpgroup's x rows
   const uint32_t b_off = kBm == 128 ? 0 : wg * kN * 128;       // the warpgroup's W rows
-  // A warpgroup whose rows are all past the expert's (its last tile) issues no products.
-  const bool active = tw.row0 + (kBm == 128 ? wg * 64 : 0) < tw.row_end;
   float acc[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
@@ -182,11 +181,9 @@ __global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const Gem
     const uint32_t xa = ptx::smem_addr(x_tile(ks % kStages)) + a_off;
     const uint32_t wa = ptx::smem_addr(w_tile(ks % kStages)) + b_off;
     wgmma::fence();
-    if (active) {
 #pragma unroll
-      for (int j = 0; j < kWgBk / 16; ++j) {
-        wgmma::mma_m64k16<kN>(acc, wgmma::sw128_desc(xa + 32 * j), wgmma::sw128_desc(wa + 32 * j), 1);
-      }
+    for (int j = 0; j < kWgBk / 16; ++j) {
+      wgmma::mma_m64k16<kN>(acc, wgmma::sw128_desc(xa + 32 * j), wgmma::sw128_desc(wa + 32 * j), 1);
     }
     wgmma::commit_group();
     fill(ks + kLead);
@@ -236,8 +233,8 @@ void wg_launch(const GemmParams& p, int64_t rows, int64_t n_experts, const Devic
 
 template <bool kIsNvfp4>
 void wg_launch_tiles(const GemmParams& p, const MoeGemmArgs& a, const DeviceContext& ctx) {
-  // 128-row tiles once experts average 64 rows: a last tile's idle warpgroup skips its products, and the
-  // dequantized weight serves twice the rows (docs/perf/gpu.md §moe-prefill-wgmma).
+  // 128-row tiles once experts average 64 rows: the dequantized weight serves twice the rows (docs/perf/gpu.md
+  // §moe-prefill-wgmma).
   if (a.rows >= 64 * a.w.n_experts) return wg_launch<kIsNvfp4, 128, 256, 4>(p, a.rows, a.w.n_experts, ctx);
   wg_launch<kIsNvfp4, 64, 256, 4>(p, a.rows, a.w.n_experts, ctx);
 }
