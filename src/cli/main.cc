@@ -7,6 +7,7 @@
 #include "cli/info_command.h"
 #include "cli/loadgen_command.h"
 #include "cli/perplexity_command.h"
+#include "cli/rank_processes.h"
 #include "cli/score_command.h"
 #include "cli/serve_command.h"
 #include "cli/template_command.h"
@@ -14,6 +15,8 @@
 #include "cli/version_command.h"
 
 int main(int argc, char** argv) {
+  tern::adopt_parent_lifetime();  // a rank process of --distributed-executor-backend mp dies with its node 0
+  tern::set_command_line(argc, argv);
   CLI::App app{"tern: serves large language models from their Hugging Face checkpoints"};
   app.require_subcommand(1);  // --version answers before this is checked
   tern::register_info_command(app);

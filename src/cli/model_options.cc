@@ -1,5 +1,6 @@
 #include "cli/model_options.h"
 
+#include "cli/rank_processes.h"
 #include "runtime/speculative.h"
 #include "runtime/tp_runner.h"
 
@@ -93,6 +94,10 @@ void add_parallel_options(CLI::App& cmd, ModelCliOptions& o) {
   cmd.add_option("--dist-timeout", o.dist_timeout_s, "Seconds the nodes may take to join, and any one of them to "
                  "answer a collective, before it counts as lost")
       ->check(CLI::Range(1, 86400));
+  cmd.add_option("--distributed-executor-backend", o.distributed_executor_backend,
+                 "How the tensor-parallel ranks run: threads (of this process) or mp (one process per rank, started "
+                 "by tern; this process serves and runs rank 0)")
+      ->check(CLI::IsMember({"threads", "mp"}));
 }
 
 void add_backend_options(CLI::App& cmd, BackendFlags& b) {
@@ -150,6 +155,19 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
   options.node_rank = o.node_rank;
   options.dist_init_addr = o.dist_init_addr;
   options.tp_join_timeout = std::chrono::seconds(o.dist_timeout_s);
+  if (o.distributed_executor_backend == "mp" && o.tensor_parallel_size > 1 && o.node_rank == 0) {
+    if (o.nnodes > 1) {
+      return make_error("--distributed-executor-backend mp starts one process per rank on this machine; with --nnodes "
+                        "{}, start each node's process yourself (its ranks run as threads)", o.nnodes);
+    }
+    std::string addr = o.dist_init_addr;
+    if (addr.empty()) {
+      TERN_ASSIGN_OR_RETURN(addr, free_loopback_addr());
+    }
+    TERN_TRY(start_rank_processes(o.tensor_parallel_size, addr));
+    options.nnodes = o.tensor_parallel_size;
+    options.dist_init_addr = addr;
+  }
   if (o.node_rank > 0) {
     // Not node 0: this process runs its share of the ranks for node 0's command, and the command ends here.
     const int local = o.tensor_parallel_size / std::max(o.nnodes, 1);

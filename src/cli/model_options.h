@@ -31,6 +31,9 @@ struct ModelCliOptions {
   int node_rank = 0;              // this one (--node-rank; > 0: runs node 0's steps, then exits)
   std::string dist_init_addr;     // node 0's rendezvous store, HOST:PORT
   int dist_timeout_s = 120;       // joining the nodes, and each wait on another node
+  // How this machine's ranks run: "threads" of this process, or "mp": one process per rank, started by tern
+  // (cli/rank_processes.h; vLLM's name for it).
+  std::string distributed_executor_backend = "threads";
   BackendFlags backends;
   // Speculative decoding (runtime/speculative.h): "" (off) or "mtp" (alias "nextn": the model's MTP layers draft),
   // with this many draft tokens per step.

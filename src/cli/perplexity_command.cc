@@ -200,6 +200,8 @@ int run_perplexity(const PerplexityCliOptions& o) {
   if (reference_dir) {
     ModelCliOptions ref_options = o.model;
     ref_options.model_dir = o.kl_reference;
+    // Rank processes repeat this command line, which loads the model under test: the reference's ranks are threads.
+    ref_options.distributed_executor_backend = "threads";
     auto loaded = load_model_from_options(ref_options, sizes);
     if (!loaded) return fail(kBadInput, fmt::format("--kl-reference: {}", loaded.error().message));
     reference = std::move(*loaded);

@@ -1,0 +1,31 @@
+// --distributed-executor-backend mp: the tensor-parallel ranks of this machine as one process each, started by tern.
+// The process the user started is node 0 of the multi-node machinery (runtime/tp_runner.h: it serves, holds rank 0,
+// samples and sends every other rank each step's plan); it starts this same executable again with the same command
+// line plus --nnodes N --node-rank i --dist-init-addr 127.0.0.1:PORT for i = 1 .. N - 1, so rank i runs in a process
+// of its own (one GPU each, by --cuda-devices or rank order) and exits when node 0 stops. A rank process dies with its
+// parent (PR_SET_PDEATHSIG), its stdout goes to stderr, and at exit node 0 waits for its rank processes, killing
+// those still running after a grace period.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+
+namespace tern {
+
+// main() records its command line here, for the rank processes to repeat it.
+void set_command_line(int argc, const char* const* argv);
+
+// Starts ranks 1 .. world - 1 as processes of their own that join node 0's rendezvous at `addr` (HOST:PORT). Errors
+// name what could not be started; processes already started are then stopped.
+Expected<void> start_rank_processes(int world, const std::string& addr);
+
+// A loopback HOST:PORT no one listens on now (the OS's pick), for node 0's rendezvous.
+Expected<std::string> free_loopback_addr();
+
+// In a rank process started by start_rank_processes: die with the parent (and exit at once if it is already gone).
+// A no-op in any other process.
+void adopt_parent_lifetime();
+
+}  // namespace tern
