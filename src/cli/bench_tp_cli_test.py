@@ -156,6 +156,19 @@ def main():
                                                              g["index_head_dim"]) * 2, "GLM-5 latent + indexer keys")
     refuses(tern, glm, 3, "model.layers.0.self_attn.q_b_proj.weight")
 
+    # The one-GPU slice: GLM-5's first 8 layers (3 dense, 5 MoE) and otherwise the same config, the MTP layer's
+    # exclusion following it to index 8; its routed experts are those 5 layers' whole experts.
+    sl = f"{configs}/glm-5-nvfp4-slice"
+    with open(f"{sl}/config.json") as f:
+        s = json.load(f)
+    same = ("num_hidden_layers", "quantization_config")
+    assert {k: v for k, v in s.items() if k not in same} == {k: v for k, v in g.items() if k not in same}
+    assert s["num_hidden_layers"] == 8 and "model.layers.8*" in s["quantization_config"]["ignore"], s
+    one = plan(tern, sl, "--batch", "1", "--context", "2048")
+    close(one["weights"]["expert_bytes"],
+          (8 - g["first_k_dense_replace"]) * g["n_routed_experts"] * 3 * h * g["moe_intermediate_size"] * NVFP4,
+          "GLM-5 slice experts")
+
     # A run at --tp 2 on the CPU: rank 0's numbers, the same as its plan's, and the collectives of the fixture.
     fixture = f"{fixtures}/qwen3_5_moe"
     out = run(tern, "bench", "--model", fixture, "--device", "cpu", "--tp", "2", "--prefill", "8", "--batch", "1,3",
