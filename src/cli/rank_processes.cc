@@ -81,6 +81,8 @@ Expected<std::string> free_loopback_addr() {
 
 Expected<void> start_rank_processes(int world, const std::string& addr) {
   if (command_line().empty()) return make_error("the rank processes need the command line (set_command_line)");
+  // The list is made before the handler is registered, so that it is destroyed after the handler has run.
+  (void)children();
   static const bool reaper = std::atexit(reap_children) == 0;
   if (!reaper) return make_error("cannot register the rank processes' clean-up at exit");
   const std::string parent = std::to_string(getpid());
