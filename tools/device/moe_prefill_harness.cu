@@ -1,7 +1,11 @@
 // Standalone check and timing of the grouped MoE prefill GEMM on Hopper: the wgmma kernel (moe_gemm_prefill_sm90.cu)
 // against the mma.sync one (moe_gemm_prefill.cu) on every element and against an fp64 host product on sampled rows,
 // at the Qwen3.5-35B-A3B and 397B-A17B expert shapes with random top-k routing (docs/perf/gpu.md, "MoE prefill on
-// wgmma"). Built and run on the GPU machine by tools/device/moe_prefill_harness.sh; `timing` adds cudaEvent medians.
+// wgmma"). Built and run on the GPU machine by tools/device/moe_prefill_harness.sh; `timing` adds cudaEvent medians,
+// `tiles` times the wgmma kernel at other tile shapes and stage counts (each checked against the mma.sync kernel bit
+// for bit), for choosing the launcher's shapes. The wgmma kernel's file is included here, not linked, so that its
+// templates can be launched at any shape. Pass a case filter (e.g. `35B`): the 397B cases build tens of GB of weights
+// on the host.
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cmath>
@@ -12,6 +16,7 @@
 #include <vector>
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/moe/moe_launch.h"
+#include "kernels/cuda/moe/moe_gemm_prefill_sm90.cu"
 
 using namespace tern;
 
@@ -24,9 +29,20 @@ template <class T> T* up(const std::vector<T>& h) { T* d; cudaMalloc(&d, std::ma
 
 struct Case { const char* name; int T, E, topk, n, k; bool nvfp4, gather; int n2; };
 
+// Both projections of `a` at one tile shape (the launcher's choice bypassed).
+template <bool kNv, int kBm, int kBn, int kStages>
+void tile_launch(const DeviceContext& ctx, const MoeGemmArgs& a) {
+  wg_launch<kNv, kBm, kBn, kStages>(make_params(a), a.rows, a.w.n_experts, ctx);
+  if (a.w2.n != 0) {
+    const MoeGemmArgs b = second_projection(a);
+    wg_launch<kNv, kBm, kBn, kStages>(make_params(b), b.rows, b.w.n_experts, ctx);
+  }
+}
+
 int main(int argc, char** argv) {
   DeviceContext ctx(0);
   bool timing = argc > 1 && strcmp(argv[1], "timing") == 0;
+  bool tiles = argc > 1 && strcmp(argv[1], "tiles") == 0;
   const char* only = argc > 2 ? argv[2] : nullptr;
   std::vector<Case> cases = {
       {"small-odd bf16", 100, 16, 2, 200, 128, false, true, 0},
@@ -144,6 +160,39 @@ int main(int argc, char** argv) {
            c.name, variant, rows, nan_new, bad_old, max_rel_old, worst, checked, ok ? "OK" : "FAIL");
     if (timing && rows >= 4096) { float t = time_it(true); printf("   %7.1f us  %4.0f TFLOP/s", t * 1e3, flop / (t * 1e-3) / 1e12); }
     printf("\n");
+    }
+    if (tiles && rows >= 4096) {
+      // Every tile shape against the mma.sync output, bit for bit, then its median time.
+      auto run_cfg = [&](const char* name, void (*launch)(const DeviceContext&, const MoeGemmArgs&)) {
+        cudaMemsetAsync(dy, 0xFF, y_new.size() * 2, ctx.stream());
+        launch(ctx, a);
+        ctx.synchronize();
+        cudaMemcpy(y_new.data(), dy, y_new.size() * 2, cudaMemcpyDeviceToHost);
+        long differ = 0;
+        for (size_t i = 0; i < y_new.size(); ++i) differ += y_new[i] != y_old[i];
+        std::vector<float> ts;
+        cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+        for (int rep = 0; rep < 11; ++rep) {
+          cudaEventRecord(e0, ctx.stream());
+          launch(ctx, a);
+          cudaEventRecord(e1, ctx.stream()); cudaEventSynchronize(e1);
+          float ms; cudaEventElapsedTime(&ms, e0, e1); ts.push_back(ms);
+        }
+        std::sort(ts.begin(), ts.end());
+        const float t = ts[ts.size() / 2];
+        printf("    %-16s %7.1f us  %4.0f TFLOP/s  %s\n", name, t * 1e3, flop / (t * 1e-3) / 1e12,
+               differ == 0 ? "same bits" : "DIFFERENT");
+        failures += differ != 0;
+      };
+      if (c.nvfp4) {
+        run_cfg("128x256 s4", tile_launch<true, 128, 256, 4>); run_cfg("128x256 s3", tile_launch<true, 128, 256, 3>);
+        run_cfg("128x128 s4", tile_launch<true, 128, 128, 4>); run_cfg("128x128 s3", tile_launch<true, 128, 128, 3>);
+        run_cfg("64x256 s4", tile_launch<true, 64, 256, 4>); run_cfg("64x128 s4", tile_launch<true, 64, 128, 4>);
+      } else {
+        run_cfg("128x256 s4", tile_launch<false, 128, 256, 4>); run_cfg("128x256 s3", tile_launch<false, 128, 256, 3>);
+        run_cfg("128x128 s4", tile_launch<false, 128, 128, 4>); run_cfg("128x128 s3", tile_launch<false, 128, 128, 3>);
+        run_cfg("64x256 s4", tile_launch<false, 64, 256, 4>); run_cfg("64x128 s4", tile_launch<false, 64, 128, 4>);
+      }
     }
   }
   printf("%s (%d failing cases)\n", failures ? "FAILED" : "ALL OK", failures);
