@@ -179,6 +179,7 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
     throw CLI::RuntimeError(ran ? 0 : 1);
   }
   auto model = runner_load(o.model_dir, options);
+  if (model && options.nnodes > o.nnodes) rank_processes_formed_group();  // the rank processes started above
   if (model) {
     for (const std::string& notice : (*model)->model().notices) fmt::print(stderr, "{}: {}\n", o.model_dir, notice);
   }

@@ -11,11 +11,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <string_view>
 #include <thread>
 
 extern char** environ;
@@ -28,34 +31,94 @@ constexpr const char* kParentPidVariable = "TERN_RANK_PARENT_PID";
 // How long node 0 waits at exit for its rank processes to stop by themselves (they do once its runner has sent them
 // the stop) before killing them.
 constexpr auto kExitGrace = std::chrono::seconds(10);
+// A rank process that ends before the group has formed stops node 0 this long after (so that node 0's own error,
+// when it has the same one, is the one printed).
+constexpr auto kEarlyExitDelay = std::chrono::seconds(1);
+// Options node 0 gives its rank processes itself: the user's are dropped from their command line.
+constexpr std::string_view kNodeOptions[] = {"--nnodes", "--node-rank", "--dist-init-addr"};
 
 std::vector<std::string>& command_line() {
   static std::vector<std::string> args;
   return args;
 }
 
+// One rank process. Its watcher thread alone waits for it (waitpid), so its pid is never reused while `done` is
+// false and may be signalled until then.
+struct Child {
+  pid_t pid = 0;
+  int rank = 0;
+  std::atomic<bool> done{false};
+};
+
 std::mutex children_mutex;
-std::vector<pid_t>& children() {
-  static std::vector<pid_t> pids;
-  return pids;
+std::vector<std::shared_ptr<Child>>& children() {
+  static std::vector<std::shared_ptr<Child>> list;
+  return list;
+}
+std::atomic<bool> group_formed{false};
+
+std::string exit_reason(int status) {
+  if (WIFEXITED(status)) return fmt::format("exited with status {}", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return fmt::format("was killed by signal {}", WTERMSIG(status));
+  return "ended";
 }
 
-// Waits for every rank process, up to the grace period, then kills and reaps the rest.
-void reap_children() {
+// Waits for the rank process; one that ends before the group has formed stops node 0 with its status (it would
+// otherwise wait for it until --dist-timeout).
+void watch(std::shared_ptr<Child> child) {
+  int status = 0;
+  while (waitpid(child->pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  child->done = true;
+  if (group_formed) return;
+  std::this_thread::sleep_for(kEarlyExitDelay);
+  if (group_formed) return;
+  fmt::print(stderr, "tern: the process of tensor-parallel rank {} {} before the ranks formed their group; stopping\n",
+             child->rank, exit_reason(status));
+  std::fflush(stderr);
+  _exit(WIFEXITED(status) && WEXITSTATUS(status) != 0 ? WEXITSTATUS(status) : 1);
+}
+
+void kill_children() {
   std::lock_guard lock(children_mutex);
-  const auto deadline = std::chrono::steady_clock::now() + kExitGrace;
-  for (const pid_t pid : children()) {
-    int status = 0;
-    while (waitpid(pid, &status, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() >= deadline) {
-        kill(pid, SIGKILL);
-        waitpid(pid, &status, 0);
-        break;
-      }
+  for (const auto& child : children()) {
+    if (!child->done) kill(child->pid, SIGKILL);
+  }
+}
+
+// At exit: every rank process given the grace period to stop, then killed; their watchers reap them.
+void stop_children() {
+  group_formed = true;  // an exit now is node 0's own: no watcher reports it
+  const auto all_done = [] {
+    std::lock_guard lock(children_mutex);
+    return std::all_of(children().begin(), children().end(), [](const auto& c) { return c->done.load(); });
+  };
+  const auto wait_until = [&](std::chrono::steady_clock::time_point deadline) {
+    while (!all_done() && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
+  };
+  wait_until(std::chrono::steady_clock::now() + kExitGrace);
+  if (all_done()) return;
+  kill_children();
+  wait_until(std::chrono::steady_clock::now() + std::chrono::seconds(2));
+}
+
+// The user's command line without the options node 0 sets for its rank processes ("--opt value" or "--opt=value").
+std::vector<std::string> rank_command_line() {
+  std::vector<std::string> out;
+  const std::vector<std::string>& in = command_line();
+  for (size_t i = 0; i < in.size(); ++i) {
+    const std::string_view a = in[i];
+    const auto named = [&](std::string_view opt) { return a == opt || a.starts_with(std::string(opt) + "="); };
+    const auto it = std::find_if(std::begin(kNodeOptions), std::end(kNodeOptions), named);
+    if (it == std::end(kNodeOptions)) {
+      out.push_back(in[i]);
+    } else if (a == *it) {
+      ++i;  // and its value
+    }
   }
-  children().clear();
+  return out;
 }
 
 }  // namespace
@@ -83,14 +146,14 @@ Expected<void> start_rank_processes(int world, const std::string& addr) {
   if (command_line().empty()) return make_error("the rank processes need the command line (set_command_line)");
   // The list is made before the handler is registered, so that it is destroyed after the handler has run.
   (void)children();
-  static const bool reaper = std::atexit(reap_children) == 0;
-  if (!reaper) return make_error("cannot register the rank processes' clean-up at exit");
-  const std::string parent = std::to_string(getpid());
+  static const bool registered = std::atexit(stop_children) == 0;
+  if (!registered) return make_error("cannot register the rank processes' clean-up at exit");
+  group_formed = false;
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
     if (!std::string_view(*e).starts_with(std::string(kParentPidVariable) + "=")) env.emplace_back(*e);
   }
-  env.push_back(std::string(kParentPidVariable) + "=" + parent);
+  env.push_back(fmt::format("{}={}", kParentPidVariable, getpid()));
   // CPU ranks compute with OpenMP, whose threads spin while they wait: the machine's cores shared among the ranks
   // unless the user chose a count.
   if (std::getenv("OMP_NUM_THREADS") == nullptr) {
@@ -101,7 +164,7 @@ Expected<void> start_rank_processes(int world, const std::string& addr) {
   for (std::string& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
   for (int rank = 1; rank < world; ++rank) {
-    std::vector<std::string> args = command_line();
+    std::vector<std::string> args = rank_command_line();
     for (const std::string& a : {std::string("--nnodes"), std::to_string(world), std::string("--node-rank"),
                                  std::to_string(rank), std::string("--dist-init-addr"), addr}) {
       args.push_back(a);
@@ -112,21 +175,26 @@ Expected<void> start_rank_processes(int world, const std::string& addr) {
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, STDERR_FILENO, STDOUT_FILENO);  // node 0's stdout is its output
-    pid_t pid = 0;
-    const int rc = posix_spawn(&pid, "/proc/self/exe", &actions, nullptr, argv.data(), envp.data());
+    auto child = std::make_shared<Child>();
+    child->rank = rank;
+    const int rc = posix_spawn(&child->pid, "/proc/self/exe", &actions, nullptr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&actions);
     if (rc != 0) {
-      {
-        std::lock_guard lock(children_mutex);
-        for (const pid_t child : children()) kill(child, SIGKILL);
-      }
-      reap_children();
+      group_formed = true;  // the error below is the report
+      kill_children();
       return make_error("cannot start the process of tensor-parallel rank {}: {}", rank, std::strerror(rc));
     }
-    std::lock_guard lock(children_mutex);
-    children().push_back(pid);
+    {
+      std::lock_guard lock(children_mutex);
+      children().push_back(child);
+    }
+    std::thread(watch, child).detach();
   }
   return {};
+}
+
+void rank_processes_formed_group() {
+  group_formed = true;
 }
 
 void adopt_parent_lifetime() {

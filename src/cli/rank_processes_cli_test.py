@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """--distributed-executor-backend mp (src/cli/rank_processes.h) on the CPU: the rank processes tern starts stop with
-it, whether it ends cleanly or is killed, and a combination it cannot run exits 2 naming the flag. (That the split
+it, whether it ends cleanly or is killed; one lost during start-up stops it at once; the user's node options are not
+passed on; a combination it cannot run exits 2 naming the flag. (That the split
 model computes transformers' logits and greedy tokens is cli.model.qwen3_mp, model_cli_test.py with these flags.)
 
 usage: rank_processes_cli_test.py TERN FIXTURES_DIR
@@ -65,6 +66,29 @@ def main():
             server.kill()
         for pid in rank_processes():
             os.kill(pid, signal.SIGKILL)
+
+    # A rank process lost while the group forms stops node 0 at once (not after --dist-timeout, 173 s here).
+    start = time.monotonic()
+    starting = subprocess.Popen([tern, "generate", *common, "--prompt-ids", "1,2,3", "--max-tokens", "4"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: len(rank_processes()) == 1, 60, "the rank process started")
+        os.kill(rank_processes()[0], signal.SIGKILL)
+        _, err = starting.communicate(timeout=60)
+    finally:
+        if starting.poll() is None:
+            starting.kill()
+    assert starting.returncode != 0, err
+    assert time.monotonic() - start < 60, f"node 0 took {time.monotonic() - start:.0f} s to stop"
+    # Killed before joining: the start-up report; after: the lost node's error from the first collective.
+    assert "rank 1" in err or "node" in err, err
+    wait_until(lambda: rank_processes() == [], 10, "no rank process left")
+
+    # The user's own --node-rank / --nnodes / --dist-init-addr are not repeated to the rank processes.
+    done = subprocess.run([tern, "generate", *common, "--node-rank", "0", "--nnodes=1", "--prompt-ids", "1,2",
+                           "--max-tokens", "2", "--temperature", "0", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "node 1 of 2" in done.stderr, done.stderr
 
     # What mp cannot do is bad input (exit 2) naming the flag.
     bad = subprocess.run([tern, "generate", *common, "--nnodes", "2", "--prompt-ids", "1", "--max-tokens", "1"],
