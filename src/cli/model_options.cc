@@ -155,7 +155,8 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
   options.node_rank = o.node_rank;
   options.dist_init_addr = o.dist_init_addr;
   options.tp_join_timeout = std::chrono::seconds(o.dist_timeout_s);
-  if (o.distributed_executor_backend == "mp" && o.tensor_parallel_size > 1 && o.node_rank == 0) {
+  const bool rank_processes = o.distributed_executor_backend == "mp" && o.tensor_parallel_size > 1 && o.node_rank == 0;
+  if (rank_processes) {
     if (o.nnodes > 1) {
       return make_error("--distributed-executor-backend mp starts one process per rank on this machine; with --nnodes "
                         "{}, start each node's process yourself (its ranks run as threads)", o.nnodes);
@@ -179,7 +180,7 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
     throw CLI::RuntimeError(ran ? 0 : 1);
   }
   auto model = runner_load(o.model_dir, options);
-  if (model && options.nnodes > o.nnodes) rank_processes_formed_group();  // the rank processes started above
+  if (model && rank_processes) rank_processes_formed_group();
   if (model) {
     for (const std::string& notice : (*model)->model().notices) fmt::print(stderr, "{}: {}\n", o.model_dir, notice);
   }

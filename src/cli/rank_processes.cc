@@ -163,8 +163,12 @@ Expected<void> start_rank_processes(int world, const std::string& addr) {
   std::vector<char*> envp;
   for (std::string& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
+  const std::vector<std::string> base = rank_command_line();
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, STDERR_FILENO, STDOUT_FILENO);  // node 0's stdout is its output
   for (int rank = 1; rank < world; ++rank) {
-    std::vector<std::string> args = rank_command_line();
+    std::vector<std::string> args = base;
     for (const std::string& a : {std::string("--nnodes"), std::to_string(world), std::string("--node-rank"),
                                  std::to_string(rank), std::string("--dist-init-addr"), addr}) {
       args.push_back(a);
@@ -172,14 +176,11 @@ Expected<void> start_rank_processes(int world, const std::string& addr) {
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, STDERR_FILENO, STDOUT_FILENO);  // node 0's stdout is its output
     auto child = std::make_shared<Child>();
     child->rank = rank;
     const int rc = posix_spawn(&child->pid, "/proc/self/exe", &actions, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
     if (rc != 0) {
+      posix_spawn_file_actions_destroy(&actions);
       group_formed = true;  // the error below is the report
       kill_children();
       return make_error("cannot start the process of tensor-parallel rank {}: {}", rank, std::strerror(rc));
@@ -190,6 +191,7 @@ Expected<void> start_rank_processes(int world, const std::string& addr) {
     }
     std::thread(watch, child).detach();
   }
+  posix_spawn_file_actions_destroy(&actions);
   return {};
 }
 
