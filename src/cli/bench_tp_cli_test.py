@@ -169,6 +169,21 @@ def main():
           (8 - g["first_k_dense_replace"]) * g["n_routed_experts"] * 3 * h * g["moe_intermediate_size"] * NVFP4,
           "GLM-5 slice experts")
 
+    # Qwen3-8B with every decoder linear NVFP4 (#24's dense 4-bit decode row): the BF16 config plus ModelOpt's
+    # quantization config ignoring only lm_head, so the step reads the linears at 9/16 byte per weight and lm_head
+    # and the embedding in BF16.
+    with open(f"{configs}/qwen3-8b-bf16/config.json") as f:
+        d = json.load(f)
+    with open(f"{configs}/qwen3-8b-nvfp4/config.json") as f:
+        q = json.load(f)
+    qc = q.pop("quantization_config")
+    assert q == d and qc["quant_algo"] == "NVFP4" and qc["ignore"] == ["lm_head"], qc
+    h, hd, inter = d["hidden_size"], d["head_dim"], d["intermediate_size"]
+    linears = h * hd * (2 * d["num_attention_heads"] + 2 * d["num_key_value_heads"]) + 3 * h * inter
+    dense8 = plan(tern, f"{configs}/qwen3-8b-nvfp4", "--batch", "1")["weights"]
+    close(dense8["dense_bytes"], d["num_hidden_layers"] * linears * NVFP4 + d["vocab_size"] * h * 2, "8B NVFP4 dense")
+    close(dense8["embedding_bytes"], d["vocab_size"] * h * 2, "8B NVFP4 embedding")
+
     # A run at --tp 2 on the CPU: rank 0's numbers, the same as its plan's, and the collectives of the fixture.
     fixture = f"{fixtures}/qwen3_5_moe"
     out = run(tern, "bench", "--model", fixture, "--device", "cpu", "--tp", "2", "--prefill", "8", "--batch", "1,3",
