@@ -15,10 +15,11 @@ namespace tern::ptx {
 // complete and its writes to be visible (grid_dependency_wait) before reading or writing memory that kernel (or an
 // earlier one) uses. Without that launch attribute both are no-ops. Every kernel launched through launch_kernel
 // begins with grid_dependency_begin(), so it waits before any access to memory and in all its blocks: the wait also
-// chains, and a kernel cannot complete before its predecessor has. The one exception is the BF16 GEMV, which loads
-// its first weights (memory no kernel writes) between the two. Before the wait, a kernel may read nothing that any
-// kernel writes: its predecessor's predecessor may still be running. (No L2 prefetch of the GEMV's weights before
-// the wait either: the extra L2 requests made it slower; see docs/perf/gpu.md §gemv-l2-prefetch.)
+// chains, and a kernel cannot complete before its predecessor has. The exceptions are the BF16 GEMV and the dense
+// NVFP4 decode GEMM, which load their first weights (memory no kernel writes) between the two. Before the wait, a
+// kernel may read nothing that any kernel writes: its predecessor's predecessor may still be running. (No L2
+// prefetch of the GEMV's weights before the wait either: the extra L2 requests made it slower; see
+// docs/perf/gpu.md §gemv-l2-prefetch.)
 __device__ __forceinline__ void grid_dependents_launch() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }

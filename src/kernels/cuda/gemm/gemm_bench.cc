@@ -2,7 +2,8 @@
 // GEMV of decode against cuBLASLt, and the device-to-device copy bandwidth of the same run as the memory ceiling.
 // Plain main (not run by ctest):
 //   gemm_bench [--quick | --decode | --gemv | --gemv-sweep]
-// --decode: only M = 1 and 8 on the dense decode shapes N in {2048, 4096, 6144} x K in {2048, 4096}. GB/s counts
+// --decode: only M = 1 and 8 on the dense decode shapes N in {2048, 4096, 6144} x K in {2048, 4096} and Qwen3-8B's
+// (1024, 12288 and 24576 x 4096, 4096 x 12288). GB/s counts
 // the bytes that must move (packed weight + block scales + x + y). --gemv: only the GEMV table (gemv_bf16 against
 // gemm_bf16 at M = 1, 2, 4, 8 on the BF16 projections of Qwen3-8B and Qwen3.5-35B-A3B, GB/s of W + x + y), which
 // the full run prints after the GEMM table. --gemv-sweep: that table with, under each line, the GEMV's time at
@@ -261,7 +262,9 @@ int bench_main(bool quick, bool decode_only, bool gemv_only, bool gemv_sweep) {
               "%copy", "TFLOP/s", "bf16 us", "GB/s", "%copy", "TFLOP/s", "speedup");
   const std::vector<std::pair<int64_t, int64_t>> shapes =
       decode_only ? std::vector<std::pair<int64_t, int64_t>>{{2048, 2048}, {2048, 4096}, {4096, 2048},
-                                                             {4096, 4096}, {6144, 2048}, {6144, 4096}}
+                                                             {4096, 4096}, {6144, 2048}, {6144, 4096},
+                                                             {1024, 4096}, {12288, 4096}, {4096, 12288},
+                                                             {24576, 4096}}
                   : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {12288, 4096}, {4096, 12288},
                                                              {1024, 4096}, {4096, 1024},  {2048, 6144}};
   const std::vector<int64_t> ms = decode_only ? std::vector<int64_t>{1, 8}

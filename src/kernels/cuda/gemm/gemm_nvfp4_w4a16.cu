@@ -32,16 +32,19 @@ struct DecodeParams {
 template <int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
 __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32, decode_min_blocks(kSplitK, kTokenTiles))
     nvfp4_decode_kernel(const DecodeParams p) {
-  ptx::grid_dependency_begin();
   constexpr int kTiles = decode_block_tiles(kSplitK), kRows = 16 * kMTiles;
   __shared__ __align__(16) float red[decode_red_floats<kSplitK, kMTiles, kTokenTiles>()];
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4;
   const int split = warp % kSplitK;
   const int n0 = (blockIdx.x * kTiles + warp / kSplitK) * kRows;
   float acc[kTokenTiles][kMTiles][4] = {};
+  // The warp's first weight step leaves before the programmatic-launch wait (ptx.cuh): no kernel writes weights,
+  // and at one token most warps have no other step, so their whole read overlaps the kernel before.
+  ptx::grid_dependents_launch();
+  DecodeW<kMTiles> w;
+  if (n0 < p.n) decode_load_w<kMTiles, kVec16>(p.packed, p.scales, p.n, p.k, n0, split, w);
+  ptx::grid_dependency_wait();
   if (n0 < p.n) {  // warp-uniform; a tile past n still takes part in the reduction's barriers
-    DecodeW<kMTiles> w;
-    decode_load_w<kMTiles, kVec16>(p.packed, p.scales, p.n, p.k, n0, split, w);
     int64_t xoff[kTokenTiles];
 #pragma unroll
     for (int tt = 0; tt < kTokenTiles; ++tt) {
