@@ -169,7 +169,7 @@ TEST(TileFit, IndexerSelectTilesFitEverySimulatedDevice) {
   EXPECT_EQ(indexer_select_tiles(tiny, 128, 32).stages, 0) << "a tile that does not fit must be refused";
 }
 
-// GLM-5 / DeepSeek-V3's 576-value latent (two key tiles and eight heads' queries) fits every simulated device,
+// GLM-5 / DeepSeek-V3's 576-value latent (two key tiles and the warps' partial scores) fits every simulated device,
 // sm_120's 101,376 bytes included; a latent past the kernel's limits would not.
 TEST(TileFit, MlaAttentionTilesFitEverySimulatedDevice) {
   for (const std::string& name : simulated_device_names()) {

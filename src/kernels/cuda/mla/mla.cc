@@ -18,11 +18,12 @@ Expected<void> check_count(const char* kernel, const char* name, int64_t v, int6
 
 Expected<void> check_cache(const char* kernel, const PagedLatentCache& c) {
   TERN_TRY(check_pointer(kernel, "cache.data", c.data));
-  if (c.kv_lora_rank <= 0 || c.kv_lora_rank % 2 != 0 || c.kv_lora_rank > kMlaMaxLoraRank) {
-    return make_error("{}: kv_lora_rank={} must be even and in [2, {}]", kernel, c.kv_lora_rank, kMlaMaxLoraRank);
+  if (c.kv_lora_rank <= 0 || c.kv_lora_rank % 16 != 0 || c.kv_lora_rank > kMlaMaxLoraRank) {
+    return make_error("{}: kv_lora_rank={} must be a multiple of 16 in [16, {}]", kernel, c.kv_lora_rank,
+                      kMlaMaxLoraRank);
   }
-  if (c.rope_dim <= 0 || c.rope_dim % 2 != 0 || c.rope_dim > kMlaMaxRopeDim) {
-    return make_error("{}: rope_dim={} must be even and in [2, {}]", kernel, c.rope_dim, kMlaMaxRopeDim);
+  if (c.rope_dim <= 0 || c.rope_dim % 16 != 0 || c.rope_dim > kMlaMaxRopeDim) {
+    return make_error("{}: rope_dim={} must be a multiple of 16 in [16, {}]", kernel, c.rope_dim, kMlaMaxRopeDim);
   }
   if (c.block_size <= 0 || (c.block_size & (c.block_size - 1)) != 0) {
     return make_error("{}: block_size={} must be a power of two", kernel, c.block_size);
@@ -76,6 +77,7 @@ Expected<void> mla_attention(const DeviceContext& ctx, const MlaAttentionArgs& a
     TERN_TRY(check_pointer(k, name, ptr));
   }
   if (reinterpret_cast<uintptr_t>(a.out_latent) % 4 != 0) return make_error("{}: out_latent is not 4-byte aligned", k);
+  if (reinterpret_cast<uintptr_t>(a.q_latent) % 4 != 0) return make_error("{}: q_latent is not 4-byte aligned", k);
   if (a.selected != nullptr) {
     TERN_TRY(check_count(k, "topk", a.topk));
   } else {

@@ -16,12 +16,6 @@ using cuda_common::bf16_to_f32;
 using cuda_common::f32_to_bf16;
 using cuda_common::warp_sum;
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
-  return v;
-}
-
 // The two values of a RoPE pair slot j < rope_dim / 2: interleaved (2j, 2j + 1) or NeoX halves (j, j + rope_dim/2).
 __device__ __forceinline__ void rope_pair(int j, int half, bool interleaved, int& lo, int& hi) {
   lo = interleaved ? 2 * j : j;
@@ -86,18 +80,30 @@ __global__ void __launch_bounds__(kPrepareThreads) mla_prepare_kernel(const MlaP
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// mla_attention. Block (query row, group of kMlaHeadsPerBlock heads, key range), one warp per head: every head of a
-// token reads the same latent keys (one KV "head", MQA-like), so the block loads each tile of kMlaKeysPerTile latent
-// rows into shared memory once for all its heads, with cp.async two tiles deep (the next tile lands while this one is
-// scored). Scoring: lane j takes key j of the tile and walks its row 16 bytes at a time against the warp's query
-// (fp32, pre-scaled); rows are row_words apart, 4 x an odd count of 4-byte words, so the 8 lanes of each 16-byte
-// phase read 8 different bank quads. Then an online softmax per warp, and the output: lane l accumulates the value
-// pairs l, l + 32, ... of c (the latent's first kv_lora_rank values) over the tile's keys. With several key ranges
-// (split-K) each block leaves (m, l, o) in the workspace and mla_combine_kernel merges them.
+// mla_attention on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate; sm_80 and later, and within
+// sm_120's shared memory). Block (query row, group of kMlaHeadsPerBlock = 16 heads, key range), four warps. The
+// heads of a token all read the same latent keys (MQA-like), so they are the M dimension of the products, as in
+// FlashMLA. The block loads tiles of kMlaKeysPerTile latent rows into shared memory with cp.async, two tiles deep
+// (the next tile lands while this one is computed); rows are padded to an odd count of 16-byte chunks, so ldmatrix's
+// eight row reads fall in distinct banks.
+//   Scores S [16 heads x 32 keys] = Q K^T: the width's k16 steps are dealt to the warps (warp w: steps w, w + 4, ...),
+//   each holding its steps' query fragments in registers for the whole range; each warp's partial S for all 32 keys
+//   goes to shared memory, and every warp adds the four partials in warp order (each needs all of S next).
+//   Online softmax per head row in fp32, the scale applied to the summed score. Each probability enters the
+//   product as two bf16 terms (its rounding and the rounding of the rest), about 16 significant bits, and l sums
+//   the same terms, so the output is the weighted mean of the weights used.
+//   Output O [16 x lora] += P [16 x 32] C [32 x lora]: the 16-column pairs of n8 tiles are dealt to the warps
+//   (warp w: pairs w, w + 4, ...), C's fragments read by ldmatrix.trans from the same key rows.
+// With several key ranges (split-K) each block leaves (m, l, o) per head in the workspace and mla_combine_kernel
+// merges them.
 
-constexpr int kAttnThreads = kMlaHeadsPerBlock * 32;
-constexpr int kMaxOutPairsPerLane = static_cast<int>(kMlaMaxLoraRank / 64);
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = kAttnWarps * 32;
+constexpr int kMaxQStepsPerWarp = static_cast<int>((kMlaMaxLoraRank + kMlaMaxRopeDim) / 16 + kAttnWarps - 1) / kAttnWarps;
+constexpr int kMaxOutPairsPerWarp = static_cast<int>(kMlaMaxLoraRank / 16 + kAttnWarps - 1) / kAttnWarps;
+constexpr int kScoreTiles = kMlaKeysPerTile / 8;  // n8 tiles of S
 constexpr int kCombineThreads = 128;
+static_assert(kMlaHeadsPerBlock == 16 && kMlaKeysPerTile == 32, "one m16 tile of heads, two k16 steps of keys");
 
 __host__ __device__ constexpr int64_t key_row_words(int64_t width) {
   const int64_t quads = (width / 2 + 3) / 4;
@@ -114,15 +120,14 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
   ptx::grid_dependency_begin();
   const MlaAttentionArgs& a = p.a;
   extern __shared__ __align__(16) uint32_t smem[];
-  const int width = static_cast<int>(a.cache.kv_lora_rank + a.cache.rope_dim);
+  const int lora = static_cast<int>(a.cache.kv_lora_rank), width = lora + static_cast<int>(a.cache.rope_dim);
   const int row_words = static_cast<int>(key_row_words(width)), chunks = width / 8;
-  const int lora_pairs = static_cast<int>(a.cache.kv_lora_rank / 2);
-  uint32_t* keys_s = smem;                                                             // [2][tile][row_words]
-  float* q_s = reinterpret_cast<float*>(smem + 2 * kMlaKeysPerTile * row_words);      // [heads][width]
-  int64_t* slot_s = reinterpret_cast<int64_t*>(q_s + kMlaHeadsPerBlock * width);       // [2][tile]
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t t = blockIdx.x, head0 = int64_t{blockIdx.y} * kMlaHeadsPerBlock, h = head0 + warp;
-  const bool active = h < a.n_heads;
+  const int q_steps = width / 16, out_pairs = lora / 16;
+  uint32_t* keys_s = smem;                                                        // [2][tile][row_words]
+  float4* red = reinterpret_cast<float4*>(smem + 2 * kMlaKeysPerTile * row_words);  // [warp][n8 tile][lane]
+  int64_t* slot_s = reinterpret_cast<int64_t*>(red + kAttnWarps * kScoreTiles * 32);  // [2][tile]
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int64_t t = blockIdx.x, head0 = int64_t{blockIdx.y} * kMlaHeadsPerBlock;
 
   // The row's sequence (the last s with query_start[s] <= t) and position.
   int lo = 0, hi = static_cast<int>(a.n_seqs) - 1;
@@ -141,10 +146,6 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
   const int64_t tile_begin = int64_t{blockIdx.z} * p.tiles_per_split;
   const int64_t tile_end = min(n_tiles, tile_begin + p.tiles_per_split);
 
-  for (int i = tid; i < kMlaHeadsPerBlock * width; i += kAttnThreads) {
-    const int64_t hh = head0 + i / width;
-    q_s[i] = hh < a.n_heads ? bf16_to_f32(a.q_latent[(t * a.n_heads + hh) * width + i % width]) * a.scale : 0.0f;
-  }
   // The physical slots of tile `tile`'s keys into slot_s[buf] (threads 0..31), and their rows into keys_s[buf].
   auto slots = [&](int64_t tile, int buf) {
     if (tid < kMlaKeysPerTile) {
@@ -170,15 +171,34 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
     load(0);
   }
 
-  float m = -INFINITY, l = 0.0f;
-  float o[2 * kMaxOutPairsPerLane];
+  // The warp's query fragments (A of m16n8k16: rows g and g + 8 are heads head0 + g, head0 + g + 8; columns 2 t4,
+  // 2 t4 + 1 and those + 8 of each of its k16 steps), zero for heads past n_heads.
+  uint32_t qf[kMaxQStepsPerWarp][4];
 #pragma unroll
-  for (int i = 0; i < 2 * kMaxOutPairsPerLane; ++i) o[i] = 0.0f;
+  for (int i = 0; i < kMaxQStepsPerWarp; ++i) {
+    const int ks = warp + kAttnWarps * i;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t h = head0 + g + 8 * (r % 2);
+      const int col = 16 * ks + 2 * t4 + 8 * (r / 2);
+      qf[i][r] = ks < q_steps && h < a.n_heads
+                     ? *reinterpret_cast<const uint32_t*>(a.q_latent + (t * a.n_heads + h) * width + col)
+                     : 0u;
+    }
+  }
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g, g + 8; l over this lane's keys
+  float o[kMaxOutPairsPerWarp][2][4];
+#pragma unroll
+  for (int i = 0; i < kMaxOutPairsPerWarp; ++i) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[i][e / 4][e % 4] = 0.0f;
+  }
 
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const int buf = static_cast<int>((tile - tile_begin) & 1), next = buf ^ 1;
     const bool more = tile + 1 < tile_end;
-    __syncthreads();  // every warp is done with tile - 1: its buffer and slots are free
+    __syncthreads();  // every warp is done with tile - 1: its buffer, slots and partial scores are free
     if (more) slots(tile + 1, next);
     __syncthreads();
     if (more) {
@@ -188,72 +208,149 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
       ptx::cp_async_wait<0>();
     }
     __syncthreads();  // this tile's rows, from every thread's copies
-    if (!active) continue;
-    const int64_t* tile_slots = slot_s + buf * kMlaKeysPerTile;
-    float score = -INFINITY;
-    if (tile_slots[lane] >= 0) {
-      const uint4* row = reinterpret_cast<const uint4*>(keys_s + (buf * kMlaKeysPerTile + lane) * row_words);
-      const float4* qh = reinterpret_cast<const float4*>(q_s + warp * width);
-      float acc = 0.0f;
-      for (int c = 0; c < chunks; ++c) {
-        const uint4 w = row[c];
-        const float4 q0 = qh[2 * c], q1 = qh[2 * c + 1];
-        acc += __uint_as_float(w.x << 16) * q0.x + __uint_as_float(w.x & 0xFFFF0000u) * q0.y;
-        acc += __uint_as_float(w.y << 16) * q0.z + __uint_as_float(w.y & 0xFFFF0000u) * q0.w;
-        acc += __uint_as_float(w.z << 16) * q1.x + __uint_as_float(w.z & 0xFFFF0000u) * q1.y;
-        acc += __uint_as_float(w.w << 16) * q1.z + __uint_as_float(w.w & 0xFFFF0000u) * q1.w;
+    const uint16_t* rows = reinterpret_cast<const uint16_t*>(keys_s + buf * kMlaKeysPerTile * row_words);
+    const int row_elems = 2 * row_words;
+
+    // Partial scores over the warp's k16 steps; matrix lane / 8 of each ldmatrix.x4: keys 16 np + 8 (lane / 16) +
+    // lane % 8, columns 16 ks + 8 ((lane / 8) % 2), so registers {0, 1} are n8 tile 2 np's B, {2, 3} tile 2 np + 1's.
+    float sc[kScoreTiles][4];
+#pragma unroll
+    for (int j = 0; j < kScoreTiles; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kMaxQStepsPerWarp; ++i) {
+      const int ks = warp + kAttnWarps * i;
+      if (ks >= q_steps) break;  // warp-uniform
+#pragma unroll
+      for (int np = 0; np < kScoreTiles / 2; ++np) {
+        uint32_t b[4];
+        const int key = 16 * np + 8 * (lane / 16) + lane % 8;
+        ptx::ldmatrix_x4(b, rows + key * row_elems + 16 * ks + 8 * ((lane / 8) % 2));
+        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        ptx::mma_bf16_16816(sc[2 * np], qf[i], b0);
+        ptx::mma_bf16_16816(sc[2 * np + 1], qf[i], b1);
       }
-      score = acc;
     }
-    const float m_new = fmaxf(m, warp_max(score));
-    if (m_new == -INFINITY) continue;  // every key so far masked (warp-uniform)
-    const float prob = score == -INFINITY ? 0.0f : expf(score - m_new);
-    const float correction = m == -INFINITY ? 0.0f : expf(m - m_new);
-    l = l * correction + warp_sum(prob);
 #pragma unroll
-    for (int i = 0; i < 2 * kMaxOutPairsPerLane; ++i) o[i] *= correction;
-    for (int r = 0; r < kMlaKeysPerTile; ++r) {
-      const float pr = __shfl_sync(0xFFFFFFFFu, prob, r);
-      if (pr == 0.0f) continue;  // warp-uniform
-      const uint32_t* row = keys_s + (buf * kMlaKeysPerTile + r) * row_words;
+    for (int j = 0; j < kScoreTiles; ++j) {
+      red[(warp * kScoreTiles + j) * 32 + lane] = make_float4(sc[j][0], sc[j][1], sc[j][2], sc[j][3]);
+    }
+    __syncthreads();
+    // The whole S in this lane's fragment positions: element e of n8 tile j is head row g + 8 (e / 2), key
+    // 8 j + 2 t4 + e % 2 of the tile; masked keys -inf.
+    const int64_t* tile_slots = slot_s + buf * kMlaKeysPerTile;
+    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int i = 0; i < kMaxOutPairsPerLane; ++i) {
-        const int c = lane + 32 * i;
-        if (c < lora_pairs) {
-          const uint32_t w = row[c];
-          o[2 * i] += pr * __uint_as_float(w << 16);
-          o[2 * i + 1] += pr * __uint_as_float(w & 0xFFFF0000u);
+    for (int j = 0; j < kScoreTiles; ++j) {
+      float4 sum = red[j * 32 + lane];
+#pragma unroll
+      for (int w = 1; w < kAttnWarps; ++w) {
+        const float4 v = red[(w * kScoreTiles + j) * 32 + lane];
+        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+      }
+      const bool k0 = tile_slots[8 * j + 2 * t4] >= 0, k1 = tile_slots[8 * j + 2 * t4 + 1] >= 0;
+      sc[j][0] = k0 ? sum.x * a.scale : -INFINITY;
+      sc[j][1] = k1 ? sum.y * a.scale : -INFINITY;
+      sc[j][2] = k0 ? sum.z * a.scale : -INFINITY;
+      sc[j][3] = k1 ? sum.w * a.scale : -INFINITY;
+      mx[0] = fmaxf(mx[0], fmaxf(sc[j][0], sc[j][1]));
+      mx[1] = fmaxf(mx[1], fmaxf(sc[j][2], sc[j][3]));
+    }
+    float corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xFFFFFFFFu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xFFFFFFFFu, mx[r], 2));
+      const float m_new = fmaxf(m[r], mx[r]);
+      corr[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);  // o and l are still zero while m is -inf
+      m[r] = m_new;
+    }
+    // Probabilities in A-fragment order (k16 step kk of the product is n8 tiles 2 kk, 2 kk + 1), each as a bf16
+    // value and the bf16 rounding of what that leaves: p = hi + lo to about 16 bits, so the product carries p
+    // almost as exactly as fp32 (p rounded to bf16 alone moved the GLM fixture's logits to transformers-bf16's
+    // error). l sums the same hi + lo.
+    l[0] *= corr[0], l[1] *= corr[1];
+    uint32_t pa[2][2][4];  // [hi, lo][kk][A register]
+#pragma unroll
+    for (int j = 0; j < kScoreTiles; ++j) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {  // head rows g (registers a0, a2) and g + 8 (a1, a3)
+        float pr[2], rest[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float v = sc[j][2 * r + e];
+          pr[e] = v == -INFINITY ? 0.0f : expf(v - m[r]);
+        }
+        const uint32_t hi_bits = cuda_common::pack_bf16x2(pr[0], pr[1]);
+        const float hi0 = __uint_as_float(hi_bits << 16), hi1 = __uint_as_float(hi_bits & 0xFFFF0000u);
+        rest[0] = pr[0] - hi0, rest[1] = pr[1] - hi1;  // exact in fp32
+        const uint32_t lo_bits = cuda_common::pack_bf16x2(rest[0], rest[1]);
+        l[r] += (hi0 + __uint_as_float(lo_bits << 16)) + (hi1 + __uint_as_float(lo_bits & 0xFFFF0000u));
+        pa[0][j / 2][2 * (j % 2) + r] = hi_bits;
+        pa[1][j / 2][2 * (j % 2) + r] = lo_bits;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxOutPairsPerWarp; ++i) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        o[i][n][0] *= corr[0], o[i][n][1] *= corr[0];
+        o[i][n][2] *= corr[1], o[i][n][3] *= corr[1];
+      }
+    }
+    // O += P C: matrix lane / 8 of each ldmatrix.x4.trans holds keys 16 kk + 8 ((lane / 8) % 2) + lane % 8 and
+    // columns 16 pair + 8 (lane / 16): registers {0, 1} are the B of the pair's first n8 tile, {2, 3} its second.
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+#pragma unroll
+      for (int i = 0; i < kMaxOutPairsPerWarp; ++i) {
+        const int pair = warp + kAttnWarps * i;
+        if (pair >= out_pairs) break;  // warp-uniform
+        uint32_t b[4];
+        const int key = 16 * kk + 8 * ((lane / 8) % 2) + lane % 8;
+        ptx::ldmatrix_x4_trans(b, rows + key * row_elems + 16 * pair + 8 * (lane / 16));
+        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+          ptx::mma_bf16_16816(o[i][0], pa[part][kk], b0);
+          ptx::mma_bf16_16816(o[i][1], pa[part][kk], b1);
         }
       }
     }
-    m = m_new;
   }
-  if (!active) return;
-  const int64_t lora = a.cache.kv_lora_rank;
-  if (p.splits == 1) {
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    uint32_t* out = reinterpret_cast<uint32_t*>(a.out_latent + (t * a.n_heads + h) * lora);
+
 #pragma unroll
-    for (int i = 0; i < kMaxOutPairsPerLane; ++i) {
-      const int c = lane + 32 * i;
-      if (c < lora_pairs) out[c] = cuda_common::pack_bf16x2(o[2 * i] * inv, o[2 * i + 1] * inv);
-    }
-    return;
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xFFFFFFFFu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xFFFFFFFFu, l[r], 2);
   }
-  // Partials: (m, l) pairs [rows, heads, splits, 2], then outputs [rows, heads, splits, lora] (unnormalised).
-  const int64_t part = (t * a.n_heads + h) * p.splits + blockIdx.z, parts = a.tokens * a.n_heads * p.splits;
+  // Fragment element e of n8 tile n of pair `pair`: head row g + 8 (e / 2), column 16 pair + 8 n + 2 t4 + e % 2.
+  const int64_t parts = a.tokens * a.n_heads * p.splits;
   float* ml = static_cast<float*>(a.workspace);
-  float* out = ml + 2 * parts + part * lora;
-  if (lane == 0) {
-    ml[2 * part] = m;
-    ml[2 * part + 1] = l;
-  }
 #pragma unroll
-  for (int i = 0; i < kMaxOutPairsPerLane; ++i) {
-    const int c = lane + 32 * i;
-    if (c < lora_pairs) {
-      out[2 * c] = o[2 * i];
-      out[2 * c + 1] = o[2 * i + 1];
+  for (int r = 0; r < 2; ++r) {
+    const int64_t h = head0 + g + 8 * r;
+    if (h >= a.n_heads) continue;
+    const int64_t part = (t * a.n_heads + h) * p.splits + blockIdx.z;
+    if (p.splits > 1 && t4 == 0) {
+      ml[2 * part] = m[r];
+      ml[2 * part + 1] = l[r];
+    }
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < kMaxOutPairsPerWarp; ++i) {
+      const int pair = warp + kAttnWarps * i;
+      if (pair >= out_pairs) break;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const int col = 16 * pair + 8 * n + 2 * t4;
+        const float v0 = o[i][n][2 * r], v1 = o[i][n][2 * r + 1];
+        if (p.splits == 1) {
+          *reinterpret_cast<uint32_t*>(a.out_latent + (t * a.n_heads + h) * lora + col) =
+              cuda_common::pack_bf16x2(v0 * inv, v1 * inv);
+        } else {  // partials: (m, l) pairs [rows, heads, splits, 2], then outputs [rows, heads, splits, lora]
+          *reinterpret_cast<float2*>(ml + 2 * parts + part * lora + col) = make_float2(v0, v1);
+        }
+      }
     }
   }
 }
@@ -282,7 +379,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_combine_kernel(const Attn
 }  // namespace
 
 size_t mla_attention_smem_bytes(int64_t width) {
-  return static_cast<size_t>(2 * kMlaKeysPerTile * key_row_words(width) * 4 + kMlaHeadsPerBlock * width * 4 +
+  return static_cast<size_t>(2 * kMlaKeysPerTile * key_row_words(width) * 4 + kAttnWarps * kScoreTiles * 32 * 16 +
                              2 * kMlaKeysPerTile * 8);
 }
 

@@ -3,7 +3,7 @@
 // selection of 2048 keys. Plain main (not run by ctest):
 //   mla_bench
 // Bytes counted per call: each sequence's latent rows read once (what an ideal kernel reads; this one reads them
-// once per 8-head group, through the L2), the queries read and the outputs written; achieved GB/s next to the copy
+// once per 16-head group, through the L2), the queries read and the outputs written; achieved GB/s next to the copy
 // kernel's (roofline.h, bytes read + written) of the same run as the ceiling. Every sequence has its own blocks in a
 // pool larger than the L2. Timings are medians of CUDA graph replays (bench_timing.h).
 #include <cuda_runtime.h>

@@ -78,15 +78,16 @@ struct MlaAttentionArgs {
   size_t workspace_bytes = 0;
 };
 
-// Limits of the kernels: the latent's widths (multiples of 8: 16-byte rows), and the heads one attention block
-// shares its key tiles between.
+// Limits of the kernels: the latent's widths (multiples of 16: whole k16 steps and n16 pairs of the tensor-core
+// tiles), and the heads one attention block shares its key tiles between (the M dimension of its products).
 inline constexpr int64_t kMlaMaxLoraRank = 512;
 inline constexpr int64_t kMlaMaxRopeDim = 128;
-inline constexpr int kMlaHeadsPerBlock = 8;  // one warp per head
-inline constexpr int kMlaKeysPerTile = 32;   // one lane per key while scoring
+inline constexpr int kMlaHeadsPerBlock = 16;  // one m16 tile
+inline constexpr int kMlaKeysPerTile = 32;    // two k16 steps of the output product
 inline constexpr int64_t kMlaMinKeysPerSplit = 256;
 
-// Dynamic shared memory of the attention kernel for a latent of `width` values (two key tiles and the queries).
+// Dynamic shared memory of the attention kernel for a latent of `width` values (two key tiles, the warps' partial
+// scores and the tiles' slots).
 size_t mla_attention_smem_bytes(int64_t width);
 // Split-K: the key ranges each (row, head group) is cut into, so that a decode step of few rows still fills the
 // GPU: 1 when rows x head groups already fill the SMs, else enough for about two blocks per SM, each range at least

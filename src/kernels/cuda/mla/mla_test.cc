@@ -296,6 +296,9 @@ TEST(CudaMla, CausalAttentionMatchesReference) {
   // One long decode row (split over many key ranges) and a 200-row prefill (enough blocks for one range).
   check_attention({.heads = 8, .lora = 512, .rope = 64, .seq_lens = {5000}, .n_q = {1}}, 14);
   check_attention({.heads = 16, .lora = 512, .rope = 64, .seq_lens = {260}, .n_q = {200}}, 15);
+  // GLM-5's 64 heads on one GPU (four head groups) over a long decode row, and 20 heads (a partial second group).
+  check_attention({.heads = 64, .lora = 512, .rope = 64, .seq_lens = {2100, 7}, .n_q = {1, 1}}, 16);
+  check_attention({.heads = 20, .lora = 512, .rope = 64, .seq_lens = {700, 64}, .n_q = {1, 2}}, 17);
 }
 
 TEST(CudaMla, SplitCountsCoverTheShapes) {
@@ -348,6 +351,11 @@ TEST(CudaMla, BadArgumentsAreErrors) {
   r = mla_attention(ctx, bad);
   ASSERT_FALSE(r.has_value());
   EXPECT_NE(r.error().message.find("kv_lora_rank=1024"), std::string::npos) << r.error().message;
+  bad = a;
+  bad.cache.rope_dim = 40;  // even, but not whole k16 steps of the tensor-core tiles
+  r = mla_attention(ctx, bad);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().message.find("rope_dim=40 must be a multiple of 16"), std::string::npos) << r.error().message;
   MlaPrepareArgs p{.kv_a = buf.as<uint16_t>(),
                    .kv_a_stride = 500,
                    .kv_norm_weight = buf.as<uint16_t>(),
