@@ -45,6 +45,9 @@ class Linear {
 // router group has 2 * 512 + 256 + 1 rows), 20x slower at 4096 tokens (docs/perf/gpu.md §fused-rows). The self-test
 // plans the padded shape.
 inline constexpr int64_t kFusedProjectionRowMultiple = 8;
+// Adjacent NVFP4 linears of a block's input projections are one stacked weight on a device, each part keeping its
+// weight_scale_2; at most this many parts a weight (the NVFP4 kernels' part table, gemm_nvfp4_w4a16_launch.h).
+inline constexpr int kNvfp4MaxStackedParts = 4;
 inline int64_t fused_projection_rows(int64_t rows) {
   return (rows + kFusedProjectionRowMultiple - 1) / kFusedProjectionRowMultiple * kFusedProjectionRowMultiple;
 }

@@ -236,16 +236,26 @@ class Planner final : public BlockOps {
     for (int64_t b : batches_) add("rms_norm", rms_norm_case(b, 1, hidden_, form_, true));
   }
   void linear(const Linear& l) { (is_nvfp4(l) ? nvfp4_ : bf16_).insert({l.out_features(), l.in_features()}); }
-  // Each part at its own shape, and the BF16 parts as the one GEMM a device computes them in, which is also the
-  // GEMV a decode step may fuse the block's norm into.
+  // Each part at its own shape, the NVFP4 parts as the stacked weights a device computes them in (runs of at most
+  // kNvfp4MaxStackedParts, DeviceWeights::projection), and the BF16 parts as the one GEMM a device computes them
+  // in, which is also the GEMV a decode step may fuse the block's norm into.
   void projections(const std::vector<const Linear*>& parts) {
-    int64_t n = 0, count = 0;
+    int64_t n = 0, count = 0, fp4_n = 0, fp4_count = 0;
     for (const Linear* l : parts) {
       linear(*l);
-      if (is_nvfp4(*l)) continue;
+      if (is_nvfp4(*l)) {
+        if (fp4_count == kNvfp4MaxStackedParts) {
+          nvfp4_.insert({fp4_n, l->in_features()});
+          fp4_n = fp4_count = 0;
+        }
+        fp4_n += l->out_features();
+        ++fp4_count;
+        continue;
+      }
       n += l->out_features();
       ++count;
     }
+    if (fp4_count > 1) nvfp4_.insert({fp4_n, parts.front()->in_features()});
     if (count == 0) return;
     // A device pads the run's rows (layers/linear.h fused_projection_rows).
     const int64_t rows = fused_projection_rows(n);

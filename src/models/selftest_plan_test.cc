@@ -141,6 +141,19 @@ TEST(SelftestPlan, Nvfp4ExpertsAreTestedInTheirFormat) {
   EXPECT_TRUE(has(*table, "moe", moe_case(1, h, i, c.num_experts, c.num_experts_per_tok, true, true)));
 }
 
+// NVFP4 input projections run as one stacked weight on a device (q|k|v here: the fixture's gated attention is NVFP4,
+// its q rows doubled by the output gate), so the plan tests that shape too, besides each part's.
+TEST(SelftestPlan, StackedNvfp4ProjectionsAreTestedAtTheirShape) {
+  auto model = host("qwen3_5_moe_nvfp4");
+  ASSERT_TRUE(model);
+  const ModelConfig& c = model->config();
+  auto table = selftest_cases_of(*model, {1});
+  ASSERT_TRUE(table.has_value()) << table.error().message;
+  const int64_t h = c.hidden_size, q = 2 * c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+  EXPECT_TRUE(has(*table, "gemm_nvfp4", gemm_selftest_cases({{q + 2 * kv, h}}, {1}).front()));
+  EXPECT_TRUE(has(*table, "gemm_nvfp4", gemm_selftest_cases({{kv, h}}, {1}).front()));
+}
+
 // The lead GEMM (what `--selftest fast` times) is the largest projection of at most 2^26 weights, not lm_head.
 TEST(SelftestPlan, LeadShapeIsTheLargestBelowTheLimit) {
   const auto lead = selftest_lead_first({{4096, 4096}, {151936, 4096}, {12288, 4096}, {1024, 4096}});

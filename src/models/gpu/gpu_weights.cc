@@ -69,12 +69,21 @@ Expected<DeviceMatrix> DeviceWeights::matrix(const CpuMatrix& m, const std::stri
   return d;
 }
 
-Expected<DeviceMatrix> DeviceWeights::matrix(const Linear& linear) {
+namespace {
+
+Expected<void> check_supported(const Linear& linear) {
   if (!linear.bias().empty()) return make_error("{}: linear layers with a bias are not supported on CUDA yet", linear.name());
   if (linear.quantizes_input()) {
     return make_error("{}: NVFP4 with quantized activations (W4A4) is not supported on CUDA yet; use W4A16",
                       linear.name());
   }
+  return {};
+}
+
+}  // namespace
+
+Expected<DeviceMatrix> DeviceWeights::matrix(const Linear& linear) {
+  TERN_TRY(check_supported(linear));
   return matrix(linear.matrix(), linear.name());
 }
 
@@ -100,6 +109,36 @@ Expected<DeviceMatrix> DeviceWeights::concat_bf16(std::span<const Linear* const>
       .nvfp4 = false, .n = padded, .k = k, .bf16 = static_cast<const uint16_t*>(dst), .gemv = bf16_gemv_};
 }
 
+static_assert(kNvfp4MaxStackedParts == 1 + kNvfp4MaxExtraParts);
+
+Expected<DeviceMatrix> DeviceWeights::stack_nvfp4(std::span<const Linear* const> linears) {
+  if (linears.size() == 1) return matrix(*linears[0]);
+  int64_t rows = 0;
+  for (const Linear* l : linears) rows += l->out_features();
+  const int64_t k = linears[0]->in_features();
+  TERN_ASSIGN_OR_RETURN(void* packed, allocate(static_cast<size_t>(rows * k / 2), linears[0]->name()));
+  TERN_ASSIGN_OR_RETURN(void* scales, allocate(static_cast<size_t>(rows * k / 16), linears[0]->name()));
+  DeviceMatrix d{.nvfp4 = true, .n = rows, .k = k, .packed = static_cast<const uint8_t*>(packed),
+                 .scales = static_cast<const uint8_t*>(scales), .global_scale = linears[0]->matrix().global_scale};
+  int64_t row = 0;
+  for (size_t i = 0; i < linears.size(); ++i) {
+    const Linear& l = *linears[i];
+    TERN_TRY(check_supported(l));
+    const CpuMatrix& m = l.matrix();
+    TERN_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(packed) + row * k / 2, m.data,
+                                    static_cast<size_t>(m.rows * k / 2), cudaMemcpyHostToDevice, stream_));
+    TERN_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(scales) + row * k / 16, m.block_scales,
+                                    static_cast<size_t>(m.rows * k / 16), cudaMemcpyHostToDevice, stream_));
+    TERN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host data may be a temporary
+    if (i > 0) {
+      d.part_begin[i - 1] = row;
+      d.part_scale[i - 1] = m.global_scale;
+    }
+    row += m.rows;
+  }
+  return d;
+}
+
 Expected<DeviceProjection> DeviceWeights::projection(std::span<const Linear* const> linears, int64_t width_multiple) {
   DeviceProjection p;
   p.in_features = linears.front()->in_features();
@@ -109,15 +148,20 @@ Expected<DeviceProjection> DeviceWeights::projection(std::span<const Linear* con
       return make_error("{}: in_features {} differs from {} of the layers it is fused with", linears[i]->name(),
                         linears[i]->in_features(), p.in_features);
     }
-    size_t j = i + 1;  // [i, j): a run of BF16 parts, or one NVFP4 part
+    size_t j = i + 1;  // [i, j): a run of BF16 parts, or of at most kNvfp4MaxStackedParts NVFP4 parts
     if (!is_nvfp4(*linears[i])) {
       while (j < linears.size() && !is_nvfp4(*linears[j])) ++j;
+    } else {
+      while (j < linears.size() && j - i < static_cast<size_t>(kNvfp4MaxStackedParts) && is_nvfp4(*linears[j]) &&
+             linears[j]->in_features() == p.in_features) {
+        ++j;
+      }
     }
     // A BF16 run that ends the projection gets zero rows up to kFusedProjectionRowMultiple (layers/linear.h); one
     // inside it does not, so that the parts after it keep the columns their consumers compute.
     const int64_t rows_multiple = j == linears.size() ? kFusedProjectionRowMultiple : 1;
     TERN_ASSIGN_OR_RETURN(DeviceMatrix m, is_nvfp4(*linears[i])
-                                              ? matrix(*linears[i])
+                                              ? stack_nvfp4(linears.subspan(i, j - i))
                                               : concat_bf16(linears.subspan(i, j - i), rows_multiple));
     p.offsets.push_back(p.width);
     p.width += m.n;
@@ -220,12 +264,14 @@ Expected<const float*> DeviceWeights::vector_f32(const std::vector<float>& value
 Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatrix& w, const uint16_t* x, int64_t m,
                                      uint16_t* y, int64_t ldy) {
   if (w.nvfp4) {
-    const GemmNvfp4W4a16Args args{
+    GemmNvfp4W4a16Args args{
         .x = x,
         .w = Nvfp4WeightView{.packed = w.packed, .scales = w.scales, .global_scale = w.global_scale, .n = w.n, .k = w.k},
         .y = y,
         .m = m,
         .ldy = ldy};
+    std::copy(std::begin(w.part_begin), std::end(w.part_begin), args.w.part_begin);
+    std::copy(std::begin(w.part_scale), std::end(w.part_scale), args.w.part_scale);
     return gemm_nvfp4_w4a16(ctx, args);
   }
   const GemmBf16Args args{.x = x, .w = w.bf16, .y = y, .m = m, .n = w.n, .k = w.k, .ldy = ldy};

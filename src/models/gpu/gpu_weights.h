@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda/device.h"
+#include "kernels/cuda/gemm/gemm_nvfp4_w4a16_launch.h"
 #include "kernels/cuda/moe/moe.h"
 #include "layers/linear.h"
 #include "layers/moe.h"
@@ -26,6 +27,10 @@ struct DeviceMatrix {
   const uint8_t* packed = nullptr;   // NVFP4 [n, k/2]
   const uint8_t* scales = nullptr;   // NVFP4 e4m3 [n, k/16]
   float global_scale = 1.0f;
+  // NVFP4 linears stacked by rows (a projection's adjacent NVFP4 parts), each with its own weight_scale_2: the rows
+  // from part_begin[i] on take part_scale[i] (Nvfp4WeightView).
+  int64_t part_begin[kNvfp4MaxExtraParts] = {};
+  float part_scale[kNvfp4MaxExtraParts] = {};
   bool gemv = false;  // BF16 through gemv_bf16 where gemv_bf16_preferred holds (self-test verified)
 };
 
@@ -35,9 +40,10 @@ Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatri
                                      uint16_t* y, int64_t ldy);
 
 // Several linears over the same input computed as one output [m, width] with their outputs side by side (q|k|v,
-// gate|up, router|shared-expert gate). Adjacent BF16 parts are one matrix on the device, so one GEMM. The CUDA model
-// computes every projection after a norm (cuda_ops.cc norm_project), the first part with the norm fused in where the
-// self-test chose that.
+// gate|up, router|shared-expert gate). Adjacent parts of one format are one matrix on the device, so one GEMM: BF16
+// parts concatenated, NVFP4 parts stacked with each part's weight_scale_2 (up to kNvfp4MaxStackedParts a matrix).
+// The CUDA model computes every projection after a norm (cuda_ops.cc norm_project), the first part with the norm
+// fused in where the self-test chose that.
 struct DeviceProjection {
   std::vector<DeviceMatrix> parts;
   std::vector<int64_t> offsets;  // column of each part in the output
@@ -77,6 +83,7 @@ class DeviceWeights {
   Expected<void*> upload(const void* host, size_t bytes, const std::string& what);
   // rows_multiple: zero rows after the last linear's up to a multiple of it.
   Expected<DeviceMatrix> concat_bf16(std::span<const Linear* const> linears, int64_t rows_multiple);
+  Expected<DeviceMatrix> stack_nvfp4(std::span<const Linear* const> linears);
   Expected<MoeExpertWeights> expert_stack(const std::vector<MlpWeights>& experts, int part, const std::string& name);
 
   cudaStream_t stream_;

@@ -30,6 +30,17 @@ Expected<void> nvfp4_validate(const GemmNvfp4W4a16Args& a, Nvfp4GemmVariant vari
   if (!std::isfinite(w.global_scale)) {
     return make_error("gemm_nvfp4_w4a16: weight_scale_2 is not finite ({})", w.global_scale);
   }
+  int64_t last = 0;
+  for (int i = 0; i < kNvfp4MaxExtraParts && w.part_begin[i] != 0; ++i) {
+    if (w.part_begin[i] <= last || w.part_begin[i] >= w.n) {
+      return make_error("gemm_nvfp4_w4a16: part {} begins at row {}, not after row {} and before n={}", i + 1,
+                        w.part_begin[i], last, w.n);
+    }
+    if (!std::isfinite(w.part_scale[i])) {
+      return make_error("gemm_nvfp4_w4a16: weight_scale_2 of part {} is not finite ({})", i + 1, w.part_scale[i]);
+    }
+    last = w.part_begin[i];
+  }
   if (variant == Nvfp4GemmVariant::kDecode && a.m > kNvfp4DecodeMaxM) {
     return make_error("gemm_nvfp4_w4a16: the decode kernel takes m <= {}, got m={}", kNvfp4DecodeMaxM, a.m);
   }

@@ -4,6 +4,8 @@
 // schemes they share with the grouped MoE GEMM are in nvfp4_device.cuh.
 #include "kernels/cuda/gemm/gemm_nvfp4_w4a16_launch.h"
 
+#include <limits>
+
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/nvfp4/nvfp4_device.cuh"
@@ -15,6 +17,32 @@ using namespace nvfp4_device;
 
 namespace {
 
+// The output scale of each column: weight_scale_2 of the part its weight row belongs to (Nvfp4WeightView), times a
+// power of two the kernel folds in.
+struct ColumnScales {
+  float scale[kNvfp4MaxExtraParts + 1];
+  int begin[kNvfp4MaxExtraParts];  // INT_MAX past the last part
+
+  __device__ __forceinline__ float at(int col) const {
+    float v = scale[0];
+#pragma unroll
+    for (int i = 0; i < kNvfp4MaxExtraParts; ++i) v = col >= begin[i] ? scale[i + 1] : v;
+    return v;
+  }
+};
+
+ColumnScales column_scales(const Nvfp4WeightView& w, float multiplier) {
+  ColumnScales c{};
+  c.scale[0] = w.global_scale * multiplier;
+  bool more = true;
+  for (int i = 0; i < kNvfp4MaxExtraParts; ++i) {
+    more = more && w.part_begin[i] != 0;
+    c.begin[i] = more ? static_cast<int>(w.part_begin[i]) : std::numeric_limits<int>::max();
+    c.scale[i + 1] = more ? w.part_scale[i] * multiplier : 0.0f;
+  }
+  return c;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Decode kernel (M <= 16): the decode scheme of nvfp4_device.cuh over x [m, k] with m <= 16 tokens. Block b holds
 // tiles b * kTiles .. of 16 * kMTiles weight rows, kSplitK warps per tile.
@@ -24,7 +52,7 @@ struct DecodeParams {
   const uint8_t* packed;   // [n, k/2]
   const uint8_t* scales;   // [n, k/16]
   uint16_t* y;             // [m, ldy], columns [0, n) written
-  float out_scale;         // global_scale * 2^kDecodeShift
+  ColumnScales out_scale;  // weight_scale_2 * 2^kDecodeShift
   int m, n, k;
   int64_t ldy;
 };
@@ -58,7 +86,7 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32, decode_min_b
   decode_reduce_store<kSplitK, kMTiles, kTokenTiles>(acc, red, [&](int tile, int row, int token, float sum) {
     const int col = (blockIdx.x * kTiles + tile) * kRows + row;
     if (col < p.n && token < p.m) {
-      p.y[static_cast<int64_t>(token) * p.ldy + col] = f32_to_bf16(sum * p.out_scale);
+      p.y[static_cast<int64_t>(token) * p.ldy + col] = f32_to_bf16(sum * p.out_scale.at(col));
     }
   });
 }
@@ -72,8 +100,8 @@ struct PrefillParams {
   const uint16_t* x;
   const uint8_t* packed;
   const uint8_t* scales;
-  uint16_t* y;      // [m, ldy]
-  float out_scale;  // global_scale
+  uint16_t* y;               // [m, ldy]
+  ColumnScales out_scale;    // weight_scale_2
   int m, n, k;
   int64_t ldy;
 };
@@ -110,8 +138,8 @@ __device__ __forceinline__ void prefill_store_y(const PrefillParams& p, int m0, 
         const int col = n0 + (warp % 4) * 32 + ni * 8 + 2 * t;
         if (row >= p.m || col >= p.n) continue;
         uint16_t* dst = p.y + static_cast<int64_t>(row) * p.ldy + col;
-        const uint16_t v0 = f32_to_bf16(acc[mi][ni][2 * h] * p.out_scale);
-        const uint16_t v1 = f32_to_bf16(acc[mi][ni][2 * h + 1] * p.out_scale);
+        const uint16_t v0 = f32_to_bf16(acc[mi][ni][2 * h] * p.out_scale.at(col));
+        const uint16_t v1 = f32_to_bf16(acc[mi][ni][2 * h + 1] * p.out_scale.at(col + 1));
         if (pairs) {
           *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(v0) | (static_cast<uint32_t>(v1) << 16);
         } else {
@@ -210,7 +238,7 @@ void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Arg
                        .packed = a.w.packed,
                        .scales = a.w.scales,
                        .y = a.y,
-                       .out_scale = a.w.global_scale * static_cast<float>(1 << kDecodeShift),
+                       .out_scale = column_scales(a.w, static_cast<float>(1 << kDecodeShift)),
                        .m = static_cast<int>(a.m),
                        .n = static_cast<int>(a.w.n),
                        .k = static_cast<int>(a.w.k),
@@ -248,7 +276,7 @@ void nvfp4_w4a16_launch_prefill(const DeviceContext& ctx, const GemmNvfp4W4a16Ar
                         .packed = a.w.packed,
                         .scales = a.w.scales,
                         .y = a.y,
-                        .out_scale = a.w.global_scale,
+                        .out_scale = column_scales(a.w, 1.0f),
                         .m = static_cast<int>(a.m),
                         .n = static_cast<int>(a.w.n),
                         .k = static_cast<int>(a.w.k),

@@ -9,13 +9,19 @@
 
 namespace tern {
 
-// A device-resident NVFP4 weight [n, k] (k a multiple of 16).
+inline constexpr int kNvfp4MaxExtraParts = 3;
+
+// A device-resident NVFP4 weight [n, k] (k a multiple of 16). It may be several linears over the same input stacked
+// by rows (q|k|v, gate|up), each with its own weight_scale_2: the rows from part_begin[i] on (ascending, in (0, n);
+// 0 ends the list) take part_scale[i] instead of global_scale.
 struct Nvfp4WeightView {
   const uint8_t* packed = nullptr;  // [n, k/2] two e2m1 codes per byte, even k in the low nibble
   const uint8_t* scales = nullptr;  // [n, k/16] e4m3fn block scales, row-major, not swizzled
-  float global_scale = 0.0f;        // weight_scale_2
+  float global_scale = 0.0f;        // weight_scale_2 (of the first part)
   int64_t n = 0;
   int64_t k = 0;
+  int64_t part_begin[kNvfp4MaxExtraParts] = {};
+  float part_scale[kNvfp4MaxExtraParts] = {};
 };
 
 struct GemmNvfp4W4a16Args {

@@ -24,6 +24,8 @@ struct TestWeight {
   Nvfp4Matrix q;
   std::vector<float> dequant;  // [n, k], the reference's view of the weight
   DeviceBuffer packed, scales;
+  std::vector<int64_t> part_begin;  // stacked parts after the first (stack_weights): first row and global scale
+  std::vector<float> part_scale;
 };
 
 TestWeight make_weight(int64_t n, int64_t k, std::mt19937& rng) {
@@ -38,12 +40,42 @@ TestWeight make_weight(int64_t n, int64_t k, std::mt19937& rng) {
   return t;
 }
 
+// Weights of the same k quantized apart, so each has its own global scale, stacked by rows as one weight (a fused
+// q|k|v or gate|up).
+TestWeight stack_weights(const std::vector<int64_t>& rows, int64_t k, std::mt19937& rng) {
+  TestWeight t;
+  t.q.cols = k;
+  for (const int64_t n : rows) {
+    const TestWeight part = make_weight(n, k, rng);
+    if (t.q.rows == 0) {
+      t.q.global_scale = part.q.global_scale;
+    } else {
+      t.part_begin.push_back(t.q.rows);
+      t.part_scale.push_back(part.q.global_scale);
+    }
+    t.q.rows += n;
+    t.q.packed.insert(t.q.packed.end(), part.q.packed.begin(), part.q.packed.end());
+    t.q.block_scales.insert(t.q.block_scales.end(), part.q.block_scales.begin(), part.q.block_scales.end());
+    t.dequant.insert(t.dequant.end(), part.dequant.begin(), part.dequant.end());
+  }
+  t.packed = DeviceBuffer(t.q.packed.size());
+  t.scales = DeviceBuffer(t.q.block_scales.size());
+  t.packed.upload(t.q.packed.data(), t.q.packed.size());
+  t.scales.upload(t.q.block_scales.data(), t.q.block_scales.size());
+  return t;
+}
+
 Nvfp4WeightView view_of(const TestWeight& t) {
-  return Nvfp4WeightView{.packed = t.packed.as<uint8_t>(),
-                         .scales = t.scales.as<uint8_t>(),
-                         .global_scale = t.q.global_scale,
-                         .n = t.q.rows,
-                         .k = t.q.cols};
+  Nvfp4WeightView v{.packed = t.packed.as<uint8_t>(),
+                    .scales = t.scales.as<uint8_t>(),
+                    .global_scale = t.q.global_scale,
+                    .n = t.q.rows,
+                    .k = t.q.cols};
+  for (size_t i = 0; i < t.part_begin.size(); ++i) {
+    v.part_begin[i] = t.part_begin[i];
+    v.part_scale[i] = t.part_scale[i];
+  }
+  return v;
 }
 
 const char* variant_name(Nvfp4GemmVariant v) {
@@ -94,6 +126,22 @@ TEST(GemmNvfp4W4a16, EdgeShapesBothKernels) {
       run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng);
     }
     run_and_check(ctx, w, 37, Nvfp4GemmVariant::kAuto, rng);  // decode over 16-row slices, last one partial
+  }
+}
+
+// Linears stacked as one weight, each part with its own weight_scale_2 (a fused q|k|v, gate|up, or GDN's four input
+// projections): every column is scaled by its part's, in both kernels, at part sizes that split tiles and warps.
+TEST(GemmNvfp4W4a16, StackedPartsKeepTheirGlobalScales) {
+  DeviceContext ctx;
+  std::mt19937 rng(1009);
+  const std::vector<std::pair<std::vector<int64_t>, int64_t>> stacks = {
+      {{300, 100, 52}, 1024}, {{512, 512}, 784}, {{64, 64, 16, 8}, 2048}, {{4096, 1024, 1024}, 512}};
+  for (const auto& [rows, k] : stacks) {
+    const TestWeight w = stack_weights(rows, k, rng);
+    for (const float s : w.part_scale) ASSERT_NE(s, w.q.global_scale) << "parts must differ in scale to test them";
+    for (int64_t m : {1, 9, 16}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng);
+    for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng);
+    run_and_check(ctx, w, 40, Nvfp4GemmVariant::kAuto, rng, 2);
   }
 }
 
@@ -216,6 +264,16 @@ TEST(GemmNvfp4W4a16, RejectsBadArguments) {
   a = good;
   a.w.global_scale = NAN;
   expect_error(a, Nvfp4GemmVariant::kAuto, "weight_scale_2 is not finite");
+  a = good;
+  a.w.part_begin[0] = 40;
+  a.w.part_scale[0] = 0.5f;
+  a.w.part_begin[1] = 30;
+  expect_error(a, Nvfp4GemmVariant::kAuto, "part 2 begins at row 30, not after row 40");
+  a.w.part_begin[1] = 64;
+  expect_error(a, Nvfp4GemmVariant::kAuto, "part 2 begins at row 64, not after row 40 and before n=64");
+  a.w.part_begin[1] = 0;
+  a.w.part_scale[0] = INFINITY;
+  expect_error(a, Nvfp4GemmVariant::kAuto, "weight_scale_2 of part 1 is not finite");
   a = good;
   a.m = 0;  // nothing to do, nothing written
   EXPECT_TRUE(gemm_nvfp4_w4a16(ctx, a).has_value());
