@@ -279,8 +279,7 @@ Expected<void> CudaRunner::capture_decode_graphs() {
   const int64_t bs = options_.kv_block_size, kv_blocks = ops_.kv_blocks();
   const int64_t context = options_.max_context_tokens > 0 ? options_.max_context_tokens : kv_blocks * bs;
   // The block-table widths plan_step gives decode steps: powers of two, capped at the cache's blocks.
-  const uint64_t need = static_cast<uint64_t>(std::max<int64_t>((context + bs - 1) / bs, 1));
-  const int64_t widest = kv_blocks == 0 ? 1 : std::min<int64_t>(static_cast<int64_t>(std::bit_ceil(need)), kv_blocks);
+  const int64_t widest = decode_graph_max_blocks(context, kv_blocks, bs);
   std::vector<int64_t> widths;
   for (int64_t w = 1; w < widest; w *= 2) widths.push_back(w);
   widths.push_back(widest);

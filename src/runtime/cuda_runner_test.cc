@@ -599,6 +599,29 @@ TEST(GpuModel, FullCacheAndBadIdsAreErrors) {
   for (float v : *r) ASSERT_TRUE(std::isfinite(v));
 }
 
+// The DSA indexer's score workspace covers every graphed decode step. Graphs are captured up to the widest block
+// table, the context's blocks rounded up to a power of two: 40 tokens in blocks of 16 are 3 blocks, so graphs go
+// up to 4 (a max_seq_len of 64). A workspace sized by the context alone failed that capture and left decode eager.
+// The 30-token prompt needs more scores than the graphs' workspace holds; growing that one would leave the graphs
+// reading freed memory (compute-sanitizer's memcheck runs this test: tools/device/sanitize.sh).
+TEST(GpuModel, GlmDecodeGraphsCoverAContextBetweenPowersOfTwo) {
+  auto model = load_cuda("glm_moe_dsa", DeviceModelOptions{.max_sequences = 8, .max_context_tokens = 40});
+  ASSERT_TRUE(model);
+  const std::string described = model->describe();
+  EXPECT_NE(described.find("decode graphs"), std::string::npos) << described;
+  EXPECT_EQ(described.find("eager decode"), std::string::npos) << described;
+  SequenceCache seq = model->new_sequence();
+  std::vector<int32_t> next(30);
+  for (size_t i = 0; i < next.size(); ++i) next[i] = static_cast<int32_t>(3 + 7 * i) % 200;
+  for (int step = 0; step < 8; ++step) {  // the prompt, then decode steps up to 37 tokens
+    const std::vector<SequenceInput> batch{{&seq, next}};
+    auto logits = model->forward(batch, LogitsFor::kLastToken);
+    ASSERT_TRUE(logits.has_value()) << "step " << step << ": " << logits.error().message;
+    for (float v : *logits) ASSERT_TRUE(std::isfinite(v)) << "step " << step;
+    next = {argmax(logits->data(), static_cast<int64_t>(logits->size()))};
+  }
+}
+
 TEST(GpuModel, W4a4IsRefusedWithAReason) {
   ModelLoadOptions options;
   options.device = ModelDevice::kCuda;

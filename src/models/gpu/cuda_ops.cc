@@ -441,7 +441,8 @@ Expected<std::unique_ptr<Block>> CudaOps::draft_input(const RmsNorm& norm_embedd
 // ---- Buffers and caches ----
 
 Expected<void> CudaOps::allocate() {
-  TERN_TRY(reserve_head_rows(std::max<int64_t>(options_.max_sequences, 1)));
+  const int64_t graphed_rows = std::max<int64_t>(options_.max_sequences, 1) * std::max<int64_t>(verify_rows(), 1);
+  TERN_TRY(reserve_head_rows(graphed_rows, head_graph_));
   TERN_TRY(allocate_activations());
   return allocate_caches();
 }
@@ -528,8 +529,10 @@ Expected<void> CudaOps::allocate_caches() {
   if (max_lora > 0 && !DeviceBuffer::try_allocate(mla_attention_workspace_bytes(ctx_.props(), max_lora), mla_workspace_)) {
     return make_error("out of device memory for the MLA attention workspace");
   }
-  // DSA: the selection of a step ([rows, index_topk] key positions) and the indexer's score rows, sized here for the
-  // decode steps (every CUDA graph: max_sequences rows over the longest context) and grown by a longer prefill.
+  // DSA: the selection of a step ([rows, index_topk] key positions) and the indexer's score rows. The graphs' score
+  // buffer is sized here for every graphed step (max_sequences rows over the widest graph's max_seq_len, up to twice
+  // the context) and never reallocated, since the captured graphs hold its address; a longer prefill grows a
+  // buffer of its own.
   for (const GpuMla* a : mlas_) {
     if (a->shape.index_topk <= 0) continue;
     const int64_t topk = a->shape.index_topk;
@@ -537,7 +540,9 @@ Expected<void> CudaOps::allocate_caches() {
       return make_error("out of device memory for the DSA selections of {} rows", options_.max_batch_tokens);
     }
     const int64_t context = options_.max_context_tokens > 0 ? options_.max_context_tokens : kv_blocks_ * bs;
-    TERN_TRY(reserve_indexer_workspace(indexer_select_workspace_bytes(options_.max_sequences, context)));
+    const int64_t graph_seq_len = decode_graph_max_blocks(context, kv_blocks_, bs) * bs;
+    TERN_TRY(reserve_indexer_workspace(indexer_select_workspace_bytes(options_.max_sequences, graph_seq_len),
+                                       indexer_workspace_));
     break;
   }
   // The split-K workspace (decode variant only, which kAuto picks for at most kAttentionDecodeMaxQueryLen rows per
@@ -866,12 +871,14 @@ Expected<void> CudaOps::run_indexer(const GpuMla& a, uint16_t* idx_q) {
                                                     .n_heads = s.index_heads,
                                                     .head_dim = s.index_head_dim}));
   const size_t need = indexer_select_workspace_bytes(t, step_.max_seq_len);
+  DeviceBuffer* workspace = &indexer_workspace_;
   if (need > indexer_workspace_.size_bytes()) {
     if (step_.graphed) {
       return make_error("the DSA indexer workspace ({} bytes) is smaller than a decode step needs ({})",
                         indexer_workspace_.size_bytes(), need);
     }
-    TERN_TRY(reserve_indexer_workspace(need));  // a prefill step: never inside a graph capture
+    TERN_TRY(reserve_indexer_workspace(need, indexer_prefill_workspace_));  // never inside a graph capture
+    workspace = &indexer_prefill_workspace_;
   }
   return indexer_select(ctx_, IndexerSelectArgs{.q = idx_q,
                                                 .weights = proj_ + a.idx_w_col,
@@ -887,20 +894,20 @@ Expected<void> CudaOps::run_indexer(const GpuMla& a, uint16_t* idx_q) {
                                                 .head_dim = s.index_head_dim,
                                                 .topk = s.index_topk,
                                                 .max_seq_len = step_.max_seq_len,
-                                                .workspace = indexer_workspace_.data(),
-                                                .workspace_bytes = indexer_workspace_.size_bytes(),
+                                                .workspace = workspace->data(),
+                                                .workspace_bytes = workspace->size_bytes(),
                                                 .selected = selected_.as<int32_t>()});
 }
 
-Expected<void> CudaOps::reserve_indexer_workspace(size_t bytes) {
-  if (bytes <= indexer_workspace_.size_bytes()) return {};
+Expected<void> CudaOps::reserve_indexer_workspace(size_t bytes, DeviceBuffer& buffer) {
+  if (bytes <= buffer.size_bytes()) return {};
   DeviceBuffer grown;
   if (!DeviceBuffer::try_allocate(bytes, grown)) {
     return make_error("out of device memory for the DSA indexer's scores ({} bytes: rows x context x 4); use shorter "
                       "prefill chunks (--max-batch-tokens) or a shorter context", bytes);
   }
   TERN_CUDA_CHECK(cudaStreamSynchronize(ctx_.stream()));  // the old buffer may still be read by queued work
-  indexer_workspace_ = std::move(grown);
+  buffer = std::move(grown);
   return {};
 }
 
@@ -1040,8 +1047,11 @@ Expected<void> CudaOps::run_head(const DeviceMatrix& head, const GpuNorm& norm) 
   const NormedInput in = normed_input(norm);
   // Under tensor parallelism this rank's logits go to head_local_ ([rows, range]) and are gathered into the step's.
   const int64_t rows = step_.n_head_rows;
-  TERN_TRY(reserve_head_rows(rows));
-  uint16_t* logits = comm_ ? head_local_.as<uint16_t>() : step_.logits;
+  HeadLogits* head_pair = nullptr;
+  if (comm_) {
+    TERN_ASSIGN_OR_RETURN(head_pair, head_logits(rows));
+  }
+  uint16_t* logits = comm_ ? head_pair->local.as<uint16_t>() : step_.logits;
   const int64_t ld = comm_ ? vocab_shard_rows(vocab_, comm_->world()) : vocab_;
   // Every row's normed hidden state is in normed_ either way: kept for a draft step when there is a draft module.
   const auto keep_hidden = [&]() -> Expected<void> {
@@ -1053,7 +1063,7 @@ Expected<void> CudaOps::run_head(const DeviceMatrix& head, const GpuNorm& norm) 
   if (!step_.gathers_head_rows()) {
     TERN_TRY(norm_forward(in, head, t, logits, ld));
     TERN_TRY(keep_hidden());
-    if (comm_) TERN_TRY(gather_logits(rows));
+    if (comm_) TERN_TRY(gather_logits(*head_pair, rows));
     return trace("final_norm", normed_, t, h, h);
   }
   TERN_TRY(rms_norm_rows(*in.norm, x_, in.residual, t, normed_));
@@ -1064,7 +1074,7 @@ Expected<void> CudaOps::run_head(const DeviceMatrix& head, const GpuNorm& norm) 
                 .hidden = h}));
   TERN_TRY(trace("final_norm", last_, rows, h, h));
   TERN_TRY(device_matrix_forward(ctx_, head, last_, rows, logits, ld));
-  return comm_ ? gather_logits(rows) : Expected<void>{};
+  return comm_ ? gather_logits(*head_pair, rows) : Expected<void>{};
 }
 
 Expected<void> CudaOps::run_draft_input(const GpuNorm& norm_embedding, const GpuNorm& norm_hidden,

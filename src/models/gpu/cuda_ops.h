@@ -9,6 +9,8 @@
 // expert's down GEMV, the GDN gated norm inside the recurrent delta rule.
 #pragma once
 
+#include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -51,6 +53,14 @@ struct CudaStep {
 
   bool gathers_head_rows() const { return n_head_rows < tokens; }
 };
+
+// The widest block table a graphed decode step has (runtime/cuda_runner.cc plans them): the blocks of
+// `context_tokens` rounded up to a power of two, capped at the cache's blocks. Its max_seq_len is that times
+// block_size, up to twice the context; workspaces sized for graphed steps use it.
+inline int64_t decode_graph_max_blocks(int64_t context_tokens, int64_t kv_blocks, int64_t block_size) {
+  const auto need = static_cast<uint64_t>(std::max<int64_t>((context_tokens + block_size - 1) / block_size, 1));
+  return kv_blocks == 0 ? 1 : std::min<int64_t>(static_cast<int64_t>(std::bit_ceil(need)), kv_blocks);
+}
 
 struct GpuNorm;
 struct GpuAttention;
@@ -130,13 +140,21 @@ class CudaOps final : public BlockOps {
   };
   NormedInput normed_input(const GpuNorm& norm) const { return {&norm, stream_started_ ? out_ : nullptr}; }
   Expected<GpuNorm> norm(const RmsNorm& n);
-  // Under tensor parallelism: head_local_ / head_all_ for `rows` logit rows (grown outside graph captures only:
-  // allocate() reserves the decode steps' max_sequences), and the gather of every rank's logits into the step's.
-  Expected<void> reserve_head_rows(int64_t rows);
-  Expected<void> gather_logits(int64_t rows);
+  // Under tensor parallelism, this rank's logits ([rows, vocabulary range]) and every rank's: the graphs' pair is
+  // reserved by allocate() for the most rows a graphed step has (a decode step's max_sequences, or a verification's
+  // max_sequences x verify_rows) and never reallocated, since captured graphs hold its addresses; a longer step (a
+  // prefill wanting every row's logits) grows a pair of its own. head_logits: the pair for `rows` (an error for a
+  // graphed step that does not fit); gather_logits: every rank's logits into the step's.
+  struct HeadLogits {
+    DeviceBuffer local, all;
+    int64_t rows = 0;
+  };
+  Expected<void> reserve_head_rows(int64_t rows, HeadLogits& head);
+  Expected<HeadLogits*> head_logits(int64_t rows);
+  Expected<void> gather_logits(const HeadLogits& head, int64_t rows);
   Expected<void> allocate_caches();
   // Grows the DSA indexer's score workspace to at least `bytes` (outside graph captures only).
-  Expected<void> reserve_indexer_workspace(size_t bytes);
+  Expected<void> reserve_indexer_workspace(size_t bytes, DeviceBuffer& buffer);
   Expected<void> allocate_activations();
   Expected<void> rms_norm_rows(const GpuNorm& n, uint16_t* x, const uint16_t* residual, int64_t rows, uint16_t* y);
   // The norm of `in`, then w's product of normed_ into y (row stride ldy). At one row, where the self-test verified
@@ -160,8 +178,7 @@ class CudaOps final : public BlockOps {
   DeviceWeights weights_;
   int64_t hidden_ = 0, vocab_ = 0, embedding_rows_ = 0;
   int64_t vocab_begin_ = 0;                   // the first vocabulary row this rank's embedding holds
-  DeviceBuffer head_local_, head_all_;        // tensor parallelism: this rank's logits, and every rank's
-  int64_t head_rows_ = 0;                      // the rows they hold
+  HeadLogits head_graph_, head_grown_;         // tensor parallelism: reserve_head_rows
   AttentionVariant attention_variant_ = AttentionVariant::kAuto;
   GdnVariant gdn_variant_ = GdnVariant::kAuto;
 
@@ -194,7 +211,8 @@ class CudaOps final : public BlockOps {
   uint16_t *model_hidden_ = nullptr, *draft_hidden_ = nullptr;
   DeviceBuffer selected_;            // DSA: [max_batch_tokens, index_topk] int32
   DeviceBuffer router_f32_;          // sigmoid routing: [max_batch_tokens, n_experts] fp32 router logits
-  DeviceBuffer indexer_workspace_;   // DSA: the indexer's score rows
+  DeviceBuffer indexer_workspace_;          // DSA: the indexer's score rows of graphed steps (fixed at load)
+  DeviceBuffer indexer_prefill_workspace_;  // and of longer steps (grown, never captured)
   DeviceBuffer mla_workspace_;       // MLA attention's split-K partials
   unsigned long long* bad_id_ = nullptr;  // the embedding kernel's report (ids are checked on the host first)
   void* attention_workspace_ = nullptr;
