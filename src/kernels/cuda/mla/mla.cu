@@ -81,23 +81,23 @@ __global__ void __launch_bounds__(kPrepareThreads) mla_prepare_kernel(const MlaP
 
 // ---------------------------------------------------------------------------------------------------------------
 // mla_attention on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate; sm_80 and later, and within
-// sm_120's shared memory). Block (query row, group of kMlaHeadsPerBlock = 16 heads, key range), four warps. The
+// sm_120's shared memory). Block (query row, group of kMlaHeadsPerBlock = 16 heads, key range), eight warps. The
 // heads of a token all read the same latent keys (MQA-like), so they are the M dimension of the products, as in
 // FlashMLA. The block loads tiles of kMlaKeysPerTile latent rows into shared memory with cp.async, two tiles deep
 // (the next tile lands while this one is computed); rows are padded to an odd count of 16-byte chunks, so ldmatrix's
 // eight row reads fall in distinct banks.
-//   Scores S [16 heads x 32 keys] = Q K^T: the width's k16 steps are dealt to the warps (warp w: steps w, w + 4, ...),
+//   Scores S [16 heads x 32 keys] = Q K^T: the width's k16 steps are dealt to the warps (warp w: steps w, w + 8, ...),
 //   each holding its steps' query fragments in registers for the whole range; each warp's partial S for all 32 keys
-//   goes to shared memory, and every warp adds the four partials in warp order (each needs all of S next).
+//   goes to shared memory, where they are added once in warp order (every warp needs all of S next).
 //   Online softmax per head row in fp32, the scale applied to the summed score. Each probability enters the
 //   product as two bf16 terms (its rounding and the rounding of the rest), about 16 significant bits, and l sums
 //   the same terms, so the output is the weighted mean of the weights used.
 //   Output O [16 x lora] += P [16 x 32] C [32 x lora]: the 16-column pairs of n8 tiles are dealt to the warps
-//   (warp w: pairs w, w + 4, ...), C's fragments read by ldmatrix.trans from the same key rows.
+//   (warp w: pairs w, w + 8, ...), C's fragments read by ldmatrix.trans from the same key rows.
 // With several key ranges (split-K) each block leaves (m, l, o) per head in the workspace and mla_combine_kernel
 // merges them.
 
-constexpr int kAttnWarps = 4;
+constexpr int kAttnWarps = 8;
 constexpr int kAttnThreads = kAttnWarps * 32;
 constexpr int kMaxQStepsPerWarp = static_cast<int>((kMlaMaxLoraRank + kMlaMaxRopeDim) / 16 + kAttnWarps - 1) / kAttnWarps;
 constexpr int kMaxOutPairsPerWarp = static_cast<int>(kMlaMaxLoraRank / 16 + kAttnWarps - 1) / kAttnWarps;
@@ -125,7 +125,8 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
   const int q_steps = width / 16, out_pairs = lora / 16;
   uint32_t* keys_s = smem;                                                        // [2][tile][row_words]
   float4* red = reinterpret_cast<float4*>(smem + 2 * kMlaKeysPerTile * row_words);  // [warp][n8 tile][lane]
-  int64_t* slot_s = reinterpret_cast<int64_t*>(red + kAttnWarps * kScoreTiles * 32);  // [2][tile]
+  float4* total = red + kAttnWarps * kScoreTiles * 32;                               // [n8 tile][lane]
+  int64_t* slot_s = reinterpret_cast<int64_t*>(total + kScoreTiles * 32);           // [2][tile]
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int64_t t = blockIdx.x, head0 = int64_t{blockIdx.y} * kMlaHeadsPerBlock;
 
@@ -235,18 +236,23 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
       red[(warp * kScoreTiles + j) * 32 + lane] = make_float4(sc[j][0], sc[j][1], sc[j][2], sc[j][3]);
     }
     __syncthreads();
+    if (tid < kScoreTiles * 32) {  // the partials added once, in warp order
+      float4 sum = red[tid];
+#pragma unroll
+      for (int w = 1; w < kAttnWarps; ++w) {
+        const float4 v = red[w * kScoreTiles * 32 + tid];
+        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+      }
+      total[tid] = sum;
+    }
+    __syncthreads();
     // The whole S in this lane's fragment positions: element e of n8 tile j is head row g + 8 (e / 2), key
     // 8 j + 2 t4 + e % 2 of the tile; masked keys -inf.
     const int64_t* tile_slots = slot_s + buf * kMlaKeysPerTile;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < kScoreTiles; ++j) {
-      float4 sum = red[j * 32 + lane];
-#pragma unroll
-      for (int w = 1; w < kAttnWarps; ++w) {
-        const float4 v = red[(w * kScoreTiles + j) * 32 + lane];
-        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-      }
+      const float4 sum = total[j * 32 + lane];
       const bool k0 = tile_slots[8 * j + 2 * t4] >= 0, k1 = tile_slots[8 * j + 2 * t4 + 1] >= 0;
       sc[j][0] = k0 ? sum.x * a.scale : -INFINITY;
       sc[j][1] = k1 ? sum.y * a.scale : -INFINITY;
@@ -379,7 +385,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_combine_kernel(const Attn
 }  // namespace
 
 size_t mla_attention_smem_bytes(int64_t width) {
-  return static_cast<size_t>(2 * kMlaKeysPerTile * key_row_words(width) * 4 + kAttnWarps * kScoreTiles * 32 * 16 +
+  return static_cast<size_t>(2 * kMlaKeysPerTile * key_row_words(width) * 4 + (kAttnWarps + 1) * kScoreTiles * 32 * 16 +
                              2 * kMlaKeysPerTile * 8);
 }
 
