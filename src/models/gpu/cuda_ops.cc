@@ -1045,7 +1045,8 @@ Expected<void> CudaOps::run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t la
 Expected<void> CudaOps::run_head(const DeviceMatrix& head, const GpuNorm& norm) {
   const int64_t t = step_.tokens, h = hidden_;
   const NormedInput in = normed_input(norm);
-  // Under tensor parallelism this rank's logits go to head_local_ ([rows, range]) and are gathered into the step's.
+  // Under tensor parallelism this rank's logits go to a HeadLogits pair ([rows, range]) and are gathered into the
+  // step's.
   const int64_t rows = step_.n_head_rows;
   HeadLogits* head_pair = nullptr;
   if (comm_) {
