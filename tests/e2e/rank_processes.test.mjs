@@ -1,0 +1,87 @@
+// End to end: the bundled demo model over two tensor-parallel ranks with `--distributed-executor-backend mp`, so
+// `tern serve` starts rank 1 as a process of its own (the CPU path). The greedy reply is transformers' (demo/eval.json,
+// as in demo.test.mjs). Killing the rank process mid-stream ends that stream with an error, later requests get 503
+// and /health says unhealthy, and the server still answers and stops cleanly.
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import fs from 'node:fs';
+import path from 'node:path';
+import { root, startServer, stopServer } from './harness.mjs';
+
+const KEY = 'sk-rank-processes-test';
+const MODEL = 'tern-demo';
+const evalJson = JSON.parse(fs.readFileSync(path.join(root, 'demo/eval.json'), 'utf8'));
+const reference = Object.fromEntries(evalJson.sample_replies.map((r) => [r.case, r.reply]));
+const CITY = [{ role: 'user', content: 'Write a sentence about the city.' }];
+const noThinking = { chat_template_kwargs: { enable_thinking: false } };
+let server;
+
+// The processes `pid` started (Linux: every thread's children), with their command lines.
+function children(pid) {
+  const found = [];
+  for (const task of fs.readdirSync(`/proc/${pid}/task`)) {
+    const text = fs.readFileSync(`/proc/${pid}/task/${task}/children`, 'utf8').trim();
+    for (const child of text ? text.split(/\s+/) : []) {
+      const args = fs.readFileSync(`/proc/${child}/cmdline`, 'utf8').split('\0');
+      found.push({ pid: Number(child), args });
+    }
+  }
+  return found;
+}
+
+function alive(pid) {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+before(async () => {
+  server = await startServer(null, MODEL, KEY, ['--device', 'cpu', '--context-length', '1024',
+                                                '--tensor-parallel-size', '2', '--distributed-executor-backend', 'mp',
+                                                '--dist-timeout', '30']);
+});
+
+after(async () => {
+  await stopServer(server);
+});
+
+const chat = (messages, extra = {}) => server.client.chat.completions.create({ model: MODEL, messages,
+                                                                                 temperature: 0, ...extra });
+
+test('two rank processes give transformers\' greedy reply', async () => {
+  const ranks = children(server.proc.pid);
+  assert.equal(ranks.length, 1, JSON.stringify(ranks));
+  const args = ranks[0].args;
+  assert.equal(args[args.indexOf('--node-rank') + 1], '1', args.join(' '));
+  assert.equal(args[args.indexOf('--nnodes') + 1], '2', args.join(' '));
+  const r = await chat(CITY, { max_tokens: 96, ...noThinking });
+  assert.equal(r.choices[0].finish_reason, 'stop');
+  assert.equal(r.choices[0].message.content, reference['enable_thinking=False'].replace(/<\|im_end\|>$/, ''));
+});
+
+test('the rank process killed mid-stream: the stream fails, /health is unhealthy, the server keeps answering',
+     async () => {
+  const [rank] = children(server.proc.pid);
+  const health = await fetch(server.base + '/health');
+  assert.equal(health.status, 200);
+  const stream = await chat(CITY, { max_tokens: 900, stream: true, ignore_eos: true, ...noThinking });
+  let chunks = 0, failed = null, finish = null;
+  try {
+    for await (const chunk of stream) {
+      if (++chunks === 3) process.kill(rank.pid, 'SIGKILL');
+      if (chunk.choices[0]?.finish_reason) finish = chunk.choices[0].finish_reason;
+    }
+  } catch (e) {
+    failed = e;
+  }
+  assert.ok(failed !== null || finish === 'error', `the stream ended with ${finish} after ${chunks} chunks`);
+  assert.ok(chunks < 900, `${chunks} chunks`);
+  assert.ok(!alive(rank.pid) || fs.readFileSync(`/proc/${rank.pid}/stat`, 'utf8').split(' ')[2] === 'Z');
+  const after = await fetch(server.base + '/health');
+  assert.equal(after.status, 503);
+  assert.match(await after.text(), /unhealthy: the model can run no more steps/);
+  await assert.rejects(chat(CITY, { max_tokens: 8, ...noThinking }), (e) => e.status === 503);
+});
