@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(kPrepareThreads) mla_prepare_kernel(const MlaP
 
 constexpr int kAttnWarps = 8;
 constexpr int kAttnThreads = kAttnWarps * 32;
-constexpr int kMaxQStepsPerWarp = static_cast<int>((kMlaMaxLoraRank + kMlaMaxRopeDim) / 16 + kAttnWarps - 1) / kAttnWarps;
+constexpr int kMaxQStepsPerWarp =
+    static_cast<int>((kMlaMaxLoraRank + kMlaMaxRopeDim) / 16 + kAttnWarps - 1) / kAttnWarps;
 constexpr int kMaxOutPairsPerWarp = static_cast<int>(kMlaMaxLoraRank / 16 + kAttnWarps - 1) / kAttnWarps;
 constexpr int kScoreTiles = kMlaKeysPerTile / 8;  // n8 tiles of S
 constexpr int kCombineThreads = 128;
