@@ -5,14 +5,11 @@
 // CPU path computes in fp32 too, so its greedy tokens are transformers'. Run: TERN_BIN=... node --test tests/e2e/
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import fs from 'node:fs';
-import path from 'node:path';
-import { metrics, root, startServer, stopServer } from './harness.mjs';
+import { demoReplies, metrics, startServer, stopServer } from './harness.mjs';
 
 const KEY = 'sk-demo-test';
 const MODEL = 'tern-demo';
-const evalJson = JSON.parse(fs.readFileSync(path.join(root, 'demo/eval.json'), 'utf8'));
-const reference = Object.fromEntries(evalJson.sample_replies.map((r) => [r.case, r.reply]));
+const reference = demoReplies();
 // The chats tools/train_demo.py's sample_replies sent, and its tool.
 const TOOLS = [{ type: 'function', function: { name: 'lookup_word',
   description: 'Looks a word up in the corpus and returns a sentence that uses it.',

@@ -161,6 +161,39 @@ export async function startServer(modelDir, name, key, args = []) {
   return { proc, base, key, client, log: () => log };
 }
 
+// transformers' greedy replies to the demo model's sample chats, by case (demo/eval.json's sample_replies, written by
+// tools/train_demo.py from the exported checkpoint in fp32).
+export function demoReplies() {
+  const evalJson = JSON.parse(fs.readFileSync(path.join(root, 'demo/eval.json'), 'utf8'));
+  return Object.fromEntries(evalJson.sample_replies.map((r) => [r.case, r.reply]));
+}
+
+// A tensor-parallel rank lost mid-stream: `kill()` after the third chunk of a long greedy stream of `request` (a
+// chat.completions body). The stream ends with an error well before its length; then /health answers 503 saying
+// the model can run no more steps, and a new request gets 503.
+export async function assertRankLossFailsTheStream(server, request, kill) {
+  const health = await fetch(server.base + '/health');
+  assert.equal(health.status, 200);
+  const stream = await server.client.chat.completions.create({ ...request, temperature: 0, max_tokens: 900,
+                                                                stream: true, ignore_eos: true });
+  let chunks = 0, failed = null, finish = null;
+  try {
+    for await (const chunk of stream) {
+      if (++chunks === 3) await kill();
+      if (chunk.choices[0]?.finish_reason) finish = chunk.choices[0].finish_reason;
+    }
+  } catch (e) {
+    failed = e;
+  }
+  assert.ok(failed !== null || finish === 'error', `the stream ended with ${finish} after ${chunks} chunks`);
+  assert.ok(chunks < 900, `${chunks} chunks`);
+  const after = await fetch(server.base + '/health');
+  assert.equal(after.status, 503);
+  assert.match(await after.text(), /unhealthy: the model can run no more steps/);
+  await assert.rejects(server.client.chat.completions.create({ ...request, temperature: 0, max_tokens: 8 }),
+                       (e) => e.status === 503);
+}
+
 // SIGTERM, then SIGKILL after 10 s; asserts a graceful exit with status 0.
 export async function stopServer(server) {
   if (!server || server.proc.exitCode !== null) return;

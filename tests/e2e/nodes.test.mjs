@@ -5,15 +5,12 @@
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
-import fs from 'node:fs';
 import net from 'node:net';
-import path from 'node:path';
-import { bin, root, startServer, stopServer } from './harness.mjs';
+import { assertRankLossFailsTheStream, bin, demoReplies, startServer, stopServer } from './harness.mjs';
 
 const KEY = 'sk-nodes-test';
 const MODEL = 'tern-demo';
-const evalJson = JSON.parse(fs.readFileSync(path.join(root, 'demo/eval.json'), 'utf8'));
-const reference = Object.fromEntries(evalJson.sample_replies.map((r) => [r.case, r.reply]));
+const reference = demoReplies();
 const CITY = [{ role: 'user', content: 'Write a sentence about the city.' }];
 const noThinking = { chat_template_kwargs: { enable_thinking: false } };
 let server, worker, workerLog = '', workerExit;
@@ -53,24 +50,9 @@ test('two nodes give transformers\' greedy reply', async () => {
 });
 
 test('node 1 killed mid-stream: the stream fails, /health is unhealthy, node 0 keeps answering', async () => {
-  const health = await fetch(server.base + '/health');
-  assert.equal(health.status, 200);
-  const stream = await chat(CITY, { max_tokens: 900, stream: true, ignore_eos: true, ...noThinking });
-  let chunks = 0, failed = null, finish = null;
-  try {
-    for await (const chunk of stream) {
-      if (++chunks === 3) worker.kill('SIGKILL');
-      if (chunk.choices[0]?.finish_reason) finish = chunk.choices[0].finish_reason;
-    }
-  } catch (e) {
-    failed = e;
-  }
-  assert.ok(failed !== null || finish === 'error', `the stream ended with ${finish} after ${chunks} chunks`);
-  assert.ok(chunks < 900, `${chunks} chunks`);
-  const { sig } = await workerExit;
-  assert.equal(sig, 'SIGKILL');
-  const after = await fetch(server.base + '/health');
-  assert.equal(after.status, 503);
-  assert.match(await after.text(), /unhealthy: the model can run no more steps/);
-  await assert.rejects(chat(CITY, { max_tokens: 8, ...noThinking }), (e) => e.status === 503);
+  await assertRankLossFailsTheStream(server, { model: MODEL, messages: CITY, ...noThinking }, async () => {
+    worker.kill('SIGKILL');
+    const { sig } = await workerExit;
+    assert.equal(sig, 'SIGKILL');
+  });
 });

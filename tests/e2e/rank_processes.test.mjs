@@ -5,13 +5,11 @@
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
-import path from 'node:path';
-import { root, startServer, stopServer } from './harness.mjs';
+import { assertRankLossFailsTheStream, demoReplies, startServer, stopServer } from './harness.mjs';
 
 const KEY = 'sk-rank-processes-test';
 const MODEL = 'tern-demo';
-const evalJson = JSON.parse(fs.readFileSync(path.join(root, 'demo/eval.json'), 'utf8'));
-const reference = Object.fromEntries(evalJson.sample_replies.map((r) => [r.case, r.reply]));
+const reference = demoReplies();
 const CITY = [{ role: 'user', content: 'Write a sentence about the city.' }];
 const noThinking = { chat_template_kwargs: { enable_thinking: false } };
 let server;
@@ -65,23 +63,8 @@ test('two rank processes give transformers\' greedy reply', async () => {
 test('the rank process killed mid-stream: the stream fails, /health is unhealthy, the server keeps answering',
      async () => {
   const [rank] = children(server.proc.pid);
-  const health = await fetch(server.base + '/health');
-  assert.equal(health.status, 200);
-  const stream = await chat(CITY, { max_tokens: 900, stream: true, ignore_eos: true, ...noThinking });
-  let chunks = 0, failed = null, finish = null;
-  try {
-    for await (const chunk of stream) {
-      if (++chunks === 3) process.kill(rank.pid, 'SIGKILL');
-      if (chunk.choices[0]?.finish_reason) finish = chunk.choices[0].finish_reason;
-    }
-  } catch (e) {
-    failed = e;
-  }
-  assert.ok(failed !== null || finish === 'error', `the stream ended with ${finish} after ${chunks} chunks`);
-  assert.ok(chunks < 900, `${chunks} chunks`);
+  await assertRankLossFailsTheStream(server, { model: MODEL, messages: CITY, ...noThinking }, () => {
+    process.kill(rank.pid, 'SIGKILL');
+  });
   assert.ok(!alive(rank.pid) || fs.readFileSync(`/proc/${rank.pid}/stat`, 'utf8').split(' ')[2] === 'Z');
-  const after = await fetch(server.base + '/health');
-  assert.equal(after.status, 503);
-  assert.match(await after.text(), /unhealthy: the model can run no more steps/);
-  await assert.rejects(chat(CITY, { max_tokens: 8, ...noThinking }), (e) => e.status === 503);
 });
