@@ -26,6 +26,13 @@ using Shapes = std::set<std::pair<int64_t, int64_t>>;  // {N, K}
 bool is_nvfp4(const Linear& l) {
   return l.matrix().format == CpuWeightFormat::kNvfp4;
 }
+bool is_fp8(const Linear& l) {
+  return l.matrix().format == CpuWeightFormat::kFp8Block128;
+}
+// Computed as BF16 on a device (BF16, or fp32 / fp16 rounded to it).
+bool is_bf16(const Linear& l) {
+  return !is_nvfp4(l) && !is_fp8(l);
+}
 
 RmsNormForm form_of(const RmsNorm& n) {
   return n.zero_centred ? RmsNormForm::kZeroCentred : RmsNormForm::kPlain;
@@ -133,14 +140,19 @@ class Planner final : public BlockOps {
                                                 s.index_heads, s.index_head_dim, s.index_topk));
     }
     projections(in_parts);
-    int64_t q_n = 0, q_count = 0;
+    int64_t q_n = 0, q_count = 0, q_fp8_n = 0, q_fp8_count = 0;
     for (const Linear* l : q_parts) {
       linear(*l);
-      if (is_nvfp4(*l)) continue;
+      if (is_fp8(*l)) {
+        q_fp8_n += l->out_features();
+        ++q_fp8_count;
+      }
+      if (!is_bf16(*l)) continue;
       q_n += l->out_features();
       ++q_count;
     }
     if (q_count > 1) bf16_.insert({q_n, q_parts.front()->in_features()});
+    if (q_fp8_count > 1) fp8_.insert({q_fp8_n, q_parts.front()->in_features()});
     linear(w.o_proj);
     // The per-head products around the attention (W_UK^T of each head's q_nope, W_UV of its latent output) are
     // batched gemm_bf16 calls over strided heads; the gemm_bf16 op's harness has no batch, so they have no case here.
@@ -160,7 +172,11 @@ class Planner final : public BlockOps {
     if (w.experts.empty()) return make_error("{}: an MoE block without experts", w.router.name());
     const int64_t hidden = w.router.in_features(), inter = w.experts.front().gate_proj.out_features(),
                   top_k = m.shape().top_k;
-    const bool nvfp4 = is_nvfp4(w.experts.front().gate_proj), shared = w.shared_expert != nullptr;
+    const Linear& gate = w.experts.front().gate_proj;
+    const MoeCaseFormat format = is_nvfp4(gate) ? MoeCaseFormat::kNvfp4
+                                 : is_fp8(gate) ? MoeCaseFormat::kFp8
+                                                : MoeCaseFormat::kBf16;
+    const bool shared = w.shared_expert != nullptr;
     // The block's router (softmax, or GLM-5 / DeepSeek-V3's sigmoid with its groups and correction bias) and how
     // its shared expert is added.
     const MoeShape& s = m.shape();
@@ -172,19 +188,19 @@ class Planner final : public BlockOps {
     for (int64_t b : batches_) add("silu_mul", silu_mul_case(b * top_k, inter));
     // The decode batches, then a prefill chunk (past the decode kernels' token limit: the grouped prefill GEMM).
     for (int64_t b : batches_) {
-      add("moe", moe_case(b, hidden, inter, w.router.out_features(), top_k, nvfp4, shared, routing));
+      add("moe", moe_case(b, hidden, inter, w.router.out_features(), top_k, format, shared, routing));
     }
-    add("moe", moe_case(kPrefill, hidden, inter, w.router.out_features(), top_k, nvfp4, shared, routing));
+    add("moe", moe_case(kPrefill, hidden, inter, w.router.out_features(), top_k, format, shared, routing));
     projections(m.input_projections());
     if (w.shared_expert) silu_down(w.shared_expert->weights().down_proj);
-    Shapes& experts = nvfp4 ? nvfp4_ : bf16_;
+    Shapes& experts = format == MoeCaseFormat::kNvfp4 ? nvfp4_ : format == MoeCaseFormat::kFp8 ? fp8_ : bf16_;
     experts.insert({inter, hidden});
     experts.insert({hidden, inter});
     return nullptr;
   }
   Expected<std::unique_ptr<Block>> lm_head(const RmsNorm&, const Linear& head, VocabRange) override {
     linear(head);
-    if (!is_nvfp4(head)) normed_.insert({head.out_features(), head.in_features()});
+    if (is_bf16(head)) normed_.insert({head.out_features(), head.in_features()});
     for (int64_t rows : {1, 8}) add("sampling", sampling_case(rows, head.out_features()));
     return nullptr;
   }
@@ -213,6 +229,8 @@ class Planner final : public BlockOps {
       for (auto [n, k] : silu_) add("silu_mul_gemv", silu_mul_gemv_case(n, k, verify_rows_));
     }
     if (!fp4.empty()) table_.push_back({"gemm_nvfp4", gemm_selftest_cases(fp4, gemm_rows_)});
+    const auto fp8 = selftest_lead_first({fp8_.begin(), fp8_.end()});
+    if (!fp8.empty()) table_.push_back({"gemm_fp8", gemm_selftest_cases(fp8, gemm_rows_)});
     return std::move(table_);
   }
 
@@ -235,14 +253,22 @@ class Planner final : public BlockOps {
     form_ = form_of(norm);
     for (int64_t b : batches_) add("rms_norm", rms_norm_case(b, 1, hidden_, form_, true));
   }
-  void linear(const Linear& l) { (is_nvfp4(l) ? nvfp4_ : bf16_).insert({l.out_features(), l.in_features()}); }
+  void linear(const Linear& l) {
+    (is_nvfp4(l) ? nvfp4_ : is_fp8(l) ? fp8_ : bf16_).insert({l.out_features(), l.in_features()});
+  }
   // Each part at its own shape, the NVFP4 parts as the stacked weights a device computes them in (runs of at most
-  // kNvfp4MaxStackedParts, DeviceWeights::projection), and the BF16 parts as the one GEMM a device computes them
-  // in, which is also the GEMV a decode step may fuse the block's norm into.
+  // kNvfp4MaxStackedParts, DeviceWeights::projection), the FP8 parts as their one stacked weight, and the BF16
+  // parts as the one GEMM a device computes them in, which is also the GEMV a decode step may fuse the block's norm
+  // into.
   void projections(const std::vector<const Linear*>& parts) {
-    int64_t n = 0, count = 0, fp4_n = 0, fp4_count = 0;
+    int64_t n = 0, count = 0, fp4_n = 0, fp4_count = 0, fp8_n = 0, fp8_count = 0;
     for (const Linear* l : parts) {
       linear(*l);
+      if (is_fp8(*l)) {
+        fp8_n += l->out_features();
+        ++fp8_count;
+        continue;
+      }
       if (is_nvfp4(*l)) {
         if (fp4_count == kNvfp4MaxStackedParts) {
           nvfp4_.insert({fp4_n, l->in_features()});
@@ -256,6 +282,7 @@ class Planner final : public BlockOps {
       ++count;
     }
     if (fp4_count > 1) nvfp4_.insert({fp4_n, parts.front()->in_features()});
+    if (fp8_count > 1) fp8_.insert({fp8_n, parts.front()->in_features()});
     if (count == 0) return;
     // A device pads the run's rows (layers/linear.h fused_projection_rows).
     const int64_t rows = fused_projection_rows(n);
@@ -265,7 +292,7 @@ class Planner final : public BlockOps {
   // A down projection that reads a SiLU-and-mul (dense MLPs, shared experts).
   void silu_down(const Linear& down) {
     linear(down);
-    if (!is_nvfp4(down)) silu_.insert({down.out_features(), down.in_features()});
+    if (is_bf16(down)) silu_.insert({down.out_features(), down.in_features()});
   }
 
   std::vector<int64_t> batches_;
@@ -273,7 +300,7 @@ class Planner final : public BlockOps {
   std::vector<int64_t> gemm_rows_;  // the GEMMs' rows: the batches, then each batch's verification rows
   int64_t hidden_ = 0;
   RmsNormForm form_ = RmsNormForm::kPlain;
-  Shapes bf16_, nvfp4_, normed_, silu_;
+  Shapes bf16_, nvfp4_, fp8_, normed_, silu_;
   SelftestCaseTable table_;
 };
 

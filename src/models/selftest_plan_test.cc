@@ -15,6 +15,7 @@
 #include "ops/mla_op.h"
 #include "ops/moe_op.h"
 #include "ops/silu_gemv_op.h"
+#include "runtime/fp8_checkpoint_test_util.h"
 
 namespace tern {
 namespace {
@@ -139,6 +140,30 @@ TEST(SelftestPlan, Nvfp4ExpertsAreTestedInTheirFormat) {
   EXPECT_TRUE(has(*table, "gemm_nvfp4", gemm_selftest_cases({{i, h}}, {1}).front()));
   EXPECT_TRUE(has(*table, "gemm_nvfp4", gemm_selftest_cases({{h, i}}, {1}).front()));
   EXPECT_TRUE(has(*table, "moe", moe_case(1, h, i, c.num_experts, c.num_experts_per_tok, true, true)));
+}
+
+// A block-wise FP8 checkpoint's linears run as gemm_fp8 on a device (q|k|v as one stacked weight), its experts as
+// FP8 MoE cases; nothing of it is planned as BF16 or NVFP4.
+TEST(SelftestPlan, Fp8CheckpointsAreTestedInTheirFormat) {
+  fp8_test::Fp8Pair pair("qwen3_moe");
+  auto m = model_build_host(pair.fp8.string(), {});
+  ASSERT_TRUE(m.has_value()) << m.error().message;
+  const ModelConfig& c = (*m)->config();
+  auto table = selftest_cases_of(**m, {1});
+  ASSERT_TRUE(table.has_value()) << table.error().message;
+  const int64_t h = c.hidden_size, i = c.moe_intermediate_size;
+  const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+  EXPECT_TRUE(has(*table, "gemm_fp8", gemm_selftest_cases({{q + 2 * kv, h}}, {1}).front()));
+  EXPECT_TRUE(has(*table, "gemm_fp8", gemm_selftest_cases({{h, q}}, {1}).front()));  // o_proj
+  EXPECT_TRUE(has(*table, "gemm_fp8", gemm_selftest_cases({{i, h}}, {1}).front()));
+  EXPECT_TRUE(has(*table, "gemm_fp8", gemm_selftest_cases({{c.vocab_size, h}}, {1}).front()));  // lm_head
+  EXPECT_TRUE(has(*table, "moe", moe_case(1, h, i, c.num_experts, c.num_experts_per_tok, MoeCaseFormat::kFp8, false)));
+  EXPECT_FALSE(has(*table, "moe", moe_case(1, h, i, c.num_experts, c.num_experts_per_tok, false, false)));
+  EXPECT_EQ(cases_of(*table, "gemm_nvfp4"), nullptr);
+  const auto* bf16 = cases_of(*table, "gemm_bf16");
+  if (bf16 != nullptr) {
+    EXPECT_FALSE(has(*table, "gemm_bf16", gemm_selftest_cases({{q + 2 * kv, h}}, {1}).front()));
+  }
 }
 
 // NVFP4 input projections run as one stacked weight on a device (q|k|v here: the fixture's gated attention is NVFP4,

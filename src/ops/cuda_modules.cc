@@ -14,6 +14,7 @@ std::vector<CudaModuleReport> cuda_modules_describe() {
   }
   using Query = cudaError_t (*)(cudaFuncAttributes*);
   const std::pair<const char*, Query> modules[] = {{"gemm_nvfp4_w4a16", gemm_nvfp4_module_attributes},
+                                                   {"gemm_fp8_w8a16", gemm_fp8_module_attributes},
                                                    {"elementwise", elementwise_module_attributes},
                                                    {"attention_prepare", attention_prepare_module_attributes},
                                                    {"attention_decode", attention_decode_module_attributes},

@@ -10,6 +10,7 @@
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/elementwise/elementwise.h"
 #include "kernels/cuda/gemm/gemm_bf16.h"
+#include "kernels/cuda/gemm/gemm_fp8_w8a16.h"
 #include "kernels/cuda/gemm/gemm_nvfp4_w4a16.h"
 #include "kernels/cuda/gemv/gemv_bf16.h"
 #include "ops/cuda_util.h"
@@ -34,7 +35,8 @@ constexpr Tolerance kBf16OutputTolerance{.rel = 1.0 / 256, .abs = 0.0};
 
 GemmDeviceInputs gemm_upload(const GemmInputs& in, cudaStream_t stream) {
   return GemmDeviceInputs{.x = cuda_upload(in.x_bf16, stream), .w_bf16 = cuda_upload(in.w_bf16, stream),
-                          .w_packed = cuda_upload(in.w_packed, stream), .w_scales = cuda_upload(in.w_scales, stream)};
+                          .w_packed = cuda_upload(in.w_packed, stream), .w_scales = cuda_upload(in.w_scales, stream),
+                          .w_row_scales = cuda_upload(in.w_row_scales, stream)};
 }
 
 namespace {
@@ -118,6 +120,12 @@ Expected<void> gemv_or_cublaslt(const DeviceContext& ctx, const GemmBf16Args& ar
   return gemv_bf16_preferred(args.m, args.n, args.k) ? gemv_bf16(ctx, args) : gemm_bf16(ctx, args);
 }
 
+// The weight-only GEMMs' kernels (NVFP4 and FP8 decoded to bf16 mma.sync operands).
+std::string needs_bf16_mma(const DeviceDescription& d, const SelfTestCase&) {
+  if (std::string why = cuda_unsupported_reason(d); !why.empty()) return why;
+  return arch_features(d.cc_major, d.cc_minor).mma_bf16 ? "" : "needs bf16 mma.sync (sm_80 or later targets)";
+}
+
 }  // namespace
 
 Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceContext> context) {
@@ -129,10 +137,7 @@ Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceCont
       .backend = Backend::kCuda,
       .priority = 10,
       .tolerance = kBf16OutputTolerance,
-      .unsupported_reason = [](const DeviceDescription& d, const SelfTestCase&) -> std::string {
-        if (std::string why = cuda_unsupported_reason(d); !why.empty()) return why;
-        return arch_features(d.cc_major, d.cc_minor).mma_bf16 ? "" : "needs bf16 mma.sync (sm_80 or later targets)";
-      },
+      .unsupported_reason = needs_bf16_mma,
       .run = [context](const OpInputs& base) -> Expected<RunOutput> {
         const auto& in = static_cast<const GemmInputs&>(base);
         const GemmDeviceInputs d = gemm_upload(in, context->stream());
@@ -140,6 +145,23 @@ Expected<void> gemm_register_cuda(Registry& registry, std::shared_ptr<DeviceCont
                                 .global_scale = in.w_global_scale, .n = in.n, .k = in.k};
         return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
           return gemm_nvfp4_w4a16(*context, {.x = d.x.as<uint16_t>(), .w = w, .y = y, .m = in.m});
+        });
+      },
+  }));
+  TERN_TRY(registry.add(Implementation{
+      .op = "gemm_fp8",
+      .name = "w8a16",
+      .backend = Backend::kCuda,
+      .priority = 10,
+      .tolerance = kBf16OutputTolerance,
+      .unsupported_reason = needs_bf16_mma,
+      .run = [context](const OpInputs& base) -> Expected<RunOutput> {
+        const auto& in = static_cast<const GemmInputs&>(base);
+        const GemmDeviceInputs d = gemm_upload(in, context->stream());
+        const Fp8WeightView w{
+            .codes = d.w_packed.as<uint8_t>(), .row_scales = d.w_row_scales.as<float>(), .n = in.n, .k = in.k};
+        return cuda_run_timed(*context, in.m, in.n, [&](uint16_t* y) {
+          return gemm_fp8_w8a16(*context, {.x = d.x.as<uint16_t>(), .w = w, .y = y, .m = in.m});
         });
       },
   }));

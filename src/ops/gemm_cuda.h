@@ -21,7 +21,7 @@ struct RmsNormGemvInputs;
 
 // A GEMM case's inputs on the device (bf16 activations; the weight in whichever form the case has).
 struct GemmDeviceInputs {
-  DeviceBuffer x, w_bf16, w_packed, w_scales;
+  DeviceBuffer x, w_bf16, w_packed, w_scales, w_row_scales;
 };
 GemmDeviceInputs gemm_upload(const GemmInputs& inputs, cudaStream_t stream);
 

@@ -9,6 +9,7 @@
 #include <cstdio>
 
 #include "kernels/cuda/gemm/gemm_bf16.h"
+#include "kernels/cuda/gemm/gemm_fp8_w8a16.h"
 #include "kernels/cuda/gemm/gemm_nvfp4_w4a16.h"
 #include "kernels/cuda/gemv/gemv_bf16.h"
 #include "ops/cuda_op_test.h"
@@ -68,6 +69,33 @@ std::vector<Fault> nvfp4_faults() {
          w.global_scale = NAN;
          return gemm(ctx, in, d, y, w, in.m);
        }},
+  };
+}
+
+// The FP8 W8A16 GEMM called with one argument wrong.
+std::vector<Fault> fp8_faults() {
+  auto gemm = [](const DeviceContext& ctx, const GemmInputs& in, const GemmDeviceInputs& d, uint16_t* y,
+                 const float* row_scales, int64_t m) {
+    const Fp8WeightView w{.codes = d.w_packed.as<uint8_t>(), .row_scales = row_scales, .n = in.n, .k = in.k};
+    return gemm_fp8_w8a16(ctx, {.x = d.x.as<uint16_t>(), .w = w, .y = y, .m = m});
+  };
+  return {
+      {"scales-off-by-3-percent", "exceeds the tolerance",
+       [=](auto& ctx, auto& in, auto& d, uint16_t* y) {
+         std::vector<float> scaled(in.w_row_scales);
+         for (float& v : scaled) v *= 1.03f;
+         auto scales = std::make_shared<DeviceBuffer>(scaled.size() * 4);
+         scales->upload(scaled.data(), scaled.size() * 4);
+         auto status = gemm(ctx, in, d, y, scales->template as<float>(), in.m);
+         TERN_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));  // keep the buffer alive until the kernel is done
+         return status;
+       }},
+      {"skips-the-last-row", "never written",
+       [=](auto& ctx, auto& in, auto& d, uint16_t* y) {
+         return gemm(ctx, in, d, y, d.w_row_scales.template as<float>(), in.m - 1);
+       }},
+      {"null-scales", "null pointer",
+       [=](auto& ctx, auto& in, auto& d, uint16_t* y) { return gemm(ctx, in, d, y, nullptr, in.m); }},
   };
 }
 
@@ -165,6 +193,9 @@ TEST_F(CudaGemmOps, RealImplementationsPassOnModelShapes) {
   auto nvfp4 = registry_select(registry_, "gemm_nvfp4", devices_[0], cases, {});
   ASSERT_TRUE(nvfp4.has_value()) << nvfp4.error().message;
   EXPECT_EQ(nvfp4->chosen, "w4a16") << nvfp4->candidates.front().reason;
+  auto fp8 = registry_select(registry_, "gemm_fp8", devices_[0], cases, {});
+  ASSERT_TRUE(fp8.has_value()) << fp8.error().message;
+  EXPECT_EQ(fp8->chosen, "w8a16") << fp8->candidates.front().reason;
   auto bf16 = registry_select(registry_, "gemm_bf16", devices_[0], cases, {});
   ASSERT_TRUE(bf16.has_value()) << bf16.error().message;
   // Both pass (the GEMV's cases at M = 1 and 8, cuBLASLt's at 200); the faster over the cases is chosen.
@@ -174,7 +205,7 @@ TEST_F(CudaGemmOps, RealImplementationsPassOnModelShapes) {
     EXPECT_EQ(c->status, CandidateStatus::kPassed) << name << ": " << c->reason;
   }
   EXPECT_TRUE(bf16->chosen == "gemv" || bf16->chosen == "cublaslt") << bf16->chosen;
-  for (const Selection* s : {&*nvfp4, &*bf16}) {
+  for (const Selection* s : {&*nvfp4, &*fp8, &*bf16}) {
     for (const auto& c : s->candidates) {
       if (c.name == "cpu") {
         EXPECT_EQ(c.status, CandidateStatus::kUnsupported);
@@ -190,6 +221,15 @@ TEST_F(CudaGemmOps, InjectedFaultsAreRejectedOnTheGpu) {
   ASSERT_TRUE(s.has_value()) << s.error().message;
   EXPECT_EQ(s->chosen, "w4a16");
   expect_rejected(*s, nvfp4_faults());
+}
+
+TEST_F(CudaGemmOps, InjectedFp8FaultsAreRejectedOnTheGpu) {
+  add_faults("gemm_fp8", fp8_faults());
+  const auto cases = gemm_selftest_cases({{1000, 1040}}, {1, 40, 200});
+  auto s = registry_select(registry_, "gemm_fp8", devices_[0], cases, {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_EQ(s->chosen, "w8a16");
+  expect_rejected(*s, fp8_faults());
 }
 
 TEST_F(CudaGemmOps, InjectedGemvFaultsAreRejectedOnTheGpu) {

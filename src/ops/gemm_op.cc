@@ -26,15 +26,44 @@ std::string cpu_only(const DeviceDescription& d, const SelfTestCase&) {
 
 }  // namespace
 
-Expected<void> gemm_fill_inputs(const SelfTestCase& c, uint64_t seed, bool nvfp4, GemmInputs& in) {
+// Block-wise FP8 as DeepSeek-V3's checkpoints are made: per 128 x 128 block, scale = amax / 448 and
+// code = e4m3(w / scale); the scales are kept per row (CpuMatrix's and the device's layout).
+void fp8_quantize(const std::vector<float>& w, GemmInputs& in) {
+  constexpr int64_t kBlock = 128;
+  const int64_t cols = (in.k + kBlock - 1) / kBlock;
+  in.w_packed.resize(w.size());
+  in.w_row_scales.resize(static_cast<size_t>(in.n * cols));
+#pragma omp parallel for schedule(static)
+  for (int64_t br = 0; br < in.n; br += kBlock) {
+    for (int64_t bc = 0; bc < in.k; bc += kBlock) {
+      float amax = 0.0f;
+      for (int64_t r = br; r < std::min(in.n, br + kBlock); ++r) {
+        for (int64_t c = bc; c < std::min(in.k, bc + kBlock); ++c) amax = std::max(amax, std::fabs(w[r * in.k + c]));
+      }
+      const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+      for (int64_t r = br; r < std::min(in.n, br + kBlock); ++r) {
+        in.w_row_scales[r * cols + bc / kBlock] = scale;
+        for (int64_t c = bc; c < std::min(in.k, bc + kBlock); ++c) {
+          in.w_packed[r * in.k + c] = float_to_e4m3(w[r * in.k + c] / scale);
+        }
+      }
+    }
+  }
+}
+
+Expected<void> gemm_fill_inputs(const SelfTestCase& c, uint64_t seed, GemmWeight weight, GemmInputs& in) {
   if (c.dims.size() != 3 || c.dims[0] <= 0 || c.dims[1] <= 0 || c.dims[2] <= 0) {
     return make_error("gemm case '{}' needs dims {{M, N, K}} > 0", c.label);
   }
   in.m = c.dims[0];
   in.n = c.dims[1];
   in.k = c.dims[2];
-  in.nvfp4 = nvfp4;
-  if (nvfp4 && in.k % kNvfp4BlockSize != 0) return make_error("NVFP4 gemm case '{}': K must be a multiple of 16", c.label);
+  in.nvfp4 = weight == GemmWeight::kNvfp4;
+  in.fp8 = weight == GemmWeight::kFp8;
+  if (in.nvfp4 && in.k % kNvfp4BlockSize != 0) {
+    return make_error("NVFP4 gemm case '{}': K must be a multiple of 16", c.label);
+  }
+  if (in.fp8 && in.k % 16 != 0) return make_error("FP8 gemm case '{}': K must be a multiple of 16", c.label);
   auto value = [seed](uint64_t stream, int64_t i, float scale) { return hashed_bf16(seed, stream, i, scale); };
   in.x_bf16.resize(static_cast<size_t>(in.m * in.k));
   in.x.resize(in.x_bf16.size());
@@ -45,7 +74,16 @@ Expected<void> gemm_fill_inputs(const SelfTestCase& c, uint64_t seed, bool nvfp4
   std::vector<float> w(static_cast<size_t>(in.n * in.k));
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < in.n * in.k; ++i) w[i] = bf16_to_float(value(2, i, 0.1f));
-  if (nvfp4) {
+  if (in.fp8) {
+    // Blocks of different magnitudes (0.5x to 1.85x), so a scale taken from the wrong block shows in the output.
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < in.n; ++r) {
+      for (int64_t c = 0; c < in.k; ++c) {
+        w[r * in.k + c] *= 0.5f + 0.45f * static_cast<float>((3 * (r / 128) + c / 128) % 4);
+      }
+    }
+    fp8_quantize(w, in);
+  } else if (in.nvfp4) {
     Nvfp4Matrix q = nvfp4_quantize_weight(w, in.n, in.k);
     in.w_packed = std::move(q.packed);
     in.w_scales = std::move(q.block_scales);
@@ -60,15 +98,19 @@ Expected<void> gemm_fill_inputs(const SelfTestCase& c, uint64_t seed, bool nvfp4
 
 namespace {
 
-Expected<std::unique_ptr<OpInputs>> make_gemm_inputs(const SelfTestCase& c, uint64_t seed, bool nvfp4) {
+Expected<std::unique_ptr<OpInputs>> make_gemm_inputs(const SelfTestCase& c, uint64_t seed, GemmWeight weight) {
   auto in = std::make_unique<GemmInputs>();
-  TERN_TRY(gemm_fill_inputs(c, seed, nvfp4, *in));
+  TERN_TRY(gemm_fill_inputs(c, seed, weight, *in));
   return in;
 }
 
 CpuMatrix cpu_matrix_of(const GemmInputs& in) {
   CpuMatrix w{.rows = in.n, .cols = in.k};
-  if (in.nvfp4) {
+  if (in.fp8) {
+    w.format = CpuWeightFormat::kFp8Block128;
+    w.data = in.w_packed.data();
+    w.row_block_scales = in.w_row_scales.data();
+  } else if (in.nvfp4) {
     w.format = CpuWeightFormat::kNvfp4;
     w.data = in.w_packed.data();
     w.block_scales = in.w_scales.data();
@@ -86,7 +128,12 @@ std::vector<float> gemm_reference(const OpInputs& base) {
 #pragma omp parallel for schedule(dynamic, 64)
   for (int64_t j = 0; j < in.n; ++j) {
     std::vector<float> w_row(static_cast<size_t>(in.k));
-    if (in.nvfp4) {
+    if (in.fp8) {
+      const int64_t cols = (in.k + 127) / 128;
+      for (int64_t k = 0; k < in.k; ++k) {
+        w_row[k] = e4m3_to_float(in.w_packed[j * in.k + k]) * in.w_row_scales[j * cols + k / 128];
+      }
+    } else if (in.nvfp4) {
       nvfp4_dequantize_row(in.w_packed.data() + j * in.k / 2, in.w_scales.data() + j * in.k / kNvfp4BlockSize,
                            in.w_global_scale, in.k, w_row.data());
     } else {
@@ -203,11 +250,12 @@ Expected<RunOutput> rms_norm_gemv_cpu(const OpInputs& base) {
 }  // namespace
 
 Expected<void> gemm_register_cpu(Registry& registry) {
-  for (const bool nvfp4 : {false, true}) {
-    const std::string op = nvfp4 ? "gemm_nvfp4" : "gemm_bf16";
+  for (const GemmWeight weight : {GemmWeight::kBf16, GemmWeight::kNvfp4, GemmWeight::kFp8}) {
+    const std::string op = weight == GemmWeight::kNvfp4 ? "gemm_nvfp4" : weight == GemmWeight::kFp8 ? "gemm_fp8"
+                                                                                                     : "gemm_bf16";
     TERN_TRY(registry.add_harness(OpHarness{
         .op = op,
-        .make_inputs = [nvfp4](const SelfTestCase& c, uint64_t seed) { return make_gemm_inputs(c, seed, nvfp4); },
+        .make_inputs = [weight](const SelfTestCase& c, uint64_t seed) { return make_gemm_inputs(c, seed, weight); },
         .reference = gemm_reference,
     }));
     // fp32 accumulation in a fixed 16-lane order against an fp64 reference: the error grows like sqrt(K) ulps of

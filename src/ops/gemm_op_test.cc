@@ -19,7 +19,7 @@ TEST(GemmOp, CpuImplementationsPassTheirSelfTest) {
   Registry r;
   ASSERT_TRUE(gemm_register_cpu(r).has_value());
   const auto cases = gemm_selftest_cases({{64, 256}, {48, 1040}}, {1, 5});
-  for (const char* op : {"gemm_bf16", "gemm_nvfp4"}) {
+  for (const char* op : {"gemm_bf16", "gemm_nvfp4", "gemm_fp8"}) {
     auto s = registry_select(r, op, cpu_device_describe(), cases, {});
     ASSERT_TRUE(s.has_value()) << s.error().message;
     EXPECT_EQ(s->chosen, "cpu") << op << ": " << s->candidates.front().reason;
@@ -73,11 +73,50 @@ TEST(GemmOp, WrongScaleHandlingIsRejected) {
   }
 }
 
+// An FP8 GEMM that takes each weight's scale from the 128-column block after its own (the last block keeps its own):
+// the harness's weights vary by block enough for the self-test to see it.
+TEST(GemmOp, Fp8ScaleOfTheWrongBlockIsRejected) {
+  Registry r;
+  ASSERT_TRUE(gemm_register_cpu(r).has_value());
+  ASSERT_TRUE(r.add(Implementation{
+                        .op = "gemm_fp8",
+                        .name = "next-block-scale",
+                        .priority = 10,
+                        .tolerance = {.rel = 1e-5},
+                        .run = [](const OpInputs& base) -> Expected<RunOutput> {
+                          const auto& in = static_cast<const GemmInputs&>(base);
+                          const int64_t cols = (in.k + 127) / 128;
+                          RunOutput out{.values = std::vector<float>(static_cast<size_t>(in.m * in.n))};
+                          for (int64_t j = 0; j < in.n; ++j) {
+                            for (int64_t i = 0; i < in.m; ++i) {
+                              double acc = 0.0;
+                              for (int64_t k = 0; k < in.k; ++k) {
+                                const int64_t b = std::min(k / 128 + 1, cols - 1);
+                                acc += double(in.x[i * in.k + k]) * e4m3_to_float(in.w_packed[j * in.k + k]) *
+                                       in.w_row_scales[j * cols + b];
+                              }
+                              out.values[i * in.n + j] = static_cast<float>(acc);
+                            }
+                          }
+                          return out;
+                        },
+                    })
+                  .has_value());
+  const auto cases = gemm_selftest_cases({{300, 384}}, {3});
+  auto s = registry_select(r, "gemm_fp8", cpu_device_describe(), cases, {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_EQ(s->chosen, "cpu");
+  const CandidateReport* wrong = s->candidate("next-block-scale");
+  ASSERT_NE(wrong, nullptr);
+  EXPECT_EQ(wrong->status, CandidateStatus::kFailed) << wrong->reason;
+}
+
 TEST(GemmOp, BadCasesAreErrors) {
   Registry r;
   ASSERT_TRUE(gemm_register_cpu(r).has_value());
   const std::vector<SelfTestCase> bad = {{"K=40", {1, 8, 40}}};
   EXPECT_FALSE(registry_select(r, "gemm_nvfp4", cpu_device_describe(), bad, {}).has_value());
+  EXPECT_FALSE(registry_select(r, "gemm_fp8", cpu_device_describe(), bad, {}).has_value());
   const std::vector<SelfTestCase> cuda_only = {{"M=1 N=8 K=16", {1, 8, 16}}};
   auto on_gpu = registry_select(r, "gemm_bf16", *simulated_device("h200"), cuda_only, {});
   ASSERT_TRUE(on_gpu.has_value());

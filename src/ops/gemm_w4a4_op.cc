@@ -16,7 +16,7 @@ constexpr const char* kOp = "gemm_nvfp4_w4a4";
 
 Expected<std::unique_ptr<OpInputs>> make_w4a4_inputs(const SelfTestCase& c, uint64_t seed) {
   auto in = std::make_unique<GemmW4a4Inputs>();
-  TERN_TRY(gemm_fill_inputs(c, seed, /*nvfp4=*/true, *in));
+  TERN_TRY(gemm_fill_inputs(c, seed, GemmWeight::kNvfp4, *in));
   float amax = 0.0f;
   for (float v : in->x) amax = std::max(amax, std::fabs(v));
   in->input_scale = nvfp4_global_scale_from_amax(amax);  // ModelOpt's calibration of the activation quantizer

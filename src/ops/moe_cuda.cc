@@ -19,6 +19,7 @@ DeviceBuffer poisoned(size_t bytes, cudaStream_t stream) {
 
 struct MoeDeviceInputs {
   DeviceBuffer x, router, gate_up, gate_up_scales, gate_up_global, down, down_scales, down_global;
+  DeviceBuffer gate_up_row_scales, down_row_scales;  // FP8
   DeviceBuffer shared_gate_up, shared_down, logits, shared_gu_out, shared_act, shared_out, workspace, bias;
   size_t workspace_bytes = 0;
 };
@@ -26,10 +27,14 @@ struct MoeDeviceInputs {
 MoeDeviceInputs moe_upload(const MoeInputs& in, cudaStream_t s) {
   const auto t = static_cast<size_t>(in.tokens), h = static_cast<size_t>(in.hidden), i = static_cast<size_t>(in.inter);
   MoeDeviceInputs d{.x = cuda_upload(in.x, s), .router = cuda_upload(in.router, s)};
-  d.gate_up = in.nvfp4 ? cuda_upload(in.gate_up_packed, s) : cuda_upload(in.gate_up_bf16, s);
-  d.down = in.nvfp4 ? cuda_upload(in.down_packed, s) : cuda_upload(in.down_bf16, s);
+  // NVFP4's packed e2m1 and FP8's e4m3 codes both travel in the *_packed vectors.
+  const bool packed = in.nvfp4 || in.fp8;
+  d.gate_up = packed ? cuda_upload(in.gate_up_packed, s) : cuda_upload(in.gate_up_bf16, s);
+  d.down = packed ? cuda_upload(in.down_packed, s) : cuda_upload(in.down_bf16, s);
   d.gate_up_scales = cuda_upload(in.gate_up_scales, s);
   d.down_scales = cuda_upload(in.down_scales, s);
+  d.gate_up_row_scales = cuda_upload(in.gate_up_row_scales, s);
+  d.down_row_scales = cuda_upload(in.down_row_scales, s);
   d.gate_up_global = cuda_upload(in.gate_up_global, s);
   d.down_global = cuda_upload(in.down_global, s);
   d.shared_gate_up = cuda_upload(in.shared_gate_up, s);
@@ -46,10 +51,16 @@ MoeDeviceInputs moe_upload(const MoeInputs& in, cudaStream_t s) {
 
 // One projection of every expert as the grouped GEMM reads it.
 MoeExpertWeights expert_view(const MoeInputs& in, const DeviceBuffer& w, const DeviceBuffer& scales,
-                             const DeviceBuffer& global, int64_t n, int64_t k) {
-  MoeExpertWeights v{.format = in.nvfp4 ? MoeWeightFormat::kNvfp4 : MoeWeightFormat::kBf16,
+                             const DeviceBuffer& global, const DeviceBuffer& row_scales, int64_t n, int64_t k) {
+  MoeExpertWeights v{.format = in.nvfp4 ? MoeWeightFormat::kNvfp4 : in.fp8 ? MoeWeightFormat::kFp8
+                                                                            : MoeWeightFormat::kBf16,
                      .n_experts = in.n_experts, .n = n, .k = k};
-  if (in.nvfp4) {
+  if (in.fp8) {
+    v.packed = w.as<uint8_t>();
+    v.packed_expert_stride = n * k;
+    v.row_scales = row_scales.as<float>();
+    v.row_scales_expert_stride = n * ((k + 127) / 128);
+  } else if (in.nvfp4) {
     v.packed = w.as<uint8_t>();
     v.packed_expert_stride = n * k / 2;
     v.scales = scales.as<uint8_t>();
@@ -103,8 +114,10 @@ Expected<RunOutput> moe_cuda_run(const DeviceContext& ctx, const MoeInputs& in, 
                      .renormalize = true, .sigmoid = in.sigmoid, .n_group = in.n_group, .topk_group = in.topk_group,
                      .routed_scaling = in.routed_scaling,
                      .correction_bias = in.correction_bias.empty() ? nullptr : d.bias.as<float>(),
-                     .gate_up = expert_view(in, d.gate_up, d.gate_up_scales, d.gate_up_global, 2 * in.inter, in.hidden),
-                     .down = expert_view(in, d.down, d.down_scales, d.down_global, in.hidden, in.inter),
+                     .gate_up = expert_view(in, d.gate_up, d.gate_up_scales, d.gate_up_global, d.gate_up_row_scales,
+                                            2 * in.inter, in.hidden),
+                     .down = expert_view(in, d.down, d.down_scales, d.down_global, d.down_row_scales, in.hidden,
+                                         in.inter),
                      .shared_out = in.shared ? d.shared_out.as<uint16_t>() : nullptr,
                      // An unweighted shared expert has no gate; its column of the logits is then never read.
                      .shared_gate = in.shared && in.shared_gate ? d.logits.as<uint16_t>() + e : nullptr,

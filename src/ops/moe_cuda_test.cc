@@ -1,7 +1,7 @@
 // The moe op on the GPU through the registry (label gpu): the CUDA implementation passes its self-test against the
-// fp64 reference on the test fixture's shape and on 35B- and 397B-like expert counts, in bf16 and NVFP4, with each
-// grouped-GEMM variant forced; deliberately broken launches (each one fault class, all-zero outputs included) are
-// rejected; and a timing line per case is printed.
+// fp64 reference on the test fixture's shape and on 35B- and 397B-like expert counts, in bf16, NVFP4 and block-wise
+// FP8, with each grouped-GEMM variant forced; deliberately broken launches (each one fault class, all-zero outputs
+// included) are rejected; and a timing line per case is printed.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,22 +31,22 @@ class CudaMoeOp : public CudaOpTest<moe_register_cpu, moe_register_cuda> {
 
 TEST_F(CudaMoeOp, PassesOnFixtureAndModelLikeShapes) {
   std::vector<SelfTestCase> cases;
-  for (const bool nvfp4 : {false, true}) {
+  for (const MoeCaseFormat format : {MoeCaseFormat::kBf16, MoeCaseFormat::kNvfp4, MoeCaseFormat::kFp8}) {
     for (int64_t t : {1, 3, 37, 1000}) {
-      cases.push_back(moe_case(t, 64, 32, 8, 2, nvfp4, true));      // the test fixture
-      cases.push_back(moe_case(t, 512, 128, 256, 8, nvfp4, true));  // 35B-like expert count and top-k
+      cases.push_back(moe_case(t, 64, 32, 8, 2, format, true));      // the test fixture
+      cases.push_back(moe_case(t, 512, 128, 256, 8, format, true));  // 35B-like expert count and top-k
     }
-    cases.push_back(moe_case(37, 256, 64, 512, 10, nvfp4, false));  // 397B-like
-    cases.push_back(moe_case(37, 2048, 512, 16, 8, nvfp4, true));   // 35B hidden and expert width
-    cases.push_back(moe_case(200, 128, 32, 16, 1, nvfp4, false));   // top-1
+    cases.push_back(moe_case(37, 256, 64, 512, 10, format, false));  // 397B-like
+    cases.push_back(moe_case(37, 2048, 512, 16, 8, format, true));   // 35B hidden and expert width
+    cases.push_back(moe_case(200, 128, 32, 16, 1, format, false));   // top-1
     // Sigmoid routing with a correction bias and an unweighted shared expert: the GLM-5 fixture's shape and
     // DeepSeek-V3's 4 of 8 groups.
     const MoeCaseRouting glm5{.sigmoid = true, .correction_bias = true, .shared_gate = false};
     const MoeCaseRouting dsv3{.sigmoid = true, .n_group = 8, .topk_group = 4, .correction_bias = true,
                               .shared_gate = false};
     for (int64_t t : {1, 3, 37, 1000}) {
-      cases.push_back(moe_case(t, 64, 32, 8, 2, nvfp4, true, glm5));
-      cases.push_back(moe_case(t, 512, 128, 256, 8, nvfp4, true, dsv3));
+      cases.push_back(moe_case(t, 64, 32, 8, 2, format, true, glm5));
+      cases.push_back(moe_case(t, 512, 128, 256, 8, format, true, dsv3));
     }
   }
   expect_chosen(cases);
@@ -65,8 +65,8 @@ TEST_F(CudaMoeOp, BothGemmVariantsPass) {
                     .has_value());
   }
   std::vector<SelfTestCase> cases;
-  for (const bool nvfp4 : {false, true}) {
-    for (int64_t t : {1, 37, 300}) cases.push_back(moe_case(t, 256, 64, 64, 8, nvfp4, true));
+  for (const MoeCaseFormat f : {MoeCaseFormat::kBf16, MoeCaseFormat::kNvfp4, MoeCaseFormat::kFp8}) {
+    for (int64_t t : {1, 37, 300}) cases.push_back(moe_case(t, 256, 64, 64, 8, f, true));
   }
   auto s = registry_select(registry_, "moe", devices_[0], cases, {});
   ASSERT_TRUE(s.has_value()) << s.error().message;

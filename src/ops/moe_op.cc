@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "core/formats.h"
@@ -16,11 +17,14 @@ namespace {
 
 constexpr uint16_t kBf16Nan = 0x7FC0;
 constexpr uint8_t kE4m3Nan = 0x7F;
+constexpr int64_t kFp8Block = 128;  // rows and columns of a block-wise FP8 scale block (docs/model-specs.md §1.7)
 constexpr float kSigmoidRoutedScaling = 2.5f;  // DeepSeek-V3's and GLM-5's routed_scaling_factor
 // Two fp64 choice values or group worths closer than this (relative to the larger, at least 1: a score is in
 // (0, 1)) may be ordered either way by an fp32 implementation.
 constexpr double kNearTie = 1e-5;
 constexpr int kTieRedraws = 64;
+
+int64_t fp8_scale_cols(int64_t cols) { return (cols + kFp8Block - 1) / kFp8Block; }
 
 // scale * uniform(-1, 1), nudged away from zero, rounded to bf16 (ops/harness_util.h); as floats.
 std::vector<float> random_values(uint64_t seed, uint64_t stream, int64_t n, float scale) {
@@ -36,24 +40,59 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
   return out;
 }
 
-// One projection of every expert ([E][rows][cols]) into the inputs' bf16 or NVFP4 vectors. Experts the routing
-// selects get random weights (stream `stream`, scale `scale`); every other expert is NaN (bf16 NaN, or NaN e4m3
-// block scales), so an implementation that reads an expert it was not routed to cannot pass, and a real-size case
-// (hundreds of experts) costs only the experts a few tokens reach.
+// Block-wise FP8 as DeepSeek-V3's checkpoints are made, of one checkpoint tensor: rows [row0, row0 + rows) of
+// w [*, cols], per 128 x 128 block scale = amax / 448 and code = e4m3(w / scale), into the same rows of codes
+// [*, cols] and of row_scales [*, ceil(cols / 128)], the scales kept per row (CpuMatrix's and the device's layout).
+void fp8_quantize_rows(const std::vector<float>& w, int64_t row0, int64_t rows, int64_t cols, uint8_t* codes,
+                       float* row_scales) {
+  const int64_t scale_cols = fp8_scale_cols(cols);
+  for (int64_t br = row0; br < row0 + rows; br += kFp8Block) {
+    const int64_t r_end = std::min(row0 + rows, br + kFp8Block);
+    for (int64_t bc = 0; bc < cols; bc += kFp8Block) {
+      const int64_t c_end = std::min(cols, bc + kFp8Block);
+      float amax = 0.0f;
+      for (int64_t r = br; r < r_end; ++r) {
+        for (int64_t c = bc; c < c_end; ++c) amax = std::max(amax, std::fabs(w[r * cols + c]));
+      }
+      const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+      for (int64_t r = br; r < r_end; ++r) {
+        row_scales[r * scale_cols + bc / kFp8Block] = scale;
+        for (int64_t c = bc; c < c_end; ++c) codes[r * cols + c] = float_to_e4m3(w[r * cols + c] / scale);
+      }
+    }
+  }
+}
+
+// One projection of every expert ([E][rows][cols]) into the inputs' bf16, NVFP4 or FP8 vectors. Experts the routing
+// selects get random weights (stream `stream`, scale `scale`); every other expert is NaN (bf16 NaN, NaN e4m3 block
+// scales or NaN FP8 row scales), so an implementation that reads an expert it was not routed to cannot pass, and a
+// real-size case (hundreds of experts) costs only the experts a few tokens reach. FP8 quantizes each expert's rows
+// as checkpoint tensors of tensor_rows rows (gate and up apart).
 void store_experts(const MoeInputs& in, const std::vector<bool>& used, uint64_t seed, uint64_t stream, float scale,
-                   int64_t rows, int64_t cols, std::vector<uint16_t>& bf16, std::vector<uint8_t>& packed,
-                   std::vector<uint8_t>& scales, std::vector<float>& global) {
-  const int64_t per_expert = rows * cols;
+                   int64_t rows, int64_t cols, int64_t tensor_rows, std::vector<uint16_t>& bf16,
+                   std::vector<uint8_t>& packed, std::vector<uint8_t>& scales, std::vector<float>& global,
+                   std::vector<float>& row_scales) {
+  const int64_t per_expert = rows * cols, scale_cols = fp8_scale_cols(cols);
   if (in.nvfp4) {
     packed.assign(static_cast<size_t>(in.n_experts * per_expert / 2), 0);
     scales.assign(static_cast<size_t>(in.n_experts * per_expert / kNvfp4BlockSize), kE4m3Nan);
     global.assign(static_cast<size_t>(in.n_experts), 1.0f);
+  } else if (in.fp8) {
+    packed.assign(static_cast<size_t>(in.n_experts * per_expert), 0);
+    row_scales.assign(static_cast<size_t>(in.n_experts * rows * scale_cols), std::numeric_limits<float>::quiet_NaN());
   } else {
     bf16.assign(static_cast<size_t>(in.n_experts * per_expert), kBf16Nan);
   }
   for (int64_t e = 0; e < in.n_experts; ++e) {
     if (!used[e]) continue;
     const std::vector<float> w = random_values(seed ^ static_cast<uint64_t>(e) << 20, stream, per_expert, scale);
+    if (in.fp8) {
+      for (int64_t r0 = 0; r0 < rows; r0 += tensor_rows) {
+        fp8_quantize_rows(w, r0, std::min(tensor_rows, rows - r0), cols, &packed[e * per_expert],
+                          &row_scales[e * rows * scale_cols]);
+      }
+      continue;
+    }
     if (!in.nvfp4) {
       for (int64_t i = 0; i < per_expert; ++i) bf16[e * per_expert + i] = float_to_bf16(w[i]);
       continue;
@@ -197,7 +236,7 @@ Expected<std::unique_ptr<OpInputs>> moe_make(const SelfTestCase& c, uint64_t see
   std::vector<int64_t> d = c.dims;
   if (d.size() == 7) d.insert(d.end(), {0, 1, 1, 0});
   if (d[0] < 0 || d[1] < 16 || d[1] % 16 || d[2] < 16 || d[2] % 16 || d[3] < 1 || d[4] < 1 || d[4] > d[3] ||
-      d[5] < 0 || d[5] > 1 || d[6] < 0 || d[6] > 2) {
+      d[5] < 0 || d[5] > 2 || d[6] < 0 || d[6] > 2) {
     return make_error("moe case '{}': bad dims (hidden and inter multiples of 16, 1 <= top_k <= n_experts)", c.label);
   }
   const bool sigmoid = d[7] == 1;
@@ -210,7 +249,7 @@ Expected<std::unique_ptr<OpInputs>> moe_make(const SelfTestCase& c, uint64_t see
   }
   auto in = std::make_unique<MoeInputs>();
   in->tokens = d[0], in->hidden = d[1], in->inter = d[2], in->n_experts = d[3], in->top_k = d[4];
-  in->nvfp4 = d[5] == 1, in->shared = d[6] != 0, in->shared_gate = d[6] != 2;
+  in->nvfp4 = d[5] == 1, in->fp8 = d[5] == 2, in->shared = d[6] != 0, in->shared_gate = d[6] != 2;
   in->sigmoid = sigmoid, in->n_group = d[8], in->topk_group = d[9];
   in->routed_scaling = sigmoid ? kSigmoidRoutedScaling : 1.0f;
   const int64_t h = in->hidden, i = in->inter, e = in->n_experts;
@@ -226,10 +265,10 @@ Expected<std::unique_ptr<OpInputs>> moe_make(const SelfTestCase& c, uint64_t see
   // Uniform weights of variance 1 / fan-in keep every intermediate O(1).
   const float gu_scale = std::sqrt(3.0f / static_cast<float>(h)), down_scale = std::sqrt(3.0f / static_cast<float>(i));
   const std::vector<bool> used = routed_experts(*in);
-  store_experts(*in, used, seed, 2, gu_scale, 2 * i, h, in->gate_up_bf16, in->gate_up_packed, in->gate_up_scales,
-                in->gate_up_global);
-  store_experts(*in, used, seed, 3, down_scale, h, i, in->down_bf16, in->down_packed, in->down_scales,
-                in->down_global);
+  store_experts(*in, used, seed, 2, gu_scale, 2 * i, h, i, in->gate_up_bf16, in->gate_up_packed,
+                in->gate_up_scales, in->gate_up_global, in->gate_up_row_scales);
+  store_experts(*in, used, seed, 3, down_scale, h, i, h, in->down_bf16, in->down_packed, in->down_scales,
+                in->down_global, in->down_row_scales);
   if (in->shared) {
     in->shared_gate_up = to_bf16(random_values(seed, 4, 2 * i * h, gu_scale));
     in->shared_down = to_bf16(random_values(seed, 5, h * i, down_scale));
@@ -237,10 +276,17 @@ Expected<std::unique_ptr<OpInputs>> moe_make(const SelfTestCase& c, uint64_t see
   return in;
 }
 
-// Row `row` of projection [E][rows][cols] of expert e, as floats (NVFP4 dequantized as core/nvfp4 does).
+// Row `row` of projection [E][rows][cols] of expert e, as floats (NVFP4 dequantized as core/nvfp4 does, FP8 as
+// e4m3 * scale).
 void expert_row(const MoeInputs& in, bool gate_up, int64_t e, int64_t row, float* out) {
   const int64_t rows = gate_up ? 2 * in.inter : in.hidden, cols = gate_up ? in.hidden : in.inter;
   const int64_t r = e * rows + row;
+  if (in.fp8) {
+    const uint8_t* codes = &(gate_up ? in.gate_up_packed : in.down_packed)[r * cols];
+    const float* scales = &(gate_up ? in.gate_up_row_scales : in.down_row_scales)[r * fp8_scale_cols(cols)];
+    for (int64_t k = 0; k < cols; ++k) out[k] = e4m3_to_float(codes[k]) * scales[k / kFp8Block];
+    return;
+  }
   if (!in.nvfp4) {
     const std::vector<uint16_t>& w = gate_up ? in.gate_up_bf16 : in.down_bf16;
     for (int64_t k = 0; k < cols; ++k) out[k] = bf16_to_float(w[r * cols + k]);
@@ -321,6 +367,12 @@ CpuMatrix expert_matrix(const MoeInputs& in, bool gate_up, int64_t e, int64_t ro
   const int64_t all_rows = gate_up ? 2 * in.inter : in.hidden, cols = gate_up ? in.hidden : in.inter;
   const int64_t r = e * all_rows + row0;
   CpuMatrix m{.rows = rows, .cols = cols};
+  if (in.fp8) {
+    m.format = CpuWeightFormat::kFp8Block128;
+    m.data = &(gate_up ? in.gate_up_packed : in.down_packed)[r * cols];
+    m.row_block_scales = &(gate_up ? in.gate_up_row_scales : in.down_row_scales)[r * fp8_scale_cols(cols)];
+    return m;
+  }
   if (!in.nvfp4) {
     m.format = CpuWeightFormat::kBf16;
     m.data = &(gate_up ? in.gate_up_bf16 : in.down_bf16)[r * cols];
@@ -396,19 +448,25 @@ Expected<void> moe_register_cpu(Registry& registry) {
   });
 }
 
-SelfTestCase moe_case(int64_t tokens, int64_t hidden, int64_t inter, int64_t n_experts, int64_t top_k, bool nvfp4,
-                      bool shared, const MoeCaseRouting& routing) {
+SelfTestCase moe_case(int64_t tokens, int64_t hidden, int64_t inter, int64_t n_experts, int64_t top_k,
+                      MoeCaseFormat format, bool shared, const MoeCaseRouting& routing) {
   const int64_t shared_dim = !shared ? 0 : routing.shared_gate ? 1 : 2;
-  std::string label = fmt::format("T={} H={} I={} E={} top{} {}{}", tokens, hidden, inter, n_experts, top_k,
-                                  nvfp4 ? "nvfp4" : "bf16",
+  const char* name = format == MoeCaseFormat::kNvfp4 ? "nvfp4" : format == MoeCaseFormat::kFp8 ? "fp8" : "bf16";
+  std::string label = fmt::format("T={} H={} I={} E={} top{} {}{}", tokens, hidden, inter, n_experts, top_k, name,
                                   shared_dim == 0 ? "" : shared_dim == 1 ? " +shared" : " +shared(unweighted)");
-  std::vector<int64_t> dims = {tokens, hidden, inter, n_experts, top_k, nvfp4 ? 1 : 0, shared_dim};
+  std::vector<int64_t> dims = {tokens, hidden, inter, n_experts, top_k, static_cast<int64_t>(format), shared_dim};
   if (routing.sigmoid) {
     label += fmt::format(" sigmoid groups {}/{}{}", routing.topk_group, routing.n_group,
                          routing.correction_bias ? " +bias" : "");
     dims.insert(dims.end(), {1, routing.n_group, routing.topk_group, routing.correction_bias ? 1 : 0});
   }
   return {std::move(label), std::move(dims)};
+}
+
+SelfTestCase moe_case(int64_t tokens, int64_t hidden, int64_t inter, int64_t n_experts, int64_t top_k, bool nvfp4,
+                      bool shared, const MoeCaseRouting& routing) {
+  return moe_case(tokens, hidden, inter, n_experts, top_k, nvfp4 ? MoeCaseFormat::kNvfp4 : MoeCaseFormat::kBf16,
+                  shared, routing);
 }
 
 }  // namespace tern

@@ -1,8 +1,9 @@
 // The sparse Mixture-of-Experts block in the registry (docs/model-specs.md §2.6, layers/moe.h):
 //   moe  dims {tokens, hidden, inter, n_experts, top_k, format, shared}: softmax router, top-k renormalised,
 //        SwiGLU experts of width `inter` with weights in `format` (0 bf16, 1 NVFP4 as ModelOpt exports them, W4A16
-//        semantics), plus with shared = 1 a bf16 shared expert of width `inter` scaled by sigmoid(its gate), with
-//        shared = 2 one added unweighted. Output y [tokens, hidden].
+//        semantics, 2 block-wise FP8 as DeepSeek-V3's checkpoints hold them, W8A16 semantics), plus with shared = 1
+//        a bf16 shared expert of width `inter` scaled by sigmoid(its gate), with shared = 2 one added unweighted.
+//        Output y [tokens, hidden].
 //        dims {tokens, hidden, inter, n_experts, top_k, format, shared, sigmoid, n_group, topk_group, bias}: with
 //        sigmoid = 1 DeepSeek-V3 / GLM-5's router instead (§3.4): experts chosen on score + e_score_correction_bias
 //        (bias = 1: a random one from the seed, large enough to change choices; 0: none) within the best topk_group
@@ -31,7 +32,7 @@ namespace tern {
 
 struct MoeInputs : OpInputs {
   int64_t tokens = 0, hidden = 0, inter = 0, n_experts = 0, top_k = 0;
-  bool nvfp4 = false, shared = false;
+  bool nvfp4 = false, fp8 = false, shared = false;
   bool shared_gate = true;  // the shared expert scaled by sigmoid(its gate), or added unweighted
   // The router: softmax, or sigmoid (MoeShape's fields) with an optional correction bias [n_experts].
   bool sigmoid = false;
@@ -40,11 +41,13 @@ struct MoeInputs : OpInputs {
   std::vector<float> correction_bias;
   std::vector<uint16_t> x;       // [tokens, hidden] bf16
   std::vector<uint16_t> router;  // [n_experts + 1, hidden] bf16; row n_experts is the shared expert gate
-  // Routed experts, bf16 or NVFP4. gate_up [E][2 * inter][hidden]: gate rows first, then up (NVFP4: one
-  // weight_scale_2 per expert for both, as ModelOpt exports them); down [E][hidden][inter].
+  // Routed experts, bf16, NVFP4 or FP8. gate_up [E][2 * inter][hidden]: gate rows first, then up (NVFP4: one
+  // weight_scale_2 per expert for both, as ModelOpt exports them; FP8: gate and up quantized as the checkpoint's two
+  // tensors, each in its own 128 x 128 blocks); down [E][hidden][inter].
   std::vector<uint16_t> gate_up_bf16, down_bf16;
-  std::vector<uint8_t> gate_up_packed, gate_up_scales, down_packed, down_scales;
+  std::vector<uint8_t> gate_up_packed, gate_up_scales, down_packed, down_scales;  // FP8: e4m3 codes in *_packed
   std::vector<float> gate_up_global, down_global;  // [E]
+  std::vector<float> gate_up_row_scales, down_row_scales;  // FP8: [E][rows][ceil(cols / 128)], each row's block scales
   std::vector<uint16_t> shared_gate_up, shared_down;  // bf16 [2 * inter, hidden], [hidden, inter] (with shared)
 };
 
@@ -59,6 +62,11 @@ struct MoeCaseRouting {
   bool shared_gate = true;
 };
 
+// The routed experts' weight format, as dims[5] encodes it.
+enum class MoeCaseFormat { kBf16 = 0, kNvfp4 = 1, kFp8 = 2 };
+
+SelfTestCase moe_case(int64_t tokens, int64_t hidden, int64_t inter, int64_t n_experts, int64_t top_k,
+                      MoeCaseFormat format, bool shared, const MoeCaseRouting& routing = {});
 SelfTestCase moe_case(int64_t tokens, int64_t hidden, int64_t inter, int64_t n_experts, int64_t top_k, bool nvfp4,
                       bool shared, const MoeCaseRouting& routing = {});
 

@@ -1,10 +1,12 @@
 // The moe harness and its CPU implementation through the registry: the CPU layer passes its self-test against the
-// fp64 reference on both weight formats, the reference agrees with a block worked out by hand, and broken
-// implementations (one expert too few, a scaled output, an unwritten element) are rejected.
+// fp64 reference on every weight format, the reference agrees with a block worked out by hand, block-wise FP8 cases
+// are quantized as the checkpoints are, and broken implementations (one expert too few, a scaled output, an
+// unwritten element) are rejected.
 #include "ops/moe_op.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/formats.h"
@@ -22,7 +24,9 @@ std::vector<SelfTestCase> small_cases() {
           moe_case(37, 64, 32, 8, 2, false, false),        moe_case(5, 128, 64, 64, 8, true, false),
           moe_case(4, 64, 32, 32, 32, false, true),        moe_case(9, 32, 16, 16, 1, true, true),
           moe_case(37, 64, 32, 8, 2, false, true, glm5),   moe_case(5, 128, 64, 64, 8, true, true, grouped),
-          moe_case(9, 64, 32, 64, 8, false, false, grouped)};
+          moe_case(9, 64, 32, 64, 8, false, false, grouped),
+          moe_case(3, 64, 32, 8, 2, MoeCaseFormat::kFp8, true),
+          moe_case(5, 256, 144, 64, 8, MoeCaseFormat::kFp8, true, grouped)};
 }
 
 TEST(MoeOp, CpuImplementationPassesItsSelfTest) {
@@ -39,12 +43,66 @@ TEST(MoeOp, BadCasesAreErrors) {
   EXPECT_FALSE(r.harness("moe")->make_inputs({"short", {1, 64, 32}}, 1).has_value());
   EXPECT_FALSE(r.harness("moe")->make_inputs(moe_case(1, 64, 32, 4, 5, false, false), 1).has_value());  // top_k > E
   EXPECT_FALSE(r.harness("moe")->make_inputs(moe_case(1, 40, 32, 4, 2, false, false), 1).has_value());  // hidden % 16
+  SelfTestCase bad_format = moe_case(1, 64, 32, 4, 2, MoeCaseFormat::kFp8, false);
+  bad_format.dims[5] = 3;
+  EXPECT_FALSE(r.harness("moe")->make_inputs(bad_format, 1).has_value());
   // Sigmoid routing: groups that do not divide the experts, more kept groups than groups, too few kept experts.
   for (const MoeCaseRouting& bad : {MoeCaseRouting{.sigmoid = true, .n_group = 3},
                                     MoeCaseRouting{.sigmoid = true, .n_group = 2, .topk_group = 3},
                                     MoeCaseRouting{.sigmoid = true, .n_group = 4, .topk_group = 1}}) {
     EXPECT_FALSE(r.harness("moe")->make_inputs(moe_case(1, 64, 32, 8, 4, false, false, bad), 1).has_value());
   }
+}
+
+// Block-wise FP8 (format 2): each routed expert's gate, up and down are quantized as the checkpoint's own tensors, in
+// 128 x 128 blocks (inter = 144 and hidden = 208 leave partial ones; gate and up do not share a block) with
+// scale = amax / 448, so every block holds a code of magnitude 448; the scales are held per row, equal within a
+// block's rows; every other expert's scales are NaN.
+TEST(MoeOp, Fp8CasesHoldCheckpointBlocks) {
+  Registry r;
+  ASSERT_TRUE(moe_register_cpu(r).has_value());
+  auto made = r.harness("moe")->make_inputs(moe_case(2, 208, 144, 16, 2, MoeCaseFormat::kFp8, false), 7);
+  ASSERT_TRUE(made.has_value()) << made.error().message;
+  const auto& in = static_cast<const MoeInputs&>(**made);
+  ASSERT_TRUE(in.fp8 && !in.nvfp4);
+  struct Projection {
+    const std::vector<uint8_t>& codes;
+    const std::vector<float>& scales;
+    int64_t rows, cols, tensor_rows;
+  };
+  int64_t routed = 0;
+  const Projection projections[] = {
+      {in.gate_up_packed, in.gate_up_row_scales, 2 * in.inter, in.hidden, in.inter},
+      {in.down_packed, in.down_row_scales, in.hidden, in.inter, in.hidden}};
+  for (const Projection& p : projections) {
+    const int64_t cols = (p.cols + 127) / 128;
+    ASSERT_EQ(p.codes.size(), static_cast<size_t>(in.n_experts * p.rows * p.cols));
+    ASSERT_EQ(p.scales.size(), static_cast<size_t>(in.n_experts * p.rows * cols));
+    for (int64_t e = 0; e < in.n_experts; ++e) {
+      const float* s = &p.scales[e * p.rows * cols];
+      if (std::isnan(s[0])) {
+        for (int64_t i = 0; i < p.rows * cols; ++i) ASSERT_TRUE(std::isnan(s[i])) << "expert " << e;
+        continue;
+      }
+      ++routed;
+      for (int64_t t0 = 0; t0 < p.rows; t0 += p.tensor_rows) {  // each checkpoint tensor (gate, up; down)
+        for (int64_t br = t0; br < t0 + p.tensor_rows; br += 128) {
+          for (int64_t bc = 0; bc < cols; ++bc) {
+            float amax = 0.0f;
+            for (int64_t r = br; r < std::min(br + 128, t0 + p.tensor_rows); ++r) {
+              ASSERT_EQ(s[r * cols + bc], s[br * cols + bc]) << "expert " << e << " row " << r << " block " << bc;
+              for (int64_t c = bc * 128; c < std::min((bc + 1) * 128, p.cols); ++c) {
+                amax = std::max(amax, std::fabs(e4m3_to_float(p.codes[(e * p.rows + r) * p.cols + c])));
+              }
+            }
+            EXPECT_EQ(amax, 448.0f) << "expert " << e << " rows from " << br << " block " << bc;
+            EXPECT_GT(s[br * cols + bc], 0.0f);
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(routed, 0);
 }
 
 // One token, two experts, top-1, identity-like weights: gate = up = down = I (hidden = inter = 16), so the routed

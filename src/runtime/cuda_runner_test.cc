@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/fp8_checkpoint_test_util.h"
 #include "runtime/model_runner.h"
 #include "runtime/tp_runner.h"
 
@@ -619,6 +620,99 @@ TEST(GpuModel, GlmDecodeGraphsCoverAContextBetweenPowersOfTwo) {
     ASSERT_TRUE(logits.has_value()) << "step " << step << ": " << logits.error().message;
     for (float v : *logits) ASSERT_TRUE(std::isfinite(v)) << "step " << step;
     next = {argmax(logits->data(), static_cast<int64_t>(logits->size()))};
+  }
+}
+
+// Block-wise FP8 checkpoints (fp8_checkpoint_test_util.h: a fixture's linears, lm_head included, quantized per
+// 128 x 128 block with scales that differ up to 8x between blocks) on the GPU against the same checkpoint on the CPU
+// path, which computes e4m3 times the scale in fp32 and equals the dequantized F32 checkpoint (fp8_checkpoint_test).
+// The reference prompts twice over in one batch (110 rows: the W8A16 prefill kernel, and for qwen3_moe the grouped
+// expert GEMM's prefill variant), then decode steps of the six sequences (the decode kernels, from CUDA graphs).
+// The bound is the GPU's bf16 noise on these very weights: the largest of the fixture's bf16 bound and how far the
+// GPU's BF16 path (verified against transformers, GpuModelReference) strays from the CPU on the dequantized F32
+// checkpoint over the same steps. The quantized fixtures are more sensitive to bf16 rounding than the originals
+// (qwen3_moe's routing especially), so that measured noise is the fair scale; a scale applied to the wrong block,
+// part or expert is off by up to 8x and far past it.
+TEST(GpuModel, Fp8CheckpointsTrackTheCpuPath) {
+  for (const std::string fixture : {"qwen3", "qwen3_moe"}) {
+    const fp8_test::Fp8Pair pair(fixture);
+    ModelLoadOptions options;
+    options.device = ModelDevice::kCuda;
+    options.device_options.kv_cache_tokens = 4096;
+    auto gpu = runner_load(pair.fp8.string(), options);
+    ASSERT_TRUE(gpu.has_value()) << fixture << ": " << gpu.error().message;
+    auto cpu = runner_load(pair.fp8.string(), {});
+    ASSERT_TRUE(cpu.has_value()) << fixture << ": " << cpu.error().message;
+    auto bf16_gpu = runner_load(pair.f32.string(), options);  // the BF16 path on the dequantized values
+    ASSERT_TRUE(bf16_gpu.has_value()) << fixture << ": " << bf16_gpu.error().message;
+    const int64_t vocab = (*gpu)->config().vocab_size;
+    const auto ref = read_json(std::string(TERN_FIXTURES_DIR) + "/" + fixture + "/reference.json");
+    std::vector<std::vector<int32_t>> prompts;
+    for (int copy = 0; copy < 2; ++copy) {
+      for (const auto& p : ref["prompts"]) prompts.push_back(p.get<std::vector<int32_t>>());
+    }
+    ModelRunner* models[3] = {gpu->get(), bf16_gpu->get(), cpu->get()};
+    std::vector<SequenceCache> seqs[3];
+    for (int m = 0; m < 3; ++m) {
+      for (size_t i = 0; i < prompts.size(); ++i) seqs[m].push_back(models[m]->new_sequence());
+    }
+    // Per step, each row's max |logit - cpu logit| / max |cpu logit|, for the FP8 and the BF16 GPU runs.
+    std::vector<std::vector<double>> fp8_err, bf16_err;
+    std::vector<std::string> where;
+    auto row_errors = [&](const std::vector<float>& got, const std::vector<float>& want) {
+      std::vector<double> out;
+      EXPECT_EQ(got.size(), want.size());
+      for (size_t row = 0; row < want.size() / vocab && got.size() == want.size(); ++row) {
+        double max_ref = 0.0, err = 0.0;
+        for (int64_t j = 0; j < vocab; ++j) {
+          const float g = got[row * vocab + j], w = want[row * vocab + j];
+          EXPECT_TRUE(std::isfinite(g)) << fixture << " " << where.back() << " row " << row << " logit " << j;
+          max_ref = std::max(max_ref, std::abs(static_cast<double>(w)));
+          err = std::max(err, std::isfinite(g) ? std::abs(static_cast<double>(g) - w) : HUGE_VAL);
+        }
+        out.push_back(err / max_ref);
+      }
+      return out;
+    };
+    auto step = [&](const std::vector<std::vector<int32_t>>& tokens, LogitsFor which, const std::string& name) {
+      where.push_back(name);
+      std::vector<float> logits[3];
+      for (int m = 0; m < 3; ++m) {
+        std::vector<SequenceInput> batch;
+        for (size_t i = 0; i < tokens.size(); ++i) batch.push_back({&seqs[m][i], tokens[i]});
+        auto r = models[m]->forward(batch, which);
+        EXPECT_TRUE(r.has_value()) << fixture << " " << name << ": " << (r ? "" : r.error().message);
+        if (!r) return std::vector<int32_t>{};
+        logits[m] = std::move(*r);
+      }
+      fp8_err.push_back(row_errors(logits[0], logits[2]));
+      bf16_err.push_back(row_errors(logits[1], logits[2]));
+      std::vector<int32_t> next;  // after a decode step, the CPU's greedy choice per sequence feeds every model
+      if (which == LogitsFor::kLastToken) {
+        for (size_t i = 0; i < tokens.size(); ++i) next.push_back(argmax(&logits[2][i * vocab], vocab));
+      }
+      return next;
+    };
+    step(prompts, LogitsFor::kAllTokens, "prefill of 110 rows");
+    // The decode steps start from fixed tokens, then follow the CPU's greedy choices.
+    std::vector<std::vector<int32_t>> next(prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) next[i] = {static_cast<int32_t>((7 + 31 * i) % vocab)};
+    for (int s = 0; s < 4; ++s) {
+      const std::vector<int32_t> chosen = step(next, LogitsFor::kLastToken, "decode step " + std::to_string(s));
+      ASSERT_EQ(chosen.size(), prompts.size()) << fixture;
+      for (size_t i = 0; i < prompts.size(); ++i) next[i] = {chosen[i]};
+    }
+    double bf16_worst = 0.0, fp8_worst = 0.0;
+    for (const auto& e : bf16_err) bf16_worst = std::max(bf16_worst, *std::max_element(e.begin(), e.end()));
+    const double bound = std::max(bf16_noise(fixture).max_rel_logit_error, bf16_worst);
+    for (size_t s = 0; s < fp8_err.size(); ++s) {
+      for (size_t row = 0; row < fp8_err[s].size(); ++row) {
+        fp8_worst = std::max(fp8_worst, fp8_err[s][row]);
+        EXPECT_LE(fp8_err[s][row], bound) << fixture << " " << where[s] << " row " << row;
+      }
+    }
+    std::cout << fixture << " FP8 on the GPU: max |logit - cpu logit| / max |cpu logit| = " << fp8_worst
+              << "; the BF16 path on the dequantized values: " << bf16_worst << "; bound " << bound << "\n";
   }
 }
 

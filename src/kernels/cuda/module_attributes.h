@@ -20,6 +20,7 @@ cudaError_t moe_gemm_prefill_sm90_module_attributes(cudaFuncAttributes* out);
 cudaError_t sampling_module_attributes(cudaFuncAttributes* out);
 cudaError_t sampling_partials_module_attributes(cudaFuncAttributes* out);
 cudaError_t gemm_nvfp4_module_attributes(cudaFuncAttributes* out);
+cudaError_t gemm_fp8_module_attributes(cudaFuncAttributes* out);
 cudaError_t gemv_bf16_module_attributes(cudaFuncAttributes* out);
 cudaError_t mla_module_attributes(cudaFuncAttributes* out);
 cudaError_t mla_indexer_module_attributes(cudaFuncAttributes* out);

@@ -207,7 +207,7 @@ Expected<std::unique_ptr<Block>> CudaOps::embedding(const CpuMatrix& table, Voca
                       vocab.begin, vocab.begin + table.rows, vocab.full);
   }
   TERN_ASSIGN_OR_RETURN(const DeviceMatrix embed, weights_.matrix(table, "embed_tokens"));
-  if (embed.nvfp4) return make_error("embed_tokens: NVFP4 embeddings are not supported");
+  if (embed.nvfp4 || embed.fp8) return make_error("embed_tokens: quantized (NVFP4, FP8) embeddings are not supported");
   embedding_rows_ = vocab.full;
   vocab_begin_ = vocab.begin;
   return std::make_unique<CudaEmbedding>(*this, embed);

@@ -4,6 +4,7 @@
 
 #include "core/formats.h"
 #include "kernels/cuda/gemm/gemm_bf16.h"
+#include "kernels/cuda/gemm/gemm_fp8_w8a16.h"
 #include "kernels/cuda/gemm/gemm_nvfp4_w4a16.h"
 #include "kernels/cuda/gemv/gemv_bf16.h"
 
@@ -23,6 +24,14 @@ const uint16_t* host_bf16(const CpuMatrix& m, std::vector<uint16_t>& scratch) {
 }
 
 bool is_nvfp4(const Linear& l) { return l.matrix().format == CpuWeightFormat::kNvfp4; }
+bool is_fp8(const Linear& l) { return l.matrix().format == CpuWeightFormat::kFp8Block128; }
+// Formats whose adjacent parts stack into one device matrix in their own way; the rest become BF16.
+enum class Stacking { kBf16, kNvfp4, kFp8 };
+Stacking stacking(const Linear& l) {
+  return is_nvfp4(l) ? Stacking::kNvfp4 : is_fp8(l) ? Stacking::kFp8 : Stacking::kBf16;
+}
+
+int64_t fp8_scale_cols(int64_t k) { return (k + 127) / 128; }
 
 }  // namespace
 
@@ -48,11 +57,18 @@ Expected<DeviceMatrix> DeviceWeights::matrix(const CpuMatrix& m, const std::stri
   if (auto it = uploaded_.find(m.data); it != uploaded_.end() && it->second.n == m.rows && it->second.k == m.cols) {
     return it->second;
   }
-  if (m.format == CpuWeightFormat::kFp8Block128) {
-    return make_error("{}: FP8 weights (128 x 128 blocks) are not supported on CUDA yet; run with --device cpu", name);
-  }
-  DeviceMatrix d{.nvfp4 = m.format == CpuWeightFormat::kNvfp4, .n = m.rows, .k = m.cols};
-  if (d.nvfp4) {
+  DeviceMatrix d{.nvfp4 = m.format == CpuWeightFormat::kNvfp4,
+                 .fp8 = m.format == CpuWeightFormat::kFp8Block128,
+                 .n = m.rows,
+                 .k = m.cols};
+  if (d.fp8) {
+    if (m.cols % 16 != 0) return make_error("{}: FP8 on CUDA needs in_features a multiple of 16, got {}", name, m.cols);
+    TERN_ASSIGN_OR_RETURN(void* codes, allocate(static_cast<size_t>(m.rows * m.cols), name));
+    TERN_ASSIGN_OR_RETURN(void* scales, allocate(static_cast<size_t>(m.rows * fp8_scale_cols(m.cols)) * 4, name));
+    TERN_TRY(copy_fp8_rows(m, static_cast<uint8_t*>(codes), static_cast<float*>(scales), 0, m.cols));
+    d.packed = static_cast<const uint8_t*>(codes);
+    d.row_scales = static_cast<const float*>(scales);
+  } else if (d.nvfp4) {
     TERN_ASSIGN_OR_RETURN(void* packed, upload(m.data, static_cast<size_t>(m.rows * m.cols / 2), name));
     TERN_ASSIGN_OR_RETURN(void* scales, upload(m.block_scales, static_cast<size_t>(m.rows * m.cols / 16), name));
     d.packed = static_cast<const uint8_t*>(packed);
@@ -139,6 +155,41 @@ Expected<DeviceMatrix> DeviceWeights::stack_nvfp4(std::span<const Linear* const>
   return d;
 }
 
+Expected<void> DeviceWeights::copy_fp8_rows(const CpuMatrix& m, uint8_t* codes, float* scales, int64_t row,
+                                           int64_t k) {
+  const int64_t cols = fp8_scale_cols(k);
+  TERN_CUDA_CHECK(cudaMemcpyAsync(codes + row * k, m.data, static_cast<size_t>(m.rows * k), cudaMemcpyHostToDevice,
+                                  stream_));
+  TERN_CUDA_CHECK(cudaMemcpyAsync(scales + row * cols, m.row_block_scales, static_cast<size_t>(m.rows * cols) * 4,
+                                  cudaMemcpyHostToDevice, stream_));
+  TERN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host data may be a temporary
+  return {};
+}
+
+// FP8 linears over one input as one matrix: their codes and per-row scales stacked by rows.
+Expected<DeviceMatrix> DeviceWeights::stack_fp8(std::span<const Linear* const> linears) {
+  if (linears.size() == 1) return matrix(*linears[0]);
+  int64_t rows = 0;
+  for (const Linear* l : linears) rows += l->out_features();
+  const int64_t k = linears[0]->in_features();
+  if (k % 16 != 0) {
+    return make_error("{}: FP8 on CUDA needs in_features a multiple of 16, got {}", linears[0]->name(), k);
+  }
+  TERN_ASSIGN_OR_RETURN(void* codes, allocate(static_cast<size_t>(rows * k), linears[0]->name()));
+  TERN_ASSIGN_OR_RETURN(void* scales, allocate(static_cast<size_t>(rows * fp8_scale_cols(k)) * 4, linears[0]->name()));
+  int64_t row = 0;
+  for (const Linear* l : linears) {
+    TERN_TRY(check_supported(*l));
+    TERN_TRY(copy_fp8_rows(l->matrix(), static_cast<uint8_t*>(codes), static_cast<float*>(scales), row, k));
+    row += l->out_features();
+  }
+  return DeviceMatrix{.fp8 = true,
+                      .n = rows,
+                      .k = k,
+                      .packed = static_cast<const uint8_t*>(codes),
+                      .row_scales = static_cast<const float*>(scales)};
+}
+
 Expected<DeviceProjection> DeviceWeights::projection(std::span<const Linear* const> linears, int64_t width_multiple) {
   DeviceProjection p;
   p.in_features = linears.front()->in_features();
@@ -148,21 +199,21 @@ Expected<DeviceProjection> DeviceWeights::projection(std::span<const Linear* con
       return make_error("{}: in_features {} differs from {} of the layers it is fused with", linears[i]->name(),
                         linears[i]->in_features(), p.in_features);
     }
-    size_t j = i + 1;  // [i, j): a run of BF16 parts, or of at most kNvfp4MaxStackedParts NVFP4 parts
-    if (!is_nvfp4(*linears[i])) {
-      while (j < linears.size() && !is_nvfp4(*linears[j])) ++j;
-    } else {
-      while (j < linears.size() && j - i < static_cast<size_t>(kNvfp4MaxStackedParts) && is_nvfp4(*linears[j]) &&
-             linears[j]->in_features() == p.in_features) {
-        ++j;
-      }
+    // [i, j): a run of BF16 or of FP8 parts, or of at most kNvfp4MaxStackedParts NVFP4 parts
+    const Stacking kind = stacking(*linears[i]);
+    const size_t max_parts = kind == Stacking::kNvfp4 ? static_cast<size_t>(kNvfp4MaxStackedParts) : linears.size();
+    size_t j = i + 1;
+    while (j < linears.size() && j - i < max_parts && stacking(*linears[j]) == kind &&
+           linears[j]->in_features() == p.in_features) {
+      ++j;
     }
     // A BF16 run that ends the projection gets zero rows up to kFusedProjectionRowMultiple (layers/linear.h); one
     // inside it does not, so that the parts after it keep the columns their consumers compute.
     const int64_t rows_multiple = j == linears.size() ? kFusedProjectionRowMultiple : 1;
-    TERN_ASSIGN_OR_RETURN(DeviceMatrix m, is_nvfp4(*linears[i])
-                                              ? stack_nvfp4(linears.subspan(i, j - i))
-                                              : concat_bf16(linears.subspan(i, j - i), rows_multiple));
+    const auto run = linears.subspan(i, j - i);
+    TERN_ASSIGN_OR_RETURN(DeviceMatrix m, kind == Stacking::kNvfp4 ? stack_nvfp4(run)
+                                          : kind == Stacking::kFp8 ? stack_fp8(run)
+                                                                   : concat_bf16(run, rows_multiple));
     p.offsets.push_back(p.width);
     p.width += m.n;
     p.parts.push_back(m);
@@ -209,6 +260,30 @@ Expected<MoeExpertWeights> DeviceWeights::expert_stack(const std::vector<MlpWeig
     w.global_scales = g;
     return w;
   }
+  if (is_fp8(first)) {
+    if (k % 16 != 0) return make_error("{}: FP8 on CUDA needs in_features a multiple of 16, got {}", name, k);
+    w.format = MoeWeightFormat::kFp8;
+    w.packed_expert_stride = n * k;
+    w.row_scales_expert_stride = n * fp8_scale_cols(k);
+    TERN_ASSIGN_OR_RETURN(void* codes, allocate(static_cast<size_t>(e_count * w.packed_expert_stride), name));
+    TERN_ASSIGN_OR_RETURN(void* scales, allocate(static_cast<size_t>(e_count * w.row_scales_expert_stride) * 4, name));
+    for (int64_t e = 0; e < e_count; ++e) {
+      const std::vector<const Linear*> parts =
+          part == 0 ? std::vector<const Linear*>{&experts[e].gate_proj, &experts[e].up_proj}
+                    : std::vector<const Linear*>{&pick(experts[e])};
+      int64_t row = e * n;  // the expert's first row in the stack
+      for (const Linear* l : parts) {
+        if (!is_fp8(*l) || l->in_features() != k) {
+          return make_error("{}: expert {} differs in format or shape", name, e);
+        }
+        TERN_TRY(copy_fp8_rows(l->matrix(), static_cast<uint8_t*>(codes), static_cast<float*>(scales), row, k));
+        row += l->out_features();
+      }
+    }
+    w.packed = static_cast<const uint8_t*>(codes);
+    w.row_scales = static_cast<const float*>(scales);
+    return w;
+  }
   w.format = MoeWeightFormat::kBf16;
   w.bf16_expert_stride = n * k;
   TERN_ASSIGN_OR_RETURN(void* data, allocate(static_cast<size_t>(e_count * n * k) * 2, name));
@@ -218,7 +293,9 @@ Expected<MoeExpertWeights> DeviceWeights::expert_stack(const std::vector<MlpWeig
         part == 0 ? std::vector<const Linear*>{&experts[e].gate_proj, &experts[e].up_proj}
                   : std::vector<const Linear*>{&pick(experts[e])};
     for (const Linear* l : parts) {
-      if (is_nvfp4(*l) || l->in_features() != k) return make_error("{}: expert {} differs in format or shape", name, e);
+      if (stacking(*l) != Stacking::kBf16 || l->in_features() != k) {
+        return make_error("{}: expert {} differs in format or shape", name, e);
+      }
       std::vector<uint16_t> scratch;
       const uint16_t* src = host_bf16(l->matrix(), scratch);
       const size_t bytes = static_cast<size_t>(l->out_features() * k) * 2;
@@ -263,6 +340,12 @@ Expected<const float*> DeviceWeights::vector_f32(const std::vector<float>& value
 
 Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatrix& w, const uint16_t* x, int64_t m,
                                      uint16_t* y, int64_t ldy) {
+  if (w.fp8) {
+    const GemmFp8W8a16Args args{
+        .x = x, .w = Fp8WeightView{.codes = w.packed, .row_scales = w.row_scales, .n = w.n, .k = w.k}, .y = y, .m = m,
+        .ldy = ldy};
+    return gemm_fp8_w8a16(ctx, args);
+  }
   if (w.nvfp4) {
     GemmNvfp4W4a16Args args{
         .x = x,

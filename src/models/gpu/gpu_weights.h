@@ -1,6 +1,7 @@
 // A model's weights on a CUDA device, uploaded once from the host model (whose views point into the mapped
-// checkpoint). BF16 stays BF16 and NVFP4 stays packed; fp32/fp16 matrices are rounded to BF16 (the activations'
-// format). A matrix the host model uses twice (tied embeddings and lm_head) is uploaded once.
+// checkpoint). BF16 stays BF16, NVFP4 stays packed and block-wise FP8 stays e4m3 (its 128 x 128 block scales held
+// per row, fp8_device.cuh); fp32/fp16 matrices are rounded to BF16 (the activations' format). A matrix the host
+// model uses twice (tied embeddings and lm_head) is uploaded once.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda/device.h"
+#include "kernels/cuda/gemm/gemm_fp8_w8a16_launch.h"
 #include "kernels/cuda/gemm/gemm_nvfp4_w4a16_launch.h"
 #include "kernels/cuda/moe/moe.h"
 #include "layers/linear.h"
@@ -22,9 +24,11 @@ namespace tern {
 // One weight matrix [n, k] on the device.
 struct DeviceMatrix {
   bool nvfp4 = false;
+  bool fp8 = false;  // block-wise FP8 (W8A16)
   int64_t n = 0, k = 0;
   const uint16_t* bf16 = nullptr;    // [n, k]
-  const uint8_t* packed = nullptr;   // NVFP4 [n, k/2]
+  const uint8_t* packed = nullptr;   // NVFP4 [n, k/2]; FP8 e4m3 codes [n, k]
+  const float* row_scales = nullptr; // FP8 [n, ceil(k/128)]
   const uint8_t* scales = nullptr;   // NVFP4 e4m3 [n, k/16]
   float global_scale = 1.0f;
   // NVFP4 linears stacked by rows (a projection's adjacent NVFP4 parts), each with its own weight_scale_2: the rows
@@ -35,13 +39,14 @@ struct DeviceMatrix {
 };
 
 // y[:, offset .. offset + n) = x . W^T for y with row stride ldy (BF16 through cuBLASLt or, for few rows when the
-// matrix says so, gemv_bf16; NVFP4 through W4A16).
+// matrix says so, gemv_bf16; NVFP4 through W4A16, FP8 through W8A16).
 Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatrix& w, const uint16_t* x, int64_t m,
                                      uint16_t* y, int64_t ldy);
 
 // Several linears over the same input computed as one output [m, width] with their outputs side by side (q|k|v,
 // gate|up, router|shared-expert gate). Adjacent parts of one format are one matrix on the device, so one GEMM: BF16
-// parts concatenated, NVFP4 parts stacked with each part's weight_scale_2 (up to kNvfp4MaxStackedParts a matrix).
+// parts concatenated, NVFP4 parts stacked with each part's weight_scale_2 (up to kNvfp4MaxStackedParts a matrix),
+// FP8 parts stacked with their row scales.
 // The CUDA model computes every projection after a norm (cuda_ops.cc norm_project), the first part with the norm
 // fused in where the self-test chose that.
 struct DeviceProjection {
@@ -51,7 +56,7 @@ struct DeviceProjection {
   int64_t in_features = 0;
 };
 
-// The routed experts of one MoE layer: gate|up as one [2I, H] matrix per expert when BF16 (one grouped GEMM),
+// The routed experts of one MoE layer: gate|up as one [2I, H] matrix per expert when BF16 or FP8 (one grouped GEMM),
 // separate gate and up when NVFP4 (each has its own weight_scale_2 per expert); down [H, I].
 struct DeviceExperts {
   int64_t n_experts = 0, inter = 0, hidden = 0;
@@ -84,6 +89,9 @@ class DeviceWeights {
   // rows_multiple: zero rows after the last linear's up to a multiple of it.
   Expected<DeviceMatrix> concat_bf16(std::span<const Linear* const> linears, int64_t rows_multiple);
   Expected<DeviceMatrix> stack_nvfp4(std::span<const Linear* const> linears);
+  Expected<DeviceMatrix> stack_fp8(std::span<const Linear* const> linears);
+  // rows [row, row + m.rows) of an FP8 stack: codes [., k] and row scales [., ceil(k/128)]
+  Expected<void> copy_fp8_rows(const CpuMatrix& m, uint8_t* codes, float* scales, int64_t row, int64_t k);
   Expected<MoeExpertWeights> expert_stack(const std::vector<MlpWeights>& experts, int part, const std::string& name);
 
   cudaStream_t stream_;

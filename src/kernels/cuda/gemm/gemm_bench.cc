@@ -1,13 +1,14 @@
 // GEMM timings on one GPU: NVFP4 W4A16 (decode and prefill) against cuBLASLt BF16 of the same shape, the BF16
 // GEMV of decode against cuBLASLt, and the device-to-device copy bandwidth of the same run as the memory ceiling.
 // Plain main (not run by ctest):
-//   gemm_bench [--quick | --decode | --gemv | --gemv-sweep]
+//   gemm_bench [--quick | --decode | --fp8 | --gemv | --gemv-sweep]
 // --decode: only M = 1 and 8 on the dense decode shapes N in {2048, 4096, 6144} x K in {2048, 4096} and Qwen3-8B's
 // (1024, 12288 and 24576 x 4096, 4096 x 12288). GB/s counts
 // the bytes that must move (packed weight + block scales + x + y). --gemv: only the GEMV table (gemv_bf16 against
 // gemm_bf16 at M = 1, 2, 4, 8 on the BF16 projections of Qwen3-8B and Qwen3.5-35B-A3B, GB/s of W + x + y), which
 // the full run prints after the GEMM table. --gemv-sweep: that table with, under each line, the GEMV's time at
-// every group size (gemv_bf16_group_threads' choice marked), for tuning that choice.
+// every group size (gemv_bf16_group_threads' choice marked), for tuning that choice. --fp8: block-wise FP8 W8A16
+// (gemm_fp8_w8a16) on the --decode shapes at M = 1, 8, 16, 64 and 2048, GB/s of codes + row scales + x + y.
 // Each timing is a CUDA graph of back-to-back launches that rotate over enough copies of the operands to exceed
 // the L2 several times, replayed after a warm-up; the median replay over the launch count is reported.
 #include <cuda_runtime.h>
@@ -23,6 +24,7 @@
 #include "core/formats.h"
 #include "kernels/cuda/bench_timing.h"
 #include "kernels/cuda/gemm/gemm_bf16.h"
+#include "kernels/cuda/gemm/gemm_fp8_w8a16.h"
 #include "kernels/cuda/gemm/gemm_nvfp4_w4a16.h"
 #include "kernels/cuda/gemv/gemv_bf16.h"
 #include "kernels/cuda/roofline.h"
@@ -169,6 +171,51 @@ std::vector<uint16_t> tiled_bf16(size_t count, std::mt19937& rng) {
   return out;
 }
 
+// gemm_fp8_w8a16 at each m on one [n, k] weight of random finite e4m3 codes and per-row block scales.
+void bench_fp8_shape(const DeviceContext& ctx, int64_t n, int64_t k, const std::vector<int64_t>& ms, double copy_gbs,
+                     std::mt19937& rng) {
+  const int64_t scale_cols = (k + 127) / 128;
+  std::vector<uint8_t> codes(static_cast<size_t>(n * k));
+  std::vector<float> scales(static_cast<size_t>(n * scale_cols));
+  std::uniform_int_distribution<int> code(0, 255);
+  std::uniform_real_distribution<float> scale(1e-4f, 1e-3f);
+  for (auto& v : codes) {
+    do {
+      v = static_cast<uint8_t>(code(rng));
+    } while ((v & 0x7F) == 0x7F);  // e4m3fn's NaN
+  }
+  for (auto& v : scales) v = scale(rng);
+  const int64_t max_m = *std::max_element(ms.begin(), ms.end());
+  const size_t c_bytes = round_up(codes.size(), 256), s_bytes = round_up(scales.size() * 4, 256);
+  const size_t x_bytes = round_up(static_cast<size_t>(max_m * k) * 2, 256);
+  const size_t y_bytes = round_up(static_cast<size_t>(max_m * n) * 2, 256);
+  const int slots = static_cast<int>(std::clamp<size_t>(kRotateBytes / (c_bytes + s_bytes + x_bytes + y_bytes), 1, 64));
+  DeviceBuffer dc(c_bytes * slots), ds(s_bytes * slots), dx(x_bytes * slots), dy(y_bytes * slots);
+  fill_device(dc.data(), codes, slots, c_bytes);
+  fill_device(ds.data(), scales, slots, s_bytes);
+  fill_device(dx.data(), tiled_bf16(static_cast<size_t>(max_m * k), rng), slots, x_bytes);
+  for (int64_t m : ms) {
+    const double ms_time = time_ms(ctx, slots, [&](int i) {
+      const auto* row_scales = reinterpret_cast<const float*>(ds.as<char>() + i * s_bytes);
+      const GemmFp8W8a16Args a{.x = reinterpret_cast<const uint16_t*>(dx.as<char>() + i * x_bytes),
+                               .w = Fp8WeightView{.codes = dc.as<uint8_t>() + i * c_bytes,
+                                                  .row_scales = row_scales,
+                                                  .n = n,
+                                                  .k = k},
+                               .y = reinterpret_cast<uint16_t*>(dy.as<char>() + i * y_bytes),
+                               .m = m};
+      if (!gemm_fp8_w8a16(ctx, a)) std::abort();
+    });
+    const double bytes = static_cast<double>(n * k + n * scale_cols * 4 + m * k * 2 + m * n * 2);
+    const double gbs = bytes / (ms_time * 1e6), flops = 2.0 * static_cast<double>(m * n * k);
+    std::printf("%6lld %6lld %6lld | %-7s %9.2f %7.0f %5.1f%% %7.1f\n", static_cast<long long>(m),
+                static_cast<long long>(n), static_cast<long long>(k),
+                m <= kFp8DecodeMaxM ? "decode" : m <= kFp8SlicedDecodeMaxM ? "dec/16" : "prefill", ms_time * 1e3, gbs,
+                100.0 * gbs / copy_gbs, flops / (ms_time * 1e9));
+    std::fflush(stdout);
+  }
+}
+
 // The GEMV's time at each group size, through the unchecked launcher (the arguments are gemv_bf16's, validated).
 void bench_gemv_group_sizes(const DeviceContext& ctx, int slots, const std::function<GemmBf16Args(int)>& args) {
   const GemmBf16Args a0 = args(0);
@@ -241,7 +288,12 @@ void bench_gemv(const DeviceContext& ctx, double copy_gbs, bool sweep) {
   for (const auto& [n, k] : shapes) bench_gemv_shape(ctx, n, k, {1, 2, 4, 8}, copy_gbs, sweep, rng);
 }
 
-int bench_main(bool quick, bool decode_only, bool gemv_only, bool gemv_sweep) {
+const std::vector<std::pair<int64_t, int64_t>> kDecodeShapes = {{2048, 2048}, {2048, 4096},  {4096, 2048},
+                                                                  {4096, 4096}, {6144, 2048},  {6144, 4096},
+                                                                  {1024, 4096}, {12288, 4096}, {4096, 12288},
+                                                                  {24576, 4096}};
+
+int bench_main(bool quick, bool decode_only, bool fp8, bool gemv_only, bool gemv_sweep) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB, smem/block opt-in %zu KiB, smem/SM %zu KiB, "
@@ -258,13 +310,16 @@ int bench_main(bool quick, bool decode_only, bool gemv_only, bool gemv_sweep) {
     bench_gemv(ctx, copy_gbs, gemv_sweep);
     return 0;
   }
+  if (fp8) {
+    std::printf("%6s %6s %6s | %-7s %9s %7s %6s %7s\n", "M", "N", "K", "fp8", "us", "GB/s", "%copy", "TFLOP/s");
+    std::mt19937 rng(8080);
+    for (const auto& [n, k] : kDecodeShapes) bench_fp8_shape(ctx, n, k, {1, 8, 16, 64, 2048}, copy_gbs, rng);
+    return 0;
+  }
   std::printf("%6s %6s %6s | %-7s %9s %7s %6s %7s | %9s %7s %6s %7s | %6s\n", "M", "N", "K", "nvfp4", "us", "GB/s",
               "%copy", "TFLOP/s", "bf16 us", "GB/s", "%copy", "TFLOP/s", "speedup");
   const std::vector<std::pair<int64_t, int64_t>> shapes =
-      decode_only ? std::vector<std::pair<int64_t, int64_t>>{{2048, 2048}, {2048, 4096}, {4096, 2048},
-                                                             {4096, 4096}, {6144, 2048}, {6144, 4096},
-                                                             {1024, 4096}, {12288, 4096}, {4096, 12288},
-                                                             {24576, 4096}}
+      decode_only ? kDecodeShapes
                   : std::vector<std::pair<int64_t, int64_t>>{{4096, 4096}, {12288, 4096}, {4096, 12288},
                                                              {1024, 4096}, {4096, 1024},  {2048, 6144}};
   const std::vector<int64_t> ms = decode_only ? std::vector<int64_t>{1, 8}
@@ -285,7 +340,8 @@ int bench_main(bool quick, bool decode_only, bool gemv_only, bool gemv_sweep) {
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool decode_only = argc > 1 && std::strcmp(argv[1], "--decode") == 0;
+  const bool fp8 = argc > 1 && std::strcmp(argv[1], "--fp8") == 0;
   const bool gemv_only = argc > 1 && std::strcmp(argv[1], "--gemv") == 0;
   const bool gemv_sweep = argc > 1 && std::strcmp(argv[1], "--gemv-sweep") == 0;
-  return tern::bench_main(quick, decode_only, gemv_only, gemv_sweep);
+  return tern::bench_main(quick, decode_only, fp8, gemv_only, gemv_sweep);
 }

@@ -120,6 +120,15 @@ Expected<void> route_align_validate(const char* k, const MoeRouteArgs& route, co
   return {};
 }
 
+const char* format_name(MoeWeightFormat f) {
+  switch (f) {
+    case MoeWeightFormat::kBf16: return "bf16";
+    case MoeWeightFormat::kNvfp4: return "nvfp4";
+    case MoeWeightFormat::kFp8: return "fp8";
+  }
+  return "unknown";
+}
+
 Expected<void> weights_validate(const char* k, const MoeExpertWeights& w) {
   if (w.n < 1 || w.n > kMaxDim) return make_error("{}: n={} out of range", k, w.n);
   if (w.k < 16 || w.k % 16 != 0 || w.k > kMaxDim) {
@@ -130,6 +139,21 @@ Expected<void> weights_validate(const char* k, const MoeExpertWeights& w) {
     if (w.bf16_expert_stride < w.n * w.k || w.bf16_expert_stride % 8 != 0) {
       return make_error("{}: bf16_expert_stride={} must be a multiple of 8 and at least n*k={}", k,
                         w.bf16_expert_stride, w.n * w.k);
+    }
+    return {};
+  }
+  if (w.format == MoeWeightFormat::kFp8) {
+    // The codes are read 16 at a time, so every row (k % 16 == 0) of every expert starts 16-byte aligned.
+    TERN_TRY(check_ptr(k, "fp8 codes (packed)", w.packed, 16));
+    TERN_TRY(check_ptr(k, "fp8 row_scales", w.row_scales, 4));
+    if (w.packed_expert_stride < w.n * w.k || w.packed_expert_stride % 16 != 0) {
+      return make_error("{}: packed_expert_stride={} of the fp8 codes must be a multiple of 16 and at least n*k={}", k,
+                        w.packed_expert_stride, w.n * w.k);
+    }
+    const int64_t scale_cols = (w.k + 127) / 128;
+    if (w.row_scales_expert_stride < w.n * scale_cols) {
+      return make_error("{}: row_scales_expert_stride={} must be at least n*ceil(k/128)={}", k,
+                        w.row_scales_expert_stride, w.n * scale_cols);
     }
     return {};
   }
@@ -154,8 +178,8 @@ Expected<void> second_projection_validate(const MoeGemmArgs& a) {
   if (a.w2.n == 0) return {};
   TERN_TRY(weights_validate("moe_gemm: w2", a.w2));
   if (a.w2.format != a.w.format || a.w2.n_experts != a.w.n_experts || a.w2.k != a.w.k) {
-    return make_error("{}: w2 ({} experts, k={}, {}) must have w's {} experts, k={} and format", k, a.w2.n_experts,
-                      a.w2.k, a.w2.format == MoeWeightFormat::kNvfp4 ? "nvfp4" : "bf16", a.w.n_experts, a.w.k);
+    return make_error("{}: w2 ({} experts, k={}, {}) must have w's {} experts, k={} and format ({})", k,
+                      a.w2.n_experts, a.w2.k, format_name(a.w2.format), a.w.n_experts, a.w.k, format_name(a.w.format));
   }
   if (a.y2_offset < a.w.n || a.y2_offset > a.ldy - a.w2.n) {
     return make_error("{}: y2_offset={} must be in [n={}, ldy - w2.n={}]", k, a.y2_offset, a.w.n, a.ldy - a.w2.n);

@@ -5,7 +5,8 @@
 //
 // Alignment: the grouped GEMM reads x and bf16 weights 16 bytes at a time (x 16-byte aligned, ldx a multiple of 8;
 // bf16 weights 16-byte aligned with an expert stride that is a multiple of 8), NVFP4 packed weights 8 bytes at a
-// time (8-byte aligned, expert stride a multiple of 8); y must be 4-byte aligned with ldy >= n. The combine moves 8
+// time (8-byte aligned, expert stride a multiple of 8), FP8 codes 16 bytes at a time (16-byte aligned, expert stride
+// a multiple of 16; row_scales 4-byte aligned); y must be 4-byte aligned with ldy >= n. The combine moves 8
 // bf16 at a time: hidden a multiple of 8, expert_out, shared_out and y 16-byte aligned.
 #pragma once
 

@@ -1,8 +1,9 @@
 // MoE kernel timings on one GPU for Qwen3.5-35B-A3B's expert shapes (hidden 2048, 256 experts, top-8,
-// moe_intermediate 512), bf16 and NVFP4 experts. Plain main (not run by ctest):
-//   moe_bench [--quick | --decode | --small | --tiles]
+// moe_intermediate 512), bf16, NVFP4 and block-wise FP8 experts. Plain main (not run by ctest):
+//   moe_bench [--quick | --decode | --small | --tiles] [--bf16 | --nvfp4 | --fp8]
 // Decode (tokens 1..64, both GEMM variants): the grouped gate_up (n = 1024, k = 2048) and down (n = 2048, k = 512)
-// GEMMs, reported as GB/s of the active experts' weight bytes (packed + block scales for NVFP4) against a
+// GEMMs, reported as GB/s of the active experts' weight bytes (packed + block scales for NVFP4, codes + per-row
+// block scales for FP8) against a
 // device-to-device copy kernel's bandwidth (read + written); also, decode only, gate and up as two [512, 2048]
 // stacks in one launch (gate+up) and the down GEMM with silu_mul folded in (down+silu). --decode: only the decode
 // kernel at T = 1 and 8.
@@ -10,7 +11,8 @@
 // cold. Prefill (4096 tokens): TFLOP/s of the same GEMMs, with the kernel the model runs (wgmma on sm_90a) and the
 // mma.sync one. Route, align (apart and in one launch where the pairs fit one block) and combine are timed at both
 // sizes; --small: only those, at 1 to 256 tokens and 4096. --tiles: NVFP4 decode at 8 to 64 tokens with each x-row
-// tile width forced as well (MoeGemmArgs::decode_token_tiles).
+// tile width forced as well (MoeGemmArgs::decode_token_tiles). A format flag times that weight format alone (with
+// --tiles: NVFP4 unless one is given).
 // Each timing is a CUDA graph of back-to-back launches, replayed after a warm-up; the median replay is reported.
 #include <cuda_runtime.h>
 
@@ -78,6 +80,18 @@ BenchWeights make_weights(MoeWeightFormat format, int64_t n, int64_t k, std::mt1
     w.view.bf16_expert_stride = n * k;
     return w;
   }
+  if (format == MoeWeightFormat::kFp8) {
+    const int64_t scale_cols = (k + 127) / 128;
+    std::uniform_real_distribution<float> scale(1e-4f, 1e-3f);
+    // The exponent's low bit cleared: never the NaN code S.1111.111.
+    w.data = fill_random<uint8_t>(elems, [&] { return static_cast<uint8_t>(byte(rng) & 0xF7); });
+    w.scales = fill_random<float>(static_cast<size_t>(kExperts * n * scale_cols), [&] { return scale(rng); });
+    w.view.packed = w.data.as<uint8_t>();
+    w.view.packed_expert_stride = n * k;
+    w.view.row_scales = w.scales.as<float>();
+    w.view.row_scales_expert_stride = n * scale_cols;
+    return w;
+  }
   w.data = fill_random<uint8_t>(elems / 2, [&] { return static_cast<uint8_t>(byte(rng)); });
   w.scales = fill_random<uint8_t>(elems / 16, [&] { return static_cast<uint8_t>(scale_code(rng)); });
   w.global = upload(std::vector<float>(kExperts, 1.0f / 2688.0f));
@@ -89,9 +103,22 @@ BenchWeights make_weights(MoeWeightFormat format, int64_t n, int64_t k, std::mt1
   return w;
 }
 
+// The bytes of one expert's weight that the kernels read (FP8: one fp32 scale per row and 128 columns).
 double expert_bytes(const MoeExpertWeights& w) {
   const double elems = static_cast<double>(w.n * w.k);
-  return w.format == MoeWeightFormat::kBf16 ? 2.0 * elems : elems / 2 + elems / 16;
+  switch (w.format) {
+    case MoeWeightFormat::kBf16:
+      return 2.0 * elems;
+    case MoeWeightFormat::kNvfp4:
+      return elems / 2 + elems / 16;
+    case MoeWeightFormat::kFp8:
+      return elems + 4.0 * static_cast<double>(w.n * ((w.k + 127) / 128));
+  }
+  return 0.0;
+}
+
+const char* format_name(MoeWeightFormat f) {
+  return f == MoeWeightFormat::kBf16 ? "bf16" : f == MoeWeightFormat::kNvfp4 ? "nvfp4" : "fp8";
 }
 
 // kSlots random routings of `tokens` tokens: device ids, offsets and permutations, and the mean active experts.
@@ -174,7 +201,7 @@ double copy_bandwidth(const DeviceContext& ctx) {
 
 void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::vector<int64_t>& decode_tokens,
                   bool decode_only, double copy_gbs, std::mt19937& rng) {
-  const char* name = format == MoeWeightFormat::kBf16 ? "bf16" : "nvfp4";
+  const char* name = format_name(format);
   const BenchWeights gate_up = make_weights(format, 2 * kInter, kHidden, rng);
   const BenchWeights down = make_weights(format, kHidden, kInter, rng);
   const int64_t max_rows = 4096 * kTopK;
@@ -288,7 +315,8 @@ void bench_small_kernels(const DeviceContext& ctx, const std::vector<int64_t>& t
   }
 }
 
-int bench_main(bool quick, bool decode_only, bool small_only, bool tiles) {
+// formats empty: every format (--tiles: NVFP4).
+int bench_main(bool quick, bool decode_only, bool small_only, bool tiles, std::vector<MoeWeightFormat> formats) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB\n", p.name.c_str(), p.cc_major, p.cc_minor, p.num_sms,
@@ -306,11 +334,13 @@ int bench_main(bool quick, bool decode_only, bool small_only, bool tiles) {
     return 0;
   }
   if (tiles) {
-    bench_format(ctx, MoeWeightFormat::kNvfp4, {8, 16, 32, 64}, true, copy_gbs, rng);
+    for (MoeWeightFormat f : formats.empty() ? std::vector{MoeWeightFormat::kNvfp4} : formats) {
+      bench_format(ctx, f, {8, 16, 32, 64}, true, copy_gbs, rng);
+    }
     return 0;
   }
-  bench_format(ctx, MoeWeightFormat::kBf16, decode_tokens, decode_only, copy_gbs, rng);
-  bench_format(ctx, MoeWeightFormat::kNvfp4, decode_tokens, decode_only, copy_gbs, rng);
+  if (formats.empty()) formats = {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4, MoeWeightFormat::kFp8};
+  for (MoeWeightFormat f : formats) bench_format(ctx, f, decode_tokens, decode_only, copy_gbs, rng);
   if (!decode_only) bench_small_kernels(ctx, {1, 64, 4096}, rng);
   return 0;
 }
@@ -319,9 +349,28 @@ int bench_main(bool quick, bool decode_only, bool small_only, bool tiles) {
 }  // namespace tern
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
-  const bool decode_only = argc > 1 && std::strcmp(argv[1], "--decode") == 0;
-  const bool small_only = argc > 1 && std::strcmp(argv[1], "--small") == 0;
-  const bool tiles = argc > 1 && std::strcmp(argv[1], "--tiles") == 0;
-  return tern::bench_main(quick, decode_only, small_only, tiles);
+  bool quick = false, decode_only = false, small_only = false, tiles = false;
+  std::vector<tern::MoeWeightFormat> formats;
+  for (int i = 1; i < argc; ++i) {
+    const char* a = argv[i];
+    if (std::strcmp(a, "--quick") == 0) {
+      quick = true;
+    } else if (std::strcmp(a, "--decode") == 0) {
+      decode_only = true;
+    } else if (std::strcmp(a, "--small") == 0) {
+      small_only = true;
+    } else if (std::strcmp(a, "--tiles") == 0) {
+      tiles = true;
+    } else if (std::strcmp(a, "--bf16") == 0) {
+      formats.push_back(tern::MoeWeightFormat::kBf16);
+    } else if (std::strcmp(a, "--nvfp4") == 0) {
+      formats.push_back(tern::MoeWeightFormat::kNvfp4);
+    } else if (std::strcmp(a, "--fp8") == 0) {
+      formats.push_back(tern::MoeWeightFormat::kFp8);
+    } else {
+      std::fprintf(stderr, "usage: moe_bench [--quick | --decode | --small | --tiles] [--bf16 | --nvfp4 | --fp8]\n");
+      return 2;
+    }
+  }
+  return tern::bench_main(quick, decode_only, small_only, tiles, std::move(formats));
 }

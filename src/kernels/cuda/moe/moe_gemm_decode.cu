@@ -6,6 +6,7 @@
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/ptx.cuh"
 
+#include "kernels/cuda/fp8/fp8_device.cuh"
 #include "kernels/cuda/moe/moe_gemm_device.cuh"
 #include "kernels/cuda/moe/moe_launch.h"
 #include "kernels/cuda/moe/moe_route_block.cuh"
@@ -79,7 +80,9 @@ __device__ __forceinline__ ActiveExpert route_one_token(const GemmParams& p) {
 // scheme of nvfp4_device.cuh unchanged, x gathered from the pass's rows. For bf16 (kMTiles = 1), lane (g, t) loads
 // 16 consecutive k (32 bytes) of weight rows g and g + 8 per 64-k warp step; mma q of the step feeds words 2q,
 // 2q+1 of the row pair as the A slots (2t, 2t+1) and (2t+8, 2t+9), and x's words 2q, 2q+1 at the same k as B,
-// which is all the mma needs (it sums over its 16 k slots in any assignment).
+// which is all the mma needs (it sums over its 16 k slots in any assignment). FP8 (kMTiles = 1) takes the same
+// tiles and steps with fp8_device.cuh's decode scheme: 16 codes per row and lane, converted to bf16 in registers,
+// each step's sums scaled by their rows' scales of the step's 128-column block.
 
 constexpr int kBf16DecodeUnroll = 2;  // bf16 steps whose loads are issued before any is used
 constexpr int kBf16DecodeStepK = 64;
@@ -153,10 +156,12 @@ __device__ __forceinline__ void bf16_decode_k_loop(const GemmParams& p, const ui
 }
 
 // Blocks per SM the launch bounds ask for. bf16 keeps the budget of 16 resident warps per SM (twice the bytes per
-// warp step of NVFP4). NVFP4 follows the dense kernel, except that 32-row tiles in blocks of several tiles (the
-// MoE kernel holds the expert's rows and pointers on top) need 3 blocks' budget of 85 registers to avoid spilling.
-__host__ __device__ constexpr int moe_decode_min_blocks(bool nvfp4, int m_tiles, int split_k, int token_tiles) {
-  if (!nvfp4) return 16 > decode_block_warps(split_k) ? 16 / decode_block_warps(split_k) : 1;
+// warp step of NVFP4), and FP8 the same (its steps keep more loads in flight, fp8_decode_unroll). NVFP4 follows the
+// dense kernel, except that 32-row tiles in blocks of several tiles (the MoE kernel holds the expert's rows and
+// pointers on top) need 3 blocks' budget of 85 registers to avoid spilling.
+__host__ __device__ constexpr int moe_decode_min_blocks(MoeWeightFormat format, int m_tiles, int split_k,
+                                                        int token_tiles) {
+  if (format != MoeWeightFormat::kNvfp4) return 16 > decode_block_warps(split_k) ? 16 / decode_block_warps(split_k) : 1;
   if (m_tiles == 2 && split_k < 8) return 3;
   return decode_min_blocks(split_k, token_tiles);
 }
@@ -187,11 +192,12 @@ __device__ __forceinline__ void stage_silu_act(const GemmParams& p, int r0, int 
   __syncthreads();
 }
 
-template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kSiluX>
+template <MoeWeightFormat kFormat, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kSiluX>
 __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
-                                  moe_decode_min_blocks(kIsNvfp4, kMTiles, kSplitK, kTokenTiles))
+                                  moe_decode_min_blocks(kFormat, kMTiles, kSplitK, kTokenTiles))
     moe_decode_kernel(const GemmParams p) {
   ptx::grid_dependency_begin();
+  constexpr bool kIsNvfp4 = kFormat == MoeWeightFormat::kNvfp4, kIsFp8 = kFormat == MoeWeightFormat::kFp8;
   static_assert(kIsNvfp4 || kMTiles == 1);
   constexpr int kTiles = decode_block_tiles(kSplitK), kRows = 16 * kMTiles;
   __shared__ __align__(16) float red[decode_red_floats<kSplitK, kMTiles, kTokenTiles>()];
@@ -218,6 +224,10 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
                   : DecodeWeightPtrs{p.packed + e * p.packed_stride, p.scales + e * p.scales_stride};
   };
   auto bf16_weight = [&] { return second ? p.wbf2 + e * p.wbf_stride2 : p.wbf + e * p.wbf_stride; };
+  auto fp8_codes = [&] { return second ? p.packed2 + e * p.packed_stride2 : p.packed + e * p.packed_stride; };
+  auto fp8_scales = [&] {
+    return second ? p.row_scales2 + e * p.row_scales_stride2 : p.row_scales + e * p.row_scales_stride;
+  };
   constexpr bool kPrefetch = decode_prefetch(kMTiles, kTokenTiles);
   for (int r0 = ae.row_begin; r0 < ae.row_end; r0 += 8 * kTokenTiles) {
     float acc[kTokenTiles][kMTiles][4] = {};
@@ -244,6 +254,13 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
         decode_k_loop_with_x<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, load_x, n, p.k, n0, split, kSplitK, w,
                                                                       acc);
       }
+    } else if constexpr (kSiluX && kIsFp8) {
+      stage_silu_act<kTokenTiles>(p, r0, ae.row_end, act);
+      find_x_rows();
+      if (n0 < n) {
+        fp8_device::fp8_decode_k_loop<kTokenTiles, true>(fp8_codes(), fp8_scales(), n, p.k, n0, split, kSplitK, act,
+                                                         xoff, acc);
+      }
     } else if constexpr (kSiluX) {
       stage_silu_act<kTokenTiles>(p, r0, ae.row_end, act);
       find_x_rows();
@@ -256,12 +273,16 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
         decode_load_w<kMTiles, kVec16>(first.packed, first.scales, n, p.k, n0, split, w);
         find_x_rows();
         decode_k_loop<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, n, p.k, n0, p.x, xoff, split, kSplitK, w, acc);
+      } else if constexpr (kIsFp8) {
+        find_x_rows();
+        fp8_device::fp8_decode_k_loop<kTokenTiles, false>(fp8_codes(), fp8_scales(), n, p.k, n0, split, kSplitK, p.x,
+                                                          xoff, acc);
       } else {
         find_x_rows();
         bf16_decode_k_loop<kSplitK, kTokenTiles, false>(p, bf16_weight(), n, n0, split, p.x, xoff, acc);
       }
     }
-    // Stage 2: the split-K sums, scaled, to y.
+    // Stage 2: the split-K sums, scaled, to y (FP8's scales are already in them).
     const float out_scale =
         kIsNvfp4 ? (second ? p.global_scales2 : p.global_scales)[e] * static_cast<float>(1 << kDecodeShift) : 1.0f;
     uint16_t* y = second ? p.y2 : p.y;
@@ -292,14 +313,14 @@ constexpr size_t silu_act_bytes(int64_t k, int token_tiles) {
 }
 
 // Grid x: the tiles of w, then those of w2 (none without it), so both projections share one wave of blocks.
-template <bool kIsNvfp4, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kSiluX>
+template <MoeWeightFormat kFormat, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kSiluX>
 void decode_launch_kernel(const DecodeLaunch& l) {
   constexpr int kTileRows = 16 * kMTiles * decode_block_tiles(kSplitK);
   GemmParams p = l.p;
   const int64_t blocks = (p.n + kTileRows - 1) / kTileRows, blocks2 = (p.n2 + kTileRows - 1) / kTileRows;
   p.w2_block = static_cast<int>(blocks);
   const dim3 grid(static_cast<unsigned>(blocks + blocks2), static_cast<unsigned>(l.slots));
-  auto* kernel = moe_decode_kernel<kIsNvfp4, kMTiles, kSplitK, kTokenTiles, kVec16, kSiluX>;
+  auto* kernel = moe_decode_kernel<kFormat, kMTiles, kSplitK, kTokenTiles, kVec16, kSiluX>;
   const size_t act_bytes = kSiluX ? silu_act_bytes(p.k, kTokenTiles) : 0;
   constexpr size_t kRedBytes = decode_red_floats<kSplitK, kMTiles, kTokenTiles>() * sizeof(float);
   if (act_bytes + kRedBytes > l.default_smem) {
@@ -310,28 +331,30 @@ void decode_launch_kernel(const DecodeLaunch& l) {
   TERN_CUDA_CHECK_LAUNCH();
 }
 
-template <bool kIsNvfp4, int kMTiles, int kTokenTiles, bool kVec16, bool kSiluX>
+template <MoeWeightFormat kFormat, int kMTiles, int kTokenTiles, bool kVec16, bool kSiluX>
 void decode_launch_split(const DecodeLaunch& l, int split_k) {
   switch (split_k) {
     case 1:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 1, kTokenTiles, kVec16, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 1, kTokenTiles, kVec16, kSiluX>(l);
     case 2:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 2, kTokenTiles, kVec16, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 2, kTokenTiles, kVec16, kSiluX>(l);
     case 4:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 4, kTokenTiles, kVec16, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 4, kTokenTiles, kVec16, kSiluX>(l);
     case 8:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 8, kTokenTiles, kVec16, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 8, kTokenTiles, kVec16, kSiluX>(l);
     case 16:
-      return decode_launch_kernel<kIsNvfp4, kMTiles, 16, kTokenTiles, kVec16, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 16, kTokenTiles, kVec16, kSiluX>(l);
   }
-  if constexpr (kIsNvfp4 && decode_max_split_k(kMTiles, kTokenTiles) == 32) {
-    decode_launch_kernel<kIsNvfp4, kMTiles, 32, kTokenTiles, kVec16, kSiluX>(l);
+  if constexpr (kFormat == MoeWeightFormat::kNvfp4 && decode_max_split_k(kMTiles, kTokenTiles) == 32) {
+    decode_launch_kernel<kFormat, kMTiles, 32, kTokenTiles, kVec16, kSiluX>(l);
   }
 }
 
-// bf16: K split over 4..16 warps per 16-row tile, more when tiles are scarce (at least ~16 resident warps per SM
-// for enough loads in flight), never more warps than 64-k steps. Tiles of w2 count with those of w.
-int bf16_decode_split(const DeviceProps& props, const MoeGemmArgs& a, int64_t slots) {
+// bf16, and FP8's starting point (both in 64-k warp steps): K split over 4..16 warps per 16-row tile, more when
+// tiles are scarce (at least ~16 resident warps per SM for enough loads in flight), never more warps than steps.
+// Tiles of w2 count with those of w.
+static_assert(fp8_device::kFp8DecodeStepK == kBf16DecodeStepK);
+int step64_decode_split(const DeviceProps& props, const MoeGemmArgs& a, int64_t slots) {
   const int64_t tiles = ((a.w.n + 15) / 16 + (a.w2.n + 15) / 16) * slots;
   const int64_t steps = (a.w.k + kBf16DecodeStepK - 1) / kBf16DecodeStepK;
   int split = 16;
@@ -341,13 +364,30 @@ int bf16_decode_split(const DeviceProps& props, const MoeGemmArgs& a, int64_t sl
   return split;
 }
 
+// FP8: the bf16 rule, then halved while a warp would have fewer than fp8_decode_unroll steps: each warp issues that
+// many steps' loads, conversions and mmas at a time, those past k included, and fewer warps without empty steps
+// were faster (H200, moe_bench --decode --fp8, down [2048, 512] over 256 experts: T=1 10.5 -> 6.8 us, T=8 67.4 ->
+// 38.6 us; gate_up unchanged).
+template <int kTokenTiles>
+int fp8_decode_split(const DeviceProps& props, const MoeGemmArgs& a, int64_t slots) {
+  const int64_t steps = (a.w.k + fp8_device::kFp8DecodeStepK - 1) / fp8_device::kFp8DecodeStepK;
+  int split = step64_decode_split(props, a, slots);
+  while (split > 1 && split * fp8_device::fp8_decode_unroll(kTokenTiles) > steps) split /= 2;
+  return split;
+}
+
 template <int kTokenTiles, bool kSiluX>
 void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, const DeviceContext& ctx) {
   // The active experts are unknown on the host; min(n_experts, rows) bounds them.
   const int64_t slots = std::min(a.w.n_experts, a.rows);
   const DecodeLaunch l{make_params(a), slots, props.shared_mem_per_block, &ctx};
   if (a.w.format == MoeWeightFormat::kBf16) {
-    return decode_launch_split<!kNvfp4, 1, kTokenTiles, false, kSiluX>(l, bf16_decode_split(props, a, slots));
+    return decode_launch_split<MoeWeightFormat::kBf16, 1, kTokenTiles, false, kSiluX>(
+        l, step64_decode_split(props, a, slots));
+  }
+  if (a.w.format == MoeWeightFormat::kFp8) {
+    return decode_launch_split<MoeWeightFormat::kFp8, 1, kTokenTiles, false, kSiluX>(
+        l, fp8_decode_split<kTokenTiles>(props, a, slots));
   }
   // 16-byte weight loads need 16-byte aligned rows (k % 32) in every expert of both projections; the 2-byte scale
   // loads 2-byte ones.
@@ -362,6 +402,7 @@ void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, const 
   constexpr bool kTwoMTilesOk = kTokenTiles == 1;
   const DecodeShape shape =
       decode_choose_shape(props.num_sms, a.w.n + a.w2.n, a.w.k, slots, kTokenTiles, vec16 && kTwoMTilesOk);
+  constexpr MoeWeightFormat kNvfp4 = MoeWeightFormat::kNvfp4;
   if (!vec16) return decode_launch_split<kNvfp4, 1, kTokenTiles, false, kSiluX>(l, shape.split_k);
   if constexpr (kTwoMTilesOk) {
     if (shape.m_tiles == 2) return decode_launch_split<kNvfp4, 2, kTokenTiles, true, kSiluX>(l, shape.split_k);
@@ -390,7 +431,7 @@ size_t moe_gemm_silu_smem_bytes(int64_t k) {
 
 // What the driver loaded of this module for the current device (module_attributes.h).
 cudaError_t moe_gemm_decode_module_attributes(cudaFuncAttributes* out) {
-  return cudaFuncGetAttributes(out, moe_decode_kernel<true, 1, 4, 1, true, false>);
+  return cudaFuncGetAttributes(out, moe_decode_kernel<MoeWeightFormat::kNvfp4, 1, 4, 1, true, false>);
 }
 
 }  // namespace tern

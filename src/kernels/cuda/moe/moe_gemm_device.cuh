@@ -3,20 +3,24 @@
 // files.
 //
 // The grouped expert GEMM of the MoE block (contract in moe_launch.h): every expert's rows times that expert's
-// weight, bf16 or NVFP4, in one launch, with no host synchronisation. Both variants size their grid for the worst
-// case and each block looks its work up in expert_offsets:
+// weight, bf16, NVFP4 or block-wise FP8, in one launch, with no host synchronisation. Both variants size their grid
+// for the worst case and each block looks its work up in expert_offsets:
 //   decode:  grid (blocks of weight-row tiles, active-expert slots). Slot s takes the s-th expert that has rows;
 //            slots past the active count exit at once. At one token the blocks may route it themselves
 //            (MoeGemmArgs::route; moe_route_block.cuh) instead of reading the offsets. With a second projection (w2)
 //            its tiles follow those of w along x, so gate and up stored apart still fill the SMs in one launch. The
 //            weight streams once per 8 (T > 8: 16) of the expert's rows with 16-byte loads straight into mma fragments,
 //            K split over the warps of a block (nvfp4_device.cuh's decode scheme and block layout; bf16 the same way,
-//            unconverted). With x_silu_mul each block first computes the act rows of its pass into shared memory.
+//            unconverted; FP8 with fp8_device.cuh's decode scheme, the codes converted to bf16 in registers and each
+//            64-k step's sums scaled per row). With x_silu_mul each block first computes the act rows of its pass
+//            into shared memory.
 //   prefill: grid (row tiles, 128-column weight tiles). The worst case needs ceil(rows / BM) + n_experts row tiles
 //            (every expert's last tile may be partial); tile i belongs to the expert whose tile range holds i.
 //            x rows are gathered through sorted_pairs by cp.async, W tiles go to shared memory as bf16 (NVFP4
-//            dequantised as in the dense prefill kernel), mma.sync m16n8k16 with fp32 accumulation.
+//            dequantised as in the dense prefill kernel, FP8 as e4m3 * scale rounded once to bf16), mma.sync
+//            m16n8k16 with fp32 accumulation.
 // NVFP4 semantics are W4A16 (docs/model-specs.md §1.5): exact bf16 weight factors, weight_scale_2 times the fp32 sum.
+// FP8 is W8A16 (§1.7): bf16 activations against e4m3 * scale.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +32,6 @@ namespace tern {
 namespace {
 
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
-constexpr bool kNvfp4 = true;
 
 struct GemmParams {
   const uint16_t* x;
@@ -40,7 +43,7 @@ struct GemmParams {
   int n_experts, n, k;
   const uint16_t* wbf;     // bf16 [n_experts][n][k] at wbf_stride elements
   int64_t wbf_stride;
-  const uint8_t* packed;   // NVFP4 [n_experts][n][k/2] at packed_stride bytes
+  const uint8_t* packed;   // NVFP4 [n_experts][n][k/2] or FP8 codes [n_experts][n][k] at packed_stride bytes
   int64_t packed_stride;
   const uint8_t* scales;   // NVFP4 [n_experts][n][k/16] at scales_stride bytes
   int64_t scales_stride;
@@ -63,6 +66,12 @@ struct GemmParams {
   // MoeGemmArgs::route and align (decode kernel): route.logits set routes the one token in the launch.
   MoeRouteArgs route;
   MoeAlignArgs align;
+  // FP8 per-row block scales of w and w2 ([n_experts][n][ceil(k/128)] at their strides in floats); both kernels read
+  // row_scales, the decode kernel row_scales2. Last, so the fields before keep their parameter offsets.
+  const float* row_scales;
+  int64_t row_scales_stride;
+  const float* row_scales2;
+  int64_t row_scales_stride2;
 };
 
 // The element offset of permuted row r's activations in x.
@@ -149,7 +158,11 @@ GemmParams make_params(const MoeGemmArgs& a) {
                     .global_scales2 = a.w2.global_scales,
                     .y2 = a.y + a.y2_offset,
                     .route = a.route,
-                    .align = a.align};
+                    .align = a.align,
+                    .row_scales = w.row_scales,
+                    .row_scales_stride = w.row_scales_expert_stride,
+                    .row_scales2 = a.w2.row_scales,
+                    .row_scales_stride2 = a.w2.row_scales_expert_stride};
 }
 
 }  // namespace

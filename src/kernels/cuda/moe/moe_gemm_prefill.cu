@@ -1,11 +1,13 @@
 // The prefill variant of the grouped expert GEMM (contract in moe_launch.h; both variants in moe_gemm_device.cuh):
 // grid (row tiles, 128-column weight tiles), each row tile looked up in expert_offsets, x rows gathered by cp.async
-// and W tiles dequantised to bf16 in shared memory as in the dense prefill kernel.
+// and W tiles dequantised to bf16 in shared memory as in the dense prefill kernels (NVFP4: nvfp4_device.cuh, FP8:
+// fp8_device.cuh).
 #include <type_traits>
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/ptx.cuh"
 
+#include "kernels/cuda/fp8/fp8_device.cuh"
 #include "kernels/cuda/moe/moe_gemm_device.cuh"
 #include "kernels/cuda/moe/moe_launch.h"
 #include "kernels/cuda/nvfp4/nvfp4_device.cuh"
@@ -88,8 +90,9 @@ __device__ __forceinline__ void prefill_store_y(const GemmParams& p, const TileW
   }
 }
 
-template <bool kIsNvfp4, int kBm, int kStages>
+template <MoeWeightFormat kFormat, int kBm, int kStages>
 __global__ void __launch_bounds__(kPrefillThreads) moe_prefill_kernel(const GemmParams p) {
+  constexpr bool kIsNvfp4 = kFormat == MoeWeightFormat::kNvfp4, kIsFp8 = kFormat == MoeWeightFormat::kFp8;
   ptx::grid_dependency_begin();
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);                              // [kStages][kBm][kPrefillLd]
@@ -108,10 +111,14 @@ __global__ void __launch_bounds__(kPrefillThreads) moe_prefill_kernel(const Gemm
   }
   if constexpr (kIsNvfp4) lut[threadIdx.x] = e2m1_byte_to_bf16x2(threadIdx.x);
   __syncthreads();
-  using WRegs = std::conditional_t<kIsNvfp4, PrefillWRegs, Bf16WRegs>;
+  using WRegs =
+      std::conditional_t<kIsNvfp4, PrefillWRegs, std::conditional_t<kIsFp8, fp8_device::Fp8PrefillWRegs, Bf16WRegs>>;
   auto load_w = [&](int kstep) -> WRegs {
     if constexpr (kIsNvfp4) {
       return prefill_load_w(p.packed + e * p.packed_stride, p.scales + e * p.scales_stride, p.n, p.k, n0, kstep);
+    } else if constexpr (kIsFp8) {
+      return fp8_device::fp8_prefill_load_w(p.packed + e * p.packed_stride, p.row_scales + e * p.row_scales_stride,
+                                            p.n, p.k, n0, kstep);
     } else {
       return bf16_prefill_load_w(p.wbf + e * p.wbf_stride, p.n, p.k, n0, kstep);
     }
@@ -119,6 +126,8 @@ __global__ void __launch_bounds__(kPrefillThreads) moe_prefill_kernel(const Gemm
   auto store_w = [&](const WRegs& r, int buffer) {
     if constexpr (kIsNvfp4) {
       prefill_store_w(r, lut, ws + buffer * kPrefillBn * kPrefillLd);
+    } else if constexpr (kIsFp8) {
+      fp8_device::fp8_prefill_store_w(r, ws + buffer * kPrefillBn * kPrefillLd);
     } else {
       bf16_prefill_store_w(r, ws + buffer * kPrefillBn * kPrefillLd);
     }
@@ -157,22 +166,22 @@ __global__ void __launch_bounds__(kPrefillThreads) moe_prefill_kernel(const Gemm
 // ---------------------------------------------------------------------------------------------------------------
 // Host side: tile choices, launches.
 
-template <bool kIsNvfp4, int kBm, int kStages>
+template <MoeWeightFormat kFormat, int kBm, int kStages>
 void prefill_launch_tiles(const GemmParams& p, int64_t rows, int64_t n_experts, const DeviceContext& ctx) {
   constexpr size_t kSmem = prefill_smem_bytes<kBm>(kStages);
-  TERN_CUDA_CHECK(cudaFuncSetAttribute(moe_prefill_kernel<kIsNvfp4, kBm, kStages>,
+  TERN_CUDA_CHECK(cudaFuncSetAttribute(moe_prefill_kernel<kFormat, kBm, kStages>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   const dim3 grid(static_cast<unsigned>((rows + kBm - 1) / kBm + n_experts),
                   static_cast<unsigned>((p.n + kPrefillBn - 1) / kPrefillBn));
-  launch_kernel(ctx, moe_prefill_kernel<kIsNvfp4, kBm, kStages>, grid, dim3(kPrefillThreads), kSmem, p);
+  launch_kernel(ctx, moe_prefill_kernel<kFormat, kBm, kStages>, grid, dim3(kPrefillThreads), kSmem, p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
-template <bool kIsNvfp4, int kBm>
+template <MoeWeightFormat kFormat, int kBm>
 void prefill_launch_stages(const GemmParams& p, const MoeGemmArgs& a, int stages, const DeviceContext& ctx) {
-  if (stages == 4) return prefill_launch_tiles<kIsNvfp4, kBm, 4>(p, a.rows, a.w.n_experts, ctx);
-  if (stages == 3) return prefill_launch_tiles<kIsNvfp4, kBm, 3>(p, a.rows, a.w.n_experts, ctx);
-  prefill_launch_tiles<kIsNvfp4, kBm, 2>(p, a.rows, a.w.n_experts, ctx);
+  if (stages == 4) return prefill_launch_tiles<kFormat, kBm, 4>(p, a.rows, a.w.n_experts, ctx);
+  if (stages == 3) return prefill_launch_tiles<kFormat, kBm, 3>(p, a.rows, a.w.n_experts, ctx);
+  prefill_launch_tiles<kFormat, kBm, 2>(p, a.rows, a.w.n_experts, ctx);
 }
 
 template <int kBm>
@@ -185,8 +194,14 @@ void prefill_launch_format(const GemmParams& p, const MoeGemmArgs& a, const Devi
     return bytes <= props.shared_mem_per_block_optin && 2 * bytes <= props.shared_mem_per_sm;
   };
   const int stages = fits(4) ? 4 : fits(3) ? 3 : 2;
-  if (a.w.format == MoeWeightFormat::kNvfp4) return prefill_launch_stages<kNvfp4, kBm>(p, a, stages, ctx);
-  prefill_launch_stages<!kNvfp4, kBm>(p, a, stages, ctx);
+  switch (a.w.format) {
+    case MoeWeightFormat::kNvfp4:
+      return prefill_launch_stages<MoeWeightFormat::kNvfp4, kBm>(p, a, stages, ctx);
+    case MoeWeightFormat::kFp8:
+      return prefill_launch_stages<MoeWeightFormat::kFp8, kBm>(p, a, stages, ctx);
+    case MoeWeightFormat::kBf16:
+      return prefill_launch_stages<MoeWeightFormat::kBf16, kBm>(p, a, stages, ctx);
+  }
 }
 
 void prefill_launch_projection(const DeviceContext& ctx, const MoeGemmArgs& a) {
@@ -207,7 +222,7 @@ void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& a) {
 
 // What the driver loaded of this module for the current device (module_attributes.h).
 cudaError_t moe_gemm_module_attributes(cudaFuncAttributes* out) {
-  return cudaFuncGetAttributes(out, moe_prefill_kernel<true, 128, 2>);
+  return cudaFuncGetAttributes(out, moe_prefill_kernel<MoeWeightFormat::kNvfp4, 128, 2>);
 }
 
 }  // namespace tern

@@ -249,7 +249,10 @@ void wg_launch_projection(const DeviceContext& ctx, const MoeGemmArgs& a) {
 
 bool moe_gemm_prefill_sm90_fits(const DeviceContext& ctx, const MoeGemmArgs& a) {
 #if TERN_BUILD_HAS_SM90A
-  const auto fits = [](const MoeExpertWeights& w) { return w.n == 0 || w.k % kWgBk == 0; };
+  // FP8 has no W tile loader here: it takes the mma.sync kernel (moe_gemm_prefill.cu) on every GPU.
+  const auto fits = [](const MoeExpertWeights& w) {
+    return w.n == 0 || (w.k % kWgBk == 0 && w.format != MoeWeightFormat::kFp8);
+  };
   return ctx.props().cc_major == 9 && ctx.props().cc_minor == 0 && fits(a.w) && fits(a.w2) && a.ldx % 8 == 0 &&
          reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
          wg_smem_bytes<128, 256, 4>() <= ctx.props().shared_mem_per_block_optin;

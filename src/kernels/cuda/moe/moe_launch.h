@@ -73,21 +73,29 @@ struct MoeAlignArgs {
   size_t workspace_bytes = 0;
 };
 
-// One projection of all experts: bf16 [n_experts][n][k] at bf16_expert_stride elements apart, or NVFP4 (ModelOpt
-// layout) packed e2m1 [n_experts][n][k/2] and e4m3 block scales [n_experts][n][k/16] at their expert strides (bytes)
-// with one fp32 weight_scale_2 per expert in global_scales (device memory).
-enum class MoeWeightFormat { kBf16, kNvfp4 };
+// One projection of all experts, in one of three formats (device memory):
+//   bf16:  [n_experts][n][k] at bf16_expert_stride elements apart.
+//   NVFP4 (ModelOpt layout, W4A16): packed e2m1 [n_experts][n][k/2] and e4m3 block scales [n_experts][n][k/16] at
+//          their expert strides (bytes), one fp32 weight_scale_2 per expert in global_scales.
+//   FP8 (block-wise, DeepSeek-V3 / GLM-5-FP8 / Qwen3-FP8 layout, docs/model-specs.md §1.7; W8A16): e4m3fn codes
+//          [n_experts][n][k] in `packed` at packed_expert_stride bytes (16-byte aligned, a multiple of 16), and fp32
+//          scales [n_experts][n][ceil(k/128)] in row_scales at row_scales_expert_stride floats: the scale of row r
+//          and 128-column block b, i.e. the checkpoint's weight_scale_inv [ceil(n/128)][ceil(k/128)] with each
+//          block row repeated for its 128 rows. Weight = e4m3(code) * scale; global_scales is not read.
+enum class MoeWeightFormat { kBf16, kNvfp4, kFp8 };
 
 struct MoeExpertWeights {
   MoeWeightFormat format = MoeWeightFormat::kBf16;
   int64_t n_experts = 0, n = 0, k = 0;
   const uint16_t* bf16 = nullptr;
   int64_t bf16_expert_stride = 0;
-  const uint8_t* packed = nullptr;
+  const uint8_t* packed = nullptr;  // NVFP4 packed e2m1, or FP8 e4m3 codes
   int64_t packed_expert_stride = 0;
-  const uint8_t* scales = nullptr;
+  const uint8_t* scales = nullptr;  // NVFP4 e4m3 block scales
   int64_t scales_expert_stride = 0;
-  const float* global_scales = nullptr;  // [n_experts]
+  const float* global_scales = nullptr;  // NVFP4: [n_experts]
+  const float* row_scales = nullptr;     // FP8: [n_experts][n][ceil(k/128)]
+  int64_t row_scales_expert_stride = 0;  // in floats
 };
 
 // Grouped GEMM over all experts in one launch: for each permuted row r of expert e,
@@ -175,8 +183,9 @@ void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& args);
 void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& args);
 
 // The prefill variant on Hopper's wgmma (moe_gemm_prefill_sm90.cu): for a device of compute capability 9.0 in a build
-// with sm_90a machine code, k % 64 == 0 for every projection, x 16-byte aligned with ldx % 8 == 0. Same results as
-// moe_gemm_launch_prefill (the same exact products, summed in fp32).
+// with sm_90a machine code, bf16 or NVFP4 weights (FP8 takes the mma.sync kernel), k % 64 == 0 for every
+// projection, x 16-byte aligned with ldx % 8 == 0. Same results as moe_gemm_launch_prefill (the same exact products,
+// summed in fp32).
 bool moe_gemm_prefill_sm90_fits(const DeviceContext& ctx, const MoeGemmArgs& args);
 void moe_gemm_launch_prefill_sm90(const DeviceContext& ctx, const MoeGemmArgs& args);
 

@@ -613,32 +613,97 @@ TEST(MoeRoute, SigmoidNanLogitsStayInRange) {
 // ---------------------------------------------------------------------------------------------------------------
 // Grouped GEMM
 
+constexpr int64_t kFp8Block = 128;  // rows and columns of a block-wise FP8 scale block (docs/model-specs.md §1.7)
+int64_t fp8_scale_cols(int64_t k) { return (k + kFp8Block - 1) / kFp8Block; }
+
+const char* format_name(MoeWeightFormat f) {
+  return f == MoeWeightFormat::kBf16 ? "bf16" : f == MoeWeightFormat::kNvfp4 ? "nvfp4" : "fp8";
+}
+
 // All experts' weights of one projection [E][n][k] on the host (the reference's dequantized view) and the device.
 struct ExpertWeights {
   MoeWeightFormat format;
   int64_t n_experts, n, k;
   std::vector<std::vector<float>> dequant;  // [E][n * k]; empty for an expert no case reads (make_routed_nvfp4)
   std::vector<uint16_t> bf16;               // [E][n][k]
-  std::vector<uint8_t> packed, scales;      // NVFP4 [E][n][k/2], [E][n][k/16]
+  std::vector<uint8_t> packed, scales;      // NVFP4 [E][n][k/2], [E][n][k/16]; FP8 codes [E][n][k] in packed
   std::vector<float> global_scales;         // [E]
-  DeviceBuffer d_bf16, d_packed, d_scales, d_global;
+  std::vector<float> row_scales;            // FP8 [E][n][ceil(k/128)]
+  DeviceBuffer d_bf16, d_packed, d_scales, d_global, d_row_scales;
 
   MoeExpertWeights view() const {
     return {.format = format, .n_experts = n_experts, .n = n, .k = k, .bf16 = d_bf16.as<uint16_t>(),
-            .bf16_expert_stride = n * k, .packed = d_packed.as<uint8_t>(), .packed_expert_stride = n * k / 2,
+            .bf16_expert_stride = n * k, .packed = d_packed.as<uint8_t>(),
+            .packed_expert_stride = format == MoeWeightFormat::kFp8 ? n * k : n * k / 2,
             .scales = d_scales.as<uint8_t>(), .scales_expert_stride = n * k / 16,
-            .global_scales = d_global.as<float>()};
+            .global_scales = d_global.as<float>(), .row_scales = d_row_scales.as<float>(),
+            .row_scales_expert_stride = n * fp8_scale_cols(k)};
   }
 };
 
+// Block-wise FP8 quantization of one [n, k] weight as DeepSeek-V3's checkpoints are made: each 128 x 128 block
+// (partial at the bottom and right edges) gets scale = amax / 448 and codes e4m3(w / scale). Appends the codes and
+// the scales expanded to one per row and block column (the device layout) and returns the dequantized weight
+// e4m3 * scale in fp32, as the CPU path computes it.
+std::vector<float> fp8_quantize_append(const std::vector<float>& m, int64_t n, int64_t k, std::vector<uint8_t>& codes,
+                                       std::vector<float>& row_scales) {
+  const int64_t cols = fp8_scale_cols(k), block_rows = (n + kFp8Block - 1) / kFp8Block;
+  std::vector<float> scale(static_cast<size_t>(block_rows * cols));
+  for (int64_t br = 0; br < block_rows; ++br) {
+    for (int64_t bc = 0; bc < cols; ++bc) {
+      float amax = 0.0f;
+      for (int64_t r = br * kFp8Block; r < std::min(n, (br + 1) * kFp8Block); ++r) {
+        for (int64_t c = bc * kFp8Block; c < std::min(k, (bc + 1) * kFp8Block); ++c) {
+          amax = std::max(amax, std::fabs(m[r * k + c]));
+        }
+      }
+      scale[br * cols + bc] = amax > 0.0f ? amax / 448.0f : 1.0f;
+    }
+  }
+  std::vector<float> dequant(m.size());
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t c = 0; c < k; ++c) {
+      const float s = scale[(r / kFp8Block) * cols + c / kFp8Block];
+      const uint8_t code = float_to_e4m3(m[r * k + c] / s);
+      codes.push_back(code);
+      dequant[r * k + c] = e4m3_to_float(code) * s;
+    }
+    for (int64_t bc = 0; bc < cols; ++bc) row_scales.push_back(scale[(r / kFp8Block) * cols + bc]);
+  }
+  return dequant;
+}
+
+// N(0, 1) * scale, times 2^U(-spread, spread) per 128 x 128 block, so the blocks' FP8 scales differ as widely;
+// rounded to bf16, as the checkpoints' weights were before quantization.
+std::vector<float> fp8_random_weight(int64_t n, int64_t k, float scale, float spread, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::uniform_real_distribution<float> block_exp(-spread, spread);
+  const int64_t cols = fp8_scale_cols(k);
+  std::vector<float> factor(static_cast<size_t>((n + kFp8Block - 1) / kFp8Block * cols));
+  for (float& f : factor) f = scale * std::exp2(block_exp(rng));
+  std::vector<float> m(static_cast<size_t>(n * k));
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t c = 0; c < k; ++c) {
+      m[r * k + c] = bf16_to_float(float_to_bf16(dist(rng) * factor[(r / kFp8Block) * cols + c / kFp8Block]));
+    }
+  }
+  return m;
+}
+
 // N(0, 1) * row_scale per row; NVFP4 rows also get a factor 2^U(-spread, spread) so block scales cover a wide e4m3
-// range. Each expert of an NVFP4 projection has its own global scale (ModelOpt's per-expert weight_scale_2).
+// range, FP8 blocks such a factor each (fp8_random_weight). Each expert of an NVFP4 projection has its own global
+// scale (ModelOpt's per-expert weight_scale_2).
 ExpertWeights make_expert_weights(MoeWeightFormat format, int64_t n_experts, int64_t n, int64_t k, float row_scale,
                                   std::mt19937& rng, float spread = 6.0f) {
   ExpertWeights w{.format = format, .n_experts = n_experts, .n = n, .k = k};
   std::normal_distribution<float> dist(0.0f, 1.0f);
   std::uniform_real_distribution<float> row_exp(-spread, spread);
   for (int64_t e = 0; e < n_experts; ++e) {
+    if (format == MoeWeightFormat::kFp8) {
+      w.dequant.push_back(
+          fp8_quantize_append(fp8_random_weight(n, k, row_scale, spread, rng), n, k, w.packed, w.row_scales));
+      continue;
+    }
     std::vector<float> m(static_cast<size_t>(n * k));
     for (int64_t r = 0; r < n; ++r) {
       const float s = format == MoeWeightFormat::kNvfp4 ? row_scale * std::exp2(row_exp(rng)) : row_scale;
@@ -659,6 +724,7 @@ ExpertWeights make_expert_weights(MoeWeightFormat format, int64_t n_experts, int
   w.d_packed = upload(w.packed);
   w.d_scales = upload(w.scales);
   w.d_global = upload(w.global_scales);
+  w.d_row_scales = upload(w.row_scales);
   return w;
 }
 
@@ -688,6 +754,29 @@ ExpertWeights make_routed_nvfp4(int64_t n_experts, int64_t n, int64_t k, const s
   return w;
 }
 
+// make_routed_nvfp4's FP8 counterpart: only `used` carry weights (make_expert_weights' FP8, block spread 2^+-6);
+// every other expert has codes of 1.0 and NaN row scales, so a kernel that reads a wrong expert writes NaN.
+ExpertWeights make_routed_fp8(int64_t n_experts, int64_t n, int64_t k, const std::vector<int32_t>& used,
+                              std::mt19937& rng) {
+  ExpertWeights w{.format = MoeWeightFormat::kFp8, .n_experts = n_experts, .n = n, .k = k};
+  w.dequant.resize(static_cast<size_t>(n_experts));
+  const auto code_bytes = static_cast<size_t>(n * k), scale_count = static_cast<size_t>(n * fp8_scale_cols(k));
+  w.d_packed = DeviceBuffer(code_bytes * n_experts);
+  w.d_row_scales = DeviceBuffer(scale_count * sizeof(float) * n_experts);
+  w.d_packed.fill(0x38);      // e4m3 1.0 everywhere
+  w.d_row_scales.fill(0xFF);  // fp32 NaN
+  for (int32_t e : used) {
+    std::vector<uint8_t> codes;
+    std::vector<float> scales;
+    w.dequant[e] = fp8_quantize_append(fp8_random_weight(n, k, 1.0f, 6.0f, rng), n, k, codes, scales);
+    TERN_CUDA_CHECK(
+        cudaMemcpy(w.d_packed.as<uint8_t>() + e * code_bytes, codes.data(), code_bytes, cudaMemcpyHostToDevice));
+    TERN_CUDA_CHECK(cudaMemcpy(w.d_row_scales.as<float>() + e * scale_count, scales.data(), scale_count * sizeof(float),
+                               cudaMemcpyHostToDevice));
+  }
+  return w;
+}
+
 // The experts a routing uses, ascending.
 std::vector<int32_t> distinct(std::vector<int32_t> ids) {
   std::sort(ids.begin(), ids.end());
@@ -712,15 +801,33 @@ struct GemmCase {
   int token_tiles = 0;               // MoeGemmArgs::decode_token_tiles
 };
 
+// FP8 weights through moe_gemm's prefill variant (moe.cc's rule for kAuto): the prefill kernel rounds each
+// e4m3 * scale (fp32) to bf16 once and then runs as with bf16 weights, so its reference takes those bf16 weights,
+// with the bf16 tolerance. The decode kernel applies the scales to fp32 sums, so its reference takes e4m3 * scale.
+bool fp8_prefill_rounds(const ExpertWeights& w, MoeGemmVariant v, int64_t rows, int64_t top_k) {
+  const bool decode =
+      v == MoeGemmVariant::kDecode || (v == MoeGemmVariant::kAuto && rows <= kMoeDecodeMaxTokens * top_k);
+  return w.format == MoeWeightFormat::kFp8 && !decode;
+}
+
 // fp64 product of every permuted row with its expert's weight: [rows, w.n], x read at src(r) (gather: token rows).
 // act (optional, as x_silu_mul reads x): x holds [gate | up] rows of 2k and the input is silu(gate) * up in fp64.
+// bf16_weights: each weight rounded to bf16 first (fp8_prefill_rounds).
 gemm_test::Reference expert_reference(const ExpertWeights& w, const std::vector<uint16_t>& x, int64_t ldx,
-                                      const HostAlign& al, bool gather, int64_t top_k, bool act = false) {
+                                      const HostAlign& al, bool gather, int64_t top_k, bool act = false,
+                                      bool bf16_weights = false) {
   const int64_t rows = static_cast<int64_t>(al.sorted_pairs.size()), n = w.n, k = w.k;
   gemm_test::Reference ref{std::vector<double>(static_cast<size_t>(rows * n)),
                            std::vector<double>(static_cast<size_t>(rows * n))};
   std::vector<double> in(static_cast<size_t>(k));
+  std::vector<float> rounded;
   for (int64_t e = 0; e < w.n_experts; ++e) {
+    const float* we = al.offsets[e] < al.offsets[e + 1] ? w.dequant[static_cast<size_t>(e)].data() : nullptr;
+    if (bf16_weights && we != nullptr) {
+      rounded.resize(static_cast<size_t>(n * k));
+      for (int64_t i = 0; i < n * k; ++i) rounded[i] = bf16_to_float(float_to_bf16(we[i]));
+      we = rounded.data();
+    }
     for (int64_t r = al.offsets[e]; r < al.offsets[e + 1]; ++r) {
       const int64_t src = gather ? al.sorted_pairs[r] / top_k : r;
       for (int64_t q = 0; q < k; ++q) {
@@ -728,7 +835,7 @@ gemm_test::Reference expert_reference(const ExpertWeights& w, const std::vector<
         in[q] = act ? g / (1.0 + std::exp(-g)) * bf16_to_float(x[src * ldx + k + q]) : g;
       }
       for (int64_t j = 0; j < n; ++j) {
-        const float* wr = &w.dequant[static_cast<size_t>(e)][static_cast<size_t>(j * k)];
+        const float* wr = we + j * k;
         double s = 0, a = 0;
         for (int64_t q = 0; q < k; ++q) {
           const double p = in[q] * wr[q];
@@ -765,7 +872,7 @@ int64_t written_outside(const std::vector<uint16_t>& y, int64_t rows, int64_t ld
 }
 
 std::string gemm_name(const ExpertWeights& w, MoeGemmVariant variant, int64_t tokens, int64_t top_k) {
-  return std::string(w.format == MoeWeightFormat::kNvfp4 ? "nvfp4 " : "bf16 ") + variant_name(variant) +
+  return std::string(format_name(w.format)) + " " + variant_name(variant) +
          " E=" + std::to_string(w.n_experts) + " n=" + std::to_string(w.n) + " k=" + std::to_string(w.k) +
          " T=" + std::to_string(tokens) + " top" + std::to_string(top_k);
 }
@@ -797,7 +904,9 @@ void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const Gemm
   const auto y = download<uint16_t>(d_y, static_cast<size_t>(rows * ldy));
   EXPECT_EQ(written_outside(y, rows, ldy, {{c.col0, c.col0 + n}}), 0)
       << "columns outside [col0, col0 + n) were written";
-  gemm_test::check_gemm(y_columns(y, rows, ldy, c.col0, n), expert_reference(w, x, ldx, al, c.gather, c.top_k), rows, n,
+  const bool bf16_w = fp8_prefill_rounds(w, variant, rows, c.top_k);
+  gemm_test::check_gemm(y_columns(y, rows, ldy, c.col0, n),
+                        expert_reference(w, x, ldx, al, c.gather, c.top_k, false, bf16_w), rows, n,
                         gemm_name(w, variant, c.tokens, c.top_k) + (c.skew ? " skewed" : "") +
                             (c.token_tiles > 0 ? " tiles=" + std::to_string(c.token_tiles) : ""));
 }
@@ -810,7 +919,7 @@ void check_gemm(const DeviceContext& ctx, const ExpertWeights& w, const GemmCase
 
 void check_gemm_shapes(MoeWeightFormat format) {
   DeviceContext ctx;
-  std::mt19937 rng(format == MoeWeightFormat::kBf16 ? 2004 : 2005);
+  std::mt19937 rng(format == MoeWeightFormat::kBf16 ? 2004 : format == MoeWeightFormat::kNvfp4 ? 2005 : 2017);
   const MoeGemmVariant variants[] = {MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill, MoeGemmVariant::kPrefillMma,
                                      MoeGemmVariant::kAuto};
   struct Shape {
@@ -841,6 +950,29 @@ void check_gemm_shapes(MoeWeightFormat format) {
 
 TEST(MoeGemm, Bf16BothVariants) { check_gemm_shapes(MoeWeightFormat::kBf16); }
 TEST(MoeGemm, Nvfp4BothVariants) { check_gemm_shapes(MoeWeightFormat::kNvfp4); }
+TEST(MoeGemm, Fp8BothVariants) { check_gemm_shapes(MoeWeightFormat::kFp8); }
+
+// Block-wise FP8 at the edges of its 128 x 128 scale blocks and of the kernels' steps: n = 200 and k = 208 (a partial
+// block in both directions; k % 64 = 16: a partial decode step, whose scale every lane must still apply, k % 32 = 16:
+// a partial prefill step), n = 48 and k = 144 (less than one block of rows, one block and 16 columns), and k = 2048
+// with n = 384 (whole blocks, a shape the wgmma prefill would take for bf16: FP8 must take the mma.sync kernel).
+// Every variant at 1, 5, 16 (two x-row tiles at decode) and 300 tokens, and the decode kernel on skewed permuted rows.
+TEST(MoeGemm, Fp8PartialScaleBlocks) {
+  DeviceContext ctx;
+  std::mt19937 rng(2018);
+  const MoeGemmVariant variants[] = {MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill, MoeGemmVariant::kPrefillMma,
+                                     MoeGemmVariant::kAuto};
+  struct Shape {
+    int64_t n_experts, n, k, top_k;
+  };
+  for (const Shape& s : {Shape{64, 200, 208, 8}, Shape{8, 48, 144, 2}, Shape{32, 384, 2048, 4}}) {
+    const ExpertWeights w = make_expert_weights(MoeWeightFormat::kFp8, s.n_experts, s.n, s.k, 1.0f, rng);
+    for (int64_t tokens : {1, 5, 16, 300}) {
+      for (MoeGemmVariant v : variants) check_gemm(ctx, w, {tokens, s.top_k, true, false}, v, rng);
+    }
+    check_gemm(ctx, w, {37, s.top_k, false, true, 0, 6}, MoeGemmVariant::kDecode, rng);  // permuted rows, skewed
+  }
+}
 
 // On an H100/H200 (compute capability 9.0; tern's builds carry sm_90a code) the prefill variant must take the wgmma
 // kernel where the shapes allow it, so the tests above checked it there rather than a silent fallback.
@@ -852,6 +984,9 @@ TEST(MoeGemm, PrefillUsesWgmmaOnHopper) {
                                                             .n = 512, .k = 2048}};
   EXPECT_TRUE(moe_gemm_prefill_sm90_fits(ctx, a));
   a.w.k = 784;  // not a multiple of 64: the mma.sync kernel
+  EXPECT_FALSE(moe_gemm_prefill_sm90_fits(ctx, a));
+  a.w.k = 2048;
+  a.w.format = MoeWeightFormat::kFp8;  // the wgmma kernel has no FP8 weight tiles
   EXPECT_FALSE(moe_gemm_prefill_sm90_fits(ctx, a));
 }
 
@@ -885,10 +1020,11 @@ void check_gemm_pair(const DeviceContext& ctx, const ExpertWeights& w, const Exp
   EXPECT_EQ(written_outside(y, rows, ldy, {{0, w.n}, {y2_offset, y2_offset + w2.n}}), 0)
       << "columns outside both projections were written";
   const std::string what = gemm_name(w, variant, tokens, top_k) + " +w2 n=" + std::to_string(w2.n);
-  gemm_test::check_gemm(y_columns(y, rows, ldy, 0, w.n), expert_reference(w, x, ldx, al, true, top_k), rows, w.n,
-                        what + " (w)");
-  gemm_test::check_gemm(y_columns(y, rows, ldy, y2_offset, w2.n), expert_reference(w2, x, ldx, al, true, top_k), rows,
-                        w2.n, what + " (w2)");
+  const bool bf16_w = fp8_prefill_rounds(w, variant, rows, top_k);
+  gemm_test::check_gemm(y_columns(y, rows, ldy, 0, w.n), expert_reference(w, x, ldx, al, true, top_k, false, bf16_w),
+                        rows, w.n, what + " (w)");
+  gemm_test::check_gemm(y_columns(y, rows, ldy, y2_offset, w2.n),
+                        expert_reference(w2, x, ldx, al, true, top_k, false, bf16_w), rows, w2.n, what + " (w2)");
 }
 
 // Gate and up as two stacks (NVFP4: each expert of each with its own global scale) in one launch, at 1, 2, 7 and
@@ -1125,6 +1261,72 @@ TEST(MoeGemm, Nvfp4DecodeModelShapes) {
   }
 }
 
+// FP8 experts in the decode kernel's fused forms, as SecondProjectionInTheSameLaunch, SiluMulFoldedIntoTheDecodeKernel
+// and RoutesOneTokenInTheLaunch check bf16 and NVFP4: gate and up as two stacks with their own block scales in one
+// launch (w2, whose blocks read the second projection's codes and scales) at 1, 5, 16 and 64 tokens and through
+// every variant; the down projection with SiLU-and-mul folded in (act rows in shared memory) at 1, 5, 16 and 64
+// tokens and with one x-row tile forced; one token routed in the launch. Shapes: the fixture, n and k off the 128 x
+// 128 blocks and the 64-k steps (k = 208, 784; n = 200, 136, 120) with a gap between the two column windows.
+TEST(MoeGemm, Fp8FusedDecodeLaunches) {
+  DeviceContext ctx;
+  std::mt19937 rng(2019);
+  const MoeGemmVariant variants[] = {MoeGemmVariant::kDecode, MoeGemmVariant::kAuto, MoeGemmVariant::kPrefill,
+                                     MoeGemmVariant::kPrefillMma};
+  constexpr MoeWeightFormat kFp8 = MoeWeightFormat::kFp8;
+  struct PairShape {
+    int64_t n_experts, n, n2, k, top_k, gap;
+  };
+  for (const PairShape& s : {PairShape{8, 32, 32, 64, 2, 0}, PairShape{64, 136, 120, 784, 8, 3},
+                             PairShape{16, 200, 72, 208, 4, 5}}) {
+    const ExpertWeights w = make_expert_weights(kFp8, s.n_experts, s.n, s.k, 1.0f, rng);
+    const ExpertWeights w2 = make_expert_weights(kFp8, s.n_experts, s.n2, s.k, 1.0f, rng);
+    for (int64_t tokens : {1, 5, 16, 64}) {
+      for (MoeGemmVariant v : variants) {
+        check_gemm_pair(ctx, w, w2, random_ids(tokens, s.top_k, s.n_experts, false, rng), s.top_k, s.n + s.gap,
+                        s.n + s.gap + s.n2 + s.gap, v, rng);
+      }
+    }
+  }
+  struct SiluShape {
+    int64_t n_experts, n, k, top_k;
+    bool skew;
+  };
+  for (const SiluShape& s : {SiluShape{8, 32, 64, 2, false}, SiluShape{64, 136, 784, 8, false},
+                             SiluShape{16, 200, 208, 4, true}}) {
+    const ExpertWeights w = make_expert_weights(kFp8, s.n_experts, s.n, s.k, 1.0f, rng);
+    for (int64_t tokens : {1, 5, 16, 64}) {
+      check_gemm_silu(ctx, w, random_ids(tokens, s.top_k, s.n_experts, s.skew, rng), s.top_k, rng);
+    }
+    check_gemm_silu(ctx, w, random_ids(64, s.top_k, s.n_experts, s.skew, rng), s.top_k, rng, 1);
+  }
+  for (const RouteCase& c : {RouteCase{1, 8, 2, true, false}, RouteCase{1, 256, 8, true, true},
+                             RouteCase{1, 33, 4, false, false}}) {
+    const ExpertWeights w = make_expert_weights(kFp8, c.n_experts, 32, 208, 1.0f, rng);
+    const ExpertWeights w2 = make_expert_weights(kFp8, c.n_experts, 24, 208, 1.0f, rng);
+    check_route_in_launch(ctx, c, w, w2, random_logits(c, rng), rng);
+  }
+}
+
+// GLM-5-FP8's routed experts at decode (256 experts, top-8, hidden 6144, moe_intermediate 2048): gate and up as two
+// [2048, 6144] stacks in one launch on gathered token rows, and down [6144, 2048] with SiLU-and-mul folded in, at 1
+// and 2 tokens, only the routed experts set (make_routed_fp8). A stack's codes pass 2^31 bytes, so the expert
+// offsets must be 64-bit.
+TEST(MoeGemm, Fp8DecodeModelShapes) {
+  DeviceContext ctx;
+  std::mt19937 rng(2020);
+  constexpr int64_t kExperts = 256, kTopK = 8, kHidden = 6144, kInter = 2048;
+  for (int64_t tokens : {1, 2}) {
+    const std::vector<int32_t> ids = random_ids(tokens, kTopK, kExperts, false, rng);
+    const ExpertWeights gate = make_routed_fp8(kExperts, kInter, kHidden, distinct(ids), rng);
+    const ExpertWeights up = make_routed_fp8(kExperts, kInter, kHidden, distinct(ids), rng);
+    for (MoeGemmVariant v : {MoeGemmVariant::kDecode, MoeGemmVariant::kAuto}) {
+      check_gemm_pair(ctx, gate, up, ids, kTopK, kInter, 2 * kInter, v, rng);
+    }
+    const ExpertWeights down = make_routed_fp8(kExperts, kHidden, kInter, distinct(ids), rng);
+    check_gemm_silu(ctx, down, ids, kTopK, rng);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // The combine folded into the shared expert's down projection (gemv_bf16_silu_mul_moe_combine)
 
@@ -1250,6 +1452,10 @@ CpuMatrix cpu_view(const ExpertWeights& w, int64_t e, int64_t row0, int64_t rows
   if (w.format == MoeWeightFormat::kBf16) {
     m.format = CpuWeightFormat::kBf16;
     m.data = &w.bf16[static_cast<size_t>((e * w.n + row0) * w.k)];
+  } else if (w.format == MoeWeightFormat::kFp8) {
+    m.format = CpuWeightFormat::kFp8Block128;
+    m.data = &w.packed[static_cast<size_t>((e * w.n + row0) * w.k)];
+    m.row_block_scales = &w.row_scales[static_cast<size_t>((e * w.n + row0) * fp8_scale_cols(w.k))];
   } else {
     m.format = CpuWeightFormat::kNvfp4;
     m.data = &w.packed[static_cast<size_t>((e * w.n + row0) * w.k / 2)];
@@ -1426,7 +1632,7 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
     const std::string routing = gated ? "" : " sigmoid " + std::to_string(sig.topk_group) + "/" +
                                                  std::to_string(sig.n_group) + (bias.empty() ? "" : " +bias");
     std::printf("block %s %s%s%s H=%ld I=%ld E=%ld top%ld shared=%ld T=%ld: max error / allowed = %.3f\n",
-                format == MoeWeightFormat::kNvfp4 ? "nvfp4" : "bf16", variant_name(run.variant),
+                format_name(format), variant_name(run.variant),
                 run.split ? " split" : "", routing.c_str(), long(h), long(inter), long(e_count), long(s.top_k),
                 long(s.shared_inter), long(tokens), worst);
     EXPECT_EQ(bad, 0) << tokens << " tokens";
@@ -1489,6 +1695,33 @@ TEST(MoeBlock, SigmoidRoutingMatchesCpuMoeForward) {
                   {.tokens = {1, 2, 7, 64}, .variant = v, .split = v == MoeGemmVariant::kDecode, .sigmoid = c.sigmoid});
     }
   }
+}
+
+// Block-wise FP8 experts (W8A16; the CPU layer takes the same codes and per-row block scales) through moe_forward:
+// the shapes of MatchesCpuMoeForward at its token counts, the decode paths and kPrefill at decode token counts (gate
+// and up together and as two stacks), and the sigmoid routing of GLM-5-FP8 and DeepSeek-V3, the FP8 checkpoints'
+// models, with and without a shared expert.
+TEST(MoeBlock, Fp8MatchesCpuMoeForward) {
+  DeviceContext ctx;
+  std::mt19937 rng(2021);
+  constexpr MoeWeightFormat kFp8 = MoeWeightFormat::kFp8;
+  for (const BlockShape& s : {BlockShape{64, 32, 8, 2, 32}, BlockShape{512, 128, 256, 8, 128},
+                              BlockShape{256, 64, 512, 10, 0}}) {
+    check_block(ctx, s, kFp8, rng);
+  }
+  for (const BlockShape& s : {BlockShape{64, 32, 8, 2, 32}, BlockShape{256, 64, 64, 4, 0}}) {
+    for (MoeGemmVariant v : {MoeGemmVariant::kAuto, MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill}) {
+      for (bool split : {false, true}) {
+        if (v == MoeGemmVariant::kDecode && !split) continue;  // the same launches as kAuto here
+        check_block(ctx, s, kFp8, rng, {.tokens = {1, 2, 7, 64}, .variant = v, .split = split});
+      }
+    }
+  }
+  check_block(ctx, {512, 128, 256, 8, 128}, kFp8, rng, {.sigmoid = BlockSigmoid{1, 1, 2.5f, 0.1f}});
+  check_block(ctx, {256, 64, 256, 8, 0}, kFp8, rng, {.sigmoid = BlockSigmoid{8, 4, 2.5f, 0.1f}});
+  check_block(ctx, {256, 64, 256, 8, 64}, kFp8, rng,
+              {.tokens = {1, 2, 7, 64}, .variant = MoeGemmVariant::kDecode, .split = true,
+               .sigmoid = BlockSigmoid{8, 4, 2.5f, 0.1f}});
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1565,6 +1798,52 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
   expect_error([&] { auto a = gemm; a.w.bf16_expert_stride = 100; return moe_gemm(ctx, a); }, "bf16_expert_stride=100");
   expect_error([&] { auto a = gemm; a.w.format = MoeWeightFormat::kNvfp4; return moe_gemm(ctx, a); },
                "packed weight is null");
+  // Block-wise FP8: 16-byte aligned codes at a stride of whole 16-byte rows, 4-byte aligned per-row scales.
+  const MoeExpertWeights w8{.format = MoeWeightFormat::kFp8, .n_experts = 4, .n = 16, .k = 64,
+                            .packed = buf.as<uint8_t>(), .packed_expert_stride = 16 * 64,
+                            .row_scales = buf.as<float>(), .row_scales_expert_stride = 16};
+  const MoeGemmArgs fp8 = [&] {
+    auto a = gemm;
+    a.w = w8;
+    return a;
+  }();
+  ASSERT_TRUE(moe_gemm(ctx, [&] { auto a = fp8; a.rows = 0; return a; }()).has_value());
+  expect_error([&] { auto a = fp8; a.w.row_scales = nullptr; return moe_gemm(ctx, a); },
+               "moe_gemm: fp8 row_scales is null");
+  expect_error([&] { auto a = fp8; a.w.k = 72; return moe_gemm(ctx, a); }, "k=72 must be a positive multiple of 16");
+  expect_error([&] { auto a = fp8; a.w.packed = nullptr; return moe_gemm(ctx, a); }, "fp8 codes (packed) is null");
+  expect_error([&] { auto a = fp8; a.w.packed = buf.as<uint8_t>() + 8; return moe_gemm(ctx, a); },
+               "fp8 codes (packed) is not 16-byte aligned");
+  expect_error(
+      [&] {
+        auto a = fp8;
+        a.w.row_scales = reinterpret_cast<const float*>(buf.as<uint8_t>() + 2);
+        return moe_gemm(ctx, a);
+      },
+      "fp8 row_scales is not 4-byte aligned");
+  expect_error([&] { auto a = fp8; a.w.packed_expert_stride = 16 * 64 + 8; return moe_gemm(ctx, a); },
+               "packed_expert_stride=1032 of the fp8 codes must be a multiple of 16 and at least n*k=1024");
+  expect_error([&] { auto a = fp8; a.w.row_scales_expert_stride = 15; return moe_gemm(ctx, a); },
+               "row_scales_expert_stride=15 must be at least n*ceil(k/128)=16");
+  expect_error(
+      [&] {
+        auto a = fp8;
+        a.w2 = w;
+        a.y2_offset = 16;
+        a.ldy = 32;
+        return moe_gemm(ctx, a);
+      },
+      "w2 (4 experts, k=64, bf16) must have w's 4 experts, k=64 and format (fp8)");
+  expect_error(
+      [&] {
+        auto a = fp8;
+        a.w2 = w8;
+        a.w2.row_scales = nullptr;
+        a.y2_offset = 16;
+        a.ldy = 32;
+        return moe_gemm(ctx, a);
+      },
+      "moe_gemm: w2: fp8 row_scales is null");
   const MoeGemmArgs pair = [&] {
     auto a = gemm;
     a.w2 = w;

@@ -1,0 +1,61 @@
+// Argument checks and dispatch for the FP8 W8A16 GEMM; the kernels are in gemm_fp8_w8a16.cu.
+#include "kernels/cuda/gemm/gemm_fp8_w8a16.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace tern {
+namespace {
+
+bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+Expected<void> fp8_validate(const GemmFp8W8a16Args& a, Fp8GemmVariant variant) {
+  const Fp8WeightView& w = a.w;
+  if (a.m < 0 || w.n <= 0 || w.k <= 0) return make_error("gemm_fp8_w8a16: bad shape m={} n={} k={}", a.m, w.n, w.k);
+  constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max() / 2;
+  if (a.m > kMaxDim || w.n > kMaxDim || w.k > kMaxDim || w.n * w.k > std::numeric_limits<int64_t>::max() / 2) {
+    return make_error("gemm_fp8_w8a16: dimension too large (m={} n={} k={})", a.m, w.n, w.k);
+  }
+  if (w.k % 16 != 0) return make_error("gemm_fp8_w8a16: k={} is not a multiple of 16", w.k);
+  if (a.x == nullptr || a.y == nullptr || w.codes == nullptr || w.row_scales == nullptr) {
+    return make_error("gemm_fp8_w8a16: null pointer (x, y, weight codes or row scales)");
+  }
+  if (!is_aligned(a.x, 16)) return make_error("gemm_fp8_w8a16: x is not 16-byte aligned");
+  if (!is_aligned(w.codes, 16)) return make_error("gemm_fp8_w8a16: weight codes are not 16-byte aligned");
+  if (!is_aligned(w.row_scales, 4)) return make_error("gemm_fp8_w8a16: row scales are not 4-byte aligned");
+  if (!is_aligned(a.y, 4)) return make_error("gemm_fp8_w8a16: y is not 4-byte aligned");
+  if (a.ldy != 0 && a.ldy < w.n) return make_error("gemm_fp8_w8a16: ldy={} is less than n={}", a.ldy, w.n);
+  if (variant == Fp8GemmVariant::kDecode && a.m > kFp8DecodeMaxM) {
+    return make_error("gemm_fp8_w8a16: the decode kernel takes m <= {}, got m={}", kFp8DecodeMaxM, a.m);
+  }
+  return {};
+}
+
+}  // namespace
+
+Expected<void> gemm_fp8_w8a16(const DeviceContext& ctx, const GemmFp8W8a16Args& args, Fp8GemmVariant variant) {
+  TERN_TRY(fp8_validate(args, variant));
+  if (args.m == 0) return {};
+  const bool decode =
+      variant == Fp8GemmVariant::kDecode || (variant == Fp8GemmVariant::kAuto && args.m <= kFp8DecodeMaxM);
+  if (decode) {
+    fp8_w8a16_launch_decode(ctx, args);
+    return {};
+  }
+  if (variant == Fp8GemmVariant::kAuto && args.m <= kFp8SlicedDecodeMaxM) {
+    // As the NVFP4 GEMM: a few dozen rows leave most SMs idle in the prefill kernel's tiles; re-reading the weight
+    // once per 16 rows costs less.
+    for (int64_t m0 = 0; m0 < args.m; m0 += kFp8DecodeMaxM) {
+      GemmFp8W8a16Args slice = args;
+      slice.x = args.x + m0 * args.w.k;
+      slice.y = args.y + m0 * (args.ldy > 0 ? args.ldy : args.w.n);
+      slice.m = std::min(kFp8DecodeMaxM, args.m - m0);
+      fp8_w8a16_launch_decode(ctx, slice);
+    }
+    return {};
+  }
+  fp8_w8a16_launch_prefill(ctx, args);
+  return {};
+}
+
+}  // namespace tern
