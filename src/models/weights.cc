@@ -65,22 +65,31 @@ Expected<float> scalar_of(const TensorView& t) {
   return make_error("tensor '{}' must be F32, BF16 or F16, found {}", t.name, dtype_name(t.dtype));
 }
 
-// Every linear a dummy store holds, with whether it is NVFP4: as the exporter would have written them
-// (QuantConfig::producer_excludes); lm_head is absent when tied to the embedding.
+// Every linear a dummy store holds, with its format: as the exporter would have written them. NVFP4 follows
+// ModelOpt's exclude list (QuantConfig::producer_excludes); block-wise FP8 quantizes every linear but the router,
+// the shared-expert gate and lm_head, as the DeepSeek-V3, GLM-5-FP8 and Qwen3-FP8 releases ship them, less the
+// config's modules_to_not_convert. lm_head is absent when tied to the embedding.
 template <class F>
 void for_each_dummy_linear(const WeightSchema& schema, const std::optional<QuantConfig>& quant, F&& f) {
   const bool nvfp4_config = quant && quant->quant_algo.find("NVFP4") != std::string::npos;
-  auto quantized = [&](const std::string& module) { return nvfp4_config && !quant->producer_excludes(module); };
+  const bool fp8_config = quant && quant->quant_algo == "FP8_BLOCK128";
+  auto format = [&](const std::string& module, LinearRole role) {
+    if (!quant || quant->producer_excludes(module)) return DummyFormat::kBf16;
+    if (nvfp4_config) return DummyFormat::kNvfp4;
+    const bool fp8 = fp8_config && role != LinearRole::kRouter && role != LinearRole::kSharedExpertGate &&
+                     role != LinearRole::kLmHead;
+    return fp8 ? DummyFormat::kFp8 : DummyFormat::kBf16;
+  };
   for (const LinearSpec& l : schema.linears) {
     if (l.role == LinearRole::kLmHead && schema.tied_embeddings) continue;
-    f(l.module, l.out_features, l.in_features, quantized(l.module));
+    f(l.module, l.out_features, l.in_features, format(l.module, l.role));
   }
   for (const ExpertGroupSpec& g : schema.expert_groups) {
     for (int64_t x = 0; x < g.num_experts; ++x) {
       for (auto [name, out, in] : {std::tuple{"gate_proj", g.intermediate, g.hidden},
                                    {"up_proj", g.intermediate, g.hidden}, {"down_proj", g.hidden, g.intermediate}}) {
         const std::string module = fmt::format("{}.{}.{}", g.prefix, x, name);
-        f(module, out, in, quantized(module));
+        f(module, out, in, format(module, LinearRole::kMlp));
       }
     }
   }
@@ -270,8 +279,10 @@ Expected<Linear> WeightStore::sharded_linear(const std::string& module, int64_t 
   } else {
     lw.weight = find(module + ".weight");
     if (lw.weight == nullptr) return make_error("tensor '{}.weight' is missing", module);
-    lw.format = lw.weight->dtype == DType::kU8 ? WeightFormat::kNvfp4 : WeightFormat::kBf16;
-    lw.weight_scale = find(module + ".weight_scale");
+    lw.format = lw.weight->dtype == DType::kU8       ? WeightFormat::kNvfp4
+                : lw.weight->dtype == DType::kF8E4M3 ? WeightFormat::kFp8Block128
+                                                     : WeightFormat::kBf16;
+    lw.weight_scale = find(module + (lw.format == WeightFormat::kFp8Block128 ? ".weight_scale_inv" : ".weight_scale"));
     lw.weight_scale_2 = find(module + ".weight_scale_2");
     lw.input_scale = find(module + ".input_scale");
   }
@@ -381,10 +392,24 @@ void WeightStore::add_dummy(std::string name, DType dtype, std::vector<int64_t> 
   dummies_.emplace(std::move(name), d);
 }
 
-void WeightStore::add_dummy_linear(const std::string& module, int64_t out, int64_t in, bool nvfp4, uint64_t seed) {
+void WeightStore::add_dummy_linear(const std::string& module, int64_t out, int64_t in, DummyFormat format,
+                                   uint64_t seed) {
   const uint64_t stream = hash_name(module, seed);
-  if (!nvfp4) {
+  if (format == DummyFormat::kBf16) {
     add_dummy(module + ".weight", DType::kBF16, {out, in}, {DummyKind::kNormal, stream});
+    return;
+  }
+  if (format == DummyFormat::kFp8) {
+    // e4m3 codes of magnitude 2^e (1 + m / 8) for e in -3 .. 0 and m in 0 .. 7, equally likely (root mean square
+    // sqrt(mean(4^e) mean((1 + m/8)^2)) = sqrt(0.332 * 2.148) = 0.845), and every block's scale chosen so the
+    // weights' spread is about kDummyStd.
+    constexpr float kFp8CodeRms = 0.845f;
+    const int64_t grid = ((out + 127) / 128) * ((in + 127) / 128);
+    std::vector<std::byte> scales(static_cast<size_t>(grid) * 4);
+    const float scale = kDummyStd / kFp8CodeRms;
+    for (int64_t i = 0; i < grid; ++i) std::memcpy(scales.data() + i * 4, &scale, 4);
+    add_dummy(module + ".weight", DType::kF8E4M3, {out, in}, {DummyKind::kFp8Codes, stream});
+    add_owned(module + ".weight_scale_inv", DType::kF32, {(out + 127) / 128, (in + 127) / 128}, std::move(scales));
     return;
   }
   // Random codes drawn directly (quantizing random floats took minutes for a 35B model): every e2m1 code equally
@@ -421,20 +446,24 @@ uint16_t dummy_bf16(DummyKind kind, uint64_t stream, int64_t k) {
 // Bytes [begin, begin + length) of a dummy tensor of `total` bytes into `out`.
 void dummy_fill(DummyKind kind, uint64_t stream, int64_t total, int64_t begin, int64_t length, std::byte* out) {
   const int64_t end = begin + length;
-  if (kind == DummyKind::kCodes || kind == DummyKind::kScales) {
-    // 8-byte words; the bytes past the last whole word are fixed (0x21: codes +0.5, +1; 0x38: scale 1.0).
+  if (kind == DummyKind::kCodes || kind == DummyKind::kScales || kind == DummyKind::kFp8Codes) {
+    // 8-byte words; the bytes past the last whole word are fixed (0x21: NVFP4 codes +0.5, +1, e4m3 0.140625; 0x38:
+    // scale 1.0).
     const int64_t words = total / 8;
     for (int64_t b = begin; b < end;) {
       const int64_t w = b / 8;
       if (w >= words) {
-        out[b++ - begin] = std::byte{kind == DummyKind::kCodes ? uint8_t{0x21} : uint8_t{0x38}};
+        out[b++ - begin] = std::byte{kind == DummyKind::kScales ? uint8_t{0x38} : uint8_t{0x21}};
         continue;
       }
+      const uint64_t random = splitmix64(stream + static_cast<uint64_t>(w) * 0xD1B54A32D192ED03ull);
       const uint64_t bits =
-          kind == DummyKind::kCodes
-              ? splitmix64(stream + static_cast<uint64_t>(w) * 0xD1B54A32D192ED03ull)
-              // 0x30 | a random low nibble: e4m3 0.5 .. 0.9375 or 1 .. 1.875 (mean 1.08).
-              : (splitmix64(~stream + static_cast<uint64_t>(w)) & 0x0F0F0F0F0F0F0F0Full) | 0x3030303030303030ull;
+          kind == DummyKind::kCodes ? random
+          // sign | 0x20 | five random bits: e4m3 exponent field 4..7, magnitudes 0.125 .. 1.875.
+          : kind == DummyKind::kFp8Codes ? (random & 0x9F9F9F9F9F9F9F9Full) | 0x2020202020202020ull
+                                         // 0x30 | a random low nibble: e4m3 0.5 .. 0.9375 or 1 .. 1.875 (mean 1.08).
+                                         : (splitmix64(~stream + static_cast<uint64_t>(w)) & 0x0F0F0F0F0F0F0F0Full) |
+                                               0x3030303030303030ull;
       const int64_t from = b - w * 8, upto = std::min<int64_t>(8, end - w * 8);
       std::memcpy(out + (b - begin), reinterpret_cast<const std::byte*>(&bits) + from,
                   static_cast<size_t>(upto - from));
@@ -507,8 +536,8 @@ std::unique_ptr<WeightStore> WeightStore::make_dummy(const ModelConfig& config, 
     if (p.name.ends_with("conv1d.weight")) kind = DummyKind::kConv;
     store->add_dummy(p.name, DType::kBF16, p.shape, {kind, hash_name(p.name, seed)});
   }
-  for_each_dummy_linear(schema, quant, [&](const std::string& module, int64_t out, int64_t in, bool nvfp4) {
-    store->add_dummy_linear(module, out, in, nvfp4, seed);
+  for_each_dummy_linear(schema, quant, [&](const std::string& module, int64_t out, int64_t in, DummyFormat format) {
+    store->add_dummy_linear(module, out, in, format, seed);
   });
   return store;
 }
@@ -525,7 +554,7 @@ std::unique_ptr<WeightStore> WeightStore::make_shapes_only(const WeightSchema& s
   // One buffer of zeros as large as the largest tensor; calloc maps it lazily, and nothing writes it.
   size_t largest = 16;
   for (const ParamSpec& p : schema.params) largest = std::max(largest, static_cast<size_t>(numel_of(p.shape)) * 2);
-  for_each_dummy_linear(schema, quant, [&](const std::string&, int64_t out, int64_t in, bool) {
+  for_each_dummy_linear(schema, quant, [&](const std::string&, int64_t out, int64_t in, DummyFormat) {
     largest = std::max(largest, static_cast<size_t>(out * in) * 2);
   });
   store->zeros_ = std::shared_ptr<std::byte>(static_cast<std::byte*>(std::calloc(largest, 1)), std::free);
@@ -534,9 +563,16 @@ std::unique_ptr<WeightStore> WeightStore::make_shapes_only(const WeightSchema& s
   for (const ParamSpec& p : schema.params) {
     store->add_zeros(p.name, DType::kBF16, p.shape, static_cast<size_t>(numel_of(p.shape)) * 2);
   }
-  for_each_dummy_linear(schema, quant, [&](const std::string& module, int64_t out, int64_t in, bool nvfp4) {
-    if (!nvfp4) {
+  for_each_dummy_linear(schema, quant, [&](const std::string& module, int64_t out, int64_t in, DummyFormat format) {
+    if (format == DummyFormat::kBf16) {
       store->add_zeros(module + ".weight", DType::kBF16, {out, in}, static_cast<size_t>(out * in) * 2);
+      return;
+    }
+    if (format == DummyFormat::kFp8) {
+      const int64_t grid_r = (out + 127) / 128, grid_c = (in + 127) / 128;
+      store->add_zeros(module + ".weight", DType::kF8E4M3, {out, in}, static_cast<size_t>(out * in));
+      store->add_zeros(module + ".weight_scale_inv", DType::kF32, {grid_r, grid_c},
+                       static_cast<size_t>(grid_r * grid_c) * 4);
       return;
     }
     store->add_zeros(module + ".weight", DType::kU8, {out, in / 2}, static_cast<size_t>(out * in / 2));

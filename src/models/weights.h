@@ -32,8 +32,10 @@
 namespace tern {
 
 // How make_dummy generates a tensor: BF16 elements (N(0, 0.02); 1; 0; Gated DeltaNet's A_log and conv1d
-// initialisations), or NVFP4 codes or block scales.
-enum class DummyKind { kNormal, kOne, kZero, kALog, kConv, kCodes, kScales };
+// initialisations), NVFP4 codes or block scales, or FP8 e4m3 codes.
+enum class DummyKind { kNormal, kOne, kZero, kALog, kConv, kCodes, kScales, kFp8Codes };
+// A dummy linear's weight format.
+enum class DummyFormat { kBf16, kNvfp4, kFp8 };
 
 class WeightStore {
  public:
@@ -105,7 +107,7 @@ class WeightStore {
   Expected<Linear> sharded_linear(const std::string& module, int64_t out, int64_t in, bool quantize_input,
                                   const Shard& shard);
   void add_owned(std::string name, DType dtype, std::vector<int64_t> shape, std::vector<std::byte> bytes);
-  void add_dummy_linear(const std::string& module, int64_t out, int64_t in, bool nvfp4, uint64_t seed);
+  void add_dummy_linear(const std::string& module, int64_t out, int64_t in, DummyFormat format, uint64_t seed);
   // Tensors of make_shapes_only: a view of zeros_ (at least `bytes` long).
   void add_zeros(std::string name, DType dtype, std::vector<int64_t> shape, size_t bytes);
   std::shared_ptr<std::byte> zeros_;

@@ -5,6 +5,9 @@
 // cannot be split are errors naming the tensor.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -365,6 +368,53 @@ TEST(DummyWeights, RanksPutBackTogetherGiveTheWholeDummy) {
   std::vector<CpuMatrix> down;
   for (auto& s : ranks) down.push_back(value(s->experts(g, false), g.prefix).at(3).down_proj.matrix());
   expect_reassembles(g.down_shard, down, full.at(3).down_proj.matrix(), g.prefix + ".3.down_proj");
+}
+
+// A block-wise FP8 config (Qwen3-FP8's quantization_config) makes FP8 dummies of every linear but the router and
+// lm_head, as the releases ship them: finite e4m3 codes (no NaN byte) whose values, code times block scale, have the
+// BF16 dummies' spread (N(0, 0.02)). (The fixture's 128-wide inputs cannot split over two ranks on 128-column blocks.)
+TEST(DummyWeights, Fp8ConfigMakesBlockFp8Linears) {
+  const Checkpoint c = open_fixture("qwen3_moe");
+  const auto quant = value(quant_config_parse_quantization_config(
+                               nlohmann::json::parse(R"({"quant_method": "fp8", "fmt": "e4m3",
+                                   "activation_scheme": "dynamic", "weight_block_size": [128, 128]})"),
+                               "config.json quantization_config"),
+                           "quant config");
+  auto store = WeightStore::make_dummy(c.config, c.schema, quant, 11);
+  int fp8_linears = 0;
+  auto check = [&](const CpuMatrix& m, const std::string& what) {
+    ASSERT_EQ(m.format, CpuWeightFormat::kFp8Block128) << what;
+    double sum = 0.0, sq = 0.0;
+    const auto* codes = static_cast<const uint8_t*>(m.data);
+    const int64_t scale_cols = (m.cols + 127) / 128;
+    for (int64_t r = 0; r < m.rows; ++r) {
+      for (int64_t k = 0; k < m.cols; ++k) {
+        const uint8_t code = codes[r * m.cols + k];
+        ASSERT_NE(code & 0x7F, 0x7F) << what << ": a NaN code at " << r << ", " << k;
+        const double v = e4m3_to_float(code) * m.row_block_scales[r * scale_cols + k / 128];
+        sum += v;
+        sq += v * v;
+      }
+    }
+    const double n = static_cast<double>(m.rows * m.cols), mean = sum / n;
+    const double sd = std::sqrt(sq / n - mean * mean);
+    EXPECT_NEAR(sd, 0.02, 0.004) << what;
+    EXPECT_NEAR(mean, 0.0, 0.004) << what;
+    ++fp8_linears;
+  };
+  for (const LinearSpec& l : c.schema.linears) {
+    const Linear lin = value(store->linear(l.module, l.out_features, l.in_features, false), l.module);
+    if (l.role == LinearRole::kRouter || l.role == LinearRole::kLmHead) {
+      EXPECT_EQ(lin.matrix().format, CpuWeightFormat::kBf16) << l.module;
+    } else {
+      check(lin.matrix(), l.module);
+    }
+  }
+  const ExpertGroupSpec& g = c.schema.expert_groups.at(0);
+  const std::vector<MlpWeights> experts = value(store->experts(g, false), g.prefix);
+  check(experts.at(1).gate_proj.matrix(), g.prefix + ".1.gate_proj");
+  check(experts.at(1).down_proj.matrix(), g.prefix + ".1.down_proj");
+  EXPECT_GT(fp8_linears, 4);
 }
 
 // Spot checks: one slice element against the raw bytes, the index written out by hand.
