@@ -79,6 +79,7 @@ DeviceContext::DeviceContext(int device) : props_(device_query_props(device)) {
   TERN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   TERN_CUBLAS_CHECK(cublasLtCreate(&cublaslt_));
   workspace_ = DeviceBuffer(kCublasWorkspaceBytes);
+  weight_workspace_ = DeviceBuffer(kWeightWorkspaceBytes);
 }
 
 const DeviceBuffer& DeviceContext::l2_flush_buffer() const {

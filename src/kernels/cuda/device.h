@@ -86,6 +86,7 @@ class DeviceBuffer {
 class DeviceContext {
  public:
   static constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;  // cuBLASLt's recommendation for Hopper
+  static constexpr size_t kWeightWorkspaceBytes = size_t{32} << 20;
 
   explicit DeviceContext(int device = 0);
   ~DeviceContext();
@@ -98,6 +99,11 @@ class DeviceContext {
   void* cublas_workspace() const { return workspace_.data(); }
   size_t cublas_workspace_bytes() const { return workspace_.size_bytes(); }
   void synchronize() const { TERN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  // bf16 scratch of the weight-only GEMMs' large-m path: a chunk of a quantized weight dequantized there, then
+  // multiplied by cuBLASLt (gemm_fp8_w8a16, gemm_nvfp4_w4a16). Allocated with the context, so graphs may use it;
+  // work on the context's stream only.
+  uint16_t* weight_workspace() const { return weight_workspace_.as<uint16_t>(); }
+  size_t weight_workspace_bytes() const { return weight_workspace_.size_bytes(); }
 
   // Programmatic dependent launch (launch.cuh): while on, tern's kernels are launched so that each may start while
   // the previous kernel of the stream finishes, and waits in ptx::grid_dependency_wait() before touching memory.
@@ -118,6 +124,7 @@ class DeviceContext {
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t cublaslt_ = nullptr;
   DeviceBuffer workspace_;
+  DeviceBuffer weight_workspace_;
   mutable DeviceBuffer l2_flush_;
   bool programmatic_launch_ = false;
 };

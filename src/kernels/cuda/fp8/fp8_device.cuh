@@ -161,16 +161,22 @@ __device__ __forceinline__ Fp8PrefillWRegs fp8_prefill_load_w(const uint8_t* cod
   return r;
 }
 
-// The thread's 16 values e4m3 * scale, each rounded to bf16 once, into the bf16 W tile ws [128][kPrefillLd].
-__device__ __forceinline__ void fp8_prefill_store_w(const Fp8PrefillWRegs& r, uint16_t* ws) {
+// 16 consecutive codes' values e4m3 * scale, each computed in fp32 and rounded to bf16 once, as bf16 pairs:
+// transformers' dequantized weight, and what every FP8 path that computes with a bf16 weight uses.
+__device__ __forceinline__ void fp8_dequant16(const uint4& codes, float scale, uint32_t (&out)[8]) {
   uint32_t v[8];
-  e4m3x16_to_bf16(r.codes, v);
-  uint32_t out[8];
+  e4m3x16_to_bf16(codes, v);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const float lo = __uint_as_float(v[i] << 16) * r.scale, hi = __uint_as_float(v[i] & 0xFFFF0000u) * r.scale;
+    const float lo = __uint_as_float(v[i] << 16) * scale, hi = __uint_as_float(v[i] & 0xFFFF0000u) * scale;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out[i]) : "f"(hi), "f"(lo));
   }
+}
+
+// The thread's 16 values (fp8_dequant16) into the bf16 W tile ws [128][kPrefillLd].
+__device__ __forceinline__ void fp8_prefill_store_w(const Fp8PrefillWRegs& r, uint16_t* ws) {
+  uint32_t out[8];
+  fp8_dequant16(r.codes, r.scale, out);
   uint4* dst = reinterpret_cast<uint4*>(ws + (threadIdx.x / 2) * kPrefillLd + (threadIdx.x % 2) * 16);
   dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
   dst[1] = make_uint4(out[4], out[5], out[6], out[7]);

@@ -1,7 +1,7 @@
 // GEMM timings on one GPU: NVFP4 W4A16 (decode and prefill) against cuBLASLt BF16 of the same shape, the BF16
 // GEMV of decode against cuBLASLt, and the device-to-device copy bandwidth of the same run as the memory ceiling.
 // Plain main (not run by ctest):
-//   gemm_bench [--quick | --decode | --fp8 | --gemv | --gemv-sweep]
+//   gemm_bench [--quick | --decode | --fp8 | --dequant | --gemv | --gemv-sweep]
 // --decode: only M = 1 and 8 on the dense decode shapes N in {2048, 4096, 6144} x K in {2048, 4096} and Qwen3-8B's
 // (1024, 12288 and 24576 x 4096, 4096 x 12288). GB/s counts
 // the bytes that must move (packed weight + block scales + x + y). --gemv: only the GEMV table (gemv_bf16 against
@@ -9,6 +9,8 @@
 // the full run prints after the GEMM table. --gemv-sweep: that table with, under each line, the GEMV's time at
 // every group size (gemv_bf16_group_threads' choice marked), for tuning that choice. --fp8: block-wise FP8 W8A16
 // (gemm_fp8_w8a16) on the --decode shapes at M = 1, 8, 16, 64 and 2048, GB/s of codes + row scales + x + y.
+// --dequant: for M = 16 .. 8192, NVFP4 and FP8 each through the prefill kernel, through the decode kernel per 16-row
+// slice (M <= 64) and dequantized to bf16 then cuBLASLt (kDequant), against cuBLASLt BF16 on a bf16 weight.
 // Each timing is a CUDA graph of back-to-back launches that rotate over enough copies of the operands to exceed
 // the L2 several times, replayed after a warm-up; the median replay over the launch count is reported.
 #include <cuda_runtime.h>
@@ -216,6 +218,57 @@ void bench_fp8_shape(const DeviceContext& ctx, int64_t n, int64_t k, const std::
   }
 }
 
+// One weight shape through every large-m path of both formats (--dequant).
+void bench_dequant_shape(const DeviceContext& ctx, int64_t n, int64_t k, double copy_gbs, std::mt19937& rng) {
+  (void)copy_gbs;
+  const std::vector<int64_t> ms = {16, 32, 64, 128, 256, 512, 2048, 8192};
+  const int64_t max_m = ms.back();
+  const HostWeights hw = make_host_weights(n, k, rng);
+  std::vector<uint8_t> codes(static_cast<size_t>(n * k));
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(0x20 | (hw.packed[i / 2] & 0x9F));
+  const std::vector<float> scales(static_cast<size_t>(n * ((k + 127) / 128)), 0.01f);
+  DeviceBuffer dp(hw.packed.size()), ds(hw.scales.size()), dc(codes.size()), drs(scales.size() * 4);
+  DeviceBuffer dw(hw.wbf.size() * 2), dx(static_cast<size_t>(max_m * k) * 2), dy(static_cast<size_t>(max_m * n) * 2);
+  fill_device(dp.data(), hw.packed, 1, 0);
+  fill_device(ds.data(), hw.scales, 1, 0);
+  fill_device(dc.data(), codes, 1, 0);
+  fill_device(drs.data(), scales, 1, 0);
+  fill_device(dw.data(), hw.wbf, 1, 0);
+  fill_device(dx.data(), tiled_bf16(static_cast<size_t>(max_m * k), rng), 1, 0);
+  const auto* x = dx.as<uint16_t>();
+  auto* y = dy.as<uint16_t>();
+  for (int64_t m : ms) {
+    const GemmNvfp4W4a16Args fa{.x = x,
+                                .w = Nvfp4WeightView{.packed = dp.as<uint8_t>(), .scales = ds.as<uint8_t>(),
+                                                     .global_scale = 1.0f / 2688.0f, .n = n, .k = k},
+                                .y = y,
+                                .m = m};
+    const GemmFp8W8a16Args ea{
+        .x = x, .w = Fp8WeightView{.codes = dc.as<uint8_t>(), .row_scales = drs.as<float>(), .n = n, .k = k}, .y = y,
+        .m = m};
+    auto fp4 = [&](Nvfp4GemmVariant v) {
+      return time_ms(ctx, 1, [&](int) {
+        if (!gemm_nvfp4_w4a16(ctx, fa, v)) std::abort();
+      });
+    };
+    auto fp8 = [&](Fp8GemmVariant v) {
+      return time_ms(ctx, 1, [&](int) {
+        if (!gemm_fp8_w8a16(ctx, ea, v)) std::abort();
+      });
+    };
+    const double bf = time_ms(ctx, 1, [&](int) {
+      if (!gemm_bf16(ctx, GemmBf16Args{.x = x, .w = dw.as<uint16_t>(), .y = y, .m = m, .n = n, .k = k})) std::abort();
+    });
+    const bool sliced = m <= kNvfp4SlicedDecodeMaxM;
+    std::printf("%6lld %6lld %6lld | %9.2f %9.2f %9.2f | %9.2f %9.2f %9.2f | %9.2f\n", static_cast<long long>(m),
+                static_cast<long long>(n), static_cast<long long>(k), fp4(Nvfp4GemmVariant::kPrefill) * 1e3,
+                sliced ? fp4(Nvfp4GemmVariant::kAuto) * 1e3 : 0.0, fp4(Nvfp4GemmVariant::kDequant) * 1e3,
+                fp8(Fp8GemmVariant::kPrefill) * 1e3, sliced ? fp8(Fp8GemmVariant::kAuto) * 1e3 : 0.0,
+                fp8(Fp8GemmVariant::kDequant) * 1e3, bf * 1e3);
+    std::fflush(stdout);
+  }
+}
+
 // The GEMV's time at each group size, through the unchecked launcher (the arguments are gemv_bf16's, validated).
 void bench_gemv_group_sizes(const DeviceContext& ctx, int slots, const std::function<GemmBf16Args(int)>& args) {
   const GemmBf16Args a0 = args(0);
@@ -293,7 +346,7 @@ const std::vector<std::pair<int64_t, int64_t>> kDecodeShapes = {{2048, 2048}, {2
                                                                   {1024, 4096}, {12288, 4096}, {4096, 12288},
                                                                   {24576, 4096}};
 
-int bench_main(bool quick, bool decode_only, bool fp8, bool gemv_only, bool gemv_sweep) {
+int bench_main(bool quick, bool decode_only, bool fp8, bool dequant, bool gemv_only, bool gemv_sweep) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB, smem/block opt-in %zu KiB, smem/SM %zu KiB, "
@@ -308,6 +361,17 @@ int bench_main(bool quick, bool decode_only, bool fp8, bool gemv_only, bool gemv
               copy.kernel_gbs, copy.memcpy_gbs);
   if (gemv_only || gemv_sweep) {
     bench_gemv(ctx, copy_gbs, gemv_sweep);
+    return 0;
+  }
+  if (dequant) {
+    std::printf("us per call; 0: not run (sliced decode is for M <= 64 only); the L2 is warm (one weight copy)\n");
+    std::printf("%6s %6s %6s | %9s %9s %9s | %9s %9s %9s | %9s\n", "M", "N", "K", "fp4 pref", "fp4 slic",
+                "fp4 deq", "fp8 pref", "fp8 slic", "fp8 deq", "bf16");
+    std::mt19937 rng(9090);
+    for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{
+             {4096, 4096}, {6144, 4096}, {12288, 4096}, {4096, 12288}, {1024, 4096}, {24576, 4096}}) {
+      bench_dequant_shape(ctx, n, k, copy_gbs, rng);
+    }
     return 0;
   }
   if (fp8) {
@@ -341,7 +405,8 @@ int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool decode_only = argc > 1 && std::strcmp(argv[1], "--decode") == 0;
   const bool fp8 = argc > 1 && std::strcmp(argv[1], "--fp8") == 0;
+  const bool dequant = argc > 1 && std::strcmp(argv[1], "--dequant") == 0;
   const bool gemv_only = argc > 1 && std::strcmp(argv[1], "--gemv") == 0;
   const bool gemv_sweep = argc > 1 && std::strcmp(argv[1], "--gemv-sweep") == 0;
-  return tern::bench_main(quick, decode_only, fp8, gemv_only, gemv_sweep);
+  return tern::bench_main(quick, decode_only, fp8, dequant, gemv_only, gemv_sweep);
 }

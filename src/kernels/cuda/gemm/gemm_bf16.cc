@@ -1,6 +1,7 @@
 #include "kernels/cuda/gemm/gemm_bf16.h"
 
 #include <array>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <memory>
@@ -29,6 +30,7 @@ Expected<void> gemm_bf16_validate(const GemmBf16Args& a) {
   if (a.ldx != 0 && (a.ldx < a.k || a.ldx % 8 != 0)) {
     return make_error("gemm_bf16: ldx={} must be a multiple of 8 (16-byte rows) and at least k={}", a.ldx, a.k);
   }
+  if (!std::isfinite(a.alpha)) return make_error("gemm_bf16: alpha={} is not finite", a.alpha);
   if (a.batch < 1 || a.batch > kMaxDim) return make_error("gemm_bf16: batch={} must be positive", a.batch);
   if (a.batch > 1) {
     for (const auto& [name, stride] : {std::pair{"x_batch_stride", a.x_batch_stride},
@@ -128,7 +130,7 @@ Expected<void> gemm_bf16(const DeviceContext& ctx, const GemmBf16Args& args) {
     it = plans.emplace(key, std::move(plan)).first;
   }
   const Bf16Plan& p = *it->second;
-  const float alpha = 1.0f, beta = 0.0f;
+  const float alpha = args.alpha, beta = 0.0f;
   void* y = args.y_f32 != nullptr ? static_cast<void*>(args.y_f32) : static_cast<void*>(args.y);
   TERN_CUBLAS_CHECK(cublasLtMatmul(ctx.cublaslt(), p.desc.op, &alpha, args.w, p.desc.a, args.x, p.desc.b, &beta,
                                    y, p.desc.d, y, p.desc.d, &p.algo, ctx.cublas_workspace(),

@@ -28,6 +28,9 @@ struct GemmBf16Args {
   // Instead of y: an fp32 output [m, ldy] (4-byte aligned), the fp32 accumulators unrounded (a router that the
   // reference model computes in fp32).
   float* y_f32 = nullptr;
+  // y = alpha · x · W^T, alpha applied to the fp32 sums before the output's rounding (an NVFP4 weight's
+  // weight_scale_2 when its dequantized codes are the W here). Finite.
+  float alpha = 1.0f;
 };
 
 // Queues the product on ctx.stream(). Errors name the bad argument: non-positive sizes, null or unaligned pointers

@@ -17,7 +17,9 @@ namespace tern {
 namespace {
 
 // `pad` > 0 writes into columns [pad, pad + n) of a [m, n + 2 pad] output (ldy), checking the rest stays untouched.
-void run_and_check(const DeviceContext& ctx, int64_t m, int64_t n, int64_t k, std::mt19937& rng, int64_t pad = 0) {
+// alpha != 1 scales the product (the reference scaled in fp64 before the comparison's rounding).
+void run_and_check(const DeviceContext& ctx, int64_t m, int64_t n, int64_t k, std::mt19937& rng, int64_t pad = 0,
+                   float alpha = 1.0f) {
   const auto x = gemm_test::random_bf16(static_cast<size_t>(m * k), rng);
   const auto w = gemm_test::random_bf16(static_cast<size_t>(n * k), rng);
   const int64_t ldy = n + 2 * pad;
@@ -27,13 +29,16 @@ void run_and_check(const DeviceContext& ctx, int64_t m, int64_t n, int64_t k, st
   dy.fill(0xFF);
   const auto status = gemm_bf16(ctx, GemmBf16Args{.x = dx.as<uint16_t>(), .w = dw.as<uint16_t>(),
                                                   .y = dy.as<uint16_t>() + pad, .m = m, .n = n, .k = k,
-                                                  .ldy = pad > 0 ? ldy : 0});
+                                                  .ldy = pad > 0 ? ldy : 0, .alpha = alpha});
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
   std::vector<uint16_t> y(static_cast<size_t>(m * ldy));
   TERN_CUDA_CHECK(cudaMemcpy(y.data(), dy.data(), y.size() * 2, cudaMemcpyDeviceToHost));
-  const auto ref = gemm_test::reference_gemm(gemm_test::bf16_to_floats(x), gemm_test::bf16_to_floats(w), m, n, k);
-  const std::string what = "bf16 m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+  auto ref = gemm_test::reference_gemm(gemm_test::bf16_to_floats(x), gemm_test::bf16_to_floats(w), m, n, k);
+  for (auto& v : ref.y) v *= alpha;
+  for (auto& v : ref.abs) v *= std::fabs(alpha);
+  const std::string what = std::string("bf16") + (alpha != 1.0f ? " alpha=" + std::to_string(alpha) : "") +
+                           " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
                            (pad > 0 ? " ldy=" + std::to_string(ldy) : "");
   gemm_test::check_gemm(gemm_test::strided_columns(y, m, n, ldy, pad, what), ref, m, n, what);
 }
@@ -53,6 +58,8 @@ TEST(GemmBf16, MatchesReference) {
   for (int64_t pad : {3, 8}) {
     for (int64_t m : {1, 17, 300}) run_and_check(ctx, m, 512, 1024, rng, pad);
   }
+  // A scaled product (an NVFP4 part's weight_scale_2 as alpha), into a column slice.
+  for (int64_t m : {1, 40, 300}) run_and_check(ctx, m, 512, 1024, rng, 3, 0.0123f);
 }
 
 // Per-head products inside wider rows, as MLA's absorbed query uses them: x [m, heads, head_width] (each head's
@@ -189,6 +196,9 @@ TEST(GemmBf16, RejectsBadArguments) {
   a.w_batch_stride = 12;
   a.y_batch_stride = 64;
   expect_error(a, "w_batch_stride=12 must be a positive multiple of 8");
+  a = good;
+  a.alpha = std::nanf("");
+  expect_error(a, "alpha=nan is not finite");
 }
 
 }  // namespace

@@ -4,10 +4,15 @@
 #include <algorithm>
 #include <limits>
 
+#include "kernels/cuda/gemm/dequant_gemm.h"
+#include "kernels/cuda/gemm/weight_dequant_launch.h"
+
 namespace tern {
 namespace {
 
 bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+int64_t fp8_scale_blocks(int64_t k) { return (k + 127) / 128; }  // row scales per row
 
 Expected<void> fp8_validate(const GemmFp8W8a16Args& a, Fp8GemmVariant variant) {
   const Fp8WeightView& w = a.w;
@@ -54,8 +59,18 @@ Expected<void> gemm_fp8_w8a16(const DeviceContext& ctx, const GemmFp8W8a16Args& 
     }
     return {};
   }
-  fp8_w8a16_launch_prefill(ctx, args);
-  return {};
+  if (variant == Fp8GemmVariant::kPrefill) {
+    fp8_w8a16_launch_prefill(ctx, args);
+    return {};
+  }
+  // Past a few dozen rows cuBLASLt on the dequantized weight beats the prefill kernel several times over
+  // (docs/perf/gemm.md §dequant-gemm).
+  const Fp8WeightView& w = args.w;
+  return dequant_gemm(ctx, args.x, args.m, w.n, w.k, args.y, args.ldy > 0 ? args.ldy : w.n, {{0, 1.0f}},
+                      [&](int64_t row0, int64_t rows, uint16_t* out) {
+                        fp8_dequant_rows_launch(ctx, w.codes + row0 * w.k,
+                                                w.row_scales + row0 * fp8_scale_blocks(w.k), rows, w.k, out);
+                      });
 }
 
 }  // namespace tern

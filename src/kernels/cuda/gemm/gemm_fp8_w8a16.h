@@ -5,6 +5,8 @@
 // Two kernels (fp8_device.cuh): decode (M <= 16) streams the codes once with 16-byte loads, converts them exactly
 // to bf16 mma fragments and scales each 64-k step's sums in fp32; prefill dequantizes W tiles (e4m3 * scale rounded
 // to bf16) into shared memory and runs mma.sync on them (the NVFP4 prefill kernel's pipeline, dequant_prefill.cuh).
+// Past 64 rows kAuto dequantizes the weight (the same bf16 values) into the context's workspace and runs cuBLASLt on
+// it (dequant_gemm.h); the prefill kernel remains a forced variant.
 #pragma once
 
 #include <cstdint>

@@ -27,9 +27,10 @@ struct GemmFp8W8a16Args {
 };
 
 enum class Fp8GemmVariant {
-  kAuto,     // decode for m <= kFp8DecodeMaxM, decode per 16-row slice up to kFp8SlicedDecodeMaxM, then prefill
-  kDecode,   // m <= kFp8DecodeMaxM only
-  kPrefill,  // any m
+  kAuto,       // decode for m <= kFp8DecodeMaxM, decode per 16-row slice up to kFp8SlicedDecodeMaxM, then kDequant
+  kDecode,     // m <= kFp8DecodeMaxM only
+  kPrefill,    // the prefill kernel, any m
+  kDequant,    // the weight dequantized to bf16 a chunk at a time, then cuBLASLt (dequant_gemm.h), any m
 };
 
 inline constexpr int64_t kFp8DecodeMaxM = 16;

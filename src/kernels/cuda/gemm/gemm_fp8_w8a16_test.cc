@@ -76,13 +76,16 @@ const char* variant_name(Fp8GemmVariant v) {
   switch (v) {
     case Fp8GemmVariant::kAuto: return "auto";
     case Fp8GemmVariant::kDecode: return "decode";
+    case Fp8GemmVariant::kDequant: return "dequant";
     default: return "prefill";
   }
 }
 
-// Which reference weight a call's rows see: the prefill kernel's (bf16-rounded) when it runs, else the exact one.
+// Which reference weight a call's rows see: the bf16-rounded one when the prefill kernel or the dequantized path
+// runs, else the exact one.
 bool runs_prefill(Fp8GemmVariant v, int64_t m) {
-  return v == Fp8GemmVariant::kPrefill || (v == Fp8GemmVariant::kAuto && m > kFp8SlicedDecodeMaxM);
+  return v == Fp8GemmVariant::kPrefill || v == Fp8GemmVariant::kDequant ||
+         (v == Fp8GemmVariant::kAuto && m > kFp8SlicedDecodeMaxM);
 }
 
 // y = x · W^T for fresh random x of m rows, every element checked. `pad` > 0 writes into columns [pad, pad + n) of
@@ -132,6 +135,7 @@ TEST(GemmFp8W8a16, EdgeShapesBothKernels) {
     for (int64_t m : {1, 3, 7, 9, 16, 17, 100, 257}) {
       if (m <= kFp8DecodeMaxM) run_and_check(ctx, w, m, Fp8GemmVariant::kDecode, rng);
       run_and_check(ctx, w, m, Fp8GemmVariant::kPrefill, rng);
+      run_and_check(ctx, w, m, Fp8GemmVariant::kDequant, rng);
     }
     run_and_check(ctx, w, 37, Fp8GemmVariant::kAuto, rng);  // decode over 16-row slices, the last one partial
   }
@@ -145,6 +149,7 @@ TEST(GemmFp8W8a16, StridedOutput) {
     const TestWeight w = make_weight(n, 1024, rng);
     for (int64_t m : {1, 9}) run_and_check(ctx, w, m, Fp8GemmVariant::kDecode, rng, 2);
     for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Fp8GemmVariant::kPrefill, rng, 2);
+    for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Fp8GemmVariant::kDequant, rng, 2);
     run_and_check(ctx, w, 40, Fp8GemmVariant::kAuto, rng, 2);
   }
 }
@@ -158,6 +163,7 @@ TEST(GemmFp8W8a16, SmallShapes) {
     for (int64_t m : {1, 7, 16, 17, 100}) {
       if (m <= kFp8DecodeMaxM) run_and_check(ctx, w, m, Fp8GemmVariant::kDecode, rng);
       run_and_check(ctx, w, m, Fp8GemmVariant::kPrefill, rng);
+      run_and_check(ctx, w, m, Fp8GemmVariant::kDequant, rng);
     }
   }
 }

@@ -4,6 +4,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
+
+#include "kernels/cuda/gemm/dequant_gemm.h"
+#include "kernels/cuda/gemm/weight_dequant_launch.h"
 
 namespace tern {
 namespace {
@@ -70,8 +74,22 @@ Expected<void> gemm_nvfp4_w4a16(const DeviceContext& ctx, const GemmNvfp4W4a16Ar
     }
     return {};
   }
-  nvfp4_w4a16_launch_prefill(ctx, args);
-  return {};
+  if (variant == Nvfp4GemmVariant::kPrefill) {
+    nvfp4_w4a16_launch_prefill(ctx, args);
+    return {};
+  }
+  // Past a few dozen rows cuBLASLt on the dequantized weight beats the prefill kernel several times over
+  // (docs/perf/gemm.md §dequant-gemm); each part's weight_scale_2 is its GEMM's alpha.
+  const Nvfp4WeightView& w = args.w;
+  std::vector<DequantGemmPart> parts{{0, w.global_scale}};
+  for (int i = 0; i < kNvfp4MaxExtraParts && w.part_begin[i] != 0; ++i) {
+    parts.push_back({w.part_begin[i], w.part_scale[i]});
+  }
+  return dequant_gemm(ctx, args.x, args.m, w.n, w.k, args.y, args.ldy > 0 ? args.ldy : w.n, parts,
+                      [&](int64_t row0, int64_t rows, uint16_t* out) {
+                        nvfp4_dequant_rows_launch(ctx, w.packed + row0 * (w.k / 2), w.scales + row0 * (w.k / 16),
+                                                  rows, w.k, out);
+                      });
 }
 
 }  // namespace tern

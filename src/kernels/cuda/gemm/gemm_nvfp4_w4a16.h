@@ -4,7 +4,9 @@
 // accumulate in fp32; weight_scale_2 is applied to the fp32 sum; y is rounded to bf16 once.
 //
 // Two kernels: decode (M <= 16) streams the packed weight once with 16-byte loads and dequantizes into tensor-core
-// fragments in registers; prefill dequantizes W tiles to bf16 in shared memory and runs mma.sync on them.
+// fragments in registers; prefill dequantizes W tiles to bf16 in shared memory and runs mma.sync on them. Past 64
+// rows kAuto dequantizes the weight (the same bf16 values) into the context's workspace and runs cuBLASLt on it,
+// weight_scale_2 as its alpha (dequant_gemm.h); the prefill kernel remains a forced variant.
 #pragma once
 
 #include <cstdint>

@@ -33,9 +33,10 @@ struct GemmNvfp4W4a16Args {
 };
 
 enum class Nvfp4GemmVariant {
-  kAuto,     // decode for m <= kNvfp4DecodeMaxM, decode per 16-row slice up to kNvfp4SlicedDecodeMaxM, then prefill
+  kAuto,     // decode for m <= kNvfp4DecodeMaxM, decode per 16-row slice up to kNvfp4SlicedDecodeMaxM, then kDequant
   kDecode,   // m <= kNvfp4DecodeMaxM only
-  kPrefill,  // any m
+  kPrefill,  // the prefill kernel, any m
+  kDequant,  // the weight dequantized to bf16 a chunk at a time, then cuBLASLt (dequant_gemm.h), any m
 };
 
 inline constexpr int64_t kNvfp4DecodeMaxM = 16;

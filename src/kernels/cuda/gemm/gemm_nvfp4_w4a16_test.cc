@@ -82,6 +82,7 @@ const char* variant_name(Nvfp4GemmVariant v) {
   switch (v) {
     case Nvfp4GemmVariant::kAuto: return "auto";
     case Nvfp4GemmVariant::kDecode: return "decode";
+    case Nvfp4GemmVariant::kDequant: return "dequant";
     default: return "prefill";
   }
 }
@@ -124,13 +125,15 @@ TEST(GemmNvfp4W4a16, EdgeShapesBothKernels) {
     for (int64_t m : kOddM) {
       if (m <= kNvfp4DecodeMaxM) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng);
       run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng);
+      run_and_check(ctx, w, m, Nvfp4GemmVariant::kDequant, rng);
     }
     run_and_check(ctx, w, 37, Nvfp4GemmVariant::kAuto, rng);  // decode over 16-row slices, last one partial
   }
 }
 
 // Linears stacked as one weight, each part with its own weight_scale_2 (a fused q|k|v, gate|up, or GDN's four input
-// projections): every column is scaled by its part's, in both kernels, at part sizes that split tiles and warps.
+// projections): every column is scaled by its part's, in both kernels and the dequantized path (one cuBLASLt GEMM
+// per part, its scale the GEMM's alpha), at part sizes that split tiles and warps.
 TEST(GemmNvfp4W4a16, StackedPartsKeepTheirGlobalScales) {
   DeviceContext ctx;
   std::mt19937 rng(1009);
@@ -141,6 +144,7 @@ TEST(GemmNvfp4W4a16, StackedPartsKeepTheirGlobalScales) {
     for (const float s : w.part_scale) ASSERT_NE(s, w.q.global_scale) << "parts must differ in scale to test them";
     for (int64_t m : {1, 9, 16}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng);
     for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng);
+    for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDequant, rng, 2);
     run_and_check(ctx, w, 40, Nvfp4GemmVariant::kAuto, rng, 2);
   }
 }
@@ -153,6 +157,7 @@ TEST(GemmNvfp4W4a16, StridedOutput) {
     const TestWeight w = make_weight(n, 1024, rng);
     for (int64_t m : {1, 9}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng, 2);
     for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng, 2);
+    for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDequant, rng, 2);
     run_and_check(ctx, w, 40, Nvfp4GemmVariant::kAuto, rng, 2);
   }
 }
@@ -166,6 +171,7 @@ TEST(GemmNvfp4W4a16, SmallShapes) {
     for (int64_t m : {1, 7, 16, 17, 100}) {
       if (m <= kNvfp4DecodeMaxM) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng);
       run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng);
+      run_and_check(ctx, w, m, Nvfp4GemmVariant::kDequant, rng);
     }
   }
 }
