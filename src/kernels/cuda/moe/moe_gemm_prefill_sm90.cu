@@ -3,8 +3,9 @@
 //
 // A block of two warpgroups computes a kBm x kBn tile of one expert's rows (kBn weight rows, 256 as launched) over K
 // in 64-k steps. Every stage of a kStages-deep ring holds the step's x tile (kBm gathered rows, by cp.async) and W
-// tile (bf16 by cp.async; NVFP4 loaded into registers one step early and dequantized into the tile as exact bf16
-// factors), both in the 128-byte-swizzled K-major layout wgmma reads from shared memory (wgmma.cuh). Per step each
+// tile (bf16 by cp.async; NVFP4 and FP8 loaded into registers one step early and dequantized into the tile, NVFP4
+// as exact bf16 factors, FP8 as e4m3 * row scale rounded once to bf16), both in the 128-byte-swizzled K-major layout
+// wgmma reads from shared memory (wgmma.cuh). Per step each
 // warpgroup issues its four k16 wgmmas asynchronously, then refills the stage kWgLag steps behind while they run,
 // and waits for the previous step's group before the next barrier, so loads, dequantization and tensor-core work
 // overlap. Warpgroup tiles: kBm = 128: warpgroup w takes rows 64 w .. 64 w + 63 and all kBn columns (m64n256);
@@ -15,11 +16,14 @@
 // Why a stage is refilled two steps behind: after the barrier of step s every warpgroup has waited for its step
 // s - 2 group (wait_group<1> at the end of step s - 1), so the stage of step s - 2 is free while step s - 1 may still
 // be in the tensor cores. Requires k % 64 == 0 (the launcher falls back to the mma.sync kernel otherwise).
+#include <type_traits>
+
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/wgmma.cuh"
 
+#include "kernels/cuda/fp8/fp8_device.cuh"
 #include "kernels/cuda/moe/moe_gemm_device.cuh"
 #include "kernels/cuda/moe/moe_launch.h"
 #include "kernels/cuda/nvfp4/nvfp4_device.cuh"
@@ -121,9 +125,64 @@ __device__ __forceinline__ void wg_store_w_fp4(const WgFp4Regs<kBn>& r, unsigned
   }
 }
 
+// Thread t's share of an FP8 step: for each i < kBn / 128, 32 codes (two 16-byte loads) of W row 128 i + t / 2, k
+// half t % 2, and the row's scale for the step (a 64-k step lies inside one 128-column block).
+template <int kBn>
+struct WgFp8Regs {
+  uint4 codes[kBn / 128][2];
+  float scale[kBn / 128];
+};
+
+template <int kBn>
+__device__ __forceinline__ WgFp8Regs<kBn> wg_load_w_fp8(const uint8_t* codes, const float* row_scales, int n, int k,
+                                                        int n0, int kstep) {
+  WgFp8Regs<kBn> r;
+  const int kb = kstep * kWgBk + (threadIdx.x % 2) * 32;
+  const int64_t scale_cols = fp8_device::fp8_scale_cols(k);
+#pragma unroll
+  for (int i = 0; i < kBn / 128; ++i) {
+    const int row = n0 + 128 * i + threadIdx.x / 2;
+    r.codes[i][0] = r.codes[i][1] = make_uint4(0, 0, 0, 0);
+    r.scale[i] = 0.0f;
+    if (row < n) {
+      const uint4* src = reinterpret_cast<const uint4*>(codes + static_cast<int64_t>(row) * k + kb);
+      r.codes[i][0] = __ldcs(src);
+      r.codes[i][1] = __ldcs(src + 1);
+      r.scale[i] = __ldg(row_scales + row * scale_cols + kb / fp8_device::kFp8ScaleBlock);
+    }
+  }
+  return r;
+}
+
+// The 32 values (fp8_dequant16) into chunks 4 (t % 2) .. + 3 of row t / 2.
+template <int kBn>
+__device__ __forceinline__ void wg_store_w_fp8(const WgFp8Regs<kBn>& r, unsigned char* ws) {
+  const int half = threadIdx.x % 2;
+#pragma unroll
+  for (int u = 0; u < kBn / 128; ++u) {
+    const int row = 128 * u + threadIdx.x / 2;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      uint32_t v[8];
+      fp8_device::fp8_dequant16(r.codes[u][j], r.scale[u], v);
+      *reinterpret_cast<uint4*>(ws + wgmma::sw128_offset(row, half * 4 + 2 * j)) = make_uint4(v[0], v[1], v[2], v[3]);
+      *reinterpret_cast<uint4*>(ws + wgmma::sw128_offset(row, half * 4 + 2 * j + 1)) =
+          make_uint4(v[4], v[5], v[6], v[7]);
+    }
+  }
+}
+
+// The W registers a format carries one step ahead (bf16 has none: cp.async).
+template <MoeWeightFormat kFormat, int kBn>
+struct WgWRegs {
+  struct None {};
+  using type = std::conditional_t<kFormat == MoeWeightFormat::kNvfp4, WgFp4Regs<kBn>,
+                                  std::conditional_t<kFormat == MoeWeightFormat::kFp8, WgFp8Regs<kBn>, None>>;
+};
+
 #endif  // TERN_WGMMA_AVAILABLE
 
-template <bool kIsNvfp4, int kBm, int kBn, int kStages>
+template <MoeWeightFormat kFormat, int kBm, int kBn, int kStages>
 __global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const GemmParams p) {
 #if TERN_WGMMA_AVAILABLE
   static_assert(kStages > kWgLag, "stages for the steps in flight");
@@ -139,10 +198,12 @@ __global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const Gem
   const TileWork tw = find_row_tile(p.offsets, p.n_experts, blockIdx.y, kBm);
   if (tw.expert < 0) return;  // every warp found the same: the whole block leaves
   const int e = tw.expert, n0 = blockIdx.x * kBn, n_ksteps = p.k / kWgBk;
+  constexpr bool kIsNvfp4 = kFormat == MoeWeightFormat::kNvfp4, kIsFp8 = kFormat == MoeWeightFormat::kFp8;
   const float out_scale = kIsNvfp4 ? p.global_scales[e] * static_cast<float>(1u << kDecodeShift) : 1.0f;
-  const uint8_t* packed = kIsNvfp4 ? p.packed + e * p.packed_stride : nullptr;
+  const uint8_t* packed = kIsNvfp4 || kIsFp8 ? p.packed + e * p.packed_stride : nullptr;  // NVFP4 codes or FP8
   const uint8_t* scales = kIsNvfp4 ? p.scales + e * p.scales_stride : nullptr;
-  const uint16_t* wbf = kIsNvfp4 ? nullptr : p.wbf + e * p.wbf_stride;
+  const float* row_scales = kIsFp8 ? p.row_scales + e * p.row_scales_stride : nullptr;
+  const uint16_t* wbf = kIsNvfp4 || kIsFp8 ? nullptr : p.wbf + e * p.wbf_stride;
 
   for (int i = threadIdx.x; i < kBm; i += kWgThreads) {
     xoff[i] = tw.row0 + i < tw.row_end ? x_row_offset(p, tw.row0 + i) : -1;
@@ -150,14 +211,18 @@ __global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const Gem
   __syncthreads();
   auto x_tile = [&](int stage) { return ring + stage * wg_stage_bytes<kBm, kBn>(); };
   auto w_tile = [&](int stage) { return ring + stage * wg_stage_bytes<kBm, kBn>() + kBm * kWgBk * 2; };
-  // Step s's tiles into its stage: x (and bf16 W) by cp.async in one commit group; NVFP4 W from the registers.
-  WgFp4Regs<kBn> wr{};
+  // Step s's tiles into its stage: x (and bf16 W) by cp.async in one commit group; NVFP4 and FP8 W from the
+  // registers.
+  typename WgWRegs<kFormat, kBn>::type wr{};
   auto fill = [&](int s) {
     if (s < n_ksteps) {
       wg_load_x<kBm>(p, xoff, s, x_tile(s % kStages));
       if constexpr (kIsNvfp4) {
         wg_store_w_fp4(wr, w_tile(s % kStages));
         if (s + 1 < n_ksteps) wr = wg_load_w_fp4<kBn>(packed, scales, p.n, p.k, n0, s + 1);
+      } else if constexpr (kIsFp8) {
+        wg_store_w_fp8(wr, w_tile(s % kStages));
+        if (s + 1 < n_ksteps) wr = wg_load_w_fp8<kBn>(packed, row_scales, p.n, p.k, n0, s + 1);
       } else {
         wg_load_w_bf16<kBn>(wbf, p.n, p.k, n0, s, w_tile(s % kStages));
       }
@@ -165,6 +230,7 @@ __global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const Gem
     cp_async_commit();  // always, so the group count per step stays uniform
   };
   if constexpr (kIsNvfp4) wr = wg_load_w_fp4<kBn>(packed, scales, p.n, p.k, n0, 0);
+  if constexpr (kIsFp8) wr = wg_load_w_fp8<kBn>(packed, row_scales, p.n, p.k, n0, 0);
 #pragma unroll
   for (int s = 0; s < kLead; ++s) fill(s);
 
@@ -219,40 +285,40 @@ __global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const Gem
 #endif  // TERN_WGMMA_AVAILABLE
 }
 
-template <bool kIsNvfp4, int kBm, int kBn, int kStages>
+template <MoeWeightFormat kFormat, int kBm, int kBn, int kStages>
 void wg_launch(const GemmParams& p, int64_t rows, int64_t n_experts, const DeviceContext& ctx) {
   constexpr size_t kSmem = wg_smem_bytes<kBm, kBn, kStages>();
-  TERN_CUDA_CHECK(cudaFuncSetAttribute(moe_prefill_wgmma_kernel<kIsNvfp4, kBm, kBn, kStages>,
+  TERN_CUDA_CHECK(cudaFuncSetAttribute(moe_prefill_wgmma_kernel<kFormat, kBm, kBn, kStages>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   // Column tiles vary fastest, so the blocks that run together share their x rows.
   const dim3 grid(static_cast<unsigned>((p.n + kBn - 1) / kBn),
                   static_cast<unsigned>((rows + kBm - 1) / kBm + n_experts));
-  launch_kernel(ctx, moe_prefill_wgmma_kernel<kIsNvfp4, kBm, kBn, kStages>, grid, dim3(kWgThreads), kSmem, p);
+  launch_kernel(ctx, moe_prefill_wgmma_kernel<kFormat, kBm, kBn, kStages>, grid, dim3(kWgThreads), kSmem, p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
-template <bool kIsNvfp4>
+template <MoeWeightFormat kFormat>
 void wg_launch_tiles(const GemmParams& p, const MoeGemmArgs& a, const DeviceContext& ctx) {
   // 128-row tiles once experts average 64 rows: the dequantized weight serves twice the rows (docs/perf/gpu.md
   // §moe-prefill-wgmma).
-  if (a.rows >= 64 * a.w.n_experts) return wg_launch<kIsNvfp4, 128, 256, 4>(p, a.rows, a.w.n_experts, ctx);
-  wg_launch<kIsNvfp4, 64, 256, 4>(p, a.rows, a.w.n_experts, ctx);
+  if (a.rows >= 64 * a.w.n_experts) return wg_launch<kFormat, 128, 256, 4>(p, a.rows, a.w.n_experts, ctx);
+  wg_launch<kFormat, 64, 256, 4>(p, a.rows, a.w.n_experts, ctx);
 }
 
 void wg_launch_projection(const DeviceContext& ctx, const MoeGemmArgs& a) {
   const GemmParams p = make_params(a);
-  if (a.w.format == MoeWeightFormat::kNvfp4) return wg_launch_tiles<true>(p, a, ctx);
-  wg_launch_tiles<false>(p, a, ctx);
+  switch (a.w.format) {
+    case MoeWeightFormat::kNvfp4: return wg_launch_tiles<MoeWeightFormat::kNvfp4>(p, a, ctx);
+    case MoeWeightFormat::kFp8: return wg_launch_tiles<MoeWeightFormat::kFp8>(p, a, ctx);
+    default: return wg_launch_tiles<MoeWeightFormat::kBf16>(p, a, ctx);
+  }
 }
 
 }  // namespace
 
 bool moe_gemm_prefill_sm90_fits(const DeviceContext& ctx, const MoeGemmArgs& a) {
 #if TERN_BUILD_HAS_SM90A
-  // FP8 has no W tile loader here: it takes the mma.sync kernel (moe_gemm_prefill.cu) on every GPU.
-  const auto fits = [](const MoeExpertWeights& w) {
-    return w.n == 0 || (w.k % kWgBk == 0 && w.format != MoeWeightFormat::kFp8);
-  };
+  const auto fits = [](const MoeExpertWeights& w) { return w.n == 0 || w.k % kWgBk == 0; };
   return ctx.props().cc_major == 9 && ctx.props().cc_minor == 0 && fits(a.w) && fits(a.w2) && a.ldx % 8 == 0 &&
          reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
          wg_smem_bytes<128, 256, 4>() <= ctx.props().shared_mem_per_block_optin;
@@ -271,7 +337,7 @@ void moe_gemm_launch_prefill_sm90(const DeviceContext& ctx, const MoeGemmArgs& a
 // What the driver loaded of this module for the current device (module_attributes.h). Its kernels have a body only
 // in sm_90a machine code.
 cudaError_t moe_gemm_prefill_sm90_module_attributes(cudaFuncAttributes* out) {
-  return cudaFuncGetAttributes(out, moe_prefill_wgmma_kernel<true, 128, 256, 4>);
+  return cudaFuncGetAttributes(out, moe_prefill_wgmma_kernel<MoeWeightFormat::kNvfp4, 128, 256, 4>);
 }
 
 }  // namespace tern

@@ -955,7 +955,7 @@ TEST(MoeGemm, Fp8BothVariants) { check_gemm_shapes(MoeWeightFormat::kFp8); }
 // Block-wise FP8 at the edges of its 128 x 128 scale blocks and of the kernels' steps: n = 200 and k = 208 (a partial
 // block in both directions; k % 64 = 16: a partial decode step, whose scale every lane must still apply, k % 32 = 16:
 // a partial prefill step), n = 48 and k = 144 (less than one block of rows, one block and 16 columns), and k = 2048
-// with n = 384 (whole blocks, a shape the wgmma prefill would take for bf16: FP8 must take the mma.sync kernel).
+// with n = 384 (whole blocks: on sm_90a kPrefill takes the wgmma kernel's FP8 tiles, kPrefillMma the mma.sync one).
 // Every variant at 1, 5, 16 (two x-row tiles at decode) and 300 tokens, and the decode kernel on skewed permuted rows.
 TEST(MoeGemm, Fp8PartialScaleBlocks) {
   DeviceContext ctx;
@@ -986,7 +986,9 @@ TEST(MoeGemm, PrefillUsesWgmmaOnHopper) {
   a.w.k = 784;  // not a multiple of 64: the mma.sync kernel
   EXPECT_FALSE(moe_gemm_prefill_sm90_fits(ctx, a));
   a.w.k = 2048;
-  a.w.format = MoeWeightFormat::kFp8;  // the wgmma kernel has no FP8 weight tiles
+  a.w.format = MoeWeightFormat::kFp8;  // FP8 weight tiles too
+  EXPECT_TRUE(moe_gemm_prefill_sm90_fits(ctx, a));
+  a.w.k = 208;
   EXPECT_FALSE(moe_gemm_prefill_sm90_fits(ctx, a));
 }
 
