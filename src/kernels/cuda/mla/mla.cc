@@ -87,8 +87,15 @@ Expected<void> mla_attention(const DeviceContext& ctx, const MlaAttentionArgs& a
     return make_error("{}: the latent rows must be 16-byte aligned (kv_lora_rank + rope_dim = {}, a multiple of 8)", k,
                       a.cache.width());
   }
-  const int64_t splits =
-      mla_attention_splits(ctx.props(), a.tokens, a.n_heads, a.selected != nullptr ? a.topk : a.max_seq_len);
+  const int64_t groups = (a.n_heads + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock;
+  if (a.splits < 0 || (a.splits > 0 && a.tokens * groups * a.splits >= 3 * int64_t{std::max(ctx.props().num_sms, 1)})) {
+    return make_error("{}: splits={} must be 0 (the rule) or keep rows x head groups x splits below 3 x {} SMs", k,
+                      a.splits, ctx.props().num_sms);
+  }
+  const int64_t splits = a.splits > 0 ? a.splits
+                                      : mla_attention_splits(ctx.props(), a.tokens, a.n_heads,
+                                                             a.selected != nullptr ? a.topk : a.max_seq_len,
+                                                             a.cache.width());
   const size_t need = static_cast<size_t>(a.tokens * a.n_heads * splits * (a.cache.kv_lora_rank + 2)) * 4;
   if (splits > 1 && (a.workspace == nullptr || a.workspace_bytes < need)) {
     return make_error("{}: {} key ranges need a workspace of {} bytes ({} given)", k, splits, need, a.workspace_bytes);

@@ -390,12 +390,16 @@ size_t mla_attention_smem_bytes(int64_t width) {
                              2 * kMlaKeysPerTile * 8);
 }
 
-int64_t mla_attention_splits(const DeviceProps& props, int64_t tokens, int64_t n_heads, int64_t max_keys) {
+int64_t mla_attention_splits(const DeviceProps& props, int64_t tokens, int64_t n_heads, int64_t max_keys,
+                             int64_t width) {
   const int64_t blocks = tokens * ((n_heads + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock);
-  const int64_t sms = std::max(props.num_sms, 1);
-  if (blocks >= sms) return 1;
+  // Resident blocks: an SM's shared memory over a block's (and the 1 KiB the driver reserves per block), at most two
+  // (the workspace bound), at least one.
+  const auto per_block = static_cast<int64_t>(mla_attention_smem_bytes(width)) + 1024;
+  const int64_t per_sm = std::clamp<int64_t>(static_cast<int64_t>(props.shared_mem_per_sm) / per_block, 1, 2);
+  const int64_t resident = std::max(props.num_sms, 1) * per_sm;
   const int64_t by_keys = std::max<int64_t>(1, max_keys / kMlaMinKeysPerSplit);
-  return std::max<int64_t>(1, std::min((2 * sms + blocks - 1) / blocks, by_keys));
+  return std::max<int64_t>(1, std::min(resident / blocks, by_keys));
 }
 
 size_t mla_attention_workspace_bytes(const DeviceProps& props, int64_t kv_lora_rank) {
@@ -412,7 +416,9 @@ void mla_prepare_launch(const DeviceContext& ctx, const MlaPrepareArgs& args) {
 void mla_attention_launch(const DeviceContext& ctx, const MlaAttentionArgs& args) {
   const size_t smem = mla_attention_smem_bytes(args.cache.width());
   const int64_t max_keys = args.selected != nullptr ? args.topk : args.max_seq_len;
-  const int64_t splits = mla_attention_splits(ctx.props(), args.tokens, args.n_heads, max_keys);
+  const int64_t splits =
+      args.splits > 0 ? args.splits
+                      : mla_attention_splits(ctx.props(), args.tokens, args.n_heads, max_keys, args.cache.width());
   const int64_t tiles = (max_keys + kMlaKeysPerTile - 1) / kMlaKeysPerTile;
   const AttnParams p{.a = args,
                      .splits = static_cast<int>(splits),

@@ -1,16 +1,18 @@
 // Absorbed MLA decode attention (mla_attention) on one GPU at GLM-5's latent (512 + 64 values) and head counts of
 // one rank at TP8 (8 heads) and of the whole model (64), for 1 and 64 sequences of 4k context, causal and over a DSA
 // selection of 2048 keys. Plain main (not run by ctest):
-//   mla_bench
+//   mla_bench [--splits]
 // Bytes counted per call: each sequence's latent rows read once (what an ideal kernel reads; this one reads them
 // once per 16-head group, through the L2), the queries read and the outputs written; achieved GB/s next to the copy
 // kernel's (roofline.h, bytes read + written) of the same run as the ceiling. Every sequence has its own blocks in a
-// pool larger than the L2. Timings are medians of CUDA graph replays (bench_timing.h).
+// pool larger than the L2. Timings are medians of CUDA graph replays (bench_timing.h). --splits: each row also at
+// every power-of-two split-K count the workspace bound allows (MlaAttentionArgs::splits; the rule's count marked *).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -43,7 +45,7 @@ std::vector<uint16_t> random_bf16(size_t n, uint32_t seed) {
   return out;
 }
 
-int run() {
+int run(bool sweep) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs\n", p.name.c_str(), p.cc_major, p.cc_minor, p.num_sms);
@@ -101,13 +103,29 @@ int run() {
           std::fprintf(stderr, "mla_attention: %s\n", r.error().message.c_str());
           return 1;
         }
-        const double ms = bench_time_ms(ctx, 1, kCalls, [&](int) { (void)mla_attention(ctx, args); });
         const int64_t keys = sparse ? kTopk : kContext;
         const double bytes = static_cast<double>(seqs) * (keys * kWidth * 2 + heads * (kWidth + kLora) * 2);
-        const double gbs = bytes / (ms * 1e6);
-        std::printf("decode seqs %3ld heads %2ld %-6s keys %5ld | %8.1f us | %7.1f MB | %6.0f GB/s %5.1f%% of copy\n",
-                    long(seqs), long(heads), sparse ? "sparse" : "causal", long(keys), ms * 1e3, bytes / 1e6, gbs,
-                    100.0 * gbs / copy_gbs);
+        const int64_t rule = mla_attention_splits(p, seqs, heads, keys, kWidth);
+        // The launcher's split count, then (--splits) each other power of two the workspace bound allows.
+        const int64_t blocks = seqs * ((heads + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock);
+        std::vector<int64_t> counts{rule};
+        for (int64_t c = 1; sweep && blocks * c < 3 * p.num_sms && c <= keys / kMlaKeysPerTile; c *= 2) {
+          if (c != rule) counts.push_back(c);
+        }
+        for (const int64_t c : counts) {
+          MlaAttentionArgs forced = args;
+          forced.splits = c;
+          if (auto r = mla_attention(ctx, forced); !r) {
+            std::fprintf(stderr, "mla_attention: %s\n", r.error().message.c_str());
+            return 1;
+          }
+          const double ms = bench_time_ms(ctx, 1, kCalls, [&](int) { (void)mla_attention(ctx, forced); });
+          const double gbs = bytes / (ms * 1e6);
+          std::printf("decode seqs %3ld heads %2ld %-6s keys %5ld splits %3ld%s | %8.1f us | %7.1f MB | %6.0f GB/s "
+                      "%5.1f%% of copy\n",
+                      long(seqs), long(heads), sparse ? "sparse" : "causal", long(keys), long(c),
+                      c == rule ? "*" : " ", ms * 1e3, bytes / 1e6, gbs, 100.0 * gbs / copy_gbs);
+        }
       }
     }
   }
@@ -117,4 +135,11 @@ int run() {
 }  // namespace
 }  // namespace tern
 
-int main() { return tern::run(); }
+int main(int argc, char** argv) {
+  const bool sweep = argc > 1 && std::strcmp(argv[1], "--splits") == 0;
+  if (argc > 1 && !sweep) {
+    std::fprintf(stderr, "usage: mla_bench [--splits]\n");
+    return 2;
+  }
+  return tern::run(sweep);
+}

@@ -76,6 +76,9 @@ struct MlaAttentionArgs {
   int64_t max_seq_len = 0;     // host-known bound over the batch (causal rows), for the split count
   void* workspace = nullptr;   // split-K partials; mla_attention_workspace_bytes()
   size_t workspace_bytes = 0;
+  // Key ranges per (row, head group): 0 = mla_attention_splits' rule; benchmarks and tests force others (at most
+  // the rule's bound of rows x groups x splits < 3 x num_sms).
+  int64_t splits = 0;
 };
 
 // Limits of the kernels: the latent's widths (multiples of 16: whole k16 steps and n16 pairs of the tensor-core
@@ -84,15 +87,18 @@ inline constexpr int64_t kMlaMaxLoraRank = 512;
 inline constexpr int64_t kMlaMaxRopeDim = 128;
 inline constexpr int kMlaHeadsPerBlock = 16;  // one m16 tile
 inline constexpr int kMlaKeysPerTile = 32;    // two k16 steps of the output product
-inline constexpr int64_t kMlaMinKeysPerSplit = 256;
+inline constexpr int64_t kMlaMinKeysPerSplit = 128;
 
 // Dynamic shared memory of the attention kernel for a latent of `width` values (two key tiles, the warps' partial
 // scores and the tiles' slots).
 size_t mla_attention_smem_bytes(int64_t width);
 // Split-K: the key ranges each (row, head group) is cut into, so that a decode step of few rows still fills the
-// GPU: 1 when rows x head groups already fill the SMs, else enough for about two blocks per SM, each range at least
-// kMlaMinKeysPerSplit keys. rows x groups x splits stays below 3 x num_sms, which bounds the workspace.
-int64_t mla_attention_splits(const DeviceProps& props, int64_t tokens, int64_t n_heads, int64_t max_keys);
+// GPU: as many as keep all of rows x groups x splits blocks resident at once (one wave: the blocks the shared memory
+// of a `width`-value latent lets an SM hold, at most two), each range at least kMlaMinKeysPerSplit keys; 1 when rows
+// x groups alone fill that. rows x groups x splits stays below 3 x num_sms, which bounds the workspace. Measured in
+// docs/perf/gpu.md §mla-splits.
+int64_t mla_attention_splits(const DeviceProps& props, int64_t tokens, int64_t n_heads, int64_t max_keys,
+                             int64_t width);
 // Bytes of split-K partials any call on this device may need: fp32 (m, l) and outputs [rows, heads, splits, lora].
 size_t mla_attention_workspace_bytes(const DeviceProps& props, int64_t kv_lora_rank);
 

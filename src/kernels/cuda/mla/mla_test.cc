@@ -166,6 +166,7 @@ struct AttnCase {
   int64_t heads, lora, rope;
   std::vector<int64_t> seq_lens, n_q;
   int64_t topk;  // 0: causal
+  int64_t splits = 0;  // MlaAttentionArgs::splits: 0 the launcher's rule, else forced
 };
 
 void check_attention(const AttnCase& c, uint64_t seed) {
@@ -241,7 +242,8 @@ void check_attention(const AttnCase& c, uint64_t seed) {
                                                           .scale = scale,
                                                           .max_seq_len = max_seq_len,
                                                           .workspace = workspace.data(),
-                                                          .workspace_bytes = workspace.size_bytes()});
+                                                          .workspace_bytes = workspace.size_bytes(),
+                                                          .splits = c.splits});
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
   const auto got = download<uint16_t>(out, static_cast<size_t>(tokens * c.heads * c.lora));
@@ -299,23 +301,37 @@ TEST(CudaMla, CausalAttentionMatchesReference) {
   // GLM-5's 64 heads on one GPU (four head groups) over a long decode row, and 20 heads (a partial second group).
   check_attention({.heads = 64, .lora = 512, .rope = 64, .seq_lens = {2100, 7}, .n_q = {1, 1}}, 16);
   check_attention({.heads = 20, .lora = 512, .rope = 64, .seq_lens = {700, 64}, .n_q = {1, 2}}, 17);
+  // Split counts forced past the rule's: 128 ranges of a 5000-key row (two 32-key tiles each, the last 49 ranges
+  // empty), one range, and 64 ranges of a DSA selection; the combine must give the same attention.
+  check_attention({.heads = 8, .lora = 512, .rope = 64, .seq_lens = {5000}, .n_q = {1}, .topk = 0, .splits = 128}, 18);
+  check_attention({.heads = 8, .lora = 512, .rope = 64, .seq_lens = {5000}, .n_q = {1}, .topk = 0, .splits = 1}, 19);
+  check_attention({.heads = 16, .lora = 512, .rope = 64, .seq_lens = {3000}, .n_q = {1}, .topk = 2048, .splits = 64},
+                  20);
 }
 
 TEST(CudaMla, SplitCountsCoverTheShapes) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
-  EXPECT_GT(mla_attention_splits(p, 1, 8, 5000), 1);          // one block alone would leave the GPU idle
-  EXPECT_EQ(mla_attention_splits(p, 1, 8, kMlaMinKeysPerSplit), 1);  // too few keys to split
-  EXPECT_EQ(mla_attention_splits(p, 200, 16, 260), 1);         // rows x groups fill the SMs
+  constexpr int64_t kWidth = 576;  // GLM-5's latent
+  EXPECT_GT(mla_attention_splits(p, 1, 8, 5000, kWidth), 1);  // one block alone would leave the GPU idle
+  EXPECT_EQ(mla_attention_splits(p, 1, 8, kMlaMinKeysPerSplit, kWidth), 1);  // too few keys to split
+  EXPECT_EQ(mla_attention_splits(p, 200, 16, 260, kWidth), 1);               // rows x groups fill the SMs
   for (int64_t tokens : {1, 3, 17, 64}) {
     for (int64_t heads : {4, 8, 64}) {
       const int64_t groups = (heads + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock;
-      const int64_t splits = mla_attention_splits(p, tokens, heads, 131072);
+      const int64_t splits = mla_attention_splits(p, tokens, heads, 131072, kWidth);
       if (splits > 1) {
         EXPECT_LT(tokens * groups * splits, 3 * p.num_sms) << tokens << " rows, " << heads << " heads";
+        // One wave: every block resident at once (at most two per SM).
+        EXPECT_LE(tokens * groups * splits, 2 * p.num_sms) << tokens << " rows, " << heads << " heads";
       }
     }
   }
+  // An SM that holds one block of this latent (sm_120's 100 KiB of shared memory per SM) gets half the ranges.
+  DeviceProps one = p;
+  one.shared_mem_per_sm = 100 * 1024;
+  EXPECT_LE(64 * mla_attention_splits(one, 64, 8, 4096, kWidth), one.num_sms);
+  EXPECT_GE(64 * mla_attention_splits(p, 64, 8, 4096, kWidth), 64 * mla_attention_splits(one, 64, 8, 4096, kWidth));
 }
 
 TEST(CudaMla, SelectedAttentionMatchesReference) {
