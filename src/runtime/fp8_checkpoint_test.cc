@@ -1,5 +1,5 @@
 // Block-wise FP8 checkpoints (DeepSeek-V3 / GLM-5-FP8 layout: F8_E4M3 weights, one F32 weight_scale_inv per
-// 128 x 128 block, config.json quantization_config {"quant_method": "fp8", "weight_block_size": [128, 128]}). The qwen3
+// 128 x 128 block, config.json quantization_config {"quant_method": "fp8", "weight_block_size": [128, 128]}). A
 // fixture's linears are quantized here to that layout, and the same values dequantized (e4m3 times the block's scale,
 // core/formats.h's OCP decode) are written as an F32 checkpoint: the two models must give the same logits, and
 // tensor-parallel slices of an FP8 linear must hold the dequantized rows (row splits) or be refused (an input split
@@ -42,8 +42,13 @@ std::vector<float> logits_of(const fs::path& dir, const std::vector<int32_t>& to
   return logits ? *logits : std::vector<float>{};
 }
 
-TEST(Fp8Checkpoint, LogitsEqualTheDequantizedF32Checkpoint) {
-  const Fp8Pair pair;
+class Fp8Fixture : public ::testing::TestWithParam<const char*> {};
+
+// Every architecture the FP8 releases come in: dense Qwen3, Qwen3-MoE (experts), Qwen3.5 (Gated DeltaNet and gated
+// attention projections) and GLM-5 (MLA's q_a / q_b / kv_a / kv_b and o, the DSA indexer's projections, dense and
+// routed MLPs); kv_b enters the absorbed attention dequantized.
+TEST_P(Fp8Fixture, LogitsEqualTheDequantizedF32Checkpoint) {
+  const Fp8Pair pair(GetParam());
   ASSERT_FALSE(pair.quantized.empty());
   const std::vector<int32_t> tokens{17, 300, 42, 99, 5, 250, 123, 7, 411, 64};
   const std::vector<float> fp8 = logits_of(pair.fp8, tokens), f32 = logits_of(pair.f32, tokens);
@@ -56,12 +61,14 @@ TEST(Fp8Checkpoint, LogitsEqualTheDequantizedF32Checkpoint) {
     ASSERT_NEAR(fp8[i], f32[i], 1e-5f * scale) << "logit " << i;
   }
   // And the quantization was real: the FP8 model is not the BF16 fixture.
-  const std::vector<float> bf16 = logits_of(fs::path(TERN_FIXTURES_DIR) / "qwen3", tokens);
+  const std::vector<float> bf16 = logits_of(fs::path(TERN_FIXTURES_DIR) / GetParam(), tokens);
   ASSERT_EQ(bf16.size(), fp8.size());
   float diff = 0.0f;
   for (size_t i = 0; i < fp8.size(); ++i) diff = std::max(diff, std::abs(fp8[i] - bf16[i]));
   EXPECT_GT(diff, 1e-3f * scale);
 }
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, Fp8Fixture, ::testing::Values("qwen3", "qwen3_moe", "qwen3_5_moe", "glm_moe_dsa"));
 
 // A row-split FP8 linear holds the dequantized rows of its rank; an input split inside a 128-column block is an
 // error naming the tensor.
