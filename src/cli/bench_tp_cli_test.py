@@ -184,6 +184,20 @@ def main():
     close(dense8["dense_bytes"], d["num_hidden_layers"] * linears * NVFP4 + d["vocab_size"] * h * 2, "8B NVFP4 dense")
     close(dense8["embedding_bytes"], d["vocab_size"] * h * 2, "8B NVFP4 embedding")
 
+    # The same with Qwen3-FP8's block-wise FP8 config: every decoder linear one byte per weight plus each row's fp32
+    # scale per 128 columns (as the devices hold them), lm_head and the embedding BF16.
+    with open(f"{configs}/qwen3-8b-fp8/config.json") as f:
+        q = json.load(f)
+    qc = q.pop("quantization_config")
+    assert q == d and qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128], qc
+    nq, nkv = hd * d["num_attention_heads"], hd * d["num_key_value_heads"]
+    shapes = [(nq, h), (nkv, h), (nkv, h), (h, nq), (inter, h), (inter, h), (h, inter)]  # q k v o gate up down
+    fp8_scales = sum(4 * rows * -(-cols // 128) for rows, cols in shapes)
+    dense_fp8 = plan(tern, f"{configs}/qwen3-8b-fp8", "--batch", "1")["weights"]
+    close(dense_fp8["dense_bytes"], d["num_hidden_layers"] * (linears + fp8_scales) + d["vocab_size"] * h * 2,
+          "8B FP8 dense")
+    close(dense_fp8["embedding_bytes"], d["vocab_size"] * h * 2, "8B FP8 embedding")
+
     # A run at --tp 2 on the CPU: rank 0's numbers, the same as its plan's, and the collectives of the fixture.
     fixture = f"{fixtures}/qwen3_5_moe"
     out = run(tern, "bench", "--model", fixture, "--device", "cpu", "--tp", "2", "--prefill", "8", "--batch", "1,3",

@@ -19,7 +19,9 @@ double matrix_bytes(const CpuMatrix& m) {
   const double elements = static_cast<double>(m.rows) * static_cast<double>(m.cols);
   if (m.format == CpuWeightFormat::kNvfp4) return elements / 2 + elements / 16;
   if (m.format == CpuWeightFormat::kFp8Block128) {
-    return elements + 4.0 * static_cast<double>(((m.rows + 127) / 128) * ((m.cols + 127) / 128));  // + the scale grid
+    // The codes and each row's fp32 scales of its 128-column blocks: what the CPU and CUDA paths hold and read (the
+    // checkpoint's [rows / 128, cols / 128] grid expanded per row, docs/model-specs.md §1.7).
+    return elements + 4.0 * static_cast<double>(m.rows) * static_cast<double>((m.cols + 127) / 128);
   }
   return elements * 2;
 }
