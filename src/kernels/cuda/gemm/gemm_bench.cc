@@ -219,8 +219,7 @@ void bench_fp8_shape(const DeviceContext& ctx, int64_t n, int64_t k, const std::
 }
 
 // One weight shape through every large-m path of both formats (--dequant).
-void bench_dequant_shape(const DeviceContext& ctx, int64_t n, int64_t k, double copy_gbs, std::mt19937& rng) {
-  (void)copy_gbs;
+void bench_dequant_shape(const DeviceContext& ctx, int64_t n, int64_t k, std::mt19937& rng) {
   const std::vector<int64_t> ms = {16, 32, 64, 128, 256, 512, 2048, 8192};
   const int64_t max_m = ms.back();
   const HostWeights hw = make_host_weights(n, k, rng);
@@ -370,7 +369,7 @@ int bench_main(bool quick, bool decode_only, bool fp8, bool dequant, bool gemv_o
     std::mt19937 rng(9090);
     for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{
              {4096, 4096}, {6144, 4096}, {12288, 4096}, {4096, 12288}, {1024, 4096}, {24576, 4096}}) {
-      bench_dequant_shape(ctx, n, k, copy_gbs, rng);
+      bench_dequant_shape(ctx, n, k, rng);
     }
     return 0;
   }
