@@ -1,4 +1,5 @@
-// The weight-only GEMMs' large-m path (gemm_fp8_w8a16, gemm_nvfp4_w4a16): the weight, a chunk of rows at a time,
+// Host dispatch the two weight-only GEMMs (gemm_fp8_w8a16, gemm_nvfp4_w4a16) share: the decode kernel run once per
+// slice of rows (decode_in_slices), and the large-m path (dequant_gemm): the weight, a chunk of rows at a time,
 // dequantized to bf16 in the context's weight workspace (weight_dequant_launch.h), then multiplied by cuBLASLt's
 // BF16 GEMM into the chunk's columns of y. The dequantized values are the prefill kernels' (rounded to bf16 once,
 // or exact), so the result differs from theirs only in the order of the fp32 sums. Host code.
@@ -12,6 +13,20 @@
 #include "kernels/cuda/gemm/gemm_bf16.h"
 
 namespace tern {
+
+// The decode kernel, `launch(slice)`, on each slice of at most `rows` rows of args (x and y advanced, m cut): for a
+// few dozen rows, re-reading the weight per slice costs less than the larger-m paths (docs/perf/gemm.md
+// §sliced-decode). Args: a weight-only GEMM's argument struct (x, y, m, ldy, w.n, w.k).
+template <class Args, class Launch>
+void decode_in_slices(const Args& args, int64_t rows, Launch&& launch) {
+  for (int64_t m0 = 0; m0 < args.m; m0 += rows) {
+    Args slice = args;
+    slice.x = args.x + m0 * args.w.k;
+    slice.y = args.y + m0 * (args.ldy > 0 ? args.ldy : args.w.n);
+    slice.m = std::min(rows, args.m - m0);
+    launch(slice);
+  }
+}
 
 // Rows [begin, next part's begin) of the weight take alpha (an NVFP4 part's weight_scale_2; 1 for FP8).
 struct DequantGemmPart {

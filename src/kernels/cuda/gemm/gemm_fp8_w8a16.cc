@@ -48,15 +48,7 @@ Expected<void> gemm_fp8_w8a16(const DeviceContext& ctx, const GemmFp8W8a16Args& 
     return {};
   }
   if (variant == Fp8GemmVariant::kAuto && args.m <= kFp8SlicedDecodeMaxM) {
-    // As the NVFP4 GEMM: a few dozen rows leave most SMs idle in the prefill kernel's tiles; re-reading the weight
-    // once per 16 rows costs less.
-    for (int64_t m0 = 0; m0 < args.m; m0 += kFp8DecodeMaxM) {
-      GemmFp8W8a16Args slice = args;
-      slice.x = args.x + m0 * args.w.k;
-      slice.y = args.y + m0 * (args.ldy > 0 ? args.ldy : args.w.n);
-      slice.m = std::min(kFp8DecodeMaxM, args.m - m0);
-      fp8_w8a16_launch_decode(ctx, slice);
-    }
+    decode_in_slices(args, kFp8DecodeMaxM, [&](const GemmFp8W8a16Args& slice) { fp8_w8a16_launch_decode(ctx, slice); });
     return {};
   }
   if (variant == Fp8GemmVariant::kPrefill) {

@@ -63,15 +63,8 @@ Expected<void> gemm_nvfp4_w4a16(const DeviceContext& ctx, const GemmNvfp4W4a16Ar
     return {};
   }
   if (variant == Nvfp4GemmVariant::kAuto && args.m <= kNvfp4SlicedDecodeMaxM) {
-    // The prefill kernel has one block per 128 x 64 tile and no split-K, so a few dozen rows leave most SMs idle;
-    // re-reading the weight once per 16 rows costs less (see docs/perf/gemm.md §sliced-decode).
-    for (int64_t m0 = 0; m0 < args.m; m0 += kNvfp4DecodeMaxM) {
-      GemmNvfp4W4a16Args slice = args;
-      slice.x = args.x + m0 * args.w.k;
-      slice.y = args.y + m0 * (args.ldy > 0 ? args.ldy : args.w.n);
-      slice.m = std::min(kNvfp4DecodeMaxM, args.m - m0);
-      nvfp4_w4a16_launch_decode(ctx, slice);
-    }
+    decode_in_slices(args, kNvfp4DecodeMaxM,
+                     [&](const GemmNvfp4W4a16Args& slice) { nvfp4_w4a16_launch_decode(ctx, slice); });
     return {};
   }
   if (variant == Nvfp4GemmVariant::kPrefill) {

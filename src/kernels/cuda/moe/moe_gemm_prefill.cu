@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kPrefillThreads) moe_prefill_kernel(const Gemm
   store_w(w, 0);
   if (n_ksteps > 1) w = load_w(1);
 
-  // Stage 2: the K loop, the dense prefill kernel's (gemm_nvfp4_w4a16.cu): change both together. One shared function
+  // Stage 2: the K loop, the dense prefill kernel's (gemm/dequant_prefill.cuh): change both together. One shared function
   // would not be a pure refactor: called from it, the dense kernel's W addresses compile to other instructions.
   float acc[kBm / 32][4][4] = {};
   for (int ks = 0; ks < n_ksteps; ++ks) {
