@@ -228,14 +228,26 @@ class Planner final : public BlockOps {
     if (verify_rows_ > 0) {
       for (auto [n, k] : silu_) add("silu_mul_gemv", silu_mul_gemv_case(n, k, verify_rows_));
     }
-    if (!fp4.empty()) table_.push_back({"gemm_nvfp4", gemm_selftest_cases(fp4, gemm_rows_)});
+    if (!fp4.empty()) table_.push_back({"gemm_nvfp4", quantized_gemm_cases(fp4)});
     const auto fp8 = selftest_lead_first({fp8_.begin(), fp8_.end()});
-    if (!fp8.empty()) table_.push_back({"gemm_fp8", gemm_selftest_cases(fp8, gemm_rows_)});
+    if (!fp8.empty()) table_.push_back({"gemm_fp8", quantized_gemm_cases(fp8)});
     return std::move(table_);
+  }
+
+  // A quantized GEMM's cases: every shape at the GEMM rows, and the lead shape at the rows the batch kernel runs with
+  // four and with eight token tiles (kernels/cuda/gemm/weight_batch.cuh), where a server batches that many rows.
+  std::vector<SelfTestCase> quantized_gemm_cases(const std::vector<std::pair<int64_t, int64_t>>& shapes) const {
+    std::vector<SelfTestCase> cases = gemm_selftest_cases(shapes, gemm_rows_);
+    for (int64_t rows : {kBatchKernelRows, 2 * kBatchKernelRows}) {
+      if (std::find(gemm_rows_.begin(), gemm_rows_.end(), rows) != gemm_rows_.end()) continue;
+      cases.push_back(gemm_selftest_cases({shapes.front()}, {rows}).front());
+    }
+    return cases;
   }
 
  private:
   static constexpr int64_t kPrefill = 128;
+  static constexpr int64_t kBatchKernelRows = 32;
 
   // A case once per op, in the order reported.
   void add(const std::string& op, SelfTestCase c) {

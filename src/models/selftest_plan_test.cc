@@ -157,6 +157,12 @@ TEST(SelftestPlan, Fp8CheckpointsAreTestedInTheirFormat) {
   EXPECT_TRUE(has(*table, "gemm_fp8", gemm_selftest_cases({{h, q}}, {1}).front()));  // o_proj
   EXPECT_TRUE(has(*table, "gemm_fp8", gemm_selftest_cases({{i, h}}, {1}).front()));
   EXPECT_TRUE(has(*table, "gemm_fp8", gemm_selftest_cases({{c.vocab_size, h}}, {1}).front()));  // lm_head
+  // The weight-only GEMMs' batch kernel (17..64 rows), at both of its token-tile counts, on the lead shape.
+  const auto* fp8 = cases_of(*table, "gemm_fp8");
+  ASSERT_NE(fp8, nullptr);
+  const auto lead = std::make_pair(fp8->front().dims[1], fp8->front().dims[2]);
+  EXPECT_TRUE(has(*table, "gemm_fp8", gemm_selftest_cases({lead}, {32}).front()));
+  EXPECT_TRUE(has(*table, "gemm_fp8", gemm_selftest_cases({lead}, {64}).front()));
   EXPECT_TRUE(has(*table, "moe", moe_case(1, h, i, c.num_experts, c.num_experts_per_tok, MoeCaseFormat::kFp8, false)));
   EXPECT_FALSE(has(*table, "moe", moe_case(1, h, i, c.num_experts, c.num_experts_per_tok, false, false)));
   EXPECT_EQ(cases_of(*table, "gemm_nvfp4"), nullptr);
@@ -177,6 +183,11 @@ TEST(SelftestPlan, StackedNvfp4ProjectionsAreTestedAtTheirShape) {
   const int64_t h = c.hidden_size, q = 2 * c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
   EXPECT_TRUE(has(*table, "gemm_nvfp4", gemm_selftest_cases({{q + 2 * kv, h}}, {1}).front()));
   EXPECT_TRUE(has(*table, "gemm_nvfp4", gemm_selftest_cases({{kv, h}}, {1}).front()));
+  const auto* fp4 = cases_of(*table, "gemm_nvfp4");
+  ASSERT_NE(fp4, nullptr);
+  const auto lead = std::make_pair(fp4->front().dims[1], fp4->front().dims[2]);
+  EXPECT_TRUE(has(*table, "gemm_nvfp4", gemm_selftest_cases({lead}, {32}).front()));
+  EXPECT_TRUE(has(*table, "gemm_nvfp4", gemm_selftest_cases({lead}, {64}).front()));
 }
 
 // The lead GEMM (what `--selftest fast` times) is the largest projection of at most 2^26 weights, not lm_head.

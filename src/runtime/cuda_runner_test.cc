@@ -626,15 +626,21 @@ TEST(GpuModel, GlmDecodeGraphsCoverAContextBetweenPowersOfTwo) {
 // Block-wise FP8 checkpoints (fp8_checkpoint_test_util.h: a fixture's linears, lm_head included, quantized per
 // 128 x 128 block with scales that differ up to 8x between blocks) on the GPU against the same checkpoint on the CPU
 // path, which computes e4m3 times the scale in fp32 and equals the dequantized F32 checkpoint (fp8_checkpoint_test).
-// The reference prompts twice over in one batch (110 rows: the W8A16 prefill kernel, and for qwen3_moe the grouped
-// expert GEMM's prefill variant), then decode steps of the six sequences (the decode kernels, from CUDA graphs).
+// The reference prompts twice over in one batch (110 rows for qwen3: past 64 rows the dense GEMMs run on the
+// dequantized weight, and the MoE fixtures' experts take the grouped GEMM's prefill variant), then decode steps of
+// the six sequences (the decode kernels, from CUDA graphs), on all four architectures.
 // The bound is the GPU's bf16 noise on these very weights: the largest of the fixture's bf16 bound and how far the
 // GPU's BF16 path (verified against transformers, GpuModelReference) strays from the CPU on the dequantized F32
 // checkpoint over the same steps. The quantized fixtures are more sensitive to bf16 rounding than the originals
 // (qwen3_moe's routing especially), so that measured noise is the fair scale; a scale applied to the wrong block,
 // part or expert is off by up to 8x and far past it.
 TEST(GpuModel, Fp8CheckpointsTrackTheCpuPath) {
-  for (const std::string fixture : {"qwen3", "qwen3_moe"}) {
+  auto rows_of = [](const std::vector<std::vector<int32_t>>& tokens) {
+    size_t rows = 0;
+    for (const auto& t : tokens) rows += t.size();
+    return rows;
+  };
+  for (const std::string fixture : {"qwen3", "qwen3_moe", "qwen3_5_moe", "glm_moe_dsa"}) {
     const fp8_test::Fp8Pair pair(fixture);
     ModelLoadOptions options;
     options.device = ModelDevice::kCuda;
@@ -693,7 +699,7 @@ TEST(GpuModel, Fp8CheckpointsTrackTheCpuPath) {
       }
       return next;
     };
-    step(prompts, LogitsFor::kAllTokens, "prefill of 110 rows");
+    step(prompts, LogitsFor::kAllTokens, "prefill of " + std::to_string(rows_of(prompts)) + " rows");
     // The decode steps start from fixed tokens, then follow the CPU's greedy choices.
     std::vector<std::vector<int32_t>> next(prompts.size());
     for (size_t i = 0; i < prompts.size(); ++i) next[i] = {static_cast<int32_t>((7 + 31 * i) % vocab)};
@@ -711,8 +717,9 @@ TEST(GpuModel, Fp8CheckpointsTrackTheCpuPath) {
         EXPECT_LE(fp8_err[s][row], bound) << fixture << " " << where[s] << " row " << row;
       }
     }
-    std::cout << fixture << " FP8 on the GPU: max |logit - cpu logit| / max |cpu logit| = " << fp8_worst
-              << "; the BF16 path on the dequantized values: " << bf16_worst << "; bound " << bound << "\n";
+    std::cout << fixture << " FP8 on the GPU, " << rows_of(prompts) << "-row prefill: max |logit - cpu logit| / "
+              << "max |cpu logit| = " << fp8_worst << "; the BF16 path on the dequantized values: " << bf16_worst
+              << "; bound " << bound << "\n";
   }
 }
 

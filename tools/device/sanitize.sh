@@ -21,6 +21,7 @@ mkdir -p "$out"
 # ops_race_cuda_test, whose injected race is meant to trip racecheck.
 cases=(
   "cuda_gemm_nvfp4_test:GemmNvfp4W4a16.SmallShapes:GemmNvfp4W4a16.RejectsBadArguments:GemmNvfp4W4a16.DecodeModelShapes"
+  "cuda_gemm_fp8_test:GemmFp8W8a16.SmallShapes:GemmFp8W8a16.RejectsBadArguments"
   "cuda_gemm_bf16_test:*"
   "cuda_gemv_bf16_test:GemvBf16.MatchesReferenceOnSmallOddShapes:GemvBf16.WritesOnlyItsColumnsOfAWiderOutput:GemvBf16.EveryGroupSizeMatchesReference:GemvBf16.RmsNormPrologueMatchesReference:GemvBf16.SiluMulPrologueMatchesReference:GemvBf16.SiluMulEveryGroupSizeMatches"
   "ops_elementwise_cuda_test:*RmsNorm*:*Rope*:*SiluMul*:*Embedding*"

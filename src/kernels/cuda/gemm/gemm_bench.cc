@@ -1,7 +1,7 @@
 // GEMM timings on one GPU: NVFP4 W4A16 (decode and prefill) against cuBLASLt BF16 of the same shape, the BF16
 // GEMV of decode against cuBLASLt, and the device-to-device copy bandwidth of the same run as the memory ceiling.
 // Plain main (not run by ctest):
-//   gemm_bench [--quick | --decode | --fp8 | --dequant | --gemv | --gemv-sweep]
+//   gemm_bench [--quick | --decode | --fp8 | --dequant | --batch | --gemv | --gemv-sweep]
 // --decode: only M = 1 and 8 on the dense decode shapes N in {2048, 4096, 6144} x K in {2048, 4096} and Qwen3-8B's
 // (1024, 12288 and 24576 x 4096, 4096 x 12288). GB/s counts
 // the bytes that must move (packed weight + block scales + x + y). --gemv: only the GEMV table (gemv_bf16 against
@@ -10,7 +10,8 @@
 // every group size (gemv_bf16_group_threads' choice marked), for tuning that choice. --fp8: block-wise FP8 W8A16
 // (gemm_fp8_w8a16) on the --decode shapes at M = 1, 8, 16, 64 and 2048, GB/s of codes + row scales + x + y.
 // --dequant: for M = 16 .. 8192, NVFP4 and FP8 each through the prefill kernel, through the decode kernel per 16-row
-// slice (M <= 64) and dequantized to bf16 then cuBLASLt (kDequant), against cuBLASLt BF16 on a bf16 weight.
+// slice and the batch kernel (M <= 64), and dequantized to bf16 then cuBLASLt (kDequant), against cuBLASLt BF16 on a
+// bf16 weight. --batch: the same table at M = 16 .. 64, the batch kernel's range, without the prefill kernel.
 // Each timing is a CUDA graph of back-to-back launches that rotate over enough copies of the operands to exceed
 // the L2 several times, replayed after a warm-up; the median replay over the launch count is reported.
 #include <cuda_runtime.h>
@@ -150,7 +151,8 @@ void bench_shape(const DeviceContext& ctx, const Row& s, const HostWeights& hw, 
   const double fp4_gbs = fp4_bytes / (fp4_ms * 1e6), bf_gbs = bf_bytes / (bf_ms * 1e6);
   std::printf("%6lld %6lld %6lld | %-7s %9.2f %7.0f %5.1f%% %7.1f | %9.2f %7.0f %5.1f%% %7.1f | %5.2fx\n",
               static_cast<long long>(s.m), static_cast<long long>(s.n), static_cast<long long>(s.k),
-              s.m <= kNvfp4DecodeMaxM ? "decode" : s.m <= kNvfp4SlicedDecodeMaxM ? "dec/16" : "prefill", fp4_ms * 1e3, fp4_gbs, 100.0 * fp4_gbs / copy_gbs,
+              s.m <= kNvfp4DecodeMaxM ? "decode" : s.m <= kNvfp4BatchMaxM ? "batch" : "dequant", fp4_ms * 1e3, fp4_gbs,
+              100.0 * fp4_gbs / copy_gbs,
               flops / (fp4_ms * 1e9), bf_ms * 1e3, bf_gbs, 100.0 * bf_gbs / copy_gbs, flops / (bf_ms * 1e9),
               bf_ms / fp4_ms);
   std::fflush(stdout);
@@ -212,16 +214,18 @@ void bench_fp8_shape(const DeviceContext& ctx, int64_t n, int64_t k, const std::
     const double gbs = bytes / (ms_time * 1e6), flops = 2.0 * static_cast<double>(m * n * k);
     std::printf("%6lld %6lld %6lld | %-7s %9.2f %7.0f %5.1f%% %7.1f\n", static_cast<long long>(m),
                 static_cast<long long>(n), static_cast<long long>(k),
-                m <= kFp8DecodeMaxM ? "decode" : m <= kFp8SlicedDecodeMaxM ? "dec/16" : "prefill", ms_time * 1e3, gbs,
+                m <= kFp8DecodeMaxM ? "decode" : m <= kFp8BatchMaxM ? "batch" : "dequant", ms_time * 1e3, gbs,
                 100.0 * gbs / copy_gbs, flops / (ms_time * 1e9));
     std::fflush(stdout);
   }
 }
 
-// One weight shape through every large-m path of both formats (--dequant).
-void bench_dequant_shape(const DeviceContext& ctx, int64_t n, int64_t k, std::mt19937& rng) {
-  const std::vector<int64_t> ms = {16, 32, 64, 128, 256, 512, 2048, 8192};
-  const int64_t max_m = ms.back();
+// One weight shape through every multi-row path of both formats at each m (--dequant, --batch): the prefill kernel
+// (not with --batch), the decode kernel per 16-row slice and the batch kernel (m <= 64; 0 past it), the dequantized
+// weight on cuBLASLt.
+void bench_dequant_shape(const DeviceContext& ctx, int64_t n, int64_t k, const std::vector<int64_t>& ms,
+                         bool with_prefill, std::mt19937& rng) {
+  const int64_t max_m = *std::max_element(ms.begin(), ms.end());
   const HostWeights hw = make_host_weights(n, k, rng);
   std::vector<uint8_t> codes(static_cast<size_t>(n * k));
   for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(0x20 | (hw.packed[i / 2] & 0x9F));
@@ -258,11 +262,13 @@ void bench_dequant_shape(const DeviceContext& ctx, int64_t n, int64_t k, std::mt
     const double bf = time_ms(ctx, 1, [&](int) {
       if (!gemm_bf16(ctx, GemmBf16Args{.x = x, .w = dw.as<uint16_t>(), .y = y, .m = m, .n = n, .k = k})) std::abort();
     });
-    const bool sliced = m <= kNvfp4SlicedDecodeMaxM;
-    std::printf("%6lld %6lld %6lld | %9.2f %9.2f %9.2f | %9.2f %9.2f %9.2f | %9.2f\n", static_cast<long long>(m),
-                static_cast<long long>(n), static_cast<long long>(k), fp4(Nvfp4GemmVariant::kPrefill) * 1e3,
-                sliced ? fp4(Nvfp4GemmVariant::kAuto) * 1e3 : 0.0, fp4(Nvfp4GemmVariant::kDequant) * 1e3,
-                fp8(Fp8GemmVariant::kPrefill) * 1e3, sliced ? fp8(Fp8GemmVariant::kAuto) * 1e3 : 0.0,
+    const bool small = m <= kNvfp4BatchMaxM;
+    std::printf("%6lld %6lld %6lld | %9.2f %9.2f %9.2f %9.2f | %9.2f %9.2f %9.2f %9.2f | %9.2f\n",
+                static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k),
+                with_prefill ? fp4(Nvfp4GemmVariant::kPrefill) * 1e3 : 0.0,
+                small ? fp4(Nvfp4GemmVariant::kSliced) * 1e3 : 0.0, small ? fp4(Nvfp4GemmVariant::kBatch) * 1e3 : 0.0,
+                fp4(Nvfp4GemmVariant::kDequant) * 1e3, with_prefill ? fp8(Fp8GemmVariant::kPrefill) * 1e3 : 0.0,
+                small ? fp8(Fp8GemmVariant::kSliced) * 1e3 : 0.0, small ? fp8(Fp8GemmVariant::kBatch) * 1e3 : 0.0,
                 fp8(Fp8GemmVariant::kDequant) * 1e3, bf * 1e3);
     std::fflush(stdout);
   }
@@ -345,7 +351,7 @@ const std::vector<std::pair<int64_t, int64_t>> kDecodeShapes = {{2048, 2048}, {2
                                                                   {1024, 4096}, {12288, 4096}, {4096, 12288},
                                                                   {24576, 4096}};
 
-int bench_main(bool quick, bool decode_only, bool fp8, bool dequant, bool gemv_only, bool gemv_sweep) {
+int bench_main(bool quick, bool decode_only, bool fp8, bool dequant, bool batch, bool gemv_only, bool gemv_sweep) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB, smem/block opt-in %zu KiB, smem/SM %zu KiB, "
@@ -362,14 +368,17 @@ int bench_main(bool quick, bool decode_only, bool fp8, bool dequant, bool gemv_o
     bench_gemv(ctx, copy_gbs, gemv_sweep);
     return 0;
   }
-  if (dequant) {
-    std::printf("us per call; 0: not run (sliced decode is for M <= 64 only); the L2 is warm (one weight copy)\n");
-    std::printf("%6s %6s %6s | %9s %9s %9s | %9s %9s %9s | %9s\n", "M", "N", "K", "fp4 pref", "fp4 slic",
-                "fp4 deq", "fp8 pref", "fp8 slic", "fp8 deq", "bf16");
+  if (dequant || batch) {
+    std::printf("us per call; 0: not run (the sliced decode and the batch kernel are for M <= 64 only, --batch skips "
+                "the prefill kernel); the L2 is warm (one weight copy)\n");
+    std::printf("%6s %6s %6s | %9s %9s %9s %9s | %9s %9s %9s %9s | %9s\n", "M", "N", "K", "fp4 pref", "fp4 slic",
+                "fp4 batch", "fp4 deq", "fp8 pref", "fp8 slic", "fp8 batch", "fp8 deq", "bf16");
     std::mt19937 rng(9090);
+    const std::vector<int64_t> ms = batch ? std::vector<int64_t>{16, 24, 32, 48, 64}
+                                          : std::vector<int64_t>{16, 32, 64, 128, 256, 512, 2048, 8192};
     for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{
              {4096, 4096}, {6144, 4096}, {12288, 4096}, {4096, 12288}, {1024, 4096}, {24576, 4096}}) {
-      bench_dequant_shape(ctx, n, k, rng);
+      bench_dequant_shape(ctx, n, k, ms, !batch, rng);
     }
     return 0;
   }
@@ -405,7 +414,8 @@ int main(int argc, char** argv) {
   const bool decode_only = argc > 1 && std::strcmp(argv[1], "--decode") == 0;
   const bool fp8 = argc > 1 && std::strcmp(argv[1], "--fp8") == 0;
   const bool dequant = argc > 1 && std::strcmp(argv[1], "--dequant") == 0;
+  const bool batch = argc > 1 && std::strcmp(argv[1], "--batch") == 0;
   const bool gemv_only = argc > 1 && std::strcmp(argv[1], "--gemv") == 0;
   const bool gemv_sweep = argc > 1 && std::strcmp(argv[1], "--gemv-sweep") == 0;
-  return tern::bench_main(quick, decode_only, fp8, dequant, gemv_only, gemv_sweep);
+  return tern::bench_main(quick, decode_only, fp8, dequant, batch, gemv_only, gemv_sweep);
 }

@@ -30,6 +30,9 @@ Expected<void> fp8_validate(const GemmFp8W8a16Args& a, Fp8GemmVariant variant) {
   if (!is_aligned(w.row_scales, 4)) return make_error("gemm_fp8_w8a16: row scales are not 4-byte aligned");
   if (!is_aligned(a.y, 4)) return make_error("gemm_fp8_w8a16: y is not 4-byte aligned");
   if (a.ldy != 0 && a.ldy < w.n) return make_error("gemm_fp8_w8a16: ldy={} is less than n={}", a.ldy, w.n);
+  if (variant == Fp8GemmVariant::kBatch && a.m > kFp8BatchMaxM) {
+    return make_error("gemm_fp8_w8a16: the batch kernel takes m <= {}, got m={}", kFp8BatchMaxM, a.m);
+  }
   if (variant == Fp8GemmVariant::kDecode && a.m > kFp8DecodeMaxM) {
     return make_error("gemm_fp8_w8a16: the decode kernel takes m <= {}, got m={}", kFp8DecodeMaxM, a.m);
   }
@@ -47,7 +50,12 @@ Expected<void> gemm_fp8_w8a16(const DeviceContext& ctx, const GemmFp8W8a16Args& 
     fp8_w8a16_launch_decode(ctx, args);
     return {};
   }
-  if (variant == Fp8GemmVariant::kAuto && args.m <= kFp8SlicedDecodeMaxM) {
+  // Up to 64 rows the batch kernel reads the weight once for all of them (docs/perf/gemm.md §batch).
+  if (variant == Fp8GemmVariant::kBatch || (variant == Fp8GemmVariant::kAuto && args.m <= kFp8BatchMaxM)) {
+    fp8_w8a16_launch_batch(ctx, args);
+    return {};
+  }
+  if (variant == Fp8GemmVariant::kSliced) {
     decode_in_slices(args, kFp8DecodeMaxM, [&](const GemmFp8W8a16Args& slice) { fp8_w8a16_launch_decode(ctx, slice); });
     return {};
   }

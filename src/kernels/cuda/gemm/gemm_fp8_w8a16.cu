@@ -4,6 +4,7 @@
 
 #include "kernels/cuda/fp8/fp8_device.cuh"
 #include "kernels/cuda/gemm/dequant_prefill.cuh"
+#include "kernels/cuda/gemm/weight_batch.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/nvfp4/nvfp4_device.cuh"
@@ -114,6 +115,22 @@ void fp8_w8a16_launch_decode(const DeviceContext& ctx, const GemmFp8W8a16Args& a
   const int split = decode_split_k(ctx.props().num_sms, a.w.n, a.w.k);
   if (a.m <= 8) return decode_launch_split<1>(p, split, ctx);
   decode_launch_split<2>(p, split, ctx);
+}
+
+void fp8_w8a16_launch_batch(const DeviceContext& ctx, const GemmFp8W8a16Args& a) {
+  const weight_batch::BatchParams p{.x = a.x,
+                                    .packed = a.w.codes,
+                                    .scales = nullptr,
+                                    .row_scales = a.w.row_scales,
+                                    .y = a.y,
+                                    .out_scale = dequant_prefill::unit_column_scales(),
+                                    .partials = nullptr,
+                                    .m = static_cast<int>(a.m),
+                                    .n = static_cast<int>(a.w.n),
+                                    .k = static_cast<int>(a.w.k),
+                                    .ldy = a.ldy > 0 ? a.ldy : a.w.n,
+                                    .steps_per_split = 0};
+  weight_batch::launch<dequant_prefill::Format::kFp8>(p, ctx);
 }
 
 void fp8_w8a16_launch_prefill(const DeviceContext& ctx, const GemmFp8W8a16Args& a) {

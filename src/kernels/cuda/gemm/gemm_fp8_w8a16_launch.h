@@ -27,17 +27,20 @@ struct GemmFp8W8a16Args {
 };
 
 enum class Fp8GemmVariant {
-  kAuto,       // decode for m <= kFp8DecodeMaxM, decode per 16-row slice up to kFp8SlicedDecodeMaxM, then kDequant
+  kAuto,       // decode for m <= kFp8DecodeMaxM, kBatch up to kFp8BatchMaxM, then kDequant
   kDecode,     // m <= kFp8DecodeMaxM only
+  kBatch,      // m <= kFp8BatchMaxM: the weight read once for all rows
+  kSliced,     // the decode kernel per 16-row slice, any m
   kPrefill,    // the prefill kernel, any m
   kDequant,    // the weight dequantized to bf16 a chunk at a time, then cuBLASLt (dequant_gemm.h), any m
 };
 
 inline constexpr int64_t kFp8DecodeMaxM = 16;
-inline constexpr int64_t kFp8SlicedDecodeMaxM = 64;
+inline constexpr int64_t kFp8BatchMaxM = 64;
 
 // Unchecked launches on ctx.stream(), for arguments gemm_fp8_w8a16() has validated (m >= 1).
 void fp8_w8a16_launch_decode(const DeviceContext& ctx, const GemmFp8W8a16Args& args);
+void fp8_w8a16_launch_batch(const DeviceContext& ctx, const GemmFp8W8a16Args& args);
 void fp8_w8a16_launch_prefill(const DeviceContext& ctx, const GemmFp8W8a16Args& args);
 
 }  // namespace tern

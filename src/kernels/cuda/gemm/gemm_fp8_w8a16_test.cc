@@ -74,18 +74,26 @@ Fp8WeightView view_of(const TestWeight& t) {
 
 const char* variant_name(Fp8GemmVariant v) {
   switch (v) {
-    case Fp8GemmVariant::kAuto: return "auto";
-    case Fp8GemmVariant::kDecode: return "decode";
-    case Fp8GemmVariant::kDequant: return "dequant";
-    default: return "prefill";
+    case Fp8GemmVariant::kAuto:
+      return "auto";
+    case Fp8GemmVariant::kDecode:
+      return "decode";
+    case Fp8GemmVariant::kDequant:
+      return "dequant";
+    case Fp8GemmVariant::kBatch:
+      return "batch";
+    case Fp8GemmVariant::kSliced:
+      return "sliced";
+    default:
+      return "prefill";
   }
 }
 
-// Which reference weight a call's rows see: the bf16-rounded one when the prefill kernel or the dequantized path
-// runs, else the exact one.
+// Which reference weight a call's rows see: the bf16-rounded one when the prefill kernel, the batch kernel or the
+// dequantized path runs, else (the decode kernel) the exact one.
 bool runs_prefill(Fp8GemmVariant v, int64_t m) {
-  return v == Fp8GemmVariant::kPrefill || v == Fp8GemmVariant::kDequant ||
-         (v == Fp8GemmVariant::kAuto && m > kFp8SlicedDecodeMaxM);
+  return v == Fp8GemmVariant::kPrefill || v == Fp8GemmVariant::kDequant || v == Fp8GemmVariant::kBatch ||
+         (v == Fp8GemmVariant::kAuto && m > kFp8DecodeMaxM);
 }
 
 // y = x · W^T for fresh random x of m rows, every element checked. `pad` > 0 writes into columns [pad, pad + n) of
@@ -104,8 +112,8 @@ std::vector<uint16_t> run_and_check(const DeviceContext& ctx, const TestWeight& 
   ctx.synchronize();
   std::vector<uint16_t> full(static_cast<size_t>(m * ldy), kPoison);
   TERN_CUDA_CHECK(cudaMemcpy(full.data(), dy.data(), full.size() * 2, cudaMemcpyDeviceToHost));
-  const auto ref = gemm_test::reference_gemm(gemm_test::bf16_to_floats(x),
-                                             runs_prefill(variant, m) ? w.rounded : w.exact, m, n, k);
+  const auto ref =
+      gemm_test::reference_gemm(gemm_test::bf16_to_floats(x), runs_prefill(variant, m) ? w.rounded : w.exact, m, n, k);
   const std::string what = std::string("fp8 ") + variant_name(variant) + " m=" + std::to_string(m) +
                            " n=" + std::to_string(n) + " k=" + std::to_string(k) +
                            (pad > 0 ? " ldy=" + std::to_string(ldy) : "");
@@ -128,16 +136,18 @@ TEST(GemmFp8W8a16, RoundedWeightDiffersFromExact) {
 TEST(GemmFp8W8a16, EdgeShapesBothKernels) {
   DeviceContext ctx;
   std::mt19937 rng(2001);
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1000, 1040}, {1001, 784}, {17, 4128}, {64, 16},
-                                                           {200, 208},   {3, 48}};
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1000, 1040}, {1001, 784}, {17, 4128},
+                                                           {64, 16},     {200, 208},  {3, 48}};
   for (const auto& [n, k] : shapes) {
     const TestWeight w = make_weight(n, k, rng);
     for (int64_t m : {1, 3, 7, 9, 16, 17, 100, 257}) {
       if (m <= kFp8DecodeMaxM) run_and_check(ctx, w, m, Fp8GemmVariant::kDecode, rng);
+      if (m <= kFp8BatchMaxM) run_and_check(ctx, w, m, Fp8GemmVariant::kBatch, rng);
       run_and_check(ctx, w, m, Fp8GemmVariant::kPrefill, rng);
       run_and_check(ctx, w, m, Fp8GemmVariant::kDequant, rng);
     }
-    run_and_check(ctx, w, 37, Fp8GemmVariant::kAuto, rng);  // decode over 16-row slices, the last one partial
+    run_and_check(ctx, w, 37, Fp8GemmVariant::kAuto, rng);    // the batch kernel
+    run_and_check(ctx, w, 37, Fp8GemmVariant::kSliced, rng);  // decode over 16-row slices, the last one partial
   }
 }
 
@@ -148,6 +158,7 @@ TEST(GemmFp8W8a16, StridedOutput) {
   for (int64_t n : {512, 333}) {
     const TestWeight w = make_weight(n, 1024, rng);
     for (int64_t m : {1, 9}) run_and_check(ctx, w, m, Fp8GemmVariant::kDecode, rng, 2);
+    for (int64_t m : {3, 33}) run_and_check(ctx, w, m, Fp8GemmVariant::kBatch, rng, 2);
     for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Fp8GemmVariant::kPrefill, rng, 2);
     for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Fp8GemmVariant::kDequant, rng, 2);
     run_and_check(ctx, w, 40, Fp8GemmVariant::kAuto, rng, 2);
@@ -162,6 +173,7 @@ TEST(GemmFp8W8a16, SmallShapes) {
     const TestWeight w = make_weight(n, k, rng);
     for (int64_t m : {1, 7, 16, 17, 100}) {
       if (m <= kFp8DecodeMaxM) run_and_check(ctx, w, m, Fp8GemmVariant::kDecode, rng);
+      if (m <= kFp8BatchMaxM) run_and_check(ctx, w, m, Fp8GemmVariant::kBatch, rng);
       run_and_check(ctx, w, m, Fp8GemmVariant::kPrefill, rng);
       run_and_check(ctx, w, m, Fp8GemmVariant::kDequant, rng);
     }
@@ -176,6 +188,18 @@ TEST(GemmFp8W8a16, DecodeEveryM) {
   for (int64_t m = 1; m <= kFp8DecodeMaxM; ++m) run_and_check(ctx, w, m, Fp8GemmVariant::kDecode, rng);
 }
 
+// Every batch-kernel size, on a weight that splits K over several blocks (partials through the workspace, each
+// block of the row block's cluster adding its share of the columns) and on one with more row blocks than SMs and one
+// step (no split).
+TEST(GemmFp8W8a16, BatchEveryM) {
+  DeviceContext ctx;
+  std::mt19937 rng(2007);
+  const TestWeight w = make_weight(301, 2064, rng);
+  for (int64_t m = 1; m <= kFp8BatchMaxM; ++m) run_and_check(ctx, w, m, Fp8GemmVariant::kBatch, rng);
+  const TestWeight wide = make_weight(34000, 48, rng);
+  for (int64_t m : {5, 64}) run_and_check(ctx, wide, m, Fp8GemmVariant::kBatch, rng);
+}
+
 // Model sizes (Qwen3-8B's projections, GLM-5's shared expert and MLA projections) through kAuto.
 TEST(GemmFp8W8a16, ModelSizes) {
   DeviceContext ctx;
@@ -184,7 +208,7 @@ TEST(GemmFp8W8a16, ModelSizes) {
                                                            {2048, 6144}, {6144, 2048},  {16384, 2048}};
   for (size_t i = 0; i < shapes.size(); ++i) {
     const TestWeight w = make_weight(shapes[i].first, shapes[i].second, rng);
-    for (int64_t m : {1, 8, 16, 64}) run_and_check(ctx, w, m, Fp8GemmVariant::kAuto, rng);
+    for (int64_t m : {1, 8, 16, 24, 64}) run_and_check(ctx, w, m, Fp8GemmVariant::kAuto, rng);
     if (i % 3 == 0) run_and_check(ctx, w, 257, Fp8GemmVariant::kAuto, rng);
   }
 }
@@ -192,11 +216,12 @@ TEST(GemmFp8W8a16, ModelSizes) {
 // The decode kernel's cross-warp sum has a fixed order: the same input gives the same bits every run.
 TEST(GemmFp8W8a16, RunsAreBitIdentical) {
   DeviceContext ctx;
-  for (auto variant : {Fp8GemmVariant::kDecode, Fp8GemmVariant::kPrefill}) {
+  for (auto variant : {Fp8GemmVariant::kDecode, Fp8GemmVariant::kPrefill, Fp8GemmVariant::kBatch}) {
     std::mt19937 rng_w(17), rng_a(18), rng_b(18);
     const TestWeight w = make_weight(1000, 4096, rng_w);
-    const auto a = run_and_check(ctx, w, 9, variant, rng_a);
-    const auto b = run_and_check(ctx, w, 9, variant, rng_b);
+    const int64_t m = variant == Fp8GemmVariant::kBatch ? 40 : 9;
+    const auto a = run_and_check(ctx, w, m, variant, rng_a);
+    const auto b = run_and_check(ctx, w, m, variant, rng_b);
     EXPECT_EQ(a, b) << variant_name(variant);
   }
 }
@@ -224,6 +249,8 @@ TEST(GemmFp8W8a16, RejectsBadArguments) {
   a = good;
   a.m = 17;
   expect_error(a, Fp8GemmVariant::kDecode, "decode kernel takes m <= 16");
+  a.m = 65;
+  expect_error(a, Fp8GemmVariant::kBatch, "batch kernel takes m <= 64");
   a = good;
   a.x = reinterpret_cast<const uint16_t*>(dx.as<uint8_t>() + 8);
   expect_error(a, Fp8GemmVariant::kAuto, "x is not 16-byte aligned");

@@ -14,6 +14,11 @@ namespace {
 
 bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
+// The batch kernel loads 32 codes of a row at once (weight_batch.cuh).
+bool nvfp4_batch_fits(const Nvfp4WeightView& w) {
+  return w.k % 32 == 0 && is_aligned(w.packed, 16) && is_aligned(w.scales, 2);
+}
+
 Expected<void> nvfp4_validate(const GemmNvfp4W4a16Args& a, Nvfp4GemmVariant variant) {
   const Nvfp4WeightView& w = a.w;
   if (a.m < 0 || w.n <= 0 || w.k <= 0) {
@@ -48,6 +53,13 @@ Expected<void> nvfp4_validate(const GemmNvfp4W4a16Args& a, Nvfp4GemmVariant vari
   if (variant == Nvfp4GemmVariant::kDecode && a.m > kNvfp4DecodeMaxM) {
     return make_error("gemm_nvfp4_w4a16: the decode kernel takes m <= {}, got m={}", kNvfp4DecodeMaxM, a.m);
   }
+  if (variant == Nvfp4GemmVariant::kBatch && a.m > kNvfp4BatchMaxM) {
+    return make_error("gemm_nvfp4_w4a16: the batch kernel takes m <= {}, got m={}", kNvfp4BatchMaxM, a.m);
+  }
+  if (variant == Nvfp4GemmVariant::kBatch && !nvfp4_batch_fits(w)) {
+    return make_error("gemm_nvfp4_w4a16: the batch kernel needs k % 32 == 0 (k={}), 16-byte aligned packed rows and "
+                      "2-byte aligned scales", w.k);
+  }
   return {};
 }
 
@@ -62,7 +74,12 @@ Expected<void> gemm_nvfp4_w4a16(const DeviceContext& ctx, const GemmNvfp4W4a16Ar
     nvfp4_w4a16_launch_decode(ctx, args);
     return {};
   }
-  if (variant == Nvfp4GemmVariant::kAuto && args.m <= kNvfp4SlicedDecodeMaxM) {
+  const bool auto_small = variant == Nvfp4GemmVariant::kAuto && args.m <= kNvfp4BatchMaxM;
+  if (variant == Nvfp4GemmVariant::kBatch || (auto_small && nvfp4_batch_fits(args.w))) {
+    nvfp4_w4a16_launch_batch(ctx, args);
+    return {};
+  }
+  if (variant == Nvfp4GemmVariant::kSliced || auto_small) {
     decode_in_slices(args, kNvfp4DecodeMaxM,
                      [&](const GemmNvfp4W4a16Args& slice) { nvfp4_w4a16_launch_decode(ctx, slice); });
     return {};

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "kernels/cuda/gemm/dequant_prefill.cuh"
+#include "kernels/cuda/gemm/weight_batch.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/nvfp4/nvfp4_device.cuh"
@@ -128,6 +129,22 @@ void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Arg
   const DecodeShape shape = decode_choose_shape(ctx.props().num_sms, a.w.n, a.w.k, 1, token_tiles, vec16);
   if (token_tiles == 1) return decode_launch_tiles<1>(p, shape, vec16, ctx);
   decode_launch_tiles<2>(p, shape, vec16, ctx);
+}
+
+void nvfp4_w4a16_launch_batch(const DeviceContext& ctx, const GemmNvfp4W4a16Args& a) {
+  const weight_batch::BatchParams p{.x = a.x,
+                                    .packed = a.w.packed,
+                                    .scales = a.w.scales,
+                                    .row_scales = nullptr,
+                                    .y = a.y,
+                                    .out_scale = column_scales(a.w, static_cast<float>(1 << kDecodeShift)),
+                                    .partials = nullptr,
+                                    .m = static_cast<int>(a.m),
+                                    .n = static_cast<int>(a.w.n),
+                                    .k = static_cast<int>(a.w.k),
+                                    .ldy = a.ldy > 0 ? a.ldy : a.w.n,
+                                    .steps_per_split = 0};
+  weight_batch::launch<dequant_prefill::Format::kNvfp4>(p, ctx);
 }
 
 void nvfp4_w4a16_launch_prefill(const DeviceContext& ctx, const GemmNvfp4W4a16Args& a) {

@@ -33,17 +33,21 @@ struct GemmNvfp4W4a16Args {
 };
 
 enum class Nvfp4GemmVariant {
-  kAuto,     // decode for m <= kNvfp4DecodeMaxM, decode per 16-row slice up to kNvfp4SlicedDecodeMaxM, then kDequant
+  kAuto,     // decode for m <= kNvfp4DecodeMaxM, kBatch up to kNvfp4BatchMaxM (kSliced where the weight does not fit
+             // it), then kDequant
   kDecode,   // m <= kNvfp4DecodeMaxM only
+  kBatch,    // m <= kNvfp4BatchMaxM, k % 32 == 0, packed 16-byte and scales 2-byte aligned: the weight read once
+  kSliced,   // the decode kernel per 16-row slice, any m
   kPrefill,  // the prefill kernel, any m
   kDequant,  // the weight dequantized to bf16 a chunk at a time, then cuBLASLt (dequant_gemm.h), any m
 };
 
 inline constexpr int64_t kNvfp4DecodeMaxM = 16;
-inline constexpr int64_t kNvfp4SlicedDecodeMaxM = 64;
+inline constexpr int64_t kNvfp4BatchMaxM = 64;
 
 // Unchecked launches on ctx.stream(), for arguments gemm_nvfp4_w4a16() has validated (m >= 1).
 void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Args& args);
+void nvfp4_w4a16_launch_batch(const DeviceContext& ctx, const GemmNvfp4W4a16Args& args);
 void nvfp4_w4a16_launch_prefill(const DeviceContext& ctx, const GemmNvfp4W4a16Args& args);
 
 }  // namespace tern

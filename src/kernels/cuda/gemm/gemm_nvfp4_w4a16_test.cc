@@ -80,17 +80,25 @@ Nvfp4WeightView view_of(const TestWeight& t) {
 
 const char* variant_name(Nvfp4GemmVariant v) {
   switch (v) {
-    case Nvfp4GemmVariant::kAuto: return "auto";
-    case Nvfp4GemmVariant::kDecode: return "decode";
-    case Nvfp4GemmVariant::kDequant: return "dequant";
-    default: return "prefill";
+    case Nvfp4GemmVariant::kAuto:
+      return "auto";
+    case Nvfp4GemmVariant::kDecode:
+      return "decode";
+    case Nvfp4GemmVariant::kDequant:
+      return "dequant";
+    case Nvfp4GemmVariant::kBatch:
+      return "batch";
+    case Nvfp4GemmVariant::kSliced:
+      return "sliced";
+    default:
+      return "prefill";
   }
 }
 
 // Runs y = x · W^T for fresh random x of m rows and checks every element. Returns y for callers that compare runs.
 // `pad` > 0 writes into columns [pad, pad + n) of a [m, n + 2 pad] output (ldy), checking the rest stays untouched.
-std::vector<uint16_t> run_and_check(const DeviceContext& ctx, const TestWeight& w, int64_t m,
-                                    Nvfp4GemmVariant variant, std::mt19937& rng, int64_t pad = 0) {
+std::vector<uint16_t> run_and_check(const DeviceContext& ctx, const TestWeight& w, int64_t m, Nvfp4GemmVariant variant,
+                                    std::mt19937& rng, int64_t pad = 0) {
   const int64_t n = w.q.rows, k = w.q.cols, ldy = n + 2 * pad;
   const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(m * k), rng);
   DeviceBuffer dx(x.size() * 2), dy(static_cast<size_t>(m * ldy) * 2);
@@ -104,9 +112,8 @@ std::vector<uint16_t> run_and_check(const DeviceContext& ctx, const TestWeight& 
   std::vector<uint16_t> full(static_cast<size_t>(m * ldy), kPoison);
   TERN_CUDA_CHECK(cudaMemcpy(full.data(), dy.data(), full.size() * 2, cudaMemcpyDeviceToHost));
   const auto ref = gemm_test::reference_gemm(gemm_test::bf16_to_floats(x), w.dequant, m, n, k);
-  const std::string what = std::string(variant_name(variant)) + " m=" + std::to_string(m) +
-                           " n=" + std::to_string(n) + " k=" + std::to_string(k) +
-                           (pad > 0 ? " ldy=" + std::to_string(ldy) : "");
+  const std::string what = std::string(variant_name(variant)) + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
+                           " k=" + std::to_string(k) + (pad > 0 ? " ldy=" + std::to_string(ldy) : "");
   std::vector<uint16_t> y = gemm_test::strided_columns(full, m, n, ldy, pad, what);
   gemm_test::check_gemm(y, ref, m, n, what);
   return y;
@@ -118,16 +125,18 @@ const std::vector<int64_t> kOddM = {1, 3, 7, 16, 17, 100, 257};
 TEST(GemmNvfp4W4a16, EdgeShapesBothKernels) {
   DeviceContext ctx;
   std::mt19937 rng(1001);
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1000, 1040}, {1001, 784}, {17, 4128}, {64, 16},
-                                                           {1000, 4096}, {3, 48}};
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1000, 1040}, {1001, 784},  {17, 4128},
+                                                           {64, 16},     {1000, 4096}, {3, 48}};
   for (const auto& [n, k] : shapes) {
     const TestWeight w = make_weight(n, k, rng);
     for (int64_t m : kOddM) {
       if (m <= kNvfp4DecodeMaxM) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng);
+      if (m <= kNvfp4BatchMaxM && k % 32 == 0) run_and_check(ctx, w, m, Nvfp4GemmVariant::kBatch, rng);
       run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng);
       run_and_check(ctx, w, m, Nvfp4GemmVariant::kDequant, rng);
     }
-    run_and_check(ctx, w, 37, Nvfp4GemmVariant::kAuto, rng);  // decode over 16-row slices, last one partial
+    run_and_check(ctx, w, 37, Nvfp4GemmVariant::kAuto, rng);  // the batch kernel, or 16-row decode slices past it
+    run_and_check(ctx, w, 37, Nvfp4GemmVariant::kSliced, rng);
   }
 }
 
@@ -143,6 +152,9 @@ TEST(GemmNvfp4W4a16, StackedPartsKeepTheirGlobalScales) {
     const TestWeight w = stack_weights(rows, k, rng);
     for (const float s : w.part_scale) ASSERT_NE(s, w.q.global_scale) << "parts must differ in scale to test them";
     for (int64_t m : {1, 9, 16}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng);
+    if (w.q.cols % 32 == 0) {
+      for (int64_t m : {17, 64}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kBatch, rng, 2);
+    }
     for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng);
     for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDequant, rng, 2);
     run_and_check(ctx, w, 40, Nvfp4GemmVariant::kAuto, rng, 2);
@@ -156,6 +168,7 @@ TEST(GemmNvfp4W4a16, StridedOutput) {
   for (int64_t n : {512, 333}) {
     const TestWeight w = make_weight(n, 1024, rng);
     for (int64_t m : {1, 9}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng, 2);
+    for (int64_t m : {3, 33}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kBatch, rng, 2);
     for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng, 2);
     for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDequant, rng, 2);
     run_and_check(ctx, w, 40, Nvfp4GemmVariant::kAuto, rng, 2);
@@ -170,6 +183,7 @@ TEST(GemmNvfp4W4a16, SmallShapes) {
     const TestWeight w = make_weight(n, k, rng);
     for (int64_t m : {1, 7, 16, 17, 100}) {
       if (m <= kNvfp4DecodeMaxM) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng);
+      if (m <= kNvfp4BatchMaxM && k % 32 == 0) run_and_check(ctx, w, m, Nvfp4GemmVariant::kBatch, rng);
       run_and_check(ctx, w, m, Nvfp4GemmVariant::kPrefill, rng);
       run_and_check(ctx, w, m, Nvfp4GemmVariant::kDequant, rng);
     }
@@ -186,6 +200,18 @@ TEST(GemmNvfp4W4a16, DecodeEveryM) {
   }
 }
 
+// Every batch-kernel size, on a weight that splits K over several blocks (partials through the workspace, each
+// block of the row block's cluster adding its share of the columns) and on one with more row blocks than SMs and one
+// step (no split).
+TEST(GemmNvfp4W4a16, BatchEveryM) {
+  DeviceContext ctx;
+  std::mt19937 rng(1009);
+  const TestWeight w = make_weight(301, 2080, rng);
+  for (int64_t m = 1; m <= kNvfp4BatchMaxM; ++m) run_and_check(ctx, w, m, Nvfp4GemmVariant::kBatch, rng);
+  const TestWeight wide = make_weight(34000, 96, rng);
+  for (int64_t m : {5, 64}) run_and_check(ctx, wide, m, Nvfp4GemmVariant::kBatch, rng);
+}
+
 // The model sizes the kernels exist for (dense 4096-wide projections and MoE experts), through kAuto.
 TEST(GemmNvfp4W4a16, ModelSizes) {
   DeviceContext ctx;
@@ -194,7 +220,7 @@ TEST(GemmNvfp4W4a16, ModelSizes) {
                                                            {1024, 4096}, {4096, 1024},  {2048, 6144}};
   for (size_t i = 0; i < shapes.size(); ++i) {
     const TestWeight w = make_weight(shapes[i].first, shapes[i].second, rng);
-    for (int64_t m : {1, 7, 16, 64}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kAuto, rng);
+    for (int64_t m : {1, 7, 16, 24, 64}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kAuto, rng);
     if (i % 3 == 0) run_and_check(ctx, w, 257, Nvfp4GemmVariant::kAuto, rng);
   }
 }
@@ -220,11 +246,12 @@ TEST(GemmNvfp4W4a16, DecodeModelShapes) {
 // The decode kernel's cross-warp sum has a fixed order: the same input gives the same bits every run.
 TEST(GemmNvfp4W4a16, RunsAreBitIdentical) {
   DeviceContext ctx;
-  for (auto variant : {Nvfp4GemmVariant::kDecode, Nvfp4GemmVariant::kPrefill}) {
+  for (auto variant : {Nvfp4GemmVariant::kDecode, Nvfp4GemmVariant::kPrefill, Nvfp4GemmVariant::kBatch}) {
     std::mt19937 rng_w(7), rng_a(8), rng_b(8);
     const TestWeight w = make_weight(1000, 4096, rng_w);
-    const auto a = run_and_check(ctx, w, 9, variant, rng_a);
-    const auto b = run_and_check(ctx, w, 9, variant, rng_b);
+    const int64_t m = variant == Nvfp4GemmVariant::kBatch ? 40 : 9;
+    const auto a = run_and_check(ctx, w, m, variant, rng_a);
+    const auto b = run_and_check(ctx, w, m, variant, rng_b);
     EXPECT_EQ(a, b) << variant_name(variant);
   }
 }
@@ -255,6 +282,11 @@ TEST(GemmNvfp4W4a16, RejectsBadArguments) {
   a = good;
   a.m = 17;
   expect_error(a, Nvfp4GemmVariant::kDecode, "decode kernel takes m <= 16");
+  a.m = 65;
+  expect_error(a, Nvfp4GemmVariant::kBatch, "batch kernel takes m <= 64");
+  a = good;
+  a.w.k = 48;
+  expect_error(a, Nvfp4GemmVariant::kBatch, "batch kernel needs k % 32 == 0 (k=48)");
   a = good;
   a.x = reinterpret_cast<const uint16_t*>(dx.as<uint8_t>() + 8);
   expect_error(a, Nvfp4GemmVariant::kAuto, "x is not 16-byte aligned");
