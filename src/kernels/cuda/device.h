@@ -99,9 +99,9 @@ class DeviceContext {
   void* cublas_workspace() const { return workspace_.data(); }
   size_t cublas_workspace_bytes() const { return workspace_.size_bytes(); }
   void synchronize() const { TERN_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
-  // bf16 scratch of the weight-only GEMMs' large-m path: a chunk of a quantized weight dequantized there, then
-  // multiplied by cuBLASLt (gemm_fp8_w8a16, gemm_nvfp4_w4a16). Allocated with the context, so graphs may use it;
-  // work on the context's stream only.
+  // Scratch of the weight-only GEMMs (gemm_fp8_w8a16, gemm_nvfp4_w4a16): past 64 rows a chunk of a quantized weight
+  // dequantized to bf16 there, then multiplied by cuBLASLt; at 17..64 rows the batch kernel's fp32 partial sums
+  // (gemm/weight_batch.cuh). Allocated with the context, so graphs may use it; work on the context's stream only.
   uint16_t* weight_workspace() const { return weight_workspace_.as<uint16_t>(); }
   size_t weight_workspace_bytes() const { return weight_workspace_.size_bytes(); }
 
