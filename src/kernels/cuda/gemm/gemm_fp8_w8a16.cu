@@ -117,34 +117,31 @@ void fp8_w8a16_launch_decode(const DeviceContext& ctx, const GemmFp8W8a16Args& a
   decode_launch_split<2>(p, split, ctx);
 }
 
+
+namespace {
+
+// The operands as the prefill and batch kernels take them.
+dequant_prefill::PrefillParams operands(const GemmFp8W8a16Args& a) {
+  return dequant_prefill::PrefillParams{.x = a.x,
+                                        .packed = a.w.codes,
+                                        .scales = nullptr,
+                                        .row_scales = a.w.row_scales,
+                                        .y = a.y,
+                                        .out_scale = dequant_prefill::unit_column_scales(),
+                                        .m = static_cast<int>(a.m),
+                                        .n = static_cast<int>(a.w.n),
+                                        .k = static_cast<int>(a.w.k),
+                                        .ldy = a.ldy > 0 ? a.ldy : a.w.n};
+}
+
+}  // namespace
+
 void fp8_w8a16_launch_batch(const DeviceContext& ctx, const GemmFp8W8a16Args& a) {
-  const weight_batch::BatchParams p{.x = a.x,
-                                    .packed = a.w.codes,
-                                    .scales = nullptr,
-                                    .row_scales = a.w.row_scales,
-                                    .y = a.y,
-                                    .out_scale = dequant_prefill::unit_column_scales(),
-                                    .partials = nullptr,
-                                    .m = static_cast<int>(a.m),
-                                    .n = static_cast<int>(a.w.n),
-                                    .k = static_cast<int>(a.w.k),
-                                    .ldy = a.ldy > 0 ? a.ldy : a.w.n,
-                                    .steps_per_split = 0};
-  weight_batch::launch<dequant_prefill::Format::kFp8>(p, ctx);
+  weight_batch::launch<dequant_prefill::Format::kFp8>(operands(a), ctx);
 }
 
 void fp8_w8a16_launch_prefill(const DeviceContext& ctx, const GemmFp8W8a16Args& a) {
-  const dequant_prefill::PrefillParams p{.x = a.x,
-                                         .packed = a.w.codes,
-                                         .scales = nullptr,
-                                         .row_scales = a.w.row_scales,
-                                         .y = a.y,
-                                         .out_scale = dequant_prefill::unit_column_scales(),
-                                         .m = static_cast<int>(a.m),
-                                         .n = static_cast<int>(a.w.n),
-                                         .k = static_cast<int>(a.w.k),
-                                         .ldy = a.ldy > 0 ? a.ldy : a.w.n};
-  dequant_prefill::launch<dequant_prefill::Format::kFp8>(p, ctx);
+  dequant_prefill::launch<dequant_prefill::Format::kFp8>(operands(a), ctx);
 }
 
 // What the driver loaded of this module for the current device (module_attributes.h).

@@ -131,34 +131,32 @@ void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Arg
   decode_launch_tiles<2>(p, shape, vec16, ctx);
 }
 
+
+namespace {
+
+// The operands as the prefill and batch kernels take them; `out_multiplier` folds the kernel's power of two into
+// each part's weight_scale_2.
+dequant_prefill::PrefillParams operands(const GemmNvfp4W4a16Args& a, float out_multiplier) {
+  return dequant_prefill::PrefillParams{.x = a.x,
+                                        .packed = a.w.packed,
+                                        .scales = a.w.scales,
+                                        .row_scales = nullptr,
+                                        .y = a.y,
+                                        .out_scale = column_scales(a.w, out_multiplier),
+                                        .m = static_cast<int>(a.m),
+                                        .n = static_cast<int>(a.w.n),
+                                        .k = static_cast<int>(a.w.k),
+                                        .ldy = a.ldy > 0 ? a.ldy : a.w.n};
+}
+
+}  // namespace
+
 void nvfp4_w4a16_launch_batch(const DeviceContext& ctx, const GemmNvfp4W4a16Args& a) {
-  const weight_batch::BatchParams p{.x = a.x,
-                                    .packed = a.w.packed,
-                                    .scales = a.w.scales,
-                                    .row_scales = nullptr,
-                                    .y = a.y,
-                                    .out_scale = column_scales(a.w, static_cast<float>(1 << kDecodeShift)),
-                                    .partials = nullptr,
-                                    .m = static_cast<int>(a.m),
-                                    .n = static_cast<int>(a.w.n),
-                                    .k = static_cast<int>(a.w.k),
-                                    .ldy = a.ldy > 0 ? a.ldy : a.w.n,
-                                    .steps_per_split = 0};
-  weight_batch::launch<dequant_prefill::Format::kNvfp4>(p, ctx);
+  weight_batch::launch<dequant_prefill::Format::kNvfp4>(operands(a, static_cast<float>(1 << kDecodeShift)), ctx);
 }
 
 void nvfp4_w4a16_launch_prefill(const DeviceContext& ctx, const GemmNvfp4W4a16Args& a) {
-  const dequant_prefill::PrefillParams p{.x = a.x,
-                                         .packed = a.w.packed,
-                                         .scales = a.w.scales,
-                                         .row_scales = nullptr,
-                                         .y = a.y,
-                                         .out_scale = column_scales(a.w, 1.0f),
-                                         .m = static_cast<int>(a.m),
-                                         .n = static_cast<int>(a.w.n),
-                                         .k = static_cast<int>(a.w.k),
-                                         .ldy = a.ldy > 0 ? a.ldy : a.w.n};
-  dequant_prefill::launch<dequant_prefill::Format::kNvfp4>(p, ctx);
+  dequant_prefill::launch<dequant_prefill::Format::kNvfp4>(operands(a, 1.0f), ctx);
 }
 
 // What the driver loaded of this module for the current device (module_attributes.h).

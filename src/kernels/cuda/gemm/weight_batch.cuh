@@ -45,16 +45,10 @@ constexpr int kBatchThreads = kBatchWarps * 32;
 // Weight rows of a block: a warp holds kMTiles m16 tiles (16 rows each).
 __host__ __device__ constexpr int batch_rows(int m_tiles) { return kBatchWarps * 16 * m_tiles; }
 
-struct BatchParams {
-  const uint16_t* x;        // [m, k]
-  const uint8_t* packed;    // NVFP4 packed e2m1 [n, k/2]; FP8 e4m3 codes [n, k]
-  const uint8_t* scales;    // NVFP4 e4m3 block scales [n, k/16]
-  const float* row_scales;  // FP8 [n, ceil(k/128)]
-  uint16_t* y;              // [m, ldy]
-  ColumnScales out_scale;   // NVFP4: weight_scale_2 * 2^kDecodeShift per part; FP8: 1
-  float* partials;          // [splits, n, 8 * token tiles] fp32 when splits > 1
-  int m, n, k;
-  int64_t ldy;
+// The prefill kernel's operands (x, the weight in its format, y, the output scales: NVFP4 weight_scale_2 times
+// 2^kDecodeShift per part, FP8 1), and the split-K state the launcher fills in.
+struct BatchParams : dequant_prefill::PrefillParams {
+  float* partials;      // [splits, n, 8 * token tiles] fp32 when splits > 1: the context's weight workspace
   int steps_per_split;
 };
 
@@ -344,9 +338,8 @@ inline BatchShape batch_choose_shape(int num_sms, int64_t n, int64_t k, int64_t 
 
 // launch_kernel's launch (programmatic when the context says so), the splits of a row block as one cluster.
 template <Format kFormat, int kMTiles, int kTokenTiles>
-void launch_tiles(const BatchParams& p, const BatchShape& shape, const DeviceContext& ctx) {
-  BatchParams q = p;
-  q.steps_per_split = shape.steps_per_split;
+void launch_tiles(const dequant_prefill::PrefillParams& p, const BatchShape& shape, const DeviceContext& ctx) {
+  const BatchParams q{p, reinterpret_cast<float*>(ctx.weight_workspace()), shape.steps_per_split};
   cudaLaunchAttribute attributes[2] = {};
   unsigned count = 0;
   if (ctx.programmatic_launch()) {
@@ -372,12 +365,11 @@ void launch_tiles(const BatchParams& p, const BatchShape& shape, const DeviceCon
 // Launches for p.m in 1 .. 64 (four token tiles up to 32 rows, eight above); the partials go to the context's
 // weight_workspace.
 template <Format kFormat>
-void launch(BatchParams p, const DeviceContext& ctx) {
+void launch(const dequant_prefill::PrefillParams& p, const DeviceContext& ctx) {
   const int token_tiles = p.m <= 32 ? 4 : 8;
   const BatchShape shape = batch_choose_shape<kFormat>(ctx.props().num_sms, p.n, p.k,
                                                        ctx.weight_workspace_bytes() / sizeof(float), kBatchMTiles,
                                                        token_tiles);
-  p.partials = reinterpret_cast<float*>(ctx.weight_workspace());
   if (token_tiles == 4) return launch_tiles<kFormat, kBatchMTiles, 4>(p, shape, ctx);
   launch_tiles<kFormat, kBatchMTiles, 8>(p, shape, ctx);
 }
