@@ -31,7 +31,8 @@ cases=(
   "cuda_moe_test:MoeRouteAlign.*:MoeGemm.SecondProjectionInTheSameLaunch:MoeGemm.SiluMulFoldedIntoTheDecodeKernel"
   "cuda_sampling_test:CudaSampling.GreedyMatchesCpuIncludingTies:CudaSampling.PenaltiesMatchCpu:CudaSampling.NonFiniteLogitsFailOnlyTheirRow:CudaSampling.NonFiniteLogitsInOneOrTwoRows"
   "cuda_nvfp4_quantize_test:*"
-  "cuda_mla_test:CudaMla.PrepareMatchesReference:CudaMla.SelectedAttentionMatchesReference:CudaMla.BadArgumentsAreErrors"
+  "cuda_mla_test:CudaMla.PrepareMatchesReference:CudaMla.SelectedAttentionMatchesReference:CudaMla.BadArgumentsAreErrors:CudaMla.RowsFindTheirSequenceAmongMany"
+  "cuda_mla_indexer_test:CudaIndexer.FixtureShapesAfterPrepare:CudaIndexer.ExactTiesTakeTheEarlierKeys:CudaIndexer.TopkOverSeveralBlocksPerRow"
   "gpu_model_test:GpuModel.GlmDecodeGraphsCoverAContextBetweenPowersOfTwo"
 )
 failed=0

@@ -340,25 +340,9 @@ inline BatchShape batch_choose_shape(int num_sms, int64_t n, int64_t k, int64_t 
 template <Format kFormat, int kMTiles, int kTokenTiles>
 void launch_tiles(const dequant_prefill::PrefillParams& p, const BatchShape& shape, const DeviceContext& ctx) {
   const BatchParams q{p, reinterpret_cast<float*>(ctx.weight_workspace()), shape.steps_per_split};
-  cudaLaunchAttribute attributes[2] = {};
-  unsigned count = 0;
-  if (ctx.programmatic_launch()) {
-    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[count++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (shape.splits > 1) {
-    attributes[count].id = cudaLaunchAttributeClusterDimension;
-    attributes[count].val.clusterDim.x = 1;
-    attributes[count].val.clusterDim.y = static_cast<unsigned>(shape.splits);
-    attributes[count++].val.clusterDim.z = 1;
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(shape.row_blocks), static_cast<unsigned>(shape.splits));
-  config.blockDim = dim3(kBatchThreads);
-  config.stream = ctx.stream();
-  config.attrs = attributes;
-  config.numAttrs = count;
-  (void)cudaLaunchKernelEx(&config, batch_kernel<kFormat, kMTiles, kTokenTiles>, q);
+  launch_kernel_clustered(ctx, batch_kernel<kFormat, kMTiles, kTokenTiles>,
+                          dim3(static_cast<unsigned>(shape.row_blocks), static_cast<unsigned>(shape.splits)),
+                          dim3(kBatchThreads), 0, dim3(1, static_cast<unsigned>(shape.splits), 1), q);
   TERN_CUDA_CHECK_LAUNCH();
 }
 

@@ -84,6 +84,9 @@ Expected<void> select_validate(const DeviceContext& ctx, const IndexerSelectArgs
   if (a.weights_stride < a.n_heads) {
     return make_error("{}: weights_stride={} is below n_heads={}", k, a.weights_stride, a.n_heads);
   }
+  if (a.topk_blocks != 0 && a.topk_blocks != 1 && a.topk_blocks != 2 && a.topk_blocks != 4 && a.topk_blocks != 8) {
+    return make_error("{}: topk_blocks={} must be 0 (the rule), 1, 2, 4 or 8", k, a.topk_blocks);
+  }
   TERN_TRY(check_vec_pointer(k, "q", a.q));
   TERN_TRY(check_pointer(k, "weights", a.weights));
   TERN_TRY(check_pointer(k, "block_tables", a.block_tables));

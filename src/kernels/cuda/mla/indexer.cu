@@ -1,6 +1,7 @@
 // The DSA lightning indexer kernels of the GPU model path: indexer_prepare (LayerNorm and RoPE of the key into its
 // cache slot, RoPE of the queries), the score kernel on the tensor cores and the exact top-k; contracts in
 // indexer_launch.h.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -256,19 +257,26 @@ __global__ void __launch_bounds__(kScoreThreads) indexer_scores_kernel(const Sco
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Top-k. One block per query row. Rows with n <= topk list 0..n-1 and -1 after. Otherwise the scores are mapped to
-// order-preserving uint32 keys (-0 counted as +0, so equal scores are equal keys) and a radix select finds the k-th
-// largest key thr, 8 bits per pass from the top: a shared-memory histogram of the next digit over the keys whose
-// higher digits match the prefix so far, then the digit where the count from the top reaches the keys still
-// wanted. After four passes thr is exact, (topk - take) keys lie above it and the `take` earliest keys equal to it
-// complete the selection. A stable compaction in key order then writes them: a key's output index is the number of
-// selected keys before it, gt_before + min(eq_before, take), from block prefix sums of (above, equal) counts over
-// chunks of kTopkChunk keys (kTopkRun consecutive keys per thread), so the list comes out ascending. Every step is a
-// fixed function of the scores: the selection is deterministic.
+// Top-k. One thread-block cluster of p.cluster blocks (1, 2, 4 or 8) per query row; block r of a row owns the slice
+// [r L, (r + 1) L) of its keys (L = n / p.cluster rounded up to a multiple of 4). Rows with n <= topk list 0..n-1 and
+// -1 after. Otherwise the scores are mapped to order-preserving uint32 keys (-0 counted as +0, so equal scores are
+// equal keys), held in shared memory when the slice fits p.stage_keys (else re-read from the workspace each pass),
+// and a radix select finds the k-th largest key thr, 8 bits per pass from the top: each block histograms the next
+// digit over its keys whose higher digits match the prefix so far, the cluster meets, every block adds all the
+// blocks' histograms (distributed shared memory, in rank order) and finds the digit where the count from the top
+// reaches the keys still wanted. After four passes thr is exact, (topk - take) keys lie above it and the `take`
+// earliest keys equal to it complete the selection. Each block knows its own counts of keys above and equal to thr
+// from its histograms; after a last cluster barrier a block adds those of the blocks before it, and a stable
+// compaction in key order writes its keys: a key's output index is the number of selected keys before it,
+// gt_before + min(eq_before, take), from block prefix sums of (above, equal) counts over chunks of kTopkChunk keys
+// (kTopkRun consecutive keys per thread), so the list comes out ascending. Every step is a fixed function of the
+// scores: the selection is deterministic, and the same for every cluster size. Spreading a row over several SMs is
+// for few rows: one block per row was bound by one SM's reads of the row (five passes) from L2.
 
 constexpr int kTopkThreads = 512;
 constexpr int kTopkWarps = kTopkThreads / 32;
 constexpr int kTopkLoads = 4;             // float4 loads in flight per thread (the scores come from L2)
+constexpr int kTopkStageLoads = 8;       // float4 loads in flight per thread while a slice is staged
 constexpr int kTopkRun = 4 * kTopkLoads;  // consecutive keys per thread in a compaction chunk
 constexpr int kTopkChunk = kTopkRun * kTopkThreads;
 static_assert(kTopkChunk < 65536, "per-chunk counts are packed in 16 bits");
@@ -278,6 +286,8 @@ struct TopkParams {
   IndexerSelectArgs a;
   int key_limit;
   int64_t ld;
+  int cluster;     // blocks per row
+  int stage_keys;  // slice keys the dynamic shared memory holds; 0: none staged
 };
 
 __device__ __forceinline__ uint32_t order_key(float f) {
@@ -286,55 +296,109 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (b & 0x80000000u) != 0 ? ~b : (b | 0x80000000u);
 }
 
+// f(i, row4[i]) for i in [0, len4) over the block's threads, kLoads loads in flight per thread.
+template <int kLoads, class F>
+__device__ __forceinline__ void for_each_float4(const float4* row4, int len4, F&& f) {
+  for (int base = static_cast<int>(threadIdx.x); base < len4; base += kLoads * kTopkThreads) {
+    float4 v[kLoads];
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int i = base + l * kTopkThreads;
+      v[l] = i < len4 ? row4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      if (base + l * kTopkThreads < len4) f(base + l * kTopkThreads, v[l]);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const TopkParams p) {
   ptx::grid_dependency_begin();
-  __shared__ uint32_t hist[256];
+  extern __shared__ __align__(16) uint32_t stage[];  // [stage_keys]: the slice's order keys
+  __shared__ __align__(16) uint32_t hist[2][256];   // by pass parity: the last pass's is still read by the others
   __shared__ uint32_t warp_prefix[kTopkWarps];
   __shared__ uint32_t chosen_digit, chosen_remaining, chunk_total;
+  __shared__ uint32_t slice_counts[2];  // this block's keys above and equal to thr
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  auto meet = [&] {  // the row's blocks at a barrier (one block: the block's barrier, cheaper)
+    if (p.cluster > 1) {
+      cluster.sync();
+    } else {
+      __syncthreads();
+    }
+  };
   const IndexerSelectArgs& a = p.a;
-  const int t = blockIdx.x;
+  const int rank = static_cast<int>(blockIdx.x) % p.cluster, t = static_cast<int>(blockIdx.x) / p.cluster;
   const int n = row_keys(a, t, p.key_limit).n;
   const int topk = static_cast<int>(a.topk);
   int32_t* out = a.selected + int64_t{t} * topk;
-  if (n <= topk) {
-    for (int i = threadIdx.x; i < topk; i += kTopkThreads) out[i] = i < n ? i : -1;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  if (n <= topk) {  // the same for every block of the cluster: none meets the others
+    for (int i = rank * kTopkThreads + tid; i < topk; i += p.cluster * kTopkThreads) out[i] = i < n ? i : -1;
     return;
   }
-  const float4* row4 = reinterpret_cast<const float4*>(static_cast<const float*>(a.workspace) + int64_t{t} * p.ld);
-  const int n4 = (n + 3) / 4;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-
-  // Radix select of the topk-th largest key.
-  uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(topk);
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < 256; i += kTopkThreads) hist[i] = 0;
-    __syncthreads();
-    for (int base = threadIdx.x; base < n4; base += kTopkLoads * kTopkThreads) {
-      float4 v[kTopkLoads];
-#pragma unroll
-      for (int l = 0; l < kTopkLoads; ++l) {
-        const int i = base + l * kTopkThreads;
-        v[l] = i < n4 ? row4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-#pragma unroll
-      for (int l = 0; l < kTopkLoads; ++l) {
-        const int key = 4 * (base + l * kTopkThreads);
-        const float vals[4] = {v[l].x, v[l].y, v[l].z, v[l].w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t u = order_key(vals[e]);
-          if (key + e < n && (u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 0xFFu], 1u);
-        }
-      }
+  const float* row = static_cast<const float*>(a.workspace) + int64_t{t} * p.ld;
+  const int slice = ((n + p.cluster - 1) / p.cluster + 3) / 4 * 4;
+  const int begin = min(n, rank * slice), end = min(n, begin + slice), len = end - begin;
+  const bool staged = slice <= p.stage_keys;
+  const float4* row4 = reinterpret_cast<const float4*>(row + begin);  // begin is a multiple of 4
+  const int len4 = (len + 3) / 4;
+  if (staged) {
+    for_each_float4<kTopkStageLoads>(row4, len4, [&](int i, float4 v) {
+      reinterpret_cast<uint4*>(stage)[i] = make_uint4(order_key(v.x), order_key(v.y), order_key(v.z), order_key(v.w));
+    });
+  }
+  // f(key offset in the slice, order key) over the slice, from shared memory or the workspace.
+  auto for_each_key = [&](auto&& f) {
+    if (staged) {
+      for (int i = tid; i < len; i += kTopkThreads) f(i, stage[i]);
+      return;
     }
-    __syncthreads();
+    for_each_float4<kTopkLoads>(row4, len4, [&](int i, float4 v) {
+      f(4 * i, order_key(v.x));
+      f(4 * i + 1, order_key(v.y));
+      f(4 * i + 2, order_key(v.z));
+      f(4 * i + 3, order_key(v.w));
+    });
+  };
+
+  // Radix select of the topk-th largest key over the whole row.
+  uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(topk), above_here = 0;
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = 24 - 8 * pass;
+    uint32_t* h = hist[pass & 1];
+    for (int i = tid; i < 256; i += kTopkThreads) h[i] = 0;
+    __syncthreads();  // also publishes the staged keys before the first pass
+    for_each_key([&](int key, uint32_t u) {
+      if (key < len && (u & mask) == prefix) atomicAdd(&h[(u >> shift) & 0xFFu], 1u);
+    });
+    meet();  // every block's histogram is complete (and in pass 0, every block has started)
     if (warp == 0) {  // lane l owns digits 8l..8l+7; the one lane whose range holds the wanted rank finds the digit
-      uint32_t bins[8], local = 0;
-#pragma unroll
-      for (int b = 0; b < 8; ++b) {
-        bins[b] = hist[8 * lane + b];
-        local += bins[b];
+      uint32_t bins[8] = {}, own[8];
+      {
+        const uint4* mine = reinterpret_cast<const uint4*>(h) + 2 * lane;
+        const uint4 lo = mine[0], hi = mine[1];
+        own[0] = lo.x, own[1] = lo.y, own[2] = lo.z, own[3] = lo.w, own[4] = hi.x, own[5] = hi.y, own[6] = hi.z;
+        own[7] = hi.w;
       }
+      for (int r = 0; r < p.cluster; ++r) {  // every block's counts in rank order (one block: its own)
+        uint32_t v[8];
+        if (r == rank) {
+#pragma unroll
+          for (int b = 0; b < 8; ++b) v[b] = own[b];
+        } else {
+          const uint4* src = reinterpret_cast<const uint4*>(cluster.map_shared_rank(h, r)) + 2 * lane;
+          const uint4 lo = src[0], hi = src[1];
+          v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+        }
+#pragma unroll
+        for (int b = 0; b < 8; ++b) bins[b] += v[b];
+      }
+      uint32_t local = 0;
+#pragma unroll
+      for (int b = 0; b < 8; ++b) local += bins[b];
       uint32_t suffix = local;  // keys in the digits of lanes >= lane
 #pragma unroll
       for (int offset = 1; offset < 32; offset *= 2) {
@@ -342,18 +406,38 @@ __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const TopkPa
         if (lane + offset < 32) suffix += v;
       }
       const uint32_t above = suffix - local;
-      if (above < remaining && remaining <= suffix) {
+      uint32_t digit = 0, rest = 0;
+      const bool found = above < remaining && remaining <= suffix;
+      if (found) {
         uint32_t cum = above;
 #pragma unroll
         for (int b = 7; b >= 0; --b) {
           if (cum + bins[b] >= remaining) {
-            chosen_digit = static_cast<uint32_t>(8 * lane + b);
-            chosen_remaining = remaining - cum;
+            digit = static_cast<uint32_t>(8 * lane + b);
+            rest = remaining - cum;
             break;
           }
           cum += bins[b];
         }
       }
+      const int from = __ffs(__ballot_sync(0xFFFFFFFFu, found)) - 1;
+      digit = __shfl_sync(0xFFFFFFFFu, digit, from);
+      rest = __shfl_sync(0xFFFFFFFFu, rest, from);
+      // This block's keys with this pass's prefix and a higher digit lie above thr; with the last digit, the ones
+      // with exactly it equal thr. (Only the later blocks of a row need them.)
+      if (p.cluster > 1) {
+        uint32_t mine_above = 0;
+#pragma unroll
+        for (int b = 0; b < 8; ++b) mine_above += static_cast<uint32_t>(8 * lane + b) > digit ? own[b] : 0u;
+        above_here += warp_sum(mine_above);
+      }
+      if (p.cluster > 1 && pass == 3 && lane == static_cast<int>(digit / 8)) {
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+          if (static_cast<uint32_t>(8 * lane + b) == digit) slice_counts[1] = own[b];
+        }
+      }
+      if (lane == 0) chosen_digit = digit, chosen_remaining = rest;
     }
     __syncthreads();
     prefix |= chosen_digit << shift;
@@ -361,30 +445,45 @@ __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const TopkPa
     remaining = chosen_remaining;
   }
   const uint32_t thr = prefix, take = remaining, gt_total = static_cast<uint32_t>(topk) - take;
+  if (tid == 0) slice_counts[0] = above_here;  // warp 0's count (the same on each of its lanes)
 
-  // Stable compaction in key order.
-  uint32_t gt_run = 0, eq_run = 0;  // above / equal keys in the chunks before this one
-  for (int c0 = 0; c0 < n; c0 += kTopkChunk) {
-    const int key0 = c0 + kTopkRun * static_cast<int>(threadIdx.x);
-    float4 v[kTopkLoads];
-#pragma unroll
-    for (int l = 0; l < kTopkLoads; ++l) {
-      const int key = key0 + 4 * l;
-      v[l] = key < n ? row4[key / 4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  // The blocks before this one in the row: their keys above and equal to thr.
+  uint32_t gt_run = 0, eq_run = 0;  // above / equal keys in the slices and chunks before this one
+  if (p.cluster > 1) {
+    cluster.sync();
+    for (int r = 0; r < rank; ++r) {
+      const uint32_t* counts = cluster.map_shared_rank(slice_counts, r);
+      gt_run += counts[0];
+      eq_run += counts[1];
     }
+    cluster.sync();  // no block leaves while another may still read its shared memory
+  }
+
+  // Stable compaction of the slice in key order.
+  for (int c0 = 0; c0 < len; c0 += kTopkChunk) {
+    const int key0 = c0 + kTopkRun * tid;  // offset in the slice
     uint32_t u[kTopkRun];
+    if (staged) {
+#pragma unroll
+      for (int l = 0; l < kTopkLoads; ++l) {
+        const uint4 v =
+            key0 + 4 * l < len ? reinterpret_cast<const uint4*>(stage)[key0 / 4 + l] : make_uint4(0u, 0u, 0u, 0u);
+        u[4 * l] = v.x, u[4 * l + 1] = v.y, u[4 * l + 2] = v.z, u[4 * l + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int l = 0; l < kTopkLoads; ++l) {
+        const float4 v = key0 + 4 * l < len ? row4[key0 / 4 + l] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        u[4 * l] = order_key(v.x), u[4 * l + 1] = order_key(v.y), u[4 * l + 2] = order_key(v.z);
+        u[4 * l + 3] = order_key(v.w);
+      }
+    }
     uint32_t gt = 0, eq = 0;
 #pragma unroll
-    for (int l = 0; l < kTopkLoads; ++l) {
-      const float vals[4] = {v[l].x, v[l].y, v[l].z, v[l].w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = 4 * l + e;
-        u[j] = order_key(vals[e]);
-        if (key0 + j < n) {
-          gt += u[j] > thr ? 1u : 0u;
-          eq += u[j] == thr ? 1u : 0u;
-        }
+    for (int j = 0; j < kTopkRun; ++j) {
+      if (key0 + j < len) {
+        gt += u[j] > thr ? 1u : 0u;
+        eq += u[j] == thr ? 1u : 0u;
       }
     }
     const uint32_t packed = gt | (eq << 16);
@@ -412,12 +511,12 @@ __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const TopkPa
     uint32_t gt_before = gt_run + (before & 0xFFFFu), eq_before = eq_run + (before >> 16);
 #pragma unroll
     for (int j = 0; j < kTopkRun; ++j) {
-      if (key0 + j >= n) break;
+      if (key0 + j >= len) break;
       if (u[j] > thr) {
-        out[gt_before + min(eq_before, take)] = key0 + j;
+        out[gt_before + min(eq_before, take)] = begin + key0 + j;
         ++gt_before;
       } else if (u[j] == thr) {
-        if (eq_before < take) out[gt_before + eq_before] = key0 + j;
+        if (eq_before < take) out[gt_before + eq_before] = begin + key0 + j;
         ++eq_before;
       }
     }
@@ -483,8 +582,19 @@ void indexer_scores_launch(const DeviceContext& ctx, const IndexerSelectArgs& ar
 }
 
 void indexer_topk_launch(const DeviceContext& ctx, const IndexerSelectArgs& args) {
-  const TopkParams p{.a = args, .key_limit = select_key_limit(args), .ld = indexer_scores_ld(args.max_seq_len)};
-  launch_kernel(ctx, indexer_topk_kernel, dim3(static_cast<unsigned>(args.tokens)), dim3(kTopkThreads), 0, p);
+  const int key_limit = select_key_limit(args);
+  const int cluster = static_cast<int>(args.topk_blocks > 0 ? args.topk_blocks
+                                                            : indexer_topk_blocks(ctx.props(), args.tokens, key_limit));
+  const size_t stage = indexer_topk_stage_bytes(ctx.props(), key_limit, cluster);
+  const TopkParams p{.a = args,
+                     .key_limit = key_limit,
+                     .ld = indexer_scores_ld(args.max_seq_len),
+                     .cluster = cluster,
+                     .stage_keys = static_cast<int>(stage / 4)};
+  TERN_CUDA_CHECK(
+      cudaFuncSetAttribute(indexer_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(stage)));
+  launch_kernel_clustered(ctx, indexer_topk_kernel, dim3(static_cast<unsigned>(args.tokens * cluster)),
+                          dim3(kTopkThreads), stage, dim3(static_cast<unsigned>(cluster), 1, 1), p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 

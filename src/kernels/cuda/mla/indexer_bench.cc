@@ -1,12 +1,13 @@
 // DSA lightning indexer timings on one GPU at GLM-5's shapes (32 index heads of 128, topk 2048). Plain main (not run
 // by ctest):
-//   mla_indexer_bench
-// decode: indexer_select of one layer for 1 and 64 rows (one new token per sequence) at contexts 8k, 32k and 128k,
-// with the score kernel and the top-k also timed alone. Every sequence has its own keys in a pool larger than the L2,
-// so they come from memory. Bytes counted per call: the keys (head_dim * 2 bytes per key and row), queries and
-// weights read, the fp32 scores written once and read five times by the top-k (four radix passes, then the compaction
-// at most), the selection written; achieved GB/s next to the copy kernel's (roofline.h, bytes read + written) of the
-// same run as the ceiling.
+//   mla_indexer_bench [--blocks]
+// decode: indexer_select of one layer for 1, 4, 16 and 64 rows (one new token per sequence) at contexts 8k, 32k and
+// 128k, with the score kernel and the top-k also timed alone. Every sequence has its own keys in a pool larger than
+// the L2, so they come from memory. Bytes counted per call: the keys (head_dim * 2 bytes per key and row), queries
+// and weights read, the fp32 scores written and read once (what an ideal pair of kernels moves), the selection
+// written; achieved GB/s next to the copy kernel's (roofline.h, bytes read + written) of the same run as the
+// ceiling. --blocks: the top-k also at each forced count of blocks per row (IndexerSelectArgs::topk_blocks; the
+// rule's count marked *).
 // prefill: 1024 rows continuing a 7168-token prefix (one sequence, so its keys are shared through the L2); TFLOP/s
 // counting 2 * n_heads * head_dim FLOPs per (row, causal key).
 // Timings are medians of CUDA graph replays (bench_timing.h).
@@ -16,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string_view>
 #include <vector>
 
 #include "core/formats.h"
@@ -140,7 +142,7 @@ Times time_step(const DeviceContext& ctx, const Step& s) {
   return t;
 }
 
-int bench_main() {
+int bench_main(bool sweep) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB, smem/block opt-in %zu KiB\n", p.name.c_str(), p.cc_major,
@@ -163,12 +165,12 @@ int bench_main() {
 
   const Pool pool = make_pool();
   for (int64_t context : {int64_t{8192}, int64_t{32768}, int64_t{131072}}) {
-    for (int64_t rows : {int64_t{1}, int64_t{64}}) {
-      const Step s = make_step(pool, rows, 1, context);
+    for (int64_t rows : {int64_t{1}, int64_t{4}, int64_t{16}, int64_t{64}}) {
+      Step s = make_step(pool, rows, 1, context);
       const Times t = time_step(ctx, s);
       const double n = static_cast<double>(rows * context);
       const double key_bytes = n * kHeadDim * 2;
-      const double bytes = key_bytes + static_cast<double>(rows * kHeads * (kHeadDim + 1) * 2) + n * 4 * 6 +
+      const double bytes = key_bytes + static_cast<double>(rows * kHeads * (kHeadDim + 1) * 2) + n * 4 * 2 +
                            static_cast<double>(rows * kTopk * 4);
       const double gbs = bytes / (t.select_ms * 1e6);
       std::printf(
@@ -176,6 +178,15 @@ int bench_main() {
           "%7.1f MB | %6.0f GB/s %5.1f%% of copy\n",
           static_cast<long long>(rows), static_cast<long long>(context), t.scores_ms * 1e3, t.topk_ms * 1e3,
           t.select_ms * 1e3, key_bytes / 1e6, bytes / 1e6, gbs, 100.0 * gbs / copy_gbs);
+      const int64_t rule = indexer_topk_blocks(p, rows, context);
+      for (int64_t blocks = 1; sweep && blocks <= 8; blocks *= 2) {
+        s.args.topk_blocks = blocks;
+        check(indexer_select(ctx, s.args));
+        TERN_CUDA_CHECK(cudaStreamSynchronize(ctx.stream()));
+        const double ms = bench_time_ms(ctx, 1, kCalls, [&](int) { indexer_topk_launch(ctx, s.args); });
+        std::printf("    topk blocks per row %lld%s | %8.1f us\n", static_cast<long long>(blocks),
+                    blocks == rule ? "*" : " ", ms * 1e3);
+      }
       std::fflush(stdout);
     }
   }
@@ -196,6 +207,11 @@ int bench_main() {
 }  // namespace
 }  // namespace tern
 
-int main() {
-  return tern::bench_main();
+int main(int argc, char** argv) {
+  const bool sweep = argc > 1 && std::string_view(argv[1]) == "--blocks";
+  if (argc > 1 && !sweep) {
+    std::fprintf(stderr, "usage: mla_indexer_bench [--blocks]\n");
+    return 2;
+  }
+  return tern::bench_main(sweep);
 }

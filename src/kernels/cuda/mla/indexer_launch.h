@@ -93,6 +93,9 @@ struct IndexerSelectArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   int32_t* selected = nullptr;  // [tokens, topk]
+  // Blocks (one thread-block cluster) per row of the top-k: 0 = indexer_topk_blocks' rule; benchmarks and tests
+  // force 1, 2, 4 or 8.
+  int64_t topk_blocks = 0;
 };
 
 // Row stride (in floats) of the score workspace: max_seq_len rounded up to 4, so every row starts 16-byte aligned and
@@ -153,6 +156,27 @@ inline int64_t indexer_keys_per_block(const DeviceProps& props, const IndexerSel
   int64_t per_block = std::clamp<int64_t>(tokens * key_tiles / waves, 1, 32);
   per_block = std::max(per_block, (key_tiles + 65534) / 65535);
   return per_block * kIndexerKeyTile;
+}
+
+// The top-k's blocks per row (a thread-block cluster, 1, 2, 4 or 8, each block a slice of the row's keys): the most
+// that keep tokens x blocks within the SMs and slices of at least kIndexerTopkMinSliceKeys of a max_seq_len row.
+// Few rows then use many SMs (a single block per row was bound by one SM's reads of the row from L2); many rows keep
+// one. Measured in docs/perf/gpu.md §indexer-topk.
+inline constexpr int64_t kIndexerTopkMinSliceKeys = 8192;
+inline int64_t indexer_topk_blocks(const DeviceProps& props, int64_t tokens, int64_t max_seq_len) {
+  int64_t blocks = 1;
+  while (blocks < 8 && tokens * 2 * blocks <= props.num_sms && max_seq_len / (2 * blocks) >= kIndexerTopkMinSliceKeys) {
+    blocks *= 2;
+  }
+  return blocks;
+}
+
+// Dynamic shared memory of a top-k block: the order keys of a whole slice (max_seq_len / blocks rounded up to 4) when
+// they fit the device's opt-in limit with 4 KiB to spare (the passes then read shared memory, not the workspace), else
+// none.
+inline size_t indexer_topk_stage_bytes(const DeviceProps& props, int64_t max_seq_len, int64_t blocks) {
+  const auto bytes = static_cast<size_t>(((max_seq_len + blocks - 1) / blocks + 3) / 4 * 4) * 4;
+  return bytes + 4096 <= props.shared_mem_per_block_optin ? bytes : 0;
 }
 
 // Unchecked launches on ctx.stream() for arguments the checked launchers have validated (counts >= 1).

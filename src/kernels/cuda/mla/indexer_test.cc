@@ -258,9 +258,12 @@ struct SelectCase {
   bool interleaved = true;
   int distinct = 0;   // direct inputs only: keys drawn from this many vectors (exact ties); 0: all random
   int64_t slack = 0;  // max_seq_len beyond the longest sequence (a bucket sized for longer contexts)
+  int64_t topk_blocks = 0;  // IndexerSelectArgs::topk_blocks: 0 the rule, else forced
   std::string label() const {
-    std::string s = fmt::format("heads {} hd {} rope {} topk {} bs {} {} distinct {} slack {} seqs", n_heads, head_dim,
-                                rope_dim, topk, block_size, interleaved ? "interleaved" : "neox", distinct, slack);
+    std::string s =
+        fmt::format("heads {} hd {} rope {} topk {} bs {} {} distinct {} slack {} topk blocks {} seqs", n_heads,
+                    head_dim, rope_dim, topk, block_size, interleaved ? "interleaved" : "neox", distinct, slack,
+                    topk_blocks);
     for (const Seq& q : seqs) s += fmt::format(" {}+{}", q.past, q.n_q);
     return s;
   }
@@ -415,7 +418,8 @@ Expected<SelectResult> run_select(const DeviceContext& ctx, const SelectInputs& 
       .max_seq_len = l.max_seq_len,
       .workspace = ws.data(),
       .workspace_bytes = ws_bytes,
-      .selected = selected.as<int32_t>()};
+      .selected = selected.as<int32_t>(),
+      .topk_blocks = c.topk_blocks};
   TERN_TRY(indexer_select(ctx, a));
   if (cudaError_t e = cudaStreamSynchronize(ctx.stream()); e != cudaSuccess) {
     return make_error("kernel failed: {}", cudaGetErrorString(e));
@@ -628,6 +632,81 @@ TEST_F(CudaIndexer, LongContext) {
                     4001);
 }
 
+// The top-k over 1, 2, 4 and 8 blocks per row (a cluster; each block a slice of the keys): the same exact selection,
+// with ties across slice boundaries (one class of keys: the earliest topk, from several slices; four classes), rows
+// whose slices are partly or wholly past n, a 40k-key row (slices staged in shared memory or not, as the device's
+// limit allows) and rows at and below topk.
+TEST_F(CudaIndexer, TopkOverSeveralBlocksPerRow) {
+  uint32_t seed = 6000;
+  for (int64_t blocks : {1, 2, 4, 8}) {
+    for (int distinct : {0, 4, 1}) {
+      check_direct_case(*ctx_,
+                        {.seqs = {{3000, 1}, {2500, 2}, {2048, 1}, {2047, 1}, {2052, 1}},
+                         .n_heads = 32,
+                         .head_dim = 128,
+                         .rope_dim = 64,
+                         .topk = 2048,
+                         .block_size = 64,
+                         .distinct = distinct,
+                         .topk_blocks = blocks},
+                        ++seed);
+      if (HasFatalFailure()) return;
+    }
+    check_direct_case(*ctx_,
+                      {.seqs = {{40000, 1}, {0, 1}, {9000, 1}},
+                       .n_heads = 32,
+                       .head_dim = 128,
+                       .rope_dim = 64,
+                       .topk = 2048,
+                       .block_size = 64,
+                       .slack = 300000,
+                       .topk_blocks = blocks},
+                      ++seed);
+    if (HasFatalFailure()) return;
+    check_direct_case(*ctx_,
+                      {.seqs = {{60, 1}, {0, 40}, {100, 5}, {17, 1}},
+                       .n_heads = 16,
+                       .head_dim = 32,
+                       .rope_dim = 16,
+                       .topk = 16,
+                       .block_size = 16,
+                       .topk_blocks = blocks},
+                      ++seed);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// The rule's block counts: powers of two up to 8, never more blocks than SMs over the rows, slices of at least
+// kIndexerTopkMinSliceKeys, one block when rows alone fill the SMs; and the shared-memory stage within the limit.
+TEST(IndexerTopkRule, BlockCountsFitTheDevice) {
+  for (int sms : {1, 84, 132, 188}) {
+    DeviceProps props;
+    props.num_sms = sms;
+    props.shared_mem_per_block_optin = 101376 - 1024;  // the smallest of our targets (sm_120)
+    for (int64_t tokens : {1, 3, 16, 64, 200, 4096}) {
+      for (int64_t len : {2049, 8192, 16384, 32768, 131072, 202752}) {
+        const int64_t b = indexer_topk_blocks(props, tokens, len);
+        EXPECT_TRUE(b == 1 || b == 2 || b == 4 || b == 8) << b;
+        if (b > 1) {
+          EXPECT_LE(tokens * b, sms) << tokens << " rows, " << len << " keys";
+          EXPECT_GE(len / b, kIndexerTopkMinSliceKeys) << tokens << " rows, " << len << " keys";
+        }
+        if (2 * tokens > sms) {
+          EXPECT_EQ(b, 1) << tokens << " rows on " << sms << " SMs";
+        }
+        const size_t stage = indexer_topk_stage_bytes(props, len, b);
+        EXPECT_TRUE(stage == 0 || (stage >= static_cast<size_t>((len + b - 1) / b) * 4 &&
+                                   stage + 4096 <= props.shared_mem_per_block_optin));
+      }
+    }
+  }
+  DeviceProps h200;
+  h200.num_sms = 132;
+  h200.shared_mem_per_block_optin = 232448;
+  EXPECT_EQ(indexer_topk_blocks(h200, 1, 131072), 8);  // one long row over eight SMs
+  EXPECT_EQ(indexer_topk_blocks(h200, 1, 8192), 1);     // too short to split
+}
+
 // Keys drawn from a few identical vectors: the scores tie exactly within a class, and the k-th class must be taken
 // from its earliest keys; with one class every row takes keys 0..topk-1.
 TEST_F(CudaIndexer, ExactTiesTakeTheEarlierKeys) {
@@ -698,6 +777,11 @@ TEST_F(CudaIndexer, BadArgumentsAreErrors) {
   a = good;
   a.topk = 0;
   expect_error(a, "topk=0 out of range");
+  a.topk = 2048;
+  a.topk_blocks = 3;
+  expect_error(a, "topk_blocks=3 must be");
+  a.topk_blocks = 16;
+  expect_error(a, "topk_blocks=16 must be");
   a = good;
   a.q = p + 1;
   expect_error(a, "q is not 16-byte aligned");

@@ -103,7 +103,9 @@ constexpr int kMaxQStepsPerWarp =
     static_cast<int>((kMlaMaxLoraRank + kMlaMaxRopeDim) / 16 + kAttnWarps - 1) / kAttnWarps;
 constexpr int kMaxOutPairsPerWarp = static_cast<int>(kMlaMaxLoraRank / 16 + kAttnWarps - 1) / kAttnWarps;
 constexpr int kScoreTiles = kMlaKeysPerTile / 8;  // n8 tiles of S
-constexpr int kCombineThreads = 128;
+constexpr int kCombineWarps = 4;
+constexpr int kCombineThreads = kCombineWarps * 32;
+constexpr int kCombineColumns = 4 * 32;  // output columns of a combine block: four per lane
 static_assert(kMlaHeadsPerBlock == 16 && kMlaKeysPerTile == 32, "one m16 tile of heads, two k16 steps of keys");
 
 __host__ __device__ constexpr int64_t key_row_words(int64_t width) {
@@ -127,54 +129,24 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
   uint32_t* keys_s = smem;                                                        // [2][tile][row_words]
   float4* red = reinterpret_cast<float4*>(smem + 2 * kMlaKeysPerTile * row_words);  // [warp][n8 tile][lane]
   float4* total = red + kAttnWarps * kScoreTiles * 32;                               // [n8 tile][lane]
-  int64_t* slot_s = reinterpret_cast<int64_t*>(total + kScoreTiles * 32);           // [2][tile]
+  int64_t* slot_s = reinterpret_cast<int64_t*>(total + kScoreTiles * 32);           // [3][tile]
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int64_t t = blockIdx.x, head0 = int64_t{blockIdx.y} * kMlaHeadsPerBlock;
 
-  // The row's sequence (the last s with query_start[s] <= t) and position.
-  int lo = 0, hi = static_cast<int>(a.n_seqs) - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (a.query_start[mid] <= t) lo = mid; else hi = mid - 1;
-  }
-  const int s = lo;
-  const int64_t n_q = a.query_start[s + 1] - a.query_start[s];
-  const int64_t position = a.seq_lens[s] - n_q + (t - a.query_start[s]);
+  // Key j of tile `tile` (lane j of a warp) is key position selection(tile, j) unless that is past the row's
+  // position or -1 (key_pos); its physical slot is the block table's entry (key_slot). A selection's entries need no
+  // sequence, so the first two tiles' (warps 0 and 1) are loaded before the sequence lookup; later tiles' loads run
+  // two tiles ahead of the compute (slot_s holds three tiles' slots, see the loop), off the tiles' path.
   const bool causal = a.selected == nullptr;
-  const int64_t n_keys = causal ? position + 1 : a.topk;
-  const int64_t bs = a.cache.block_size;
-  const int32_t* table = a.block_tables + int64_t{s} * a.max_blocks_per_seq;
-  const int64_t n_tiles = (n_keys + kMlaKeysPerTile - 1) / kMlaKeysPerTile;
   const int64_t tile_begin = int64_t{blockIdx.z} * p.tiles_per_split;
-  const int64_t tile_end = min(n_tiles, tile_begin + p.tiles_per_split);
-
-  // The physical slots of tile `tile`'s keys into slot_s[buf] (threads 0..31), and their rows into keys_s[buf].
-  auto slots = [&](int64_t tile, int buf) {
-    if (tid < kMlaKeysPerTile) {
-      const int64_t j = tile * kMlaKeysPerTile + tid;
-      int64_t pos = -1;
-      if (j < n_keys) pos = causal ? j : a.selected[t * a.topk + j];
-      if (pos > position) pos = -1;  // never a future key, whatever a selection says
-      slot_s[buf * kMlaKeysPerTile + tid] = pos >= 0 ? int64_t{table[pos / bs]} * bs + (pos & (bs - 1)) : -1;
-    }
+  auto selection = [&](int64_t tile, int j) -> int64_t {
+    const int64_t k = tile * kMlaKeysPerTile + j;
+    return causal ? k : (k < a.topk ? int64_t{a.selected[t * a.topk + k]} : -1);
   };
-  auto load = [&](int buf) {
-    for (int i = tid; i < kMlaKeysPerTile * chunks; i += kAttnThreads) {
-      const int r = i / chunks, c = i % chunks;
-      const int64_t slot = slot_s[buf * kMlaKeysPerTile + r];
-      ptx::cp_async_16_zfill(keys_s + (buf * kMlaKeysPerTile + r) * row_words + 4 * c,
-                             a.cache.data + (slot >= 0 ? slot : 0) * width + 8 * c, slot >= 0);
-    }
-    ptx::cp_async_commit();
-  };
-  if (tile_begin < tile_end) {
-    slots(tile_begin, 0);
-    __syncthreads();
-    load(0);
-  }
+  const int64_t first_keys = warp < 2 ? selection(tile_begin + warp, lane) : -1;
 
   // The warp's query fragments (A of m16n8k16: rows g and g + 8 are heads head0 + g, head0 + g + 8; columns 2 t4,
-  // 2 t4 + 1 and those + 8 of each of its k16 steps), zero for heads past n_heads.
+  // 2 t4 + 1 and those + 8 of each of its k16 steps), zero for heads past n_heads; they need no sequence either.
   uint32_t qf[kMaxQStepsPerWarp][4];
 #pragma unroll
   for (int i = 0; i < kMaxQStepsPerWarp; ++i) {
@@ -189,6 +161,47 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
     }
   }
 
+  // The row's sequence s (query_start[s] <= t < query_start[s + 1]; the last one for a row past them all, as a
+  // binary search for the last s with query_start[s] <= t would find) and position. Every thread loads its
+  // sequences' bounds and length at once and the one whose rows hold t publishes them: one load latency for up to
+  // 256 sequences, where a binary search then the sequence's own loads were log2(n) + 1 dependent ones before the
+  // first key could be fetched.
+  int32_t* seq_s = reinterpret_cast<int32_t*>(slot_s + 3 * kMlaKeysPerTile);  // s, its first row, rows, length
+  for (int64_t i = tid; i < a.n_seqs; i += kAttnThreads) {
+    const int32_t q0 = a.query_start[i], q1 = a.query_start[i + 1], len = a.seq_lens[i];
+    if (q0 <= t && (t < q1 || i == a.n_seqs - 1)) {
+      seq_s[0] = static_cast<int32_t>(i), seq_s[1] = q0, seq_s[2] = q1 - q0, seq_s[3] = len;
+    }
+  }
+  __syncthreads();
+  const int s = seq_s[0];
+  const int64_t position = int64_t{seq_s[3]} - seq_s[2] + (t - seq_s[1]);
+  const int64_t n_keys = causal ? position + 1 : a.topk;
+  const int64_t bs = a.cache.block_size;
+  const int32_t* table = a.block_tables + int64_t{s} * a.max_blocks_per_seq;
+  const int64_t n_tiles = (n_keys + kMlaKeysPerTile - 1) / kMlaKeysPerTile;
+  const int64_t tile_end = min(n_tiles, tile_begin + p.tiles_per_split);
+  auto key_pos = [&](int64_t key) -> int64_t { return key > position ? -1 : key; };  // never a future key
+  auto key_slot = [&](int64_t pos) -> int64_t {
+    return pos >= 0 ? int64_t{table[pos / bs]} * bs + (pos & (bs - 1)) : -1;
+  };
+  // Tile rows into keys_s[buf] from the slots in slot_s[sbuf].
+  auto load = [&](int buf, int sbuf) {
+    for (int i = tid; i < kMlaKeysPerTile * chunks; i += kAttnThreads) {
+      const int r = i / chunks, c = i % chunks;
+      const int64_t slot = slot_s[sbuf * kMlaKeysPerTile + r];
+      ptx::cp_async_16_zfill(keys_s + (buf * kMlaKeysPerTile + r) * row_words + 4 * c,
+                             a.cache.data + (slot >= 0 ? slot : 0) * width + 8 * c, slot >= 0);
+    }
+    ptx::cp_async_commit();
+  };
+  // The first two tiles' slots, the first tile's rows.
+  if (warp < 2 && tile_begin + warp < tile_end) {
+    slot_s[warp * kMlaKeysPerTile + lane] = key_slot(key_pos(first_keys));
+  }
+  __syncthreads();
+  if (tile_begin < tile_end) load(0, 0);
+
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g, g + 8; l over this lane's keys
   float o[kMaxOutPairsPerWarp][2][4];
 #pragma unroll
@@ -198,13 +211,16 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
   }
 
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
-    const int buf = static_cast<int>((tile - tile_begin) & 1), next = buf ^ 1;
-    const bool more = tile + 1 < tile_end;
-    __syncthreads();  // every warp is done with tile - 1: its buffer, slots and partial scores are free
-    if (more) slots(tile + 1, next);
-    __syncthreads();
+    const int i_tile = static_cast<int>(tile - tile_begin);
+    const int buf = i_tile & 1, next = buf ^ 1, sbuf = i_tile % 3;
+    const bool more = tile + 1 < tile_end, ahead = warp == 0 && tile + 2 < tile_end;
+    __syncthreads();  // every warp is done with tile - 1: its key buffer, slots and partial scores are free, and
+                      // tile + 1's slots (written during tile - 1) are visible
+    // Tile + 2's slots, warp 0: the selection's load issued here, the block table's after the scores, the slot
+    // stored after the products (into tile - 1's slot buffer).
+    const int64_t key_ahead = ahead ? selection(tile + 2, lane) : -1;
     if (more) {
-      load(next);
+      load(next, (i_tile + 1) % 3);
       ptx::cp_async_wait<1>();
     } else {
       ptx::cp_async_wait<0>();
@@ -247,9 +263,10 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
       total[tid] = sum;
     }
     __syncthreads();
+    const int64_t slot_ahead = ahead ? key_slot(key_pos(key_ahead)) : -1;
     // The whole S in this lane's fragment positions: element e of n8 tile j is head row g + 8 (e / 2), key
     // 8 j + 2 t4 + e % 2 of the tile; masked keys -inf.
-    const int64_t* tile_slots = slot_s + buf * kMlaKeysPerTile;
+    const int64_t* tile_slots = slot_s + sbuf * kMlaKeysPerTile;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < kScoreTiles; ++j) {
@@ -323,6 +340,7 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
         }
       }
     }
+    if (ahead) slot_s[((i_tile + 2) % 3) * kMlaKeysPerTile + lane] = slot_ahead;
   }
 
 #pragma unroll
@@ -332,7 +350,8 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
   }
   // Fragment element e of n8 tile n of pair `pair`: head row g + 8 (e / 2), column 16 pair + 8 n + 2 t4 + e % 2.
   const int64_t parts = a.tokens * a.n_heads * p.splits;
-  float* ml = static_cast<float*>(a.workspace);
+  float* outs = static_cast<float*>(a.workspace);
+  float* ml = outs + parts * lora;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t h = head0 + g + 8 * r;
@@ -354,40 +373,67 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
         if (p.splits == 1) {
           *reinterpret_cast<uint32_t*>(a.out_latent + (t * a.n_heads + h) * lora + col) =
               cuda_common::pack_bf16x2(v0 * inv, v1 * inv);
-        } else {  // partials: (m, l) pairs [rows, heads, splits, 2], then outputs [rows, heads, splits, lora]
-          *reinterpret_cast<float2*>(ml + 2 * parts + part * lora + col) = make_float2(v0, v1);
+        } else {  // partials: outputs [rows, heads, splits, lora], then (m, l) pairs [rows, heads, splits, 2]
+          *reinterpret_cast<float2*>(outs + part * lora + col) = make_float2(v0, v1);
         }
       }
     }
   }
 }
 
-// One block per (row, head): the splits' partials merged, o = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
+// The splits' partials merged, o = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s. Block (row x head, 128 output
+// columns), four warps: each lane holds four columns, warp w adds splits w, w + 4, ... and the four warps' sums are
+// added in warp order (fixed, so runs are bit-identical). Every warp first reduces M and the denominator over all
+// splits. Many blocks of independent loads: one sequence's 8 heads over 64 splits were 8 blocks walking 256 loads
+// each when a block merged a whole head.
 __global__ void __launch_bounds__(kCombineThreads) mla_combine_kernel(const AttnParams p) {
   ptx::grid_dependency_begin();
   const MlaAttentionArgs& a = p.a;
   const int64_t row = blockIdx.x, lora = a.cache.kv_lora_rank, parts = a.tokens * a.n_heads * p.splits;
-  const float* ml = static_cast<const float*>(a.workspace) + 2 * row * p.splits;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float* outs = static_cast<const float*>(a.workspace) + row * p.splits * lora;
+  const float* ml = static_cast<const float*>(a.workspace) + parts * lora + 2 * row * p.splits;
   float big = -INFINITY;
-  for (int s = 0; s < p.splits; ++s) big = fmaxf(big, ml[2 * s]);
+  for (int s = lane; s < p.splits; s += 32) big = fmaxf(big, ml[2 * s]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) big = fmaxf(big, __shfl_xor_sync(0xFFFFFFFFu, big, off));
   float total = 0.0f;
-  for (int s = 0; s < p.splits; ++s) total += ml[2 * s] == -INFINITY ? 0.0f : expf(ml[2 * s] - big) * ml[2 * s + 1];
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  const float* outs = static_cast<const float*>(a.workspace) + 2 * parts + row * p.splits * lora;
-  for (int64_t d = threadIdx.x; d < lora; d += kCombineThreads) {
-    float sum = 0.0f;
-    for (int s = 0; s < p.splits; ++s) {
-      if (ml[2 * s] != -INFINITY) sum += expf(ml[2 * s] - big) * outs[s * lora + d];
-    }
-    a.out_latent[row * lora + d] = f32_to_bf16(sum * inv);
+  for (int s = lane; s < p.splits; s += 32) {
+    total += ml[2 * s] == -INFINITY ? 0.0f : expf(ml[2 * s] - big) * ml[2 * s + 1];
   }
+  total = warp_sum(total);
+  const int64_t col = int64_t{blockIdx.y} * kCombineColumns + 4 * lane;
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (col < lora) {
+#pragma unroll 4
+    for (int s = warp; s < p.splits; s += kCombineWarps) {
+      const float m = ml[2 * s];
+      if (m == -INFINITY) continue;  // an empty range
+      const float w = expf(m - big);
+      const float4 v = *reinterpret_cast<const float4*>(outs + s * lora + col);
+      acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
+    }
+  }
+  __shared__ float4 sums[kCombineWarps][32];
+  sums[warp][lane] = acc;
+  __syncthreads();
+  if (warp != 0 || col >= lora) return;
+#pragma unroll
+  for (int w = 1; w < kCombineWarps; ++w) {
+    const float4 v = sums[w][lane];
+    acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(a.out_latent + row * lora + col);
+  dst[0] = cuda_common::pack_bf16x2(acc.x * inv, acc.y * inv);
+  dst[1] = cuda_common::pack_bf16x2(acc.z * inv, acc.w * inv);
 }
 
 }  // namespace
 
 size_t mla_attention_smem_bytes(int64_t width) {
   return static_cast<size_t>(2 * kMlaKeysPerTile * key_row_words(width) * 4 + (kAttnWarps + 1) * kScoreTiles * 32 * 16 +
-                             2 * kMlaKeysPerTile * 8);
+                             3 * kMlaKeysPerTile * 8 + 4 * 4);
 }
 
 int64_t mla_attention_splits(const DeviceProps& props, int64_t tokens, int64_t n_heads, int64_t max_keys,
@@ -431,7 +477,9 @@ void mla_attention_launch(const DeviceContext& ctx, const MlaAttentionArgs& args
   launch_kernel(ctx, mla_attention_kernel, grid, dim3(kAttnThreads), smem, p);
   TERN_CUDA_CHECK_LAUNCH();
   if (splits > 1) {
-    launch_kernel(ctx, mla_combine_kernel, dim3(static_cast<unsigned>(args.tokens * args.n_heads)),
+    launch_kernel(ctx, mla_combine_kernel,
+                  dim3(static_cast<unsigned>(args.tokens * args.n_heads),
+                       static_cast<unsigned>((args.cache.kv_lora_rank + kCombineColumns - 1) / kCombineColumns)),
                   dim3(kCombineThreads), 0, p);
     TERN_CUDA_CHECK_LAUNCH();
   }

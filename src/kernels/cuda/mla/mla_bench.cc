@@ -1,6 +1,6 @@
 // Absorbed MLA decode attention (mla_attention) on one GPU at GLM-5's latent (512 + 64 values) and head counts of
-// one rank at TP8 (8 heads) and of the whole model (64), for 1 and 64 sequences of 4k context, causal and over a DSA
-// selection of 2048 keys. Plain main (not run by ctest):
+// one rank at TP8 (8 heads) and of the whole model (64), for 1, 4, 16 and 64 sequences of 4k context, causal and
+// over a DSA selection of 2048 keys. Plain main (not run by ctest):
 //   mla_bench [--splits]
 // Bytes counted per call: each sequence's latent rows read once (what an ideal kernel reads; this one reads them
 // once per 16-head group, through the L2), the queries read and the outputs written; achieved GB/s next to the copy
@@ -66,7 +66,7 @@ int run(bool sweep) {
   std::iota(tables.begin(), tables.end(), 0);
   const DeviceBuffer d_tables = upload(tables);
   const DeviceBuffer workspace(mla_attention_workspace_bytes(p, kLora));
-  for (const int64_t seqs : {int64_t{1}, kMaxSeqs}) {
+  for (const int64_t seqs : {int64_t{1}, int64_t{4}, int64_t{16}, kMaxSeqs}) {
     std::vector<int32_t> query_start(seqs + 1), seq_lens(seqs, static_cast<int32_t>(kContext));
     std::iota(query_start.begin(), query_start.end(), 0);
     // Selections: every other key of the last 2 * topk positions.

@@ -87,10 +87,10 @@ inline constexpr int64_t kMlaMaxLoraRank = 512;
 inline constexpr int64_t kMlaMaxRopeDim = 128;
 inline constexpr int kMlaHeadsPerBlock = 16;  // one m16 tile
 inline constexpr int kMlaKeysPerTile = 32;    // two k16 steps of the output product
-inline constexpr int64_t kMlaMinKeysPerSplit = 128;
+inline constexpr int64_t kMlaMinKeysPerSplit = 64;
 
 // Dynamic shared memory of the attention kernel for a latent of `width` values (two key tiles, the warps' partial
-// scores and the tiles' slots).
+// scores, three tiles' slots and the row's sequence).
 size_t mla_attention_smem_bytes(int64_t width);
 // Split-K: the key ranges each (row, head group) is cut into, so that a decode step of few rows still fills the
 // GPU: as many as keep all of rows x groups x splits blocks resident at once (one wave: the blocks the shared memory
@@ -99,7 +99,7 @@ size_t mla_attention_smem_bytes(int64_t width);
 // docs/perf/gpu.md §mla-splits.
 int64_t mla_attention_splits(const DeviceProps& props, int64_t tokens, int64_t n_heads, int64_t max_keys,
                              int64_t width);
-// Bytes of split-K partials any call on this device may need: fp32 (m, l) and outputs [rows, heads, splits, lora].
+// Bytes of split-K partials any call on this device may need: fp32 outputs [rows, heads, splits, lora], then (m, l).
 size_t mla_attention_workspace_bytes(const DeviceProps& props, int64_t kv_lora_rank);
 
 // Unchecked launches on ctx.stream() for arguments mla.cc has validated (counts >= 1).

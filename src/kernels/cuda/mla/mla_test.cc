@@ -307,6 +307,21 @@ TEST(CudaMla, CausalAttentionMatchesReference) {
   check_attention({.heads = 8, .lora = 512, .rope = 64, .seq_lens = {5000}, .n_q = {1}, .topk = 0, .splits = 1}, 19);
   check_attention({.heads = 16, .lora = 512, .rope = 64, .seq_lens = {3000}, .n_q = {1}, .topk = 2048, .splits = 64},
                   20);
+  // A latent narrower than a combine block's 128 columns, split 8 ways (three 32-key tiles a range).
+  check_attention({.heads = 4, .lora = 32, .rope = 16, .seq_lens = {700}, .n_q = {1}, .topk = 0, .splits = 8}, 21);
+}
+
+TEST(CudaMla, RowsFindTheirSequenceAmongMany) {
+  // 300 decode sequences (a block finds its row's sequence 256 entries of query_start at a time), of lengths 1-40,
+  // and a prefill of 5 rows among them; causal and over selections of at most 9 keys.
+  AttnCase c{.heads = 4, .lora = 32, .rope = 16, .seq_lens = {}, .n_q = {}, .topk = 0};
+  for (int64_t s = 0; s < 300; ++s) {
+    c.seq_lens.push_back(1 + (s * 7) % 40);
+    c.n_q.push_back(s == 270 ? std::min<int64_t>(5, c.seq_lens.back()) : 1);
+  }
+  check_attention(c, 22);
+  c.topk = 9;
+  check_attention(c, 23);
 }
 
 TEST(CudaMla, SplitCountsCoverTheShapes) {
