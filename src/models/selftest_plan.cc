@@ -138,6 +138,9 @@ class Planner final : public BlockOps {
       }
       add("indexer_select", indexer_select_case(1, kPrefill, std::max<int64_t>(0, s.index_topk - kPrefill / 2),
                                                 s.index_heads, s.index_head_dim, s.index_topk));
+      // One long row: a GPU spreads the top-k of a few rows this long over several blocks (a thread-block cluster
+      // exchanging histograms, kernels/cuda/mla/indexer_launch.h), a path the short rows above never take.
+      add("indexer_select", indexer_select_case(1, 1, kLongRowKeys, s.index_heads, s.index_head_dim, s.index_topk));
     }
     projections(in_parts);
     int64_t q_n = 0, q_count = 0, q_fp8_n = 0, q_fp8_count = 0;
@@ -247,6 +250,7 @@ class Planner final : public BlockOps {
 
  private:
   static constexpr int64_t kPrefill = 128;
+  static constexpr int64_t kLongRowKeys = 32768;
   static constexpr int64_t kBatchKernelRows = 32;
 
   // A case once per op, in the order reported.

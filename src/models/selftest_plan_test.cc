@@ -104,6 +104,8 @@ TEST(SelftestPlan, GlmMlaBlocksReportTheirOpsAtTheConfigsShapes) {
   // The prefill chunks start at position 0 (topk 16 is less than half a chunk of 128).
   EXPECT_TRUE(has(*table, "mla_attention", mla_attention_case(2, 128, 0, heads, 32, 16, 16, qk)));
   EXPECT_TRUE(has(*table, "indexer_select", indexer_select_case(1, 128, 0, 16, 32, 16)));
+  // One decode row of 32768 keys: the top-k's path over several blocks per row on a GPU.
+  EXPECT_TRUE(has(*table, "indexer_select", indexer_select_case(1, 1, 32768, 16, 32, 16)));
   // The lead case (what `--selftest fast` runs) is the one-row decode step.
   const auto* mla = cases_of(*table, "mla_attention");
   ASSERT_NE(mla, nullptr);
