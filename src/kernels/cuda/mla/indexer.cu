@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(kScoreThreads) indexer_scores_kernel(const Sco
 constexpr int kTopkThreads = 512;
 constexpr int kTopkWarps = kTopkThreads / 32;
 constexpr int kTopkLoads = 4;             // float4 loads in flight per thread (the scores come from L2)
-constexpr int kTopkStageLoads = 8;       // float4 loads in flight per thread while a slice is staged
+constexpr int kTopkStageLoads = 8;        // float4 loads in flight per thread while a slice is staged
 constexpr int kTopkRun = 4 * kTopkLoads;  // consecutive keys per thread in a compaction chunk
 constexpr int kTopkChunk = kTopkRun * kTopkThreads;
 static_assert(kTopkChunk < 65536, "per-chunk counts are packed in 16 bits");

@@ -167,6 +167,10 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
   // 256 sequences, where a binary search then the sequence's own loads were log2(n) + 1 dependent ones before the
   // first key could be fetched.
   int32_t* seq_s = reinterpret_cast<int32_t*>(slot_s + 3 * kMlaKeysPerTile);  // s, its first row, rows, length
+  if (tid == 0) {  // metadata against the contract (no sequence holds row t): one key, position 0 of sequence 0
+    seq_s[0] = 0, seq_s[1] = static_cast<int32_t>(t), seq_s[2] = 1, seq_s[3] = 1;
+  }
+  __syncthreads();
   for (int64_t i = tid; i < a.n_seqs; i += kAttnThreads) {
     const int32_t q0 = a.query_start[i], q1 = a.query_start[i + 1], len = a.seq_lens[i];
     if (q0 <= t && (t < q1 || i == a.n_seqs - 1)) {
