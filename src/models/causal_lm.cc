@@ -127,7 +127,10 @@ Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir,
       return make_error("{}: architecture '{}' is not supported on the CPU yet", dir.string(),
                         architecture_name(config.architecture));
   }
-  if (built && options.load_draft) built = qwen3_5_moe_build_draft(*model, store, schema, wa4);
+  if (built && options.load_draft) {
+    built = config.attention == AttentionKind::kMla ? glm_moe_dsa_build_draft(*model, store, schema, wa4)
+                                                    : qwen3_5_moe_build_draft(*model, store, schema, wa4);
+  }
   if (!built) return wrap_error(built.error(), dir.string());
   return model;
 }

@@ -43,10 +43,16 @@ struct DecoderLayer {
 // starts as fc([norm_embedding(embed(x[t + 1])) ; norm_hidden(h[t])]), runs one decoder layer (layer
 // num_hidden_layers of a sequence's caches, at position t) and ends in final_norm and the model's lm_head: logits
 // for x[t + 2]. Chained, its own normed output stands in for h.
+//
+// DeepSeek-V3 / GLM-5 ("nextn", decoder layer num_hidden_layers): enorm, hnorm, eh_proj and shared_head.norm in
+// those places, and h[t] is the model's hidden state *before* its final norm (chained: the draft's own stream before
+// shared_head.norm), the DeepSeek / GLM convention (docs/speculative.md). The checkpoint's copies of the embedding
+// and lm_head in that layer are not read: the model's own are used.
 struct DraftModule {
   RmsNorm norm_embedding, norm_hidden, final_norm;
   Linear fc;  // [hidden, 2 * hidden]
   DecoderLayer layer;
+  bool hidden_before_norm = false;  // DeepSeek / GLM: the hidden rows it reads are the stream before the final norm
   std::unique_ptr<Block> input_block, head_block;
 };
 
@@ -172,6 +178,8 @@ Expected<void> glm_moe_dsa_build(CausalLm& model, WeightStore& weights, const We
                                  bool quantize_input);
 // The draft module the schema declares (weight_schema_build's with_draft) into model.draft.
 Expected<void> qwen3_5_moe_build_draft(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
+                                       bool quantize_input);
+Expected<void> glm_moe_dsa_build_draft(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
                                        bool quantize_input);
 
 }  // namespace tern

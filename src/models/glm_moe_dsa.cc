@@ -7,6 +7,8 @@
 namespace tern {
 namespace {
 
+// Layer `layer`'s MLA; its indexer is the config's indexer_types[layer], or full for the MTP layer (layer
+// num_hidden_layers, past the config's per-layer lists).
 Expected<std::unique_ptr<Mixer>> build_mla(const ModelConfig& c, WeightStore& w, const WeightSchema& schema,
                                            int64_t layer, int64_t& last_full_indexer) {
   auto name = [&](std::string_view rest) { return layer_tensor(schema, layer, rest); };
@@ -44,7 +46,7 @@ Expected<std::unique_ptr<Mixer>> build_mla(const ModelConfig& c, WeightStore& w,
     s.index_heads = c.index_n_heads;
     s.index_head_dim = c.index_head_dim;
     s.indexer_rope_interleaved = c.indexer_rope_interleave;
-    if (c.indexer_types[static_cast<size_t>(layer)] == IndexerType::kFull) {
+    if (layer >= c.num_hidden_layers || c.indexer_types[static_cast<size_t>(layer)] == IndexerType::kFull) {
       const int64_t d = c.index_head_dim;
       MlaIndexerWeights ix;
       TERN_ASSIGN_OR_RETURN(ix.wq_b, w.linear(name("self_attn.indexer.wq_b"), c.index_n_heads * d, c.q_lora_rank,
@@ -112,6 +114,27 @@ Expected<void> glm_moe_dsa_build(CausalLm& model, WeightStore& w, const WeightSc
     }
     model.layers.push_back(std::move(layer));
   }
+  return {};
+}
+
+Expected<void> glm_moe_dsa_build_draft(CausalLm& model, WeightStore& w, const WeightSchema& schema,
+                                       bool quantize_input) {
+  const ModelConfig& c = model.config();
+  if (quantize_input) return make_error("W4A4 is not supported for MLA models yet");
+  if (!schema.draft_in_text_layers) return make_error("the weight schema declares no DeepSeek-style draft layer");
+  const std::string& p = schema.draft_prefix;
+  const int64_t h = c.hidden_size, li = c.num_hidden_layers;
+  auto draft = std::make_unique<DraftModule>();
+  TERN_ASSIGN_OR_RETURN(draft->norm_embedding, build_norm(w, p + "enorm.weight", h, c.rms_norm_eps, false));
+  TERN_ASSIGN_OR_RETURN(draft->norm_hidden, build_norm(w, p + "hnorm.weight", h, c.rms_norm_eps, false));
+  TERN_ASSIGN_OR_RETURN(draft->final_norm, build_norm(w, p + "shared_head.norm.weight", h, c.rms_norm_eps, false));
+  TERN_ASSIGN_OR_RETURN(draft->fc, w.linear(p + "eh_proj", h, 2 * h, false));
+  TERN_TRY(build_layer_norms(c, w, schema, li, /*zero_centred=*/false, draft->layer));
+  int64_t last_full_indexer = -1;
+  TERN_ASSIGN_OR_RETURN(draft->layer.mixer, build_mla(c, w, schema, li, last_full_indexer));
+  TERN_ASSIGN_OR_RETURN(draft->layer.ffn, build_sigmoid_moe(c, w, schema, li));
+  draft->hidden_before_norm = true;
+  model.draft = std::move(draft);
   return {};
 }
 

@@ -11,7 +11,12 @@ class SchemaBuilder {
   SchemaBuilder(const ModelConfig& c, std::string_view prefix, bool with_draft) : c_(c) {
     schema_.text_prefix = prefix;
     schema_.num_layers = c.num_hidden_layers;
-    if (with_draft) schema_.draft_prefix = "mtp.";
+    if (with_draft && c.attention == AttentionKind::kMla) {  // DeepSeek-V3 / GLM-5: the extra decoder layer
+      schema_.draft_in_text_layers = true;
+      schema_.draft_prefix = fmt::format("{}layers.{}.", prefix, c.num_hidden_layers);
+    } else if (with_draft) {
+      schema_.draft_prefix = "mtp.";
+    }
   }
 
   WeightSchema build() {
@@ -20,7 +25,11 @@ class SchemaBuilder {
     for (int64_t i = 0; i < c_.num_hidden_layers; ++i) add_layer(i);
     param("norm.weight", {h});
     schema_.tied_embeddings = c_.tie_word_embeddings;
-    if (!schema_.draft_prefix.empty()) add_draft();
+    if (schema_.draft_in_text_layers) {
+      add_nextn_draft();
+    } else if (!schema_.draft_prefix.empty()) {
+      add_draft();
+    }
     schema_.linears.push_back({"lm_head", c_.vocab_size, h, LinearRole::kLmHead, -1, false, Shard::vocab()});
     add_skipped();
     return std::move(schema_);
@@ -58,6 +67,23 @@ class SchemaBuilder {
     layer_param(i, "input_layernorm.weight", {h});
     layer_param(i, "post_attention_layernorm.weight", {h});
     add_attention(i);
+    add_moe(i);
+  }
+
+  // DeepSeek-V3 / GLM-5 MTP ("nextn"): decoder layer num_hidden_layers of the text model with enorm / hnorm over
+  // [embedding ; hidden], eh_proj [hidden, 2 * hidden], one MLA (with the indexer, where the model has one) + MoE
+  // layer, and shared_head.norm; the checkpoint's copies of the embedding and lm_head in that layer are skipped (the
+  // model's own are used). eh_proj and the norms are replicated on every rank, as Qwen's fc.
+  void add_nextn_draft() {
+    const int64_t h = c_.hidden_size, i = c_.num_hidden_layers;
+    const std::string& p = schema_.draft_prefix;
+    for (const char* norm : {"enorm.weight", "hnorm.weight", "shared_head.norm.weight"}) {
+      schema_.params.push_back({p + norm, {h}, Shard{}});
+    }
+    schema_.linears.push_back({p + "eh_proj", h, 2 * h, LinearRole::kDraftInput, i, false, Shard{}});
+    layer_param(i, "input_layernorm.weight", {h});
+    layer_param(i, "post_attention_layernorm.weight", {h});
+    add_mla(i);
     add_moe(i);
   }
 
@@ -198,8 +224,18 @@ class SchemaBuilder {
           "multi-token-prediction layers (used only as the draft model of --speculative-algorithm mtp)");
     }
     for (int64_t m = 0; m < c_.num_mtp_layers; ++m) {  // DeepSeek-V3 / GLM-5 keep MTP as extra decoder layers
-      schema_.skipped_prefixes.push_back(fmt::format("{}layers.{}.", schema_.text_prefix, c_.num_hidden_layers + m));
-      schema_.skipped_reasons.emplace_back("multi-token-prediction layers (not used for plain decoding)");
+      const std::string layer = fmt::format("{}layers.{}.", schema_.text_prefix, c_.num_hidden_layers + m);
+      if (m == 0 && schema_.draft_in_text_layers) {  // the draft module: all but its copies of embedding and head
+        for (const char* copy : {"embed_tokens.", "shared_head.head."}) {
+          schema_.skipped_prefixes.push_back(layer + copy);
+          schema_.skipped_reasons.emplace_back("the MTP layer's copy of the model's embedding or lm_head (the "
+                                               "model's own is used)");
+        }
+        continue;
+      }
+      schema_.skipped_prefixes.push_back(layer);
+      schema_.skipped_reasons.emplace_back(
+          "multi-token-prediction layers (used only as the draft model of --speculative-algorithm mtp)");
     }
   }
 
@@ -221,12 +257,16 @@ std::string weight_schema_default_text_prefix(const ModelConfig& config) {
 }
 
 std::string WeightSchema::layer_prefix(int64_t layer) const {
-  if (layer >= num_layers && !draft_prefix.empty()) return fmt::format("{}layers.{}.", draft_prefix, layer - num_layers);
+  if (layer >= num_layers && !draft_prefix.empty() && !draft_in_text_layers) {
+    return fmt::format("{}layers.{}.", draft_prefix, layer - num_layers);
+  }
   return fmt::format("{}layers.{}.", text_prefix, layer);
 }
 
 bool weight_schema_has_draft(const ModelConfig& config) {
-  return (config.architecture == Architecture::kQwen35Moe || config.architecture == Architecture::kQwen3Next) &&
+  const Architecture a = config.architecture;
+  return (a == Architecture::kQwen35Moe || a == Architecture::kQwen3Next || a == Architecture::kGlmMoeDsa ||
+          a == Architecture::kDeepseekV3) &&
          config.num_mtp_layers > 0 && config.num_experts > 0;
 }
 

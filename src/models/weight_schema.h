@@ -64,11 +64,14 @@ struct WeightSchema {
   std::vector<std::string> skipped_prefixes;  // present in checkpoints but not served: vision tower, MTP layers
   std::vector<std::string> skipped_reasons;   // one per skipped prefix
   bool tied_embeddings = false;             // lm_head may be absent and reuse embed_tokens
-  // The decoder layers 0 .. num_layers - 1 live at "<text_prefix>layers.<i>."; a draft module's layers (the MTP
-  // layers, declared only when asked for) follow as layers num_layers, num_layers + 1, ... at
-  // "<draft_prefix>layers.<i - num_layers>.".
+  // The decoder layers 0 .. num_layers - 1 live at "<text_prefix>layers.<i>."; a draft module's layer (the MTP
+  // layer, declared only when asked for) follows as layer num_layers, at "<draft_prefix>layers.0." (Qwen) or, with
+  // draft_in_text_layers, at "<text_prefix>layers.<num_layers>." (DeepSeek-V3 / GLM-5).
   int64_t num_layers = 0;
-  std::string draft_prefix;                 // "mtp." (Qwen3.5 / Qwen3-Next); empty: no draft module declared
+  // "mtp." (Qwen3.5 / Qwen3-Next), or with draft_in_text_layers "<text_prefix>layers.<num_layers>." (DeepSeek-V3 /
+  // GLM-5, whose MTP layer is the text model's next decoder layer); empty: no draft module declared.
+  std::string draft_prefix;
+  bool draft_in_text_layers = false;
 
   // Where layer `layer`'s tensors are named: "<text_prefix>layers.<layer>." or a draft layer's place.
   std::string layer_prefix(int64_t layer) const;
@@ -77,10 +80,11 @@ struct WeightSchema {
 // text_prefix is where the checkpoint keeps the text model ("model." for *ForCausalLM, "model.language_model." for
 // the multimodal *ForConditionalGeneration layout). `with_draft`: also the model's multi-token-prediction module
 // (Qwen3.5 / Qwen3-Next `mtp.*`: two norms, `mtp.fc` [hidden, 2 * hidden], one gated-attention MoE decoder layer and
-// its final norm) instead of listing it as skipped; only for configs with weight_schema_has_draft.
+// its final norm; DeepSeek-V3 / GLM-5 decoder layer num_hidden_layers: enorm, hnorm, eh_proj, one MLA MoE layer,
+// shared_head.norm) instead of listing it as skipped; only for configs with weight_schema_has_draft.
 WeightSchema weight_schema_build(const ModelConfig& config, std::string_view text_prefix, bool with_draft = false);
 // Whether tern can run this config's MTP module as a draft model (Qwen3.5-MoE / Qwen3-Next with
-// mtp_num_hidden_layers / num_nextn_predict_layers > 0).
+// mtp_num_hidden_layers > 0, GLM-5 / DeepSeek-V3 with num_nextn_predict_layers > 0; MoE models).
 bool weight_schema_has_draft(const ModelConfig& config);
 
 // Where a checkpoint keeps its text model: "model.language_model." when any tensor lives there, else "model.".

@@ -13,6 +13,7 @@ class CpuRunner final : public DeviceRunner {
     step_.hidden = config().hidden_size;
     step_.comm = comm;
     step_.keep_hidden = has_draft();
+    step_.keep_hidden_before_norm = has_draft() && this->model().draft->hidden_before_norm;
   }
   using DeviceRunner::place;
 
@@ -80,7 +81,8 @@ class CpuRunner final : public DeviceRunner {
 
   CpuStep step_;
   CpuOps ops_;
-  std::vector<float> model_hidden_, draft_hidden_;  // every row's normed hidden state of the last step of each
+  std::vector<float> model_hidden_, draft_hidden_;  // every row's hidden state (CpuStep::hidden_out) of the last
+                                                    // step of each
 };
 
 }  // namespace

@@ -840,6 +840,10 @@ Expected<std::unique_ptr<ModelRunner>> cuda_runner_create(std::unique_ptr<Causal
         "power of two >= 8",
         options.max_batch_tokens, options.max_sequences, options.kv_block_size);
   }
+  if (model->draft != nullptr && model->draft->hidden_before_norm) {
+    return make_error("--speculative-algorithm mtp: the DeepSeek-V3 / GLM-5 MTP layer drafts on the CPU path only "
+                      "so far (on a GPU, serve this model without speculative decoding)");
+  }
   auto runner = std::make_unique<CudaRunner>(std::move(model), options, comm);
   TERN_TRY(runner->place());
   return std::unique_ptr<ModelRunner>(std::move(runner));

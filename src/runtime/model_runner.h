@@ -35,7 +35,8 @@ struct SampleRow {
 };
 // Which hidden states the rows of a draft step read (ModelRunner::draft).
 enum class DraftHidden {
-  kModel,  // the model's own, after its final norm: the sequence's rows in the runner's last forward step
+  kModel,  // the model's own, after its final norm (before it for a DeepSeek / GLM draft module, DraftModule):
+            // the sequence's rows in the runner's last forward step
   kDraft,  // the draft module's output: the sequence's last row in the runner's last draft step
 };
 

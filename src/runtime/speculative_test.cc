@@ -15,13 +15,18 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <deque>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <random>
 #include <sstream>
 #include <thread>
 
+#include "core/formats.h"
+#include "io/safetensors.h"
 #include "runtime/free_port_test_util.h"
 #include "runtime/model_runner.h"
 #include "runtime/speculative_test_util.h"
@@ -230,6 +235,208 @@ TEST(Speculative, ModelsWithoutAWholeDraftModuleAreRefused) {
   Sampler sampler(SamplingParams{.temperature = 0.0f});
   SpecSequence s{.input = {&cache, t}, .following = {}, .sample = {&sampler, t, {}}, .drafts = &drafts};
   EXPECT_FALSE(speculative_step(*plain, {&s, 1}, 2).has_value());
+}
+
+// The GLM-5 fixture with an MTP layer (decoder layer 3, DeepSeek's layout): enorm, hnorm, eh_proj and
+// shared_head.norm random, the decoder layer a copy of layer 2 with every weight multiplied by random factors in
+// [0.5, 1.5] (the router's correction bias kept), and the copies of embedding and lm_head the checkpoint carries there;
+// config num_nextn_predict_layers 1. `final_norm_seed` != 0 also multiplies model.norm.weight elementwise by random
+// factors in [0.5, 2]. Values stay bf16.
+std::filesystem::path glm_with_mtp(const std::string& name, uint32_t final_norm_seed = 0) {
+  namespace fs = std::filesystem;
+  const fs::path src = fs::path(TERN_FIXTURES_DIR) / "glm_moe_dsa";
+  const fs::path dir = fs::path(testing::TempDir()) / name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  auto set = SafetensorsSet::open_dir(src);
+  EXPECT_TRUE(set.has_value()) << set.error().message;
+  std::mt19937 rng(0x6170), norm_rng(final_norm_seed);  // the MTP layer the same whatever final_norm_seed
+  std::deque<std::vector<std::byte>> storage;
+  std::vector<TensorToWrite> out;
+  // bf16 values times factor(i), rounded to bf16.
+  auto scaled = [&](const TensorView& t, const std::function<float(size_t)>& factor) {
+    std::vector<std::byte> bytes(t.data.size());
+    for (size_t i = 0; i < bytes.size() / 2; ++i) {
+      uint16_t b;
+      std::memcpy(&b, t.data.data() + 2 * i, 2);
+      const uint16_t v = float_to_bf16(bf16_to_float(b) * factor(i));
+      std::memcpy(&bytes[2 * i], &v, 2);
+    }
+    storage.push_back(std::move(bytes));
+    return std::span<const std::byte>(storage.back());
+  };
+  auto random_bf16 = [&](std::vector<int64_t> shape, float lo, float hi) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    std::uniform_real_distribution<float> u(lo, hi);
+    std::vector<std::byte> bytes(static_cast<size_t>(2 * n));
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t v = float_to_bf16(u(rng));
+      std::memcpy(&bytes[2 * i], &v, 2);
+    }
+    storage.push_back(std::move(bytes));
+    return std::span<const std::byte>(storage.back());
+  };
+  std::uniform_real_distribution<float> layer_factor(0.5f, 1.5f), norm_factor(0.5f, 2.0f);
+  const std::string from = "model.layers.2.", to = "model.layers.3.";
+  int64_t hidden = 0;
+  for (const TensorView* t : set->tensors()) {
+    if (t->name == "model.norm.weight" && final_norm_seed != 0) {
+      out.push_back({t->name, t->dtype, t->shape, scaled(*t, [&](size_t) { return norm_factor(norm_rng); })});
+    } else {
+      out.push_back({t->name, t->dtype, t->shape, t->data});
+    }
+    if (t->name == "model.norm.weight") hidden = t->shape[0];
+    const std::string copy_of = t->name == "model.embed_tokens.weight" ? "embed_tokens.weight"
+                                : t->name == "lm_head.weight"        ? "shared_head.head.weight"
+                                                                     : "";
+    if (!copy_of.empty()) out.push_back({to + copy_of, t->dtype, t->shape, t->data});
+    if (!t->name.starts_with(from)) continue;
+    const std::string copy = to + t->name.substr(from.size());
+    if (t->dtype != DType::kBF16) {
+      out.push_back({copy, t->dtype, t->shape, t->data});
+    } else {
+      out.push_back({copy, t->dtype, t->shape, scaled(*t, [&](size_t) { return layer_factor(rng); })});
+    }
+  }
+  EXPECT_GT(hidden, 0);
+  out.push_back({to + "enorm.weight", DType::kBF16, {hidden}, random_bf16({hidden}, 0.5f, 1.5f)});
+  out.push_back({to + "hnorm.weight", DType::kBF16, {hidden}, random_bf16({hidden}, 0.5f, 1.5f)});
+  out.push_back({to + "shared_head.norm.weight", DType::kBF16, {hidden}, random_bf16({hidden}, 0.5f, 1.5f)});
+  out.push_back({to + "eh_proj.weight", DType::kBF16, {hidden, 2 * hidden}, random_bf16({hidden, 2 * hidden}, -0.15f,
+                                                                                          0.15f)});
+  std::stable_sort(out.begin(), out.end(), [](const TensorToWrite& a, const TensorToWrite& b) {
+    return dtype_size(a.dtype) > dtype_size(b.dtype);  // aligned elements (safetensors_write)
+  });
+  EXPECT_TRUE(safetensors_write(dir / "model.safetensors", out).has_value());
+  auto config = nlohmann::json::parse(read_file(src / "config.json"));
+  config["num_nextn_predict_layers"] = 1;
+  std::ofstream(dir / "config.json") << config.dump();
+  fs::copy_file(src / "generation_config.json", dir / "generation_config.json");
+  return dir;
+}
+
+std::unique_ptr<ModelRunner> load_glm(const std::filesystem::path& dir, bool draft = true) {
+  ModelLoadOptions options;
+  options.load_draft = draft;
+  auto runner = runner_load(dir, options);
+  EXPECT_TRUE(runner.has_value()) << (runner ? "" : runner.error().message);
+  return runner ? std::move(*runner) : nullptr;
+}
+
+std::vector<int32_t> random_prompt(size_t n, uint32_t seed, int32_t vocab) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> id(0, vocab - 1);
+  std::vector<int32_t> p(n);
+  for (int32_t& t : p) t = id(rng);
+  return p;
+}
+
+// GLM-5's MTP layer as the draft: greedy output with speculation is plain greedy output for 1..4 draft steps, with
+// prompts longer than the fixture's index_topk of 16 (so both the model's and the draft layer's indexers select),
+// in chunks; and with drafts forced right (all accepted) or wrong (none).
+TEST(Speculative, GlmMtpLayerKeepsGreedyOutput) {
+  auto runner = load_glm(glm_with_mtp("glm_mtp"));
+  ASSERT_TRUE(runner);
+  ASSERT_NE(runner->model().draft, nullptr);
+  EXPECT_TRUE(runner->model().draft->hidden_before_norm);
+  const int32_t vocab = static_cast<int32_t>(runner->config().vocab_size);
+  for (int steps : {1, 2, 3, 4}) {
+    std::vector<SpecRun> runs;
+    for (auto [length, seed] : {std::pair<size_t, uint32_t>{30, 1}, {9, 2}, {static_cast<size_t>(steps) + 1, 3}}) {
+      runs.emplace_back(*runner, random_prompt(length, seed, vocab), SamplingParams{.temperature = 0.0f});
+    }
+    run_speculative(*runner, runs, 24, steps, 7);
+    for (SpecRun& r : runs) {
+      r.output.resize(24);
+      EXPECT_EQ(r.output, plain_greedy(*runner, r.prompt, 24)) << steps << " steps";
+      EXPECT_GT(r.drafted, 0);
+    }
+  }
+  const std::vector<int32_t> p = random_prompt(20, 4, vocab);
+  const int n = 20, steps = 3;
+  const std::vector<int32_t> want = plain_greedy(*runner, p, n + steps + 1);
+  for (const bool right : {true, false}) {
+    std::vector<SpecRun> runs;
+    runs.emplace_back(*runner, p, SamplingParams{.temperature = 0.0f});
+    run_speculative(*runner, runs, n, steps, 64, [&](size_t, SpecRun& r) {
+      if (right) {
+        r.drafts.assign(want.begin() + static_cast<ptrdiff_t>(r.output.size()),
+                        want.begin() + static_cast<ptrdiff_t>(r.output.size() + steps));
+      } else {
+        r.drafts.assign(steps, (want[r.output.size()] + 17) % vocab);
+      }
+    });
+    EXPECT_GT(runs[0].drafted, 0);
+    EXPECT_EQ(runs[0].accepted, right ? runs[0].drafted : 0);
+    runs[0].output.resize(n);
+    EXPECT_EQ(runs[0].output, std::vector<int32_t>(want.begin(), want.begin() + n)) << (right ? "right" : "wrong");
+  }
+}
+
+// The DeepSeek / GLM draft layer reads the model's stream before its final norm: a checkpoint whose final norm
+// weight differs (elementwise, so a draft reading the normed state would see other directions) gives other model
+// logits and the same draft logits, row for row, over a prompt and a chained draft step.
+TEST(Speculative, GlmMtpLayerReadsTheStreamBeforeTheFinalNorm) {
+  auto a = load_glm(glm_with_mtp("glm_mtp_a")), b = load_glm(glm_with_mtp("glm_mtp_b", 7));
+  ASSERT_TRUE(a && b);
+  const std::vector<int32_t> t = random_prompt(25, 5, static_cast<int32_t>(a->config().vocab_size));
+  std::vector<std::vector<float>> model_logits, draft_logits, chained;
+  for (ModelRunner* r : {a.get(), b.get()}) {
+    SequenceCache cache = r->new_sequence();
+    const std::vector<SequenceInput> batch{{&cache, t}};
+    auto logits = r->forward(batch, LogitsFor::kAllTokens);
+    ASSERT_TRUE(logits.has_value()) << logits.error().message;
+    model_logits.push_back(*logits);
+    const std::vector<int32_t> next(t.begin() + 1, t.end());
+    const std::vector<DraftInput> rows{{{&cache, next}, 0, DraftHidden::kModel, 0}};
+    auto drafted = r->draft(rows, LogitsFor::kAllTokens);
+    ASSERT_TRUE(drafted.has_value()) << drafted.error().message;
+    draft_logits.push_back(*drafted);
+    const std::vector<int32_t> one{t.back()};
+    const std::vector<DraftInput> chain{{{&cache, one}, static_cast<int64_t>(t.size()) - 1, DraftHidden::kDraft, 0}};
+    auto again = r->draft(chain, LogitsFor::kLastToken);
+    ASSERT_TRUE(again.has_value()) << again.error().message;
+    chained.push_back(*again);
+  }
+  ASSERT_EQ(model_logits[0].size(), model_logits[1].size());
+  EXPECT_NE(model_logits[0], model_logits[1]);  // the final norm matters to the model
+  EXPECT_EQ(draft_logits[0], draft_logits[1]);  // and not to the draft layer
+  EXPECT_EQ(chained[0], chained[1]);
+  for (float v : draft_logits[0]) ASSERT_TRUE(std::isfinite(v));
+}
+
+// Two tensor-parallel ranks (eh_proj and the norms whole on each, the MLA and MoE layer split as the model's):
+// the one device's greedy tokens with speculation.
+TEST(Speculative, GlmMtpLayerAtTwoRanks) {
+  const std::filesystem::path dir = glm_with_mtp("glm_mtp_tp");
+  auto one = load_glm(dir);
+  ModelLoadOptions options;
+  options.load_draft = true;
+  options.tensor_parallel_size = 2;
+  auto two = runner_load(dir, options);
+  ASSERT_TRUE(one && two.has_value()) << (two ? "" : two.error().message);
+  const std::vector<int32_t> p = random_prompt(22, 8, static_cast<int32_t>(one->config().vocab_size));
+  std::vector<SpecRun> a, b;
+  a.emplace_back(*one, p, SamplingParams{.temperature = 0.0f});
+  b.emplace_back(**two, p, SamplingParams{.temperature = 0.0f});
+  run_speculative(*one, a, 16, 3, 8);
+  run_speculative(**two, b, 16, 3, 8);
+  a[0].output.resize(16);
+  b[0].output.resize(16);
+  EXPECT_EQ(b[0].output, a[0].output);
+  EXPECT_EQ(b[0].output, plain_greedy(*one, p, 16));
+  EXPECT_GT(b[0].drafted, 0);
+}
+
+// Without load_draft the checkpoint's MTP layer is skipped, not read: the model loads and decodes as the fixture.
+TEST(Speculative, GlmMtpLayerIsReadOnlyWhenAskedFor) {
+  auto plain = load_glm(glm_with_mtp("glm_mtp_plain"), false);
+  auto fixture = load_glm(std::filesystem::path(TERN_FIXTURES_DIR) / "glm_moe_dsa", false);
+  ASSERT_TRUE(plain && fixture);
+  EXPECT_EQ(plain->model().draft, nullptr);
+  const std::vector<int32_t> p = random_prompt(20, 6, static_cast<int32_t>(plain->config().vocab_size));
+  EXPECT_EQ(plain_greedy(*plain, p, 8), plain_greedy(*fixture, p, 8));
 }
 
 TEST(Speculative, DraftRowsMustFollowTheModelsRows) {
