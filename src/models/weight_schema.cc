@@ -25,11 +25,7 @@ class SchemaBuilder {
     for (int64_t i = 0; i < c_.num_hidden_layers; ++i) add_layer(i);
     param("norm.weight", {h});
     schema_.tied_embeddings = c_.tie_word_embeddings;
-    if (schema_.draft_in_text_layers) {
-      add_nextn_draft();
-    } else if (!schema_.draft_prefix.empty()) {
-      add_draft();
-    }
+    if (!schema_.draft_prefix.empty()) add_draft();
     schema_.linears.push_back({"lm_head", c_.vocab_size, h, LinearRole::kLmHead, -1, false, Shard::vocab()});
     add_skipped();
     return std::move(schema_);
@@ -54,36 +50,29 @@ class SchemaBuilder {
     schema_.states.push_back({layer_name(layer, rest), std::move(shape), std::move(shard)});
   }
 
-  // Qwen3.5 / Qwen3-Next MTP: [norm(embedding) ; norm(hidden)] -> fc -> one full-attention MoE decoder layer ->
-  // norm, sharing embed_tokens and lm_head with the model. fc and the norms are replicated on every rank (fc is
-  // 2 * hidden^2: small beside the layer); the layer splits as the model's own layers do.
+  // The draft module (MTP): [norm(embedding) ; norm(hidden)] -> fc -> one MoE decoder layer -> norm, sharing
+  // embed_tokens and lm_head with the model. Qwen3.5 / Qwen3-Next (`mtp.*`): pre_fc_norm_embedding,
+  // pre_fc_norm_hidden, fc, a full-attention layer, norm. DeepSeek-V3 / GLM-5 (decoder layer num_hidden_layers of
+  // the text model): enorm, hnorm, eh_proj, an MLA layer (with the indexer, where the model has one),
+  // shared_head.norm; the checkpoint's copies of embedding and lm_head there are skipped (add_skipped). fc and the
+  // norms are replicated on every rank (fc is 2 * hidden^2: small beside the layer); the layer splits as the
+  // model's own layers do.
   void add_draft() {
     const int64_t h = c_.hidden_size, i = c_.num_hidden_layers;
     const std::string& p = schema_.draft_prefix;
-    for (const char* norm : {"pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight"}) {
-      schema_.params.push_back({p + norm, {h}, Shard{}});
-    }
-    schema_.linears.push_back({p + "fc", h, 2 * h, LinearRole::kDraftInput, i, false, Shard{}});
+    const bool nextn = schema_.draft_in_text_layers;
+    const std::vector<const char*> norms =
+        nextn ? std::vector<const char*>{"enorm.weight", "hnorm.weight", "shared_head.norm.weight"}
+              : std::vector<const char*>{"pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight"};
+    for (const char* norm : norms) schema_.params.push_back({p + norm, {h}, Shard{}});
+    schema_.linears.push_back({p + (nextn ? "eh_proj" : "fc"), h, 2 * h, LinearRole::kDraftInput, i, false, Shard{}});
     layer_param(i, "input_layernorm.weight", {h});
     layer_param(i, "post_attention_layernorm.weight", {h});
-    add_attention(i);
-    add_moe(i);
-  }
-
-  // DeepSeek-V3 / GLM-5 MTP ("nextn"): decoder layer num_hidden_layers of the text model with enorm / hnorm over
-  // [embedding ; hidden], eh_proj [hidden, 2 * hidden], one MLA (with the indexer, where the model has one) + MoE
-  // layer, and shared_head.norm; the checkpoint's copies of the embedding and lm_head in that layer are skipped (the
-  // model's own are used). eh_proj and the norms are replicated on every rank, as Qwen's fc.
-  void add_nextn_draft() {
-    const int64_t h = c_.hidden_size, i = c_.num_hidden_layers;
-    const std::string& p = schema_.draft_prefix;
-    for (const char* norm : {"enorm.weight", "hnorm.weight", "shared_head.norm.weight"}) {
-      schema_.params.push_back({p + norm, {h}, Shard{}});
+    if (nextn) {
+      add_mla(i);
+    } else {
+      add_attention(i);
     }
-    schema_.linears.push_back({p + "eh_proj", h, 2 * h, LinearRole::kDraftInput, i, false, Shard{}});
-    layer_param(i, "input_layernorm.weight", {h});
-    layer_param(i, "post_attention_layernorm.weight", {h});
-    add_mla(i);
     add_moe(i);
   }
 

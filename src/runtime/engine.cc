@@ -192,18 +192,20 @@ void Engine::step() {
 
 void Engine::fail_step(const StepPlan& plan, const Error& error) {
   spdlog::error("forward step failed: {}", error.message);
-  for (const StepItem& item : plan.items) finish(item.id, "error", error.message);
-  if (std::optional<std::string> why = model_->failure()) {
+  // A broken model is recorded before any request hears of the failure: a client that sees its stream fail and then
+  // asks /health must find it unhealthy.
+  const std::optional<std::string> why = model_->failure();
+  if (why) {
     spdlog::error("the model can run no more steps: {}", *why);
-    {
-      std::lock_guard lock(inbox_mutex_);
-      failure_ = why;
-    }
-    // Nothing queued can run either.
-    std::vector<uint64_t> rest;
-    for (const auto& [id, a] : active_) rest.push_back(id);
-    for (const uint64_t id : rest) finish(id, "error", "the model can run no more steps: " + *why);
+    std::lock_guard lock(inbox_mutex_);
+    failure_ = why;
   }
+  for (const StepItem& item : plan.items) finish(item.id, "error", error.message);
+  if (!why) return;
+  // Nothing queued can run either.
+  std::vector<uint64_t> rest;
+  for (const auto& [id, a] : active_) rest.push_back(id);
+  for (const uint64_t id : rest) finish(id, "error", "the model can run no more steps: " + *why);
 }
 
 void Engine::step_speculative(const StepPlan& plan) {
