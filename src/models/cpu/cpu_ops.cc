@@ -78,9 +78,8 @@ class CpuFeedForwardBlock final : public Block {
 
 // Only the rows whose logits are wanted (each sequence's last, or all of it when verified) go through the final norm
 // and lm_head, unless the step keeps every row's normed hidden state for a draft module (a draft module that reads
-// the stream before the norm keeps that instead). Under tensor parallelism
-// each rank computes its vocabulary rows' logits and every rank gathers all of them (padded to equal ranges:
-// models/shard.h's vocab_shard_rows).
+// the stream before the norm keeps that instead). Under tensor parallelism each rank computes its vocabulary rows'
+// logits and every rank gathers all of them (padded to equal ranges: models/shard.h's vocab_shard_rows).
 class CpuHead final : public Block {
  public:
   CpuHead(const RmsNorm& norm, const Linear& head, VocabRange vocab, CpuStep& s)
