@@ -474,6 +474,7 @@ Expected<void> CudaRunner::begin_step(const HostStepPlan& p, LogitsFor, const Tr
                 .n_head_rows = static_cast<int64_t>(p.head_rows.size()),
                 .max_rows = p.max_rows,
                 .keep_hidden = hidden_in != nullptr ? ops_.draft_hidden() : ops_.model_hidden(),
+                .keep_hidden_before_norm = has_draft() && model().draft->hidden_before_norm,
                 .hidden_in = hidden_in,
                 .tracer = tracer};
   const std::vector<int32_t>* parts[] = {&p.ids,          &p.positions,  &p.slot_mapping, &p.query_start,
@@ -839,10 +840,6 @@ Expected<std::unique_ptr<ModelRunner>> cuda_runner_create(std::unique_ptr<Causal
         "bad device options: max_batch_tokens {} and max_sequences {} must be >= 1, kv_block_size {} a "
         "power of two >= 8",
         options.max_batch_tokens, options.max_sequences, options.kv_block_size);
-  }
-  if (model->draft != nullptr && model->draft->hidden_before_norm) {
-    return make_error("--speculative-algorithm mtp: the DeepSeek-V3 / GLM-5 MTP layer drafts on the CPU path only "
-                      "so far (on a GPU, serve this model without speculative decoding)");
   }
   auto runner = std::make_unique<CudaRunner>(std::move(model), options, comm);
   TERN_TRY(runner->place());

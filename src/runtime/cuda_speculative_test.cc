@@ -131,6 +131,79 @@ TEST_P(CudaGreedySteps, MatchPlainGreedyDecoding) {
 
 INSTANTIATE_TEST_SUITE_P(CudaSpeculative, CudaGreedySteps, testing::Values(1, 3, 4));
 
+// GLM-5's MTP layer (the GLM fixture with one written at test time, speculative_test_util.h) on the GPU: its draft
+// logits over a prompt and a chained step track the CPU path's (which reads the stream before the final norm; a
+// GPU keeping the normed state instead is off by the logits' whole spread) on a prompt shorter than index_topk, so
+// no DSA selection (whose near-ties bf16 may break either way) is involved; greedy output with speculation is the
+// GPU's plain greedy output up to near-ties, and forced-right drafts are all accepted.
+TEST(CudaSpeculative, GlmMtpLayerTracksTheCpuPath) {
+  if (runner_cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const std::filesystem::path dir = glm_with_mtp("glm_mtp_gpu");
+  ModelLoadOptions options;
+  options.load_draft = true;
+  options.device = ModelDevice::kCuda;
+  options.device_options.max_sequences = 4;
+  options.device_options.max_batch_tokens = 256;
+  options.device_options.kv_cache_tokens = 4096;
+  options.device_options.verify_rows = 4;
+  auto gpu = runner_load(dir, options);
+  ASSERT_TRUE(gpu.has_value()) << gpu.error().message;
+  ModelLoadOptions cpu_options;
+  cpu_options.load_draft = true;
+  auto cpu = runner_load(dir, cpu_options);
+  ASSERT_TRUE(cpu.has_value()) << cpu.error().message;
+  const int32_t vocab = static_cast<int32_t>((*gpu)->config().vocab_size);
+  const std::vector<int32_t> t = random_prompt(12, 11, vocab);
+  ASSERT_LT(static_cast<int64_t>(t.size()), (*gpu)->config().index_topk);
+  std::vector<std::vector<float>> drafted, chained;
+  for (ModelRunner* r : {gpu->get(), cpu->get()}) {
+    SequenceCache cache = r->new_sequence();
+    ASSERT_TRUE(r->forward(std::vector<SequenceInput>{{&cache, t}}, LogitsFor::kLastToken).has_value());
+    const std::vector<int32_t> next(t.begin() + 1, t.end());
+    auto d = r->draft(std::vector<DraftInput>{{{&cache, next}, 0, DraftHidden::kModel, 0}}, LogitsFor::kAllTokens);
+    ASSERT_TRUE(d.has_value()) << d.error().message;
+    drafted.push_back(*d);
+    const std::vector<int32_t> one{t.back()};
+    auto c = r->draft(std::vector<DraftInput>{{{&cache, one}, static_cast<int64_t>(t.size()) - 1,
+                                                DraftHidden::kDraft, 0}},
+                      LogitsFor::kLastToken);
+    ASSERT_TRUE(c.has_value()) << c.error().message;
+    chained.push_back(*c);
+  }
+  const auto [lo, hi] = std::minmax_element(drafted[1].begin(), drafted[1].end());
+  const double spread = double{*hi} - double{*lo};
+  const double off = max_abs_diff(drafted[0], drafted[1]), off_chained = max_abs_diff(chained[0], chained[1]);
+  std::cout << "GLM draft logits: GPU off the CPU by " << off << " (chained " << off_chained << ") of a spread of "
+            << spread << "\n";
+  EXPECT_LT(off, 0.1 * spread);
+  EXPECT_LT(off_chained, 0.1 * spread);
+  for (int steps : {1, 3}) {
+    std::vector<SpecRun> runs;
+    for (auto [length, seed] : {std::pair<size_t, uint32_t>{30, 12}, {9, 13}}) {
+      runs.emplace_back(**gpu, random_prompt(length, seed, vocab), SamplingParams{.temperature = 0.0f});
+    }
+    run_speculative(**gpu, runs, 24, steps, 7);
+    for (SpecRun& r : runs) {
+      r.output.resize(24);
+      expect_same_greedy(**gpu, **cpu, r.prompt, r.output, plain_greedy(**gpu, r.prompt, 24),
+                         "GLM, " + std::to_string(steps) + " steps");
+      EXPECT_GT(r.drafted, 0);
+    }
+  }
+  const std::vector<int32_t> p = random_prompt(20, 14, vocab);
+  const std::vector<int32_t> want = plain_greedy(**gpu, p, 24);
+  std::vector<SpecRun> right;
+  right.emplace_back(**gpu, p, SamplingParams{.temperature = 0.0f});
+  run_speculative(**gpu, right, 20, 3, 64, [&](size_t, SpecRun& r) {
+    r.drafts.assign(want.begin() + static_cast<ptrdiff_t>(r.output.size()),
+                    want.begin() + static_cast<ptrdiff_t>(r.output.size() + 3));
+  });
+  EXPECT_EQ(right[0].accepted, right[0].drafted);
+  right[0].output.resize(20);
+  expect_same_greedy(**gpu, **cpu, p, right[0].output, std::vector<int32_t>(want.begin(), want.begin() + 20),
+                     "GLM, forced-right drafts");
+}
+
 TEST(CudaSpeculative, DraftsForcedRightOrWrongKeepGreedyOutput) {
   auto runner = load_gpu_demo(4);
   REQUIRE_GPU(runner);

@@ -15,18 +15,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <deque>
 #include <filesystem>
-#include <functional>
 #include <fstream>
 #include <map>
 #include <random>
 #include <sstream>
 #include <thread>
 
-#include "core/formats.h"
-#include "io/safetensors.h"
 #include "runtime/free_port_test_util.h"
 #include "runtime/model_runner.h"
 #include "runtime/speculative_test_util.h"
@@ -237,99 +232,12 @@ TEST(Speculative, ModelsWithoutAWholeDraftModuleAreRefused) {
   EXPECT_FALSE(speculative_step(*plain, {&s, 1}, 2).has_value());
 }
 
-// The GLM-5 fixture with an MTP layer (decoder layer 3, DeepSeek's layout): enorm, hnorm, eh_proj and
-// shared_head.norm random, the decoder layer a copy of layer 2 with every weight multiplied by random factors in
-// [0.5, 1.5] (the router's correction bias kept), and the copies of embedding and lm_head the checkpoint carries there;
-// config num_nextn_predict_layers 1. `final_norm_seed` != 0 also multiplies model.norm.weight elementwise by random
-// factors in [0.5, 2]. Values stay bf16.
-std::filesystem::path glm_with_mtp(const std::string& name, uint32_t final_norm_seed = 0) {
-  namespace fs = std::filesystem;
-  const fs::path src = fs::path(TERN_FIXTURES_DIR) / "glm_moe_dsa";
-  const fs::path dir = fs::path(testing::TempDir()) / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  auto set = SafetensorsSet::open_dir(src);
-  EXPECT_TRUE(set.has_value()) << set.error().message;
-  std::mt19937 rng(0x6170), norm_rng(final_norm_seed);  // the MTP layer the same whatever final_norm_seed
-  std::deque<std::vector<std::byte>> storage;
-  std::vector<TensorToWrite> out;
-  // bf16 values times factor(i), rounded to bf16.
-  auto scaled = [&](const TensorView& t, const std::function<float(size_t)>& factor) {
-    std::vector<std::byte> bytes(t.data.size());
-    for (size_t i = 0; i < bytes.size() / 2; ++i) {
-      uint16_t b;
-      std::memcpy(&b, t.data.data() + 2 * i, 2);
-      const uint16_t v = float_to_bf16(bf16_to_float(b) * factor(i));
-      std::memcpy(&bytes[2 * i], &v, 2);
-    }
-    storage.push_back(std::move(bytes));
-    return std::span<const std::byte>(storage.back());
-  };
-  auto random_bf16 = [&](std::vector<int64_t> shape, float lo, float hi) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    std::uniform_real_distribution<float> u(lo, hi);
-    std::vector<std::byte> bytes(static_cast<size_t>(2 * n));
-    for (int64_t i = 0; i < n; ++i) {
-      const uint16_t v = float_to_bf16(u(rng));
-      std::memcpy(&bytes[2 * i], &v, 2);
-    }
-    storage.push_back(std::move(bytes));
-    return std::span<const std::byte>(storage.back());
-  };
-  std::uniform_real_distribution<float> layer_factor(0.5f, 1.5f), norm_factor(0.5f, 2.0f);
-  const std::string from = "model.layers.2.", to = "model.layers.3.";
-  int64_t hidden = 0;
-  for (const TensorView* t : set->tensors()) {
-    if (t->name == "model.norm.weight" && final_norm_seed != 0) {
-      out.push_back({t->name, t->dtype, t->shape, scaled(*t, [&](size_t) { return norm_factor(norm_rng); })});
-    } else {
-      out.push_back({t->name, t->dtype, t->shape, t->data});
-    }
-    if (t->name == "model.norm.weight") hidden = t->shape[0];
-    const std::string copy_of = t->name == "model.embed_tokens.weight" ? "embed_tokens.weight"
-                                : t->name == "lm_head.weight"        ? "shared_head.head.weight"
-                                                                     : "";
-    if (!copy_of.empty()) out.push_back({to + copy_of, t->dtype, t->shape, t->data});
-    if (!t->name.starts_with(from)) continue;
-    const std::string copy = to + t->name.substr(from.size());
-    if (t->dtype != DType::kBF16) {
-      out.push_back({copy, t->dtype, t->shape, t->data});
-    } else {
-      out.push_back({copy, t->dtype, t->shape, scaled(*t, [&](size_t) { return layer_factor(rng); })});
-    }
-  }
-  EXPECT_GT(hidden, 0);
-  out.push_back({to + "enorm.weight", DType::kBF16, {hidden}, random_bf16({hidden}, 0.5f, 1.5f)});
-  out.push_back({to + "hnorm.weight", DType::kBF16, {hidden}, random_bf16({hidden}, 0.5f, 1.5f)});
-  out.push_back({to + "shared_head.norm.weight", DType::kBF16, {hidden}, random_bf16({hidden}, 0.5f, 1.5f)});
-  out.push_back({to + "eh_proj.weight", DType::kBF16, {hidden, 2 * hidden}, random_bf16({hidden, 2 * hidden}, -0.15f,
-                                                                                          0.15f)});
-  std::stable_sort(out.begin(), out.end(), [](const TensorToWrite& a, const TensorToWrite& b) {
-    return dtype_size(a.dtype) > dtype_size(b.dtype);  // aligned elements (safetensors_write)
-  });
-  EXPECT_TRUE(safetensors_write(dir / "model.safetensors", out).has_value());
-  auto config = nlohmann::json::parse(read_file(src / "config.json"));
-  config["num_nextn_predict_layers"] = 1;
-  std::ofstream(dir / "config.json") << config.dump();
-  fs::copy_file(src / "generation_config.json", dir / "generation_config.json");
-  return dir;
-}
-
 std::unique_ptr<ModelRunner> load_glm(const std::filesystem::path& dir, bool draft = true) {
   ModelLoadOptions options;
   options.load_draft = draft;
   auto runner = runner_load(dir, options);
   EXPECT_TRUE(runner.has_value()) << (runner ? "" : runner.error().message);
   return runner ? std::move(*runner) : nullptr;
-}
-
-std::vector<int32_t> random_prompt(size_t n, uint32_t seed, int32_t vocab) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int32_t> id(0, vocab - 1);
-  std::vector<int32_t> p(n);
-  for (int32_t& t : p) t = id(rng);
-  return p;
 }
 
 // GLM-5's MTP layer as the draft: greedy output with speculation is plain greedy output for 1..4 draft steps, with
