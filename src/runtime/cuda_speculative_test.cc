@@ -8,7 +8,8 @@
 // - after rejections, the next logits equal those of a fresh prefill of the kept tokens as closely as the GPU's
 //   plain decoding of the same tokens does (a state left after a rejected row is off by O(1));
 // - sampling: the output's distribution over many seeds is the model's (a chi-square test);
-// - refusals: a verification longer than the runner was sized for.
+// - refusals: a verification longer than the runner was sized for;
+// - GLM-5's MTP layer (the GLM fixture with one written at test time) against the CPU path and greedy decoding.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>

@@ -6,7 +6,9 @@
 //   prompts, and with drafts forced to be all right or all wrong;
 // - the caches after rejections equal to a recompute of the kept tokens;
 // - sampling with speculation distributed as the model's own distribution (a chi-square test);
-// - refusals: a model without MTP layers, a checkpoint whose MTP weights are incomplete.
+// - refusals: a model without MTP layers, a checkpoint whose MTP weights are incomplete;
+// - GLM-5's MTP layer (the GLM fixture with one written at test time): greedy output kept, one device and two
+//   ranks, and the draft reading the stream before the final norm.
 #include "runtime/speculative.h"
 
 #include <gtest/gtest.h>
