@@ -101,6 +101,7 @@ Expected<void> align_validate(const MoeAlignArgs& a) {
   TERN_TRY(check_ptr(k, "expert_offsets", a.expert_offsets, 4));
   TERN_TRY(check_ptr(k, "sorted_pairs", a.sorted_pairs, 4));
   TERN_TRY(check_ptr(k, "pair_row", a.pair_row, 4));
+  if (a.decode_passes != nullptr) TERN_TRY(check_ptr(k, "decode_passes", a.decode_passes, 16));
   const size_t needed = moe_align_workspace_bytes(a.tokens, a.top_k, a.n_experts);
   if (a.workspace_bytes < needed || (needed > 0 && a.workspace == nullptr)) {
     return make_error("{}: workspace of {} bytes at {} is smaller than the {} bytes needed", k, a.workspace_bytes,
@@ -209,6 +210,13 @@ Expected<void> gemm_validate(const MoeGemmArgs& a) {
     TERN_TRY(check_ptr(k, "expert_offsets", a.expert_offsets, 4));
     if (a.gather) TERN_TRY(check_ptr(k, "sorted_pairs (needed to gather)", a.sorted_pairs, 4));
   }
+  if (a.decode_passes != nullptr) {
+    TERN_TRY(check_ptr(k, "decode_passes", a.decode_passes, 16));
+    if (a.decode_token_tiles == 2 || a.route.logits != nullptr) {
+      return make_error("{}: decode_passes are one-tile passes found in the list: not with decode_token_tiles=2 or "
+                        "routing in the launch", k);
+    }
+  }
   return second_projection_validate(a);
 }
 
@@ -246,7 +254,7 @@ Expected<void> silu_mul_x_validate(const DeviceContext& ctx, const MoeGemmArgs& 
 
 // The pieces of moe_forward's workspace, each 256-byte aligned.
 struct ForwardLayout {
-  size_t ids, weights, offsets, sorted_pairs, pair_row, gate_up, act, expert_out, align, total;
+  size_t ids, weights, offsets, sorted_pairs, pair_row, gate_up, act, expert_out, passes, align, total;
 };
 
 ForwardLayout forward_layout(int64_t tokens, int64_t top_k, int64_t n_experts, int64_t inter, int64_t hidden) {
@@ -266,6 +274,7 @@ ForwardLayout forward_layout(int64_t tokens, int64_t top_k, int64_t n_experts, i
   l.gate_up = take(rows * static_cast<size_t>(2 * inter) * 2);
   l.act = take(rows * static_cast<size_t>(inter) * 2);
   l.expert_out = take(rows * static_cast<size_t>(hidden) * 2);
+  l.passes = take(static_cast<size_t>(moe_decode_pass_slots(tokens * top_k, n_experts)) * 16);
   l.align = take(moe_align_workspace_bytes(tokens, top_k, n_experts));
   l.total = at;
   return l;
@@ -385,6 +394,7 @@ struct ForwardBuffers {
   float* weights;
   int32_t *offsets, *sorted_pairs, *pair_row;
   uint16_t *gate_up, *act, *expert_out;
+  int32_t* passes;
   void* align;
   size_t align_bytes;
 };
@@ -400,6 +410,7 @@ ForwardBuffers forward_buffers(const MoeForwardArgs& a) {
           .gate_up = reinterpret_cast<uint16_t*>(base + l.gate_up),
           .act = reinterpret_cast<uint16_t*>(base + l.act),
           .expert_out = reinterpret_cast<uint16_t*>(base + l.expert_out),
+          .passes = reinterpret_cast<int32_t*>(base + l.passes),
           .align = base + l.align,
           .align_bytes = l.total - l.align};
 }
@@ -432,7 +443,8 @@ Routing routing_args(const MoeForwardArgs& a, const ForwardBuffers& b) {
                            .sorted_pairs = b.sorted_pairs,
                            .pair_row = b.pair_row,
                            .workspace = b.align,
-                           .workspace_bytes = b.align_bytes};
+                           .workspace_bytes = b.align_bytes,
+                           .decode_passes = b.passes};
   return {route, align};
 }
 
@@ -463,7 +475,8 @@ Expected<void> forward_gate_up(const DeviceContext& ctx, const MoeForwardArgs& a
                          .w2 = up_in_gate_launch ? a.up : MoeExpertWeights{},
                          .y2_offset = a.inter,
                          .route = routing.route,
-                         .align = routing.align};
+                         .align = routing.align,
+                         .decode_passes = b.passes};
   TERN_TRY(moe_gemm(ctx, gate, a.variant));
   if (a.up.n == 0 || up_in_gate_launch) return {};
   MoeGemmArgs up = gate;
@@ -489,7 +502,8 @@ Expected<void> forward_down(const DeviceContext& ctx, const MoeForwardArgs& a, c
                    .y = b.expert_out,
                    .ldy = a.hidden,
                    .rows = rows,
-                   .x_silu_mul = fold_silu},
+                   .x_silu_mul = fold_silu,
+                   .decode_passes = b.passes},
                   a.variant);
 }
 
@@ -499,7 +513,7 @@ Expected<void> forward_down(const DeviceContext& ctx, const MoeForwardArgs& a, c
 // (kDecode, or kAuto with few tokens, as moe_gemm decides) takes the fused launches.
 Expected<MoeCombineArgs> moe_forward_experts(const DeviceContext& ctx, const MoeForwardArgs& a) {
   TERN_TRY(forward_validate(a));
-  const ForwardBuffers b = forward_buffers(a);
+  ForwardBuffers b = forward_buffers(a);
   const MoeCombineArgs combine{.expert_out = b.expert_out,
                                .pair_row = b.pair_row,
                                .topk_ids = b.ids,
@@ -517,6 +531,9 @@ Expected<MoeCombineArgs> moe_forward_experts(const DeviceContext& ctx, const Moe
   // One token at decode: the gate/up launch routes it, and route and align are no launch of their own (softmax
   // routing only: the gate/up kernel's block routing has no sigmoid variant, so moe_route_align routes that token).
   const bool route_in_launch = decode && a.tokens == 1 && !a.sigmoid;
+  // Past kMoeDecodePassRows tokens an expert may have more rows than one decode pass: the align writes the pass
+  // list and both decode GEMMs give each pass its own blocks (MoeGemmArgs::decode_passes).
+  if (!decode || a.tokens <= kMoeDecodePassRows) b.passes = nullptr;
   if (!route_in_launch) TERN_TRY(forward_route(ctx, a, b, decode));
   TERN_TRY(forward_gate_up(ctx, a, b, decode, route_in_launch));
   TERN_TRY(forward_down(ctx, a, b, decode));

@@ -33,13 +33,14 @@ Expected<void> moe_combine(const DeviceContext& ctx, const MoeCombineArgs& args)
 // silu_mul, the down grouped GEMM and the combine (moe_launch.h's pipeline). At decode (kDecode, or kAuto with at
 // most kMoeDecodeMaxTokens tokens) route and align are one launch (moe_route_align; at one token no launch: the
 // gate/up launch routes the token itself, MoeGemmArgs::route), a separate up stack joins the gate's launch
-// (MoeGemmArgs::w2) and the down GEMM applies silu_mul to its input itself (MoeGemmArgs::x_silu_mul); the fused
-// steps give the same bits as the separate ones, except that gate and up in one grid may split K differently (a
-// different fp32 summation order). Sigmoid routing (DeepSeek-V3 / GLM-5; MoeRouteArgs::sigmoid) is never routed
-// inside the gate/up launch: at one token it takes moe_route_align's launch. The router GEMM and the shared expert
-// are dense layers the caller runs first; their outputs come in as router_logits and shared_out / shared_gate (the
-// shared expert gate may be an extra column of the router's output, hence its stride; without a gate the shared
-// expert is added unweighted, as DeepSeek-V3 and GLM-5 add theirs).
+// (MoeGemmArgs::w2) and the down GEMM applies silu_mul to its input itself (MoeGemmArgs::x_silu_mul); past
+// kMoeDecodePassRows tokens the align writes the decode pass list both GEMMs take (MoeGemmArgs::decode_passes).
+// The fused steps give the same bits as the separate ones, except that gate and up in one grid may split K
+// differently (a different fp32 summation order). Sigmoid routing (DeepSeek-V3 / GLM-5; MoeRouteArgs::sigmoid) is
+// never routed inside the gate/up launch: at one token it takes moe_route_align's launch. The router GEMM and the
+// shared expert are dense layers the caller runs first; their outputs come in as router_logits and shared_out /
+// shared_gate (the shared expert gate may be an extra column of the router's output, hence its stride; without a
+// gate the shared expert is added unweighted, as DeepSeek-V3 and GLM-5 add theirs).
 struct MoeForwardArgs {
   const uint16_t* x = nullptr;              // [tokens, hidden] bf16
   const uint16_t* router_logits = nullptr;  // [tokens, logits_stride] bf16

@@ -1,6 +1,6 @@
 // MoE kernel timings on one GPU for Qwen3.5-35B-A3B's expert shapes (hidden 2048, 256 experts, top-8,
 // moe_intermediate 512), bf16, NVFP4 and block-wise FP8 experts. Plain main (not run by ctest):
-//   moe_bench [--quick | --decode | --small | --tiles] [--bf16 | --nvfp4 | --fp8]
+//   moe_bench [--quick | --decode | --small | --tiles [--skew S]] [--bf16 | --nvfp4 | --fp8]
 // Decode (tokens 1..64, both GEMM variants): the grouped gate_up (n = 1024, k = 2048) and down (n = 2048, k = 512)
 // GEMMs, reported as GB/s of the active experts' weight bytes (packed + block scales for NVFP4, codes + per-row
 // block scales for FP8) against a
@@ -11,13 +11,16 @@
 // cold. Prefill (4096 tokens): TFLOP/s of the same GEMMs, with the kernel the model runs (wgmma on sm_90a) and the
 // mma.sync one. Route, align (apart and in one launch where the pairs fit one block) and combine are timed at both
 // sizes; --small: only those, at 1 to 256 tokens and 4096. --tiles: NVFP4 decode at 8 to 64 tokens with each x-row
-// tile width forced as well (MoeGemmArgs::decode_token_tiles). A format flag times that weight format alone (with
-// --tiles: NVFP4 unless one is given).
+// tile width forced and with the pass list (MoeGemmArgs::decode_token_tiles, decode_passes), on random and on skewed
+// routings (make_routings; --skew sets their exponent, 0.5 by default). A format flag times that weight format
+// alone (with --tiles: NVFP4 unless one is given).
 // Each timing is a CUDA graph of back-to-back launches, replayed after a warm-up; the median replay is reported.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -121,23 +124,39 @@ const char* format_name(MoeWeightFormat f) {
   return f == MoeWeightFormat::kBf16 ? "bf16" : f == MoeWeightFormat::kNvfp4 ? "nvfp4" : "fp8";
 }
 
-// kSlots random routings of `tokens` tokens: device ids, offsets and permutations, and the mean active experts.
+// kSlots random routings of `tokens` tokens: device ids, offsets, permutations and decode pass lists, the mean
+// active experts and the mean rows of the busiest expert.
 struct Routings {
-  DeviceBuffer ids, offsets, sorted_pairs, pair_row, weights;
-  double mean_active = 0.0;
+  DeviceBuffer ids, offsets, sorted_pairs, pair_row, weights, passes;
+  double mean_active = 0.0, mean_busiest = 0.0;
 };
 
-Routings make_routings(int64_t tokens, std::mt19937& rng) {
-  const int64_t rows = tokens * kTopK;
-  std::vector<int32_t> ids, offsets, sorted, pair_row;
-  std::vector<int32_t> experts(kExperts);
+// skew 0: each token's top_k experts uniformly at random; skew s > 0: drawn without replacement with weights
+// 1 / (rank + 1)^s over a random ranking of the experts per routing, as a router that favours some experts for
+// every token of a batch (s = 0.5 gives the busiest expert about 8x the mean rows at 64 tokens).
+Routings make_routings(int64_t tokens, std::mt19937& rng, double skew = 0.0) {
+  const int64_t rows = tokens * kTopK, pass_slots = moe_decode_pass_slots(rows, kExperts);
+  std::vector<int32_t> ids, offsets, sorted, pair_row, passes;
+  std::vector<int32_t> experts(kExperts), ranking(kExperts);
   Routings r;
   for (int s = 0; s < kSlots; ++s) {
     std::vector<int32_t> slot_ids;
+    std::iota(ranking.begin(), ranking.end(), 0);
+    std::shuffle(ranking.begin(), ranking.end(), rng);
     for (int64_t t = 0; t < tokens; ++t) {
-      std::iota(experts.begin(), experts.end(), 0);
-      std::shuffle(experts.begin(), experts.end(), rng);
-      slot_ids.insert(slot_ids.end(), experts.begin(), experts.begin() + kTopK);
+      if (skew == 0.0) {
+        std::iota(experts.begin(), experts.end(), 0);
+        std::shuffle(experts.begin(), experts.end(), rng);
+        slot_ids.insert(slot_ids.end(), experts.begin(), experts.begin() + kTopK);
+        continue;
+      }
+      std::vector<double> weight(kExperts);
+      for (int64_t i = 0; i < kExperts; ++i) weight[ranking[i]] = std::pow(static_cast<double>(i + 1), -skew);
+      for (int64_t j = 0; j < kTopK; ++j) {
+        const auto e = static_cast<int32_t>(std::discrete_distribution<int>(weight.begin(), weight.end())(rng));
+        weight[e] = 0.0;
+        slot_ids.push_back(e);
+      }
     }
     std::vector<int32_t> off(kExperts + 1, 0), perm(static_cast<size_t>(rows)), inverse(static_cast<size_t>(rows));
     for (int32_t id : slot_ids) ++off[id + 1];
@@ -148,6 +167,16 @@ Routings make_routings(int64_t tokens, std::mt19937& rng) {
       perm[inverse[p]] = static_cast<int32_t>(p);
     }
     r.mean_active += static_cast<double>(std::set<int32_t>(slot_ids.begin(), slot_ids.end()).size()) / kSlots;
+    int32_t busiest = 0, n_passes = 0;
+    for (int64_t e = 0; e < kExperts; ++e) {
+      busiest = std::max(busiest, off[e + 1] - off[e]);
+      constexpr auto kPass = static_cast<int32_t>(kMoeDecodePassRows);
+      for (int32_t b = off[e]; b < off[e + 1]; b += kPass, ++n_passes) {
+        passes.insert(passes.end(), {static_cast<int32_t>(e), b, std::min(b + kPass, off[e + 1]), 0});
+      }
+    }
+    for (int64_t i = n_passes; i < pass_slots; ++i) passes.insert(passes.end(), {-1, 0, 0, 0});
+    r.mean_busiest += static_cast<double>(busiest) / kSlots;
     ids.insert(ids.end(), slot_ids.begin(), slot_ids.end());
     offsets.insert(offsets.end(), off.begin(), off.end());
     sorted.insert(sorted.end(), perm.begin(), perm.end());
@@ -157,6 +186,7 @@ Routings make_routings(int64_t tokens, std::mt19937& rng) {
   r.offsets = upload(offsets);
   r.sorted_pairs = upload(sorted);
   r.pair_row = upload(pair_row);
+  r.passes = upload(passes);
   r.weights = upload(std::vector<float>(static_cast<size_t>(rows * kSlots), 1.0f / kTopK));
   return r;
 }
@@ -166,10 +196,11 @@ struct GemmTiming {
 };
 
 // The grouped GEMM of one projection over the rotating routings; x [tokens or rows, k], y [rows, n]. tweak adjusts
-// the arguments (a second projection, x_silu_mul); the bytes and flops count w2 when it is set.
+// the arguments of routing s (a second projection, x_silu_mul, its pass list); the bytes and flops count w2 when it
+// is set.
 GemmTiming time_gemm(const DeviceContext& ctx, const BenchWeights& w, const Routings& r, int64_t tokens, bool gather,
                      MoeGemmVariant variant, const DeviceBuffer& x, const DeviceBuffer& y,
-                     const std::function<void(MoeGemmArgs&)>& tweak = nullptr) {
+                     const std::function<void(MoeGemmArgs&, int)>& tweak = nullptr) {
   const int64_t rows = tokens * kTopK;
   MoeExpertWeights w2;
   const double ms = time_ms(ctx, 4 * kSlots, [&](int s) {
@@ -183,7 +214,7 @@ GemmTiming time_gemm(const DeviceContext& ctx, const BenchWeights& w, const Rout
                   .y = y.as<uint16_t>(),
                   .ldy = w.view.n,
                   .rows = rows};
-    if (tweak) tweak(a);
+    if (tweak) tweak(a, s);
     w2 = a.w2;
     if (!moe_gemm(ctx, a, variant)) std::abort();
   });
@@ -200,7 +231,7 @@ double copy_bandwidth(const DeviceContext& ctx) {
 }
 
 void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::vector<int64_t>& decode_tokens,
-                  bool decode_only, double copy_gbs, std::mt19937& rng) {
+                  bool decode_only, bool tiles, double skew, double copy_gbs, std::mt19937& rng) {
   const char* name = format_name(format);
   const BenchWeights gate_up = make_weights(format, 2 * kInter, kHidden, rng);
   const BenchWeights down = make_weights(format, kHidden, kInter, rng);
@@ -211,38 +242,53 @@ void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::v
   const DeviceBuffer y(static_cast<size_t>(max_rows * kHidden) * 2);
   // Gate and up as two stacks (as NVFP4 checkpoints store them), timed as one decode launch (MoeGemmArgs::w2).
   const BenchWeights gate = make_weights(format, kInter, kHidden, rng), up = make_weights(format, kInter, kHidden, rng);
-  auto print = [&](const char* variant, int64_t tokens, const char* proj, double active, const GemmTiming& t) {
+  auto print = [&](const char* variant, int64_t tokens, const char* proj, const Routings& r, const GemmTiming& t) {
     const double gbs = t.bytes / (t.ms * 1e6);
-    std::printf("%-6s %-7s T=%-5lld %-9s %6.1f active experts %9.2f us %7.0f GB/s %5.1f%% of copy\n", name, variant,
-                static_cast<long long>(tokens), proj, active, t.ms * 1e3, gbs, 100.0 * gbs / copy_gbs);
+    std::printf("%-6s %-8s T=%-5lld %-9s %6.1f active experts %5.1f busiest %9.2f us %7.0f GB/s %5.1f%% of copy\n",
+                name, variant, static_cast<long long>(tokens), proj, r.mean_active, r.mean_busiest, t.ms * 1e3, gbs,
+                100.0 * gbs / copy_gbs);
+  };
+  // The decode launches of moe_forward: gate and up in one grid, and down reading [gate | up] rows and applying
+  // silu_mul itself (MoeGemmArgs::x_silu_mul). mode 0: the launcher's x-row tiles; 1, 2: that many forced
+  // (MoeGemmArgs::decode_token_tiles); 3: the pass list (MoeGemmArgs::decode_passes), as moe_forward past 8 tokens.
+  auto fused_decode = [&](int64_t tokens, const Routings& r, int mode, const char* label) {
+    const int64_t pass_ints = 4 * moe_decode_pass_slots(tokens * kTopK, kExperts);
+    auto set_mode = [&](MoeGemmArgs& a, int s) {
+      a.decode_token_tiles = mode <= 2 ? mode : 0;
+      if (mode == 3) a.decode_passes = r.passes.as<int32_t>() + s * pass_ints;
+    };
+    print(label, tokens, "gate+up", r,
+          time_gemm(ctx, gate, r, tokens, true, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a, int s) {
+            a.w2 = up.view;
+            a.y2_offset = kInter;
+            a.ldy = 2 * kInter;
+            set_mode(a, s);
+          }));
+    print(label, tokens, "down+silu", r,
+          time_gemm(ctx, down, r, tokens, false, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a, int s) {
+            a.ldx = 2 * kInter;
+            a.x_silu_mul = true;
+            set_mode(a, s);
+          }));
   };
   for (int64_t tokens : decode_tokens) {
     const Routings r = make_routings(tokens, rng);
-    // The launcher's x-row tiles (decode), then past 8 tokens each width forced (MoeGemmArgs::decode_token_tiles),
-    // to check the launcher's rule.
-    for (const int tiles : {0, 1, 2}) {
-      if (tiles > 0 && tokens <= 8) break;
-      const char* label = tiles == 0 ? "decode" : tiles == 1 ? "dec-t1" : "dec-t2";
-      print(label, tokens, "gate+up", r.mean_active,
-            time_gemm(ctx, gate, r, tokens, true, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a) {
-              a.w2 = up.view;
-              a.y2_offset = kInter;
-              a.ldy = 2 * kInter;
-              a.decode_token_tiles = tiles;
-            }));
-      // The down projection reading [gate | up] rows and applying silu_mul itself (MoeGemmArgs::x_silu_mul).
-      print(label, tokens, "down+silu", r.mean_active,
-            time_gemm(ctx, down, r, tokens, false, MoeGemmVariant::kDecode, x, y, [&](MoeGemmArgs& a) {
-              a.ldx = 2 * kInter;
-              a.x_silu_mul = true;
-              a.decode_token_tiles = tiles;
-            }));
+    fused_decode(tokens, r, 0, "decode");
+    if (tiles && tokens > 8) {
+      // Past 8 tokens each way of taking an expert's rows, on random routings and on skewed ones.
+      const Routings skewed = make_routings(tokens, rng, skew);
+      for (const auto& [routing, suffix] : {std::pair{&r, ""}, std::pair{&skewed, "-skew"}}) {
+        for (const auto& [mode, label] : {std::pair{1, "t1"}, std::pair{2, "t2"}, std::pair{3, "passes"}}) {
+          fused_decode(tokens, *routing, mode, (std::string(label) + suffix).c_str());
+        }
+      }
     }
+    if (tiles) continue;
     for (const auto& [proj, w, gather] : {std::tuple{"gate_up", &gate_up, true}, std::tuple{"down", &down, false}}) {
       // Both variants, so kMoeDecodeMaxTokens can be checked against where they cross.
       for (const MoeGemmVariant v : {MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill}) {
         if (decode_only && v != MoeGemmVariant::kDecode) continue;
-        print(v == MoeGemmVariant::kDecode ? "decode" : "prefill", tokens, proj, r.mean_active,
+        print(v == MoeGemmVariant::kDecode ? "decode" : "prefill", tokens, proj, r,
               time_gemm(ctx, *w, r, tokens, gather, v, x, y));
       }
     }
@@ -316,7 +362,8 @@ void bench_small_kernels(const DeviceContext& ctx, const std::vector<int64_t>& t
 }
 
 // formats empty: every format (--tiles: NVFP4).
-int bench_main(bool quick, bool decode_only, bool small_only, bool tiles, std::vector<MoeWeightFormat> formats) {
+int bench_main(bool quick, bool decode_only, bool small_only, bool tiles, double skew,
+               std::vector<MoeWeightFormat> formats) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs, L2 %d MiB\n", p.name.c_str(), p.cc_major, p.cc_minor, p.num_sms,
@@ -335,12 +382,12 @@ int bench_main(bool quick, bool decode_only, bool small_only, bool tiles, std::v
   }
   if (tiles) {
     for (MoeWeightFormat f : formats.empty() ? std::vector{MoeWeightFormat::kNvfp4} : formats) {
-      bench_format(ctx, f, {8, 16, 32, 64}, true, copy_gbs, rng);
+      bench_format(ctx, f, {8, 16, 32, 64}, true, true, skew, copy_gbs, rng);
     }
     return 0;
   }
   if (formats.empty()) formats = {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4, MoeWeightFormat::kFp8};
-  for (MoeWeightFormat f : formats) bench_format(ctx, f, decode_tokens, decode_only, copy_gbs, rng);
+  for (MoeWeightFormat f : formats) bench_format(ctx, f, decode_tokens, decode_only, false, skew, copy_gbs, rng);
   if (!decode_only) bench_small_kernels(ctx, {1, 64, 4096}, rng);
   return 0;
 }
@@ -350,6 +397,7 @@ int bench_main(bool quick, bool decode_only, bool small_only, bool tiles, std::v
 
 int main(int argc, char** argv) {
   bool quick = false, decode_only = false, small_only = false, tiles = false;
+  double skew = 0.5;
   std::vector<tern::MoeWeightFormat> formats;
   for (int i = 1; i < argc; ++i) {
     const char* a = argv[i];
@@ -361,6 +409,8 @@ int main(int argc, char** argv) {
       small_only = true;
     } else if (std::strcmp(a, "--tiles") == 0) {
       tiles = true;
+    } else if (std::strcmp(a, "--skew") == 0 && i + 1 < argc) {
+      skew = std::atof(argv[++i]);
     } else if (std::strcmp(a, "--bf16") == 0) {
       formats.push_back(tern::MoeWeightFormat::kBf16);
     } else if (std::strcmp(a, "--nvfp4") == 0) {
@@ -368,9 +418,10 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(a, "--fp8") == 0) {
       formats.push_back(tern::MoeWeightFormat::kFp8);
     } else {
-      std::fprintf(stderr, "usage: moe_bench [--quick | --decode | --small | --tiles] [--bf16 | --nvfp4 | --fp8]\n");
+      std::fprintf(stderr,
+                   "usage: moe_bench [--quick | --decode | --small | --tiles [--skew S]] [--bf16 | --nvfp4 | --fp8]\n");
       return 2;
     }
   }
-  return tern::bench_main(quick, decode_only, small_only, tiles, std::move(formats));
+  return tern::bench_main(quick, decode_only, small_only, tiles, skew, std::move(formats));
 }

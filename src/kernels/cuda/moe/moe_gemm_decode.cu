@@ -74,6 +74,17 @@ __device__ __forceinline__ ActiveExpert route_one_token(const GemmParams& p) {
   return {moe_route_block::expert_of_row(s, p.top_k, row), row, row + 1};
 }
 
+// MoeGemmArgs::decode_passes: slot s is pass s of the list (expert -1 past the last).
+__device__ __forceinline__ ActiveExpert decode_pass(const GemmParams& p) {
+  const int4 pass = __ldg(p.passes + blockIdx.y);
+  return {pass.x, pass.y, pass.z};
+}
+
+// The slot's expert and rows, however the launch finds them.
+__device__ __forceinline__ ActiveExpert find_slot(const GemmParams& p) {
+  return p.passes != nullptr ? decode_pass(p) : find_active_expert(p.offsets, p.n_experts, blockIdx.y);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Decode. A block takes decode_block_tiles(kSplitK) tiles of 16 * kMTiles weight rows of one expert, kSplitK warps
 // per tile splitting K, and the expert's rows 8 * kTokenTiles at a time (mma N). NVFP4 uses the dense decode
@@ -206,9 +217,9 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
   uint16_t* act = reinterpret_cast<uint16_t*>(smem);
   ActiveExpert ae;
   if constexpr (kSiluX) {
-    ae = find_active_expert(p.offsets, p.n_experts, blockIdx.y);
+    ae = find_slot(p);
   } else {
-    ae = p.route.logits != nullptr ? route_one_token(p) : find_active_expert(p.offsets, p.n_experts, blockIdx.y);
+    ae = p.route.logits != nullptr ? route_one_token(p) : find_slot(p);
   }
   if (ae.expert < 0) return;  // every warp found the same: the whole block leaves
   const int e = ae.expert;
@@ -376,10 +387,13 @@ int fp8_decode_split(const DeviceProps& props, const MoeGemmArgs& a, int64_t slo
   return split;
 }
 
+constexpr int kPassMinSplitK = 2;  // NVFP4 with a pass list (decode_launch_format)
+
 template <int kTokenTiles, bool kSiluX>
 void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, const DeviceContext& ctx) {
-  // The active experts are unknown on the host; min(n_experts, rows) bounds them.
-  const int64_t slots = std::min(a.w.n_experts, a.rows);
+  // The active experts (passes) are unknown on the host; min(n_experts, rows) (moe_decode_pass_slots) bounds them.
+  const int64_t slots = a.decode_passes != nullptr ? moe_decode_pass_slots(a.rows, a.w.n_experts)
+                                                   : std::min(a.w.n_experts, a.rows);
   const DecodeLaunch l{make_params(a), slots, props.shared_mem_per_block, &ctx};
   if (a.w.format == MoeWeightFormat::kBf16) {
     return decode_launch_split<MoeWeightFormat::kBf16, 1, kTokenTiles, false, kSiluX>(
@@ -400,8 +414,14 @@ void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, const 
   // one token tile (with two, the MoE kernel's 32-row tiles would spill). The shape is chosen for the rows of both
   // projections, which share the grid.
   constexpr bool kTwoMTilesOk = kTokenTiles == 1;
-  const DecodeShape shape =
+  DecodeShape shape =
       decode_choose_shape(props.num_sms, a.w.n + a.w2.n, a.w.k, slots, kTokenTiles, vec16 && kTwoMTilesOk);
+  // A pass list's slots are a bound the active passes rarely reach, and past 8 tokens the launch takes more than
+  // one wave of blocks whatever the split; K over at least kPassMinSplitK warps halves each block's walk, which the
+  // model's steps measured much faster (docs/perf/gpu.md §decode-passes).
+  if (a.decode_passes != nullptr && shape.split_k < kPassMinSplitK && a.w.k >= kPassMinSplitK * kDecodeStepK) {
+    shape.split_k = kPassMinSplitK;
+  }
   constexpr MoeWeightFormat kNvfp4 = MoeWeightFormat::kNvfp4;
   if (!vec16) return decode_launch_split<kNvfp4, 1, kTokenTiles, false, kSiluX>(l, shape.split_k);
   if constexpr (kTwoMTilesOk) {
@@ -413,10 +433,12 @@ void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, const 
 }  // namespace
 
 void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& a) {
-  // One 8-row tile per pass covers every expert while tokens <= 8 (a token picks an expert once). Past that two
-  // tiles, although alone one tile streams the weights 1.3-1.5x faster at 16-64 tokens of random routing: in the
-  // model's steps it was slower (docs/perf/gpu.md §decode-token-tiles).
-  const bool one_tile = a.decode_token_tiles == 1 || (a.decode_token_tiles == 0 && a.rows <= 8 * a.top_k);
+  // One 8-row tile per pass covers every expert while tokens <= 8 (a token picks an expert once). Past that, a pass
+  // list gives each 8-row pass its own blocks (moe_forward passes one); without a list, two tiles (the rule measured
+  // before the list: docs/perf/gpu.md §decode-token-tiles, §decode-passes).
+  static_assert(kMoeDecodePassRows == 8);  // a pass is one token tile
+  const bool one_tile = a.decode_passes != nullptr || a.decode_token_tiles == 1 ||
+                        (a.decode_token_tiles == 0 && a.rows <= 8 * a.top_k);
   if (a.x_silu_mul) {
     if (one_tile) return decode_launch_format<1, true>(a, ctx.props(), ctx);
     return decode_launch_format<2, true>(a, ctx.props(), ctx);

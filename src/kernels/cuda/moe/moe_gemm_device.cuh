@@ -6,7 +6,8 @@
 // weight, bf16, NVFP4 or block-wise FP8, in one launch, with no host synchronisation. Both variants size their grid
 // for the worst case and each block looks its work up in expert_offsets:
 //   decode:  grid (blocks of weight-row tiles, active-expert slots). Slot s takes the s-th expert that has rows;
-//            slots past the active count exit at once. At one token the blocks may route it themselves
+//            slots past the active count exit at once. With a pass list (MoeGemmArgs::decode_passes) slot s is
+//            pass s instead, 8 rows of one expert. At one token the blocks may route it themselves
 //            (MoeGemmArgs::route; moe_route_block.cuh) instead of reading the offsets. With a second projection (w2)
 //            its tiles follow those of w along x, so gate and up stored apart still fill the SMs in one launch. The
 //            weight streams once per 8 (T > 8: 16) of the expert's rows with 16-byte loads straight into mma fragments,
@@ -72,6 +73,7 @@ struct GemmParams {
   int64_t row_scales_stride;
   const float* row_scales2;
   int64_t row_scales_stride2;
+  const int4* passes;  // MoeGemmArgs::decode_passes (decode kernel); null: slots look their expert up in offsets
 };
 
 // The element offset of permuted row r's activations in x.
@@ -162,7 +164,8 @@ GemmParams make_params(const MoeGemmArgs& a) {
                     .row_scales = w.row_scales,
                     .row_scales_stride = w.row_scales_expert_stride,
                     .row_scales2 = a.w2.row_scales,
-                    .row_scales_stride2 = a.w2.row_scales_expert_stride};
+                    .row_scales_stride2 = a.w2.row_scales_expert_stride,
+                    .passes = reinterpret_cast<const int4*>(a.decode_passes)};
 }
 
 }  // namespace

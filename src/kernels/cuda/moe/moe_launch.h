@@ -71,7 +71,25 @@ struct MoeAlignArgs {
   int32_t* pair_row = nullptr;        // [tokens*top_k]: permuted row of each pair (the inverse)
   void* workspace = nullptr;          // from moe_align_workspace_bytes() (the single-block kernel needs none)
   size_t workspace_bytes = 0;
+  // Optional: the decode GEMM's passes (below) for these offsets, [moe_decode_pass_slots(tokens * top_k,
+  // n_experts)][4] int32, 16-byte aligned (a route + align of at most 32 pairs then takes the block kernel).
+  int32_t* decode_passes = nullptr;
 };
+
+// The decode GEMM's work list (MoeAlignArgs::decode_passes, MoeGemmArgs::decode_passes): every expert with rows has
+// ceil(rows / kMoeDecodePassRows) entries {expert, first row, end row, 0}, consecutive ranges of at most
+// kMoeDecodePassRows of its permuted rows, experts in index order; the entries after the last, up to
+// moe_decode_pass_slots, hold expert -1. Each pass gets its own blocks, so the passes of an expert that many tokens
+// chose run side by side (its weight read from DRAM once, by the others from L2) rather than one after another in
+// the same blocks, which the whole launch then waited for.
+inline constexpr int64_t kMoeDecodePassRows = 8;
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline constexpr int64_t moe_decode_pass_slots(int64_t rows, int64_t n_experts) {
+  // sum over active experts of ceil(r_e / 8) <= active + rows / 8, and active <= min(rows, n_experts)
+  return (rows < n_experts ? rows : n_experts) + rows / kMoeDecodePassRows;
+}
 
 // One projection of all experts, in one of three formats (device memory):
 //   bf16:  [n_experts][n][k] at bf16_expert_stride elements apart.
@@ -136,6 +154,11 @@ struct MoeGemmArgs {
   // routing only (route.sigmoid is an error; moe_forward routes a sigmoid token with moe_route_align first).
   MoeRouteArgs route;
   MoeAlignArgs align;
+  // Decode variant: the pass list of expert_offsets (MoeAlignArgs::decode_passes, 16-byte aligned); each pass of
+  // kMoeDecodePassRows rows (one token tile) gets its own blocks instead of the blocks of an expert taking its
+  // passes in turn. expert_offsets is then not read (sorted_pairs still is, to gather). Not with decode_token_tiles
+  // = 2 or route; the prefill kernels do not read it.
+  const int32_t* decode_passes = nullptr;
 };
 
 // y[t] = sum_j topk_weights[t,j] * expert_out[pair_row[t*top_k+j]] summed in fp32 in ascending expert index order

@@ -268,6 +268,30 @@ __device__ void align_scan_buckets(int* totals, int n) {
   }
 }
 
+// MoeAlignArgs::decode_passes from the buckets' first rows (bucket_start, n_experts + 1 of them) by the whole block:
+// each expert's pass count, their exclusive scan, then every expert's passes and the -1 entries after the last.
+__device__ void align_write_passes(const int* bucket_start, const MoeAlignArgs& a) {
+  __shared__ int pass_start[kMoeMaxExperts + 1];
+  constexpr int kPass = static_cast<int>(kMoeDecodePassRows);
+  const int n_experts = static_cast<int>(a.n_experts);
+  for (int e = threadIdx.x; e <= n_experts; e += blockDim.x) {
+    pass_start[e] = e < n_experts ? (bucket_start[e + 1] - bucket_start[e] + kPass - 1) / kPass : 0;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) align_scan_buckets(pass_start, n_experts + 1);
+  __syncthreads();
+  int4* passes = reinterpret_cast<int4*>(a.decode_passes);
+  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+    const int end = bucket_start[e + 1];
+    int at = pass_start[e];
+    for (int r = bucket_start[e]; r < end; r += kPass) passes[at++] = make_int4(e, r, min(r + kPass, end), 0);
+  }
+  const int slots = static_cast<int>(moe_decode_pass_slots(a.tokens * a.top_k, a.n_experts));
+  for (int i = pass_start[n_experts] + static_cast<int>(threadIdx.x); i < slots; i += blockDim.x) {
+    passes[i] = make_int4(-1, 0, 0, 0);
+  }
+}
+
 // The sort of the pairs' ids (a.topk_ids, or the fused kernel's copy in shared memory) by the whole block.
 __device__ __forceinline__ void align_pairs(const int32_t* ids, const MoeAlignArgs& a) {
   __shared__ int counts[kAlignWarps][kMoeMaxExperts + 1];
@@ -304,6 +328,7 @@ __device__ __forceinline__ void align_pairs(const int32_t* ids, const MoeAlignAr
   if (warp == 0) align_scan_buckets(bucket_start, n_buckets);
   __syncthreads();
   for (int e = threadIdx.x; e < n_buckets; e += blockDim.x) a.expert_offsets[e] = bucket_start[e];
+  if (a.decode_passes != nullptr) align_write_passes(bucket_start, a);  // block-uniform
 
   // Stage 3: scatter.
   for (int base = begin; base < end; base += 32) {
@@ -471,7 +496,7 @@ void moe_route_align_launch(const DeviceContext& ctx, const MoeRouteArgs& route,
     moe_route_launch(ctx, route);
     return moe_align_launch(ctx, align);
   }
-  const bool warp = route.tokens * route.top_k <= kRouteAlignWarpPairs;
+  const bool warp = route.tokens * route.top_k <= kRouteAlignWarpPairs && align.decode_passes == nullptr;
   const int64_t route_warps = std::min<int64_t>(std::max<int64_t>(route.tokens, 1), kRouteAlignWarpWarps);
   const dim3 warps(static_cast<unsigned>(32 * route_warps));
   if (warp && route.sigmoid) {

@@ -97,6 +97,22 @@ HostAlign align_reference(const std::vector<int32_t>& ids, int64_t n_experts) {
   return a;
 }
 
+// MoeAlignArgs::decode_passes from the contract in moe_launch.h: for each expert in index order its rows in
+// consecutive ranges of kMoeDecodePassRows, {expert, begin, end, 0}, then {-1, 0, 0, 0} up to the slot count.
+std::vector<int32_t> passes_reference(const std::vector<int32_t>& offsets, int64_t rows, int64_t n_experts) {
+  std::vector<int32_t> passes;
+  for (int64_t e = 0; e < n_experts; ++e) {
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kMoeDecodePassRows) {
+      const int64_t end = std::min<int64_t>(r + kMoeDecodePassRows, offsets[e + 1]);
+      passes.insert(passes.end(), {static_cast<int32_t>(e), static_cast<int32_t>(r), static_cast<int32_t>(end), 0});
+    }
+  }
+  const auto slots = static_cast<size_t>(moe_decode_pass_slots(rows, n_experts));
+  EXPECT_LE(passes.size(), 4 * slots) << "more passes than moe_decode_pass_slots allows";
+  while (passes.size() < 4 * slots) passes.insert(passes.end(), {-1, 0, 0, 0});
+  return passes;
+}
+
 // k distinct experts per token. skew: expert `hot` is every token's first choice and only the lower half of the
 // experts is ever picked, so some experts are empty and one takes a row of every token.
 std::vector<int32_t> random_ids(int64_t tokens, int64_t top_k, int64_t n_experts, bool skew, std::mt19937& rng) {
@@ -181,10 +197,13 @@ void check_align(const DeviceContext& ctx, const std::vector<int32_t>& ids, int6
   const DeviceBuffer sorted = poisoned(pairs * 4), pair_row = poisoned(pairs * 4);
   const size_t ws_bytes = moe_align_workspace_bytes(tokens, top_k, n_experts);
   const DeviceBuffer ws = poisoned(ws_bytes);
+  const size_t pass_ints = 4 * static_cast<size_t>(moe_decode_pass_slots(tokens * top_k, n_experts));
+  const DeviceBuffer passes = poisoned(std::max<size_t>(pass_ints * 4, 16));
   ASSERT_TRUE(moe_align(ctx, {.topk_ids = d_ids.as<int32_t>(), .tokens = tokens, .top_k = top_k,
                               .n_experts = n_experts, .expert_offsets = offsets.as<int32_t>(),
                               .sorted_pairs = sorted.as<int32_t>(), .pair_row = pair_row.as<int32_t>(),
-                              .workspace = ws.data(), .workspace_bytes = ws_bytes})
+                              .workspace = ws.data(), .workspace_bytes = ws_bytes,
+                              .decode_passes = passes.as<int32_t>()})
                   .has_value());
   ctx.synchronize();
   const HostAlign want = align_reference(ids, n_experts);
@@ -193,6 +212,8 @@ void check_align(const DeviceContext& ctx, const std::vector<int32_t>& ids, int6
   EXPECT_EQ(download<int32_t>(offsets, static_cast<size_t>(n_experts + 1)), want.offsets) << what;
   EXPECT_EQ(download<int32_t>(sorted, pairs), want.sorted_pairs) << what;
   EXPECT_EQ(download<int32_t>(pair_row, pairs), want.pair_row) << what;
+  EXPECT_EQ(download<int32_t>(passes, pass_ints), passes_reference(want.offsets, tokens * top_k, n_experts))
+      << what << " decode passes";
 }
 
 TEST(MoeAlign, StableCountingSortByExpert) {
@@ -227,14 +248,17 @@ TEST(MoeAlign, OutOfRangeIdsGoAfterTheLastExpert) {
 
 // The outputs of routing and alignment, poisoned.
 struct RoutingBuffers {
-  DeviceBuffer ids, weights, offsets, sorted_pairs, pair_row;
+  DeviceBuffer ids, weights, offsets, sorted_pairs, pair_row, passes;
+  bool with_passes = false;  // align() asks for the decode pass list
 
-  RoutingBuffers(int64_t pairs, int64_t n_experts)
+  RoutingBuffers(int64_t pairs, int64_t n_experts, bool with_passes = false)
       : ids(poisoned(static_cast<size_t>(pairs) * 4)),
         weights(poisoned(static_cast<size_t>(pairs) * 4)),
         offsets(poisoned(static_cast<size_t>(n_experts + 1) * 4)),
         sorted_pairs(poisoned(static_cast<size_t>(pairs) * 4)),
-        pair_row(poisoned(static_cast<size_t>(pairs) * 4)) {}
+        pair_row(poisoned(static_cast<size_t>(pairs) * 4)),
+        passes(poisoned(std::max<size_t>(16 * static_cast<size_t>(moe_decode_pass_slots(pairs, n_experts)), 16))),
+        with_passes(with_passes) {}
   MoeRouteArgs route(const DeviceBuffer& logits, const RouteCase& c) const {
     return {.logits = logits.as<uint16_t>(),
             .logits_stride = c.n_experts + 3,
@@ -252,7 +276,8 @@ struct RoutingBuffers {
             .n_experts = c.n_experts,
             .expert_offsets = offsets.as<int32_t>(),
             .sorted_pairs = sorted_pairs.as<int32_t>(),
-            .pair_row = pair_row.as<int32_t>()};
+            .pair_row = pair_row.as<int32_t>(),
+            .decode_passes = with_passes ? passes.as<int32_t>() : nullptr};
   }
 };
 
@@ -262,9 +287,13 @@ void check_route_align(const DeviceContext& ctx, const RouteCase& c, std::mt1993
   const std::vector<uint16_t> logits = random_logits(c, rng);
   const DeviceBuffer d_logits = upload(logits);
   const RoutingBuffers two(c.tokens * c.top_k, c.n_experts), one(c.tokens * c.top_k, c.n_experts);
+  // With the pass list (at up to 32 pairs the block kernel instead of the warp kernel).
+  const RoutingBuffers listed(c.tokens * c.top_k, c.n_experts, true);
   ASSERT_TRUE(moe_route(ctx, two.route(d_logits, c)).has_value());
   ASSERT_TRUE(moe_align(ctx, two.align(c)).has_value());
-  const auto status = moe_route_align(ctx, one.route(d_logits, c), one.align(c));
+  auto status = moe_route_align(ctx, one.route(d_logits, c), one.align(c));
+  ASSERT_TRUE(status.has_value()) << status.error().message;
+  status = moe_route_align(ctx, listed.route(d_logits, c), listed.align(c));
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
   const std::string what = "T=" + std::to_string(c.tokens) + " E=" + std::to_string(c.n_experts) +
@@ -290,6 +319,17 @@ void check_route_align(const DeviceContext& ctx, const RouteCase& c, std::mt1993
   EXPECT_EQ(offsets, want_align.offsets) << what;
   EXPECT_EQ(sorted, want_align.sorted_pairs) << what;
   EXPECT_EQ(pair_row, want_align.pair_row) << what;
+
+  EXPECT_EQ(download<int32_t>(listed.ids, pairs), ids) << what << " with passes";
+  EXPECT_EQ(download<uint32_t>(listed.weights, pairs), download<uint32_t>(one.weights, pairs))
+      << what << " with passes";
+  EXPECT_EQ(download<int32_t>(listed.offsets, n_off), offsets) << what << " with passes";
+  EXPECT_EQ(download<int32_t>(listed.sorted_pairs, pairs), sorted) << what << " with passes";
+  EXPECT_EQ(download<int32_t>(listed.pair_row, pairs), pair_row) << what << " with passes";
+  const int64_t rows = c.tokens * c.top_k;
+  EXPECT_EQ(download<int32_t>(listed.passes, 4 * static_cast<size_t>(moe_decode_pass_slots(rows, c.n_experts))),
+            passes_reference(want_align.offsets, rows, c.n_experts))
+      << what << " decode passes";
 }
 
 // Decode token counts over the routing shapes of check_route, up to the one-block limit (64 tokens x top-32 = 2048
@@ -799,6 +839,7 @@ struct GemmCase {
   bool gather, skew;
   int64_t col0 = 0, ldy_extra = 0;  // write columns [col0, col0 + n) of rows ldy = col0 + n + ldy_extra wide
   int token_tiles = 0;               // MoeGemmArgs::decode_token_tiles
+  bool passes = false;               // MoeGemmArgs::decode_passes from the host's pass list
 };
 
 // FP8 weights through moe_gemm's prefill variant (moe.cc's rule for kAuto): the prefill kernel rounds each
@@ -885,6 +926,7 @@ void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const Gemm
   const int64_t x_rows = c.gather ? c.tokens : rows;
   const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(x_rows * ldx), rng);
   const DeviceBuffer d_x = upload(x), d_off = upload(al.offsets), d_sorted = upload(al.sorted_pairs);
+  const DeviceBuffer d_passes = upload(passes_reference(al.offsets, rows, w.n_experts));
   const int64_t ldy = c.col0 + n + c.ldy_extra;
   const DeviceBuffer d_y = poisoned(static_cast<size_t>(rows * ldy) * 2);
   const MoeGemmArgs args{.x = d_x.as<uint16_t>(),
@@ -897,7 +939,8 @@ void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const Gemm
                          .y = d_y.as<uint16_t>() + c.col0,
                          .ldy = ldy,
                          .rows = rows,
-                         .decode_token_tiles = c.token_tiles};
+                         .decode_token_tiles = c.token_tiles,
+                         .decode_passes = c.passes ? d_passes.as<int32_t>() : nullptr};
   const auto status = moe_gemm(ctx, args, variant);
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
@@ -908,7 +951,8 @@ void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const Gemm
   gemm_test::check_gemm(y_columns(y, rows, ldy, c.col0, n),
                         expert_reference(w, x, ldx, al, c.gather, c.top_k, false, bf16_w), rows, n,
                         gemm_name(w, variant, c.tokens, c.top_k) + (c.skew ? " skewed" : "") +
-                            (c.token_tiles > 0 ? " tiles=" + std::to_string(c.token_tiles) : ""));
+                            (c.token_tiles > 0 ? " tiles=" + std::to_string(c.token_tiles) : "") +
+                            (c.passes ? " passes" : ""));
 }
 
 // The same on a fresh random routing (skew: see random_ids).
@@ -945,6 +989,13 @@ void check_gemm_shapes(MoeWeightFormat format) {
   for (const int tiles : {1, 2}) {
     check_gemm(ctx, w, {37, 4, true, true, 0, 0, tiles}, MoeGemmVariant::kDecode, rng);
     check_gemm(ctx, w, {3, 4, true, false, 0, 0, tiles}, MoeGemmVariant::kDecode, rng);
+  }
+  // The pass list: the hot expert's 37 and 300 rows as 5 and 38 passes side by side, gathered or not, a column
+  // window, and few tokens (one pass per expert); kAuto at 300 tokens is the prefill kernel, which ignores it.
+  for (MoeGemmVariant v : {MoeGemmVariant::kDecode, MoeGemmVariant::kAuto}) {
+    check_gemm(ctx, w, {37, 4, true, true, 0, 0, 0, true}, v, rng);
+    check_gemm(ctx, w, {300, 2, false, true, 130, 0, 1, true}, v, rng);
+    check_gemm(ctx, w, {3, 4, true, false, 0, 0, 0, true}, v, rng);
   }
 }
 
@@ -996,11 +1047,12 @@ TEST(MoeGemm, PrefillUsesWgmmaOnHopper) {
 // y [rows, ldy] in one call, each against its fp64 product, nothing else written.
 void check_gemm_pair(const DeviceContext& ctx, const ExpertWeights& w, const ExpertWeights& w2,
                      const std::vector<int32_t>& ids, int64_t top_k, int64_t y2_offset, int64_t ldy,
-                     MoeGemmVariant variant, std::mt19937& rng) {
+                     MoeGemmVariant variant, std::mt19937& rng, bool passes = false) {
   const int64_t rows = static_cast<int64_t>(ids.size()), tokens = rows / top_k, ldx = w.k + 8;
   const HostAlign al = align_reference(ids, w.n_experts);
   const std::vector<uint16_t> x = gemm_test::random_bf16(static_cast<size_t>(tokens * ldx), rng);
   const DeviceBuffer d_x = upload(x), d_off = upload(al.offsets), d_sorted = upload(al.sorted_pairs);
+  const DeviceBuffer d_passes = upload(passes_reference(al.offsets, rows, w.n_experts));
   const DeviceBuffer d_y = poisoned(static_cast<size_t>(rows * ldy) * 2);
   const auto status = moe_gemm(ctx,
                                {.x = d_x.as<uint16_t>(),
@@ -1014,14 +1066,16 @@ void check_gemm_pair(const DeviceContext& ctx, const ExpertWeights& w, const Exp
                                 .ldy = ldy,
                                 .rows = rows,
                                 .w2 = w2.view(),
-                                .y2_offset = y2_offset},
+                                .y2_offset = y2_offset,
+                                .decode_passes = passes ? d_passes.as<int32_t>() : nullptr},
                                variant);
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
   const auto y = download<uint16_t>(d_y, static_cast<size_t>(rows * ldy));
   EXPECT_EQ(written_outside(y, rows, ldy, {{0, w.n}, {y2_offset, y2_offset + w2.n}}), 0)
       << "columns outside both projections were written";
-  const std::string what = gemm_name(w, variant, tokens, top_k) + " +w2 n=" + std::to_string(w2.n);
+  const std::string what =
+      gemm_name(w, variant, tokens, top_k) + " +w2 n=" + std::to_string(w2.n) + (passes ? " passes" : "");
   const bool bf16_w = fp8_prefill_rounds(w, variant, rows, top_k);
   gemm_test::check_gemm(y_columns(y, rows, ldy, 0, w.n), expert_reference(w, x, ldx, al, true, top_k, false, bf16_w),
                         rows, w.n, what + " (w)");
@@ -1050,6 +1104,9 @@ TEST(MoeGemm, SecondProjectionInTheSameLaunch) {
                           s.n + s.gap + s.n2 + s.gap, v, rng);
         }
       }
+      // The decode pass list (moe_forward's launch past 8 tokens), a hot expert in every token.
+      check_gemm_pair(ctx, w, w2, random_ids(64, s.top_k, s.n_experts, true, rng), s.top_k, s.n + s.gap,
+                      s.n + s.gap + s.n2 + s.gap, MoeGemmVariant::kDecode, rng, true);
     }
   }
   for (int64_t tokens : {1, 2, 7}) {
@@ -1068,9 +1125,10 @@ TEST(MoeGemm, SecondProjectionInTheSameLaunch) {
 // fp32 silu's few ulp) adds at most 2^-9 S to gemm_test's bound; dropping a 16-k block still moves y by about
 // 16 S / k, at least 2^-7 S here.
 void check_gemm_silu(const DeviceContext& ctx, const ExpertWeights& w, const std::vector<int32_t>& ids, int64_t top_k,
-                     std::mt19937& rng, int token_tiles = 0) {
+                     std::mt19937& rng, int token_tiles = 0, bool passes = false) {
   const int64_t rows = static_cast<int64_t>(ids.size()), n = w.n, k = w.k;
   const HostAlign al = align_reference(ids, w.n_experts);
+  const DeviceBuffer d_passes = upload(passes_reference(al.offsets, rows, w.n_experts));
   const std::vector<uint16_t> gate_up = gemm_test::random_bf16(static_cast<size_t>(rows * 2 * k), rng);
   const DeviceBuffer d_gu = upload(gate_up), d_off = upload(al.offsets);
   const DeviceBuffer act = poisoned(static_cast<size_t>(rows * k) * 2);
@@ -1085,7 +1143,8 @@ void check_gemm_silu(const DeviceContext& ctx, const ExpertWeights& w, const std
                          .ldy = n,
                          .rows = rows,
                          .x_silu_mul = true,
-                         .decode_token_tiles = token_tiles};
+                         .decode_token_tiles = token_tiles,
+                         .decode_passes = passes ? d_passes.as<int32_t>() : nullptr};
   auto status = moe_gemm(ctx, base, MoeGemmVariant::kDecode);
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ASSERT_TRUE(
@@ -1099,7 +1158,8 @@ void check_gemm_silu(const DeviceContext& ctx, const ExpertWeights& w, const std
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
   const auto got = download<uint16_t>(y_fused, static_cast<size_t>(rows * n));
-  const std::string what = gemm_name(w, MoeGemmVariant::kDecode, rows / top_k, top_k) + " silu(x)";
+  const std::string what =
+      gemm_name(w, MoeGemmVariant::kDecode, rows / top_k, top_k) + " silu(x)" + (passes ? " passes" : "");
   EXPECT_EQ(got, download<uint16_t>(y_split, static_cast<size_t>(rows * n)))
       << what << ": differs from silu_mul + GEMM";
   const gemm_test::Reference ref = expert_reference(w, gate_up, 2 * k, al, false, top_k, true);
@@ -1134,8 +1194,10 @@ TEST(MoeGemm, SiluMulFoldedIntoTheDecodeKernel) {
       for (int64_t tokens : {1, 2, 7, 64}) {
         check_gemm_silu(ctx, w, random_ids(tokens, s.top_k, s.n_experts, s.skew, rng), s.top_k, rng);
       }
-      // One 8-row tile per pass at 64 tokens: more passes, each restaging its act rows.
+      // One 8-row tile per pass at 64 tokens: more passes, each restaging its act rows; the same passes from the
+      // pass list, each in its own blocks.
       check_gemm_silu(ctx, w, random_ids(64, s.top_k, s.n_experts, s.skew, rng), s.top_k, rng, 1);
+      check_gemm_silu(ctx, w, random_ids(64, s.top_k, s.n_experts, s.skew, rng), s.top_k, rng, 0, true);
     }
   }
   for (int64_t tokens : {1, 2, 7}) {
@@ -1794,6 +1856,10 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
                          .w = w, .y = buf.as<uint16_t>(), .ldy = 16, .rows = 4};
   expect_error([&] { auto a = gemm; a.w.k = 40; return moe_gemm(ctx, a); }, "k=40 must be a positive multiple of 16");
   expect_error([&] { auto a = gemm; a.decode_token_tiles = 3; return moe_gemm(ctx, a); }, "decode_token_tiles=3");
+  expect_error([&] { auto a = gemm; a.decode_passes = i32 + 1; return moe_gemm(ctx, a); },
+               "decode_passes is not 16-byte aligned");
+  expect_error([&] { auto a = gemm; a.decode_passes = i32; a.decode_token_tiles = 2; return moe_gemm(ctx, a); },
+               "not with decode_token_tiles=2");
   expect_error([&] { auto a = gemm; a.x = u16 + 1; return moe_gemm(ctx, a); }, "x is not 16-byte aligned");
   expect_error([&] { auto a = gemm; a.ldx = 56; return moe_gemm(ctx, a); }, "ldx=56 must be a multiple of 8");
   expect_error([&] { auto a = gemm; a.sorted_pairs = nullptr; return moe_gemm(ctx, a); }, "sorted_pairs (needed to gather)");
@@ -1924,6 +1990,10 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
     return moe_align(ctx, {.topk_ids = i32, .tokens = 1, .top_k = 2, .n_experts = 0, .expert_offsets = i32,
                            .sorted_pairs = i32, .pair_row = i32});
   }, "n_experts=0");
+  expect_error([&] {
+    return moe_align(ctx, {.topk_ids = i32, .tokens = 1, .top_k = 2, .n_experts = 8, .expert_offsets = i32,
+                           .sorted_pairs = i32, .pair_row = i32, .decode_passes = i32 + 2});
+  }, "decode_passes is not 16-byte aligned");
   const MoeAlignArgs align{.topk_ids = i32,
                            .tokens = 1,
                            .top_k = 2,
