@@ -209,6 +209,7 @@ void MlaAttention::forward(const float* x, float* y, const Batch& batch, int64_t
   }
   w_.kv_a_proj.forward(x, m, kv_a.data());
   std::vector<float> attn(m * h * vd, 0.0f);
+  std::vector<uint8_t> entry(s_.latent_fp8 ? static_cast<size_t>(latent_fp8_bytes(lora, rp)) : 0);
   for (const BatchSlice& seq : batch.sequences) {
     LayerCache& cache = seq.cache->layers[layer];
     const int64_t total = seq.past + seq.n_rows;
@@ -220,6 +221,10 @@ void MlaAttention::forward(const float* x, float* y, const Batch& batch, int64_t
       w_.kv_a_norm.forward(&kv_a[row * latent], 1, lat);
       std::copy(&kv_a[row * latent + lora], &kv_a[(row + 1) * latent], lat + lora);
       rope(lat + lora, 1, rp, pos, s_.rope_interleaved);
+      if (s_.latent_fp8) {  // what the token's FP8 entry holds
+        latent_fp8_pack(lat, lat + lora, lora, rp, *s_.latent_fp8, entry.data());
+        latent_fp8_unpack(entry.data(), lora, rp, lat, lat + lora);
+      }
       rope(&q[row * h * qk + nope], h, qk, pos, s_.rope_interleaved);
     }
     const auto keys = select(seq, cache, x + seq.row_begin * w_.kv_a_proj.in_features(),

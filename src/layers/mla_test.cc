@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -17,7 +18,7 @@
 namespace tern {
 namespace {
 
-constexpr int64_t kHidden = 48, kHeads = 4, kQLora = 24, kKvLora = 32, kNope = 16, kRope = 8, kV = 16;
+constexpr int64_t kHidden = 48, kHeads = 4, kQLora = 24, kKvLora = 256, kNope = 16, kRope = 8, kV = 16;
 constexpr int64_t kIndexHeads = 4, kIndexDim = 16, kTopK = 6;
 
 // Random fp32 weights that outlive the layer built on them.
@@ -39,7 +40,7 @@ struct MlaFixture {
   }
   RmsNorm norm(int64_t dim) { return RmsNorm{.weight = random(dim, 0.5f, 1.5f), .eps = 1e-6f}; }
 
-  MlaAttention build(MlaForm form) {
+  MlaAttention build(MlaForm form, std::optional<LatentFp8Scales> latent_fp8 = std::nullopt) {
     MlaWeights w;
     w.q_a_proj = linear("q_a_proj", kQLora, kHidden);
     w.q_a_norm = norm(kQLora);
@@ -57,7 +58,7 @@ struct MlaFixture {
                          .qk_nope_head_dim = kNope, .qk_rope_head_dim = kRope, .v_head_dim = kV,
                          .scale = 1.0f / std::sqrt(static_cast<float>(kNope + kRope)), .rope_interleaved = true,
                          .index_topk = kTopK, .index_heads = kIndexHeads, .index_head_dim = kIndexDim,
-                         .indexer_rope_interleaved = true, .form = form};
+                         .indexer_rope_interleaved = true, .form = form, .latent_fp8 = latent_fp8};
     return MlaAttention(shape, std::move(w), Rope(kRope, 10000.0));
   }
 };
@@ -111,6 +112,48 @@ TEST(Mla, DecodeFromTheLatentCacheEqualsOnePass) {
   }
   expect_close(got, want, "decode");
   EXPECT_EQ(cached.layers[0].k, whole.layers[0].k);  // the latent cache is the same either way
+}
+
+// The FP8 latent cache (MlaShape::latent_fp8), both scale forms: the cache holds what each token's FP8 entry holds
+// (the fp32 run's latent through latent_fp8_pack and unpack, bit for bit), and since every attention reads the
+// cache, the two forms still agree and decoding from the cache still equals one pass.
+TEST(Mla, Fp8LatentCacheHoldsTheEntriesAndKeepsTheFormsEqual) {
+  for (const LatentFp8Scales scales : {LatentFp8Scales::kFp32, LatentFp8Scales::kPow2}) {
+    MlaFixture f, g, h, k;
+    const MlaAttention plain = f.build(MlaForm::kAuto), one = g.build(MlaForm::kAuto, scales),
+                       steps = h.build(MlaForm::kAuto, scales), expanded = k.build(MlaForm::kExpanded, scales);
+    const std::vector<float> x = f.random(kTokens * kHidden, -1.0f, 1.0f);
+    SequenceCache fp32{.layers = std::vector<LayerCache>(1)}, whole{.layers = std::vector<LayerCache>(1)},
+        cached{.layers = std::vector<LayerCache>(1)}, wide{.layers = std::vector<LayerCache>(1)};
+    run(plain, fp32, x, 0, kTokens);
+    const std::vector<float> want = run(one, whole, x, 0, kTokens);
+    constexpr int64_t kLatent = kKvLora + kRope;
+    std::vector<float> entry_values(kLatent);
+    std::vector<uint8_t> entry(latent_fp8_bytes(kKvLora, kRope));
+    int64_t changed = 0;
+    for (int64_t t = 0; t < kTokens; ++t) {
+      const float* lat = &fp32.layers[0].k[t * kLatent];
+      latent_fp8_pack(lat, lat + kKvLora, kKvLora, kRope, scales, entry.data());
+      latent_fp8_unpack(entry.data(), kKvLora, kRope, entry_values.data(), entry_values.data() + kKvLora);
+      for (int64_t i = 0; i < kLatent; ++i) {
+        ASSERT_EQ(whole.layers[0].k[t * kLatent + i], entry_values[i]) << "token " << t << " value " << i;
+        changed += entry_values[i] != lat[i];
+      }
+    }
+    EXPECT_GT(changed, kTokens * kKvLora / 2) << "the FP8 cache should differ from the fp32 one";
+    std::vector<float> got = run(steps, cached, x, 0, 5);
+    for (int64_t t = 5; t < kTokens; ++t) {
+      const std::vector<float> y = run(steps, cached, x, t, 1);
+      got.insert(got.end(), y.begin(), y.end());
+    }
+    expect_close(got, want, "fp8 decode");
+    EXPECT_EQ(cached.layers[0].k, whole.layers[0].k);
+    // A second chunk on top of a cache in the expanded form against kAuto's absorbed one.
+    run(expanded, wide, x, 0, 12);
+    SequenceCache auto_cache{.layers = std::vector<LayerCache>(1)};
+    run(steps, auto_cache, x, 0, 12);
+    expect_close(run(steps, auto_cache, x, 12, 8), run(expanded, wide, x, 12, 8), "fp8 second chunk");
+  }
 }
 
 }  // namespace
