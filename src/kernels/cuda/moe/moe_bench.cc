@@ -1,6 +1,6 @@
 // MoE kernel timings on one GPU for Qwen3.5-35B-A3B's expert shapes (hidden 2048, 256 experts, top-8,
 // moe_intermediate 512), bf16, NVFP4 and block-wise FP8 experts. Plain main (not run by ctest):
-//   moe_bench [--quick | --decode | --small | --tiles [--skew S]] [--bf16 | --nvfp4 | --fp8]
+//   moe_bench [--quick | --decode | --small | --forward | --tiles [--skew S]] [--bf16 | --nvfp4 | --fp8]
 // Decode (tokens 1..64, both GEMM variants): the grouped gate_up (n = 1024, k = 2048) and down (n = 2048, k = 512)
 // GEMMs, reported as GB/s of the active experts' weight bytes (packed + block scales for NVFP4, codes + per-row
 // block scales for FP8) against a
@@ -13,7 +13,8 @@
 // sizes; --small: only those, at 1 to 256 tokens and 4096. --tiles: NVFP4 decode at 8 to 64 tokens with each x-row
 // tile width forced and with the pass list (MoeGemmArgs::decode_token_tiles, decode_passes), on random and on skewed
 // routings (make_routings; --skew sets their exponent, 0.5 by default). A format flag times that weight format
-// alone (with --tiles: NVFP4 unless one is given).
+// alone (with --tiles: NVFP4 unless one is given). --forward: the whole routed block (moe_forward) at decode token
+// counts, NVFP4 (bench_forward).
 // Each timing is a CUDA graph of back-to-back launches, replayed after a warm-up; the median replay is reported.
 #include <cuda_runtime.h>
 
@@ -361,8 +362,52 @@ void bench_small_kernels(const DeviceContext& ctx, const std::vector<int64_t>& t
   }
 }
 
+// The whole routed block as the model runs it (moe_forward: route + align, gate/up, down with SiLU, combine) at
+// decode token counts, NVFP4 with gate and up as two stacks: one graph of the block's launches back to back, so each
+// GEMM follows the launch it depends on as in a decode step. Random router logits spread the tokens as the dummy
+// model's router does (docs/perf/gpu.md §decode-passes); GB/s counts the experts the routings touch.
+void bench_forward(const DeviceContext& ctx, double copy_gbs, std::mt19937& rng) {
+  const BenchWeights gate = make_weights(MoeWeightFormat::kNvfp4, kInter, kHidden, rng);
+  const BenchWeights up = make_weights(MoeWeightFormat::kNvfp4, kInter, kHidden, rng);
+  const BenchWeights down = make_weights(MoeWeightFormat::kNvfp4, kHidden, kInter, rng);
+  for (const int64_t tokens : {1, 8, 16, 32, 64}) {
+    const DeviceBuffer x = fill_random<uint16_t>(static_cast<size_t>(tokens * kHidden), [&] {
+      return float_to_bf16(std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng));
+    });
+    // kSlots sets of logits, rotated so that consecutive blocks touch different experts.
+    const DeviceBuffer logits = fill_random<uint16_t>(static_cast<size_t>(kSlots * tokens * kExperts), [&] {
+      return float_to_bf16(std::normal_distribution<float>(0.0f, 2.0f)(rng));
+    });
+    const size_t ws_bytes = moe_forward_workspace_bytes(tokens, kTopK, kExperts, kInter, kHidden);
+    const DeviceBuffer ws(ws_bytes), y(static_cast<size_t>(tokens * kHidden) * 2);
+    const double ms = time_ms(ctx, 2 * kSlots, [&](int s) {
+      const MoeForwardArgs a{.x = x.as<uint16_t>(),
+                             .router_logits = logits.as<uint16_t>() + s * tokens * kExperts,
+                             .logits_stride = kExperts,
+                             .tokens = tokens,
+                             .hidden = kHidden,
+                             .inter = kInter,
+                             .n_experts = kExperts,
+                             .top_k = kTopK,
+                             .gate_up = gate.view,
+                             .up = up.view,
+                             .down = down.view,
+                             .y = y.as<uint16_t>(),
+                             .workspace = ws.data(),
+                             .workspace_bytes = ws_bytes};
+      if (!moe_forward(ctx, a)) std::abort();
+    });
+    const double p_untouched = std::pow(1.0 - static_cast<double>(kTopK) / kExperts, static_cast<double>(tokens));
+    const double active = kExperts * (1.0 - p_untouched);  // expected distinct experts of uniform routing
+    const double bytes = active * (expert_bytes(gate.view) + expert_bytes(up.view) + expert_bytes(down.view));
+    const double gbs = bytes / (ms * 1e6);
+    std::printf("nvfp4  forward  T=%-5lld %6.1f active experts (expected) %9.2f us %7.0f GB/s %5.1f%% of copy\n",
+                static_cast<long long>(tokens), active, ms * 1e3, gbs, 100.0 * gbs / copy_gbs);
+  }
+}
+
 // formats empty: every format (--tiles: NVFP4).
-int bench_main(bool quick, bool decode_only, bool small_only, bool tiles, double skew,
+int bench_main(bool quick, bool decode_only, bool small_only, bool tiles, bool forward, double skew,
                std::vector<MoeWeightFormat> formats) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
@@ -376,6 +421,10 @@ int bench_main(bool quick, bool decode_only, bool small_only, bool tiles, double
                                              : quick     ? std::vector<int64_t>{1, 8, 16, 64}
                                                          : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64};
   std::mt19937 rng(4242);
+  if (forward) {
+    bench_forward(ctx, copy_gbs, rng);
+    return 0;
+  }
   if (small_only) {
     bench_small_kernels(ctx, {1, 4, 8, 16, 32, 64, 128, 256, 4096}, rng);
     return 0;
@@ -396,7 +445,7 @@ int bench_main(bool quick, bool decode_only, bool small_only, bool tiles, double
 }  // namespace tern
 
 int main(int argc, char** argv) {
-  bool quick = false, decode_only = false, small_only = false, tiles = false;
+  bool quick = false, decode_only = false, small_only = false, tiles = false, forward = false;
   double skew = 0.5;
   std::vector<tern::MoeWeightFormat> formats;
   for (int i = 1; i < argc; ++i) {
@@ -409,6 +458,8 @@ int main(int argc, char** argv) {
       small_only = true;
     } else if (std::strcmp(a, "--tiles") == 0) {
       tiles = true;
+    } else if (std::strcmp(a, "--forward") == 0) {
+      forward = true;
     } else if (std::strcmp(a, "--skew") == 0 && i + 1 < argc) {
       skew = std::atof(argv[++i]);
     } else if (std::strcmp(a, "--bf16") == 0) {
@@ -419,9 +470,10 @@ int main(int argc, char** argv) {
       formats.push_back(tern::MoeWeightFormat::kFp8);
     } else {
       std::fprintf(stderr,
-                   "usage: moe_bench [--quick | --decode | --small | --tiles [--skew S]] [--bf16 | --nvfp4 | --fp8]\n");
+                   "usage: moe_bench [--quick | --decode | --small | --forward | --tiles [--skew S]] "
+                   "[--bf16 | --nvfp4 | --fp8]\n");
       return 2;
     }
   }
-  return tern::bench_main(quick, decode_only, small_only, tiles, skew, std::move(formats));
+  return tern::bench_main(quick, decode_only, small_only, tiles, forward, skew, std::move(formats));
 }
