@@ -27,17 +27,23 @@ namespace {
 
 using namespace spec_test;
 
-std::unique_ptr<ModelRunner> load_gpu_demo(int64_t verify_rows = 5, bool graphs = true) {
-  if (runner_cuda_device_count() == 0) return nullptr;
+// A CUDA runner of the model and its draft module, sized for the tests' few sequences.
+ModelLoadOptions gpu_draft_options(int64_t max_sequences, int64_t max_batch_tokens, int64_t kv_cache_tokens,
+                                   int64_t verify_rows, bool graphs = true) {
   ModelLoadOptions options;
   options.load_draft = true;
   options.device = ModelDevice::kCuda;
-  options.device_options.max_sequences = 8;
-  options.device_options.max_batch_tokens = 2048;
-  options.device_options.kv_cache_tokens = 16384;
+  options.device_options.max_sequences = max_sequences;
+  options.device_options.max_batch_tokens = max_batch_tokens;
+  options.device_options.kv_cache_tokens = kv_cache_tokens;
   options.device_options.verify_rows = verify_rows;
   options.device_options.cuda_graphs = graphs;
-  auto runner = runner_load(kDemo, options);
+  return options;
+}
+
+std::unique_ptr<ModelRunner> load_gpu_demo(int64_t verify_rows = 5, bool graphs = true) {
+  if (runner_cuda_device_count() == 0) return nullptr;
+  auto runner = runner_load(kDemo, gpu_draft_options(8, 2048, 16384, verify_rows, graphs));
   EXPECT_TRUE(runner.has_value()) << (runner ? "" : runner.error().message);
   return runner ? std::move(*runner) : nullptr;
 }
@@ -140,14 +146,7 @@ INSTANTIATE_TEST_SUITE_P(CudaSpeculative, CudaGreedySteps, testing::Values(1, 3,
 TEST(CudaSpeculative, GlmMtpLayerTracksTheCpuPath) {
   if (runner_cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const std::filesystem::path dir = glm_with_mtp("glm_mtp_gpu");
-  ModelLoadOptions options;
-  options.load_draft = true;
-  options.device = ModelDevice::kCuda;
-  options.device_options.max_sequences = 4;
-  options.device_options.max_batch_tokens = 256;
-  options.device_options.kv_cache_tokens = 4096;
-  options.device_options.verify_rows = 4;
-  auto gpu = runner_load(dir, options);
+  auto gpu = runner_load(dir, gpu_draft_options(4, 256, 4096, 4));
   ASSERT_TRUE(gpu.has_value()) << gpu.error().message;
   ModelLoadOptions cpu_options;
   cpu_options.load_draft = true;
