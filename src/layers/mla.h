@@ -28,7 +28,7 @@
 
 #include "layers/blocks.h"
 #include "layers/linear.h"
-#include "layers/mla_cache.h"
+#include "core/latent_fp8.h"
 #include "layers/norms.h"
 #include "layers/rope.h"
 
@@ -72,7 +72,7 @@ struct MlaShape {
   bool indexer_rope_interleaved = true;
   int64_t selection_layer = -1;
   MlaForm form = MlaForm::kAuto;
-  // The latent cache's FP8 form (layers/mla_cache.h; kv_lora_rank a multiple of kLatentFp8Tile), when set: each new
+  // The latent cache's FP8 form (core/latent_fp8.h; kv_lora_rank a multiple of kLatentFp8Tile), when set: each new
   // token's latent is cached as the values its FP8 entry holds, and attention reads every token's latent, the new
   // ones' too, from the cache, so a prefill and the decode steps after it see the same keys. Unset: fp32 as computed.
   std::optional<LatentFp8Scales> latent_fp8;

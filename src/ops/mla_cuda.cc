@@ -1,6 +1,7 @@
 #include "ops/mla_cuda.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -58,12 +59,15 @@ DeviceProps props_of(const DeviceDescription& d) {
 
 std::string mla_attention_unsupported(const DeviceDescription& d, const SelfTestCase& c) {
   if (std::string why = cuda_unsupported_reason(d, c); !why.empty()) return why;
-  if (c.dims.size() != 8)
-    return "needs dims {n_seqs, query_len, past, n_heads, kv_lora_rank, rope_dim, topk, qk_head_dim}";
+  if (c.dims.size() != 8 && c.dims.size() != 9)
+    return "needs dims {n_seqs, query_len, past, n_heads, kv_lora_rank, rope_dim, topk, qk_head_dim[, cache]}";
   const int64_t lora = c.dims[4], rope = c.dims[5];
   if (lora < 2 || lora % 2 != 0 || lora > kMlaMaxLoraRank) return "kv_lora_rank must be even and at most 512";
   if (rope < 2 || rope % 2 != 0 || rope > kMlaMaxRopeDim) return "rope_dim must be even, in [2, 128]";
   if (!mla_attention_fits(props_of(d), lora + rope)) return "the attention tiles do not fit the shared memory";
+  if (c.dims.size() == 9 && c.dims[8] != 0 && (lora != kMlaFp8LoraRank || rope % 16 != 0)) {
+    return "an FP8 latent cache needs kv_lora_rank 512 and rope_dim a multiple of 16";
+  }
   return "";
 }
 
@@ -82,7 +86,16 @@ std::string indexer_select_unsupported(const DeviceDescription& d, const SelfTes
 
 Expected<RunOutput> mla_attention_cuda_run(const DeviceContext& ctx, const MlaAttentionInputs& in,
                                            const ArgsTweak<MlaAttentionArgs>& tweak) {
-  const PagedHost host = page_rows(in.batch, in.latent, in.width());
+  // An FP8 case's entries paged as 16-bit words (their byte count is even), the unused slots' words NaN: their
+  // scales read as NaN.
+  const bool fp8 = in.cache != MlaCacheCase::kBf16;
+  std::vector<uint16_t> words;
+  if (fp8) {
+    words.resize(in.latent_fp8.size() / 2);
+    std::memcpy(words.data(), in.latent_fp8.data(), words.size() * 2);
+  }
+  const PagedHost host = fp8 ? page_rows(in.batch, words, latent_fp8_bytes(in.kv_lora_rank, in.rope_dim) / 2)
+                             : page_rows(in.batch, in.latent, in.width());
   const cudaStream_t stream = ctx.stream();
   const DeviceBuffer q = cuda_upload(in.q, stream), pool = cuda_upload(host.pool, stream);
   const DeviceBuffer selected = cuda_upload(in.selected, stream);
@@ -97,7 +110,8 @@ Expected<RunOutput> mla_attention_cuda_run(const DeviceContext& ctx, const MlaAt
                                  .n_blocks = host.n_blocks,
                                  .block_size = kMlaCaseBlockSize,
                                  .kv_lora_rank = in.kv_lora_rank,
-                                 .rope_dim = in.rope_dim},
+                                 .rope_dim = in.rope_dim,
+                                 .dtype = fp8 ? LatentCacheDtype::kFp8 : LatentCacheDtype::kBf16},
                        .block_tables = tables.as<int32_t>(),
                        .max_blocks_per_seq = host.max_blocks,
                        .query_start = starts.as<int32_t>(),

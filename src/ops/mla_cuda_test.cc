@@ -47,6 +47,16 @@ TEST_F(CudaMlaOps, MlaAttentionPassesOnModelShapes) {
        mla_attention_case(3, 5, 30, 4, 32, 16, 0, 48)});
 }
 
+// The FP8 latent cache (GLM-5's 656-byte entries, fp32 and power-of-two scales): decode rows causal and selecting,
+// a prefill chunk, a partial head group.
+TEST_F(CudaMlaOps, MlaAttentionPassesOnFp8Caches) {
+  expect_cuda_passes("mla_attention",
+                     {mla_attention_case(8, 1, 1000, 16, 512, 64, 256, 256, MlaCacheCase::kFp8),
+                      mla_attention_case(2, 128, 192, 16, 512, 64, 256, 256, MlaCacheCase::kFp8),
+                      mla_attention_case(4, 1, 1000, 12, 512, 64, 0, 256, MlaCacheCase::kFp8Pow2),
+                      mla_attention_case(3, 2, 300, 64, 512, 64, 2048, 256, MlaCacheCase::kFp8)});
+}
+
 // GLM-5's indexer (32 heads of 128, topk 2048) with rows above topk and a prefill chunk straddling it, the fixture's
 // (16 heads of 32, topk 16), and head counts that are not multiples of 16.
 TEST_F(CudaMlaOps, IndexerSelectPassesOnModelShapes) {

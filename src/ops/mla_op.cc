@@ -11,6 +11,7 @@
 #include <random>
 
 #include "core/formats.h"
+#include "core/latent_fp8.h"
 #include "ops/harness_util.h"
 
 namespace tern {
@@ -39,21 +40,49 @@ bool batch_of(const std::vector<int64_t>& d, MlaBatchShape& batch) {
 // ---------------------------------------------------------------------------------------------------------------
 // mla_attention
 
+// An FP8 case's cache: each row of `latent` (random, tile t of a row scaled by kTileMagnitude[(t + row) % 4]) packed
+// into its entry, and `latent` replaced by the values the entries hold.
+void fp8_latent(MlaAttentionInputs& in) {
+  constexpr float kTileMagnitude[] = {1.0f, 1.0f / 64, 40.0f, 0.25f};
+  const int64_t rows = in.batch.cache_begin(in.batch.n_seqs), w = in.width(), lora = in.kv_lora_rank;
+  const int64_t entry = latent_fp8_bytes(lora, in.rope_dim);
+  const LatentFp8Scales scales = in.cache == MlaCacheCase::kFp8Pow2 ? LatentFp8Scales::kPow2 : LatentFp8Scales::kFp32;
+  in.latent_fp8.resize(static_cast<size_t>(rows * entry));
+  std::vector<float> row(static_cast<size_t>(w)), read(static_cast<size_t>(w));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t e = 0; e < w; ++e) {
+      row[e] = bf16_to_float(in.latent[r * w + e]) * (e < lora ? kTileMagnitude[(e / kLatentFp8Tile + r) % 4] : 1.0f);
+    }
+    uint8_t* bytes = &in.latent_fp8[r * entry];
+    latent_fp8_pack(row.data(), row.data() + lora, lora, in.rope_dim, scales, bytes);
+    latent_fp8_unpack(bytes, lora, in.rope_dim, read.data(), read.data() + lora);
+    for (int64_t e = 0; e < w; ++e) in.latent[r * w + e] = float_to_bf16(read[e]);  // exact: bf16 values
+  }
+}
+
 Expected<std::unique_ptr<OpInputs>> mla_attention_make(const SelfTestCase& c, uint64_t seed) {
-  constexpr const char* kLayout = "{n_seqs, query_len, past, n_heads, kv_lora_rank, rope_dim, topk, qk_head_dim}";
-  if (c.dims.size() != 8) return make_error("case '{}' needs dims {}", c.label, kLayout);
+  constexpr const char* kLayout =
+      "{n_seqs, query_len, past, n_heads, kv_lora_rank, rope_dim, topk, qk_head_dim[, cache 0/1/2]}";
+  if (c.dims.size() != 8 && c.dims.size() != 9) return make_error("case '{}' needs dims {}", c.label, kLayout);
   const auto& d = c.dims;
   auto in = std::make_unique<MlaAttentionInputs>();
-  if (!batch_of(d, in->batch) || d[3] < 1 || d[4] < 1 || d[5] < 0 || d[6] < 0 || d[7] < 1) {
+  if (!batch_of(d, in->batch) || d[3] < 1 || d[4] < 1 || d[5] < 0 || d[6] < 0 || d[7] < 1 ||
+      (d.size() == 9 && (d[8] < 0 || d[8] > 2))) {
     return make_error("mla_attention case '{}': bad dims (layout {})", c.label, kLayout);
   }
   in->n_heads = d[3], in->kv_lora_rank = d[4], in->rope_dim = d[5], in->topk = d[6];
   in->scale = 1.0f / std::sqrt(static_cast<float>(d[7]));
+  in->cache = d.size() == 9 ? static_cast<MlaCacheCase>(d[8]) : MlaCacheCase::kBf16;
+  if (in->cache != MlaCacheCase::kBf16 && (in->kv_lora_rank % kLatentFp8Tile != 0 || in->rope_dim % 2 != 0)) {
+    return make_error("mla_attention case '{}': an FP8 cache needs kv_lora_rank a multiple of {} and an even rope_dim",
+                      c.label, kLatentFp8Tile);
+  }
   const MlaBatchShape& b = in->batch;
   // q at scale 2 spreads the scores over a few units at the models' widths (latent 576, qk_head_dim 256), so the
   // softmax is neither flat nor one-hot.
   in->q = hashed_bf16_vector(seed, 1, b.tokens() * in->n_heads * in->width(), 2.0f);
   in->latent = hashed_bf16_vector(seed, 2, b.cache_begin(b.n_seqs) * in->width(), 1.0f);
+  if (in->cache != MlaCacheCase::kBf16) fp8_latent(*in);
   if (in->topk > 0) {
     std::mt19937_64 rng(seed ^ 0x6d6c6173ull);
     in->selected.assign(static_cast<size_t>(b.tokens() * in->topk), -1);
@@ -354,11 +383,16 @@ Expected<void> mla_register_cpu(Registry& r) {
 }
 
 SelfTestCase mla_attention_case(int64_t n_seqs, int64_t query_len, int64_t past, int64_t n_heads, int64_t kv_lora_rank,
-                                int64_t rope_dim, int64_t topk, int64_t qk_head_dim) {
-  return {
+                                int64_t rope_dim, int64_t topk, int64_t qk_head_dim, MlaCacheCase cache) {
+  SelfTestCase c{
       fmt::format("seqs={} q={} past={}+7i heads={} lora={} rope={} {} qk={}", n_seqs, query_len, past, n_heads,
                   kv_lora_rank, rope_dim, topk > 0 ? fmt::format("topk={}", topk) : std::string("causal"), qk_head_dim),
       {n_seqs, query_len, past, n_heads, kv_lora_rank, rope_dim, topk, qk_head_dim}};
+  if (cache != MlaCacheCase::kBf16) {
+    c.label += cache == MlaCacheCase::kFp8 ? " cache=fp8" : " cache=fp8-pow2";
+    c.dims.push_back(static_cast<int64_t>(cache));
+  }
+  return c;
 }
 
 SelfTestCase indexer_select_case(int64_t n_seqs, int64_t query_len, int64_t past, int64_t n_heads, int64_t head_dim,

@@ -3,7 +3,7 @@
 // before its query_len new ones (which the cache already holds); token rows in sequence order, row i of a sequence
 // at position seq_past + i, attending (or scoring) the keys 0..that position.
 //
-//   mla_attention   dims {n_seqs, query_len, past, n_heads, kv_lora_rank, rope_dim, topk, qk_head_dim}: the
+//   mla_attention   dims {n_seqs, query_len, past, n_heads, kv_lora_rank, rope_dim, topk, qk_head_dim[, cache]}: the
 //                   weight-absorbed attention over a latent cache (kernels/cuda/mla/mla_launch.h; the CPU layer's
 //                   MlaAttention::attend_absorbed). Every cached token is one latent row [kv_lora_rank + rope_dim]
 //                   (c | roped k_pe) shared by all heads; each row's head has an absorbed query of the same width
@@ -11,6 +11,9 @@
 //                   list (DSA): a random ascending subset of its causal keys of min(topk, keys) positions, then -1 up
 //                   to topk. score_s = q . latent_s * scale with scale = qk_head_dim^-0.5 (the model's softmax scale
 //                   without YaRN's mscale), p = softmax(score), output sum_s p_s c_s: [tokens, n_heads, kv_lora_rank].
+//                   `cache` (MlaCacheCase, default bf16): with an FP8 one the cache holds each token as the entry of
+//                   core/latent_fp8.h made from random fp32 values (tiles of magnitudes 1/64 to 40), and the keys
+//                   are the values the entry holds (bf16-exact by that definition), which `latent` then lists.
 //   indexer_select  dims {n_seqs, query_len, past, n_heads, head_dim, topk}: GLM-5's DSA lightning indexer's top-k
 //                   (kernels/cuda/mla/indexer_launch.h; MlaAttention::select). Inputs: roped queries [tokens, n_heads,
 //                   head_dim], weights_proj's output [tokens, n_heads] (mixed signs) and one key of head_dim values
@@ -53,6 +56,10 @@ struct MlaBatchShape {
   int64_t row_keys(int64_t t) const;     // causal keys of token row t: its position + 1
 };
 
+// How an mla_attention case caches its latent: the values as bf16, or as FP8 entries with fp32 or power-of-two
+// scales (core/latent_fp8.h).
+enum class MlaCacheCase : int64_t { kBf16 = 0, kFp8 = 1, kFp8Pow2 = 2 };
+
 struct MlaAttentionInputs : OpInputs {
   MlaBatchShape batch;
   int64_t n_heads = 0, kv_lora_rank = 0, rope_dim = 0, topk = 0;
@@ -60,6 +67,8 @@ struct MlaAttentionInputs : OpInputs {
   std::vector<uint16_t> q;        // [tokens, n_heads, width] bf16
   std::vector<uint16_t> latent;   // the sequences' caches one after another: [sum of seq_len, width] bf16
   std::vector<int32_t> selected;  // topk > 0: [tokens, topk] positions in the row's sequence, -1 tail
+  MlaCacheCase cache = MlaCacheCase::kBf16;
+  std::vector<uint8_t> latent_fp8;  // FP8: the entries, [sum of seq_len, latent_fp8_bytes]; `latent` their values
 
   int64_t width() const { return kv_lora_rank + rope_dim; }
   int64_t tokens() const { return batch.tokens(); }
@@ -97,7 +106,8 @@ Expected<void> mla_register_cpu(Registry& registry);
 
 // Case builders (labels and dims in the layouts above).
 SelfTestCase mla_attention_case(int64_t n_seqs, int64_t query_len, int64_t past, int64_t n_heads, int64_t kv_lora_rank,
-                                int64_t rope_dim, int64_t topk, int64_t qk_head_dim);
+                                int64_t rope_dim, int64_t topk, int64_t qk_head_dim,
+                                MlaCacheCase cache = MlaCacheCase::kBf16);
 SelfTestCase indexer_select_case(int64_t n_seqs, int64_t query_len, int64_t past, int64_t n_heads, int64_t head_dim,
                                  int64_t topk);
 

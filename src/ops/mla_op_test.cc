@@ -11,6 +11,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <numeric>
 
@@ -44,7 +45,10 @@ TEST(MlaAttentionOp, CpuImplementationPassesItsSelfTest) {
       mla_attention_case(2, 1, 100, 4, 32, 16, 16, 48),    // and with its DSA selection
       mla_attention_case(2, 20, 0, 4, 32, 16, 16, 48),     // a prefill whose first rows take all their keys
       mla_attention_case(1, 2, 300, 8, 512, 64, 64, 256),  // GLM-5's latent
-      mla_attention_case(2, 3, 5, 3, 8, 2, 0, 10)};
+      mla_attention_case(2, 3, 5, 3, 8, 2, 0, 10),
+      // FP8 caches: GLM-5's latent with fp32 scales, a narrower one with DeepSeek's power-of-two scales
+      mla_attention_case(2, 1, 200, 8, 512, 64, 64, 256, MlaCacheCase::kFp8),
+      mla_attention_case(2, 4, 30, 4, 128, 16, 0, 48, MlaCacheCase::kFp8Pow2)};
   auto s = registry_select(r, "mla_attention", cpu_device_describe(), cases, {});
   ASSERT_TRUE(s.has_value()) << s.error().message;
   EXPECT_EQ(s->chosen, "cpu") << s->candidates.front().reason;
@@ -159,6 +163,42 @@ TEST(MlaAttentionOp, InjectedFaultsAreRejected) {
   for (const AttentionFault& f : attention_faults()) expect_rejected(*s, f.name, f.expected_reason);
 }
 
+// An FP8 case's keys are the values its entries hold, read here from the bytes (code x scale, exact in double, rounded
+// to fp32 then bf16) and k_pe's bf16 words; the scales differ across a row's tiles; power-of-two scales are powers
+// of two.
+TEST(MlaAttentionOp, Fp8CasesHoldTheirEntriesValues) {
+  Registry r;
+  ASSERT_TRUE(mla_register_cpu(r).has_value());
+  for (const MlaCacheCase cache : {MlaCacheCase::kFp8, MlaCacheCase::kFp8Pow2}) {
+    auto in = make<MlaAttentionInputs>(r, "mla_attention", mla_attention_case(2, 3, 20, 4, 256, 32, 0, 48, cache));
+    ASSERT_TRUE(in);
+    const int64_t rows = in->batch.cache_begin(2), w = in->width(), lora = 256, entry = lora + 4 * 2 + 2 * 32;
+    ASSERT_EQ(static_cast<int64_t>(in->latent_fp8.size()), rows * entry);
+    ASSERT_EQ(static_cast<int64_t>(in->latent.size()), rows * w);
+    for (int64_t row = 0; row < rows; ++row) {
+      const uint8_t* bytes = &in->latent_fp8[row * entry];
+      float scales[2];
+      std::memcpy(scales, bytes + lora, 8);
+      EXPECT_NE(scales[0], scales[1]) << "row " << row;
+      for (const float sc : scales) {
+        int exp = 0;
+        if (cache == MlaCacheCase::kFp8Pow2) {
+          EXPECT_EQ(std::frexp(sc, &exp), 0.5f) << sc;
+        }
+      }
+      for (int64_t e = 0; e < lora; ++e) {
+        const auto product = static_cast<float>(static_cast<double>(e4m3_to_float(bytes[e])) * scales[e / 128]);
+        ASSERT_EQ(in->latent[row * w + e], float_to_bf16(product)) << "row " << row << " value " << e;
+      }
+      for (int64_t e = 0; e < 32; ++e) {
+        uint16_t pe;
+        std::memcpy(&pe, bytes + lora + 8 + 2 * e, 2);
+        ASSERT_EQ(in->latent[row * w + lora + e], pe) << "row " << row << " k_pe " << e;
+      }
+    }
+  }
+}
+
 TEST(MlaAttentionOp, BadCasesAreErrors) {
   Registry r;
   ASSERT_TRUE(mla_register_cpu(r).has_value());
@@ -167,6 +207,8 @@ TEST(MlaAttentionOp, BadCasesAreErrors) {
   EXPECT_FALSE(h->make_inputs(mla_attention_case(1, 0, 0, 4, 32, 16, 0, 48), 1).has_value());  // no queries
   EXPECT_FALSE(h->make_inputs(mla_attention_case(1, 1, 0, 4, 32, 16, -1, 48), 1).has_value());
   EXPECT_FALSE(h->make_inputs(mla_attention_case(1, 1, 0, 4, 32, 16, 0, 0), 1).has_value());  // no scale
+  EXPECT_FALSE(h->make_inputs(mla_attention_case(1, 1, 0, 4, 32, 16, 0, 48, MlaCacheCase::kFp8), 1).has_value());
+  EXPECT_FALSE(h->make_inputs({"cache 3", {1, 1, 0, 4, 128, 16, 0, 48, 3}}, 1).has_value());
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -29,6 +29,13 @@ Expected<void> check_cache(const char* kernel, const PagedLatentCache& c) {
     return make_error("{}: block_size={} must be a power of two", kernel, c.block_size);
   }
   TERN_TRY(check_count(kernel, "cache.n_blocks", c.n_blocks));
+  if (c.dtype == LatentCacheDtype::kFp8 && c.kv_lora_rank != kMlaFp8LoraRank) {
+    return make_error("{}: an FP8 latent cache needs kv_lora_rank {} (its entries whole 16-byte chunks); this one has {}",
+                      kernel, kMlaFp8LoraRank, c.kv_lora_rank);
+  }
+  if (c.dtype != LatentCacheDtype::kBf16 && c.dtype != LatentCacheDtype::kFp8) {
+    return make_error("{}: unknown latent cache dtype {}", kernel, static_cast<int>(c.dtype));
+  }
   if (reinterpret_cast<uintptr_t>(c.data) % 4 != 0) return make_error("{}: cache.data is not 4-byte aligned", kernel);
   return {};
 }

@@ -1,6 +1,9 @@
 // Multi-head latent attention in the weight-absorbed form: the pre-attention step (latent norm, RoPE, cache write)
 // and the attention over the paged latent cache; contracts in mla_launch.h.
+#include <cuda_fp8.h>
+
 #include <algorithm>
+#include <cfloat>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
@@ -28,6 +31,41 @@ __device__ __forceinline__ void rope_pair(int j, int half, bool interleaved, int
 
 constexpr int kPrepareThreads = 256;
 
+__host__ __device__ constexpr int64_t fp8_entry_bytes(int64_t lora, int64_t rope) {
+  return lora + 4 * (lora / kLatentFp8Tile) + 2 * rope;
+}
+static_assert(fp8_entry_bytes(512, 64) == latent_fp8_bytes(512, 64));
+
+// c's FP8 part of one token's entry (core/latent_fp8.h), one warp per 128-value tile: the tile's amax (fmaxf skips a
+// NaN, as the host packer's fmax), s = max(amax / 448, FLT_MIN), rounded up to a power of two with `pow2`, then each
+// code e4m3(c / s) with an fp32 division, nearest even, saturated to +-448 (a NaN stays NaN).
+template <class Latent>
+__device__ __forceinline__ void write_fp8_latent(const Latent& latent, int lora, bool pow2, uint8_t* dst) {
+  constexpr int kPerLane = static_cast<int>(kLatentFp8Tile) / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int tile = warp; tile < lora / kLatentFp8Tile; tile += kPrepareThreads / 32) {
+    float v[kPerLane], amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      v[k] = latent(tile * static_cast<int>(kLatentFp8Tile) + lane + 32 * k);
+      amax = fmaxf(amax, fabsf(v[k]));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    float s = fmaxf(amax / 448.0f, FLT_MIN);
+    if (pow2) {  // s is a positive normal number: a power of two unless it has mantissa bits, then the next one up
+      const uint32_t bits = __float_as_uint(s);
+      if ((bits & 0x7FFFFFu) != 0) s = __uint_as_float((bits & 0x7F800000u) + 0x800000u);
+    }
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      dst[tile * kLatentFp8Tile + lane + 32 * k] =
+          static_cast<uint8_t>(__nv_cvt_float_to_fp8(v[k] / s, __NV_SATFINITE, __NV_E4M3));
+    }
+    if (lane == 0) reinterpret_cast<float*>(dst + lora)[tile] = s;
+  }
+}
+
 __global__ void __launch_bounds__(kPrepareThreads) mla_prepare_kernel(const MlaPrepareArgs a) {
   ptx::grid_dependency_begin();
   __shared__ float cos_s[kMlaMaxRopeDim / 2], sin_s[kMlaMaxRopeDim / 2];
@@ -52,17 +90,24 @@ __global__ void __launch_bounds__(kPrepareThreads) mla_prepare_kernel(const MlaP
   const float inv = 1.0f / sqrtf(total / static_cast<float>(lora) + a.eps);
   const float offset = a.zero_centred ? 1.0f : 0.0f;
   const int64_t slot = a.slot_mapping[t];
+  auto latent = [&](int i) { return bf16_to_f32(kv[i]) * inv * (offset + bf16_to_f32(a.kv_norm_weight[i])); };
   if (slot >= 0 && slot < a.cache.n_blocks * a.cache.block_size) {
-    uint16_t* dst = a.cache.data + slot * width;
-    for (int i = tid; i < lora; i += kPrepareThreads) {
-      dst[i] = f32_to_bf16(bf16_to_f32(kv[i]) * inv * (offset + bf16_to_f32(a.kv_norm_weight[i])));
+    uint16_t* pe;
+    if (a.cache.dtype == LatentCacheDtype::kFp8) {
+      uint8_t* dst = static_cast<uint8_t*>(a.cache.data) + slot * fp8_entry_bytes(lora, rope);
+      write_fp8_latent(latent, lora, a.cache.pow2_scales, dst);
+      pe = reinterpret_cast<uint16_t*>(dst + lora + 4 * (lora / kLatentFp8Tile));
+    } else {
+      uint16_t* dst = static_cast<uint16_t*>(a.cache.data) + slot * width;
+      for (int i = tid; i < lora; i += kPrepareThreads) dst[i] = f32_to_bf16(latent(i));
+      pe = dst + lora;
     }
     for (int j = tid; j < half; j += kPrepareThreads) {
       int lo, hi;
       rope_pair(j, half, a.interleaved, lo, hi);
       const float x0 = bf16_to_f32(kv[lora + lo]), x1 = bf16_to_f32(kv[lora + hi]);
-      dst[lora + lo] = f32_to_bf16(x0 * cos_s[j] - x1 * sin_s[j]);
-      dst[lora + hi] = f32_to_bf16(x1 * cos_s[j] + x0 * sin_s[j]);
+      pe[lo] = f32_to_bf16(x0 * cos_s[j] - x1 * sin_s[j]);
+      pe[hi] = f32_to_bf16(x1 * cos_s[j] + x0 * sin_s[j]);
     }
   }
   const int64_t q_head = a.nope_dim + rope;
@@ -117,7 +162,79 @@ struct AttnParams {
   MlaAttentionArgs a;
   int splits;
   int tiles_per_split;
+  int fp8_offset;  // an FP8 cache: where a key row's slot in shared memory takes its entry (bytes, 16-aligned)
 };
+
+// An FP8 latent (kv_lora_rank kFp8Lora) is turned into the bf16 row the products read by eight threads per key row,
+// each holding a 64-code run of one 128-value tile.
+constexpr int kFp8Lora = static_cast<int>(kMlaFp8LoraRank);
+constexpr int kFp8ThreadsPerRow = kAttnThreads / kMlaKeysPerTile;
+constexpr int kFp8CodesPerThread = kFp8Lora / kFp8ThreadsPerRow;
+constexpr int kFp8MaxPeWords = static_cast<int>(kMlaMaxRopeDim) / 2 / kFp8ThreadsPerRow;
+static_assert(kFp8ThreadsPerRow == 8 && kFp8CodesPerThread % 16 == 0 && kLatentFp8Tile % kFp8CodesPerThread == 0);
+
+// The FP8 entries of a tile's 32 key rows (each copied to bytes [offset, offset + entry) of its row slot) rewritten
+// in place as the bf16 rows [c | k_pe] the bf16 cache would hold: c[i] = bf16(e4m3(code i) * s), the product in fp32
+// (as latent_fp8_unpack); k_pe moved. Every thread reads its part into registers before any writes (the bf16 row
+// overlaps the entry); the caller syncs before and after.
+__device__ __forceinline__ void fp8_rows_to_bf16(uint32_t* tile_rows, int row_words, int offset, int rope) {
+  const int r = threadIdx.x / kFp8ThreadsPerRow, part = threadIdx.x % kFp8ThreadsPerRow;
+  uint8_t* row = reinterpret_cast<uint8_t*>(tile_rows + r * row_words);
+  const uint8_t* entry = row + offset;
+  uint4 codes[kFp8CodesPerThread / 16];
+#pragma unroll
+  for (int j = 0; j < kFp8CodesPerThread / 16; ++j) {
+    codes[j] = reinterpret_cast<const uint4*>(entry + kFp8CodesPerThread * part)[j];
+  }
+  const float s = reinterpret_cast<const float*>(entry + kFp8Lora)[kFp8CodesPerThread * part / kLatentFp8Tile];
+  const int pe_words = rope / 2 / kFp8ThreadsPerRow;
+  const uint32_t* pe_in = reinterpret_cast<const uint32_t*>(entry + kFp8Lora + 4 * (kFp8Lora / kLatentFp8Tile));
+  uint32_t pe[kFp8MaxPeWords];
+#pragma unroll
+  for (int j = 0; j < kFp8MaxPeWords; ++j) {
+    if (j < pe_words) pe[j] = pe_in[pe_words * part + j];
+  }
+  __syncthreads();
+  // A code's bits moved into an fp32's (sign to bit 31, exponent and mantissa to bits 30:20) read as 2^-120 times
+  // its value, subnormal codes as fp32 subnormals of the same ratio; one multiply by s * 2^120 (exact while s < 2^7)
+  // then rounds the product once, as (float)e4m3 * s does. Integer and fp32 work only: the conversion instructions
+  // (e4m3x2 -> f16x2 -> f32) run at a quarter of their rate and were the FP8 path's bottleneck.
+  const bool big = s >= 0x1p7f;
+  const float s_bits = big ? 0x1p120f : s * 0x1p120f, s_after = big ? s : 1.0f;
+  uint4* c_out = reinterpret_cast<uint4*>(row + 2 * kFp8CodesPerThread * part);
+#pragma unroll
+  for (int j = 0; j < kFp8CodesPerThread / 16; ++j) {
+    const uint32_t words[4] = {codes[j].x, codes[j].y, codes[j].z, codes[j].w};
+    uint32_t out[8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      float f[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {  // code k of the word: its byte shifted to the top, then sign-extended by 4
+        const uint32_t top = k == 3 ? words[w] : words[w] << (24 - 8 * k);
+        f[k] = __uint_as_float(static_cast<uint32_t>(static_cast<int32_t>(top) >> 4) & 0x87F00000u) * s_bits;
+        if (big) f[k] *= s_after;  // the first product was exact
+      }
+      // The NaN codes (0x7F, 0xFF) would read as 480: bytes whose low seven bits are all ones, found for the word at
+      // once (adding 1 to such a byte, and only to such a byte, sets its top bit).
+      if (const uint32_t nan_bytes = ((words[w] & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u; nan_bytes != 0) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if ((nan_bytes >> (8 * k + 7)) & 1u) f[k] = __uint_as_float(0x7FC00000u);
+        }
+      }
+      out[2 * w] = cuda_common::pack_bf16x2(f[0], f[1]);
+      out[2 * w + 1] = cuda_common::pack_bf16x2(f[2], f[3]);
+    }
+    c_out[2 * j] = make_uint4(out[0], out[1], out[2], out[3]);
+    c_out[2 * j + 1] = make_uint4(out[4], out[5], out[6], out[7]);
+  }
+  uint32_t* pe_out = reinterpret_cast<uint32_t*>(row + 2 * kFp8Lora);
+#pragma unroll
+  for (int j = 0; j < kFp8MaxPeWords; ++j) {
+    if (j < pe_words) pe_out[pe_words * part + j] = pe[j];
+  }
+}
 
 __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnParams p) {
   ptx::grid_dependency_begin();
@@ -189,13 +306,18 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
   auto key_slot = [&](int64_t pos) -> int64_t {
     return pos >= 0 ? int64_t{table[pos / bs]} * bs + (pos & (bs - 1)) : -1;
   };
-  // Tile rows into keys_s[buf] from the slots in slot_s[sbuf].
+  // Tile rows into keys_s[buf] from the slots in slot_s[sbuf]: bf16 rows whole, FP8 entries at fp8_offset of
+  // their row slots (fp8_rows_to_bf16 widens them once they have landed). A masked key's row is zeros.
+  const bool fp8 = a.cache.dtype == LatentCacheDtype::kFp8;
+  const int entry_chunks = fp8 ? static_cast<int>(fp8_entry_bytes(lora, a.cache.rope_dim)) / 16 : chunks;
+  const int dst_words = fp8 ? p.fp8_offset / 4 : 0;
+  const auto* cache_bytes = static_cast<const uint8_t*>(a.cache.data);
   auto load = [&](int buf, int sbuf) {
-    for (int i = tid; i < kMlaKeysPerTile * chunks; i += kAttnThreads) {
-      const int r = i / chunks, c = i % chunks;
+    for (int i = tid; i < kMlaKeysPerTile * entry_chunks; i += kAttnThreads) {
+      const int r = i / entry_chunks, c = i % entry_chunks;
       const int64_t slot = slot_s[sbuf * kMlaKeysPerTile + r];
-      ptx::cp_async_16_zfill(keys_s + (buf * kMlaKeysPerTile + r) * row_words + 4 * c,
-                             a.cache.data + (slot >= 0 ? slot : 0) * width + 8 * c, slot >= 0);
+      ptx::cp_async_16_zfill(keys_s + (buf * kMlaKeysPerTile + r) * row_words + dst_words + 4 * c,
+                             cache_bytes + ((slot >= 0 ? slot : 0) * entry_chunks + c) * 16, slot >= 0);
     }
     ptx::cp_async_commit();
   };
@@ -230,6 +352,11 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
       ptx::cp_async_wait<0>();
     }
     __syncthreads();  // this tile's rows, from every thread's copies
+    if (fp8) {  // block-uniform
+      fp8_rows_to_bf16(keys_s + buf * kMlaKeysPerTile * row_words, row_words, p.fp8_offset,
+                       static_cast<int>(a.cache.rope_dim));
+      __syncthreads();
+    }
     const uint16_t* rows = reinterpret_cast<const uint16_t*>(keys_s + buf * kMlaKeysPerTile * row_words);
     const int row_elems = 2 * row_words;
 
@@ -470,9 +597,11 @@ void mla_attention_launch(const DeviceContext& ctx, const MlaAttentionArgs& args
       args.splits > 0 ? args.splits
                       : mla_attention_splits(ctx.props(), args.tokens, args.n_heads, max_keys, args.cache.width());
   const int64_t tiles = (max_keys + kMlaKeysPerTile - 1) / kMlaKeysPerTile;
+  const int64_t slot_bytes = 4 * key_row_words(args.cache.width());
   const AttnParams p{.a = args,
                      .splits = static_cast<int>(splits),
-                     .tiles_per_split = static_cast<int>(std::max<int64_t>(1, (tiles + splits - 1) / splits))};
+                     .tiles_per_split = static_cast<int>(std::max<int64_t>(1, (tiles + splits - 1) / splits)),
+                     .fp8_offset = static_cast<int>((slot_bytes - args.cache.entry_bytes()) / 16 * 16)};
   TERN_CUDA_CHECK(
       cudaFuncSetAttribute(mla_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>(args.tokens),

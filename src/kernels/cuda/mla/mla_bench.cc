@@ -1,12 +1,13 @@
 // Absorbed MLA decode attention (mla_attention) on one GPU at GLM-5's latent (512 + 64 values) and head counts of
 // one rank at TP8 (8 heads) and of the whole model (64), for 1, 4, 16 and 64 sequences of 4k context, causal and
 // over a DSA selection of 2048 keys. Plain main (not run by ctest):
-//   mla_bench [--splits]
+//   mla_bench [--splits] [--fp8]
 // Bytes counted per call: each sequence's latent rows read once (what an ideal kernel reads; this one reads them
 // once per 16-head group, through the L2), the queries read and the outputs written; achieved GB/s next to the copy
 // kernel's (roofline.h, bytes read + written) of the same run as the ceiling. Every sequence has its own blocks in a
 // pool larger than the L2. Timings are medians of CUDA graph replays (bench_timing.h). --splits: each row also at
 // every power-of-two split-K count the workspace bound allows (MlaAttentionArgs::splits; the rule's count marked *).
+// --fp8: the cache in FP8 entries (656 bytes per token, core/latent_fp8.h) instead of bf16 (1152).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -45,7 +46,28 @@ std::vector<uint16_t> random_bf16(size_t n, uint32_t seed) {
   return out;
 }
 
-int run(bool sweep) {
+// FP8 entries: finite random codes (not the NaN codes 0x7F / 0xFF), each tile's scale 2^-6, random bf16 k_pe.
+std::vector<uint8_t> random_fp8_entries(int64_t tokens, uint32_t seed) {
+  const int64_t entry = latent_fp8_bytes(kLora, kRope), pe_at = kLora + 4 * (kLora / kLatentFp8Tile);
+  std::vector<uint8_t> out(static_cast<size_t>(tokens * entry));
+  const std::vector<uint16_t> pe = random_bf16(static_cast<size_t>(tokens * kRope), seed + 1);
+  uint32_t s = seed;
+  const float scale = 0x1p-6f;
+  for (int64_t t = 0; t < tokens; ++t) {
+    uint8_t* e = &out[t * entry];
+    for (int64_t i = 0; i < kLora; ++i) {
+      s ^= s << 13;
+      s ^= s >> 17;
+      s ^= s << 5;
+      e[i] = static_cast<uint8_t>(s & 0xF7u);  // bit 3 clear: never 0x7F or 0xFF
+    }
+    for (int64_t i = 0; i < kLora / kLatentFp8Tile; ++i) std::memcpy(e + kLora + 4 * i, &scale, 4);
+    std::memcpy(e + pe_at, &pe[t * kRope], 2 * kRope);
+  }
+  return out;
+}
+
+int run(bool sweep, bool fp8) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
   std::printf("device: %s (cc %d.%d), %d SMs\n", p.name.c_str(), p.cc_major, p.cc_minor, p.num_sms);
@@ -61,7 +83,10 @@ int run(bool sweep) {
   std::printf("GLM-5 latent %ld + %ld, block size %ld, context %ld\n", long(kLora), long(kRope), long(kBlockSize),
               long(kContext));
   constexpr int64_t kMaxSeqs = 64, kBlocksPerSeq = kContext / kBlockSize, kPoolBlocks = kMaxSeqs * kBlocksPerSeq;
-  const DeviceBuffer pool = upload(random_bf16(static_cast<size_t>(kPoolBlocks * kBlockSize * kWidth), 7));
+  const DeviceBuffer pool = fp8 ? upload(random_fp8_entries(kPoolBlocks * kBlockSize, 7))
+                                : upload(random_bf16(static_cast<size_t>(kPoolBlocks * kBlockSize * kWidth), 7));
+  const int64_t key_bytes = fp8 ? latent_fp8_bytes(kLora, kRope) : 2 * kWidth;
+  std::printf("cache: %s, %ld bytes per token\n", fp8 ? "fp8 entries" : "bf16", long(key_bytes));
   std::vector<int32_t> tables(static_cast<size_t>(kPoolBlocks));
   std::iota(tables.begin(), tables.end(), 0);
   const DeviceBuffer d_tables = upload(tables);
@@ -81,11 +106,12 @@ int run(bool sweep) {
       for (const bool sparse : {false, true}) {
         const MlaAttentionArgs args{.q_latent = q.as<uint16_t>(),
                                     .out_latent = out.as<uint16_t>(),
-                                    .cache = {.data = pool.as<uint16_t>(),
+                                    .cache = {.data = pool.data(),
                                               .n_blocks = kPoolBlocks,
                                               .block_size = kBlockSize,
                                               .kv_lora_rank = kLora,
-                                              .rope_dim = kRope},
+                                              .rope_dim = kRope,
+                                              .dtype = fp8 ? LatentCacheDtype::kFp8 : LatentCacheDtype::kBf16},
                                     .block_tables = d_tables.as<int32_t>(),
                                     .max_blocks_per_seq = kBlocksPerSeq,
                                     .query_start = d_qs.as<int32_t>(),
@@ -104,7 +130,7 @@ int run(bool sweep) {
           return 1;
         }
         const int64_t keys = sparse ? kTopk : kContext;
-        const double bytes = static_cast<double>(seqs) * (keys * kWidth * 2 + heads * (kWidth + kLora) * 2);
+        const double bytes = static_cast<double>(seqs) * (keys * key_bytes + heads * (kWidth + kLora) * 2);
         const int64_t rule = mla_attention_splits(p, seqs, heads, keys, kWidth);
         // The launcher's split count, then (--splits) each other power of two the workspace bound allows.
         const int64_t blocks = seqs * ((heads + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock);
@@ -136,10 +162,16 @@ int run(bool sweep) {
 }  // namespace tern
 
 int main(int argc, char** argv) {
-  const bool sweep = argc > 1 && std::strcmp(argv[1], "--splits") == 0;
-  if (argc > 1 && !sweep) {
-    std::fprintf(stderr, "usage: mla_bench [--splits]\n");
-    return 2;
+  bool sweep = false, fp8 = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--splits") == 0) {
+      sweep = true;
+    } else if (std::strcmp(argv[i], "--fp8") == 0) {
+      fp8 = true;
+    } else {
+      std::fprintf(stderr, "usage: mla_bench [--splits] [--fp8]\n");
+      return 2;
+    }
   }
-  return tern::run(sweep);
+  return tern::run(sweep, fp8);
 }

@@ -12,25 +12,36 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/latent_fp8.h"
 #include "kernels/cuda/device.h"
 
 namespace tern {
 
-// One layer's paged latent cache: [n_blocks, block_size, kv_lora_rank + rope_dim] bf16, per token the normed
-// latent c then the roped k_pe (the 576 values a GLM-5 / DeepSeek-V3 token keeps). Token slot
-// `block * block_size + offset`; block_size a power of two (as PagedKvCache).
+// How a latent cache holds a token: kBf16, the kv_lora_rank + rope_dim values as bf16; kFp8, the FP8 entry of
+// core/latent_fp8.h (656 bytes for GLM-5 / DeepSeek-V3: e4m3 codes of c with an fp32 scale per 128 values, then k_pe
+// as bf16), whose values the attention reads back as the bf16 products latent_fp8_unpack defines.
+enum class LatentCacheDtype : int32_t { kBf16, kFp8 };
+
+// One layer's paged latent cache: [n_blocks, block_size] entries of entry_bytes(), per token the normed latent c then
+// the roped k_pe (the 576 values a GLM-5 / DeepSeek-V3 token keeps). Token slot `block * block_size + offset`;
+// block_size a power of two (as PagedKvCache).
 struct PagedLatentCache {
-  uint16_t* data = nullptr;
+  void* data = nullptr;
   int64_t n_blocks = 0;
   int64_t block_size = 0;
   int64_t kv_lora_rank = 0;
   int64_t rope_dim = 0;
+  LatentCacheDtype dtype = LatentCacheDtype::kBf16;
+  bool pow2_scales = false;  // kFp8: mla_prepare rounds the tile scales up to powers of two (DeepSeek's form)
   int64_t width() const { return kv_lora_rank + rope_dim; }
+  int64_t entry_bytes() const {
+    return dtype == LatentCacheDtype::kFp8 ? latent_fp8_bytes(kv_lora_rank, rope_dim) : 2 * width();
+  }
 };
 
 // Before attention, per new token t: c = RMSNorm(kv_a[t, :kv_lora_rank]) * weight and k_pe = RoPE(kv_a[t,
 // kv_lora_rank:]) written to the cache at slot_mapping[t] (a slot outside the pool, e.g. -1 for a padding row,
-// writes nothing); each head's q_pe = RoPE(q[t, h, nope_dim:]) written to the last rope_dim columns of
+// writes nothing; an FP8 cache gets the entry latent_fp8_pack makes of the fp32 c and k_pe); each head's q_pe = RoPE(q[t, h, nope_dim:]) written to the last rope_dim columns of
 // q_latent[t, h] (its first kv_lora_rank columns are the absorbed query, which the batched GEMM writes). RoPE:
 // angle = float(positions[t]) * inv_freq[i] in fp32; interleaved pairs (x[2i], x[2i + 1]) or NeoX halves (x[i],
 // x[i + rope_dim / 2]). fp32 math, one rounding to bf16.
@@ -88,6 +99,7 @@ inline constexpr int64_t kMlaMaxRopeDim = 128;
 inline constexpr int kMlaHeadsPerBlock = 16;  // one m16 tile
 inline constexpr int kMlaKeysPerTile = 32;    // two k16 steps of the output product
 inline constexpr int64_t kMlaMinKeysPerSplit = 64;
+inline constexpr int64_t kMlaFp8LoraRank = 512;  // the one kv_lora_rank of an FP8 cache (GLM-5's, DeepSeek-V3's)
 
 // Dynamic shared memory of the attention kernel for a latent of `width` values (two key tiles, the warps' partial
 // scores, three tiles' slots and the row's sequence).

@@ -1,8 +1,8 @@
-// The FP8 latent cache entry (layers/mla_cache.h) against its definition, computed here without the packer: each
+// The FP8 latent cache entry (core/latent_fp8.h) against its definition, computed here without the packer: each
 // tile's scale from its amax, each code the e4m3 value nearest c / s (ties to an even code, checked against the
-// neighbouring codes by value), the bytes where the layout puts them, and the round trip within e4m3's and bf16's
-// rounding bounds.
-#include "layers/mla_cache.h"
+// neighbouring codes by value), the bytes where the layout puts them, the values read back (code x scale rounded to
+// fp32 then bf16) and the round trip within e4m3's and bf16's rounding bounds.
+#include "core/latent_fp8.h"
 
 #include <gtest/gtest.h>
 
@@ -90,9 +90,13 @@ TEST(LatentFp8, RoundTripWithinTheFormatsRounding) {
     std::vector<float> c(kLora, std::nanf("")), k_pe(kRope, std::nanf(""));
     latent_fp8_unpack(bytes.data(), kLora, kRope, c.data(), k_pe.data());
     for (int64_t i = 0; i < kLora; ++i) {
-      // e4m3: 3 mantissa bits (half an ulp is 2^-4 relative) down to 2^-6, then steps of 2^-9, in units of s.
+      // The value read is the product code x scale (exact in double), rounded to fp32, then to bf16.
       const double s = scale_of(bytes.data(), i / kLatentFp8Tile);
-      const double bound = std::max(0x1p-4 * std::fabs(e.c[i]), 0x1p-10 * s) * (1 + 1e-6);
+      const auto product = static_cast<float>(static_cast<double>(e4m3_to_float(bytes[i])) * s);
+      EXPECT_EQ(c[i], bf16_to_float(float_to_bf16(product))) << "c " << i;
+      // e4m3: 3 mantissa bits (half an ulp is 2^-4 relative) down to 2^-6, then steps of 2^-9, in units of s; bf16
+      // adds half an ulp of 2^-8 relative.
+      const double bound = std::max(0x1p-4 * std::fabs(e.c[i]), 0x1p-10 * s) * (1 + 1e-6) + 0x1p-8 * std::fabs(c[i]);
       ASSERT_TRUE(std::isfinite(c[i])) << i;
       EXPECT_LE(std::fabs(c[i] - e.c[i]), bound) << "c " << i;
     }

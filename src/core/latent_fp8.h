@@ -29,7 +29,10 @@ constexpr int64_t latent_fp8_bytes(int64_t kv_lora_rank, int64_t rope_dim) {
 // One token: c [kv_lora_rank] and k_pe [rope_dim] into latent_fp8_bytes of `out`.
 void latent_fp8_pack(const float* c, const float* k_pe, int64_t kv_lora_rank, int64_t rope_dim,
                      LatentFp8Scales scales, uint8_t* out);
-// The values an entry holds: c[i] = e4m3(code i) * s[i / 128] in fp32, k_pe from bf16.
+// The values an entry holds, as every attention reads them: c[i] = bf16(e4m3(code i) * s[i / 128]), the product
+// rounded to fp32 then to bf16 (nearest, ties to even), so that the keys enter the same bf16 tensor-core products as
+// the bf16 cache's (FlashMLA and vLLM dequantize to bf16 too; with power-of-two scales nothing is rounded); k_pe
+// from bf16.
 void latent_fp8_unpack(const uint8_t* in, int64_t kv_lora_rank, int64_t rope_dim, float* c, float* k_pe);
 
 }  // namespace tern

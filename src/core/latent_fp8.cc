@@ -1,4 +1,4 @@
-#include "layers/mla_cache.h"
+#include "core/latent_fp8.h"
 
 #include <cfloat>
 #include <cmath>
@@ -35,7 +35,7 @@ void latent_fp8_unpack(const uint8_t* in, int64_t kv_lora_rank, int64_t rope_dim
     float s;
     std::memcpy(&s, scale_bytes + 4 * t, 4);
     for (int64_t i = 0; i < kLatentFp8Tile; ++i) {
-      c[t * kLatentFp8Tile + i] = e4m3_to_float(in[t * kLatentFp8Tile + i]) * s;
+      c[t * kLatentFp8Tile + i] = bf16_to_float(float_to_bf16(e4m3_to_float(in[t * kLatentFp8Tile + i]) * s));
     }
   }
   const uint8_t* pe = scale_bytes + 4 * tiles;
