@@ -367,7 +367,8 @@ int run_bench(const BenchOptions& o) {
                            .batch_sizes = o.batch_sizes,
                            .context = o.context,
                            .hbm_gbs = o.hbm_gbs,
-                           .json = o.json});
+                           .json = o.json,
+                           .kv_cache_dtype = o.model.kv_cache_dtype});
   }
   const int64_t max_prefill = o.prefill_lens.empty() ? 1 : std::ranges::max(o.prefill_lens);
   const int64_t max_batch = o.batch_sizes.empty() ? 1 : std::ranges::max(o.batch_sizes);

@@ -4,6 +4,7 @@
 
 #include <chrono>
 
+#include "cli/model_options.h"
 #include "io/model_config.h"
 #include "io/quant_config.h"
 #include "models/causal_lm.h"
@@ -144,7 +145,11 @@ int run_bench_plan(const BenchPlanOptions& o) {
   auto config = model_config_load(o.model_dir);
   if (!config) return fail(fmt::format("{}: {}", what, config.error().message));
   Json report{{"model", o.model_dir}, {"plan_only", true}, {"tensor_parallel_size", o.world}};
-  auto model = model_build_host(o.model_dir, {.load_format = LoadFormat::kShapes, .shard = {0, o.world}});
+  auto kv_cache_dtype = kv_cache_dtype_of(o.kv_cache_dtype);
+  if (!kv_cache_dtype) return fail(kv_cache_dtype.error().message);
+  auto model = model_build_host(o.model_dir, {.load_format = LoadFormat::kShapes,
+                                              .kv_cache_dtype = *kv_cache_dtype,
+                                              .shard = {0, o.world}});
   if (!model) return fail(fmt::format("{}: {}", what, model.error().message));
   report.update(plan_from_blocks(**model, o));
   report["plan_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -25,6 +25,7 @@ struct BenchPlanOptions {
   int64_t context = 0;
   double hbm_gbs = 0;  // the bandwidth the decode time per step is computed at
   bool json = false;
+  std::string kv_cache_dtype = "auto";  // --kv-cache-dtype
 };
 
 // Prints the plan; 0, or 2 with the reason on stderr (a split that cannot be made, an unreadable config).

@@ -84,8 +84,10 @@ class TrafficCounter final : public BlockOps {
       add_linears({&w.indexer->wq_b, &w.indexer->wk, &w.indexer->weights_proj}, t_.dense_weight_bytes, dense_params_);
     }
     const MlaShape& s = a.shape();
-    // The latent cache: [c | k_pe] per token (bf16), and the indexer's key.
-    t_.kv_bytes_per_token += static_cast<double>(s.kv_lora_rank + s.qk_rope_head_dim + s.index_head_dim) * 2;
+    // The latent cache: [c | k_pe] per token (bf16, or the FP8 entry), and the indexer's key.
+    t_.kv_bytes_per_token += static_cast<double>(s.latent_fp8 ? latent_fp8_bytes(s.kv_lora_rank, s.qk_rope_head_dim)
+                                                               : (s.kv_lora_rank + s.qk_rope_head_dim) * 2) +
+                             static_cast<double>(s.index_head_dim) * 2;
     t_.attention_flops_per_token2 += 2.0 * static_cast<double>(s.n_heads * (s.qk_nope_head_dim + s.qk_rope_head_dim));
     return nullptr;
   }

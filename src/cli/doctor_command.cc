@@ -28,6 +28,7 @@ struct DoctorOptions {
   std::vector<int> cuda_devices;
   std::string speculative_algorithm;  // set: the self-test adds speculative verifications' shapes
   int speculative_num_steps = 3;
+  std::string kv_cache_dtype = "auto";  // the cache form whose kernels are tested
 };
 
 // The tensor-parallel group's start-up check (runtime/tp_runner.h), run when --tensor-parallel-size > 1.
@@ -123,13 +124,19 @@ int run_doctor(const DoctorOptions& o) {
     fmt::print(stderr, "tern doctor: {}\n", forced.error().message);
     return 2;
   }
+  auto kv_cache_dtype = kv_cache_dtype_of(o.kv_cache_dtype);
+  if (!kv_cache_dtype) {
+    fmt::print(stderr, "tern doctor: {}\n", kv_cache_dtype.error().message);
+    return 2;
+  }
   // The shapes rank 0 of the tensor-parallel group runs, and with speculative decoding its verifications'.
   const ModelSelftestOptions selftest{
       .mode = *mode,
       .device = o.device,
       .forced = *forced,
       .tensor_parallel_size = o.tensor_parallel_size,
-      .verify_rows = speculative_verify_rows(o.speculative_algorithm, o.speculative_num_steps)};
+      .verify_rows = speculative_verify_rows(o.speculative_algorithm, o.speculative_num_steps),
+      .kv_cache_dtype = *kv_cache_dtype};
   auto report = model_selftest_run(o.model_dir, selftest);
   if (!report) {
     fmt::print(stderr, "tern doctor: {}\n", report.error().message);
@@ -202,6 +209,7 @@ void register_doctor_command(CLI::App& app) {
   cmd->add_option("--selftest", o->selftest,
                   "fast (each op's first case, and the cases marked for it) or full (every shape)");
   cmd->add_option("--device", o->device, "auto (the first GPU if any), cpu or cuda");
+  add_kv_cache_option(*cmd, o->kv_cache_dtype);
   cmd->add_flag("--json", o->json, "Print one JSON object");
   add_backend_options(*cmd, o->backends);
   cmd->add_option("--tensor-parallel-size,--tp", o->tensor_parallel_size,

@@ -12,6 +12,7 @@ namespace tern {
 namespace {
 
 Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceModelOptions& device) {
+  TERN_ASSIGN_OR_RETURN(const KvCacheDtype kv_cache_dtype, kv_cache_dtype_of(o.kv_cache_dtype));
   const std::string mode_name = o.selftest == "auto" ? (cuda ? "fast" : "off") : o.selftest;
   TERN_ASSIGN_OR_RETURN(SelftestMode mode, selftest_mode_parse(mode_name));
   TERN_ASSIGN_OR_RETURN(const auto forced, o.backends.forced());
@@ -30,7 +31,8 @@ Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceM
       .device = cuda ? "cuda" : "cpu",
       .forced = forced,
       .tensor_parallel_size = o.tensor_parallel_size,
-      .verify_rows = speculative_verify_rows(o.speculative_algorithm, o.speculative_num_steps)};
+      .verify_rows = speculative_verify_rows(o.speculative_algorithm, o.speculative_num_steps),
+      .kv_cache_dtype = kv_cache_dtype};
   TERN_ASSIGN_OR_RETURN(ModelSelftestReport r, model_selftest_run(o.model_dir, selftest));
   // stderr: stdout carries the commands' results (JSON).
   fmt::print(stderr, "self-test on {}: {} ops in {:.2f} s: {}\n", r.device.name, r.selections.size(), r.seconds,
@@ -63,6 +65,7 @@ void add_model_options(CLI::App& cmd, ModelCliOptions& o) {
                  "present)")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   cmd.add_option("--cuda-device", o.cuda_device, "CUDA device ordinal for --device cuda");
   cmd.add_option("--dummy-seed", o.dummy_seed, "Seed of --load-format dummy weights");
+  add_kv_cache_option(cmd, o.kv_cache_dtype);
   cmd.add_flag("--enforce-eager", o.enforce_eager, "Launch every decode step's kernels from the host (no CUDA graphs)");
   cmd.add_flag("--no-pdl", o.no_pdl,
                "Launch each kernel only after the previous one finished (no programmatic "
@@ -134,9 +137,29 @@ int64_t speculative_verify_rows(const std::string& algorithm, int num_steps) {
   return algorithm.empty() ? 0 : num_steps + 1;
 }
 
+Expected<KvCacheDtype> kv_cache_dtype_of(const std::string& name) {
+  if (name == "auto") return KvCacheDtype::kAuto;
+  if (name == "bf16" || name == "bfloat16") return KvCacheDtype::kBf16;
+  if (name == "fp8" || name == "fp8_e4m3" || name == "fp8_ds_mla") return KvCacheDtype::kFp8E4m3;
+  return make_error("--kv-cache-dtype '{}': expected auto, bf16 (bfloat16) or fp8_e4m3 (fp8, fp8_ds_mla); tern has no "
+                    "other cache form", name);
+}
+
+void add_kv_cache_option(CLI::App& cmd, std::string& kv_cache_dtype) {
+  cmd.add_option("--kv-cache-dtype", kv_cache_dtype,
+                 "How attention caches keys: auto or bf16; fp8_e4m3 (also fp8, fp8_ds_mla) for multi-head latent "
+                 "attention models (GLM-5, DeepSeek-V3): 656 bytes per token and layer instead of 1152, the latent "
+                 "in e4m3 with one scale per 128 values")
+      ->check([](const std::string& v) {
+        auto parsed = kv_cache_dtype_of(v);
+        return parsed ? std::string() : parsed.error().message;
+      });
+}
+
 Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOptions& o,
                                                                const DeviceModelOptions& sizes) {
   ModelLoadOptions options;
+  TERN_ASSIGN_OR_RETURN(options.kv_cache_dtype, kv_cache_dtype_of(o.kv_cache_dtype));
   const bool cuda = o.device == "cuda" || (o.device == "auto" && runner_cuda_device_count() > 0);
   options.device = cuda ? ModelDevice::kCuda : ModelDevice::kCpu;
   options.device_options = sizes;

@@ -23,6 +23,7 @@ struct ModelCliOptions {
   int cuda_device = 0;
   uint64_t dummy_seed = 0;
   std::string selftest = "auto";  // auto (fast on a GPU, off on the CPU) | off | fast | full
+  std::string kv_cache_dtype = "auto";  // auto | bf16 | fp8_e4m3 (kv_cache_dtype_of)
   bool enforce_eager = false;     // no CUDA graphs for decode steps
   bool no_pdl = false;            // no programmatic dependent launch
   int tensor_parallel_size = 1;   // ranks the model is split over (runtime/tp_runner.h)
@@ -57,6 +58,12 @@ int64_t speculative_verify_rows(const std::string& algorithm, int num_steps);
 // `sizes`: what a device runner allocates (rows per step, sequences, KV tokens); the CPU ignores them.
 Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOptions& options,
                                                                const DeviceModelOptions& sizes);
+
+// --kv-cache-dtype: auto, bf16 / bfloat16, fp8 / fp8_e4m3 / fp8_ds_mla (vLLM's and SGLang's names); an error lists
+// them.
+Expected<KvCacheDtype> kv_cache_dtype_of(const std::string& name);
+// Adds --kv-cache-dtype (part of add_model_options; doctor adds it on its own).
+void add_kv_cache_option(CLI::App& cmd, std::string& kv_cache_dtype);
 
 // "1,2,3" -> {1, 2, 3}; an error names the bad item.
 Expected<std::vector<int32_t>> parse_id_list(const std::string& text);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "models/causal_lm.h"
 #include "ops/device.h"
 #include "ops/registry.h"
 
@@ -22,6 +23,7 @@ struct ModelSelftestOptions {
   std::vector<int64_t> batch_sizes = {1, 8};
   int tensor_parallel_size = 1;  // plan rank 0's shapes of the model split this many ways
   int64_t verify_rows = 0;       // speculative decoding's rows per verification (0: none); models/selftest_plan.h
+  KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;  // the cache form whose kernels the plan tests
 };
 
 struct ModelSelftestReport {

@@ -108,6 +108,12 @@ Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir,
                       "mtp_num_hidden_layers / num_nextn_predict_layers is 0, or the architecture '{}' has none tern "
                       "can run)", dir.string(), architecture_name(config.architecture));
   }
+  const bool fp8_cache = options.kv_cache_dtype == KvCacheDtype::kFp8E4m3;
+  if (fp8_cache && config.attention != AttentionKind::kMla) {
+    return make_error("{}: --kv-cache-dtype fp8_e4m3: tern's FP8 cache is the multi-head latent attention form "
+                      "(GLM-5, DeepSeek-V3); this model's attention ('{}') caches bf16 keys and values; use "
+                      "--kv-cache-dtype auto", dir.string(), architecture_name(config.architecture));
+  }
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<WeightStore> weights, open_weights(dir, config, options));
   const WeightSchema schema = weight_schema_build(config, weights->text_prefix(), options.load_draft);
   if (options.shard.world != 1 || options.shard.rank != 0) weights->set_sharding(schema, options.shard);
@@ -122,13 +128,13 @@ Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir,
     case Architecture::kQwen35Moe:
     case Architecture::kQwen3Next: built = qwen3_5_moe_build(*model, store, schema, wa4); break;
     case Architecture::kGlmMoeDsa:
-    case Architecture::kDeepseekV3: built = glm_moe_dsa_build(*model, store, schema, wa4); break;
+    case Architecture::kDeepseekV3: built = glm_moe_dsa_build(*model, store, schema, wa4, fp8_cache); break;
     default:
       return make_error("{}: architecture '{}' is not supported on the CPU yet", dir.string(),
                         architecture_name(config.architecture));
   }
   if (built && options.load_draft) {
-    built = config.attention == AttentionKind::kMla ? glm_moe_dsa_build_draft(*model, store, schema, wa4)
+    built = config.attention == AttentionKind::kMla ? glm_moe_dsa_build_draft(*model, store, schema, wa4, fp8_cache)
                                                     : qwen3_5_moe_build_draft(*model, store, schema, wa4);
   }
   if (!built) return wrap_error(built.error(), dir.string());

@@ -133,8 +133,14 @@ struct DeviceModelOptions {
   int64_t verify_rows = 5;
 };
 
+// How attention caches its keys (--kv-cache-dtype). kAuto and kBf16: bf16 values. kFp8E4m3: the FP8 form, for now
+// MLA's latent only (core/latent_fp8.h, 656 bytes per token for GLM-5 instead of 1152): GLM-5's tile scales as fp32,
+// DeepSeek-V3's rounded up to powers of two; a model with other attention is refused.
+enum class KvCacheDtype { kAuto, kBf16, kFp8E4m3 };
+
 struct ModelLoadOptions {
   LoadFormat load_format = LoadFormat::kAuto;
+  KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
   // Ranks to split the model over (runtime/tp_runner.h): each holds its slice of every weight (models/shard.h) and
   // runs on its own thread; 1: the whole model on one device.
   int tensor_parallel_size = 1;
@@ -174,12 +180,13 @@ Expected<void> qwen3_build(CausalLm& model, WeightStore& weights, const WeightSc
 Expected<void> qwen3_moe_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema, bool quantize_input);
 Expected<void> qwen3_5_moe_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
                                  bool quantize_input);
+// `latent_fp8`: the latent cache in FP8 entries (KvCacheDtype::kFp8E4m3).
 Expected<void> glm_moe_dsa_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
-                                 bool quantize_input);
+                                 bool quantize_input, bool latent_fp8);
 // The draft module the schema declares (weight_schema_build's with_draft) into model.draft.
 Expected<void> qwen3_5_moe_build_draft(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
                                        bool quantize_input);
 Expected<void> glm_moe_dsa_build_draft(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
-                                       bool quantize_input);
+                                       bool quantize_input, bool latent_fp8);
 
 }  // namespace tern

@@ -10,7 +10,7 @@ namespace {
 // Layer `layer`'s MLA; its indexer is the config's indexer_types[layer], or full for the MTP layer (layer
 // num_hidden_layers, past the config's per-layer lists).
 Expected<std::unique_ptr<Mixer>> build_mla(const ModelConfig& c, WeightStore& w, const WeightSchema& schema,
-                                           int64_t layer, int64_t& last_full_indexer) {
+                                           int64_t layer, bool latent_fp8, int64_t& last_full_indexer) {
   auto name = [&](std::string_view rest) { return layer_tensor(schema, layer, rest); };
   const int64_t h = c.hidden_size, nh = c.num_attention_heads, qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
   MlaWeights m;
@@ -40,6 +40,15 @@ Expected<std::unique_ptr<Mixer>> build_mla(const ModelConfig& c, WeightStore& w,
              .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(qk))),
              .rope_interleaved = c.rope.interleaved};
   if (c.rope.type != "default") return make_error("MLA with rope_type '{}' is not supported yet", c.rope.type);
+  if (latent_fp8) {
+    if (c.kv_lora_rank % kLatentFp8Tile != 0) {
+      return make_error("an FP8 latent cache needs kv_lora_rank a multiple of {} (one scale per {} values); this model's "
+                        "is {}", kLatentFp8Tile, kLatentFp8Tile, c.kv_lora_rank);
+    }
+    // The tile scales as the engines these checkpoints come from keep them: fp32 for GLM-5, powers of two for
+    // DeepSeek (docs/model-specs.md §3.2).
+    s.latent_fp8 = c.architecture == Architecture::kDeepseekV3 ? LatentFp8Scales::kPow2 : LatentFp8Scales::kFp32;
+  }
   if (c.index_topk > 0) {
     if (c.q_lora_rank <= 0) return make_error("a DSA indexer needs the query LoRA (q_lora_rank > 0) it reads");
     s.index_topk = c.index_topk;
@@ -97,7 +106,8 @@ Expected<std::unique_ptr<FeedForward>> build_sigmoid_moe(const ModelConfig& c, W
 
 }  // namespace
 
-Expected<void> glm_moe_dsa_build(CausalLm& model, WeightStore& w, const WeightSchema& schema, bool quantize_input) {
+Expected<void> glm_moe_dsa_build(CausalLm& model, WeightStore& w, const WeightSchema& schema, bool quantize_input,
+                                 bool latent_fp8) {
   const ModelConfig& c = model.config();
   if (quantize_input) return make_error("W4A4 is not supported for MLA models yet");
   if (c.router_scoring != RouterScoring::kSigmoid) return make_error("MLA models with softmax routing are not supported");
@@ -106,7 +116,7 @@ Expected<void> glm_moe_dsa_build(CausalLm& model, WeightStore& w, const WeightSc
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     DecoderLayer layer;
     TERN_TRY(build_layer_norms(c, w, schema, i, /*zero_centred=*/false, layer));
-    TERN_ASSIGN_OR_RETURN(layer.mixer, build_mla(c, w, schema, i, last_full_indexer));
+    TERN_ASSIGN_OR_RETURN(layer.mixer, build_mla(c, w, schema, i, latent_fp8, last_full_indexer));
     if (c.is_moe_layer(i)) {
       TERN_ASSIGN_OR_RETURN(layer.ffn, build_sigmoid_moe(c, w, schema, i));
     } else {
@@ -118,7 +128,7 @@ Expected<void> glm_moe_dsa_build(CausalLm& model, WeightStore& w, const WeightSc
 }
 
 Expected<void> glm_moe_dsa_build_draft(CausalLm& model, WeightStore& w, const WeightSchema& schema,
-                                       bool quantize_input) {
+                                       bool quantize_input, bool latent_fp8) {
   const ModelConfig& c = model.config();
   if (quantize_input) return make_error("W4A4 is not supported for MLA models yet");
   if (!schema.draft_in_text_layers) return make_error("the weight schema declares no DeepSeek-style draft layer");
@@ -131,7 +141,7 @@ Expected<void> glm_moe_dsa_build_draft(CausalLm& model, WeightStore& w, const We
   TERN_ASSIGN_OR_RETURN(draft->fc, w.linear(p + "eh_proj", h, 2 * h, false));
   TERN_TRY(build_layer_norms(c, w, schema, li, /*zero_centred=*/false, draft->layer));
   int64_t last_full_indexer = -1;
-  TERN_ASSIGN_OR_RETURN(draft->layer.mixer, build_mla(c, w, schema, li, last_full_indexer));
+  TERN_ASSIGN_OR_RETURN(draft->layer.mixer, build_mla(c, w, schema, li, latent_fp8, last_full_indexer));
   TERN_ASSIGN_OR_RETURN(draft->layer.ffn, build_sigmoid_moe(c, w, schema, li));
   draft->hidden_before_norm = true;
   model.draft = std::move(draft);

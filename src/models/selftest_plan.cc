@@ -114,13 +114,18 @@ class Planner final : public BlockOps {
     // list the same way at any length.
     const int64_t qk = s.qk_nope_head_dim + s.qk_rope_head_dim;
     const int64_t topk = s.index_topk > 0 ? std::min<int64_t>(s.index_topk, 256) : 0;
+    // The cache's form: bf16, or FP8 entries with the model's tile scales.
+    const MlaCacheCase cache = !s.latent_fp8                             ? MlaCacheCase::kBf16
+                               : *s.latent_fp8 == LatentFp8Scales::kPow2 ? MlaCacheCase::kFp8Pow2
+                                                                         : MlaCacheCase::kFp8;
     for (int64_t b : batches_) {
-      add("mla_attention", mla_attention_case(b, 1, 1000, s.n_heads, s.kv_lora_rank, s.qk_rope_head_dim, topk, qk));
+      add("mla_attention",
+          mla_attention_case(b, 1, 1000, s.n_heads, s.kv_lora_rank, s.qk_rope_head_dim, topk, qk, cache));
     }
     // A prefill chunk; with DSA starting kPrefill / 2 tokens short of topk, so that its first rows list every key and
     // the later ones select.
     add("mla_attention", mla_attention_case(2, kPrefill, std::max<int64_t>(0, topk - kPrefill / 2), s.n_heads,
-                                            s.kv_lora_rank, s.qk_rope_head_dim, topk, qk));
+                                            s.kv_lora_rank, s.qk_rope_head_dim, topk, qk, cache));
     // The projections as CudaOps groups them: [q_a_proj (or q_proj) | kv_a_proj | the indexer's wk | weights_proj]
     // over the block's normed input, and [q_b_proj | the indexer's wq_b] over the normed q_a output (no norm fused).
     std::vector<const Linear*> in_parts{q_lora ? &w.q_a_proj : &w.q_proj, &w.kv_a_proj}, q_parts;

@@ -5,7 +5,11 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <set>
 
 #include "ops/attention_op.h"
@@ -260,6 +264,55 @@ TEST(SelftestPlan, SpeculativeVerificationsAndTheDraftModuleAreTested) {
   EXPECT_FALSE(has(*plain, "gemm_bf16", gemm_selftest_cases({{h, 2 * h}}, {1}).front()))
       << "the draft module's fc is planned only with speculative decoding";
   EXPECT_FALSE(selftest_cases_of(**model, {1}, -1).has_value());
+}
+
+// --kv-cache-dtype fp8_e4m3 on an MLA model: the plan tests mla_attention over FP8 entries with the architecture's
+// tile scales (GLM-5: fp32, dims[8] = 1; DeepSeek-V3: powers of two, 2), as the cache the model then runs; without it
+// the bf16 cases (8 dims). A model without MLA, or a latent not in whole 128-value tiles, is refused by name.
+TEST(SelftestPlan, Fp8LatentCacheIsPlannedWithTheArchitecturesScales) {
+  auto mla_cache_dims = [](const std::filesystem::path& dir, KvCacheDtype dtype) -> std::set<size_t> {
+    auto model = model_build_host(dir, {.load_format = LoadFormat::kShapes, .kv_cache_dtype = dtype});
+    EXPECT_TRUE(model.has_value()) << dir << ": " << (model ? "" : model.error().message);
+    if (!model) return {};
+    auto table = selftest_cases_of(**model, {1, 8});
+    EXPECT_TRUE(table.has_value());
+    const auto* cases = table ? cases_of(*table, "mla_attention") : nullptr;
+    EXPECT_NE(cases, nullptr) << dir;
+    std::set<size_t> kinds;  // dims.size() * 10 + the cache kind
+    for (const SelfTestCase& c : cases ? *cases : std::vector<SelfTestCase>{}) {
+      kinds.insert(c.dims.size() * 10 + (c.dims.size() == 9 ? static_cast<size_t>(c.dims[8]) : 0));
+    }
+    return kinds;
+  };
+  const std::filesystem::path glm = std::string(TERN_SOURCE_DIR) + "/bench/configs/glm-5-nvfp4-slice";
+  EXPECT_EQ(mla_cache_dims(glm, KvCacheDtype::kFp8E4m3), std::set<size_t>{91});
+  EXPECT_EQ(mla_cache_dims(glm, KvCacheDtype::kAuto), std::set<size_t>{80});
+  // The same shapes as DeepSeek-V3 (its model_type and architecture; no indexer, which glm_moe_dsa alone reads).
+  const std::filesystem::path deepseek = std::filesystem::temp_directory_path() / "tern_selftest_plan_deepseek_v3";
+  std::filesystem::create_directories(deepseek);
+  {
+    std::ifstream in(glm / "config.json");
+    nlohmann::json config = nlohmann::json::parse(in);
+    config["model_type"] = "deepseek_v3";
+    config["architectures"] = {"DeepseekV3ForCausalLM"};
+    for (const char* glm_only :
+         {"index_head_dim", "index_n_heads", "index_topk", "indexer_types", "indexer_rope_interleave"}) {
+      config.erase(glm_only);
+    }
+    std::ofstream(deepseek / "config.json") << config.dump(1);
+  }
+  EXPECT_EQ(mla_cache_dims(deepseek, KvCacheDtype::kFp8E4m3), std::set<size_t>{92});
+  std::filesystem::remove_all(deepseek);
+
+  auto qwen = model_build_host(std::string(TERN_FIXTURES_DIR) + "/qwen3",
+                               {.load_format = LoadFormat::kShapes, .kv_cache_dtype = KvCacheDtype::kFp8E4m3});
+  ASSERT_FALSE(qwen.has_value());
+  EXPECT_NE(qwen.error().message.find("FP8 cache is the multi-head latent attention form"), std::string::npos)
+      << qwen.error().message;
+  auto tiny = model_build_host(std::string(TERN_FIXTURES_DIR) + "/glm_moe_dsa",
+                               {.load_format = LoadFormat::kShapes, .kv_cache_dtype = KvCacheDtype::kFp8E4m3});
+  ASSERT_FALSE(tiny.has_value());
+  EXPECT_NE(tiny.error().message.find("kv_lora_rank a multiple of 128"), std::string::npos) << tiny.error().message;
 }
 
 }  // namespace

@@ -65,8 +65,8 @@ std::string mla_attention_unsupported(const DeviceDescription& d, const SelfTest
   if (lora < 2 || lora % 2 != 0 || lora > kMlaMaxLoraRank) return "kv_lora_rank must be even and at most 512";
   if (rope < 2 || rope % 2 != 0 || rope > kMlaMaxRopeDim) return "rope_dim must be even, in [2, 128]";
   if (!mla_attention_fits(props_of(d), lora + rope)) return "the attention tiles do not fit the shared memory";
-  if (c.dims.size() == 9 && c.dims[8] != 0 && (lora != kMlaFp8LoraRank || rope % 16 != 0)) {
-    return "an FP8 latent cache needs kv_lora_rank 512 and rope_dim a multiple of 16";
+  if (c.dims.size() == 9 && c.dims[8] != 0 && (lora != kMlaFp8LoraRank || rope % 16 != 0 || rope > kMlaFp8MaxRopeDim)) {
+    return "an FP8 latent cache needs kv_lora_rank 512 and rope_dim a multiple of 16, at most 64";
   }
   return "";
 }

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -731,6 +732,91 @@ TEST(GpuModel, W4a4IsRefusedWithAReason) {
   auto model = runner_load(std::string(TERN_FIXTURES_DIR) + "/qwen3_5_moe_nvfp4", options);
   ASSERT_FALSE(model.has_value());
   EXPECT_NE(model.error().message.find("W4A4"), std::string::npos) << model.error().message;
+}
+
+// The GLM fixture's config with GLM-5's latent width (kv_lora_rank 512, what the CUDA FP8 cache holds) and dummy
+// weights, its latent cache in FP8 entries (--kv-cache-dtype fp8_e4m3) on the GPU and on the CPU (which caches the
+// same entries' values, core/latent_fp8.h), and both in their plain form, over a prefill and decode steps that read
+// the cache. On the first layer's attention output (rms over the steps, relative to the plain CPU run's): each GPU
+// run is nearer the CPU run of its own cache form than the other form's, and the FP8 cache's effect on the GPU (FP8
+// run minus bf16 run, whose activations round alike) is nearer its effect on the CPU than to no effect at all. A GPU
+// that ignored the option, or quantized with other scales or codes, fails one of them. (The GPU's bf16 activations
+// move this dummy model's attention output by about 2.5% rms, as much as e4m3's rounding does, so the margins are
+// of that order; the kernels' own tests hold them to their references exactly.) The logits stay finite.
+TEST(GpuModel, Fp8LatentCacheTracksTheCpuPath) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "tern_gpu_glm_latent512";
+  std::filesystem::create_directories(dir);
+  {
+    nlohmann::json config = read_json(std::string(TERN_FIXTURES_DIR) + "/glm_moe_dsa/config.json");
+    config["kv_lora_rank"] = 512;
+    std::ofstream(dir / "config.json") << config.dump(1);
+  }
+  ModelLoadOptions options{.load_format = LoadFormat::kDummy, .dummy_seed = 5};
+  ModelLoadOptions fp8 = options;
+  fp8.kv_cache_dtype = KvCacheDtype::kFp8E4m3;
+  auto on_gpu = [](ModelLoadOptions o) {
+    o.device = ModelDevice::kCuda;
+    o.device_options.kv_cache_tokens = 4096;
+    return o;
+  };
+  auto gpu_fp8 = runner_load(dir, on_gpu(fp8)), gpu_bf16 = runner_load(dir, on_gpu(options));
+  auto cpu_fp8 = runner_load(dir, fp8), cpu_plain = runner_load(dir, options);
+  for (auto* m : {&gpu_fp8, &gpu_bf16, &cpu_fp8, &cpu_plain}) ASSERT_TRUE(m->has_value()) << m->error().message;
+  ModelRunner* models[4] = {gpu_fp8->get(), gpu_bf16->get(), cpu_fp8->get(), cpu_plain->get()};
+  const int64_t vocab = models[0]->config().vocab_size;
+  const auto ref = read_json(std::string(TERN_FIXTURES_DIR) + "/glm_moe_dsa/reference.json");
+  std::vector<std::vector<int32_t>> tokens;
+  for (const auto& p : ref["prompts"]) tokens.push_back(p.get<std::vector<int32_t>>());
+  std::vector<SequenceCache> seqs[4];
+  for (int m = 0; m < 4; ++m) {
+    for (size_t i = 0; i < tokens.size(); ++i) seqs[m].push_back(models[m]->new_sequence());
+  }
+  // Sums of squares over every step's layers.0.attn: of (gpu fp8 - cpu fp8), (gpu fp8 - cpu plain), (gpu bf16 - cpu
+  // plain), (gpu bf16 - cpu fp8), of the plain CPU values; of the FP8 effect on the CPU (cpu fp8 - cpu plain) and of
+  // its difference from the effect on the GPU.
+  double diff[4] = {0, 0, 0, 0}, norm = 0, effect = 0, effect_diff = 0;
+  for (int s = 0; s < 4; ++s) {
+    std::vector<float> attn[4];
+    for (int m = 0; m < 4; ++m) {
+      const Tracer tracer([&](std::string_view name, const float* data, int64_t rows, int64_t cols) {
+        if (name == "layers.0.attn") attn[m].assign(data, data + rows * cols);
+      });
+      std::vector<SequenceInput> batch;
+      for (size_t i = 0; i < tokens.size(); ++i) batch.push_back({&seqs[m][i], tokens[i]});
+      auto r = models[m]->forward(batch, LogitsFor::kLastToken, &tracer);
+      ASSERT_TRUE(r.has_value()) << "model " << m << " step " << s << ": " << r.error().message;
+      ASSERT_EQ(static_cast<int64_t>(r->size()), static_cast<int64_t>(tokens.size()) * vocab);
+      for (const float v : *r) ASSERT_TRUE(std::isfinite(v)) << "model " << m << " step " << s;
+      ASSERT_FALSE(attn[m].empty()) << "model " << m << " traced no layers.0.attn";
+    }
+    const std::pair<int, int> pairs[4] = {{0, 2}, {0, 3}, {1, 3}, {1, 2}};
+    for (int k = 0; k < 4; ++k) {
+      const auto [a, b] = pairs[k];
+      ASSERT_EQ(attn[a].size(), attn[b].size());
+      for (size_t i = 0; i < attn[a].size(); ++i) {
+        ASSERT_TRUE(std::isfinite(attn[a][i])) << "model " << a << " step " << s;
+        diff[k] += (double(attn[a][i]) - attn[b][i]) * (double(attn[a][i]) - attn[b][i]);
+      }
+    }
+    for (size_t i = 0; i < attn[3].size(); ++i) {
+      norm += double(attn[3][i]) * attn[3][i];
+      const double on_cpu = double(attn[2][i]) - attn[3][i], on_gpu = double(attn[0][i]) - attn[1][i];
+      effect += on_cpu * on_cpu;
+      effect_diff += (on_gpu - on_cpu) * (on_gpu - on_cpu);
+    }
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = {static_cast<int32_t>((7 + 31 * i + 13 * s) % vocab)};
+  }
+  double rms[4];
+  for (int k = 0; k < 4; ++k) rms[k] = std::sqrt(diff[k] / norm);
+  const double effect_rms = std::sqrt(effect / norm), effect_diff_rms = std::sqrt(effect_diff / norm);
+  std::printf("FP8 latent cache, layers.0.attn rms difference / rms: gpu fp8 vs cpu fp8 %.4g, vs cpu plain %.4g; "
+              "gpu bf16 vs cpu plain %.4g, vs cpu fp8 %.4g; the FP8 effect on the CPU %.4g, its difference from the "
+              "effect on the GPU %.4g\n", rms[0], rms[1], rms[2], rms[3], effect_rms, effect_diff_rms);
+  EXPECT_LT(rms[0], rms[1]);
+  EXPECT_LT(rms[2], rms[3]);
+  EXPECT_GT(effect_rms, 0.0);
+  EXPECT_LT(effect_diff_rms, effect_rms);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -66,6 +66,10 @@ struct GpuMla {
   float idx_eps = 1e-6f;
   PagedIndexerKeys idx_cache{};
   int64_t latent() const { return shape.kv_lora_rank + shape.qk_rope_head_dim; }
+  // A token's bytes in the latent cache: bf16 values, or the FP8 entry.
+  int64_t entry_bytes() const {
+    return shape.latent_fp8 ? latent_fp8_bytes(shape.kv_lora_rank, shape.qk_rope_head_dim) : 2 * latent();
+  }
   int64_t qk() const { return shape.qk_nope_head_dim + shape.qk_rope_head_dim; }
 };
 
@@ -255,6 +259,11 @@ Expected<std::unique_ptr<Block>> CudaOps::mla(const RmsNorm& input_norm, const M
   }
   if (a.rope().rotary_dim() != rope) {
     return make_error("{}: RoPE over {} dims, but qk_rope_head_dim is {}", name, a.rope().rotary_dim(), rope);
+  }
+  if (s.latent_fp8 && (lora != kMlaFp8LoraRank || rope % 16 != 0 || rope > kMlaFp8MaxRopeDim)) {
+    return make_error("{}: the CUDA FP8 latent cache holds kv_lora_rank {} with qk_rope_head_dim a multiple of 16 up "
+                      "to {} (GLM-5's and DeepSeek-V3's); this model has {} and {}: use --kv-cache-dtype auto", name,
+                      kMlaFp8LoraRank, kMlaFp8MaxRopeDim, lora, rope);
   }
   if (w.kv_b_proj.out_features() != h * (nope + vd) || w.kv_b_proj.in_features() != lora) {
     return make_error("{}: kv_b_proj is [{}, {}], expected [{}, {}]", w.kv_b_proj.name(), w.kv_b_proj.out_features(),
@@ -452,7 +461,7 @@ Expected<void> CudaOps::allocate_caches() {
   int64_t kv_bytes_per_token = 0;
   for (const GpuAttention* a : attentions_) kv_bytes_per_token += 2 * a->shape.n_kv_heads * a->shape.head_dim * 2;
   for (const GpuMla* a : mlas_) {
-    kv_bytes_per_token += a->latent() * 2 + (a->has_indexer ? a->shape.index_head_dim * 2 : 0);
+    kv_bytes_per_token += a->entry_bytes() + (a->has_indexer ? a->shape.index_head_dim * 2 : 0);
   }
   for (GpuGdn* g : gdns_) {
     const size_t conv = static_cast<size_t>(slots * g->channels() * (g->shape.conv_kernel - 1)) * 2;
@@ -501,17 +510,19 @@ Expected<void> CudaOps::allocate_caches() {
     cache_buffers_.push_back(std::move(v));
   }
   for (GpuMla* a : mlas_) {
-    const size_t bytes = static_cast<size_t>((kv_blocks_ + 1) * bs * a->latent()) * 2;
+    const size_t bytes = static_cast<size_t>((kv_blocks_ + 1) * bs * a->entry_bytes());
     DeviceBuffer c;
     if (!DeviceBuffer::try_allocate(bytes, c)) {
       return make_error("out of device memory for a latent cache of {} tokens; ask for fewer (tern serve: "
                         "--max-total-tokens)", kv_blocks_ * bs);
     }
-    a->cache = PagedLatentCache{.data = c.as<uint16_t>(),
+    a->cache = PagedLatentCache{.data = c.data(),
                                 .n_blocks = kv_blocks_ + 1,  // + spare_block()
                                 .block_size = bs,
                                 .kv_lora_rank = a->shape.kv_lora_rank,
-                                .rope_dim = a->shape.qk_rope_head_dim};
+                                .rope_dim = a->shape.qk_rope_head_dim,
+                                .dtype = a->shape.latent_fp8 ? LatentCacheDtype::kFp8 : LatentCacheDtype::kBf16,
+                                .pow2_scales = a->shape.latent_fp8 == LatentFp8Scales::kPow2};
     cache_buffers_.push_back(std::move(c));
     if (!a->has_indexer) continue;
     DeviceBuffer k;

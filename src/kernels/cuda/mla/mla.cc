@@ -29,9 +29,10 @@ Expected<void> check_cache(const char* kernel, const PagedLatentCache& c) {
     return make_error("{}: block_size={} must be a power of two", kernel, c.block_size);
   }
   TERN_TRY(check_count(kernel, "cache.n_blocks", c.n_blocks));
-  if (c.dtype == LatentCacheDtype::kFp8 && c.kv_lora_rank != kMlaFp8LoraRank) {
-    return make_error("{}: an FP8 latent cache needs kv_lora_rank {} (its entries whole 16-byte chunks); this one has {}",
-                      kernel, kMlaFp8LoraRank, c.kv_lora_rank);
+  if (c.dtype == LatentCacheDtype::kFp8 && (c.kv_lora_rank != kMlaFp8LoraRank || c.rope_dim > kMlaFp8MaxRopeDim)) {
+    return make_error("{}: an FP8 latent cache needs kv_lora_rank {} and rope_dim at most {} (GLM-5's and "
+                      "DeepSeek-V3's); this one has {} and {}", kernel, kMlaFp8LoraRank, kMlaFp8MaxRopeDim,
+                      c.kv_lora_rank, c.rope_dim);
   }
   if (c.dtype != LatentCacheDtype::kBf16 && c.dtype != LatentCacheDtype::kFp8) {
     return make_error("{}: unknown latent cache dtype {}", kernel, static_cast<int>(c.dtype));

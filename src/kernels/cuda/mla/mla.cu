@@ -162,69 +162,79 @@ struct AttnParams {
   MlaAttentionArgs a;
   int splits;
   int tiles_per_split;
-  int fp8_offset;  // an FP8 cache: where a key row's slot in shared memory takes its entry (bytes, 16-aligned)
 };
 
-// An FP8 latent (kv_lora_rank kFp8Lora) is turned into the bf16 row the products read by eight threads per key row,
-// each holding a 64-code run of one 128-value tile.
+// An FP8 latent (kv_lora_rank kFp8Lora) reaches shared memory as the bf16 row the products read, eight threads per
+// key row, each with a 64-code run of one 128-value tile and an eighth of k_pe: fetched from global memory into
+// registers when the tile before it starts (the loads land while that tile is computed), widened into the row after
+// it, so the widening needs no syncs of its own and the loads no shared-memory staging.
 constexpr int kFp8Lora = static_cast<int>(kMlaFp8LoraRank);
 constexpr int kFp8ThreadsPerRow = kAttnThreads / kMlaKeysPerTile;
 constexpr int kFp8CodesPerThread = kFp8Lora / kFp8ThreadsPerRow;
-constexpr int kFp8MaxPeWords = static_cast<int>(kMlaMaxRopeDim) / 2 / kFp8ThreadsPerRow;
+constexpr int kFp8MaxPeWords = static_cast<int>(kMlaFp8MaxRopeDim) / 2 / kFp8ThreadsPerRow;
 static_assert(kFp8ThreadsPerRow == 8 && kFp8CodesPerThread % 16 == 0 && kLatentFp8Tile % kFp8CodesPerThread == 0);
 
-// The FP8 entries of a tile's 32 key rows (each copied to bytes [offset, offset + entry) of its row slot) rewritten
-// in place as the bf16 rows [c | k_pe] the bf16 cache would hold: c[i] = bf16(e4m3(code i) * s), the product in fp32
-// (as latent_fp8_unpack); k_pe moved. Every thread reads its part into registers before any writes (the bf16 row
-// overlaps the entry); the caller syncs before and after.
-__device__ __forceinline__ void fp8_rows_to_bf16(uint32_t* tile_rows, int row_words, int offset, int rope) {
-  const int r = threadIdx.x / kFp8ThreadsPerRow, part = threadIdx.x % kFp8ThreadsPerRow;
-  uint8_t* row = reinterpret_cast<uint8_t*>(tile_rows + r * row_words);
-  const uint8_t* entry = row + offset;
+struct Fp8Part {
   uint4 codes[kFp8CodesPerThread / 16];
+  float s;
+  uint32_t pe[kFp8MaxPeWords];
+};
+
+// This thread's part of the entry at `entry` (null: a masked key, zeros).
+__device__ __forceinline__ void fp8_fetch(Fp8Part& f, const uint8_t* entry, int part, int pe_words) {
+  if (entry == nullptr) {
+#pragma unroll
+    for (int j = 0; j < kFp8CodesPerThread / 16; ++j) f.codes[j] = make_uint4(0, 0, 0, 0);
+    f.s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kFp8MaxPeWords; ++j) f.pe[j] = 0;
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < kFp8CodesPerThread / 16; ++j) {
-    codes[j] = reinterpret_cast<const uint4*>(entry + kFp8CodesPerThread * part)[j];
+    f.codes[j] = __ldg(reinterpret_cast<const uint4*>(entry + kFp8CodesPerThread * part) + j);
   }
-  const float s = reinterpret_cast<const float*>(entry + kFp8Lora)[kFp8CodesPerThread * part / kLatentFp8Tile];
-  const int pe_words = rope / 2 / kFp8ThreadsPerRow;
-  const uint32_t* pe_in = reinterpret_cast<const uint32_t*>(entry + kFp8Lora + 4 * (kFp8Lora / kLatentFp8Tile));
-  uint32_t pe[kFp8MaxPeWords];
+  f.s = __ldg(reinterpret_cast<const float*>(entry + kFp8Lora) + kFp8CodesPerThread * part / kLatentFp8Tile);
+  const auto* pe = reinterpret_cast<const uint32_t*>(entry + kFp8Lora + 4 * (kFp8Lora / kLatentFp8Tile));
 #pragma unroll
   for (int j = 0; j < kFp8MaxPeWords; ++j) {
-    if (j < pe_words) pe[j] = pe_in[pe_words * part + j];
+    if (j < pe_words) f.pe[j] = __ldg(pe + pe_words * part + j);
   }
-  __syncthreads();
+}
+
+// The part written into the bf16 row [c | k_pe] the bf16 cache would hold: c[i] = bf16(e4m3(code i) * s), the
+// product in fp32 (as latent_fp8_unpack); k_pe moved.
+__device__ __forceinline__ void fp8_widen(const Fp8Part& f, uint8_t* row, int part, int pe_words) {
   // A code's bits moved into an fp32's (sign to bit 31, exponent and mantissa to bits 30:20) read as 2^-120 times
   // its value, subnormal codes as fp32 subnormals of the same ratio; one multiply by s * 2^120 (exact while s < 2^7)
   // then rounds the product once, as (float)e4m3 * s does. Integer and fp32 work only: the conversion instructions
   // (e4m3x2 -> f16x2 -> f32) run at a quarter of their rate and were the FP8 path's bottleneck.
-  const bool big = s >= 0x1p7f;
-  const float s_bits = big ? 0x1p120f : s * 0x1p120f, s_after = big ? s : 1.0f;
+  const bool big = f.s >= 0x1p7f;
+  const float s_bits = big ? 0x1p120f : f.s * 0x1p120f, s_after = big ? f.s : 1.0f;
   uint4* c_out = reinterpret_cast<uint4*>(row + 2 * kFp8CodesPerThread * part);
 #pragma unroll
   for (int j = 0; j < kFp8CodesPerThread / 16; ++j) {
-    const uint32_t words[4] = {codes[j].x, codes[j].y, codes[j].z, codes[j].w};
+    const uint32_t words[4] = {f.codes[j].x, f.codes[j].y, f.codes[j].z, f.codes[j].w};
     uint32_t out[8];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      float f[4];
+      float v[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {  // code k of the word: its byte shifted to the top, then sign-extended by 4
         const uint32_t top = k == 3 ? words[w] : words[w] << (24 - 8 * k);
-        f[k] = __uint_as_float(static_cast<uint32_t>(static_cast<int32_t>(top) >> 4) & 0x87F00000u) * s_bits;
-        if (big) f[k] *= s_after;  // the first product was exact
+        v[k] = __uint_as_float(static_cast<uint32_t>(static_cast<int32_t>(top) >> 4) & 0x87F00000u) * s_bits;
+        if (big) v[k] *= s_after;  // the first product was exact
       }
       // The NaN codes (0x7F, 0xFF) would read as 480: bytes whose low seven bits are all ones, found for the word at
       // once (adding 1 to such a byte, and only to such a byte, sets its top bit).
       if (const uint32_t nan_bytes = ((words[w] & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u; nan_bytes != 0) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          if ((nan_bytes >> (8 * k + 7)) & 1u) f[k] = __uint_as_float(0x7FC00000u);
+          if ((nan_bytes >> (8 * k + 7)) & 1u) v[k] = __uint_as_float(0x7FC00000u);
         }
       }
-      out[2 * w] = cuda_common::pack_bf16x2(f[0], f[1]);
-      out[2 * w + 1] = cuda_common::pack_bf16x2(f[2], f[3]);
+      out[2 * w] = cuda_common::pack_bf16x2(v[0], v[1]);
+      out[2 * w + 1] = cuda_common::pack_bf16x2(v[2], v[3]);
     }
     c_out[2 * j] = make_uint4(out[0], out[1], out[2], out[3]);
     c_out[2 * j + 1] = make_uint4(out[4], out[5], out[6], out[7]);
@@ -232,11 +242,14 @@ __device__ __forceinline__ void fp8_rows_to_bf16(uint32_t* tile_rows, int row_wo
   uint32_t* pe_out = reinterpret_cast<uint32_t*>(row + 2 * kFp8Lora);
 #pragma unroll
   for (int j = 0; j < kFp8MaxPeWords; ++j) {
-    if (j < pe_words) pe_out[pe_words * part + j] = pe[j];
+    if (j < pe_words) pe_out[pe_words * part + j] = f.pe[j];
   }
 }
 
-__global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnParams p) {
+// kFp8: the cache holds FP8 entries, widened on the way in (the bf16 kernel is compiled without that code). Both
+// are held to 128 registers, so that two blocks share an SM (the register allocator otherwise goes past it).
+template <bool kFp8>
+__global__ void __launch_bounds__(kAttnThreads, 2) mla_attention_kernel(const AttnParams p) {
   ptx::grid_dependency_begin();
   const MlaAttentionArgs& a = p.a;
   extern __shared__ __align__(16) uint32_t smem[];
@@ -306,27 +319,44 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
   auto key_slot = [&](int64_t pos) -> int64_t {
     return pos >= 0 ? int64_t{table[pos / bs]} * bs + (pos & (bs - 1)) : -1;
   };
-  // Tile rows into keys_s[buf] from the slots in slot_s[sbuf]: bf16 rows whole, FP8 entries at fp8_offset of
-  // their row slots (fp8_rows_to_bf16 widens them once they have landed). A masked key's row is zeros.
-  const bool fp8 = a.cache.dtype == LatentCacheDtype::kFp8;
-  const int entry_chunks = fp8 ? static_cast<int>(fp8_entry_bytes(lora, a.cache.rope_dim)) / 16 : chunks;
-  const int dst_words = fp8 ? p.fp8_offset / 4 : 0;
+  // Tile rows into keys_s[buf] from the slots in slot_s[sbuf], a masked key's as zeros: bf16 rows by cp.async; FP8
+  // entries by fp8_fetch into registers, then fp8_widen into the row.
+  constexpr bool fp8 = kFp8;
   const auto* cache_bytes = static_cast<const uint8_t*>(a.cache.data);
   auto load = [&](int buf, int sbuf) {
-    for (int i = tid; i < kMlaKeysPerTile * entry_chunks; i += kAttnThreads) {
-      const int r = i / entry_chunks, c = i % entry_chunks;
+    for (int i = tid; i < kMlaKeysPerTile * chunks; i += kAttnThreads) {
+      const int r = i / chunks, c = i % chunks;
       const int64_t slot = slot_s[sbuf * kMlaKeysPerTile + r];
-      ptx::cp_async_16_zfill(keys_s + (buf * kMlaKeysPerTile + r) * row_words + dst_words + 4 * c,
-                             cache_bytes + ((slot >= 0 ? slot : 0) * entry_chunks + c) * 16, slot >= 0);
+      ptx::cp_async_16_zfill(keys_s + (buf * kMlaKeysPerTile + r) * row_words + 4 * c,
+                             cache_bytes + ((slot >= 0 ? slot : 0) * chunks + c) * 16, slot >= 0);
     }
     ptx::cp_async_commit();
+  };
+  const int fp8_row = tid / kFp8ThreadsPerRow, fp8_part = tid % kFp8ThreadsPerRow;
+  const int pe_words = static_cast<int>(a.cache.rope_dim) / 2 / kFp8ThreadsPerRow;
+  const int64_t entry_bytes = fp8_entry_bytes(lora, a.cache.rope_dim);
+  [[maybe_unused]] auto fetch = [&](Fp8Part& f, int sbuf) {
+    const int64_t slot = slot_s[sbuf * kMlaKeysPerTile + fp8_row];
+    fp8_fetch(f, slot >= 0 ? cache_bytes + slot * entry_bytes : nullptr, fp8_part, pe_words);
+  };
+  [[maybe_unused]] auto widen = [&](const Fp8Part& f, int buf) {
+    fp8_widen(f, reinterpret_cast<uint8_t*>(keys_s + (buf * kMlaKeysPerTile + fp8_row) * row_words), fp8_part,
+              pe_words);
   };
   // The first two tiles' slots, the first tile's rows.
   if (warp < 2 && tile_begin + warp < tile_end) {
     slot_s[warp * kMlaKeysPerTile + lane] = key_slot(key_pos(first_keys));
   }
   __syncthreads();
-  if (tile_begin < tile_end) load(0, 0);
+  if (tile_begin < tile_end) {
+    if constexpr (fp8) {
+      Fp8Part f;
+      fetch(f, 0);
+      widen(f, 0);
+    } else {
+      load(0, 0);
+    }
+  }
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g, g + 8; l over this lane's keys
   float o[kMaxOutPairsPerWarp][2][4];
@@ -345,17 +375,17 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
     // Tile + 2's slots, warp 0: the selection's load issued here, the block table's after the scores, the slot
     // stored after the products (into tile - 1's slot buffer).
     const int64_t key_ahead = ahead ? selection(tile + 2, lane) : -1;
-    if (more) {
-      load(next, (i_tile + 1) % 3);
-      ptx::cp_async_wait<1>();
+    [[maybe_unused]] Fp8Part ahead_part;  // FP8: tile + 1's entries, widened into `next` after this tile's products
+    if constexpr (fp8) {  // this tile's rows were widened before the sync above
+      if (more) fetch(ahead_part, (i_tile + 1) % 3);
     } else {
-      ptx::cp_async_wait<0>();
-    }
-    __syncthreads();  // this tile's rows, from every thread's copies
-    if (fp8) {  // block-uniform
-      fp8_rows_to_bf16(keys_s + buf * kMlaKeysPerTile * row_words, row_words, p.fp8_offset,
-                       static_cast<int>(a.cache.rope_dim));
-      __syncthreads();
+      if (more) {
+        load(next, (i_tile + 1) % 3);
+        ptx::cp_async_wait<1>();
+      } else {
+        ptx::cp_async_wait<0>();
+      }
+      __syncthreads();  // this tile's rows, from every thread's copies
     }
     const uint16_t* rows = reinterpret_cast<const uint16_t*>(keys_s + buf * kMlaKeysPerTile * row_words);
     const int row_elems = 2 * row_words;
@@ -470,6 +500,9 @@ __global__ void __launch_bounds__(kAttnThreads) mla_attention_kernel(const AttnP
           ptx::mma_bf16_16816(o[i][1], pa[part][kk], b1);
         }
       }
+    }
+    if constexpr (fp8) {
+      if (more) widen(ahead_part, next);  // every warp left `next` (tile - 1's) before this tile's first sync
     }
     if (ahead) slot_s[((i_tile + 2) % 3) * kMlaKeysPerTile + lane] = slot_ahead;
   }
@@ -597,17 +630,16 @@ void mla_attention_launch(const DeviceContext& ctx, const MlaAttentionArgs& args
       args.splits > 0 ? args.splits
                       : mla_attention_splits(ctx.props(), args.tokens, args.n_heads, max_keys, args.cache.width());
   const int64_t tiles = (max_keys + kMlaKeysPerTile - 1) / kMlaKeysPerTile;
-  const int64_t slot_bytes = 4 * key_row_words(args.cache.width());
   const AttnParams p{.a = args,
                      .splits = static_cast<int>(splits),
-                     .tiles_per_split = static_cast<int>(std::max<int64_t>(1, (tiles + splits - 1) / splits)),
-                     .fp8_offset = static_cast<int>((slot_bytes - args.cache.entry_bytes()) / 16 * 16)};
-  TERN_CUDA_CHECK(
-      cudaFuncSetAttribute(mla_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+                     .tiles_per_split = static_cast<int>(std::max<int64_t>(1, (tiles + splits - 1) / splits))};
+  const bool fp8 = args.cache.dtype == LatentCacheDtype::kFp8;
+  const auto kernel = fp8 ? mla_attention_kernel<true> : mla_attention_kernel<false>;
+  TERN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>(args.tokens),
                   static_cast<unsigned>((args.n_heads + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock),
                   static_cast<unsigned>(splits));
-  launch_kernel(ctx, mla_attention_kernel, grid, dim3(kAttnThreads), smem, p);
+  launch_kernel(ctx, kernel, grid, dim3(kAttnThreads), smem, p);
   TERN_CUDA_CHECK_LAUNCH();
   if (splits > 1) {
     launch_kernel(ctx, mla_combine_kernel,
@@ -620,7 +652,7 @@ void mla_attention_launch(const DeviceContext& ctx, const MlaAttentionArgs& args
 
 // What the driver loaded of this module for the current device (module_attributes.h).
 cudaError_t mla_module_attributes(cudaFuncAttributes* out) {
-  return cudaFuncGetAttributes(out, mla_attention_kernel);
+  return cudaFuncGetAttributes(out, mla_attention_kernel<false>);
 }
 
 }  // namespace tern

@@ -99,7 +99,9 @@ inline constexpr int64_t kMlaMaxRopeDim = 128;
 inline constexpr int kMlaHeadsPerBlock = 16;  // one m16 tile
 inline constexpr int kMlaKeysPerTile = 32;    // two k16 steps of the output product
 inline constexpr int64_t kMlaMinKeysPerSplit = 64;
-inline constexpr int64_t kMlaFp8LoraRank = 512;  // the one kv_lora_rank of an FP8 cache (GLM-5's, DeepSeek-V3's)
+// An FP8 cache's one kv_lora_rank and its largest rope_dim (GLM-5's and DeepSeek-V3's: 512 and 64).
+inline constexpr int64_t kMlaFp8LoraRank = 512;
+inline constexpr int64_t kMlaFp8MaxRopeDim = 64;
 
 // Dynamic shared memory of the attention kernel for a latent of `width` values (two key tiles, the warps' partial
 // scores, three tiles' slots and the row's sequence).

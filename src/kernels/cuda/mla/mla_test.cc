@@ -569,7 +569,8 @@ TEST(CudaMla, BadArgumentsAreErrors) {
   bad.cache.dtype = LatentCacheDtype::kFp8;
   r = mla_attention(ctx, bad);
   ASSERT_FALSE(r.has_value());
-  EXPECT_NE(r.error().message.find("an FP8 latent cache needs kv_lora_rank 512"), std::string::npos)
+  EXPECT_NE(r.error().message.find("an FP8 latent cache needs kv_lora_rank 512 and rope_dim at most 64"),
+            std::string::npos)
       << r.error().message;
   MlaPrepareArgs p{.kv_a = buf.as<uint16_t>(),
                    .kv_a_stride = 500,
