@@ -5,6 +5,7 @@
 
 #include <set>
 
+#include "core/latent_fp8.h"
 #include "io/linear_weight.h"
 #include "io/safetensors.h"
 #include "models/weight_schema.h"
@@ -144,10 +145,27 @@ class Matcher {
 
 void count_layers(ModelInfo& info) {
   const ModelConfig& c = info.config;
+  const bool fp8_latent = c.attention == AttentionKind::kMla && c.kv_lora_rank % kLatentFp8Tile == 0;
+  if (fp8_latent) info.kv_bytes_per_token_fp8 = 0;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    (c.layer_types[static_cast<size_t>(i)] == LayerType::kLinearAttention ? info.linear_attention_layers
-                                                                           : info.full_attention_layers)++;
+    const bool linear = c.layer_types[static_cast<size_t>(i)] == LayerType::kLinearAttention;
+    (linear ? info.linear_attention_layers : info.full_attention_layers)++;
     (c.is_moe_layer(i) ? info.moe_layers : info.dense_mlp_layers)++;
+    if (linear) {  // conv state over the q, k and v channels (bf16), the recurrent state per value head (fp32)
+      const int64_t channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim +
+                               c.linear_num_value_heads * c.linear_value_head_dim;
+      info.state_bytes_per_sequence += channels * (c.linear_conv_kernel_dim - 1) * 2 +
+                                       c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4;
+    } else if (c.attention == AttentionKind::kMla) {
+      // A layer with its own DSA indexer caches its key too (a "shared" one reuses another layer's selection).
+      const bool own_indexer = c.index_topk > 0 && (c.indexer_types.empty() ||
+                                                    c.indexer_types[static_cast<size_t>(i)] == IndexerType::kFull);
+      const int64_t key = own_indexer ? c.index_head_dim * 2 : 0;
+      info.kv_bytes_per_token += (c.kv_lora_rank + c.qk_rope_head_dim) * 2 + key;
+      if (fp8_latent) *info.kv_bytes_per_token_fp8 += latent_fp8_bytes(c.kv_lora_rank, c.qk_rope_head_dim) + key;
+    } else {
+      info.kv_bytes_per_token += 2 * c.num_key_value_heads * c.head_dim * 2;
+    }
   }
 }
 
@@ -192,6 +210,25 @@ std::string human_bytes(int64_t n) {
   return fmt::format("{:.1f} KiB", n / 1024.0);
 }
 
+// Per-token sizes: bytes below 10 KiB, else KiB.
+std::string token_bytes(int64_t n) {
+  return n < 10 * 1024 ? fmt::format("{} B", n) : fmt::format("{:.1f} KiB", n / 1024.0);
+}
+
+std::string cache_summary(const ModelInfo& info) {
+  const ModelConfig& c = info.config;
+  std::string s = fmt::format("{} per token over {} {} layers", token_bytes(info.kv_bytes_per_token),
+                              info.full_attention_layers, c.attention == AttentionKind::kMla ? "MLA" : "attention");
+  s += c.attention == AttentionKind::kMla ? " (latent and DSA key, bf16)" : " (bf16 K and V)";
+  if (info.kv_bytes_per_token_fp8) {
+    s += fmt::format("; {} with --kv-cache-dtype fp8_e4m3", token_bytes(*info.kv_bytes_per_token_fp8));
+  }
+  if (info.state_bytes_per_sequence > 0) {
+    s += fmt::format("; {} of Gated DeltaNet state per sequence", human_bytes(info.state_bytes_per_sequence));
+  }
+  return s;
+}
+
 std::string attention_summary(const ModelConfig& c) {
   if (c.attention == AttentionKind::kMla) {
     return fmt::format("MLA, {} heads, q_lora {} kv_lora {}, qk {}+{} (rope), v {}", c.num_attention_heads,
@@ -224,6 +261,11 @@ nlohmann::ordered_json model_info_to_json(const ModelInfo& info) {
   }
   j["linear_layers"] = linear;
   j["memory"] = {{"weight_bytes", info.weight_bytes}, {"skipped_bytes", info.skipped_bytes}};
+  j["cache"] = {{"kv_bytes_per_token", info.kv_bytes_per_token},
+                {"kv_bytes_per_token_fp8", info.kv_bytes_per_token_fp8 ? nlohmann::ordered_json(
+                                                                             *info.kv_bytes_per_token_fp8)
+                                                                       : nlohmann::ordered_json()},
+                {"state_bytes_per_sequence", info.state_bytes_per_sequence}};
   j["files"] = {{"safetensors", info.num_files}, {"tensors", info.num_tensors}};
   if (info.quant) {
     j["quantization"] = {{"method", "modelopt"},
@@ -273,6 +315,7 @@ std::string model_info_to_text(const ModelInfo& info) {
                                   : "none");
   line("memory", fmt::format("{} of weights as stored{}", human_bytes(info.weight_bytes),
                              info.skipped_bytes ? fmt::format(" (+{} skipped)", human_bytes(info.skipped_bytes)) : ""));
+  line("cache", cache_summary(info));
   for (const std::string& n : info.notes) line("note", n);
   if (info.problems.empty()) line("problems", "none");
   for (const std::string& p : info.problems) line("problem", p);

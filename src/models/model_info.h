@@ -33,6 +33,13 @@ struct ModelInfo {
   int64_t skipped_bytes = 0;          // vision tower, MTP layers
   int64_t num_tensors = 0;
   int64_t num_files = 0;
+  // What serving it holds besides the weights, as the CUDA path allocates it: the cache one token adds over all
+  // layers (bf16 keys and values; MLA's latent and the DSA indexer's key), with the FP8 latent cache
+  // (--kv-cache-dtype fp8_e4m3) where the model has one (MLA with kv_lora_rank in 128-value tiles), and the state one
+  // sequence holds whatever its length (Gated DeltaNet's conv and recurrent state, for one draft-free step).
+  int64_t kv_bytes_per_token = 0;
+  std::optional<int64_t> kv_bytes_per_token_fp8;
+  int64_t state_bytes_per_sequence = 0;
   std::vector<std::string> problems;  // make `tern info` exit non-zero
   std::vector<std::string> notes;     // worth knowing, not wrong (e.g. the exclude list disagrees with the files)
 };

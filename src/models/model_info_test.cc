@@ -48,6 +48,62 @@ TEST_P(FixtureInfo, MatchesTheNumbersTransformersComputed) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, FixtureInfo, ::testing::ValuesIn(kFixtures));
 
+// The cache figures against the fixtures' config.json numbers, read here: per token, 2 (K and V) x KV heads x head
+// dim x 2 bytes per full-attention layer, or MLA's (kv_lora_rank + qk_rope_head_dim) x 2 plus the DSA key's
+// index_head_dim x 2; per sequence, Gated DeltaNet's conv state (q, k and v channels x (kernel - 1) x 2) and
+// recurrent state (value heads x dk x dv x 4). The FP8 latent (docs/model-specs.md §3.2: kv_lora_rank codes, a 4-byte
+// scale per 128, k_pe in bf16) only where kv_lora_rank is whole 128-value tiles: not the tiny GLM's 32, but the same
+// config at 128 (its tensors then no longer fit, a problem; the figures come from the config).
+TEST(ModelInfo, CacheFiguresFollowTheConfig) {
+  auto info_of = [](const fs::path& dir) {
+    auto info = model_info_inspect(dir);
+    EXPECT_TRUE(info.has_value()) << info.error().message;
+    return info ? *info : ModelInfo{};
+  };
+  const fs::path fixtures = TERN_FIXTURES_DIR;
+  {
+    const nlohmann::json c = read_json(fixtures / "qwen3" / "config.json");
+    const ModelInfo info = info_of(fixtures / "qwen3");
+    const int64_t layers = c["num_hidden_layers"], kv_heads = c["num_key_value_heads"], hd = c["head_dim"];
+    EXPECT_EQ(info.kv_bytes_per_token, layers * 2 * kv_heads * hd * 2);
+    EXPECT_FALSE(info.kv_bytes_per_token_fp8.has_value());
+    EXPECT_EQ(info.state_bytes_per_sequence, 0);
+  }
+  {
+    const nlohmann::json c = read_json(fixtures / "qwen3_5_moe" / "config.json");
+    const nlohmann::json& t = c.contains("text_config") ? c["text_config"] : c;
+    const ModelInfo info = info_of(fixtures / "qwen3_5_moe");
+    int64_t full = 0, linear = 0;
+    for (const auto& type : t["layer_types"]) (type == "linear_attention" ? linear : full)++;
+    ASSERT_GT(full, 0);
+    ASSERT_GT(linear, 0);
+    const int64_t kv_heads = t["num_key_value_heads"], hd = t["head_dim"], hk = t["linear_num_key_heads"],
+                  hv = t["linear_num_value_heads"], dk = t["linear_key_head_dim"], dv = t["linear_value_head_dim"],
+                  kernel = t["linear_conv_kernel_dim"];
+    EXPECT_EQ(info.kv_bytes_per_token, full * 2 * kv_heads * hd * 2);
+    EXPECT_EQ(info.state_bytes_per_sequence, linear * ((2 * hk * dk + hv * dv) * (kernel - 1) * 2 + hv * dk * dv * 4));
+  }
+  const fs::path glm = fs::temp_directory_path() / "tern_info_cache_glm";
+  fs::remove_all(glm);
+  fs::copy(fixtures / "glm_moe_dsa", glm, fs::copy_options::recursive);
+  for (const int64_t lora : {32, 128}) {
+    nlohmann::json c = read_json(glm / "config.json");
+    c["kv_lora_rank"] = lora;
+    std::ofstream(glm / "config.json") << c.dump(1);
+    const ModelInfo info = info_of(glm);
+    const int64_t layers = c["num_hidden_layers"], rope = c["qk_rope_head_dim"], key = c["index_head_dim"];
+    EXPECT_EQ(info.kv_bytes_per_token, layers * ((lora + rope) * 2 + key * 2)) << lora;
+    if (lora == 32) {
+      EXPECT_FALSE(info.kv_bytes_per_token_fp8.has_value());
+    } else {
+      ASSERT_TRUE(info.kv_bytes_per_token_fp8.has_value());
+      EXPECT_EQ(*info.kv_bytes_per_token_fp8, layers * (lora + 4 * (lora / 128) + 2 * rope + key * 2));
+      EXPECT_NE(model_info_to_text(info).find("with --kv-cache-dtype fp8_e4m3"), std::string::npos);
+    }
+  }
+  fs::remove_all(glm);
+}
+
 // Rewrites a fixture into a temporary directory with `edit` applied to its tensor list.
 class BrokenCheckpoint : public ::testing::Test {
  protected:
