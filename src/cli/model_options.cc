@@ -99,8 +99,12 @@ void add_parallel_options(CLI::App& cmd, ModelCliOptions& o) {
       ->check(CLI::Range(1, 86400));
   cmd.add_option("--distributed-executor-backend", o.distributed_executor_backend,
                  "How the tensor-parallel ranks run: threads (of this process) or mp (one process per rank, started "
-                 "by tern; this process serves and runs rank 0)")
+                 "by tern; this process serves and runs rank 0, or none with --front-end)")
       ->check(CLI::IsMember({"threads", "mp"}));
+  cmd.add_flag("--front-end", o.front_end,
+               "Node 0 runs no rank: it serves (HTTP, tokenizer, scheduler) and samples from the logits the node "
+               "holding rank 0 sends back; the ranks run on the other --nnodes nodes, or with "
+               "--distributed-executor-backend mp in one process each (the same flag on every node)");
 }
 
 void add_backend_options(CLI::App& cmd, BackendFlags& b) {
@@ -177,6 +181,7 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
   options.nnodes = o.nnodes;
   options.node_rank = o.node_rank;
   options.dist_init_addr = o.dist_init_addr;
+  options.front_end = o.front_end;
   options.tp_join_timeout = std::chrono::seconds(o.dist_timeout_s);
   const bool rank_processes = o.distributed_executor_backend == "mp" && o.tensor_parallel_size > 1 && o.node_rank == 0;
   if (rank_processes) {
@@ -188,15 +193,18 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
     if (addr.empty()) {
       TERN_ASSIGN_OR_RETURN(addr, free_loopback_addr());
     }
-    TERN_TRY(start_rank_processes(o.tensor_parallel_size, addr));
-    options.nnodes = o.tensor_parallel_size;
+    // One process per rank, and this one besides them with --front-end.
+    const int processes = o.tensor_parallel_size + (o.front_end ? 1 : 0);
+    TERN_TRY(start_rank_processes(processes, addr));
+    options.nnodes = processes;
     options.dist_init_addr = addr;
   }
   if (o.node_rank > 0) {
     // Not node 0: this process runs its share of the ranks for node 0's command, and the command ends here.
-    const int local = o.tensor_parallel_size / std::max(o.nnodes, 1);
-    fmt::print(stderr, "node {} of {}: running ranks {}..{} of {} for node 0 at {}\n", o.node_rank, o.nnodes,
-               o.node_rank * local, (o.node_rank + 1) * local - 1, o.tensor_parallel_size, o.dist_init_addr);
+    const int nodes = std::max(o.nnodes - (o.front_end ? 1 : 0), 1);
+    const int local = o.tensor_parallel_size / nodes, first = (o.node_rank - (o.front_end ? 1 : 0)) * local;
+    fmt::print(stderr, "node {} of {}: running ranks {}..{} of {} for node 0 at {}\n", o.node_rank, o.nnodes, first,
+               first + local - 1, o.tensor_parallel_size, o.dist_init_addr);
     const Expected<void> ran = tp_worker_run(o.model_dir, options);
     if (!ran) fmt::print(stderr, "node {}: {}\n", o.node_rank, ran.error().message);
     else fmt::print(stderr, "node {}: node 0 stopped; exiting\n", o.node_rank);

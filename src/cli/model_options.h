@@ -31,6 +31,7 @@ struct ModelCliOptions {
   int nnodes = 1;                 // processes the ranks spread over (--nnodes; SGLang's names)
   int node_rank = 0;              // this one (--node-rank; > 0: runs node 0's steps, then exits)
   std::string dist_init_addr;     // node 0's rendezvous store, HOST:PORT
+  bool front_end = false;         // node 0 runs no rank (ModelLoadOptions::front_end)
   int dist_timeout_s = 120;       // joining the nodes, and each wait on another node
   // How this machine's ranks run: "threads" of this process, or "mp": one process per rank, started by tern
   // (cli/rank_processes.h; vLLM's name for it).

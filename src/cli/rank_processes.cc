@@ -46,7 +46,7 @@ std::vector<std::string>& command_line() {
 // false and may be signalled until then.
 struct Child {
   pid_t pid = 0;
-  int rank = 0;
+  int node = 0;  // its --node-rank
   std::atomic<bool> done{false};
 };
 
@@ -73,8 +73,8 @@ void watch(std::shared_ptr<Child> child) {
   if (group_formed) return;
   std::this_thread::sleep_for(kEarlyExitDelay);
   if (group_formed) return;
-  fmt::print(stderr, "tern: the process of tensor-parallel rank {} {} before the ranks formed their group; stopping\n",
-             child->rank, exit_reason(status));
+  fmt::print(stderr, "tern: the rank process of node {} {} before the ranks formed their group; stopping\n",
+             child->node, exit_reason(status));
   std::fflush(stderr);
   _exit(WIFEXITED(status) && WEXITSTATUS(status) != 0 ? WEXITSTATUS(status) : 1);
 }
@@ -142,7 +142,7 @@ Expected<std::string> free_loopback_addr() {
   return fmt::format("127.0.0.1:{}", ntohs(a.sin_port));
 }
 
-Expected<void> start_rank_processes(int world, const std::string& addr) {
+Expected<void> start_rank_processes(int nodes, const std::string& addr) {
   if (command_line().empty()) return make_error("the rank processes need the command line (set_command_line)");
   // The list is made before the handler is registered, so that it is destroyed after the handler has run.
   (void)children();
@@ -158,7 +158,7 @@ Expected<void> start_rank_processes(int world, const std::string& addr) {
   // unless the user chose a count.
   if (std::getenv("OMP_NUM_THREADS") == nullptr) {
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    env.push_back(fmt::format("OMP_NUM_THREADS={}", std::max(1u, cores / static_cast<unsigned>(world))));
+    env.push_back(fmt::format("OMP_NUM_THREADS={}", std::max(1u, cores / static_cast<unsigned>(nodes))));
   }
   std::vector<char*> envp;
   for (std::string& e : env) envp.push_back(e.data());
@@ -167,23 +167,23 @@ Expected<void> start_rank_processes(int world, const std::string& addr) {
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, STDERR_FILENO, STDOUT_FILENO);  // node 0's stdout is its output
-  for (int rank = 1; rank < world; ++rank) {
+  for (int node = 1; node < nodes; ++node) {
     std::vector<std::string> args = base;
-    for (const std::string& a : {std::string("--nnodes"), std::to_string(world), std::string("--node-rank"),
-                                 std::to_string(rank), std::string("--dist-init-addr"), addr}) {
+    for (const std::string& a : {std::string("--nnodes"), std::to_string(nodes), std::string("--node-rank"),
+                                 std::to_string(node), std::string("--dist-init-addr"), addr}) {
       args.push_back(a);
     }
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
     auto child = std::make_shared<Child>();
-    child->rank = rank;
+    child->node = node;
     const int rc = posix_spawn(&child->pid, "/proc/self/exe", &actions, nullptr, argv.data(), envp.data());
     if (rc != 0) {
       posix_spawn_file_actions_destroy(&actions);
       group_formed = true;  // the error below is the report
       kill_children();
-      return make_error("cannot start the process of tensor-parallel rank {}: {}", rank, std::strerror(rc));
+      return make_error("cannot start the rank process of node {}: {}", node, std::strerror(rc));
     }
     {
       std::lock_guard lock(children_mutex);

@@ -159,6 +159,9 @@ struct ModelLoadOptions {
   int nnodes = 1;
   int node_rank = 0;
   std::string dist_init_addr;
+  // Node 0 runs no ranks: it holds the scheduler and the server, and the ranks run on nodes 1 .. nnodes - 1
+  // (tensor_parallel_size / (nnodes - 1) each); the node holding rank 0 sends each step's logits back to it.
+  bool front_end = false;
   std::chrono::milliseconds tp_join_timeout{120000};
   bool nvfp4_quantize_activations = false;  // W4A4 instead of W4A16
   // Also the model's multi-token-prediction module (CausalLm::draft), the draft model of speculative decoding: an

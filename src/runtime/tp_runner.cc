@@ -43,6 +43,7 @@ class RankThreads {
   }
 
   std::vector<Expected<void>> run(const Job& job) {
+    if (results_.empty()) return {};  // a front end: no ranks
     {
       std::lock_guard lock(mu_);
       job_ = &job;
@@ -185,8 +186,9 @@ class TpRunner final : public ModelRunner {
   // `world` ranks over layout.nnodes processes, this one holding ranks [node_rank * local, (node_rank + 1) * local)
   // as threads; `devices`: each of this node's ranks' GPU (empty on the CPU).
   TpRunner(int world, std::vector<int> devices, const NodeLayout& layout)
-      : world_(world), layout_(layout), local_(world / std::max(layout.nnodes, 1)),
-        first_rank_(layout.node_rank * local_), group_(local_), threads_(local_), devices_(std::move(devices)),
+      : world_(world), layout_(layout), local_(layout.ranks_on(world, layout.node_rank)),
+        first_rank_(local_ > 0 ? layout.first_rank(world, layout.node_rank) : 0), group_(local_), threads_(local_),
+        devices_(std::move(devices)),
         rank_comms_(static_cast<size_t>(local_)), device_comms_(static_cast<size_t>(local_)),
         runners_(static_cast<size_t>(local_)) {
     if (layout_.nnodes > 1 && layout_.node_rank == 0) released_ = std::make_shared<ReleaseQueue>();
@@ -233,24 +235,30 @@ class TpRunner final : public ModelRunner {
       for (const int64_t id : plan.released) sequences.erase(id);
       std::vector<std::vector<SequenceInput>> inputs(runners_.size());
       std::vector<std::vector<DraftInput>> drafts(runners_.size());
-      for (const PlanSequence& q : plan.sequences) {
-        auto& seq = sequences[q.id];
-        if (seq == nullptr) {
-          seq = std::make_unique<TpSequence>();
-          seq->id = q.id;
-          for (const auto& runner : runners_) seq->ranks.push_back(runner->new_sequence());
-        }
-        for (size_t l = 0; l < runners_.size(); ++l) {
-          if (seq->ranks[l].length != q.length) {
-            return make_error("sequence {}: this node's rank holds {} tokens, node 0 says {}", q.id,
-                              seq->ranks[l].length, q.length);
+      auto gather = [&]() -> Expected<void> {
+        for (const PlanSequence& q : plan.sequences) {
+          auto& seq = sequences[q.id];
+          if (seq == nullptr) {
+            seq = std::make_unique<TpSequence>();
+            seq->id = q.id;
+            for (const auto& runner : runners_) seq->ranks.push_back(runner->new_sequence());
           }
-          const SequenceInput in{&seq->ranks[l], q.tokens, q.kv_blocks, q.state_slot, q.verify != 0};
-          inputs[l].push_back(in);
-          drafts[l].push_back({in, q.position, q.hidden != 0 ? DraftHidden::kDraft : DraftHidden::kModel, q.source});
+          for (size_t l = 0; l < runners_.size(); ++l) {
+            if (seq->ranks[l].length != q.length) {
+              return make_error("sequence {}: this node's rank holds {} tokens, node 0 says {}", q.id,
+                                seq->ranks[l].length, q.length);
+            }
+            const SequenceInput in{&seq->ranks[l], q.tokens, q.kv_blocks, q.state_slot, q.verify != 0};
+            inputs[l].push_back(in);
+            drafts[l].push_back(
+                {in, q.position, q.hidden != 0 ? DraftHidden::kDraft : DraftHidden::kModel, q.source});
+          }
         }
-      }
-      TERN_TRY(run_ranks("a step", [&](int l) -> Expected<void> {
+        return {};
+      };
+      std::vector<float> rank0_logits;
+      Expected<void> ran = gather();
+      if (ran) ran = run_ranks("a step", [&](int l) -> Expected<void> {
         TERN_TRY(bind(l));
         ModelRunner& runner = *runners_[static_cast<size_t>(l)];
         if (plan.op == PlanOp::kKeepRows) {
@@ -259,9 +267,18 @@ class TpRunner final : public ModelRunner {
           }
           return {};
         }
-        if (plan.op == PlanOp::kDraft) return runner.draft(drafts[static_cast<size_t>(l)], plan.which).map([](auto&&) {});
-        return runner.forward(inputs[static_cast<size_t>(l)], plan.which).map([](auto&&) {});
-      }));
+        TERN_ASSIGN_OR_RETURN(std::vector<float> logits,
+                              plan.op == PlanOp::kDraft ? runner.draft(drafts[static_cast<size_t>(l)], plan.which)
+                                                        : runner.forward(inputs[static_cast<size_t>(l)], plan.which));
+        if (first_rank_ + l == 0) rank0_logits = std::move(logits);
+        return {};
+      });
+      // A front end waits for the step's result, its failure included (whatever failed here, a check or a rank).
+      if (layout_.front_end && plan.op != PlanOp::kKeepRows) {
+        TERN_TRY(send_result(ran ? Expected<std::vector<float>>(std::move(rank0_logits))
+                                 : Expected<std::vector<float>>(tl::unexpected<Error>(ran.error()))));
+      }
+      TERN_TRY(ran);
     }
   }
 
@@ -270,6 +287,10 @@ class TpRunner final : public ModelRunner {
   Expected<TpGroupCheck> connect(std::chrono::milliseconds deadline) {
     TpGroupCheck check;
     check.world = world_;
+    if (local_ == 0) {  // a front end: its ranks are the other nodes', checked there
+      check.transport = fmt::format("the ranks of {} other nodes ({})", layout_.worker_nodes(), control_->describe());
+      return check;
+    }
     check.transport = host(0).describe();
     std::vector<double> ms(runners_.size(), 0.0);
 #if TERN_RUNTIME_CUDA
@@ -328,6 +349,7 @@ class TpRunner final : public ModelRunner {
   // Every rank's slice loaded, then the KV capacity agreed: the fewest tokens any rank of any node holds, so that
   // node 0's scheduler hands out only block ids every rank has.
   Expected<void> load(const std::filesystem::path& dir, const ModelLoadOptions& options) {
+    if (local_ == 0) return load_front_end(dir, options);
     TERN_TRY(load_ranks(dir, options));
     std::vector<int64_t> least(runners_.size(), 0);
     TERN_TRY(run_ranks("agreeing on the KV cache", [&](int r) -> Expected<void> {
@@ -344,7 +366,23 @@ class TpRunner final : public ModelRunner {
       return {};
     }));
     kv_tokens_ = least.front();
+    if (layout_.front_end) {  // the front end learns it from the node holding rank 0, the other nodes take part
+      TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<int64_t>(&kv_tokens_, 1)), kResultRoot));
+    }
     return {};
+  }
+
+  // A front end: the model's shapes for the scheduler (rank 0's slice, no weights), and the KV capacity the ranks
+  // agreed on.
+  Expected<void> load_front_end(const std::filesystem::path& dir, const ModelLoadOptions& options) {
+    ModelLoadOptions shapes{.load_format = LoadFormat::kShapes,
+                            .kv_cache_dtype = options.kv_cache_dtype,
+                            .shard = {0, world_},
+                            .nvfp4_quantize_activations = options.nvfp4_quantize_activations,
+                            .load_draft = options.load_draft};
+    TERN_ASSIGN_OR_RETURN(front_model_, model_build_host(dir, shapes));
+    device_ = options.device;
+    return control_->broadcast(std::as_writable_bytes(std::span<int64_t>(&kv_tokens_, 1)), kResultRoot);
   }
 
   Expected<void> load_ranks(const std::filesystem::path& dir, const ModelLoadOptions& options) {
@@ -373,7 +411,7 @@ class TpRunner final : public ModelRunner {
     });
   }
 
-  const CausalLm& model() const override { return runners_.front()->model(); }
+  const CausalLm& model() const override { return local_ == 0 ? *front_model_ : runners_.front()->model(); }
   SequenceCache new_sequence() override {
     auto state = std::make_shared<TpSequence>();
     state->id = next_sequence_++;
@@ -383,7 +421,7 @@ class TpRunner final : public ModelRunner {
     cache.device = std::move(state);
     return cache;
   }
-  ModelDevice device() const override { return runners_.front()->device(); }
+  ModelDevice device() const override { return local_ == 0 ? device_ : runners_.front()->device(); }
   Expected<double> all_reduce_ms(int64_t elements, int repeats) override {
     if (!failed_.empty()) return make_error("the tensor-parallel group failed: {}", failed_);
     if (layout_.nnodes > 1) {
@@ -425,6 +463,10 @@ class TpRunner final : public ModelRunner {
     return failed_;
   }
   std::string describe() const override {
+    if (local_ == 0) {
+      return fmt::format("{} tensor-parallel ranks on {} other nodes, this process their front end ({})", world_,
+                         layout_.worker_nodes(), control_->describe());
+    }
     return fmt::format("{} tensor-parallel ranks{} ({}): {}", world_,
                        layout_.nnodes > 1 ? fmt::format(" on {} nodes", layout_.nnodes) : std::string(),
                        host(0).describe(), runners_.front()->describe());
@@ -434,6 +476,10 @@ class TpRunner final : public ModelRunner {
  private:
   Expected<std::vector<float>> step(std::span<const SequenceInput> batch, LogitsFor which,
                                     const Tracer* tracer) override {
+    if (local_ == 0) {
+      TERN_TRY(ModelRunner::check_inputs(batch));
+      return remote(step_plan(batch, which));
+    }
     TERN_ASSIGN_OR_RETURN(const auto inputs, rank_inputs(batch));
     TERN_TRY(send_step(batch, which));
     std::vector<float> logits;
@@ -449,6 +495,7 @@ class TpRunner final : public ModelRunner {
 
   // Rank 0 samples (the rows' Samplers and their random streams are used once); the others run the same step.
   Expected<SampleResults> sample_step(std::span<const SequenceInput> batch, std::span<const SampleRow> rows) override {
+    if (local_ == 0) return ModelRunner::sample_step(batch, rows);  // the logits come here; the host samples
     TERN_ASSIGN_OR_RETURN(const auto inputs, rank_inputs(batch));
     TERN_TRY(send_step(batch, LogitsFor::kLastToken));
     SampleResults results;
@@ -496,6 +543,7 @@ class TpRunner final : public ModelRunner {
         ranks[r].push_back(mine);
       }
     }
+    if (local_ == 0) return remote(std::move(plan));
     if (control_ != nullptr) TERN_TRY(send_plan(std::move(plan)));
     std::vector<float> logits;
     TERN_TRY(run_ranks("a draft step", [&](int r) -> Expected<void> {
@@ -574,16 +622,66 @@ class TpRunner final : public ModelRunner {
     return layout_.nnodes > 1 ? *rank_comms_[static_cast<size_t>(l)] : group_.rank(l);
   }
 
-  // Node 0: the step's plan to the other nodes, before its own ranks run it.
-  Expected<void> send_step(std::span<const SequenceInput> batch, LogitsFor which) {
-    if (control_ == nullptr) return {};
+  static Plan step_plan(std::span<const SequenceInput> batch, LogitsFor which) {
     Plan plan{.op = PlanOp::kStep, .which = which};
     for (const SequenceInput& in : batch) {
       const auto* seq = static_cast<const TpSequence*>(in.cache->device.get());
       plan.sequences.push_back({seq->id, in.cache->length, {in.tokens.begin(), in.tokens.end()},
                                 {in.kv_blocks.begin(), in.kv_blocks.end()}, in.state_slot, in.verify ? 1 : 0});
     }
-    return send_plan(std::move(plan));
+    return plan;
+  }
+
+  // Node 0: the step's plan to the other nodes, before its own ranks run it.
+  Expected<void> send_step(std::span<const SequenceInput> batch, LogitsFor which) {
+    if (control_ == nullptr) return {};
+    return send_plan(step_plan(batch, which));
+  }
+
+  // A front end: the plan to the nodes, then rank 0's logits from the node holding it, under one hold of the control
+  // group (no heartbeat between them). A step that failed there, or a lost node, breaks the group.
+  Expected<std::vector<float>> remote(Plan plan) {
+    if (!failed_.empty()) return make_error("the tensor-parallel group failed earlier: {}", failed_);
+    {
+      std::lock_guard lock(released_->mu);
+      plan.released.swap(released_->ids);
+    }
+    std::lock_guard lock(control_mu_);
+    Expected<std::vector<float>> result = send_locked(plan).and_then([&] { return receive_result_locked(); });
+    if (!result) failed_ = result.error().message;
+    return result;
+  }
+
+  // The step's result on the control group, from the node holding rank 0 (kResultRoot): a word n, then n floats (the
+  // logits), or for a step that failed -(length + 1) and the reason's bytes. Every node takes part.
+  Expected<void> send_result(const Expected<std::vector<float>>& result) {
+    const bool root = layout_.node_rank == kResultRoot;
+    std::string reason = root && !result ? result.error().message : std::string();
+    int64_t n = !root ? 0 : result ? static_cast<int64_t>(result->size()) : -static_cast<int64_t>(reason.size()) - 1;
+    TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<int64_t>(&n, 1)), kResultRoot));
+    if (n < -1) {
+      reason.resize(static_cast<size_t>(-n - 1));
+      return control_->broadcast(std::as_writable_bytes(std::span<char>(reason)), kResultRoot);
+    }
+    if (n <= 0) return {};
+    std::vector<float> logits = root ? *result : std::vector<float>(static_cast<size_t>(n));
+    return control_->broadcast(std::as_writable_bytes(std::span<float>(logits)), kResultRoot);
+  }
+
+  Expected<std::vector<float>> receive_result_locked() {
+    int64_t n = 0;
+    TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<int64_t>(&n, 1)), kResultRoot));
+    if (n < 0) {
+      std::string reason(static_cast<size_t>(-n - 1), '\0');
+      if (!reason.empty()) {
+        TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<char>(reason)), kResultRoot));
+      }
+      return make_error("the step failed on the ranks: {}", reason);
+    }
+    if (n > (int64_t{1} << 32)) return make_error("a step result of {} logits from node {}", n, kResultRoot);
+    std::vector<float> logits(static_cast<size_t>(n));
+    if (n > 0) TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<float>(logits)), kResultRoot));
+    return logits;
   }
 
   // Node 0: a plan to the other nodes, with the sequences released since the last one.
@@ -634,6 +732,7 @@ class TpRunner final : public ModelRunner {
   }
 
   static constexpr size_t kProbeElements = size_t{1} << 20;
+  static constexpr int kResultRoot = 1;  // with a front end, the node holding rank 0
   static constexpr std::chrono::seconds kHeartbeat{5};
 
   const int world_;
@@ -646,6 +745,8 @@ class TpRunner final : public ModelRunner {
   std::vector<std::unique_ptr<Communicator>> rank_comms_;  // several nodes: each rank's Gloo communicator
   std::shared_ptr<ReleaseQueue> released_;
   int64_t kv_tokens_ = 0;  // the fewest KV tokens any rank holds (load)
+  std::unique_ptr<CausalLm> front_model_;  // a front end: the model's shapes (load_front_end)
+  ModelDevice device_ = ModelDevice::kCpu;  // a front end: the ranks' device
   int64_t next_sequence_ = 1;
   std::mutex control_mu_;  // one plan on the control group at a time (steps and heartbeats)
   std::condition_variable heartbeat_cv_;
@@ -660,15 +761,19 @@ class TpRunner final : public ModelRunner {
 
 // How the ranks spread over processes ("nodes"), from --nnodes, --node-rank and --dist-init-addr HOST:PORT.
 Expected<NodeLayout> node_layout(const ModelLoadOptions& options) {
-  NodeLayout n{.nnodes = options.nnodes, .node_rank = options.node_rank};
+  NodeLayout n{.nnodes = options.nnodes, .node_rank = options.node_rank, .front_end = options.front_end};
   const int world = options.tensor_parallel_size;
   if (world < 1) return make_error("--tensor-parallel-size must be at least 1, got {}", world);
   if (n.nnodes < 1) return make_error("--nnodes must be at least 1, got {}", n.nnodes);
   if (n.node_rank < 0 || n.node_rank >= n.nnodes) {
     return make_error("--node-rank {} is outside [0, {}) (--nnodes {})", n.node_rank, n.nnodes, n.nnodes);
   }
-  if (world % n.nnodes != 0) {
-    return make_error("--tensor-parallel-size {} does not divide over --nnodes {}", world, n.nnodes);
+  if (n.front_end && n.nnodes < 2) {
+    return make_error("a front end without ranks needs the ranks on at least one other node (--nnodes {})", n.nnodes);
+  }
+  if (world % n.worker_nodes() != 0) {
+    return make_error("--tensor-parallel-size {} does not divide over {} nodes{}", world, n.worker_nodes(),
+                      n.front_end ? " besides the front end" : fmt::format(" (--nnodes {})", n.nnodes));
   }
   if (n.nnodes == 1) return n;
   const std::string& addr = options.dist_init_addr;
@@ -689,7 +794,8 @@ Expected<NodeLayout> node_layout(const ModelLoadOptions& options) {
 
 // Each of this node's ranks' GPU: rank r of the node on GPU r, or --cuda-devices.
 Expected<std::vector<int>> rank_devices(const ModelLoadOptions& options, const NodeLayout& layout) {
-  const int local = options.tensor_parallel_size / layout.nnodes;
+  const int local = layout.ranks_on(options.tensor_parallel_size, layout.node_rank);
+  if (local == 0) return std::vector<int>{};  // a front end
   std::vector<int> devices;
   if (options.device == ModelDevice::kCuda) {
     const int present = runner_cuda_device_count();

@@ -32,6 +32,12 @@ struct NodeLayout {
   int node_rank = 0;
   std::string store_host;
   int store_port = 0;
+  bool front_end = false;  // node 0 runs no ranks (ModelLoadOptions::front_end)
+
+  int worker_nodes() const { return front_end ? nnodes - 1 : nnodes; }
+  // The ranks of node `node` of a group of `world`: [first_rank(node), first_rank(node) + ranks_on(node)).
+  int ranks_on(int world, int node) const { return front_end && node == 0 ? 0 : world / worker_nodes(); }
+  int first_rank(int world, int node) const { return (front_end ? node - 1 : node) * (world / worker_nodes()); }
 };
 
 // What the start-up check of a tensor-parallel group found, before any weight was read.
@@ -54,6 +60,10 @@ Expected<TpGroupCheck> tp_group_check(const ModelLoadOptions& options, std::chro
 // tensor, its sizes and the world size) or loaded.
 Expected<std::unique_ptr<ModelRunner>> tp_runner_load(const std::filesystem::path& dir, const ModelLoadOptions& options);
 
+// With ModelLoadOptions::front_end, node 0's runner holds no rank: it builds the model's shapes only (for the
+// scheduler's config), sends each step's plan and receives rank 0's logits from the node holding it, and samples
+// on the host; a step that fails on the ranks fails there with the ranks' reason.
+//
 // A node other than 0 (options.node_rank > 0): its ranks joined, checked and loaded as on node 0, then every step
 // node 0's runner sends run on them, until node 0 stops (success) or is lost (an error past the control group's
 // deadline). The command line's --node-rank N > 0 runs this instead of the command.

@@ -315,20 +315,147 @@ TEST(TensorParallelNodes, TwoNodesOverLoopbackMatchOneDevice) {
   EXPECT_TRUE(worker_result.has_value()) << worker_result.error().message;
 }
 
+// A front end without ranks (ModelLoadOptions::front_end) and the two nodes holding a rank each of a group of two,
+// the nodes running as threads of this test until the front end's runner goes (or a step fails there).
+struct FrontEndNodes {
+  ModelLoadOptions options;
+  Expected<void> results[2] = {make_error("not run"), make_error("not run")};
+  std::vector<std::thread> workers;
+
+  explicit FrontEndNodes(const std::string& name) {
+    options.tensor_parallel_size = 2;
+    options.nnodes = 3;
+    options.front_end = true;
+    options.dist_init_addr = "127.0.0.1:" + std::to_string(free_port());
+    options.tp_join_timeout = std::chrono::seconds(30);
+    for (int node = 1; node <= 2; ++node) {
+      workers.emplace_back([this, name, node] {
+        ModelLoadOptions mine = options;
+        mine.node_rank = node;
+        results[node - 1] = tp_worker_run(fixture(name), mine);
+      });
+    }
+  }
+  void join() {
+    for (std::thread& t : workers) t.join();
+  }
+};
+
+// A front end without ranks (ModelLoadOptions::front_end): node 0 holds the scheduler's model shapes only, two
+// other nodes hold a rank each (the one with rank 0 sends each step's logits back; the other takes part), and the
+// front end's logits, batched over two sequences, and its sampled tokens (drawn on the host from those logits) are
+// those of one device.
+TEST(TensorParallelNodes, AFrontEndWithoutRanksMatchesOneDevice) {
+  const std::string name = "qwen3_5_moe";
+  auto one = load(name, 1);
+  ASSERT_TRUE(one);
+  FrontEndNodes nodes(name);
+  {
+    auto front = runner_load(fixture(name), nodes.options);
+    ASSERT_TRUE(front.has_value()) << front.error().message;
+    EXPECT_NE((*front)->describe().find("2 tensor-parallel ranks on 2 other nodes, this process their front end"),
+              std::string::npos) << (*front)->describe();
+    EXPECT_EQ((*front)->config().vocab_size, one->config().vocab_size);
+    const int64_t vocab = one->config().vocab_size;
+    const auto all = prompts(name);
+    ASSERT_GE(all.size(), 2u);
+    SequenceCache a[2] = {one->new_sequence(), one->new_sequence()};
+    SequenceCache b[2] = {(*front)->new_sequence(), (*front)->new_sequence()};
+    std::vector<int32_t> next[2] = {all[0], all[1]};
+    for (int step = 0; step < 6; ++step) {
+      const std::vector<SequenceInput> in_a{{&a[0], next[0]}, {&a[1], next[1]}};
+      const std::vector<SequenceInput> in_b{{&b[0], next[0]}, {&b[1], next[1]}};
+      auto want = one->forward(in_a, LogitsFor::kLastToken);
+      auto got = (*front)->forward(in_b, LogitsFor::kLastToken);
+      ASSERT_TRUE(want && got) << (want ? got.error().message : want.error().message);
+      ASSERT_EQ(got->size(), want->size());
+      for (int s = 0; s < 2; ++s) {
+        const std::span<const float> w(want->data() + s * vocab, static_cast<size_t>(vocab));
+        const std::span<const float> g(got->data() + s * vocab, static_cast<size_t>(vocab));
+        double max_ref = 0.0, worst = 0.0;
+        for (int64_t v = 0; v < vocab; ++v) {
+          max_ref = std::max(max_ref, std::abs(double{w[v]}));
+          worst = std::max(worst, std::abs(double{g[v]} - double{w[v]}));
+        }
+        EXPECT_LE(worst, 1e-5 * max_ref) << "step " << step << " sequence " << s;
+        EXPECT_EQ(argmax(g), argmax(w)) << "step " << step << " sequence " << s;
+        next[s] = {argmax(w)};
+      }
+    }
+    SamplingParams params;
+    params.temperature = 0.8f;
+    params.top_k = 20;
+    params.seed = 99;
+    Sampler sa(params), sb(params);
+    SequenceCache c = one->new_sequence(), d = (*front)->new_sequence();
+    std::vector<int32_t> tokens = all[0], out_a, out_b;
+    for (int step = 0; step < 6; ++step) {
+      const std::vector<SequenceInput> in_a{{&c, tokens}}, in_b{{&d, tokens}};
+      const std::vector<SampleRow> rows_a{{&sa, all[0], out_a}}, rows_b{{&sb, all[0], out_b}};
+      auto ga = one->forward_sample(in_a, rows_a);
+      auto gb = (*front)->forward_sample(in_b, rows_b);
+      ASSERT_TRUE(ga && gb) << (ga ? gb.error().message : ga.error().message);
+      ASSERT_TRUE((*ga)[0] && (*gb)[0]);
+      EXPECT_EQ((*gb)[0]->id, (*ga)[0]->id) << "step " << step;
+      out_a.push_back((*ga)[0]->id);
+      out_b.push_back((*gb)[0]->id);
+      tokens = {(*ga)[0]->id};
+    }
+  }  // the front end goes: the nodes are told to stop
+  nodes.join();
+  for (const auto& r : nodes.results) EXPECT_TRUE(r.has_value()) << r.error().message;
+}
+
+// A step that fails on the ranks (here node 0's plan disagrees with the ranks on a sequence's length) fails on the
+// front end with the ranks' reason at once, not at the control group's deadline; every later step fails too, and
+// the nodes end with the error.
+TEST(TensorParallelNodes, AStepThatFailsOnTheRanksFailsOnTheFrontEnd) {
+  const std::string name = "qwen3";
+  FrontEndNodes nodes(name);
+  {
+    auto front = runner_load(fixture(name), nodes.options);
+    ASSERT_TRUE(front.has_value()) << front.error().message;
+    SequenceCache seq = (*front)->new_sequence();
+    const std::vector<int32_t> prompt = prompts(name).front();
+    ASSERT_TRUE((*front)->forward(std::vector<SequenceInput>{{&seq, prompt}}, LogitsFor::kLastToken).has_value());
+    seq.length += 1;  // the ranks hold one token less
+    const std::vector<int32_t> token{1};
+    const auto start = std::chrono::steady_clock::now();
+    auto r = (*front)->forward(std::vector<SequenceInput>{{&seq, token}}, LogitsFor::kLastToken);
+    ASSERT_FALSE(r.has_value());
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+    EXPECT_NE(r.error().message.find("this node's rank holds"), std::string::npos) << r.error().message;
+    auto later = (*front)->forward(std::vector<SequenceInput>{{&seq, token}}, LogitsFor::kLastToken);
+    ASSERT_FALSE(later.has_value());
+    EXPECT_NE(later.error().message.find("failed earlier"), std::string::npos) << later.error().message;
+    EXPECT_TRUE((*front)->failure().has_value());
+  }
+  nodes.join();
+  for (const auto& w : nodes.results) {
+    ASSERT_FALSE(w.has_value());
+    EXPECT_NE(w.error().message.find("this node's rank holds"), std::string::npos) << w.error().message;
+  }
+}
+
 TEST(TensorParallelNodes, ImpossibleLayoutsAreRefused) {
   struct Bad {
     int tp, nnodes, node_rank;
     std::string addr, needle;
+    bool front_end = false;
   };
   for (const Bad& b : {Bad{2, 2, 0, "", "needs --dist-init-addr HOST:PORT"},
                        Bad{2, 2, 0, "127.0.0.1:99999", "needs --dist-init-addr HOST:PORT"},
-                       Bad{3, 2, 0, "127.0.0.1:29500", "--tensor-parallel-size 3 does not divide over --nnodes 2"},
-                       Bad{2, 2, 2, "127.0.0.1:29500", "--node-rank 2 is outside [0, 2)"}}) {
+                       Bad{3, 2, 0, "127.0.0.1:29500",
+                           "--tensor-parallel-size 3 does not divide over 2 nodes (--nnodes 2)"},
+                       Bad{2, 2, 2, "127.0.0.1:29500", "--node-rank 2 is outside [0, 2)"},
+                       Bad{2, 1, 0, "", "a front end without ranks needs the ranks on at least one other node", true},
+                       Bad{3, 3, 0, "127.0.0.1:29500", "does not divide over 2 nodes besides the front end", true}}) {
     ModelLoadOptions options;
     options.tensor_parallel_size = b.tp;
     options.nnodes = b.nnodes;
     options.node_rank = b.node_rank;
     options.dist_init_addr = b.addr;
+    options.front_end = b.front_end;
     auto r = b.node_rank == 0 ? runner_load(fixture("qwen3"), options).map([](auto&&) {})
                               : tp_worker_run(fixture("qwen3"), options);
     ASSERT_FALSE(r.has_value()) << b.needle;
