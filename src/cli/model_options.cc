@@ -5,6 +5,7 @@
 #include "runtime/tp_runner.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <charconv>
 
@@ -193,9 +194,16 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
     if (addr.empty()) {
       TERN_ASSIGN_OR_RETURN(addr, free_loopback_addr());
     }
-    // One process per rank, and this one besides them with --front-end.
+    // One process per rank, and this one besides them with --front-end. On GPUs each takes its rank's (from every
+    // rank's list: rank r on GPU r unless --cuda-devices says otherwise).
     const int processes = o.tensor_parallel_size + (o.front_end ? 1 : 0);
-    TERN_TRY(start_rank_processes(processes, addr));
+    std::vector<std::string> extra;
+    if (cuda && o.cuda_devices.empty()) {
+      options.cuda_devices.clear();
+      for (int r = 0; r < o.tensor_parallel_size; ++r) options.cuda_devices.push_back(r);
+      extra = {"--cuda-devices", fmt::format("{}", fmt::join(options.cuda_devices, ","))};
+    }
+    TERN_TRY(start_rank_processes(processes, addr, extra));
     options.nnodes = processes;
     options.dist_init_addr = addr;
   }

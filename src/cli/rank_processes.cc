@@ -142,7 +142,7 @@ Expected<std::string> free_loopback_addr() {
   return fmt::format("127.0.0.1:{}", ntohs(a.sin_port));
 }
 
-Expected<void> start_rank_processes(int nodes, const std::string& addr) {
+Expected<void> start_rank_processes(int nodes, const std::string& addr, const std::vector<std::string>& extra_args) {
   if (command_line().empty()) return make_error("the rank processes need the command line (set_command_line)");
   // The list is made before the handler is registered, so that it is destroyed after the handler has run.
   (void)children();
@@ -163,7 +163,8 @@ Expected<void> start_rank_processes(int nodes, const std::string& addr) {
   std::vector<char*> envp;
   for (std::string& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
-  const std::vector<std::string> base = rank_command_line();
+  std::vector<std::string> base = rank_command_line();
+  base.insert(base.end(), extra_args.begin(), extra_args.end());
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, STDERR_FILENO, STDOUT_FILENO);  // node 0's stdout is its output

@@ -20,9 +20,11 @@ namespace tern {
 // main() records its command line here, for the rank processes to repeat it.
 void set_command_line(int argc, const char* const* argv);
 
-// Starts nodes 1 .. nodes - 1 as processes of their own that join node 0's rendezvous at `addr` (HOST:PORT). Errors
+// Starts nodes 1 .. nodes - 1 as processes of their own that join node 0's rendezvous at `addr` (HOST:PORT), with
+// `extra_args` after the command line (every rank's --cuda-devices when the user gave none). Errors
 // name what could not be started; processes already started are then stopped.
-Expected<void> start_rank_processes(int nodes, const std::string& addr);
+Expected<void> start_rank_processes(int nodes, const std::string& addr,
+                                    const std::vector<std::string>& extra_args = {});
 
 // Node 0 calls this once its runner has loaded: from then on a rank process that ends is the runner's failure to
 // report, not a start-up failure.

@@ -63,7 +63,9 @@ std::string mla_attention_unsupported(const DeviceDescription& d, const SelfTest
     return "needs dims {n_seqs, query_len, past, n_heads, kv_lora_rank, rope_dim, topk, qk_head_dim[, cache]}";
   const int64_t lora = c.dims[4], rope = c.dims[5];
   // The kernel's own limits (kernels/cuda/mla/mla.h): whole k16 steps and n16 pairs of its tensor-core tiles.
-  if (lora < 16 || lora % 16 != 0 || lora > kMlaMaxLoraRank) return "kv_lora_rank must be a multiple of 16 in [16, 512]";
+  if (lora < 16 || lora % 16 != 0 || lora > kMlaMaxLoraRank) {
+    return "kv_lora_rank must be a multiple of 16 in [16, 512]";
+  }
   if (rope < 16 || rope % 16 != 0 || rope > kMlaMaxRopeDim) return "rope_dim must be a multiple of 16 in [16, 128]";
   if (!mla_attention_fits(props_of(d), lora + rope)) return "the attention tiles do not fit the shared memory";
   if (c.dims.size() == 9 && c.dims[8] != 0 && (lora != kMlaFp8LoraRank || rope % 16 != 0 || rope > kMlaFp8MaxRopeDim)) {

@@ -792,33 +792,10 @@ Expected<NodeLayout> node_layout(const ModelLoadOptions& options) {
   return n;
 }
 
-// Each of this node's ranks' GPU: rank r of the node on GPU r, or --cuda-devices.
+// Each of this node's ranks' GPU (tp_rank_devices), the machine's GPUs counted.
 Expected<std::vector<int>> rank_devices(const ModelLoadOptions& options, const NodeLayout& layout) {
-  const int local = layout.ranks_on(options.tensor_parallel_size, layout.node_rank);
-  if (local == 0) return std::vector<int>{};  // a front end
-  std::vector<int> devices;
-  if (options.device == ModelDevice::kCuda) {
-    const int present = runner_cuda_device_count();
-    if (options.cuda_devices.empty()) {
-      if (present < local) {
-        return make_error("--tensor-parallel-size {} needs {} GPUs{}, {} present (--cuda-devices lists the GPU of "
-                          "each rank; ranks may share one GPU, slowly, for testing)", options.tensor_parallel_size,
-                          local, layout.nnodes > 1 ? " on each node" : "", present);
-      }
-      for (int r = 0; r < local; ++r) devices.push_back(r);
-    } else {
-      devices = options.cuda_devices;
-      if (static_cast<int>(devices.size()) != local) {
-        return make_error("--cuda-devices lists {} GPUs for --tensor-parallel-size {}{}", devices.size(),
-                          options.tensor_parallel_size,
-                          layout.nnodes > 1 ? fmt::format(" ({} per node)", local) : std::string());
-      }
-      for (const int d : devices) {
-        if (d < 0 || d >= present) return make_error("--cuda-devices: GPU {} does not exist ({} present)", d, present);
-      }
-    }
-  }
-  return devices;
+  if (options.device != ModelDevice::kCuda) return std::vector<int>{};
+  return tp_rank_devices(options.cuda_devices, options.tensor_parallel_size, layout, runner_cuda_device_count());
 }
 
 constexpr std::string_view kTpHint =
@@ -844,6 +821,36 @@ Expected<std::unique_ptr<TpRunner>> tp_group(const ModelLoadOptions& options, st
 }
 
 }  // namespace
+
+Expected<std::vector<int>> tp_rank_devices(const std::vector<int>& listed, int world, const NodeLayout& layout,
+                                           int present) {
+  const int local = layout.ranks_on(world, layout.node_rank);
+  if (local == 0) return std::vector<int>{};  // a front end
+  const int first = layout.first_rank(world, layout.node_rank);
+  const bool nodes = layout.nnodes > 1;
+  std::vector<int> devices;
+  if (listed.empty()) {
+    if (present < local) {
+      return make_error("--tensor-parallel-size {} needs {} GPUs{}, {} present (--cuda-devices lists the GPU of "
+                        "each rank; ranks may share one GPU, slowly, for testing)", world, local,
+                        nodes ? " on each node" : "", present);
+    }
+    for (int r = 0; r < local; ++r) devices.push_back(r);
+  } else if (static_cast<int>(listed.size()) == local) {
+    devices = listed;
+  } else if (nodes && static_cast<int>(listed.size()) == world) {  // every rank's: nodes sharing a machine
+    devices.assign(listed.begin() + first, listed.begin() + first + local);
+  } else {
+    return make_error("--cuda-devices lists {} GPUs for --tensor-parallel-size {}{}", listed.size(), world,
+                      nodes ? fmt::format(" ({} per node, or {} for every rank of nodes sharing a machine)", local,
+                                          world)
+                            : std::string());
+  }
+  for (const int d : devices) {
+    if (d < 0 || d >= present) return make_error("--cuda-devices: GPU {} does not exist ({} present)", d, present);
+  }
+  return devices;
+}
 
 Expected<TpGroupCheck> tp_group_check(const ModelLoadOptions& options, std::chrono::milliseconds deadline) {
   TpGroupCheck check;

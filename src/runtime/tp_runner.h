@@ -40,6 +40,13 @@ struct NodeLayout {
   int first_rank(int world, int node) const { return (front_end ? node - 1 : node) * (world / worker_nodes()); }
 };
 
+// The GPU of each of this node's ranks of a group of `world` (layout.node_rank's), from --cuda-devices (`listed`):
+// empty, rank r of the node on GPU r; this node's ranks' GPUs; or, with several nodes, every rank's, of which the
+// node takes its ranks' (nodes sharing a machine, as --distributed-executor-backend mp starts them). Each must be
+// one of the `present` GPUs. A front end (no ranks) has none.
+Expected<std::vector<int>> tp_rank_devices(const std::vector<int>& listed, int world, const NodeLayout& layout,
+                                           int present);
+
 // What the start-up check of a tensor-parallel group found, before any weight was read.
 struct TpGroupCheck {
   int world = 0;

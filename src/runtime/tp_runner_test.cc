@@ -437,6 +437,37 @@ TEST(TensorParallelNodes, AStepThatFailsOnTheRanksFailsOnTheFrontEnd) {
   }
 }
 
+// Each node's GPUs (machines of 8 here): by default rank r of the node on GPU r; --cuda-devices listing the node's
+// ranks' GPUs, or every rank's when the nodes share a machine (--distributed-executor-backend mp), of which each node
+// takes its own; a front end none; a list of any other length, or a GPU not present, refused.
+TEST(TensorParallelNodes, EachNodeTakesItsRanksGpus) {
+  auto devices = [](const std::vector<int>& listed, int world, NodeLayout layout) {
+    return tp_rank_devices(listed, world, layout, 8);
+  };
+  const NodeLayout one{}, node1_of4{.nnodes = 4, .node_rank = 1}, node3_of4{.nnodes = 4, .node_rank = 3};
+  const NodeLayout front{.nnodes = 3, .node_rank = 0, .front_end = true},
+                   front_node2{.nnodes = 3, .node_rank = 2, .front_end = true};
+  EXPECT_EQ(devices({}, 4, one).value(), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(devices({5, 6}, 2, one).value(), (std::vector<int>{5, 6}));
+  EXPECT_EQ(devices({}, 4, node1_of4).value(), (std::vector<int>{0}));
+  EXPECT_EQ(devices({4, 5, 6, 7}, 4, node1_of4).value(), (std::vector<int>{5}));  // every rank's: its own
+  EXPECT_EQ(devices({4, 5, 6, 7}, 4, node3_of4).value(), (std::vector<int>{7}));
+  EXPECT_EQ(devices({2}, 4, node3_of4).value(), (std::vector<int>{2}));            // the node's own
+  EXPECT_TRUE(devices({0, 1}, 2, front).value().empty());
+  EXPECT_EQ(devices({0, 1}, 2, front_node2).value(), (std::vector<int>{1}));        // node 2 holds rank 1
+  EXPECT_EQ(devices({0, 1, 2, 3}, 4, front_node2).value(), (std::vector<int>{2, 3}));
+  const auto three = devices({0, 1, 2}, 4, node1_of4);
+  ASSERT_FALSE(three.has_value());
+  EXPECT_NE(three.error().message.find("--cuda-devices lists 3 GPUs for --tensor-parallel-size 4 (1 per node, or 4"),
+            std::string::npos) << three.error().message;
+  const auto absent = devices({0, 9}, 2, one);
+  ASSERT_FALSE(absent.has_value());
+  EXPECT_NE(absent.error().message.find("GPU 9 does not exist (8 present)"), std::string::npos);
+  const auto too_few = tp_rank_devices({}, 16, one, 8);
+  ASSERT_FALSE(too_few.has_value());
+  EXPECT_NE(too_few.error().message.find("--tensor-parallel-size 16 needs 16 GPUs, 8 present"), std::string::npos);
+}
+
 TEST(TensorParallelNodes, ImpossibleLayoutsAreRefused) {
   struct Bad {
     int tp, nnodes, node_rank;

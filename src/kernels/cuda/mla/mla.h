@@ -3,8 +3,9 @@
 // kernel and the bad argument. Zero tokens is a no-op.
 //
 // Supported: kv_lora_rank and rope_dim multiples of 16, kv_lora_rank <= 512, rope_dim <= 128; block_size a power
-// of two; an FP8 cache (LatentCacheDtype::kFp8) with kv_lora_rank 512 and rope_dim <= 64; the attention kernel's shared memory (mla_attention_smem_bytes) within the device's per-block limit
-// (GLM-5's 576-value latent fits sm_120's 101,376 bytes).
+// of two; an FP8 cache (LatentCacheDtype::kFp8) with kv_lora_rank 512 and rope_dim <= 64; the attention kernel's
+// shared memory (mla_attention_smem_bytes) within the device's per-block limit (GLM-5's 576-value latent fits
+// sm_120's 101,376 bytes).
 #pragma once
 
 #include "core/error.h"

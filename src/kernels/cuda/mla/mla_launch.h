@@ -41,8 +41,9 @@ struct PagedLatentCache {
 
 // Before attention, per new token t: c = RMSNorm(kv_a[t, :kv_lora_rank]) * weight and k_pe = RoPE(kv_a[t,
 // kv_lora_rank:]) written to the cache at slot_mapping[t] (a slot outside the pool, e.g. -1 for a padding row,
-// writes nothing; an FP8 cache gets the entry latent_fp8_pack makes of the fp32 c and k_pe); each head's q_pe = RoPE(q[t, h, nope_dim:]) written to the last rope_dim columns of
-// q_latent[t, h] (its first kv_lora_rank columns are the absorbed query, which the batched GEMM writes). RoPE:
+// writes nothing; an FP8 cache gets the entry latent_fp8_pack makes of the fp32 c and k_pe); each head's q_pe =
+// RoPE(q[t, h, nope_dim:]) written to the last rope_dim columns of q_latent[t, h] (its first kv_lora_rank columns
+// are the absorbed query, which the batched GEMM writes). RoPE:
 // angle = float(positions[t]) * inv_freq[i] in fp32; interleaved pairs (x[2i], x[2i + 1]) or NeoX halves (x[i],
 // x[i + rope_dim / 2]). fp32 math, one rounding to bf16.
 struct MlaPrepareArgs {
