@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <charconv>
 #include <condition_variable>
 #include <functional>
@@ -110,7 +111,9 @@ struct TpSequence final : DeviceSequenceState {
 // int64 words: op, logits wanted, the released sequence ids, then per sequence its id, cached length, tokens, KV
 // block ids, state slot, and the speculative fields below. kStep: a forward step; kDraft: a draft step
 // (ModelRunner::draft) over the sequences; kKeepRows: ModelRunner::keep_rows of each.
-enum class PlanOp : int64_t { kStep = 1, kHeartbeat = 2, kStop = 3, kDraft = 4, kKeepRows = 5 };
+// kSample (a front end's sample_step): a kStep whose rank 0 samples each sequence's row with the sampling row the
+// plan carries (PlanSampleRow) and returns the tokens instead of the logits.
+enum class PlanOp : int64_t { kStep = 1, kHeartbeat = 2, kStop = 3, kDraft = 4, kKeepRows = 5, kSample = 6 };
 
 struct PlanSequence {
   int64_t id = 0, length = 0;
@@ -121,12 +124,25 @@ struct PlanSequence {
   int64_t verify = 0, position = 0, hidden = 0, source = 0, rows = 0;
 };
 
+// One sequence's sampling in a kSample plan: the front end's Sampler's parameters and this step's draw from its
+// stream (Sampler::next_draw), and the ids its penalties read (only when one is on).
+struct PlanSampleRow {
+  bool sample = false;  // false: the sequence is mid-prompt
+  SamplingParams params;
+  double draw = 0.0;
+  std::vector<int32_t> prompt_ids, output_ids;
+};
+
 struct Plan {
   PlanOp op = PlanOp::kStep;
   LogitsFor which = LogitsFor::kLastToken;
   std::vector<int64_t> released;
   std::vector<PlanSequence> sequences;
+  std::vector<PlanSampleRow> rows;  // kSample: one per sequence
 };
+
+int64_t bits_of(float v) { return std::bit_cast<int32_t>(v); }
+float float_of(int64_t w) { return std::bit_cast<float>(static_cast<int32_t>(w)); }
 
 std::vector<int64_t> plan_words(const Plan& p) {
   std::vector<int64_t> w{static_cast<int64_t>(p.op), p.which == LogitsFor::kAllTokens ? 1 : 0,
@@ -139,6 +155,20 @@ std::vector<int64_t> plan_words(const Plan& p) {
     w.push_back(static_cast<int64_t>(q.kv_blocks.size()));
     w.insert(w.end(), q.kv_blocks.begin(), q.kv_blocks.end());
     w.insert(w.end(), {int64_t{q.state_slot}, q.verify, q.position, q.hidden, q.source, q.rows});
+  }
+  if (p.op != PlanOp::kSample) return w;
+  w.push_back(static_cast<int64_t>(p.rows.size()));
+  for (const PlanSampleRow& r : p.rows) {
+    w.push_back(r.sample ? 1 : 0);
+    if (!r.sample) continue;
+    const SamplingParams& s = r.params;
+    w.insert(w.end(), {bits_of(s.temperature), s.top_k, bits_of(s.top_p), bits_of(s.min_p),
+                       bits_of(s.repetition_penalty), bits_of(s.presence_penalty), bits_of(s.frequency_penalty),
+                       s.logprobs, std::bit_cast<int64_t>(r.draw)});
+    for (const std::vector<int32_t>* ids : {&r.prompt_ids, &r.output_ids}) {
+      w.push_back(static_cast<int64_t>(ids->size()));
+      w.insert(w.end(), ids->begin(), ids->end());
+    }
   }
   return w;
 }
@@ -156,7 +186,7 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w) {
   };
   Plan p;
   TERN_ASSIGN_OR_RETURN(const int64_t op, next());
-  if (op < 1 || op > 5) return make_error("a step plan from node 0 has op {}", op);
+  if (op < 1 || op > 6) return make_error("a step plan from node 0 has op {}", op);
   p.op = static_cast<PlanOp>(op);
   TERN_ASSIGN_OR_RETURN(const int64_t all, next());
   p.which = all != 0 ? LogitsFor::kAllTokens : LogitsFor::kLastToken;
@@ -178,7 +208,83 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w) {
     }
     p.sequences.push_back(std::move(q));
   }
+  if (p.op != PlanOp::kSample) return p;
+  TERN_ASSIGN_OR_RETURN(const size_t n_rows, count());
+  for (size_t i = 0; i < n_rows; ++i) {
+    PlanSampleRow r;
+    TERN_ASSIGN_OR_RETURN(const int64_t sample, next());
+    r.sample = sample != 0;
+    if (r.sample) {
+      int64_t f[9];
+      for (int64_t& v : f) {
+        TERN_ASSIGN_OR_RETURN(v, next());
+      }
+      r.params = SamplingParams{.temperature = float_of(f[0]), .top_k = static_cast<int32_t>(f[1]),
+                                .top_p = float_of(f[2]), .min_p = float_of(f[3]), .repetition_penalty = float_of(f[4]),
+                                .presence_penalty = float_of(f[5]), .frequency_penalty = float_of(f[6]),
+                                .seed = 0, .logprobs = static_cast<int32_t>(f[7])};
+      r.draw = std::bit_cast<double>(f[8]);
+      for (std::vector<int32_t>* ids : {&r.prompt_ids, &r.output_ids}) {
+        TERN_ASSIGN_OR_RETURN(const size_t n, count());
+        for (size_t k = 0; k < n; ++k) ids->push_back(static_cast<int32_t>(w[at++]));
+      }
+    }
+    p.rows.push_back(std::move(r));
+  }
+  if (p.rows.size() != p.sequences.size()) {
+    return make_error("a sampling plan from node 0 has {} rows for {} sequences", p.rows.size(), p.sequences.size());
+  }
   return p;
+}
+
+// A kSample step's tokens as words for the control group: per row 0, id, logprob bits, n top logprobs and their
+// (id, bits) pairs; or 1, the reason's length and its characters (one per word).
+std::vector<int64_t> sample_words(const SampleResults& results) {
+  std::vector<int64_t> w;
+  for (const Expected<SampledToken>& r : results) {
+    if (r) {
+      w.insert(w.end(), {0, r->id, bits_of(r->logprob), static_cast<int64_t>(r->top_logprobs.size())});
+      for (const auto& [id, lp] : r->top_logprobs) w.insert(w.end(), {id, bits_of(lp)});
+    } else {
+      const std::string& why = r.error().message;
+      w.insert(w.end(), {1, static_cast<int64_t>(why.size())});
+      w.insert(w.end(), why.begin(), why.end());
+    }
+  }
+  return w;
+}
+
+Expected<SampleResults> sample_results_of(const std::vector<int64_t>& w, size_t rows) {
+  SampleResults out;
+  size_t at = 0;
+  auto next = [&]() -> Expected<int64_t> {
+    if (at >= w.size()) return make_error("a sampled step from the ranks ended early ({} words)", w.size());
+    return w[at++];
+  };
+  for (size_t i = 0; i < rows; ++i) {
+    TERN_ASSIGN_OR_RETURN(const int64_t tag, next());
+    TERN_ASSIGN_OR_RETURN(const int64_t a, next());
+    if (tag == 1) {
+      if (a < 0 || static_cast<size_t>(a) > w.size() - at) return make_error("a sampled step from the ranks is malformed");
+      out.push_back(make_error("{}", std::string(w.begin() + static_cast<ptrdiff_t>(at),
+                                                 w.begin() + static_cast<ptrdiff_t>(at + static_cast<size_t>(a)))));
+      at += static_cast<size_t>(a);
+      continue;
+    }
+    SampledToken t{.id = static_cast<int32_t>(a)};
+    TERN_ASSIGN_OR_RETURN(const int64_t lp, next());
+    t.logprob = float_of(lp);
+    TERN_ASSIGN_OR_RETURN(const int64_t n_top, next());
+    if (n_top < 0 || n_top > kSamplingMaxLogprobs) return make_error("a sampled step from the ranks is malformed");
+    for (int64_t k = 0; k < n_top; ++k) {
+      TERN_ASSIGN_OR_RETURN(const int64_t id, next());
+      TERN_ASSIGN_OR_RETURN(const int64_t bits, next());
+      t.top_logprobs.emplace_back(static_cast<int32_t>(id), float_of(bits));
+    }
+    out.push_back(std::move(t));
+  }
+  if (at != w.size()) return make_error("a sampled step from the ranks has {} words left over", w.size() - at);
+  return out;
 }
 
 class TpRunner final : public ModelRunner {
@@ -257,6 +363,7 @@ class TpRunner final : public ModelRunner {
         return {};
       };
       std::vector<float> rank0_logits;
+      std::vector<int64_t> rank0_tokens;
       Expected<void> ran = gather();
       if (ran) ran = run_ranks("a step", [&](int l) -> Expected<void> {
         TERN_TRY(bind(l));
@@ -267,6 +374,11 @@ class TpRunner final : public ModelRunner {
           }
           return {};
         }
+        if (plan.op == PlanOp::kSample && first_rank_ + l == 0) {
+          TERN_ASSIGN_OR_RETURN(const SampleResults results, sample_for_front_end(runner, inputs[0], plan.rows));
+          rank0_tokens = sample_words(results);
+          return {};
+        }
         TERN_ASSIGN_OR_RETURN(std::vector<float> logits,
                               plan.op == PlanOp::kDraft ? runner.draft(drafts[static_cast<size_t>(l)], plan.which)
                                                         : runner.forward(inputs[static_cast<size_t>(l)], plan.which));
@@ -274,12 +386,34 @@ class TpRunner final : public ModelRunner {
         return {};
       });
       // A front end waits for the step's result, its failure included (whatever failed here, a check or a rank).
-      if (layout_.front_end && plan.op != PlanOp::kKeepRows) {
+      if (layout_.front_end && plan.op == PlanOp::kSample) {
+        TERN_TRY(send_result(ran ? Expected<std::vector<int64_t>>(std::move(rank0_tokens))
+                                 : Expected<std::vector<int64_t>>(tl::unexpected<Error>(ran.error()))));
+      } else if (layout_.front_end && plan.op != PlanOp::kKeepRows) {
         TERN_TRY(send_result(ran ? Expected<std::vector<float>>(std::move(rank0_logits))
                                  : Expected<std::vector<float>>(tl::unexpected<Error>(ran.error()))));
       }
       TERN_TRY(ran);
     }
+  }
+
+  // Rank 0 of a front end's group: the step's tokens drawn with the front end's sampling rows, each through a Sampler
+  // given that row's draw from the front end's stream, so that the token is the one the front end's Sampler would
+  // have drawn from these logits.
+  static Expected<SampleResults> sample_for_front_end(ModelRunner& runner, std::span<const SequenceInput> inputs,
+                                                      const std::vector<PlanSampleRow>& plan_rows) {
+    std::vector<std::unique_ptr<Sampler>> samplers;
+    std::vector<SampleRow> rows;
+    for (const PlanSampleRow& r : plan_rows) {
+      if (!r.sample) {
+        rows.push_back({});
+        continue;
+      }
+      samplers.push_back(std::make_unique<Sampler>(r.params));
+      samplers.back()->give_draw(r.draw);
+      rows.push_back({samplers.back().get(), r.prompt_ids, r.output_ids});
+    }
+    return runner.forward_sample(inputs, rows);
   }
 
   // The group's start-up check, before any weight is read: the device collectives joined (NCCL's group made) and
@@ -478,7 +612,7 @@ class TpRunner final : public ModelRunner {
                                     const Tracer* tracer) override {
     if (local_ == 0) {
       TERN_TRY(ModelRunner::check_inputs(batch));
-      return remote(step_plan(batch, which));
+      return remote<float>(step_plan(batch, which));
     }
     TERN_ASSIGN_OR_RETURN(const auto inputs, rank_inputs(batch));
     TERN_TRY(send_step(batch, which));
@@ -495,7 +629,25 @@ class TpRunner final : public ModelRunner {
 
   // Rank 0 samples (the rows' Samplers and their random streams are used once); the others run the same step.
   Expected<SampleResults> sample_step(std::span<const SequenceInput> batch, std::span<const SampleRow> rows) override {
-    if (local_ == 0) return ModelRunner::sample_step(batch, rows);  // the logits come here; the host samples
+    if (local_ == 0) {  // rank 0 samples with this process's Samplers' draws; the tokens come back
+      TERN_TRY(ModelRunner::check_inputs(batch));
+      Plan plan = step_plan(batch, LogitsFor::kLastToken);
+      plan.op = PlanOp::kSample;
+      for (const SampleRow& row : rows) {
+        PlanSampleRow& r = plan.rows.emplace_back();
+        if (row.sampler == nullptr) continue;
+        TERN_TRY(sampling_params_validate(row.sampler->params()));
+        r.sample = true;
+        r.params = row.sampler->params();
+        r.draw = row.sampler->next_draw();
+        if (sampling_penalties_active(r.params)) {
+          r.prompt_ids.assign(row.prompt_ids.begin(), row.prompt_ids.end());
+          r.output_ids.assign(row.output_ids.begin(), row.output_ids.end());
+        }
+      }
+      TERN_ASSIGN_OR_RETURN(const std::vector<int64_t> words, remote<int64_t>(std::move(plan)));
+      return sample_results_of(words, rows.size());
+    }
     TERN_ASSIGN_OR_RETURN(const auto inputs, rank_inputs(batch));
     TERN_TRY(send_step(batch, LogitsFor::kLastToken));
     SampleResults results;
@@ -543,7 +695,7 @@ class TpRunner final : public ModelRunner {
         ranks[r].push_back(mine);
       }
     }
-    if (local_ == 0) return remote(std::move(plan));
+    if (local_ == 0) return remote<float>(std::move(plan));
     if (control_ != nullptr) TERN_TRY(send_plan(std::move(plan)));
     std::vector<float> logits;
     TERN_TRY(run_ranks("a draft step", [&](int r) -> Expected<void> {
@@ -640,21 +792,24 @@ class TpRunner final : public ModelRunner {
 
   // A front end: the plan to the nodes, then rank 0's logits from the node holding it, under one hold of the control
   // group (no heartbeat between them). A step that failed there, or a lost node, breaks the group.
-  Expected<std::vector<float>> remote(Plan plan) {
+  template <class T>
+  Expected<std::vector<T>> remote(Plan plan) {
     if (!failed_.empty()) return make_error("the tensor-parallel group failed earlier: {}", failed_);
     {
       std::lock_guard lock(released_->mu);
       plan.released.swap(released_->ids);
     }
     std::lock_guard lock(control_mu_);
-    Expected<std::vector<float>> result = send_locked(plan).and_then([&] { return receive_result_locked(); });
+    Expected<std::vector<T>> result = send_locked(plan).and_then([&] { return receive_result_locked<T>(); });
     if (!result) failed_ = result.error().message;
     return result;
   }
 
-  // The step's result on the control group, from the node holding rank 0 (kResultRoot): a word n, then n floats (the
-  // logits), or for a step that failed -(length + 1) and the reason's bytes. Every node takes part.
-  Expected<void> send_result(const Expected<std::vector<float>>& result) {
+  // The step's result on the control group, from the node holding rank 0 (kResultRoot): a word n, then n values (the
+  // logits as floats, or a kSample step's tokens as words), or for a step that failed -(length + 1) and the reason's
+  // bytes. Every node takes part.
+  template <class T>
+  Expected<void> send_result(const Expected<std::vector<T>>& result) {
     const bool root = layout_.node_rank == kResultRoot;
     std::string reason = root && !result ? result.error().message : std::string();
     int64_t n = !root ? 0 : result ? static_cast<int64_t>(result->size()) : -static_cast<int64_t>(reason.size()) - 1;
@@ -664,11 +819,12 @@ class TpRunner final : public ModelRunner {
       return control_->broadcast(std::as_writable_bytes(std::span<char>(reason)), kResultRoot);
     }
     if (n <= 0) return {};
-    std::vector<float> logits = root ? *result : std::vector<float>(static_cast<size_t>(n));
-    return control_->broadcast(std::as_writable_bytes(std::span<float>(logits)), kResultRoot);
+    std::vector<T> values = root ? *result : std::vector<T>(static_cast<size_t>(n));
+    return control_->broadcast(std::as_writable_bytes(std::span<T>(values)), kResultRoot);
   }
 
-  Expected<std::vector<float>> receive_result_locked() {
+  template <class T>
+  Expected<std::vector<T>> receive_result_locked() {
     int64_t n = 0;
     TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<int64_t>(&n, 1)), kResultRoot));
     if (n < 0) {
@@ -678,10 +834,10 @@ class TpRunner final : public ModelRunner {
       }
       return make_error("the step failed on the ranks: {}", reason);
     }
-    if (n > (int64_t{1} << 32)) return make_error("a step result of {} logits from node {}", n, kResultRoot);
-    std::vector<float> logits(static_cast<size_t>(n));
-    if (n > 0) TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<float>(logits)), kResultRoot));
-    return logits;
+    if (n > (int64_t{1} << 32)) return make_error("a step result of {} values from node {}", n, kResultRoot);
+    std::vector<T> values(static_cast<size_t>(n));
+    if (n > 0) TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<T>(values)), kResultRoot));
+    return values;
   }
 
   // Node 0: a plan to the other nodes, with the sequences released since the last one.

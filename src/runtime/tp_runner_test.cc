@@ -382,25 +382,44 @@ TEST(TensorParallelNodes, AFrontEndWithoutRanksMatchesOneDevice) {
         next[s] = {argmax(w)};
       }
     }
-    SamplingParams params;
-    params.temperature = 0.8f;
-    params.top_k = 20;
-    params.seed = 99;
-    Sampler sa(params), sb(params);
-    SequenceCache c = one->new_sequence(), d = (*front)->new_sequence();
-    std::vector<int32_t> tokens = all[0], out_a, out_b;
-    for (int step = 0; step < 6; ++step) {
-      const std::vector<SequenceInput> in_a{{&c, tokens}}, in_b{{&d, tokens}};
-      const std::vector<SampleRow> rows_a{{&sa, all[0], out_a}}, rows_b{{&sb, all[0], out_b}};
+    // Sampling: rank 0 draws with the front end's draws (and the ids its penalties read), the tokens and their
+    // logprobs come back; two sequences, one random with penalties and top logprobs, one greedy.
+    SamplingParams random{.temperature = 0.8f, .top_k = 20, .repetition_penalty = 1.2f, .presence_penalty = 0.3f,
+                          .seed = 99, .logprobs = 3};
+    SamplingParams greedy{.temperature = 0.0f};
+    Sampler sa[2] = {Sampler(random), Sampler(greedy)}, sb[2] = {Sampler(random), Sampler(greedy)};
+    SequenceCache c[2] = {one->new_sequence(), one->new_sequence()};
+    SequenceCache d[2] = {(*front)->new_sequence(), (*front)->new_sequence()};
+    std::vector<int32_t> tokens[2] = {all[0], all[1]}, out_a[2], out_b[2];
+    for (int step = 0; step < 8; ++step) {
+      std::vector<SequenceInput> in_a, in_b;
+      std::vector<SampleRow> rows_a, rows_b;
+      for (int s = 0; s < 2; ++s) {
+        in_a.push_back({&c[s], tokens[s]});
+        in_b.push_back({&d[s], tokens[s]});
+        rows_a.push_back({&sa[s], all[s], out_a[s]});
+        rows_b.push_back({&sb[s], all[s], out_b[s]});
+      }
       auto ga = one->forward_sample(in_a, rows_a);
       auto gb = (*front)->forward_sample(in_b, rows_b);
       ASSERT_TRUE(ga && gb) << (ga ? gb.error().message : ga.error().message);
-      ASSERT_TRUE((*ga)[0] && (*gb)[0]);
-      EXPECT_EQ((*gb)[0]->id, (*ga)[0]->id) << "step " << step;
-      out_a.push_back((*ga)[0]->id);
-      out_b.push_back((*gb)[0]->id);
-      tokens = {(*ga)[0]->id};
+      ASSERT_EQ(gb->size(), 2u);
+      for (int s = 0; s < 2; ++s) {
+        const auto& want = (*ga)[static_cast<size_t>(s)];
+        const auto& got = (*gb)[static_cast<size_t>(s)];
+        ASSERT_TRUE(want && got) << (got ? "" : got.error().message);
+        EXPECT_EQ(got->id, want->id) << "step " << step << " sequence " << s;
+        EXPECT_NEAR(got->logprob, want->logprob, 1e-4) << "step " << step << " sequence " << s;
+        ASSERT_EQ(got->top_logprobs.size(), want->top_logprobs.size());
+        for (size_t k = 0; k < want->top_logprobs.size(); ++k) {
+          EXPECT_EQ(got->top_logprobs[k].first, want->top_logprobs[k].first) << "step " << step << " rank " << k;
+        }
+        out_a[s].push_back(want->id);
+        out_b[s].push_back(got->id);
+        tokens[s] = {want->id};
+      }
     }
+    EXPECT_EQ(sa[0].next_draw(), sb[0].next_draw()) << "the front end's stream advanced as the host sampler's did";
   }  // the front end goes: the nodes are told to stop
   nodes.join();
   for (const auto& r : nodes.results) EXPECT_TRUE(r.has_value()) << r.error().message;

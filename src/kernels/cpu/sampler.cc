@@ -123,11 +123,11 @@ std::vector<std::pair<int32_t, float>> logits_top_logprobs(std::span<const float
   return top;
 }
 
+}  // namespace
+
 bool sampling_penalties_active(const SamplingParams& p) {
   return p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f;
 }
-
-}  // namespace
 
 Expected<void> sampling_params_validate(const SamplingParams& p) {
   if (!is_within(p.temperature, 0.0f, std::numeric_limits<float>::max())) {
@@ -214,7 +214,14 @@ Sampler::Sampler(const SamplingParams& params)
 }
 
 double Sampler::next_draw() {
-  return params_.temperature < kSamplingGreedyTemperature ? 0.0 : rng_.next_unit();
+  return params_.temperature < kSamplingGreedyTemperature ? 0.0 : take_draw();
+}
+
+double Sampler::take_draw() {
+  if (!given_draw_) return rng_.next_unit();
+  const double u = *given_draw_;
+  given_draw_.reset();
+  return u;
 }
 
 Expected<std::span<const float>> Sampler::prepare(std::span<const float> logits, std::span<const int32_t> prompt_ids,
@@ -262,7 +269,7 @@ int32_t Sampler::sample_random(std::span<const float> logits) {
   uint64_t total = 0;
   for (const Candidate& c : candidates_) total += mass(c);
   // Inverse CDF over the kept tokens in id order with one uniform draw per token, so a seed replays exactly.
-  const auto target = std::min(total - 1, static_cast<uint64_t>(rng_.next_unit() * static_cast<double>(total)));
+  const auto target = std::min(total - 1, static_cast<uint64_t>(take_draw() * static_cast<double>(total)));
   uint64_t cumulative = 0;
   for (const Candidate& c : candidates_) {
     cumulative += mass(c);

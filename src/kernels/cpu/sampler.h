@@ -44,6 +44,9 @@ constexpr float kSamplingGreedyTemperature = 1e-5f;
 
 // Checks every field against its allowed range; the error names the parameter, the range and the value.
 Expected<void> sampling_params_validate(const SamplingParams& params);
+// Whether any penalty is on (repetition != 1, presence or frequency != 0): only then are the prompt and output ids
+// read.
+bool sampling_penalties_active(const SamplingParams& params);
 
 // The penalty stage alone, in place on one row (also the CPU reference for device implementations). A no-op
 // when no penalty is active; otherwise an id outside [0, vocab) or a logit pushed past the float range is an error.
@@ -83,6 +86,9 @@ class Sampler {
   // For a device sampler that reproduces sample(): the uniform this step's random draw uses, taken from this
   // Sampler's stream exactly as sample() would take it (one value), or 0 for a greedy step (none taken).
   double next_draw();
+  // For a process that samples for another process's Sampler (the rank 0 of a tensor-parallel front end): the next
+  // random draw, sample()'s or next_draw()'s, is `u` (that Sampler's next_draw()) instead of this stream's next value.
+  void give_draw(double u) { given_draw_ = u; }
 
  private:
   struct Candidate {
@@ -110,6 +116,8 @@ class Sampler {
   SamplingParams params_;
   std::optional<Error> invalid_;
   SamplerRng rng_;
+  std::optional<double> given_draw_;  // give_draw's, for the next draw only
+  double take_draw();
   std::vector<float> penalized_;           // [vocab] logits after penalties (only when a penalty is active)
   std::vector<float> value_scratch_;       // [top_k] heap or [vocab] copy for the top-k selection
   std::vector<Candidate> candidates_;      // tokens still allowed after min_p / top_k / top_p, in id order

@@ -518,5 +518,30 @@ TEST(Sampler, NextDrawIsTheValueSampleWouldTake) {
   EXPECT_EQ(greedy.next_draw(), 0.0);
 }
 
+// A Sampler of another seed given each draw of the first (give_draw, as a tensor-parallel front end's rank 0 samples)
+// draws the first's tokens, penalties and top-p included; without the draws it does not; a draw given is used once.
+TEST(Sampler, GivenDrawsReplayAnotherSamplersStream) {
+  const SamplingParams params{.temperature = 0.9f, .top_p = 0.9f, .repetition_penalty = 1.3f, .seed = 7};
+  SamplingParams other = params;
+  other.seed = 1234;
+  Sampler first(params), draws(params), replica(other), alone(other);
+  const std::vector<int32_t> prompt{3, 5, 8};
+  std::vector<int32_t> out;
+  int differ = 0;
+  for (uint32_t step = 0; step < 64; ++step) {
+    const std::vector<float> row = random_row(300, 100 + step, 2.0f);
+    const SampledToken want = first.sample(row, prompt, out).value();
+    replica.give_draw(draws.next_draw());
+    EXPECT_EQ(replica.sample(row, prompt, out).value().id, want.id) << "step " << step;
+    differ += alone.sample(row, prompt, out).value().id != want.id;
+    out.push_back(want.id);
+  }
+  EXPECT_GT(differ, 0) << "another seed must draw other tokens, or the test shows nothing";
+  Sampler once(other), plain(other);
+  once.give_draw(0.5);
+  (void)once.next_draw();  // the given one
+  EXPECT_EQ(once.next_draw(), plain.next_draw()) << "then the stream's own values";
+}
+
 }  // namespace
 }  // namespace tern
