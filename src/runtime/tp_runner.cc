@@ -111,9 +111,15 @@ struct TpSequence final : DeviceSequenceState {
 // int64 words: op, logits wanted, the released sequence ids, then per sequence its id, cached length, tokens, KV
 // block ids, state slot, and the speculative fields below. kStep: a forward step; kDraft: a draft step
 // (ModelRunner::draft) over the sequences; kKeepRows: ModelRunner::keep_rows of each.
-// kSample (a front end's sample_step): a kStep whose rank 0 samples each sequence's row with the sampling row the
-// plan carries (PlanSampleRow) and returns the tokens instead of the logits.
-enum class PlanOp : int64_t { kStep = 1, kHeartbeat = 2, kStop = 3, kDraft = 4, kKeepRows = 5, kSample = 6 };
+// A front end's steps that return tokens instead of logits: kSample (sample_step), a kStep whose rank 0 samples each
+// sequence's row with the sampling row the plan carries (PlanSampleRow); kSampleRows (sample_rows_step), the same
+// over every row a verification returns; kDraftArgmax (draft_argmax_step), a kDraft whose rank 0 returns each
+// input's greedy proposal.
+enum class PlanOp : int64_t {
+  kStep = 1, kHeartbeat = 2, kStop = 3, kDraft = 4, kKeepRows = 5, kSample = 6, kSampleRows = 7, kDraftArgmax = 8
+};
+
+bool samples(PlanOp op) { return op == PlanOp::kSample || op == PlanOp::kSampleRows; }
 
 struct PlanSequence {
   int64_t id = 0, length = 0;
@@ -138,7 +144,7 @@ struct Plan {
   LogitsFor which = LogitsFor::kLastToken;
   std::vector<int64_t> released;
   std::vector<PlanSequence> sequences;
-  std::vector<PlanSampleRow> rows;  // kSample: one per sequence
+  std::vector<PlanSampleRow> rows;  // kSample: one per sequence; kSampleRows: one per row the step returns
 };
 
 int64_t bits_of(float v) { return std::bit_cast<int32_t>(v); }
@@ -156,7 +162,7 @@ std::vector<int64_t> plan_words(const Plan& p) {
     w.insert(w.end(), q.kv_blocks.begin(), q.kv_blocks.end());
     w.insert(w.end(), {int64_t{q.state_slot}, q.verify, q.position, q.hidden, q.source, q.rows});
   }
-  if (p.op != PlanOp::kSample) return w;
+  if (!samples(p.op)) return w;
   w.push_back(static_cast<int64_t>(p.rows.size()));
   for (const PlanSampleRow& r : p.rows) {
     w.push_back(r.sample ? 1 : 0);
@@ -186,7 +192,7 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w) {
   };
   Plan p;
   TERN_ASSIGN_OR_RETURN(const int64_t op, next());
-  if (op < 1 || op > 6) return make_error("a step plan from node 0 has op {}", op);
+  if (op < 1 || op > 8) return make_error("a step plan from node 0 has op {}", op);
   p.op = static_cast<PlanOp>(op);
   TERN_ASSIGN_OR_RETURN(const int64_t all, next());
   p.which = all != 0 ? LogitsFor::kAllTokens : LogitsFor::kLastToken;
@@ -208,7 +214,7 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w) {
     }
     p.sequences.push_back(std::move(q));
   }
-  if (p.op != PlanOp::kSample) return p;
+  if (!samples(p.op)) return p;
   TERN_ASSIGN_OR_RETURN(const size_t n_rows, count());
   for (size_t i = 0; i < n_rows; ++i) {
     PlanSampleRow r;
@@ -231,8 +237,10 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w) {
     }
     p.rows.push_back(std::move(r));
   }
-  if (p.rows.size() != p.sequences.size()) {
-    return make_error("a sampling plan from node 0 has {} rows for {} sequences", p.rows.size(), p.sequences.size());
+  size_t want = 0;
+  for (const PlanSequence& q : p.sequences) want += p.op == PlanOp::kSampleRows && q.verify != 0 ? q.tokens.size() : 1;
+  if (p.rows.size() != want) {
+    return make_error("a sampling plan from node 0 has {} rows for {} to sample", p.rows.size(), want);
   }
   return p;
 }
@@ -265,7 +273,9 @@ Expected<SampleResults> sample_results_of(const std::vector<int64_t>& w, size_t 
     TERN_ASSIGN_OR_RETURN(const int64_t tag, next());
     TERN_ASSIGN_OR_RETURN(const int64_t a, next());
     if (tag == 1) {
-      if (a < 0 || static_cast<size_t>(a) > w.size() - at) return make_error("a sampled step from the ranks is malformed");
+      if (a < 0 || static_cast<size_t>(a) > w.size() - at) {
+        return make_error("a sampled step from the ranks is malformed");
+      }
       out.push_back(make_error("{}", std::string(w.begin() + static_cast<ptrdiff_t>(at),
                                                  w.begin() + static_cast<ptrdiff_t>(at + static_cast<size_t>(a)))));
       at += static_cast<size_t>(a);
@@ -374,19 +384,30 @@ class TpRunner final : public ModelRunner {
           }
           return {};
         }
-        if (plan.op == PlanOp::kSample && first_rank_ + l == 0) {
-          TERN_ASSIGN_OR_RETURN(const SampleResults results, sample_for_front_end(runner, inputs[0], plan.rows));
+        if (samples(plan.op) && first_rank_ + l == 0) {
+          TERN_ASSIGN_OR_RETURN(const SampleResults results,
+                                sample_for_front_end(runner, inputs[0], plan.rows, plan.op == PlanOp::kSampleRows));
           rank0_tokens = sample_words(results);
           return {};
         }
+        const bool draft = plan.op == PlanOp::kDraft || plan.op == PlanOp::kDraftArgmax;
         TERN_ASSIGN_OR_RETURN(std::vector<float> logits,
-                              plan.op == PlanOp::kDraft ? runner.draft(drafts[static_cast<size_t>(l)], plan.which)
-                                                        : runner.forward(inputs[static_cast<size_t>(l)], plan.which));
-        if (first_rank_ + l == 0) rank0_logits = std::move(logits);
+                              draft ? runner.draft(drafts[static_cast<size_t>(l)], plan.which)
+                                    : runner.forward(inputs[static_cast<size_t>(l)], plan.which));
+        if (first_rank_ + l != 0) return {};
+        if (plan.op == PlanOp::kDraftArgmax) {  // each input's last row (kLastToken): the lowest id of the largest
+          const size_t vocab = static_cast<size_t>(runner.config().vocab_size);
+          for (size_t i = 0; i < logits.size() / vocab; ++i) {
+            const auto row = logits.begin() + static_cast<ptrdiff_t>(i * vocab);
+            rank0_tokens.push_back(std::max_element(row, row + static_cast<ptrdiff_t>(vocab)) - row);
+          }
+          return {};
+        }
+        rank0_logits = std::move(logits);
         return {};
       });
       // A front end waits for the step's result, its failure included (whatever failed here, a check or a rank).
-      if (layout_.front_end && plan.op == PlanOp::kSample) {
+      if (layout_.front_end && (samples(plan.op) || plan.op == PlanOp::kDraftArgmax)) {
         TERN_TRY(send_result(ran ? Expected<std::vector<int64_t>>(std::move(rank0_tokens))
                                  : Expected<std::vector<int64_t>>(tl::unexpected<Error>(ran.error()))));
       } else if (layout_.front_end && plan.op != PlanOp::kKeepRows) {
@@ -401,7 +422,7 @@ class TpRunner final : public ModelRunner {
   // given that row's draw from the front end's stream, so that the token is the one the front end's Sampler would
   // have drawn from these logits.
   static Expected<SampleResults> sample_for_front_end(ModelRunner& runner, std::span<const SequenceInput> inputs,
-                                                      const std::vector<PlanSampleRow>& plan_rows) {
+                                                      const std::vector<PlanSampleRow>& plan_rows, bool all_rows) {
     std::vector<std::unique_ptr<Sampler>> samplers;
     std::vector<SampleRow> rows;
     for (const PlanSampleRow& r : plan_rows) {
@@ -413,7 +434,7 @@ class TpRunner final : public ModelRunner {
       samplers.back()->give_draw(r.draw);
       rows.push_back({samplers.back().get(), r.prompt_ids, r.output_ids});
     }
-    return runner.forward_sample(inputs, rows);
+    return all_rows ? runner.forward_sample_rows(inputs, rows) : runner.forward_sample(inputs, rows);
   }
 
   // The group's start-up check, before any weight is read: the device collectives joined (NCCL's group made) and
@@ -629,25 +650,7 @@ class TpRunner final : public ModelRunner {
 
   // Rank 0 samples (the rows' Samplers and their random streams are used once); the others run the same step.
   Expected<SampleResults> sample_step(std::span<const SequenceInput> batch, std::span<const SampleRow> rows) override {
-    if (local_ == 0) {  // rank 0 samples with this process's Samplers' draws; the tokens come back
-      TERN_TRY(ModelRunner::check_inputs(batch));
-      Plan plan = step_plan(batch, LogitsFor::kLastToken);
-      plan.op = PlanOp::kSample;
-      for (const SampleRow& row : rows) {
-        PlanSampleRow& r = plan.rows.emplace_back();
-        if (row.sampler == nullptr) continue;
-        TERN_TRY(sampling_params_validate(row.sampler->params()));
-        r.sample = true;
-        r.params = row.sampler->params();
-        r.draw = row.sampler->next_draw();
-        if (sampling_penalties_active(r.params)) {
-          r.prompt_ids.assign(row.prompt_ids.begin(), row.prompt_ids.end());
-          r.output_ids.assign(row.output_ids.begin(), row.output_ids.end());
-        }
-      }
-      TERN_ASSIGN_OR_RETURN(const std::vector<int64_t> words, remote<int64_t>(std::move(plan)));
-      return sample_results_of(words, rows.size());
-    }
+    if (local_ == 0) return sample_remotely(batch, rows, PlanOp::kSample);
     TERN_ASSIGN_OR_RETURN(const auto inputs, rank_inputs(batch));
     TERN_TRY(send_step(batch, LogitsFor::kLastToken));
     SampleResults results;
@@ -662,6 +665,36 @@ class TpRunner final : public ModelRunner {
       return {};
     }));
     return results;
+  }
+
+  // A front end: the verification's rows sampled on rank 0 as sample_step's (the default brought the logits here).
+  Expected<SampleResults> sample_rows_step(std::span<const SequenceInput> batch,
+                                           std::span<const SampleRow> rows) override {
+    if (local_ == 0) return sample_remotely(batch, rows, PlanOp::kSampleRows);
+    return ModelRunner::sample_rows_step(batch, rows);
+  }
+
+  // A front end's sampling step: rank 0 samples with this process's Samplers' draws (the stream advanced here as a
+  // local draw would advance it) and the ids the penalties read; the tokens come back.
+  Expected<SampleResults> sample_remotely(std::span<const SequenceInput> batch, std::span<const SampleRow> rows,
+                                          PlanOp op) {
+    TERN_TRY(ModelRunner::check_inputs(batch));
+    Plan plan = step_plan(batch, LogitsFor::kLastToken);
+    plan.op = op;
+    for (const SampleRow& row : rows) {
+      PlanSampleRow& r = plan.rows.emplace_back();
+      if (row.sampler == nullptr) continue;
+      TERN_TRY(sampling_params_validate(row.sampler->params()));
+      r.sample = true;
+      r.params = row.sampler->params();
+      r.draw = row.sampler->next_draw();
+      if (sampling_penalties_active(r.params)) {
+        r.prompt_ids.assign(row.prompt_ids.begin(), row.prompt_ids.end());
+        r.output_ids.assign(row.output_ids.begin(), row.output_ids.end());
+      }
+    }
+    TERN_ASSIGN_OR_RETURN(const std::vector<int64_t> words, remote<int64_t>(std::move(plan)));
+    return sample_results_of(words, rows.size());
   }
 
   // Speculative decoding: every rank keeps the same rows of its slice of the sequence, and runs the same draft step
@@ -680,21 +713,41 @@ class TpRunner final : public ModelRunner {
     });
   }
 
-  Expected<std::vector<float>> draft_step(std::span<const DraftInput> inputs, LogitsFor which,
-                                          std::span<const int64_t>) override {
-    std::vector<std::vector<DraftInput>> ranks(runners_.size());
+  // A front end: the proposals come back, not the logits.
+  Expected<std::vector<int32_t>> draft_argmax_step(std::span<const DraftInput> inputs,
+                                                   std::span<const int64_t> hidden_rows) override {
+    if (local_ != 0) return ModelRunner::draft_argmax_step(inputs, hidden_rows);
+    TERN_ASSIGN_OR_RETURN(Plan plan, draft_plan(inputs, LogitsFor::kLastToken, nullptr));
+    plan.op = PlanOp::kDraftArgmax;
+    TERN_ASSIGN_OR_RETURN(const std::vector<int64_t> ids, remote<int64_t>(std::move(plan)));
+    if (ids.size() != inputs.size()) {
+      return make_error("the ranks returned {} draft proposals for {} inputs", ids.size(), inputs.size());
+    }
+    return std::vector<int32_t>(ids.begin(), ids.end());
+  }
+
+  // The draft step's plan for the other nodes, and (`ranks`) each local rank's inputs.
+  Expected<Plan> draft_plan(std::span<const DraftInput> inputs, LogitsFor which,
+                            std::vector<std::vector<DraftInput>>* ranks) const {
     Plan plan{.op = PlanOp::kDraft, .which = which};
     for (const DraftInput& in : inputs) {
       TERN_ASSIGN_OR_RETURN(TpSequence* tp, tp_sequence(*in.seq.cache));
       plan.sequences.push_back({tp->id, in.seq.cache->length, {in.seq.tokens.begin(), in.seq.tokens.end()},
                                 {in.seq.kv_blocks.begin(), in.seq.kv_blocks.end()}, in.seq.state_slot, 0,
                                 in.position, in.hidden == DraftHidden::kDraft ? 1 : 0, in.source});
-      for (size_t r = 0; r < runners_.size(); ++r) {
+      for (size_t r = 0; ranks != nullptr && r < runners_.size(); ++r) {
         DraftInput mine = in;
         mine.seq.cache = &tp->ranks[r];
-        ranks[r].push_back(mine);
+        (*ranks)[r].push_back(mine);
       }
     }
+    return plan;
+  }
+
+  Expected<std::vector<float>> draft_step(std::span<const DraftInput> inputs, LogitsFor which,
+                                          std::span<const int64_t>) override {
+    std::vector<std::vector<DraftInput>> ranks(runners_.size());
+    TERN_ASSIGN_OR_RETURN(Plan plan, draft_plan(inputs, which, &ranks));
     if (local_ == 0) return remote<float>(std::move(plan));
     if (control_ != nullptr) TERN_TRY(send_plan(std::move(plan)));
     std::vector<float> logits;
