@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <thread>
 
@@ -148,6 +149,51 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallel,
                                          Case{"qwen3_moe", 4}, Case{"qwen3_5_moe", 2}, Case{"qwen3_5_moe_fused", 2},
                                          Case{"qwen3_5_moe_nvfp4", 2}, Case{"glm_moe_dsa", 2}, Case{"glm_moe_dsa", 4}),
                          case_name);
+
+// GLM's fixture config with GLM-5's latent width (kv_lora_rank 512) and dummy weights, its latent cache in FP8 entries
+// (--kv-cache-dtype fp8_e4m3; the latent replicated on each rank): the model split over 2 ranks gives the whole
+// model's teacher-forced logits, as the plain cache does, while FP8 moves them from the plain cache's.
+TEST(TensorParallelFp8Latent, TheSplitModelReadsTheSameEntries) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "tern_tp_glm_latent512";
+  std::filesystem::create_directories(dir);
+  {
+    std::ifstream in(fixture("glm_moe_dsa") + "/config.json");
+    nlohmann::json config = nlohmann::json::parse(in);
+    config["kv_lora_rank"] = 512;
+    std::ofstream(dir / "config.json") << config.dump(1);
+  }
+  auto make = [&](int world, bool fp8) {
+    ModelLoadOptions o{.load_format = LoadFormat::kDummy,
+                       .kv_cache_dtype = fp8 ? KvCacheDtype::kFp8E4m3 : KvCacheDtype::kAuto,
+                       .tensor_parallel_size = world,
+                       .dummy_seed = 3};
+    auto r = runner_load(dir, o);
+    EXPECT_TRUE(r.has_value()) << (r ? "" : r.error().message);
+    return r ? std::move(*r) : nullptr;
+  };
+  auto one = make(1, true), split = make(2, true), plain = make(1, false);
+  ASSERT_TRUE(one && split && plain);
+  double worst = 0.0, fp8_effect = 0.0, max_ref = 0.0;
+  for (const auto& prompt : prompts("glm_moe_dsa")) {
+    SequenceCache a = one->new_sequence(), b = split->new_sequence(), c = plain->new_sequence();
+    auto want = one->forward(std::vector<SequenceInput>{{&a, prompt}}, LogitsFor::kAllTokens);
+    auto got = split->forward(std::vector<SequenceInput>{{&b, prompt}}, LogitsFor::kAllTokens);
+    auto bf = plain->forward(std::vector<SequenceInput>{{&c, prompt}}, LogitsFor::kAllTokens);
+    ASSERT_TRUE(want && got && bf);
+    ASSERT_EQ(got->size(), want->size());
+    for (size_t i = 0; i < want->size(); ++i) {
+      ASSERT_TRUE(std::isfinite((*got)[i])) << "logit " << i;
+      max_ref = std::max(max_ref, std::abs(double{(*want)[i]}));
+      worst = std::max(worst, std::abs(double{(*got)[i]} - double{(*want)[i]}));
+      fp8_effect = std::max(fp8_effect, std::abs(double{(*bf)[i]} - double{(*want)[i]}));
+    }
+  }
+  std::printf("FP8 latent at 2 ranks: max |split - whole| / max |logit| = %.3g; the FP8 cache's effect %.3g\n",
+              worst / max_ref, fp8_effect / max_ref);
+  EXPECT_LE(worst, 1e-5 * max_ref);
+  EXPECT_GT(fp8_effect, 100 * worst) << "the FP8 cache must change the logits, or the check shows nothing";
+  std::filesystem::remove_all(dir);
+}
 
 // The ranks' own runners, driven by hand: after each step every rank holds the same bits of the logits (gathered)
 // as rank 0, and so of the residual stream they came from.
