@@ -27,6 +27,8 @@ def main():
     front_end = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "--front-end"]
     plain = generate(tern, model, front_end + greedy)
     assert plain["ids"] == want, f"front end {plain['ids']} != one process {want}"
+    alone = generate(tern, model, ["--distributed-executor-backend", "mp", "--front-end"] + greedy)  # one rank
+    assert alone["ids"] == want, f"front end of one rank process {alone['ids']} != one process {want}"
     mtp = ["--speculative-algorithm", "mtp", "--speculative-num-steps", "3"]
     spec = generate(tern, model, front_end + greedy + mtp)
     assert spec["ids"] == want, f"front end with MTP {spec['ids']} != one process {want}"

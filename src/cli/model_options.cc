@@ -184,7 +184,9 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
   options.dist_init_addr = o.dist_init_addr;
   options.front_end = o.front_end;
   options.tp_join_timeout = std::chrono::seconds(o.dist_timeout_s);
-  const bool rank_processes = o.distributed_executor_backend == "mp" && o.tensor_parallel_size > 1 && o.node_rank == 0;
+  // With --front-end even one rank gets a process of its own.
+  const bool rank_processes = o.distributed_executor_backend == "mp" && (o.tensor_parallel_size > 1 || o.front_end) &&
+                              o.node_rank == 0;
   if (rank_processes) {
     if (o.nnodes > 1) {
       return make_error("--distributed-executor-backend mp starts one process per rank on this machine; with --nnodes "

@@ -202,7 +202,8 @@ Expected<SampleResults> ModelRunner::sample_step(std::span<const SequenceInput> 
 }
 
 Expected<std::unique_ptr<ModelRunner>> runner_load(const std::filesystem::path& dir, const ModelLoadOptions& options) {
-  if ((options.tensor_parallel_size != 1 || options.nnodes != 1) && options.communicator == nullptr) {
+  const bool group = options.tensor_parallel_size != 1 || options.nnodes != 1 || options.front_end;
+  if (group && options.communicator == nullptr) {
     return tp_runner_load(dir, options);
   }
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model, model_build_host(dir, options));

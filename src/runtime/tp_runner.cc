@@ -978,7 +978,9 @@ Expected<NodeLayout> node_layout(const ModelLoadOptions& options) {
     return make_error("--node-rank {} is outside [0, {}) (--nnodes {})", n.node_rank, n.nnodes, n.nnodes);
   }
   if (n.front_end && n.nnodes < 2) {
-    return make_error("a front end without ranks needs the ranks on at least one other node (--nnodes {})", n.nnodes);
+    return make_error("a front end without ranks needs the ranks on at least one other node (--nnodes {}): start "
+                      "them with --distributed-executor-backend mp, or give --nnodes and start the other nodes",
+                      n.nnodes);
   }
   if (world % n.worker_nodes() != 0) {
     return make_error("--tensor-parallel-size {} does not divide over {} nodes{}", world, n.worker_nodes(),
