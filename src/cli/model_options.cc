@@ -103,8 +103,8 @@ void add_parallel_options(CLI::App& cmd, ModelCliOptions& o) {
                  "by tern; this process serves and runs rank 0, or none with --front-end)")
       ->check(CLI::IsMember({"threads", "mp"}));
   cmd.add_flag("--front-end", o.front_end,
-               "Node 0 runs no rank: it serves (HTTP, tokenizer, scheduler) and samples from the logits the node "
-               "holding rank 0 sends back; the ranks run on the other --nnodes nodes, or with "
+               "Node 0 runs no rank: it serves (HTTP, tokenizer, scheduler); rank 0 samples with its requests' "
+               "random streams and sends the tokens back; the ranks run on the other --nnodes nodes, or with "
                "--distributed-executor-backend mp in one process each (the same flag on every node)");
 }
 
