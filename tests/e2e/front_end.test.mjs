@@ -5,8 +5,7 @@
 // with an error, later requests get 503 and /health says unhealthy, and the server still answers and stops cleanly.
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import fs from 'node:fs';
-import { assertRankLossFailsTheStream, demoReplies, startServer, stopServer } from './harness.mjs';
+import { assertRankLossFailsTheStream, childProcesses, demoReplies, startServer, stopServer } from './harness.mjs';
 
 const KEY = 'sk-front-end-test';
 const MODEL = 'tern-demo';
@@ -15,19 +14,6 @@ const CITY = [{ role: 'user', content: 'Write a sentence about the city.' }];
 const noThinking = { chat_template_kwargs: { enable_thinking: false } };
 const SAMPLED = { temperature: 0.9, top_p: 0.95, seed: 4242, max_tokens: 24, ...noThinking };
 let server, single;
-
-// The processes `pid` started (Linux: every thread's children), with their command lines.
-function children(pid) {
-  const found = [];
-  for (const task of fs.readdirSync(`/proc/${pid}/task`)) {
-    const text = fs.readFileSync(`/proc/${pid}/task/${task}/children`, 'utf8').trim();
-    for (const child of text ? text.split(/\s+/) : []) {
-      const args = fs.readFileSync(`/proc/${child}/cmdline`, 'utf8').split('\0');
-      found.push({ pid: Number(child), args });
-    }
-  }
-  return found;
-}
 
 const nodeRank = (p) => p.args[p.args.indexOf('--node-rank') + 1];
 
@@ -47,7 +33,7 @@ const chat = (s, messages, extra = {}) => s.client.chat.completions.create({ mod
                                                                               ...extra });
 
 test('a front end and two rank processes give transformers\' greedy reply', async () => {
-  const ranks = children(server.proc.pid);
+  const ranks = childProcesses(server.proc.pid);
   assert.equal(ranks.length, 2, JSON.stringify(ranks));
   assert.deepEqual(ranks.map(nodeRank).sort(), ['1', '2']);
   for (const r of ranks) {
@@ -70,7 +56,7 @@ test('a seeded sampled reply is the one process\'s', async () => {
 
 test('the process holding rank 0 killed mid-stream: the stream fails, /health is unhealthy, the server answers',
      async () => {
-  const rank0 = children(server.proc.pid).find((p) => nodeRank(p) === '1');
+  const rank0 = childProcesses(server.proc.pid).find((p) => nodeRank(p) === '1');
   await assertRankLossFailsTheStream(server, { model: MODEL, messages: CITY, ...noThinking }, () => {
     process.kill(rank0.pid, 'SIGKILL');
   });

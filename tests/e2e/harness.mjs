@@ -171,6 +171,19 @@ export function demoReplies() {
 // A tensor-parallel rank lost mid-stream: `kill()` after the third chunk of a long greedy stream of `request` (a
 // chat.completions body). The stream ends with an error well before its length; then /health answers 503 saying
 // the model can run no more steps, and a new request gets 503.
+// The processes `pid` started (Linux: every thread's children), with their command lines.
+export function childProcesses(pid) {
+  const found = [];
+  for (const task of fs.readdirSync(`/proc/${pid}/task`)) {
+    const text = fs.readFileSync(`/proc/${pid}/task/${task}/children`, 'utf8').trim();
+    for (const child of text ? text.split(/\s+/) : []) {
+      const args = fs.readFileSync(`/proc/${child}/cmdline`, 'utf8').split('\0');
+      found.push({ pid: Number(child), args });
+    }
+  }
+  return found;
+}
+
 export async function assertRankLossFailsTheStream(server, request, kill) {
   const health = await fetch(server.base + '/health');
   assert.equal(health.status, 200);

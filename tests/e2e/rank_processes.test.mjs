@@ -5,7 +5,7 @@
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
-import { assertRankLossFailsTheStream, demoReplies, startServer, stopServer } from './harness.mjs';
+import { assertRankLossFailsTheStream, childProcesses, demoReplies, startServer, stopServer } from './harness.mjs';
 
 const KEY = 'sk-rank-processes-test';
 const MODEL = 'tern-demo';
@@ -13,19 +13,6 @@ const reference = demoReplies();
 const CITY = [{ role: 'user', content: 'Write a sentence about the city.' }];
 const noThinking = { chat_template_kwargs: { enable_thinking: false } };
 let server;
-
-// The processes `pid` started (Linux: every thread's children), with their command lines.
-function children(pid) {
-  const found = [];
-  for (const task of fs.readdirSync(`/proc/${pid}/task`)) {
-    const text = fs.readFileSync(`/proc/${pid}/task/${task}/children`, 'utf8').trim();
-    for (const child of text ? text.split(/\s+/) : []) {
-      const args = fs.readFileSync(`/proc/${child}/cmdline`, 'utf8').split('\0');
-      found.push({ pid: Number(child), args });
-    }
-  }
-  return found;
-}
 
 function alive(pid) {
   try {
@@ -50,7 +37,7 @@ const chat = (messages, extra = {}) => server.client.chat.completions.create({ m
                                                                                  temperature: 0, ...extra });
 
 test('two rank processes give transformers\' greedy reply', async () => {
-  const ranks = children(server.proc.pid);
+  const ranks = childProcesses(server.proc.pid);
   assert.equal(ranks.length, 1, JSON.stringify(ranks));
   const args = ranks[0].args;
   assert.equal(args[args.indexOf('--node-rank') + 1], '1', args.join(' '));
@@ -62,7 +49,7 @@ test('two rank processes give transformers\' greedy reply', async () => {
 
 test('the rank process killed mid-stream: the stream fails, /health is unhealthy, the server keeps answering',
      async () => {
-  const [rank] = children(server.proc.pid);
+  const [rank] = childProcesses(server.proc.pid);
   await assertRankLossFailsTheStream(server, { model: MODEL, messages: CITY, ...noThinking }, () => {
     process.kill(rank.pid, 'SIGKILL');
   });
