@@ -66,10 +66,6 @@ struct GpuMla {
   float idx_eps = 1e-6f;
   PagedIndexerKeys idx_cache{};
   int64_t latent() const { return shape.kv_lora_rank + shape.qk_rope_head_dim; }
-  // A token's bytes in the latent cache: bf16 values, or the FP8 entry.
-  int64_t entry_bytes() const {
-    return shape.latent_fp8 ? latent_fp8_bytes(shape.kv_lora_rank, shape.qk_rope_head_dim) : 2 * latent();
-  }
   int64_t qk() const { return shape.qk_nope_head_dim + shape.qk_rope_head_dim; }
 };
 
@@ -271,6 +267,11 @@ Expected<std::unique_ptr<Block>> CudaOps::mla(const RmsNorm& input_norm, const M
   }
   GpuMla g;
   g.shape = s;
+  // The cache's form from the start (its entries' size sizes the pool); allocate_caches adds the memory.
+  g.cache = PagedLatentCache{.kv_lora_rank = lora,
+                             .rope_dim = rope,
+                             .dtype = s.latent_fp8 ? LatentCacheDtype::kFp8 : LatentCacheDtype::kBf16,
+                             .pow2_scales = s.latent_fp8 == LatentFp8Scales::kPow2};
   g.has_indexer = s.index_topk > 0 && w.indexer.has_value();
   std::vector<const Linear*> parts{s.q_lora_rank > 0 ? &w.q_a_proj : &w.q_proj, &w.kv_a_proj};
   std::vector<const Linear*> q_parts{&w.q_b_proj};
@@ -461,7 +462,7 @@ Expected<void> CudaOps::allocate_caches() {
   int64_t kv_bytes_per_token = 0;
   for (const GpuAttention* a : attentions_) kv_bytes_per_token += 2 * a->shape.n_kv_heads * a->shape.head_dim * 2;
   for (const GpuMla* a : mlas_) {
-    kv_bytes_per_token += a->entry_bytes() + (a->has_indexer ? a->shape.index_head_dim * 2 : 0);
+    kv_bytes_per_token += a->cache.entry_bytes() + (a->has_indexer ? a->shape.index_head_dim * 2 : 0);
   }
   for (GpuGdn* g : gdns_) {
     const size_t conv = static_cast<size_t>(slots * g->channels() * (g->shape.conv_kernel - 1)) * 2;
@@ -510,19 +511,15 @@ Expected<void> CudaOps::allocate_caches() {
     cache_buffers_.push_back(std::move(v));
   }
   for (GpuMla* a : mlas_) {
-    const size_t bytes = static_cast<size_t>((kv_blocks_ + 1) * bs * a->entry_bytes());
+    const size_t bytes = static_cast<size_t>((kv_blocks_ + 1) * bs * a->cache.entry_bytes());
     DeviceBuffer c;
     if (!DeviceBuffer::try_allocate(bytes, c)) {
       return make_error("out of device memory for a latent cache of {} tokens; ask for fewer (tern serve: "
                         "--max-total-tokens)", kv_blocks_ * bs);
     }
-    a->cache = PagedLatentCache{.data = c.data(),
-                                .n_blocks = kv_blocks_ + 1,  // + spare_block()
-                                .block_size = bs,
-                                .kv_lora_rank = a->shape.kv_lora_rank,
-                                .rope_dim = a->shape.qk_rope_head_dim,
-                                .dtype = a->shape.latent_fp8 ? LatentCacheDtype::kFp8 : LatentCacheDtype::kBf16,
-                                .pow2_scales = a->shape.latent_fp8 == LatentFp8Scales::kPow2};
+    a->cache.data = c.data();
+    a->cache.n_blocks = kv_blocks_ + 1;  // + spare_block()
+    a->cache.block_size = bs;
     cache_buffers_.push_back(std::move(c));
     if (!a->has_indexer) continue;
     DeviceBuffer k;
