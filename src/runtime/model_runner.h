@@ -119,6 +119,9 @@ class ModelRunner {
   // an error where there is nothing to time (one rank) or it cannot be timed from here (ranks on other nodes).
   virtual Expected<double> all_reduce_ms(int64_t elements, int repeats);
 
+  // The bytes of step plans this process has sent to the other nodes' ranks so far (node 0 of several); 0 elsewhere.
+  virtual int64_t plan_bytes_sent() const { return 0; }
+
  protected:
   ModelRunner() = default;
 

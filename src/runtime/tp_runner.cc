@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <charconv>
 #include <condition_variable>
@@ -115,11 +116,15 @@ struct TpSequence final : DeviceSequenceState {
 // sequence's row with the sampling row the plan carries (PlanSampleRow); kSampleRows (sample_rows_step), the same
 // over every row a verification returns; kDraftArgmax (draft_argmax_step), a kDraft whose rank 0 returns each
 // input's greedy proposal.
+// The lists that grow with a sequence (its KV block ids, and the ids its penalties read) go as changes: every node
+// holds the lists last sent for each sequence (HeldLists), and a plan carries how many of the held values still stand
+// and the values after them, so that a decode step's plan does not grow with the context.
 enum class PlanOp : int64_t {
   kStep = 1, kHeartbeat = 2, kStop = 3, kDraft = 4, kKeepRows = 5, kSample = 6, kSampleRows = 7, kDraftArgmax = 8
 };
 
 bool samples(PlanOp op) { return op == PlanOp::kSample || op == PlanOp::kSampleRows; }
+bool carries_blocks(PlanOp op) { return op != PlanOp::kKeepRows; }
 
 struct PlanSequence {
   int64_t id = 0, length = 0;
@@ -147,39 +152,66 @@ struct Plan {
   std::vector<PlanSampleRow> rows;  // kSample: one per sequence; kSampleRows: one per row the step returns
 };
 
+// A sequence's lists as the other nodes hold them, on node 0 (as sent) and on each of the others (as received).
+struct HeldLists {
+  std::vector<int32_t> kv_blocks, prompt_ids, output_ids;
+};
+using HeldMap = std::map<int64_t, HeldLists>;
+
+// Which of the plan's sequences each sampling row belongs to (a verification's sequence has a row per token).
+std::vector<size_t> row_sequences(const Plan& p) {
+  std::vector<size_t> owner;
+  for (size_t i = 0; i < p.sequences.size(); ++i) {
+    const bool all = p.op == PlanOp::kSampleRows && p.sequences[i].verify != 0;
+    owner.insert(owner.end(), all ? p.sequences[i].tokens.size() : 1, i);
+  }
+  return owner;
+}
+
 int64_t bits_of(float v) { return std::bit_cast<int32_t>(v); }
 float float_of(int64_t w) { return std::bit_cast<float>(static_cast<int32_t>(w)); }
 
-std::vector<int64_t> plan_words(const Plan& p) {
+// `now` as a change to `held`: the length of their common start, the values after it; `held` becomes `now`.
+void put_change(std::vector<int64_t>& w, std::vector<int32_t>& held, const std::vector<int32_t>& now) {
+  const size_t keep = static_cast<size_t>(std::mismatch(held.begin(), held.end(), now.begin(), now.end()).first -
+                                          held.begin());
+  w.insert(w.end(), {static_cast<int64_t>(keep), static_cast<int64_t>(now.size() - keep)});
+  w.insert(w.end(), now.begin() + static_cast<ptrdiff_t>(keep), now.end());
+  held = now;
+}
+
+std::vector<int64_t> plan_words(const Plan& p, HeldMap& held) {
   std::vector<int64_t> w{static_cast<int64_t>(p.op), p.which == LogitsFor::kAllTokens ? 1 : 0,
                          static_cast<int64_t>(p.released.size())};
   w.insert(w.end(), p.released.begin(), p.released.end());
+  for (const int64_t id : p.released) held.erase(id);
   w.push_back(static_cast<int64_t>(p.sequences.size()));
   for (const PlanSequence& q : p.sequences) {
     w.insert(w.end(), {q.id, q.length, static_cast<int64_t>(q.tokens.size())});
     w.insert(w.end(), q.tokens.begin(), q.tokens.end());
-    w.push_back(static_cast<int64_t>(q.kv_blocks.size()));
-    w.insert(w.end(), q.kv_blocks.begin(), q.kv_blocks.end());
+    if (carries_blocks(p.op)) put_change(w, held[q.id].kv_blocks, q.kv_blocks);
     w.insert(w.end(), {int64_t{q.state_slot}, q.verify, q.position, q.hidden, q.source, q.rows});
   }
   if (!samples(p.op)) return w;
   w.push_back(static_cast<int64_t>(p.rows.size()));
-  for (const PlanSampleRow& r : p.rows) {
+  const std::vector<size_t> owner = row_sequences(p);
+  for (size_t i = 0; i < p.rows.size(); ++i) {
+    const PlanSampleRow& r = p.rows[i];
     w.push_back(r.sample ? 1 : 0);
     if (!r.sample) continue;
     const SamplingParams& s = r.params;
     w.insert(w.end(), {bits_of(s.temperature), s.top_k, bits_of(s.top_p), bits_of(s.min_p),
                        bits_of(s.repetition_penalty), bits_of(s.presence_penalty), bits_of(s.frequency_penalty),
                        s.logprobs, std::bit_cast<int64_t>(r.draw)});
-    for (const std::vector<int32_t>* ids : {&r.prompt_ids, &r.output_ids}) {
-      w.push_back(static_cast<int64_t>(ids->size()));
-      w.insert(w.end(), ids->begin(), ids->end());
-    }
+    if (!sampling_penalties_active(s)) continue;
+    HeldLists& lists = held[p.sequences[owner.at(i)].id];
+    put_change(w, lists.prompt_ids, r.prompt_ids);
+    put_change(w, lists.output_ids, r.output_ids);
   }
   return w;
 }
 
-Expected<Plan> plan_of(const std::vector<int64_t>& w) {
+Expected<Plan> plan_of(const std::vector<int64_t>& w, HeldMap& held) {
   size_t at = 0;
   auto next = [&]() -> Expected<int64_t> {
     if (at >= w.size()) return make_error("a step plan from node 0 ended early ({} words)", w.size());
@@ -190,6 +222,18 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w) {
     if (n < 0 || static_cast<size_t>(n) > w.size() - at) return make_error("a step plan from node 0 is malformed");
     return static_cast<size_t>(n);
   };
+  // A list sent as a change to the one held (put_change): `into` gets the whole list, `held` becomes it.
+  auto change = [&](std::vector<int32_t>& list, std::vector<int32_t>& into) -> Expected<void> {
+    TERN_ASSIGN_OR_RETURN(const int64_t keep, next());
+    if (keep < 0 || static_cast<size_t>(keep) > list.size()) {
+      return make_error("a step plan from node 0 keeps {} ids of a list of {} this node holds", keep, list.size());
+    }
+    TERN_ASSIGN_OR_RETURN(const size_t n, count());
+    list.resize(static_cast<size_t>(keep));
+    for (size_t k = 0; k < n; ++k) list.push_back(static_cast<int32_t>(w[at++]));
+    into = list;
+    return {};
+  };
   Plan p;
   TERN_ASSIGN_OR_RETURN(const int64_t op, next());
   if (op < 1 || op > 8) return make_error("a step plan from node 0 has op {}", op);
@@ -198,6 +242,7 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w) {
   p.which = all != 0 ? LogitsFor::kAllTokens : LogitsFor::kLastToken;
   TERN_ASSIGN_OR_RETURN(const size_t n_released, count());
   for (size_t i = 0; i < n_released; ++i) p.released.push_back(w[at++]);
+  for (const int64_t id : p.released) held.erase(id);
   TERN_ASSIGN_OR_RETURN(const size_t n_seqs, count());
   for (size_t i = 0; i < n_seqs; ++i) {
     PlanSequence q;
@@ -205,8 +250,7 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w) {
     TERN_ASSIGN_OR_RETURN(q.length, next());
     TERN_ASSIGN_OR_RETURN(const size_t n_tokens, count());
     for (size_t t = 0; t < n_tokens; ++t) q.tokens.push_back(static_cast<int32_t>(w[at++]));
-    TERN_ASSIGN_OR_RETURN(const size_t n_blocks, count());
-    for (size_t b = 0; b < n_blocks; ++b) q.kv_blocks.push_back(static_cast<int32_t>(w[at++]));
+    if (carries_blocks(p.op)) TERN_TRY(change(held[q.id].kv_blocks, q.kv_blocks));
     TERN_ASSIGN_OR_RETURN(const int64_t slot, next());
     q.state_slot = static_cast<int32_t>(slot);
     for (int64_t* field : {&q.verify, &q.position, &q.hidden, &q.source, &q.rows}) {
@@ -216,6 +260,10 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w) {
   }
   if (!samples(p.op)) return p;
   TERN_ASSIGN_OR_RETURN(const size_t n_rows, count());
+  const std::vector<size_t> owner = row_sequences(p);
+  if (n_rows != owner.size()) {
+    return make_error("a sampling plan from node 0 has {} rows for {} to sample", n_rows, owner.size());
+  }
   for (size_t i = 0; i < n_rows; ++i) {
     PlanSampleRow r;
     TERN_ASSIGN_OR_RETURN(const int64_t sample, next());
@@ -230,17 +278,13 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w) {
                                 .presence_penalty = float_of(f[5]), .frequency_penalty = float_of(f[6]),
                                 .seed = 0, .logprobs = static_cast<int32_t>(f[7])};
       r.draw = std::bit_cast<double>(f[8]);
-      for (std::vector<int32_t>* ids : {&r.prompt_ids, &r.output_ids}) {
-        TERN_ASSIGN_OR_RETURN(const size_t n, count());
-        for (size_t k = 0; k < n; ++k) ids->push_back(static_cast<int32_t>(w[at++]));
+      if (sampling_penalties_active(r.params)) {
+        HeldLists& lists = held[p.sequences[owner[i]].id];
+        TERN_TRY(change(lists.prompt_ids, r.prompt_ids));
+        TERN_TRY(change(lists.output_ids, r.output_ids));
       }
     }
     p.rows.push_back(std::move(r));
-  }
-  size_t want = 0;
-  for (const PlanSequence& q : p.sequences) want += p.op == PlanOp::kSampleRows && q.verify != 0 ? q.tokens.size() : 1;
-  if (p.rows.size() != want) {
-    return make_error("a sampling plan from node 0 has {} rows for {} to sample", p.rows.size(), want);
   }
   return p;
 }
@@ -613,6 +657,7 @@ class TpRunner final : public ModelRunner {
     TERN_TRY(run_ranks("timing an all-reduce", time_rank));
     return *std::max_element(ms.begin(), ms.end());
   }
+  int64_t plan_bytes_sent() const override { return plan_bytes_; }
   std::optional<std::string> failure() const override {
     if (failed_.empty()) return std::nullopt;
     return failed_;
@@ -906,8 +951,9 @@ class TpRunner final : public ModelRunner {
   }
 
   Expected<void> send_locked(const Plan& plan) {
-    std::vector<int64_t> words = plan_words(plan);
+    std::vector<int64_t> words = plan_words(plan, held_);
     int64_t size = static_cast<int64_t>(words.size());
+    plan_bytes_ += static_cast<int64_t>(sizeof(int64_t) * (words.size() + 1));
     TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<int64_t>(&size, 1)), 0));
     TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<int64_t>(words)), 0));
     last_sent_ = std::chrono::steady_clock::now();
@@ -920,7 +966,7 @@ class TpRunner final : public ModelRunner {
     if (size < 0 || size > (int64_t{1} << 28)) return make_error("a step plan of {} words from node 0", size);
     std::vector<int64_t> words(static_cast<size_t>(size));
     TERN_TRY(control_->broadcast(std::as_writable_bytes(std::span<int64_t>(words)), 0));
-    return plan_of(words);
+    return plan_of(words, held_);
   }
 
   // Node 0, while no step runs: a plan every few seconds, so that the other nodes, waiting for the next plan with
@@ -966,6 +1012,9 @@ class TpRunner final : public ModelRunner {
   std::vector<std::unique_ptr<DeviceCommunicator>> device_comms_;
   std::vector<std::unique_ptr<ModelRunner>> runners_;
   std::string failed_;
+  // Each sequence's lists as the other nodes hold them: node 0 (under control_mu_) as sent, the others as received.
+  HeldMap held_;
+  std::atomic<int64_t> plan_bytes_ = 0;  // node 0: the plans' bytes broadcast so far
 };
 
 // How the ranks spread over processes ("nodes"), from --nnodes, --node-rank and --dist-init-addr HOST:PORT.

@@ -382,8 +382,12 @@ struct FrontEndNodes {
       });
     }
   }
+  // Also on a failed assertion's return, after the front end's runner (declared later) has gone.
+  ~FrontEndNodes() { join(); }
   void join() {
-    for (std::thread& t : workers) t.join();
+    for (std::thread& t : workers) {
+      if (t.joinable()) t.join();
+    }
   }
 };
 
@@ -467,6 +471,55 @@ TEST(TensorParallelNodes, AFrontEndWithoutRanksMatchesOneDevice) {
     }
     EXPECT_EQ(sa[0].next_draw(), sb[0].next_draw()) << "the front end's stream advanced as the host sampler's did";
   }  // the front end goes: the nodes are told to stop
+  nodes.join();
+  for (const auto& r : nodes.results) EXPECT_TRUE(r.has_value()) << r.error().message;
+}
+
+// The lists that grow with a sequence go to the other nodes as changes: with a penalty on, a decode step's plan is
+// a few dozen words however long the prompt (the ids the penalties read, and the KV block ids, are held there),
+// and the tokens rank 0 samples from the held ids are one device's. The sequence released, its successor starts
+// from nothing.
+TEST(TensorParallelNodes, ThePlansSendTheGrowingListsAsChanges) {
+  const std::string name = "qwen3";
+  auto one = load(name, 1);
+  ASSERT_TRUE(one);
+  std::vector<int32_t> prompt;
+  while (prompt.size() < 300) {
+    for (const auto& p : prompts(name)) prompt.insert(prompt.end(), p.begin(), p.end());
+  }
+  FrontEndNodes nodes(name);
+  {
+    auto front = runner_load(fixture(name), nodes.options);
+    ASSERT_TRUE(front.has_value()) << front.error().message;
+    const SamplingParams params{.temperature = 0.9f, .top_k = 30, .repetition_penalty = 1.5f,
+                                .presence_penalty = 0.5f, .frequency_penalty = 0.4f, .seed = 7};
+    for (int round = 0; round < 2; ++round) {  // the second a new sequence after the first's release
+      Sampler sa(params), sb(params);
+      SequenceCache a = one->new_sequence(), b = (*front)->new_sequence();
+      std::vector<int32_t> tokens = prompt, out_a, out_b;
+      for (int step = 0; step < 8; ++step) {
+        const int64_t before = (*front)->plan_bytes_sent();
+        const std::vector<SampleRow> rows_a{{&sa, prompt, out_a}}, rows_b{{&sb, prompt, out_b}};
+        auto ga = one->forward_sample(std::vector<SequenceInput>{{&a, tokens}}, rows_a);
+        auto gb = (*front)->forward_sample(std::vector<SequenceInput>{{&b, tokens}}, rows_b);
+        ASSERT_TRUE(ga && gb) << (ga ? gb.error().message : ga.error().message);
+        const auto& want = ga->at(0);
+        const auto& got = gb->at(0);
+        ASSERT_TRUE(want && got) << (got ? "" : got.error().message);
+        EXPECT_EQ(got->id, want->id) << "round " << round << " step " << step;
+        EXPECT_NEAR(got->logprob, want->logprob, 1e-4) << "round " << round << " step " << step;
+        const int64_t sent = (*front)->plan_bytes_sent() - before;
+        if (step == 0) {
+          EXPECT_GE(sent, static_cast<int64_t>(2 * prompt.size() * sizeof(int64_t)));  // the tokens, the ids
+        } else {
+          EXPECT_LE(sent, 64 * static_cast<int64_t>(sizeof(int64_t))) << "round " << round << " step " << step;
+        }
+        out_a.push_back(want->id);
+        out_b.push_back(got->id);
+        tokens = {want->id};
+      }
+    }
+  }
   nodes.join();
   for (const auto& r : nodes.results) EXPECT_TRUE(r.has_value()) << r.error().message;
 }
