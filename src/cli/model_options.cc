@@ -173,7 +173,7 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
   options.device_options.programmatic_launch = !o.no_pdl;
   TERN_TRY(selftest_before_load(o, cuda, options.device_options));
   options.load_format = o.load_format == "dummy" ? LoadFormat::kDummy : LoadFormat::kAuto;
-  options.nvfp4_quantize_activations = o.nvfp4_activations == "quantize";
+  options.nvfp4_activations = o.nvfp4_activations == "quantize" ? Nvfp4Activations::kQuantize : Nvfp4Activations::kDequantize;
   options.dummy_seed = o.dummy_seed;
   options.load_draft = !o.speculative_algorithm.empty();
   options.device_options.verify_rows = speculative_steps_of(o) + 1;

@@ -120,22 +120,26 @@ Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir,
   WeightStore& store = *weights;
   auto model = std::make_unique<CausalLm>(config, std::move(weights));
   if (config.has_vision) model->notices.push_back("the vision tower's weights are skipped (text model only)");
-  const bool wa4 = options.nvfp4_quantize_activations;
+  if (options.nvfp4_activations != Nvfp4Activations::kDequantize && config.attention == AttentionKind::kMla) {
+    return make_error("{}: NVFP4 with quantized activations (W4A4) is not supported for MLA models yet; use "
+                      "--nvfp4-activations dequantize (W4A16)", dir.string());
+  }
+  store.set_nvfp4_activations(options.nvfp4_activations);
   Expected<void> built;
   switch (config.architecture) {
-    case Architecture::kQwen3: built = qwen3_build(*model, store, schema, wa4); break;
-    case Architecture::kQwen3Moe: built = qwen3_moe_build(*model, store, schema, wa4); break;
+    case Architecture::kQwen3: built = qwen3_build(*model, store, schema); break;
+    case Architecture::kQwen3Moe: built = qwen3_moe_build(*model, store, schema); break;
     case Architecture::kQwen35Moe:
-    case Architecture::kQwen3Next: built = qwen3_5_moe_build(*model, store, schema, wa4); break;
+    case Architecture::kQwen3Next: built = qwen3_5_moe_build(*model, store, schema); break;
     case Architecture::kGlmMoeDsa:
-    case Architecture::kDeepseekV3: built = glm_moe_dsa_build(*model, store, schema, wa4, fp8_cache); break;
+    case Architecture::kDeepseekV3: built = glm_moe_dsa_build(*model, store, schema, fp8_cache); break;
     default:
       return make_error("{}: architecture '{}' is not supported on the CPU yet", dir.string(),
                         architecture_name(config.architecture));
   }
   if (built && options.load_draft) {
-    built = config.attention == AttentionKind::kMla ? glm_moe_dsa_build_draft(*model, store, schema, wa4, fp8_cache)
-                                                    : qwen3_5_moe_build_draft(*model, store, schema, wa4);
+    built = config.attention == AttentionKind::kMla ? glm_moe_dsa_build_draft(*model, store, schema, fp8_cache)
+                                                    : qwen3_5_moe_build_draft(*model, store, schema);
   }
   if (!built) return wrap_error(built.error(), dir.string());
   return model;

@@ -163,7 +163,7 @@ struct ModelLoadOptions {
   // (tensor_parallel_size / (nnodes - 1) each); the node holding rank 0 sends each step's logits back to it.
   bool front_end = false;
   std::chrono::milliseconds tp_join_timeout{120000};
-  bool nvfp4_quantize_activations = false;  // W4A4 instead of W4A16
+  Nvfp4Activations nvfp4_activations = Nvfp4Activations::kDequantize;  // which NVFP4 linears run W4A4
   // Also the model's multi-token-prediction module (CausalLm::draft), the draft model of speculative decoding: an
   // error for a model without one.
   bool load_draft = false;
@@ -178,18 +178,14 @@ Expected<std::unique_ptr<CausalLm>> model_build_host(const std::filesystem::path
 // Whether model_build_host has a builder for the architecture (it refuses the others before making any weights).
 bool model_build_supported(Architecture architecture);
 
-// Architecture builders (one file each). `quantize_input`: W4A4 for NVFP4 linears.
-Expected<void> qwen3_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema, bool quantize_input);
-Expected<void> qwen3_moe_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema, bool quantize_input);
-Expected<void> qwen3_5_moe_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
-                                 bool quantize_input);
+// Architecture builders (one file each); which NVFP4 linears run W4A4 is the WeightStore's (set_nvfp4_activations).
+Expected<void> qwen3_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema);
+Expected<void> qwen3_moe_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema);
+Expected<void> qwen3_5_moe_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema);
 // `latent_fp8`: the latent cache in FP8 entries (KvCacheDtype::kFp8E4m3).
-Expected<void> glm_moe_dsa_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
-                                 bool quantize_input, bool latent_fp8);
+Expected<void> glm_moe_dsa_build(CausalLm& model, WeightStore& weights, const WeightSchema& schema, bool latent_fp8);
 // The draft module the schema declares (weight_schema_build's with_draft) into model.draft.
-Expected<void> qwen3_5_moe_build_draft(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
-                                       bool quantize_input);
-Expected<void> glm_moe_dsa_build_draft(CausalLm& model, WeightStore& weights, const WeightSchema& schema,
-                                       bool quantize_input, bool latent_fp8);
+Expected<void> qwen3_5_moe_build_draft(CausalLm& model, WeightStore& weights, const WeightSchema& schema);
+Expected<void> glm_moe_dsa_build_draft(CausalLm& model, WeightStore& weights, const WeightSchema& schema, bool latent_fp8);
 
 }  // namespace tern

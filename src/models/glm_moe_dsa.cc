@@ -17,20 +17,20 @@ Expected<std::unique_ptr<Mixer>> build_mla(const ModelConfig& c, WeightStore& w,
   // transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default eps, 1e-6.
   constexpr double kLatentEps = 1e-6;
   if (c.q_lora_rank > 0) {
-    TERN_ASSIGN_OR_RETURN(m.q_a_proj, w.linear(name("self_attn.q_a_proj"), c.q_lora_rank, h, false));
+    TERN_ASSIGN_OR_RETURN(m.q_a_proj, w.linear(name("self_attn.q_a_proj"), c.q_lora_rank, h));
     TERN_ASSIGN_OR_RETURN(m.q_a_norm, build_norm(w, name("self_attn.q_a_layernorm.weight"), c.q_lora_rank,
                                                  kLatentEps, false));
-    TERN_ASSIGN_OR_RETURN(m.q_b_proj, w.linear(name("self_attn.q_b_proj"), nh * qk, c.q_lora_rank, false));
+    TERN_ASSIGN_OR_RETURN(m.q_b_proj, w.linear(name("self_attn.q_b_proj"), nh * qk, c.q_lora_rank));
   } else {
-    TERN_ASSIGN_OR_RETURN(m.q_proj, w.linear(name("self_attn.q_proj"), nh * qk, h, false));
+    TERN_ASSIGN_OR_RETURN(m.q_proj, w.linear(name("self_attn.q_proj"), nh * qk, h));
   }
   TERN_ASSIGN_OR_RETURN(m.kv_a_proj, w.linear(name("self_attn.kv_a_proj_with_mqa"),
-                                              c.kv_lora_rank + c.qk_rope_head_dim, h, false));
+                                              c.kv_lora_rank + c.qk_rope_head_dim, h));
   TERN_ASSIGN_OR_RETURN(m.kv_a_norm, build_norm(w, name("self_attn.kv_a_layernorm.weight"), c.kv_lora_rank,
                                                 kLatentEps, false));
   TERN_ASSIGN_OR_RETURN(m.kv_b_proj, w.linear(name("self_attn.kv_b_proj"),
-                                              nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, false));
-  TERN_ASSIGN_OR_RETURN(m.o_proj, w.linear(name("self_attn.o_proj"), h, nh * c.v_head_dim, false));
+                                              nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank));
+  TERN_ASSIGN_OR_RETURN(m.o_proj, w.linear(name("self_attn.o_proj"), h, nh * c.v_head_dim));
   MlaShape s{.n_heads = m.o_proj.in_features() / c.v_head_dim,
              .q_lora_rank = c.q_lora_rank,
              .kv_lora_rank = c.kv_lora_rank,
@@ -58,13 +58,11 @@ Expected<std::unique_ptr<Mixer>> build_mla(const ModelConfig& c, WeightStore& w,
     if (layer >= c.num_hidden_layers || c.indexer_types[static_cast<size_t>(layer)] == IndexerType::kFull) {
       const int64_t d = c.index_head_dim;
       MlaIndexerWeights ix;
-      TERN_ASSIGN_OR_RETURN(ix.wq_b, w.linear(name("self_attn.indexer.wq_b"), c.index_n_heads * d, c.q_lora_rank,
-                                              false));
-      TERN_ASSIGN_OR_RETURN(ix.wk, w.linear(name("self_attn.indexer.wk"), d, h, false));
+      TERN_ASSIGN_OR_RETURN(ix.wq_b, w.linear(name("self_attn.indexer.wq_b"), c.index_n_heads * d, c.q_lora_rank));
+      TERN_ASSIGN_OR_RETURN(ix.wk, w.linear(name("self_attn.indexer.wk"), d, h));
       TERN_ASSIGN_OR_RETURN(ix.k_norm.weight, w.vector(name("self_attn.indexer.k_norm.weight"), {d}));
       TERN_ASSIGN_OR_RETURN(ix.k_norm.bias, w.vector(name("self_attn.indexer.k_norm.bias"), {d}));
-      TERN_ASSIGN_OR_RETURN(ix.weights_proj, w.linear(name("self_attn.indexer.weights_proj"), c.index_n_heads, h,
-                                                      false));
+      TERN_ASSIGN_OR_RETURN(ix.weights_proj, w.linear(name("self_attn.indexer.weights_proj"), c.index_n_heads, h));
       m.indexer = std::move(ix);
       last_full_indexer = layer;
     } else {
@@ -85,17 +83,16 @@ Expected<std::unique_ptr<FeedForward>> build_sigmoid_moe(const ModelConfig& c, W
                       c.topk_group);
   }
   MoeWeights m;
-  TERN_ASSIGN_OR_RETURN(m.router, w.linear(layer_tensor(schema, layer, "mlp.gate"), c.num_experts, c.hidden_size,
-                                           false));
+  TERN_ASSIGN_OR_RETURN(m.router, w.linear(layer_tensor(schema, layer, "mlp.gate"), c.num_experts, c.hidden_size));
   if (c.topk_method == "noaux_tc") {
     TERN_ASSIGN_OR_RETURN(m.correction_bias,
                           w.vector(layer_tensor(schema, layer, "mlp.gate.e_score_correction_bias"), {c.num_experts}));
   }
-  TERN_ASSIGN_OR_RETURN(m.experts, w.experts(*group, false));
+  TERN_ASSIGN_OR_RETURN(m.experts, w.experts(*group));
   if (c.n_shared_experts > 0) {
     TERN_ASSIGN_OR_RETURN(MlpWeights shared, build_mlp_weights(w, layer_tensor(schema, layer, "mlp.shared_experts"),
                                                                c.hidden_size, c.n_shared_experts *
-                                                                                  c.moe_intermediate_size, false));
+                                                                                  c.moe_intermediate_size));
     m.shared_expert = std::make_unique<Mlp>(std::move(shared));
   }
   const MoeShape shape{.top_k = c.num_experts_per_tok, .renormalize = c.norm_topk_prob, .sigmoid = true,
@@ -106,12 +103,11 @@ Expected<std::unique_ptr<FeedForward>> build_sigmoid_moe(const ModelConfig& c, W
 
 }  // namespace
 
-Expected<void> glm_moe_dsa_build(CausalLm& model, WeightStore& w, const WeightSchema& schema, bool quantize_input,
+Expected<void> glm_moe_dsa_build(CausalLm& model, WeightStore& w, const WeightSchema& schema,
                                  bool latent_fp8) {
   const ModelConfig& c = model.config();
-  if (quantize_input) return make_error("W4A4 is not supported for MLA models yet");
   if (c.router_scoring != RouterScoring::kSigmoid) return make_error("MLA models with softmax routing are not supported");
-  TERN_TRY(build_embeddings_and_head(model, w, schema, false, false));
+  TERN_TRY(build_embeddings_and_head(model, w, schema, false));
   int64_t last_full_indexer = -1;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     DecoderLayer layer;
@@ -120,17 +116,15 @@ Expected<void> glm_moe_dsa_build(CausalLm& model, WeightStore& w, const WeightSc
     if (c.is_moe_layer(i)) {
       TERN_ASSIGN_OR_RETURN(layer.ffn, build_sigmoid_moe(c, w, schema, i));
     } else {
-      TERN_ASSIGN_OR_RETURN(layer.ffn, build_dense_mlp(c, w, schema, i, false));
+      TERN_ASSIGN_OR_RETURN(layer.ffn, build_dense_mlp(c, w, schema, i));
     }
     model.layers.push_back(std::move(layer));
   }
   return {};
 }
 
-Expected<void> glm_moe_dsa_build_draft(CausalLm& model, WeightStore& w, const WeightSchema& schema,
-                                       bool quantize_input, bool latent_fp8) {
+Expected<void> glm_moe_dsa_build_draft(CausalLm& model, WeightStore& w, const WeightSchema& schema, bool latent_fp8) {
   const ModelConfig& c = model.config();
-  if (quantize_input) return make_error("W4A4 is not supported for MLA models yet");
   if (!schema.draft_in_text_layers) return make_error("the weight schema declares no DeepSeek-style draft layer");
   const std::string& p = schema.draft_prefix;
   const int64_t h = c.hidden_size, li = c.num_hidden_layers;
@@ -138,7 +132,7 @@ Expected<void> glm_moe_dsa_build_draft(CausalLm& model, WeightStore& w, const We
   TERN_ASSIGN_OR_RETURN(draft->norm_embedding, build_norm(w, p + "enorm.weight", h, c.rms_norm_eps, false));
   TERN_ASSIGN_OR_RETURN(draft->norm_hidden, build_norm(w, p + "hnorm.weight", h, c.rms_norm_eps, false));
   TERN_ASSIGN_OR_RETURN(draft->final_norm, build_norm(w, p + "shared_head.norm.weight", h, c.rms_norm_eps, false));
-  TERN_ASSIGN_OR_RETURN(draft->fc, w.linear(p + "eh_proj", h, 2 * h, false));
+  TERN_ASSIGN_OR_RETURN(draft->fc, w.linear(p + "eh_proj", h, 2 * h));
   TERN_TRY(build_layer_norms(c, w, schema, li, /*zero_centred=*/false, draft->layer));
   int64_t last_full_indexer = -1;
   TERN_ASSIGN_OR_RETURN(draft->layer.mixer, build_mla(c, w, schema, li, latent_fp8, last_full_indexer));

@@ -16,7 +16,7 @@ Expected<RmsNorm> build_norm(WeightStore& w, const std::string& name, int64_t di
 }
 
 Expected<void> build_embeddings_and_head(CausalLm& model, WeightStore& w, const WeightSchema& schema,
-                                         bool zero_centred, bool quantize_input) {
+                                         bool zero_centred) {
   const ModelConfig& c = model.config();
   const std::string& p = schema.text_prefix;
   TERN_ASSIGN_OR_RETURN(model.embed_tokens, w.dense_matrix(p + "embed_tokens.weight", c.vocab_size, c.hidden_size));
@@ -30,20 +30,20 @@ Expected<void> build_embeddings_and_head(CausalLm& model, WeightStore& w, const 
     model.lm_head = Linear("lm_head", model.embed_tokens);
     return {};
   }
-  TERN_ASSIGN_OR_RETURN(model.lm_head, w.linear("lm_head", c.vocab_size, c.hidden_size, quantize_input));
+  TERN_ASSIGN_OR_RETURN(model.lm_head, w.linear("lm_head", c.vocab_size, c.hidden_size));
   return {};
 }
 
 Expected<std::unique_ptr<Mixer>> build_attention(const ModelConfig& c, WeightStore& w, const WeightSchema& schema,
-                                                 int64_t layer, bool gated, bool quantize_input) {
+                                                 int64_t layer, bool gated) {
   if (c.rope.type != "default") return make_error("rope_type '{}' is not supported on the CPU yet", c.rope.type);
   const int64_t h = c.hidden_size, hd = c.head_dim, nq = c.num_attention_heads, nkv = c.num_key_value_heads;
   auto name = [&](std::string_view rest) { return layer_tensor(schema, layer, rest); };
   AttentionWeights a;
-  TERN_ASSIGN_OR_RETURN(a.q_proj, w.linear(name("self_attn.q_proj"), nq * hd * (gated ? 2 : 1), h, quantize_input));
-  TERN_ASSIGN_OR_RETURN(a.k_proj, w.linear(name("self_attn.k_proj"), nkv * hd, h, quantize_input));
-  TERN_ASSIGN_OR_RETURN(a.v_proj, w.linear(name("self_attn.v_proj"), nkv * hd, h, quantize_input));
-  TERN_ASSIGN_OR_RETURN(a.o_proj, w.linear(name("self_attn.o_proj"), h, nq * hd, quantize_input));
+  TERN_ASSIGN_OR_RETURN(a.q_proj, w.linear(name("self_attn.q_proj"), nq * hd * (gated ? 2 : 1), h));
+  TERN_ASSIGN_OR_RETURN(a.k_proj, w.linear(name("self_attn.k_proj"), nkv * hd, h));
+  TERN_ASSIGN_OR_RETURN(a.v_proj, w.linear(name("self_attn.v_proj"), nkv * hd, h));
+  TERN_ASSIGN_OR_RETURN(a.o_proj, w.linear(name("self_attn.o_proj"), h, nq * hd));
   TERN_ASSIGN_OR_RETURN(a.q_norm, build_norm(w, name("self_attn.q_norm.weight"), hd, c.rms_norm_eps, gated));
   TERN_ASSIGN_OR_RETURN(a.k_norm, build_norm(w, name("self_attn.k_norm.weight"), hd, c.rms_norm_eps, gated));
   const int64_t rotary_dim = c.rope.rotary_dim > 0 ? c.rope.rotary_dim : hd;
@@ -54,11 +54,11 @@ Expected<std::unique_ptr<Mixer>> build_attention(const ModelConfig& c, WeightSto
 }
 
 Expected<MlpWeights> build_mlp_weights(WeightStore& w, const std::string& prefix, int64_t hidden,
-                                       int64_t intermediate, bool quantize_input) {
+                                       int64_t intermediate) {
   MlpWeights m;
-  TERN_ASSIGN_OR_RETURN(m.gate_proj, w.linear(prefix + ".gate_proj", intermediate, hidden, quantize_input));
-  TERN_ASSIGN_OR_RETURN(m.up_proj, w.linear(prefix + ".up_proj", intermediate, hidden, quantize_input));
-  TERN_ASSIGN_OR_RETURN(m.down_proj, w.linear(prefix + ".down_proj", hidden, intermediate, quantize_input));
+  TERN_ASSIGN_OR_RETURN(m.gate_proj, w.linear(prefix + ".gate_proj", intermediate, hidden));
+  TERN_ASSIGN_OR_RETURN(m.up_proj, w.linear(prefix + ".up_proj", intermediate, hidden));
+  TERN_ASSIGN_OR_RETURN(m.down_proj, w.linear(prefix + ".down_proj", hidden, intermediate));
   return m;
 }
 
@@ -73,20 +73,20 @@ Expected<void> build_layer_norms(const ModelConfig& c, WeightStore& w, const Wei
 }
 
 Expected<std::unique_ptr<FeedForward>> build_dense_mlp(const ModelConfig& c, WeightStore& w, const WeightSchema& schema,
-                                                       int64_t layer, bool quantize_input) {
+                                                       int64_t layer) {
   TERN_ASSIGN_OR_RETURN(MlpWeights mlp, build_mlp_weights(w, layer_tensor(schema, layer, "mlp"), c.hidden_size,
-                                                          c.intermediate_size, quantize_input));
+                                                          c.intermediate_size));
   return std::make_unique<Mlp>(std::move(mlp));
 }
 
-Expected<void> qwen3_build(CausalLm& model, WeightStore& w, const WeightSchema& schema, bool quantize_input) {
+Expected<void> qwen3_build(CausalLm& model, WeightStore& w, const WeightSchema& schema) {
   const ModelConfig& c = model.config();
-  TERN_TRY(build_embeddings_and_head(model, w, schema, false, quantize_input));
+  TERN_TRY(build_embeddings_and_head(model, w, schema, false));
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     DecoderLayer layer;
     TERN_TRY(build_layer_norms(c, w, schema, i, /*zero_centred=*/false, layer));
-    TERN_ASSIGN_OR_RETURN(layer.mixer, build_attention(c, w, schema, i, false, quantize_input));
-    TERN_ASSIGN_OR_RETURN(layer.ffn, build_dense_mlp(c, w, schema, i, quantize_input));
+    TERN_ASSIGN_OR_RETURN(layer.mixer, build_attention(c, w, schema, i, false));
+    TERN_ASSIGN_OR_RETURN(layer.ffn, build_dense_mlp(c, w, schema, i));
     model.layers.push_back(std::move(layer));
   }
   return {};

@@ -16,18 +16,18 @@ Expected<std::unique_ptr<Mixer>> build_gated_deltanet(const ModelConfig& c, Weig
   const int64_t key_width = hk * dk, value_width = hv * dv, channels = 2 * key_width + value_width;
   auto name = [&](std::string_view rest) { return layer_tensor(schema, layer, rest); };
   GatedDeltaNetWeights g;
-  // The GDN projections stay BF16 in every known NVFP4 export; W4A4 would apply only to NVFP4 layers anyway.
+  // The GDN projections stay BF16 in every known NVFP4 export (W4A4 applies to NVFP4 layers only).
   if (next) {
     TERN_ASSIGN_OR_RETURN(g.in_proj_qkvz, w.linear(name("linear_attn.in_proj_qkvz"), 2 * key_width + 2 * value_width,
-                                                   h, false));
-    TERN_ASSIGN_OR_RETURN(g.in_proj_ba, w.linear(name("linear_attn.in_proj_ba"), 2 * hv, h, false));
+                                                   h));
+    TERN_ASSIGN_OR_RETURN(g.in_proj_ba, w.linear(name("linear_attn.in_proj_ba"), 2 * hv, h));
   } else {
-    TERN_ASSIGN_OR_RETURN(g.in_proj_qkv, w.linear(name("linear_attn.in_proj_qkv"), channels, h, false));
-    TERN_ASSIGN_OR_RETURN(g.in_proj_z, w.linear(name("linear_attn.in_proj_z"), value_width, h, false));
-    TERN_ASSIGN_OR_RETURN(g.in_proj_b, w.linear(name("linear_attn.in_proj_b"), hv, h, false));
-    TERN_ASSIGN_OR_RETURN(g.in_proj_a, w.linear(name("linear_attn.in_proj_a"), hv, h, false));
+    TERN_ASSIGN_OR_RETURN(g.in_proj_qkv, w.linear(name("linear_attn.in_proj_qkv"), channels, h));
+    TERN_ASSIGN_OR_RETURN(g.in_proj_z, w.linear(name("linear_attn.in_proj_z"), value_width, h));
+    TERN_ASSIGN_OR_RETURN(g.in_proj_b, w.linear(name("linear_attn.in_proj_b"), hv, h));
+    TERN_ASSIGN_OR_RETURN(g.in_proj_a, w.linear(name("linear_attn.in_proj_a"), hv, h));
   }
-  TERN_ASSIGN_OR_RETURN(g.out_proj, w.linear(name("linear_attn.out_proj"), h, value_width, false));
+  TERN_ASSIGN_OR_RETURN(g.out_proj, w.linear(name("linear_attn.out_proj"), h, value_width));
   TERN_ASSIGN_OR_RETURN(g.conv_weight, w.vector(name("linear_attn.conv1d.weight"), {channels, 1, kernel}));
   TERN_ASSIGN_OR_RETURN(g.a_log, w.vector(name("linear_attn.A_log"), {hv}));
   TERN_ASSIGN_OR_RETURN(g.dt_bias, w.vector(name("linear_attn.dt_bias"), {hv}));
@@ -42,30 +42,29 @@ Expected<std::unique_ptr<Mixer>> build_gated_deltanet(const ModelConfig& c, Weig
 
 }  // namespace
 
-Expected<void> qwen3_5_moe_build(CausalLm& model, WeightStore& w, const WeightSchema& schema, bool quantize_input) {
+Expected<void> qwen3_5_moe_build(CausalLm& model, WeightStore& w, const WeightSchema& schema) {
   const ModelConfig& c = model.config();
   const bool next = c.architecture == Architecture::kQwen3Next;
-  TERN_TRY(build_embeddings_and_head(model, w, schema, true, quantize_input));
+  TERN_TRY(build_embeddings_and_head(model, w, schema, true));
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     DecoderLayer layer;
     TERN_TRY(build_layer_norms(c, w, schema, i, /*zero_centred=*/true, layer));
     if (c.layer_types[static_cast<size_t>(i)] == LayerType::kLinearAttention) {
       TERN_ASSIGN_OR_RETURN(layer.mixer, build_gated_deltanet(c, w, schema, i));
     } else {
-      TERN_ASSIGN_OR_RETURN(layer.mixer, build_attention(c, w, schema, i, true, quantize_input));
+      TERN_ASSIGN_OR_RETURN(layer.mixer, build_attention(c, w, schema, i, true));
     }
     if (c.is_moe_layer(i)) {
-      TERN_ASSIGN_OR_RETURN(layer.ffn, build_moe(c, w, schema, i, next ? c.norm_topk_prob : true, quantize_input));
+      TERN_ASSIGN_OR_RETURN(layer.ffn, build_moe(c, w, schema, i, next ? c.norm_topk_prob : true));
     } else {
-      TERN_ASSIGN_OR_RETURN(layer.ffn, build_dense_mlp(c, w, schema, i, quantize_input));
+      TERN_ASSIGN_OR_RETURN(layer.ffn, build_dense_mlp(c, w, schema, i));
     }
     model.layers.push_back(std::move(layer));
   }
   return {};
 }
 
-Expected<void> qwen3_5_moe_build_draft(CausalLm& model, WeightStore& w, const WeightSchema& schema,
-                                       bool quantize_input) {
+Expected<void> qwen3_5_moe_build_draft(CausalLm& model, WeightStore& w, const WeightSchema& schema) {
   const ModelConfig& c = model.config();
   const bool next = c.architecture == Architecture::kQwen3Next;
   const std::string& p = schema.draft_prefix;
@@ -76,10 +75,10 @@ Expected<void> qwen3_5_moe_build_draft(CausalLm& model, WeightStore& w, const We
                         build_norm(w, p + "pre_fc_norm_embedding.weight", h, c.rms_norm_eps, true));
   TERN_ASSIGN_OR_RETURN(draft->norm_hidden, build_norm(w, p + "pre_fc_norm_hidden.weight", h, c.rms_norm_eps, true));
   TERN_ASSIGN_OR_RETURN(draft->final_norm, build_norm(w, p + "norm.weight", h, c.rms_norm_eps, true));
-  TERN_ASSIGN_OR_RETURN(draft->fc, w.linear(p + "fc", h, 2 * h, quantize_input));
+  TERN_ASSIGN_OR_RETURN(draft->fc, w.linear(p + "fc", h, 2 * h));
   TERN_TRY(build_layer_norms(c, w, schema, li, /*zero_centred=*/true, draft->layer));
-  TERN_ASSIGN_OR_RETURN(draft->layer.mixer, build_attention(c, w, schema, li, true, quantize_input));
-  TERN_ASSIGN_OR_RETURN(draft->layer.ffn, build_moe(c, w, schema, li, next ? c.norm_topk_prob : true, quantize_input));
+  TERN_ASSIGN_OR_RETURN(draft->layer.mixer, build_attention(c, w, schema, li, true));
+  TERN_ASSIGN_OR_RETURN(draft->layer.ffn, build_moe(c, w, schema, li, next ? c.norm_topk_prob : true));
   model.draft = std::move(draft);
   return {};
 }

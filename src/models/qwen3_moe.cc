@@ -10,36 +10,34 @@
 namespace tern {
 
 Expected<std::unique_ptr<FeedForward>> build_moe(const ModelConfig& c, WeightStore& w, const WeightSchema& schema,
-                                                 int64_t layer, bool renormalize, bool quantize_input) {
+                                                 int64_t layer, bool renormalize) {
   auto group = std::find_if(schema.expert_groups.begin(), schema.expert_groups.end(),
                             [&](const ExpertGroupSpec& g) { return g.layer == layer; });
   if (group == schema.expert_groups.end()) return make_error("layer {} has no expert group in the schema", layer);
   MoeWeights m;
-  TERN_ASSIGN_OR_RETURN(m.router, w.linear(layer_tensor(schema, layer, "mlp.gate"), c.num_experts, c.hidden_size,
-                                           quantize_input));
-  TERN_ASSIGN_OR_RETURN(m.experts, w.experts(*group, quantize_input));
+  TERN_ASSIGN_OR_RETURN(m.router, w.linear(layer_tensor(schema, layer, "mlp.gate"), c.num_experts, c.hidden_size));
+  TERN_ASSIGN_OR_RETURN(m.experts, w.experts(*group));
   if (c.shared_expert_intermediate_size > 0) {
     TERN_ASSIGN_OR_RETURN(MlpWeights shared, build_mlp_weights(w, layer_tensor(schema, layer, "mlp.shared_expert"),
-                                                               c.hidden_size, c.shared_expert_intermediate_size,
-                                                               quantize_input));
+                                                               c.hidden_size, c.shared_expert_intermediate_size));
     m.shared_expert = std::make_unique<Mlp>(std::move(shared));
     TERN_ASSIGN_OR_RETURN(m.shared_expert_gate, w.linear(layer_tensor(schema, layer, "mlp.shared_expert_gate"), 1,
-                                                         c.hidden_size, quantize_input));
+                                                         c.hidden_size));
   }
   return std::make_unique<Moe>(MoeShape{.top_k = c.num_experts_per_tok, .renormalize = renormalize}, std::move(m));
 }
 
-Expected<void> qwen3_moe_build(CausalLm& model, WeightStore& w, const WeightSchema& schema, bool quantize_input) {
+Expected<void> qwen3_moe_build(CausalLm& model, WeightStore& w, const WeightSchema& schema) {
   const ModelConfig& c = model.config();
-  TERN_TRY(build_embeddings_and_head(model, w, schema, false, quantize_input));
+  TERN_TRY(build_embeddings_and_head(model, w, schema, false));
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     DecoderLayer layer;
     TERN_TRY(build_layer_norms(c, w, schema, i, /*zero_centred=*/false, layer));
-    TERN_ASSIGN_OR_RETURN(layer.mixer, build_attention(c, w, schema, i, false, quantize_input));
+    TERN_ASSIGN_OR_RETURN(layer.mixer, build_attention(c, w, schema, i, false));
     if (c.is_moe_layer(i)) {
-      TERN_ASSIGN_OR_RETURN(layer.ffn, build_moe(c, w, schema, i, c.norm_topk_prob, quantize_input));
+      TERN_ASSIGN_OR_RETURN(layer.ffn, build_moe(c, w, schema, i, c.norm_topk_prob));
     } else {
-      TERN_ASSIGN_OR_RETURN(layer.ffn, build_dense_mlp(c, w, schema, i, quantize_input));
+      TERN_ASSIGN_OR_RETURN(layer.ffn, build_dense_mlp(c, w, schema, i));
     }
     model.layers.push_back(std::move(layer));
   }

@@ -264,9 +264,9 @@ Expected<std::vector<float>> WeightStore::float_rows(const TensorView& t, int64_
   return v;
 }
 
-Expected<Linear> WeightStore::linear(const std::string& module, int64_t out, int64_t in, bool quantize_input) {
+Expected<Linear> WeightStore::linear(const std::string& module, int64_t out, int64_t in) {
   TERN_ASSIGN_OR_RETURN(const Shard shard, shard_of(module));
-  return sharded_linear(module, out, in, quantize_input, shard);
+  return sharded_linear(module, out, in, nvfp4_activations_ != Nvfp4Activations::kDequantize, shard);
 }
 
 Expected<Linear> WeightStore::sharded_linear(const std::string& module, int64_t out, int64_t in, bool quantize_input,
@@ -345,8 +345,9 @@ Expected<CpuMatrix> WeightStore::dense_matrix(const std::string& name, int64_t r
   return dense_slice(*t, rows, cols, 0, shard, name);
 }
 
-Expected<std::vector<MlpWeights>> WeightStore::experts(const ExpertGroupSpec& g, bool quantize_input) {
+Expected<std::vector<MlpWeights>> WeightStore::experts(const ExpertGroupSpec& g) {
   const int64_t e = g.num_experts, h = g.hidden, i = g.intermediate;
+  const bool quantize_input = nvfp4_activations_ == Nvfp4Activations::kQuantize;
   std::vector<MlpWeights> out;
   const TensorView* gate_up = find(g.prefix + ".gate_up_proj");
   if (gate_up != nullptr) {  // fused: gate_up [E, 2I, H] (rows [0, I) gate), down [E, H, I]

@@ -37,6 +37,15 @@ enum class DummyKind { kNormal, kOne, kZero, kALog, kConv, kCodes, kScales, kFp8
 // A dummy linear's weight format.
 enum class DummyFormat { kBf16, kNvfp4, kFp8 };
 
+// Which NVFP4 linears quantize their input (W4A4: the activations quantized per 16-element block with the layer's
+// input_scale, as ModelOpt defines; docs/model-specs.md §1.5) instead of multiplying the dequantized weight by
+// unquantized activations (W4A16).
+enum class Nvfp4Activations {
+  kDequantize,     // none: W4A16 everywhere
+  kQuantize,       // every NVFP4 linear
+  kQuantizeDense,  // every NVFP4 linear but the routed experts' (a GPU with a W4A4 GEMM but no W4A4 expert kernel)
+};
+
 class WeightStore {
  public:
   static Expected<std::unique_ptr<WeightStore>> open_checkpoint(const std::filesystem::path& dir);
@@ -63,14 +72,18 @@ class WeightStore {
   const TensorView* find(const std::string& name) const;
 
   // Sizes are the full logical ones; the results have this rank's.
-  // `<module>.weight` (+ NVFP4 scales, + bias) as a Linear. quantize_input applies to NVFP4 layers only.
-  Expected<Linear> linear(const std::string& module, int64_t out, int64_t in, bool quantize_input);
+  // Which NVFP4 linears quantize their input (W4A4 with their input_scale) from here on; kDequantize by default.
+  void set_nvfp4_activations(Nvfp4Activations a) { nvfp4_activations_ = a; }
+
+  // `<module>.weight` (+ NVFP4 scales, + bias) as a Linear; an NVFP4 one quantizes its input where
+  // set_nvfp4_activations says so.
+  Expected<Linear> linear(const std::string& module, int64_t out, int64_t in);
   // A float parameter of the given shape, copied to fp32 (this rank's part of dim 0).
   Expected<std::vector<float>> vector(const std::string& name, const std::vector<int64_t>& shape);
   // A dense [rows, cols] matrix used in place (embeddings).
   Expected<CpuMatrix> dense_matrix(const std::string& name, int64_t rows, int64_t cols);
   // The routed experts of one MoE layer, fused (gate_up_proj / down_proj) or one module per expert.
-  Expected<std::vector<MlpWeights>> experts(const ExpertGroupSpec& group, bool quantize_input);
+  Expected<std::vector<MlpWeights>> experts(const ExpertGroupSpec& group);
 
  private:
   WeightStore() = default;
@@ -106,6 +119,7 @@ class WeightStore {
   Expected<std::vector<float>> float_rows(const TensorView& t, int64_t dim0, const Shard& shard);
   Expected<Linear> sharded_linear(const std::string& module, int64_t out, int64_t in, bool quantize_input,
                                   const Shard& shard);
+  Nvfp4Activations nvfp4_activations_ = Nvfp4Activations::kDequantize;
   void add_owned(std::string name, DType dtype, std::vector<int64_t> shape, std::vector<std::byte> bytes);
   void add_dummy_linear(const std::string& module, int64_t out, int64_t in, DummyFormat format, uint64_t seed);
   // Tensors of make_shapes_only: a view of zeros_ (at least `bytes` long).

@@ -247,7 +247,7 @@ TEST_P(WorldOne, IsTheWholeTensorInPlace) {
   auto store = open_store(name, c.schema, {0, 1}, shard);
   for (const LinearSpec& l : c.schema.linears) {
     if (c.raw.find(l.module + ".weight") == nullptr && l.role == LinearRole::kLmHead) continue;  // tied
-    const Linear got = value(store->linear(l.module, l.out_features, l.in_features, false), l.module);
+    const Linear got = value(store->linear(l.module, l.out_features, l.in_features), l.module);
     expect_view(got.matrix(), raw_linear(c.raw, l.module, l.out_features, l.in_features),
                 stored_planes(*store, l.module), l.module);
   }
@@ -263,7 +263,7 @@ TEST_P(WorldOne, IsTheWholeTensorInPlace) {
   expect_view(e, raw_linear(c.raw, embed_module, c.config.vocab_size, c.config.hidden_size),
               stored_planes(*store, embed_module), embed);
   for (const ExpertGroupSpec& g : c.schema.expert_groups) {
-    const std::vector<MlpWeights> got = value(store->experts(g, false), g.prefix);
+    const std::vector<MlpWeights> got = value(store->experts(g), g.prefix);
     ASSERT_EQ(static_cast<int64_t>(got.size()), g.num_experts);
     for (int64_t x = 0; x < g.num_experts; ++x) {
       const std::vector<CpuMatrix> want = raw_expert(c.raw, g, x);
@@ -298,7 +298,7 @@ TEST_P(Reassembly, RanksPutBackTogetherGiveTheCheckpoint) {
     if (c.raw.find(l.module + ".weight") == nullptr && l.role == LinearRole::kLmHead) continue;
     std::vector<CpuMatrix> slices;
     for (auto& s : ranks)
-      slices.push_back(value(s->linear(l.module, l.out_features, l.in_features, false), l.module).matrix());
+      slices.push_back(value(s->linear(l.module, l.out_features, l.in_features), l.module).matrix());
     expect_reassembles(l.shard, slices, raw_linear(c.raw, l.module, l.out_features, l.in_features), l.module);
   }
   for (const ParamSpec& p : c.schema.params) {
@@ -319,7 +319,7 @@ TEST_P(Reassembly, RanksPutBackTogetherGiveTheCheckpoint) {
                      embed);
   for (const ExpertGroupSpec& g : c.schema.expert_groups) {
     std::vector<std::vector<MlpWeights>> got;
-    for (auto& s : ranks) got.push_back(value(s->experts(g, false), g.prefix));
+    for (auto& s : ranks) got.push_back(value(s->experts(g), g.prefix));
     for (int64_t x = 0; x < g.num_experts; ++x) {
       const std::vector<CpuMatrix> want = raw_expert(c.raw, g, x);
       std::vector<CpuMatrix> gate, up, down;
@@ -357,16 +357,16 @@ TEST(DummyWeights, RanksPutBackTogetherGiveTheWholeDummy) {
   for (const LinearSpec& l : c.schema.linears) {
     std::vector<CpuMatrix> slices;
     for (auto& s : ranks) {
-      slices.push_back(value(s->linear(l.module, l.out_features, l.in_features, false), l.module).matrix());
+      slices.push_back(value(s->linear(l.module, l.out_features, l.in_features), l.module).matrix());
     }
-    const Linear full = value(whole->linear(l.module, l.out_features, l.in_features, false), l.module);
+    const Linear full = value(whole->linear(l.module, l.out_features, l.in_features), l.module);
     expect_reassembles(l.shard, slices, full.matrix(), l.module);
   }
   const ExpertGroupSpec& g = c.schema.expert_groups.at(1);
-  const std::vector<MlpWeights> full = value(whole->experts(g, false), g.prefix);
+  const std::vector<MlpWeights> full = value(whole->experts(g), g.prefix);
   ASSERT_EQ(full.at(3).down_proj.matrix().format, CpuWeightFormat::kNvfp4);
   std::vector<CpuMatrix> down;
-  for (auto& s : ranks) down.push_back(value(s->experts(g, false), g.prefix).at(3).down_proj.matrix());
+  for (auto& s : ranks) down.push_back(value(s->experts(g), g.prefix).at(3).down_proj.matrix());
   expect_reassembles(g.down_shard, down, full.at(3).down_proj.matrix(), g.prefix + ".3.down_proj");
 }
 
@@ -403,7 +403,7 @@ TEST(DummyWeights, Fp8ConfigMakesBlockFp8Linears) {
     ++fp8_linears;
   };
   for (const LinearSpec& l : c.schema.linears) {
-    const Linear lin = value(store->linear(l.module, l.out_features, l.in_features, false), l.module);
+    const Linear lin = value(store->linear(l.module, l.out_features, l.in_features), l.module);
     if (l.role == LinearRole::kRouter || l.role == LinearRole::kLmHead) {
       EXPECT_EQ(lin.matrix().format, CpuWeightFormat::kBf16) << l.module;
     } else {
@@ -411,7 +411,7 @@ TEST(DummyWeights, Fp8ConfigMakesBlockFp8Linears) {
     }
   }
   const ExpertGroupSpec& g = c.schema.expert_groups.at(0);
-  const std::vector<MlpWeights> experts = value(store->experts(g, false), g.prefix);
+  const std::vector<MlpWeights> experts = value(store->experts(g), g.prefix);
   check(experts.at(1).gate_proj.matrix(), g.prefix + ".1.gate_proj");
   check(experts.at(1).down_proj.matrix(), g.prefix + ".1.down_proj");
   EXPECT_GT(fp8_linears, 4);
@@ -425,7 +425,7 @@ TEST(ShardSpotCheck, GatedQProjKeepsQueryAndGateOfEachHead) {
   const Checkpoint c = open_fixture("qwen3_5_moe");
   const std::string q = c.schema.text_prefix + "layers.3.self_attn.q_proj";
   auto store = open_store("qwen3_5_moe", c.schema, {1, 2});
-  const CpuMatrix m = value(store->linear(q, 512, 64, false), q).matrix();
+  const CpuMatrix m = value(store->linear(q, 512, 64), q).matrix();
   ASSERT_EQ(m.rows, 256);
   ASSERT_EQ(m.cols, 64);
   const TensorView& raw = *c.raw.find(q + ".weight");
@@ -442,9 +442,9 @@ TEST(ShardSpotCheck, PlainQProjAndKvHeadsReplicatedBeyondTheirCount) {
   const std::string q = "model.layers.1.self_attn.q_proj", k = "model.layers.1.self_attn.k_proj";
   auto r3 = open_store("qwen3", c.schema, {3, 4});
   auto r1 = open_store("qwen3", c.schema, {1, 4});
-  const CpuMatrix mq = value(r3->linear(q, 128, 64, false), q).matrix();
-  const CpuMatrix mk3 = value(r3->linear(k, 64, 64, false), k).matrix();
-  const CpuMatrix mk1 = value(r1->linear(k, 64, 64, false), k).matrix();
+  const CpuMatrix mq = value(r3->linear(q, 128, 64), q).matrix();
+  const CpuMatrix mk3 = value(r3->linear(k, 64, 64), k).matrix();
+  const CpuMatrix mk1 = value(r1->linear(k, 64, 64), k).matrix();
   ASSERT_EQ(mq.rows, 32);
   ASSERT_EQ(mk3.rows, 32);
   ASSERT_EQ(mk1.rows, 32);
@@ -460,7 +460,7 @@ TEST(ShardSpotCheck, RowParallelOProjTakesItsHeadsColumns) {
   const Checkpoint c = open_fixture("qwen3");
   const std::string o = "model.layers.2.self_attn.o_proj";
   auto store = open_store("qwen3", c.schema, {1, 2});
-  const CpuMatrix m = value(store->linear(o, 64, 128, false), o).matrix();
+  const CpuMatrix m = value(store->linear(o, 64, 128), o).matrix();
   ASSERT_EQ(m.rows, 64);
   ASSERT_EQ(m.cols, 64);
   const std::byte* raw = c.raw.find(o + ".weight")->data.data();
@@ -475,7 +475,7 @@ TEST(ShardSpotCheck, GdnInProjQkvAndConvSplitPerPart) {
   const Checkpoint c = open_fixture("qwen3_5_moe");
   const std::string p = c.schema.text_prefix + "layers.0.linear_attn.";
   auto store = open_store("qwen3_5_moe", c.schema, {1, 2});
-  const CpuMatrix m = value(store->linear(p + "in_proj_qkv", 256, 64, false), p).matrix();
+  const CpuMatrix m = value(store->linear(p + "in_proj_qkv", 256, 64), p).matrix();
   ASSERT_EQ(m.rows, 128);
   const std::byte* raw = c.raw.find(p + "in_proj_qkv.weight")->data.data();
   EXPECT_EQ(u16_at(m.data, 10 * 64 + 1), u16_at(raw, (32 + 10) * 64 + 1));
@@ -497,7 +497,7 @@ TEST(ShardSpotCheck, Nvfp4ExpertDownProjSplitsItsInputWithItsScales) {
   const Checkpoint c = open_fixture("qwen3_5_moe_nvfp4");
   const ExpertGroupSpec& g = c.schema.expert_groups.at(0);
   auto store = open_store("qwen3_5_moe_nvfp4", c.schema, {1, 2});
-  const std::vector<MlpWeights> experts = value(store->experts(g, false), g.prefix);
+  const std::vector<MlpWeights> experts = value(store->experts(g), g.prefix);
   const CpuMatrix m = experts.at(5).down_proj.matrix();
   ASSERT_EQ(m.format, CpuWeightFormat::kNvfp4);
   ASSERT_EQ(m.rows, 64);
@@ -530,14 +530,14 @@ void expect_error(const Expected<Linear>& got, const std::vector<std::string>& p
 TEST(ShardErrors, HeadsThatDoNotDivide) {
   const Checkpoint c = open_fixture("qwen3");
   auto store = open_store("qwen3", c.schema, {0, 3});
-  expect_error(store->linear("model.layers.0.self_attn.q_proj", 128, 64, false),
+  expect_error(store->linear("model.layers.0.self_attn.q_proj", 128, 64),
                {"model.layers.0.self_attn.q_proj.weight", "world size 3", "4 units of 32"});
-  expect_error(store->linear("model.layers.0.self_attn.k_proj", 64, 64, false),
+  expect_error(store->linear("model.layers.0.self_attn.k_proj", 64, 64),
                {"model.layers.0.self_attn.k_proj.weight", "world size 3", "2 units of 32"});
   const Checkpoint q35 = open_fixture("qwen3_5_moe");
   auto four = open_store("qwen3_5_moe", q35.schema, {0, 4});
   const std::string qkv = q35.schema.text_prefix + "layers.0.linear_attn.in_proj_qkv";
-  expect_error(four->linear(qkv, 256, 64, false), {qkv + ".weight", "world size 4", "2 units of 32"});
+  expect_error(four->linear(qkv, 256, 64), {qkv + ".weight", "world size 4", "2 units of 32"});
 }
 
 TEST(ShardErrors, Nvfp4InputSplitOffTheScaleBlocks) {
@@ -545,7 +545,7 @@ TEST(ShardErrors, Nvfp4InputSplitOffTheScaleBlocks) {
   const Checkpoint c = open_fixture("qwen3_5_moe_nvfp4");
   const ExpertGroupSpec& g = c.schema.expert_groups.at(0);
   auto store = open_store("qwen3_5_moe_nvfp4", c.schema, {1, 4});
-  auto got = store->experts(g, false);
+  auto got = store->experts(g);
   ASSERT_FALSE(got.has_value());
   const std::string& msg = got.error().message;
   EXPECT_NE(msg.find(g.prefix + ".0.down_proj.weight"), std::string::npos) << msg;
@@ -561,7 +561,7 @@ TEST(ShardErrors, RankOutsideTheWorld) {
     auto v = store->vector(norm, {64});
     ASSERT_FALSE(v.has_value());
     EXPECT_NE(v.error().message.find(norm), std::string::npos) << v.error().message;
-    expect_error(store->linear("model.layers.0.mlp.down_proj", 64, 128, false), {"model.layers.0.mlp.down_proj"});
+    expect_error(store->linear("model.layers.0.mlp.down_proj", 64, 128), {"model.layers.0.mlp.down_proj"});
     auto e = store->dense_matrix("model.embed_tokens.weight", 512, 64);
     ASSERT_FALSE(e.has_value());
     EXPECT_NE(e.error().message.find("model.embed_tokens.weight"), std::string::npos) << e.error().message;
@@ -571,7 +571,7 @@ TEST(ShardErrors, RankOutsideTheWorld) {
 TEST(ShardErrors, UndeclaredTensorAboveWorldOne) {
   const Checkpoint c = open_fixture("qwen3");
   auto store = open_store("qwen3", WeightSchema{}, {0, 2});
-  expect_error(store->linear("model.layers.0.mlp.down_proj", 64, 128, false),
+  expect_error(store->linear("model.layers.0.mlp.down_proj", 64, 128),
                {"model.layers.0.mlp.down_proj", "no shard declaration"});
 }
 

@@ -727,7 +727,7 @@ TEST(GpuModel, Fp8CheckpointsTrackTheCpuPath) {
 TEST(GpuModel, W4a4IsRefusedWithAReason) {
   ModelLoadOptions options;
   options.device = ModelDevice::kCuda;
-  options.nvfp4_quantize_activations = true;
+  options.nvfp4_activations = Nvfp4Activations::kQuantize;
   options.device_options.kv_cache_tokens = 1024;
   auto model = runner_load(std::string(TERN_FIXTURES_DIR) + "/qwen3_5_moe_nvfp4", options);
   ASSERT_FALSE(model.has_value());

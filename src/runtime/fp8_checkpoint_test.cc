@@ -88,7 +88,7 @@ TEST(Fp8Checkpoint, TensorParallelSlices) {
     auto store = WeightStore::open_checkpoint(pair.fp8);
     ASSERT_TRUE(store.has_value()) << store.error().message;
     (*store)->set_sharding(schema, {rank, 2});
-    auto linear = (*store)->linear(q, out, in, false);
+    auto linear = (*store)->linear(q, out, in);
     ASSERT_TRUE(linear.has_value()) << linear.error().message;
     const CpuMatrix& m = linear->matrix();
     ASSERT_EQ(m.format, CpuWeightFormat::kFp8Block128);
@@ -103,7 +103,7 @@ TEST(Fp8Checkpoint, TensorParallelSlices) {
       }
     }
     const TensorView* of = f32_raw->find(o + ".weight");
-    auto split = (*store)->linear(o, of->shape[0], of->shape[1], false);
+    auto split = (*store)->linear(o, of->shape[0], of->shape[1]);
     ASSERT_FALSE(split.has_value());
     EXPECT_NE(split.error().message.find("straddle its 128-column scale blocks"), std::string::npos)
         << split.error().message;
@@ -132,7 +132,7 @@ TEST(Fp8Checkpoint, EveryBlockOfTheGridScalesItsOwnWeights) {
                   .has_value());
   auto store = WeightStore::open_checkpoint(dir);
   ASSERT_TRUE(store.has_value()) << store.error().message;
-  auto linear = (*store)->linear("m", out, in, false);
+  auto linear = (*store)->linear("m", out, in);
   ASSERT_TRUE(linear.has_value()) << linear.error().message;
   std::vector<float> row(static_cast<size_t>(in));
   for (int64_t r = 0; r < out; ++r) {

@@ -37,7 +37,7 @@ nlohmann::json read_json(const std::string& path) {
 
 std::unique_ptr<ModelRunner> load(const Case& c) {
   ModelLoadOptions options;
-  options.nvfp4_quantize_activations = c.w4a4;
+  options.nvfp4_activations = c.w4a4 ? Nvfp4Activations::kQuantize : Nvfp4Activations::kDequantize;
   auto model = runner_load(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture, options);
   EXPECT_TRUE(model.has_value()) << (model ? "" : model.error().message);
   return model ? std::move(*model) : nullptr;

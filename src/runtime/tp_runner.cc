@@ -577,7 +577,7 @@ class TpRunner final : public ModelRunner {
     ModelLoadOptions shapes{.load_format = LoadFormat::kShapes,
                             .kv_cache_dtype = options.kv_cache_dtype,
                             .shard = {0, world_},
-                            .nvfp4_quantize_activations = options.nvfp4_quantize_activations,
+                            .nvfp4_activations = options.nvfp4_activations,
                             .load_draft = options.load_draft};
     TERN_ASSIGN_OR_RETURN(front_model_, model_build_host(dir, shapes));
     device_ = options.device;
