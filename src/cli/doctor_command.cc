@@ -4,13 +4,17 @@
 #include <fmt/ranges.h>
 
 #include <filesystem>
+#include <algorithm>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 
 #include "cli/model_options.h"
 #include "cli/model_selftest.h"
 #include "cli/version_command.h"
+#include "io/model_config.h"
+#include "models/selftest_plan.h"
 #include "ops/registry.h"
 #include "ops/cuda_modules.h"
 #include "runtime/tp_runner.h"
@@ -101,7 +105,10 @@ nlohmann::ordered_json selection_json(const Selection& s) {
 }
 
 void print_selection(const Selection& s) {
-  fmt::print("  {:<14} -> {}{}\n", s.op, s.chosen.empty() ? "NO VERIFIED IMPLEMENTATION" : s.chosen,
+  const std::string fallback = selftest_fallback_of(s.op);
+  const std::string none = fallback.empty() ? "NO VERIFIED IMPLEMENTATION"
+                                            : fmt::format("none verified here: its layers run {} instead", fallback);
+  fmt::print("  {:<14} -> {}{}\n", s.op, s.chosen.empty() ? none : s.chosen,
              s.forced && !s.chosen.empty() ? " (forced)" : "");
   for (const CandidateReport& c : s.candidates) {
     if (c.status == CandidateStatus::kPassed) {
@@ -154,6 +161,13 @@ int run_doctor(const DoctorOptions& o) {
 #endif
   const std::vector<LibraryVersion> libraries = linked_library_versions();
   const TpSection tp = tp_section(o);
+  // Which path the NVFP4 layers take on this device (--nvfp4-activations auto), where the model has any.
+  std::optional<Nvfp4ActivationsChoice> nvfp4;
+  if (std::any_of(selections.begin(), selections.end(), [](const Selection& s) { return s.op == "gemm_nvfp4"; })) {
+    const auto config = model_config_load(o.model_dir);
+    const bool mla = config && config->attention == AttentionKind::kMla;
+    if (auto choice = nvfp4_activations_of("auto", device.backend == Backend::kCuda, mla, selections)) nvfp4 = *choice;
+  }
   if (tp.ran && !tp.check) verdict = "NOT OK: the tensor-parallel group failed its check: " + tp.check.error().message;
   if (o.json) {
     nlohmann::ordered_json j;
@@ -170,6 +184,10 @@ int run_doctor(const DoctorOptions& o) {
     j["ops"] = nlohmann::ordered_json::array();
     for (const Selection& s : selections) j["ops"].push_back(selection_json(s));
     j["missing"] = report->notes;
+    j["nvfp4_layers"] = nvfp4 ? nlohmann::ordered_json{{"w4a4", nvfp4->policy != Nvfp4Activations::kDequantize},
+                                                       {"experts_w4a4", nvfp4->policy == Nvfp4Activations::kQuantize},
+                                                       {"why", nvfp4->why}}
+                              : nlohmann::ordered_json();
     j["selftest_seconds"] = report->seconds;
     j["tensor_parallel"] = tp_json(tp);
     j["verdict"] = verdict;
@@ -193,6 +211,7 @@ int run_doctor(const DoctorOptions& o) {
                o.model_dir.empty() ? "" : fmt::format(" (shapes of {}, batch sizes 1 and 8)", o.model_dir));
     for (const Selection& s : selections) print_selection(s);
     for (const std::string& note : report->notes) fmt::print("  {}\n", note);
+    if (nvfp4) fmt::print("NVFP4 layers\n  {}\n", nvfp4->why);
     fmt::print("self-test time\n  {:.2f} s\n", report->seconds);
     print_tp(tp, o.tensor_parallel_size);
     fmt::print("verdict\n  {}\n", verdict);

@@ -1,18 +1,22 @@
 #include "cli/model_options.h"
 
 #include "cli/rank_processes.h"
+#include "io/model_config.h"
+#include "models/selftest_plan.h"
 #include "runtime/speculative.h"
 #include "runtime/tp_runner.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <charconv>
 
 namespace tern {
 namespace {
 
-Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceModelOptions& device) {
+// The selections (empty with --selftest off and nothing forced); device.kernels set from them.
+Expected<std::vector<Selection>> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceModelOptions& device) {
   TERN_ASSIGN_OR_RETURN(const KvCacheDtype kv_cache_dtype, kv_cache_dtype_of(o.kv_cache_dtype));
   const std::string mode_name = o.selftest == "auto" ? (cuda ? "fast" : "off") : o.selftest;
   TERN_ASSIGN_OR_RETURN(SelftestMode mode, selftest_mode_parse(mode_name));
@@ -24,7 +28,7 @@ Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceM
       fmt::print(stderr, "warning: --selftest off: the GPU kernels are NOT verified on this device before serving; wrong output or "
                    "NaN from an unsupported kernel will not be caught at start-up (run `tern doctor` to check)\n");
     }
-    if (!any_forced) return {};
+    if (!any_forced) return std::vector<Selection>{};
   }
   // With speculative decoding the verifications' shapes are tested too.
   const ModelSelftestOptions selftest{
@@ -42,7 +46,7 @@ Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceM
   for (const Selection& s : r.selections) chosen += fmt::format("{}{}={}", chosen.empty() ? "" : " ", s.op, s.chosen);
   fmt::print(stderr, "self-test chose: {}\n", chosen);
   for (const Selection& s : r.selections) {
-    if (s.chosen.empty()) {
+    if (s.chosen.empty() && selftest_fallback_of(s.op).empty()) {
       std::string why;
       for (const CandidateReport& c : s.candidates) why += fmt::format("; {}: {}", c.name, c.reason);
       return make_error("self-test: no implementation of '{}' passed on {}{}", s.op, r.device.name, why);
@@ -50,18 +54,21 @@ Expected<void> selftest_before_load(const ModelCliOptions& o, bool cuda, DeviceM
   }
   device.kernels = kernel_choices_of(r.selections);
   if (!r.notes.empty()) return make_error("self-test: {}", r.notes.front());
-  return {};
+  return std::move(r.selections);
 }
 
 }  // namespace
+
 
 void add_model_options(CLI::App& cmd, ModelCliOptions& o) {
   cmd.add_option("--model", o.model_dir, "Checkpoint directory (config.json + safetensors)")->required();
   cmd.add_option("--load-format", o.load_format, "auto: the checkpoint's weights; dummy: random weights from config.json")
       ->check(CLI::IsMember({"auto", "dummy"}));
   cmd.add_option("--nvfp4-activations", o.nvfp4_activations,
-                 "NVFP4 layers: dequantize (W4A16, activations stay fp32) or quantize (W4A4, with input_scale)")
-      ->check(CLI::IsMember({"dequantize", "quantize"}));
+                 "NVFP4 layers: dequantize (W4A16, activations unquantized), quantize (W4A4, with input_scale), or "
+                 "auto: W4A4 for the dense layers where the self-test verified the GPU's FP4 tensor cores "
+                 "(Blackwell), W4A16 otherwise")
+      ->check(CLI::IsMember({"auto", "dequantize", "quantize"}));
   cmd.add_option("--device", o.device, "Where to run: cuda, cpu, or auto (cuda when this build has it and a GPU is "
                  "present)")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   cmd.add_option("--cuda-device", o.cuda_device, "CUDA device ordinal for --device cuda");
@@ -171,9 +178,16 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
   options.device_options.device = o.cuda_device;
   options.device_options.cuda_graphs = !o.enforce_eager;
   options.device_options.programmatic_launch = !o.no_pdl;
-  TERN_TRY(selftest_before_load(o, cuda, options.device_options));
+  TERN_ASSIGN_OR_RETURN(const std::vector<Selection> selections, selftest_before_load(o, cuda, options.device_options));
   options.load_format = o.load_format == "dummy" ? LoadFormat::kDummy : LoadFormat::kAuto;
-  options.nvfp4_activations = o.nvfp4_activations == "quantize" ? Nvfp4Activations::kQuantize : Nvfp4Activations::kDequantize;
+  TERN_ASSIGN_OR_RETURN(const ModelConfig config, model_config_load(o.model_dir));
+  TERN_ASSIGN_OR_RETURN(const Nvfp4ActivationsChoice nvfp4, nvfp4_activations_of(o.nvfp4_activations, cuda,
+                                                                               config.attention == AttentionKind::kMla,
+                                                                               selections));
+  options.nvfp4_activations = nvfp4.policy;
+  const bool has_nvfp4 = std::any_of(selections.begin(), selections.end(),
+                                     [](const Selection& s) { return s.op.starts_with("gemm_nvfp4"); });
+  if (has_nvfp4 || o.nvfp4_activations != "auto") fmt::print(stderr, "NVFP4 layers: {}\n", nvfp4.why);
   options.dummy_seed = o.dummy_seed;
   options.load_draft = !o.speculative_algorithm.empty();
   options.device_options.verify_rows = speculative_steps_of(o) + 1;

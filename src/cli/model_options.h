@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -18,7 +19,7 @@ namespace tern {
 struct ModelCliOptions {
   std::string model_dir;
   std::string load_format = "auto";           // auto | dummy
-  std::string nvfp4_activations = "dequantize";  // dequantize (W4A16) | quantize (W4A4)
+  std::string nvfp4_activations = "auto";  // auto | dequantize (W4A16) | quantize (W4A4); nvfp4_activations_of
   std::string device = "auto";  // auto | cpu | cuda
   int cuda_device = 0;
   uint64_t dummy_seed = 0;

@@ -1,5 +1,7 @@
 #include "models/selftest_plan.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <set>
 
@@ -237,6 +239,10 @@ class Planner final : public BlockOps {
       for (auto [n, k] : silu_) add("silu_mul_gemv", silu_mul_gemv_case(n, k, verify_rows_));
     }
     if (!fp4.empty()) table_.push_back({"gemm_nvfp4", quantized_gemm_cases(fp4)});
+    // The dense NVFP4 GEMMs again with their activations quantized (W4A4), which a device with FP4 tensor cores may
+    // run instead (selftest_fallback_of); the routed experts have no W4A4 kernel.
+    const auto w4a4 = selftest_lead_first({w4a4_.begin(), w4a4_.end()});
+    if (!w4a4.empty()) table_.push_back({"gemm_nvfp4_w4a4", gemm_selftest_cases(w4a4, gemm_rows_)});
     const auto fp8 = selftest_lead_first({fp8_.begin(), fp8_.end()});
     if (!fp8.empty()) table_.push_back({"gemm_fp8", quantized_gemm_cases(fp8)});
     return std::move(table_);
@@ -276,6 +282,7 @@ class Planner final : public BlockOps {
   }
   void linear(const Linear& l) {
     (is_nvfp4(l) ? nvfp4_ : is_fp8(l) ? fp8_ : bf16_).insert({l.out_features(), l.in_features()});
+    if (is_nvfp4(l)) w4a4_.insert({l.out_features(), l.in_features()});
   }
   // Each part at its own shape, the NVFP4 parts as the stacked weights a device computes them in (runs of at most
   // kNvfp4MaxStackedParts, DeviceWeights::projection), the FP8 parts as their one stacked weight, and the BF16
@@ -293,6 +300,7 @@ class Planner final : public BlockOps {
       if (is_nvfp4(*l)) {
         if (fp4_count == kNvfp4MaxStackedParts) {
           nvfp4_.insert({fp4_n, l->in_features()});
+          w4a4_.insert({fp4_n, l->in_features()});
           fp4_n = fp4_count = 0;
         }
         fp4_n += l->out_features();
@@ -302,7 +310,10 @@ class Planner final : public BlockOps {
       n += l->out_features();
       ++count;
     }
-    if (fp4_count > 1) nvfp4_.insert({fp4_n, parts.front()->in_features()});
+    if (fp4_count > 1) {
+      nvfp4_.insert({fp4_n, parts.front()->in_features()});
+      w4a4_.insert({fp4_n, parts.front()->in_features()});  // a run whose parts share their scales (W4A4 stacks)
+    }
     if (fp8_count > 1) fp8_.insert({fp8_n, parts.front()->in_features()});
     if (count == 0) return;
     // A device pads the run's rows (layers/linear.h fused_projection_rows).
@@ -322,10 +333,60 @@ class Planner final : public BlockOps {
   int64_t hidden_ = 0;
   RmsNormForm form_ = RmsNormForm::kPlain;
   Shapes bf16_, nvfp4_, fp8_, normed_, silu_;
+  Shapes w4a4_;  // the dense NVFP4 GEMMs (not the routed experts')
   SelftestCaseTable table_;
 };
 
+// Why no implementation of a selection's op was chosen: each candidate's reason.
+std::string unchosen_reasons(const Selection& s) {
+  std::string why;
+  for (const CandidateReport& c : s.candidates) {
+    why += fmt::format("{}{}: {}", why.empty() ? "" : "; ", c.name, c.reason.empty() ? "failed" : c.reason);
+  }
+  return why.empty() ? std::string("no implementation for this device") : why;
+}
+
 }  // namespace
+
+Expected<Nvfp4ActivationsChoice> nvfp4_activations_of(const std::string& requested, bool cuda, bool mla,
+                                                     std::span<const Selection> selections) {
+  using enum Nvfp4Activations;
+  if (requested == "dequantize") return Nvfp4ActivationsChoice{kDequantize, "W4A16 (--nvfp4-activations dequantize)"};
+  if (requested != "auto" && requested != "quantize") {
+    return make_error("--nvfp4-activations '{}': expected auto, dequantize or quantize", requested);
+  }
+  const bool quantize = requested == "quantize";
+  if (!cuda) {
+    return quantize ? Nvfp4ActivationsChoice{kQuantize, "W4A4 on every NVFP4 layer (--nvfp4-activations quantize)"}
+                    : Nvfp4ActivationsChoice{kDequantize, "W4A16 (the CPU's default; --nvfp4-activations quantize "
+                                                          "quantizes the activations)"};
+  }
+  if (mla && !quantize) {
+    return Nvfp4ActivationsChoice{kDequantize, "W4A16 (W4A4 is not supported for MLA models yet)"};
+  }
+  const auto it = std::find_if(selections.begin(), selections.end(),
+                               [](const Selection& s) { return s.op == "gemm_nvfp4_w4a4"; });
+  std::string unverified;
+  if (it == selections.end()) {
+    unverified = "the self-test did not run gemm_nvfp4_w4a4 (no dense NVFP4 layer, or --selftest off)";
+  } else if (it->chosen != "fp4-native") {
+    unverified = fmt::format("gemm_nvfp4_w4a4 has no verified FP4 tensor-core implementation here ({})",
+                             it->chosen.empty() ? unchosen_reasons(*it) : "chose " + it->chosen);
+  }
+  if (quantize) {
+    if (!unverified.empty()) {
+      return make_error("--nvfp4-activations quantize: {}; use auto (W4A16 on this GPU) or dequantize", unverified);
+    }
+    return Nvfp4ActivationsChoice{kQuantize, "W4A4 on every NVFP4 layer on the FP4 tensor cores (--nvfp4-activations "
+                                             "quantize; gemm_nvfp4_w4a4 fp4-native verified)"};
+  }
+  if (!unverified.empty()) return Nvfp4ActivationsChoice{kDequantize, "W4A16: " + unverified};
+  return Nvfp4ActivationsChoice{kQuantizeDense, "W4A4 on the FP4 tensor cores for the dense NVFP4 layers "
+                                                "(gemm_nvfp4_w4a4 fp4-native verified); the routed experts W4A16 (no "
+                                                "W4A4 expert kernel yet)"};
+}
+
+std::string selftest_fallback_of(const std::string& op) { return op == "gemm_nvfp4_w4a4" ? "gemm_nvfp4" : ""; }
 
 std::vector<std::pair<int64_t, int64_t>> selftest_lead_first(const std::vector<std::pair<int64_t, int64_t>>& shapes) {
   // `--selftest fast` runs each op's first case only, and its time decides between implementations: on a

@@ -12,10 +12,13 @@
 #include <fstream>
 #include <set>
 
+#include "layers/attention.h"
+#include "layers/moe.h"
 #include "ops/attention_op.h"
 #include "ops/elementwise_op.h"
 #include "ops/gdn_op.h"
 #include "ops/gemm_op.h"
+#include "ops/gemm_w4a4_op.h"
 #include "ops/mla_op.h"
 #include "ops/moe_op.h"
 #include "ops/silu_gemv_op.h"
@@ -194,6 +197,111 @@ TEST(SelftestPlan, StackedNvfp4ProjectionsAreTestedAtTheirShape) {
   const auto lead = std::make_pair(fp4->front().dims[1], fp4->front().dims[2]);
   EXPECT_TRUE(has(*table, "gemm_nvfp4", gemm_selftest_cases({lead}, {32}).front()));
   EXPECT_TRUE(has(*table, "gemm_nvfp4", gemm_selftest_cases({lead}, {64}).front()));
+}
+
+// The dense NVFP4 GEMMs are planned again with quantized activations (gemm_nvfp4_w4a4, which a GPU with FP4 tensor
+// cores may run instead of W4A16), each part and the stacked q|k|v; the routed experts' shapes are not (no W4A4
+// expert kernel), and the op falls back to gemm_nvfp4 where nothing verifies it.
+TEST(SelftestPlan, DenseNvfp4GemmsArePlannedWithQuantizedActivationsTooExpertsNot) {
+  auto model = host("qwen3_5_moe_nvfp4");
+  ASSERT_TRUE(model);
+  const ModelConfig& c = model->config();
+  auto table = selftest_cases_of(*model, {1});
+  ASSERT_TRUE(table.has_value()) << table.error().message;
+  const int64_t h = c.hidden_size, q = 2 * c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+  const int64_t o_in = c.num_attention_heads * c.head_dim, i = c.moe_intermediate_size;
+  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{q + 2 * kv, h}, {q, h}, {kv, h}, {h, o_in}}) {
+    EXPECT_TRUE(has(*table, "gemm_nvfp4_w4a4", gemm_selftest_cases({{n, k}}, {1}).front())) << n << " x " << k;
+  }
+  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{i, h}, {h, i}}) {
+    EXPECT_TRUE(has(*table, "gemm_nvfp4", gemm_selftest_cases({{n, k}}, {1}).front())) << n << " x " << k;
+    EXPECT_FALSE(has(*table, "gemm_nvfp4_w4a4", gemm_selftest_cases({{n, k}}, {1}).front())) << n << " x " << k;
+  }
+  EXPECT_EQ(selftest_fallback_of("gemm_nvfp4_w4a4"), "gemm_nvfp4");
+  EXPECT_EQ(selftest_fallback_of("gemm_nvfp4"), "");
+  EXPECT_EQ(selftest_fallback_of("attention"), "");
+  // A BF16 checkpoint has none.
+  auto bf16 = host("qwen3_5_moe");
+  ASSERT_TRUE(bf16);
+  auto bf16_table = selftest_cases_of(*bf16, {1});
+  ASSERT_TRUE(bf16_table.has_value());
+  EXPECT_EQ(cases_of(*bf16_table, "gemm_nvfp4_w4a4"), nullptr);
+}
+
+// --nvfp4-activations auto on simulated GPUs, from the selection of the fixture's planned W4A4 cases (nothing runs:
+// a supported candidate is chosen untested): a B200 or an RTX PRO 6000, whose FP4 tensor cores the binary targets,
+// run the dense NVFP4 layers W4A4 and the experts W4A16; an H200 runs W4A16 and says why; `quantize` is refused
+// there; the CPU, `dequantize` and MLA models run W4A16.
+TEST(Nvfp4ActivationsChoice, AutoRunsW4a4WhereTheFp4GemmIsVerified) {
+  auto model = host("qwen3_5_moe_nvfp4");
+  ASSERT_TRUE(model);
+  auto table = selftest_cases_of(*model, {1, 8});
+  ASSERT_TRUE(table.has_value()) << table.error().message;
+  const auto* cases = cases_of(*table, "gemm_nvfp4_w4a4");
+  ASSERT_NE(cases, nullptr);
+  auto select_on = [&](const std::string& device_name) {
+    Registry r;
+    EXPECT_TRUE(gemm_w4a4_register_cpu(r).has_value());
+    const BinaryImage image{.sass = {"sm_90a", "sm_100a", "sm_120a"},
+                            .ptx = {"compute_90a", "compute_100a", "compute_120a"}};
+    EXPECT_TRUE(r.add(gemm_w4a4_native_implementation(image, [](const OpInputs&) -> Expected<RunOutput> {
+                   ADD_FAILURE() << "a simulated device ran a kernel";
+                   return make_error("simulated");
+                 })).has_value());
+    auto device = simulated_device(device_name);
+    EXPECT_TRUE(device.has_value());
+    auto s = registry_select(r, "gemm_nvfp4_w4a4", *device, *cases, {.mode = SelftestMode::kOff});
+    EXPECT_TRUE(s.has_value()) << (s ? "" : s.error().message);
+    return std::vector<Selection>{s ? *s : Selection{}};
+  };
+  using enum Nvfp4Activations;
+  for (const std::string name : {"b200", "rtx-pro-6000"}) {
+    const std::vector<Selection> blackwell = select_on(name);
+    auto choice = nvfp4_activations_of("auto", true, false, blackwell);
+    ASSERT_TRUE(choice.has_value()) << choice.error().message;
+    EXPECT_EQ(choice->policy, kQuantizeDense) << name << ": " << choice->why;
+    EXPECT_NE(choice->why.find("routed experts W4A16"), std::string::npos) << choice->why;
+    auto forced = nvfp4_activations_of("quantize", true, false, blackwell);
+    ASSERT_TRUE(forced.has_value()) << forced.error().message;
+    EXPECT_EQ(forced->policy, kQuantize);
+    EXPECT_EQ(nvfp4_activations_of("dequantize", true, false, blackwell)->policy, kDequantize);
+    EXPECT_EQ(nvfp4_activations_of("auto", true, true, blackwell)->policy, kDequantize) << "an MLA model";
+  }
+  const std::vector<Selection> hopper = select_on("h200");
+  ASSERT_TRUE(hopper.front().chosen.empty());
+  auto choice = nvfp4_activations_of("auto", true, false, hopper);
+  ASSERT_TRUE(choice.has_value()) << choice.error().message;
+  EXPECT_EQ(choice->policy, kDequantize);
+  EXPECT_NE(choice->why.find("sm_90"), std::string::npos) << choice->why;
+  auto refused = nvfp4_activations_of("quantize", true, false, hopper);
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_NE(refused.error().message.find("FP4 tensor-core"), std::string::npos) << refused.error().message;
+  EXPECT_EQ(nvfp4_activations_of("auto", true, false, {})->policy, kDequantize) << "no self-test ran";
+  EXPECT_FALSE(nvfp4_activations_of("quantize", true, false, {}).has_value()) << "no self-test ran";
+  EXPECT_EQ(nvfp4_activations_of("auto", false, false, {})->policy, kDequantize) << "the CPU";
+  EXPECT_EQ(nvfp4_activations_of("quantize", false, false, {})->policy, kQuantize) << "the CPU";
+  EXPECT_FALSE(nvfp4_activations_of("w4a8", true, false, hopper).has_value());
+}
+
+// The policy the choice comes to, applied by the weight store: quantize-dense quantizes the attention projections'
+// inputs and not the routed experts'; quantize both; dequantize neither.
+TEST(Nvfp4ActivationsChoice, ThePolicyReachesTheLayers) {
+  using enum Nvfp4Activations;
+  for (const Nvfp4Activations policy : {kDequantize, kQuantizeDense, kQuantize}) {
+    auto m = model_build_host(std::string(TERN_FIXTURES_DIR) + "/qwen3_5_moe_nvfp4", {.nvfp4_activations = policy});
+    ASSERT_TRUE(m.has_value()) << m.error().message;
+    const auto* attention = dynamic_cast<const Attention*>((*m)->layers.at(1).mixer.get());
+    const auto* moe = dynamic_cast<const Moe*>((*m)->layers.at(1).ffn.get());
+    ASSERT_NE(attention, nullptr);
+    ASSERT_NE(moe, nullptr);
+    EXPECT_EQ(attention->weights().q_proj.quantizes_input(), policy != kDequantize);
+    EXPECT_EQ(attention->weights().o_proj.quantizes_input(), policy != kDequantize);
+    EXPECT_EQ(moe->weights().experts.at(0).gate_proj.quantizes_input(), policy == kQuantize);
+    EXPECT_EQ(moe->weights().experts.at(0).down_proj.quantizes_input(), policy == kQuantize);
+  }
+  auto mla = model_build_host(std::string(TERN_FIXTURES_DIR) + "/glm_moe_dsa", {.nvfp4_activations = kQuantizeDense});
+  ASSERT_FALSE(mla.has_value());
+  EXPECT_NE(mla.error().message.find("not supported for MLA models"), std::string::npos) << mla.error().message;
 }
 
 // The lead GEMM (what `--selftest fast` times) is the largest projection of at most 2^26 weights, not lm_head.

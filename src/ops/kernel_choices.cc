@@ -37,6 +37,8 @@ KernelChoices kernel_choices_of(std::span<const Selection> selections) {
       k.silu_gemv = s.chosen == "fused";
     } else if (s.op == "gdn_delta_rule_norm") {
       k.gdn_norm_in_rule = s.chosen == "fused";
+    } else if (s.op == "gemm_nvfp4_w4a4") {
+      k.nvfp4_w4a4 = s.chosen == "fp4-native";
     }
   }
   return k;

@@ -32,6 +32,9 @@ struct KernelChoices {
   // gdn_delta_rule_norm chose "fused": at one sequence of one token, a GDN layer's gated RMSNorm runs inside its
   // recurrent delta-rule kernel.
   bool gdn_norm_in_rule = false;
+  // gemm_nvfp4_w4a4 chose "fp4-native": the dense NVFP4 GEMMs may run with quantized activations on the FP4 tensor
+  // cores (W4A4), where the model's layers ask for it (models/weights.h Nvfp4Activations).
+  bool nvfp4_w4a4 = false;
 
   bool operator==(const KernelChoices&) const = default;
 };
