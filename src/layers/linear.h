@@ -31,6 +31,7 @@ class Linear {
   const std::string& name() const { return name_; }
   const std::vector<float>& bias() const { return bias_; }
   bool quantizes_input() const { return quantize_input_; }
+  float input_scale() const { return input_scale_; }  // with quantizes_input()
 
  private:
   std::string name_;

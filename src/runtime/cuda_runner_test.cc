@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/device.h"
 #include "runtime/fp8_checkpoint_test_util.h"
 #include "runtime/model_runner.h"
 #include "runtime/tp_runner.h"
@@ -724,14 +725,57 @@ TEST(GpuModel, Fp8CheckpointsTrackTheCpuPath) {
   }
 }
 
-TEST(GpuModel, W4a4IsRefusedWithAReason) {
+// W4A4 on CUDA runs only where the self-test verified the FP4 tensor-core GEMM (KernelChoices::nvfp4_w4a4), and
+// never for the routed experts (no W4A4 expert kernel): each refusal names the layer and what to use. Where the GPU
+// has no FP4 tensor cores and the choice is forced anyway, the dense layers upload (packed codes, tiled scales,
+// input_scale) and the step fails with cuBLASLt's reason: an error, not a crash or NaN.
+TEST(GpuModel, W4a4RunsOnlyWhereVerified) {
+  const std::string dir = std::string(TERN_FIXTURES_DIR) + "/qwen3_5_moe_nvfp4";
   ModelLoadOptions options;
   options.device = ModelDevice::kCuda;
-  options.nvfp4_activations = Nvfp4Activations::kQuantize;
   options.device_options.kv_cache_tokens = 1024;
-  auto model = runner_load(std::string(TERN_FIXTURES_DIR) + "/qwen3_5_moe_nvfp4", options);
-  ASSERT_FALSE(model.has_value());
-  EXPECT_NE(model.error().message.find("W4A4"), std::string::npos) << model.error().message;
+  for (const Nvfp4Activations policy : {Nvfp4Activations::kQuantize, Nvfp4Activations::kQuantizeDense}) {
+    options.nvfp4_activations = policy;
+    auto model = runner_load(dir, options);
+    ASSERT_FALSE(model.has_value());
+    EXPECT_NE(model.error().message.find("W4A4"), std::string::npos) << model.error().message;
+    EXPECT_NE(model.error().message.find("self-test verified"), std::string::npos) << model.error().message;
+  }
+  options.device_options.kernels.nvfp4_w4a4 = true;  // as if verified
+  options.nvfp4_activations = Nvfp4Activations::kQuantize;
+  auto experts = runner_load(dir, options);
+  ASSERT_FALSE(experts.has_value());
+  EXPECT_NE(experts.error().message.find("routed experts have no W4A4 kernel"), std::string::npos)
+      << experts.error().message;
+  options.nvfp4_activations = Nvfp4Activations::kQuantizeDense;
+  options.device_options.cuda_graphs = false;
+  auto dense = runner_load(dir, options);
+  ASSERT_TRUE(dense.has_value()) << dense.error().message;
+  SequenceCache seq = (*dense)->new_sequence();
+  const std::vector<int32_t> prompt{1, 2, 3, 4};
+  auto logits = (*dense)->forward(std::vector<SequenceInput>{{&seq, prompt}}, LogitsFor::kLastToken);
+  if (DeviceContext(0).props().cc_major < 10) {
+    ASSERT_FALSE(logits.has_value()) << "a block-scaled FP4 GEMM ran on a GPU without FP4 tensor cores";
+    EXPECT_NE(logits.error().message.find("cuBLASLt"), std::string::npos) << logits.error().message;
+  } else {  // Blackwell: the CPU path with the same layers quantized is the reference; a wrong scale layout, alpha or
+            // quantizer is off by O(1), bf16 and FP4 code flips by far less
+    ASSERT_TRUE(logits.has_value()) << logits.error().message;
+    ModelLoadOptions cpu_options;
+    cpu_options.nvfp4_activations = Nvfp4Activations::kQuantizeDense;
+    auto cpu = runner_load(dir, cpu_options);
+    ASSERT_TRUE(cpu.has_value()) << cpu.error().message;
+    SequenceCache cpu_seq = (*cpu)->new_sequence();
+    auto want = (*cpu)->forward(std::vector<SequenceInput>{{&cpu_seq, prompt}}, LogitsFor::kLastToken);
+    ASSERT_TRUE(want.has_value()) << want.error().message;
+    ASSERT_EQ(want->size(), logits->size());
+    double max_ref = 0.0, worst = 0.0;
+    for (size_t v = 0; v < want->size(); ++v) {
+      ASSERT_TRUE(std::isfinite((*logits)[v])) << v;
+      max_ref = std::max(max_ref, std::abs(double{(*want)[v]}));
+      worst = std::max(worst, std::abs(double{(*logits)[v]} - double{(*want)[v]}));
+    }
+    EXPECT_LE(worst, 0.05 * max_ref);
+  }
 }
 
 // The GLM fixture's config with GLM-5's latent width (kv_lora_rank 512, what the CUDA FP8 cache holds) and dummy

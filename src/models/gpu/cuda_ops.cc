@@ -187,7 +187,7 @@ CudaOps::CudaOps(DeviceContext& ctx, const DeviceModelOptions& options, int64_t 
     : ctx_(ctx),
       comm_(comm != nullptr && comm->world() > 1 ? comm : nullptr),
       options_(options),
-      weights_(ctx.stream(), options.kernels.bf16_gemv),
+      weights_(ctx.stream(), options.kernels.bf16_gemv, options.kernels.nvfp4_w4a4),
       hidden_(hidden),
       attention_variant_(attention_variant_of(options.kernels.attention)),
       gdn_variant_(gdn_variant_of(options.kernels.gdn)) {}

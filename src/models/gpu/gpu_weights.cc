@@ -1,12 +1,17 @@
 #include "models/gpu/gpu_weights.h"
 
+#include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstring>
 
 #include "core/formats.h"
 #include "kernels/cuda/gemm/gemm_bf16.h"
 #include "kernels/cuda/gemm/gemm_fp8_w8a16.h"
+#include "kernels/cuda/gemm/gemm_nvfp4_native.h"
 #include "kernels/cuda/gemm/gemm_nvfp4_w4a16.h"
 #include "kernels/cuda/gemv/gemv_bf16.h"
+#include "kernels/cuda/nvfp4/nvfp4_scale_layout.h"
 
 namespace tern {
 namespace {
@@ -26,9 +31,18 @@ const uint16_t* host_bf16(const CpuMatrix& m, std::vector<uint16_t>& scratch) {
 bool is_nvfp4(const Linear& l) { return l.matrix().format == CpuWeightFormat::kNvfp4; }
 bool is_fp8(const Linear& l) { return l.matrix().format == CpuWeightFormat::kFp8Block128; }
 // Formats whose adjacent parts stack into one device matrix in their own way; the rest become BF16.
-enum class Stacking { kBf16, kNvfp4, kFp8 };
+enum class Stacking { kBf16, kNvfp4, kFp8, kW4a4 };
 Stacking stacking(const Linear& l) {
-  return is_nvfp4(l) ? Stacking::kNvfp4 : is_fp8(l) ? Stacking::kFp8 : Stacking::kBf16;
+  if (is_nvfp4(l)) return l.quantizes_input() ? Stacking::kW4a4 : Stacking::kNvfp4;
+  return is_fp8(l) ? Stacking::kFp8 : Stacking::kBf16;
+}
+
+// Whether W4A4 linears can be one GEMM: cuBLASLt's FP4 GEMM takes one alpha = weight_scale_2 * input_scale.
+bool share_w4a4_scales(std::span<const Linear* const> linears) {
+  return std::all_of(linears.begin(), linears.end(), [&](const Linear* l) {
+    return l->matrix().global_scale == linears[0]->matrix().global_scale &&
+           l->input_scale() == linears[0]->input_scale();
+  });
 }
 
 int64_t fp8_scale_cols(int64_t k) { return (k + 127) / 128; }
@@ -89,10 +103,6 @@ namespace {
 
 Expected<void> check_supported(const Linear& linear) {
   if (!linear.bias().empty()) return make_error("{}: linear layers with a bias are not supported on CUDA yet", linear.name());
-  if (linear.quantizes_input()) {
-    return make_error("{}: NVFP4 with quantized activations (W4A4) is not supported on CUDA yet; use W4A16",
-                      linear.name());
-  }
   return {};
 }
 
@@ -100,7 +110,55 @@ Expected<void> check_supported(const Linear& linear) {
 
 Expected<DeviceMatrix> DeviceWeights::matrix(const Linear& linear) {
   TERN_TRY(check_supported(linear));
+  if (linear.quantizes_input()) return stack_w4a4(std::span<const Linear* const>(std::array{&linear}));
   return matrix(linear.matrix(), linear.name());
+}
+
+Expected<DeviceMatrix> DeviceWeights::stack_w4a4(std::span<const Linear* const> linears) {
+  const Linear& first = *linears[0];
+  if (!nvfp4_w4a4_) {
+    return make_error("{}: NVFP4 with quantized activations (W4A4) runs on CUDA only on FP4 tensor cores that the "
+                      "self-test verified (gemm_nvfp4_w4a4 \"fp4-native\"), which this device's did not; use "
+                      "--nvfp4-activations auto or dequantize (W4A16)", first.name());
+  }
+  const int64_t k = first.in_features();
+  if (k % 32 != 0) {
+    return make_error("{}: W4A4 on CUDA needs in_features a multiple of 32 (cuBLASLt's FP4 rows), got {}; use "
+                      "--nvfp4-activations dequantize", first.name(), k);
+  }
+  if (!share_w4a4_scales(linears)) {
+    return make_error("{}: W4A4 parts stacked into one GEMM must share weight_scale_2 and input_scale", first.name());
+  }
+  int64_t rows = 0;
+  for (const Linear* l : linears) rows += l->out_features();
+  // Row-major scales of the stack, then re-laid into cuBLASLt's tiles.
+  std::vector<uint8_t> scales(static_cast<size_t>(rows * k / 16));
+  TERN_ASSIGN_OR_RETURN(void* packed, allocate(static_cast<size_t>(rows * k / 2), first.name()));
+  int64_t row = 0;
+  for (const Linear* l : linears) {
+    const CpuMatrix& m = l->matrix();
+    TERN_CUDA_CHECK(cudaMemcpyAsync(static_cast<uint8_t*>(packed) + row * k / 2, m.data,
+                                    static_cast<size_t>(m.rows * k / 2), cudaMemcpyHostToDevice, stream_));
+    std::memcpy(scales.data() + row * k / 16, m.block_scales, static_cast<size_t>(m.rows * k / 16));
+    TERN_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host data may be a temporary
+    row += m.rows;
+  }
+  const std::vector<uint8_t> tiled = nvfp4_scales_to_tiled(scales, rows, k);
+  TERN_ASSIGN_OR_RETURN(void* scales_tiled, upload(tiled.data(), tiled.size(), first.name()));
+  const float input_scale = first.input_scale();
+  if (!std::isfinite(input_scale) || !(input_scale > 0.0f)) {
+    return make_error("{}: input_scale must be positive and finite for W4A4, got {}", first.name(), input_scale);
+  }
+  TERN_ASSIGN_OR_RETURN(void* scale, upload(&input_scale, sizeof(float), first.name()));
+  return DeviceMatrix{.nvfp4 = true,
+                      .n = rows,
+                      .k = k,
+                      .packed = static_cast<const uint8_t*>(packed),
+                      .global_scale = first.matrix().global_scale,
+                      .w4a4 = true,
+                      .scales_tiled = static_cast<const uint8_t*>(scales_tiled),
+                      .input_scale = input_scale,
+                      .input_scale_device = static_cast<const float*>(scale)};
 }
 
 Expected<DeviceMatrix> DeviceWeights::concat_bf16(std::span<const Linear* const> linears, int64_t rows_multiple) {
@@ -201,7 +259,8 @@ Expected<DeviceProjection> DeviceWeights::projection(std::span<const Linear* con
     }
     // [i, j): a run of BF16 or of FP8 parts, or of at most kNvfp4MaxStackedParts NVFP4 parts
     const Stacking kind = stacking(*linears[i]);
-    const size_t max_parts = kind == Stacking::kNvfp4 ? static_cast<size_t>(kNvfp4MaxStackedParts) : linears.size();
+    const bool nvfp4 = kind == Stacking::kNvfp4 || kind == Stacking::kW4a4;
+    const size_t max_parts = nvfp4 ? static_cast<size_t>(kNvfp4MaxStackedParts) : linears.size();
     size_t j = i + 1;
     while (j < linears.size() && j - i < max_parts && stacking(*linears[j]) == kind &&
            linears[j]->in_features() == p.in_features) {
@@ -211,15 +270,32 @@ Expected<DeviceProjection> DeviceWeights::projection(std::span<const Linear* con
     // inside it does not, so that the parts after it keep the columns their consumers compute.
     const int64_t rows_multiple = j == linears.size() ? kFusedProjectionRowMultiple : 1;
     const auto run = linears.subspan(i, j - i);
+    i = j;
+    if (kind == Stacking::kW4a4 && !share_w4a4_scales(run)) {  // a GEMM per part
+      for (const Linear* l : run) {
+        TERN_ASSIGN_OR_RETURN(DeviceMatrix m, stack_w4a4(std::span<const Linear* const>(std::array{l})));
+        p.offsets.push_back(p.width);
+        p.width += m.n;
+        p.parts.push_back(m);
+      }
+      continue;
+    }
     TERN_ASSIGN_OR_RETURN(DeviceMatrix m, kind == Stacking::kNvfp4 ? stack_nvfp4(run)
-                                          : kind == Stacking::kFp8 ? stack_fp8(run)
-                                                                   : concat_bf16(run, rows_multiple));
+                                          : kind == Stacking::kW4a4 ? stack_w4a4(run)
+                                          : kind == Stacking::kFp8  ? stack_fp8(run)
+                                                                    : concat_bf16(run, rows_multiple));
     p.offsets.push_back(p.width);
     p.width += m.n;
     p.parts.push_back(m);
-    i = j;
   }
   p.width = (p.width + width_multiple - 1) / width_multiple * width_multiple;
+  for (size_t part = 0; part < p.parts.size(); ++part) {  // cuBLASLt's FP4 GEMM writes 16-byte aligned rows
+    if (p.parts[part].w4a4 && (p.offsets[part] % 8 != 0 || p.width % 8 != 0)) {
+      return make_error("{}: W4A4 on CUDA needs its output at a column and row stride that are multiples of 8 "
+                        "(column {} of {}); use --nvfp4-activations dequantize", linears.front()->name(),
+                        p.offsets[part], p.width);
+    }
+  }
   return p;
 }
 
@@ -315,6 +391,10 @@ Expected<DeviceExperts> DeviceWeights::experts(const std::vector<MlpWeights>& ex
   d.inter = experts[0].gate_proj.out_features();
   d.hidden = experts[0].gate_proj.in_features();
   d.nvfp4 = is_nvfp4(experts[0].gate_proj);
+  if (experts[0].gate_proj.quantizes_input() || experts[0].down_proj.quantizes_input()) {
+    return make_error("{}: the routed experts have no W4A4 kernel on CUDA yet; use --nvfp4-activations auto (W4A4 "
+                      "for the dense layers where the GPU verifies it, the experts W4A16) or dequantize", name);
+  }
   if (d.nvfp4) {
     TERN_ASSIGN_OR_RETURN(d.gate, expert_stack(experts, 1, name + ".gate_proj"));
     TERN_ASSIGN_OR_RETURN(d.up, expert_stack(experts, 2, name + ".up_proj"));
@@ -340,6 +420,22 @@ Expected<const float*> DeviceWeights::vector_f32(const std::vector<float>& value
 
 Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatrix& w, const uint16_t* x, int64_t m,
                                      uint16_t* y, int64_t ldy) {
+  if (w.w4a4) {
+    const GemmNvfp4NativeArgs args{.x = x,
+                                   .w = {.packed = w.packed,
+                                         .scales_tiled = w.scales_tiled,
+                                         .global_scale = w.global_scale,
+                                         .n = w.n,
+                                         .k = w.k},
+                                   .input_scale = w.input_scale,
+                                   .input_scale_device = w.input_scale_device,
+                                   .y = y,
+                                   .m = m,
+                                   .ldy = ldy,
+                                   .workspace = ctx.weight_workspace(),
+                                   .workspace_bytes = ctx.weight_workspace_bytes()};
+    return gemm_nvfp4_native(ctx, args);
+  }
   if (w.fp8) {
     const GemmFp8W8a16Args args{
         .x = x, .w = Fp8WeightView{.codes = w.packed, .row_scales = w.row_scales, .n = w.n, .k = w.k}, .y = y, .m = m,

@@ -36,17 +36,26 @@ struct DeviceMatrix {
   int64_t part_begin[kNvfp4MaxExtraParts] = {};
   float part_scale[kNvfp4MaxExtraParts] = {};
   bool gemv = false;  // BF16 through gemv_bf16 where gemv_bf16_preferred holds (self-test verified)
+  // NVFP4 with quantized activations (W4A4) on the FP4 tensor cores (kernels/cuda/gemm/gemm_nvfp4_native.h), with
+  // nvfp4 also set: `packed` as above, the block scales in cuBLASLt's tiled layout, one weight_scale_2
+  // (global_scale) and the layer's input_scale, on the host and on the device.
+  bool w4a4 = false;
+  const uint8_t* scales_tiled = nullptr;
+  float input_scale = 0.0f;
+  const float* input_scale_device = nullptr;
 };
 
 // y[:, offset .. offset + n) = x . W^T for y with row stride ldy (BF16 through cuBLASLt or, for few rows when the
-// matrix says so, gemv_bf16; NVFP4 through W4A16, FP8 through W8A16).
+// matrix says so, gemv_bf16; NVFP4 through W4A16, or W4A4 on the FP4 tensor cores with the context's weight workspace
+// holding the quantized activations; FP8 through W8A16).
 Expected<void> device_matrix_forward(const DeviceContext& ctx, const DeviceMatrix& w, const uint16_t* x, int64_t m,
                                      uint16_t* y, int64_t ldy);
 
 // Several linears over the same input computed as one output [m, width] with their outputs side by side (q|k|v,
 // gate|up, router|shared-expert gate). Adjacent parts of one format are one matrix on the device, so one GEMM: BF16
 // parts concatenated, NVFP4 parts stacked with each part's weight_scale_2 (up to kNvfp4MaxStackedParts a matrix),
-// FP8 parts stacked with their row scales.
+// FP8 parts stacked with their row scales; W4A4 parts (Linear::quantizes_input) stacked when they share their
+// weight_scale_2 and input_scale (one alpha per GEMM), each alone otherwise.
 // The CUDA model computes every projection after a norm (cuda_ops.cc norm_project), the first part with the norm
 // fused in where the self-test chose that.
 struct DeviceProjection {
@@ -68,8 +77,10 @@ struct DeviceExperts {
 
 class DeviceWeights {
  public:
-  // bf16_gemv: BF16 matrices are computed by gemv_bf16 at few rows (DeviceMatrix::gemv).
-  DeviceWeights(cudaStream_t stream, bool bf16_gemv) : stream_(stream), bf16_gemv_(bf16_gemv) {}
+  // bf16_gemv: BF16 matrices are computed by gemv_bf16 at few rows (DeviceMatrix::gemv). nvfp4_w4a4: the self-test
+  // verified the FP4 tensor-core GEMM (KernelChoices::nvfp4_w4a4); without it a W4A4 linear is refused.
+  DeviceWeights(cudaStream_t stream, bool bf16_gemv, bool nvfp4_w4a4 = false)
+      : stream_(stream), bf16_gemv_(bf16_gemv), nvfp4_w4a4_(nvfp4_w4a4) {}
 
   Expected<DeviceMatrix> matrix(const Linear& linear);
   Expected<DeviceMatrix> matrix(const CpuMatrix& m, const std::string& name);
@@ -90,12 +101,15 @@ class DeviceWeights {
   Expected<DeviceMatrix> concat_bf16(std::span<const Linear* const> linears, int64_t rows_multiple);
   Expected<DeviceMatrix> stack_nvfp4(std::span<const Linear* const> linears);
   Expected<DeviceMatrix> stack_fp8(std::span<const Linear* const> linears);
+  // W4A4 linears sharing weight_scale_2 and input_scale, stacked by rows.
+  Expected<DeviceMatrix> stack_w4a4(std::span<const Linear* const> linears);
   // rows [row, row + m.rows) of an FP8 stack: codes [., k] and row scales [., ceil(k/128)]
   Expected<void> copy_fp8_rows(const CpuMatrix& m, uint8_t* codes, float* scales, int64_t row, int64_t k);
   Expected<MoeExpertWeights> expert_stack(const std::vector<MlpWeights>& experts, int part, const std::string& name);
 
   cudaStream_t stream_;
   bool bf16_gemv_ = false;
+  bool nvfp4_w4a4_ = false;
   std::deque<DeviceBuffer> buffers_;
   std::map<const void*, DeviceMatrix> uploaded_;  // by host data pointer
   size_t bytes_ = 0;

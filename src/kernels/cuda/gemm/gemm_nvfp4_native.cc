@@ -2,6 +2,7 @@
 // in gemm_nvfp4_native.h.
 #include "kernels/cuda/gemm/gemm_nvfp4_native.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -61,12 +62,22 @@ Expected<void> validate_pointers(const GemmNvfp4NativeArgs& a) {
   if (reinterpret_cast<uintptr_t>(a.input_scale_device) % 4 != 0) {
     return make_error("{}: input_scale_device is not 4-byte aligned", kName);
   }
-  const size_t needed = gemm_nvfp4_native_workspace_bytes(a.m, a.w.k);
+  const size_t needed = gemm_nvfp4_native_workspace_bytes(std::min<int64_t>(a.m, 1), a.w.k);
   if (a.workspace_bytes < needed) {
-    return make_error("{}: workspace of {} bytes, {} needed for m={} k={}", kName, a.workspace_bytes, needed, a.m,
-                      a.w.k);
+    return make_error("{}: workspace of {} bytes, at least {} needed (one row of k={})", kName, a.workspace_bytes,
+                      needed, a.w.k);
   }
   return {};
+}
+
+// The most rows whose quantized activations fit the workspace (a multiple of the 128-row scale tile past one tile).
+int64_t rows_per_chunk(const GemmNvfp4NativeArgs& a) {
+  if (gemm_nvfp4_native_workspace_bytes(a.m, a.w.k) <= a.workspace_bytes) return a.m;
+  const size_t per_row = static_cast<size_t>(a.w.k / 2) + static_cast<size_t>(nvfp4_tiled_scale_cols(a.w.k));
+  int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(a.workspace_bytes / per_row));
+  while (rows > 1 && gemm_nvfp4_native_workspace_bytes(rows, a.w.k) > a.workspace_bytes) --rows;
+  if (rows > kNvfp4ScaleTileRows) rows = rows / kNvfp4ScaleTileRows * kNvfp4ScaleTileRows;
+  return rows;
 }
 
 // cuBLASLt statuses become errors rather than aborts: on a device without FP4 support a call may refuse the
@@ -143,10 +154,10 @@ bool nvfp4_native_supported(const DeviceProps& props) {
   }
 }
 
-Expected<void> gemm_nvfp4_native(const DeviceContext& ctx, const GemmNvfp4NativeArgs& args) {
-  TERN_TRY(validate_shape(args));
-  TERN_TRY(validate_pointers(args));
-  if (args.m == 0) return {};
+namespace {
+
+// One chunk of rows whose quantized activations fit the workspace.
+Expected<void> gemm_nvfp4_native_rows(const DeviceContext& ctx, const GemmNvfp4NativeArgs& args) {
   auto* x_packed = static_cast<uint8_t*>(args.workspace);
   uint8_t* x_scales = x_packed + packed_bytes_rounded(args.m, args.w.k);
   TERN_TRY(nvfp4_quantize_activations(ctx, {.x = args.x,
@@ -165,6 +176,22 @@ Expected<void> gemm_nvfp4_native(const DeviceContext& ctx, const GemmNvfp4Native
       cublasLtMatmul(ctx.cublaslt(), desc.op, &alpha, args.w.packed, desc.a, x_packed, desc.b, &beta, args.y, desc.d,
                      args.y, desc.d, &algo, ctx.cublas_workspace(), ctx.cublas_workspace_bytes(), ctx.stream()),
       "cublasLtMatmul");
+}
+
+}  // namespace
+
+Expected<void> gemm_nvfp4_native(const DeviceContext& ctx, const GemmNvfp4NativeArgs& args) {
+  TERN_TRY(validate_shape(args));
+  TERN_TRY(validate_pointers(args));
+  const int64_t chunk = rows_per_chunk(args), ldy = effective_ldy(args);
+  for (int64_t row = 0; row < args.m; row += chunk) {
+    GemmNvfp4NativeArgs part = args;
+    part.x = args.x + row * args.w.k;
+    part.y = args.y + row * ldy;
+    part.m = std::min(chunk, args.m - row);
+    TERN_TRY(gemm_nvfp4_native_rows(ctx, part));
+  }
+  return {};
 }
 
 }  // namespace tern

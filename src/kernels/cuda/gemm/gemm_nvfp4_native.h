@@ -41,7 +41,9 @@ struct GemmNvfp4NativeArgs {
   uint16_t* y = nullptr;                      // [m, ldy] bf16, row-major; columns [0, n) are written
   int64_t m = 0;
   int64_t ldy = 0;            // row stride of y in elements; 0 means n
-  void* workspace = nullptr;  // gemm_nvfp4_native_workspace_bytes(m, k) bytes, 16-byte aligned
+  // 16-byte aligned; gemm_nvfp4_native_workspace_bytes(m, k) bytes run the rows at once, less (at least one row's)
+  // runs them a chunk of rows at a time.
+  void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
 
@@ -52,9 +54,10 @@ size_t gemm_nvfp4_native_workspace_bytes(int64_t m, int64_t k);
 // tcgen05, sm_120 / sm_121 with mma.sync), the instructions cuBLASLt's FP4 kernels use; sm_90 and older have none.
 bool nvfp4_native_supported(const DeviceProps& props);
 
-// Queues the quantization and the product on ctx.stream(). Errors name the bad argument (shape, k not a multiple of
-// 32, null or misaligned pointer, ldy, a non-finite or non-positive scale, a workspace too small) or say that cuBLASLt
-// has no algorithm for the case on this device. m == 0 is a no-op.
+// Queues the quantization and the product on ctx.stream() (per chunk of rows where the workspace holds fewer). Errors
+// name the bad argument (shape, k not a multiple of 32, null or misaligned pointer, ldy, a non-finite or non-positive
+// scale, a workspace short of one row) or say that cuBLASLt has no algorithm for the case on this device. m == 0 is
+// a no-op.
 Expected<void> gemm_nvfp4_native(const DeviceContext& ctx, const GemmNvfp4NativeArgs& args);
 
 }  // namespace tern

@@ -130,6 +130,31 @@ TEST(GemmNvfp4Native, StridedOutput) {
   for (int64_t m : {1, 37, 300}) run_and_check(ctx, w, m, rng, 8);  // 8 bf16: y stays 16-byte aligned
 }
 
+// A workspace smaller than the rows need runs them a chunk at a time (the model passes its context's fixed workspace):
+// chunks of one row, of 100 rows (less than one 128-row scale tile) and of 256 (two tiles), over 300 rows.
+TEST(GemmNvfp4Native, ChunkedThroughASmallWorkspace) {
+  DeviceContext ctx;
+  if (!nvfp4_native_supported(ctx.props())) GTEST_SKIP() << ctx.props().name << " has no FP4 tensor cores";
+  std::mt19937 rng(2105);
+  const int64_t n = 264, k = 1024, m = 300;
+  const NativeWeight w = make_weight(n, k, rng);
+  for (const int64_t rows : {int64_t{1}, int64_t{100}, int64_t{256}}) {
+    const NativeActivations a = make_activations(m, k, rng);
+    DeviceBuffer dy(static_cast<size_t>(m * n) * 2);
+    dy.fill(0xFF);
+    GemmNvfp4NativeArgs args = args_of(w, a, dy.as<uint16_t>(), m, 0);
+    args.workspace_bytes = gemm_nvfp4_native_workspace_bytes(rows, k);
+    const auto status = gemm_nvfp4_native(ctx, args);
+    const std::string what = "chunks of " + std::to_string(rows) + " rows";
+    ASSERT_TRUE(status.has_value()) << what << ": " << status.error().message;
+    ctx.synchronize();
+    std::vector<uint16_t> y(static_cast<size_t>(m * n));
+    TERN_CUDA_CHECK(cudaMemcpy(y.data(), dy.data(), y.size() * 2, cudaMemcpyDeviceToHost));
+    const auto ref = gemm_test::reference_gemm(fake_quantized(a, m, k), w.dequant, m, n, k);
+    gemm_test::check_gemm(gemm_test::strided_columns(y, m, n, n, 0, what), ref, m, n, what);
+  }
+}
+
 // What the H200 (sm_90) must do: refuse with cuBLASLt's verdict, write nothing.
 TEST(GemmNvfp4Native, DeviceWithoutFp4TensorCoresGetsAClearError) {
   DeviceContext ctx;
