@@ -6,6 +6,7 @@
 #   tools/device/bundle.sh BUILD_DIR BUNDLE_DIR BINARY...     e.g. build-gpu .device tern gpu_model_test
 #   BUNDLE_DIR/run.sh [-t SECONDS] BINARY[:gtest_filter]...    on the GPU machine: each with a timeout, logs to $OUT
 #   BUNDLE_DIR/check_all.sh [-s REGEX] [-b CONFIGS] [-x FLAGS]   every test in the bundle, sanitizers, bench, ncu
+#   BUNDLE_DIR/multi_gpu.sh PHASE [N]                           the runs that need several GPUs (one phase a call)
 set -euo pipefail
 build=${1:?usage: bundle.sh BUILD_DIR BUNDLE_DIR BINARY...}
 bundle=${2:?usage: bundle.sh BUILD_DIR BUNDLE_DIR BINARY...}
@@ -21,5 +22,6 @@ for name in "$@"; do
   done
 done
 cp "$(dirname "$0")/bundle_run.sh" "$bundle/run.sh"
-cp "$(dirname "$0")/check_all.sh" "$(dirname "$0")/sanitize.sh" "$(dirname "$0")/ncu_summary.py" "$bundle/"
+cp "$(dirname "$0")/check_all.sh" "$(dirname "$0")/sanitize.sh" "$(dirname "$0")/ncu_summary.py" \
+   "$(dirname "$0")/multi_gpu.sh" "$bundle/"
 du -sh "$bundle"
