@@ -45,14 +45,13 @@ struct DecoderLayer {
 // for x[t + 2]. Chained, its own normed output stands in for h.
 //
 // DeepSeek-V3 / GLM-5 ("nextn", decoder layer num_hidden_layers): enorm, hnorm, eh_proj and shared_head.norm in
-// those places, and h[t] is the model's hidden state *before* its final norm (chained: the draft's own stream before
-// shared_head.norm), the DeepSeek / GLM convention (docs/speculative.md). The checkpoint's copies of the embedding
-// and lm_head in that layer are not read: the model's own are used.
+// those places, read the same way (the model's normed hidden state; chained, the draft's after shared_head.norm;
+// docs/speculative.md says why). The checkpoint's copies of the embedding and lm_head in that layer are not read:
+// the model's own are used.
 struct DraftModule {
   RmsNorm norm_embedding, norm_hidden, final_norm;
   Linear fc;  // [hidden, 2 * hidden]
   DecoderLayer layer;
-  bool hidden_before_norm = false;  // DeepSeek / GLM: the hidden rows it reads are the stream before the final norm
   std::unique_ptr<Block> input_block, head_block;
 };
 

@@ -137,7 +137,6 @@ Expected<void> glm_moe_dsa_build_draft(CausalLm& model, WeightStore& w, const We
   int64_t last_full_indexer = -1;
   TERN_ASSIGN_OR_RETURN(draft->layer.mixer, build_mla(c, w, schema, li, latent_fp8, last_full_indexer));
   TERN_ASSIGN_OR_RETURN(draft->layer.ffn, build_sigmoid_moe(c, w, schema, li));
-  draft->hidden_before_norm = true;
   model.draft = std::move(draft);
   return {};
 }

@@ -13,7 +13,6 @@ class CpuRunner final : public DeviceRunner {
     step_.hidden = config().hidden_size;
     step_.comm = comm;
     step_.keep_hidden = has_draft();
-    step_.keep_hidden_before_norm = has_draft() && this->model().draft->hidden_before_norm;
   }
   using DeviceRunner::place;
 

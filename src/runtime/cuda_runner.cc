@@ -474,7 +474,6 @@ Expected<void> CudaRunner::begin_step(const HostStepPlan& p, LogitsFor, const Tr
                 .n_head_rows = static_cast<int64_t>(p.head_rows.size()),
                 .max_rows = p.max_rows,
                 .keep_hidden = hidden_in != nullptr ? ops_.draft_hidden() : ops_.model_hidden(),
-                .keep_hidden_before_norm = has_draft() && model().draft->hidden_before_norm,
                 .hidden_in = hidden_in,
                 .tracer = tracer};
   const std::vector<int32_t>* parts[] = {&p.ids,          &p.positions,  &p.slot_mapping, &p.query_start,

@@ -139,8 +139,8 @@ TEST_P(CudaGreedySteps, MatchPlainGreedyDecoding) {
 INSTANTIATE_TEST_SUITE_P(CudaSpeculative, CudaGreedySteps, testing::Values(1, 3, 4));
 
 // GLM-5's MTP layer (the GLM fixture with one written at test time, speculative_test_util.h) on the GPU: its draft
-// logits over a prompt and a chained step track the CPU path's (which reads the stream before the final norm; a
-// GPU keeping the normed state instead is off by the logits' whole spread) on a prompt shorter than index_topk, so
+// logits over a prompt and a chained step track the CPU path's (which reads the normed hidden states; a GPU keeping
+// another state instead is off by the logits' whole spread) on a prompt shorter than index_topk, so
 // no DSA selection (whose near-ties bf16 may break either way) is involved; greedy output with speculation is the
 // GPU's plain greedy output up to near-ties, and forced-right drafts are all accepted.
 TEST(CudaSpeculative, GlmMtpLayerTracksTheCpuPath) {

@@ -16,6 +16,8 @@
 #include <functional>
 #include <map>
 #include <random>
+#include <set>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -50,9 +52,10 @@ inline const std::vector<int32_t>& heldout_tokens() {
 // The GLM-5 fixture with an MTP layer (decoder layer 3, DeepSeek's layout): enorm, hnorm, eh_proj and
 // shared_head.norm random, the decoder layer a copy of layer 2 with every weight multiplied by random factors in
 // [0.5, 1.5] (the router's correction bias kept), and the copies of embedding and lm_head the checkpoint carries there;
-// config num_nextn_predict_layers 1. `final_norm_seed` != 0 also multiplies model.norm.weight elementwise by random
-// factors in [0.5, 2]. Values stay bf16.
-inline std::filesystem::path glm_with_mtp(const std::string& name, uint32_t final_norm_seed = 0) {
+// config num_nextn_predict_layers 1. Values stay bf16. `negate` names weights written with their signs flipped
+// (model.norm.weight, and of the MTP layer hnorm.weight or shared_head.norm.weight), which an RMSNorm turns into
+// exactly negated outputs: the tests of which hidden state the layer reads use it.
+inline std::filesystem::path glm_with_mtp(const std::string& name, const std::set<std::string>& negate = {}) {
   namespace fs = std::filesystem;
   const fs::path src = fs::path(TERN_FIXTURES_DIR) / "glm_moe_dsa";
   const fs::path dir = fs::path(testing::TempDir()) / name;
@@ -60,7 +63,7 @@ inline std::filesystem::path glm_with_mtp(const std::string& name, uint32_t fina
   fs::create_directories(dir);
   auto set = SafetensorsSet::open_dir(src);
   EXPECT_TRUE(set.has_value()) << set.error().message;
-  std::mt19937 rng(0x6170), norm_rng(final_norm_seed);  // the MTP layer the same whatever final_norm_seed
+  std::mt19937 rng(0x6170);
   std::deque<std::vector<std::byte>> storage;
   std::vector<TensorToWrite> out;
   // bf16 values times factor(i), rounded to bf16.
@@ -87,15 +90,18 @@ inline std::filesystem::path glm_with_mtp(const std::string& name, uint32_t fina
     storage.push_back(std::move(bytes));
     return std::span<const std::byte>(storage.back());
   };
-  std::uniform_real_distribution<float> layer_factor(0.5f, 1.5f), norm_factor(0.5f, 2.0f);
+  std::uniform_real_distribution<float> layer_factor(0.5f, 1.5f);
+  auto negated = [&](const std::string& tensor, std::span<const std::byte> bytes) {
+    if (!negate.contains(tensor)) return bytes;
+    std::vector<std::byte> flipped(bytes.begin(), bytes.end());
+    for (size_t i = 1; i < flipped.size(); i += 2) flipped[i] ^= std::byte{0x80};  // bf16's sign bit, little-endian
+    storage.push_back(std::move(flipped));
+    return std::span<const std::byte>(storage.back());
+  };
   const std::string from = "model.layers.2.", to = "model.layers.3.";
   int64_t hidden = 0;
   for (const TensorView* t : set->tensors()) {
-    if (t->name == "model.norm.weight" && final_norm_seed != 0) {
-      out.push_back({t->name, t->dtype, t->shape, scaled(*t, [&](size_t) { return norm_factor(norm_rng); })});
-    } else {
-      out.push_back({t->name, t->dtype, t->shape, t->data});
-    }
+    out.push_back({t->name, t->dtype, t->shape, negated(t->name, t->data)});
     if (t->name == "model.norm.weight") hidden = t->shape[0];
     const std::string copy_of = t->name == "model.embed_tokens.weight" ? "embed_tokens.weight"
                                 : t->name == "lm_head.weight"        ? "shared_head.head.weight"
@@ -111,8 +117,10 @@ inline std::filesystem::path glm_with_mtp(const std::string& name, uint32_t fina
   }
   EXPECT_GT(hidden, 0);
   out.push_back({to + "enorm.weight", DType::kBF16, {hidden}, random_bf16({hidden}, 0.5f, 1.5f)});
-  out.push_back({to + "hnorm.weight", DType::kBF16, {hidden}, random_bf16({hidden}, 0.5f, 1.5f)});
-  out.push_back({to + "shared_head.norm.weight", DType::kBF16, {hidden}, random_bf16({hidden}, 0.5f, 1.5f)});
+  out.push_back({to + "hnorm.weight", DType::kBF16, {hidden},
+                 negated(to + "hnorm.weight", random_bf16({hidden}, 0.5f, 1.5f))});
+  out.push_back({to + "shared_head.norm.weight", DType::kBF16, {hidden},
+                 negated(to + "shared_head.norm.weight", random_bf16({hidden}, 0.5f, 1.5f))});
   out.push_back({to + "eh_proj.weight", DType::kBF16, {hidden, 2 * hidden}, random_bf16({hidden, 2 * hidden}, -0.15f,
                                                                                           0.15f)});
   std::stable_sort(out.begin(), out.end(), [](const TensorToWrite& a, const TensorToWrite& b) {

@@ -77,8 +77,7 @@ class CpuFeedForwardBlock final : public Block {
 };
 
 // Only the rows whose logits are wanted (each sequence's last, or all of it when verified) go through the final norm
-// and lm_head, unless the step keeps every row's normed hidden state for a draft module (a draft module that reads
-// the stream before the norm keeps that instead). Under tensor parallelism each rank computes its vocabulary rows'
+// and lm_head, unless the step keeps every row's normed hidden state for a draft module. Under tensor parallelism each rank computes its vocabulary rows'
 // logits and every rank gathers all of them (padded to equal ranges: models/shard.h's vocab_shard_rows).
 class CpuHead final : public Block {
  public:
@@ -87,9 +86,7 @@ class CpuHead final : public Block {
   Expected<void> forward(int64_t) const override {
     const int64_t hidden = s_.hidden;
     const float* source = s_.x.data();
-    const bool normed_all = s_.keep_hidden && !s_.keep_hidden_before_norm;  // every row normed, once
-    if (s_.keep_hidden && s_.keep_hidden_before_norm) s_.hidden_out = s_.x;
-    if (normed_all) {
+    if (s_.keep_hidden) {  // every row normed, once
       s_.hidden_out.resize(s_.x.size());
       norm_.forward(s_.x.data(), s_.batch.n_rows, s_.hidden_out.data());
       source = s_.hidden_out.data();
@@ -101,7 +98,7 @@ class CpuHead final : public Block {
       rows.insert(rows.end(), first, first + n * hidden);
     }
     const int64_t n = static_cast<int64_t>(rows.size()) / hidden;
-    if (!normed_all) norm_.forward(rows.data(), n, rows.data());
+    if (!s_.keep_hidden) norm_.forward(rows.data(), n, rows.data());
     if (s_.tracer) (*s_.tracer)("final_norm", rows.data(), n, hidden);
     const int64_t local = head_.out_features();
     std::vector<float> mine(static_cast<size_t>(n * local), 0.0f);

@@ -26,10 +26,9 @@ struct CpuStep {
   int64_t hidden = 0;
   Communicator* comm = nullptr;  // the tensor-parallel group; null on one device
   std::vector<float> x, normed, out, logits;
-  // Speculative decoding: the head keeps every row's normed hidden state in `hidden_out` when `keep_hidden` (the
-  // stream before the final norm with `keep_hidden_before_norm`, as a DeepSeek / GLM draft module reads it); a draft
+  // Speculative decoding: the head keeps every row's normed hidden state in `hidden_out` when `keep_hidden`; a draft
   // module's input block reads the rows of `hidden_in` [batch.n_rows, hidden].
-  bool keep_hidden = false, keep_hidden_before_norm = false;
+  bool keep_hidden = false;
   std::vector<float> hidden_out, hidden_in;
 
   // Sets up the rows of `inputs` for the blocks (each sequence's first row at its cache's length, or at

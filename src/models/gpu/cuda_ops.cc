@@ -1062,11 +1062,11 @@ Expected<void> CudaOps::run_head(const DeviceMatrix& head, const GpuNorm& norm) 
   }
   uint16_t* logits = comm_ ? head_pair->local.as<uint16_t>() : step_.logits;
   const int64_t ld = comm_ ? vocab_shard_rows(vocab_, comm_->world()) : vocab_;
-  // Every row's normed hidden state is in normed_ either way, and the stream before the norm in x_ (the pending
-  // residual added, by the norm or the fused GEMV): one of them kept for a draft step when there is a draft module.
+  // Every row's normed hidden state is in normed_ either way (by the norm or the fused GEMV): kept for a draft step
+  // when there is a draft module.
   const auto keep_hidden = [&]() -> Expected<void> {
     if (step_.keep_hidden == nullptr) return {};
-    TERN_CUDA_CHECK(cudaMemcpyAsync(step_.keep_hidden, step_.keep_hidden_before_norm ? x_ : normed_,
+    TERN_CUDA_CHECK(cudaMemcpyAsync(step_.keep_hidden, normed_,
                                     static_cast<size_t>(t * h) * 2, cudaMemcpyDeviceToDevice, ctx_.stream()));
     return {};
   };

@@ -43,11 +43,9 @@ struct CudaStep {
   // row of a verified sequence; null when the step verifies nothing.
   const int32_t* row_slots = nullptr;
   int64_t max_rows = 0;
-  // A model with a draft module: the head copies every row's normed hidden state here ([tokens, hidden]), or the
-  // stream before the final norm with keep_hidden_before_norm (a DeepSeek / GLM draft module); a draft step's input
-  // block reads row hidden_rows[k] of hidden_in for its row k.
+  // A model with a draft module: the head copies every row's normed hidden state here ([tokens, hidden]); a draft
+  // step's input block reads row hidden_rows[k] of hidden_in for its row k.
   uint16_t* keep_hidden = nullptr;
-  bool keep_hidden_before_norm = false;
   const uint16_t* hidden_in = nullptr;
   const int32_t* hidden_rows = nullptr;
   const Tracer* tracer = nullptr;
