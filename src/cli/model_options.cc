@@ -43,7 +43,11 @@ Expected<std::vector<Selection>> selftest_before_load(const ModelCliOptions& o, 
   fmt::print(stderr, "self-test on {}: {} ops in {:.2f} s: {}\n", r.device.name, r.selections.size(), r.seconds,
              r.verdict);
   std::string chosen;
-  for (const Selection& s : r.selections) chosen += fmt::format("{}{}={}", chosen.empty() ? "" : " ", s.op, s.chosen);
+  for (const Selection& s : r.selections) {
+    const std::string fallback = selftest_fallback_of(s.op);
+    const std::string name = !s.chosen.empty() || fallback.empty() ? s.chosen : "none (" + fallback + ")";
+    chosen += fmt::format("{}{}={}", chosen.empty() ? "" : " ", s.op, name);
+  }
   fmt::print(stderr, "self-test chose: {}\n", chosen);
   for (const Selection& s : r.selections) {
     if (s.chosen.empty() && selftest_fallback_of(s.op).empty()) {
