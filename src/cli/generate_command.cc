@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <array>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -85,6 +86,7 @@ int run_generate(const GenerateOptions& o) {
   const int spec_steps = speculative_steps_of(o.model);
   std::vector<int32_t> drafts;
   int64_t drafted = 0, accepted = 0, steps = 0;
+  std::array<int64_t, kMaxSpeculativeSteps> drafted_at{}, accepted_at{};  // by draft position
   // One step: a token, or with speculation the accepted drafts and the token after them.
   auto step = [&]() -> Expected<std::vector<SampledToken>> {
     const std::span<const int32_t> next = output.empty() ? std::span<const int32_t>(*prompt)
@@ -101,6 +103,10 @@ int run_generate(const GenerateOptions& o) {
     if (got[0].error) return tl::unexpected<Error>(*got[0].error);
     drafted += got[0].drafted;
     accepted += got[0].accepted;
+    for (int64_t k = 0; k < got[0].drafted; ++k) {
+      ++drafted_at[static_cast<size_t>(k)];
+      if (k < got[0].accepted) ++accepted_at[static_cast<size_t>(k)];
+    }
     return std::move(got[0].tokens);
   };
   const auto start = std::chrono::steady_clock::now();
@@ -129,9 +135,14 @@ int run_generate(const GenerateOptions& o) {
   fmt::print(stderr, "{} prompt tokens: prefill {:.3f} s; {} tokens in {} decode steps in {:.3f} s ({:.2f} tokens/s)\n",
              prompt->size(), prefill_s, n_decoded, steps, decode_s, n_decoded > 0 ? n_decoded / decode_s : 0.0);
   if (spec_steps > 0) {
-    fmt::print(stderr, "speculative (mtp, {} steps): {} of {} draft tokens accepted ({:.1f}%), {:.2f} tokens per step\n",
-               spec_steps, accepted, drafted, drafted > 0 ? 100.0 * accepted / drafted : 0.0,
-               steps > 0 ? static_cast<double>(n_decoded) / steps : 0.0);
+    std::string by_position;
+    for (int k = 0; k < spec_steps; ++k) {
+      const auto d = drafted_at[static_cast<size_t>(k)], a = accepted_at[static_cast<size_t>(k)];
+      by_position += fmt::format("{}{:.1f}%", k == 0 ? "" : " / ", d > 0 ? 100.0 * a / d : 0.0);
+    }
+    fmt::print(stderr, "speculative (mtp, {} steps): {} of {} draft tokens accepted ({:.1f}%; by position {}), {:.2f} "
+               "tokens per step\n", spec_steps, accepted, drafted, drafted > 0 ? 100.0 * accepted / drafted : 0.0,
+               by_position, steps > 0 ? static_cast<double>(n_decoded) / steps : 0.0);
   }
   if (!o.json) {
     fmt::print("{}\n", tokenizer ? text : fmt::format("{}", fmt::join(output, ",")));
@@ -143,6 +154,12 @@ int run_generate(const GenerateOptions& o) {
     j["speculative"] = {{"algorithm", "mtp"}, {"num_steps", spec_steps}, {"decode_steps", steps},
                         {"draft_tokens", drafted}, {"accepted_tokens", accepted},
                         {"mean_accepted_length", steps > 0 ? static_cast<double>(n_decoded) / steps : 0.0}};
+    // By draft position: the k-th drafts verified and accepted (a draft chained on the wrong hidden state falls off
+    // after the first position, which the totals hide).
+    const auto k_end = drafted_at.begin() + spec_steps;
+    j["speculative"]["draft_tokens_by_position"] = std::vector<int64_t>(drafted_at.begin(), k_end);
+    j["speculative"]["accepted_tokens_by_position"] =
+        std::vector<int64_t>(accepted_at.begin(), accepted_at.begin() + spec_steps);
   }
   if (o.sampling.logprobs > 0) {
     j["logprobs"] = nlohmann::ordered_json::array();

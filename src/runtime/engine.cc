@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
 #include "runtime/speculative.h"
 
 namespace tern {
@@ -246,6 +248,11 @@ void Engine::step_speculative(const StepPlan& plan) {
       ++metrics_.spec_verify_steps;
       metrics_.spec_draft_tokens += static_cast<uint64_t>(o.drafted);
       metrics_.spec_accepted_tokens += static_cast<uint64_t>(o.accepted);
+      static_assert(EngineMetrics::kSpecPositions == kMaxSpeculativeSteps);
+      for (int64_t k = 0; k < std::min<int64_t>(o.drafted, EngineMetrics::kSpecPositions); ++k) {
+        ++metrics_.spec_draft_tokens_at[static_cast<size_t>(k)];
+        if (k < o.accepted) ++metrics_.spec_accepted_tokens_at[static_cast<size_t>(k)];
+      }
     }
     // The accepted drafts are in the cache already; the last token is not. A stop ends the rest.
     for (size_t t = 0; t < o.tokens.size(); ++t) {

@@ -35,6 +35,12 @@ struct EngineMetrics {
   std::atomic<uint64_t> spec_verify_steps{0};
   std::atomic<uint64_t> spec_draft_tokens{0};
   std::atomic<uint64_t> spec_accepted_tokens{0};
+  // The same by draft position (the k-th draft of a step is verified only when it was proposed, and accepted only
+  // after the k - 1 before it were): a layer whose acceptance falls off after the first position reads the wrong
+  // hidden state when chained, which the totals hide.
+  static constexpr int kSpecPositions = 4;  // runtime/speculative.h kMaxSpeculativeSteps
+  std::array<std::atomic<uint64_t>, kSpecPositions> spec_draft_tokens_at{};
+  std::array<std::atomic<uint64_t>, kSpecPositions> spec_accepted_tokens_at{};
   std::atomic<int64_t> num_running{0};
   std::atomic<int64_t> num_waiting{0};
   std::atomic<int64_t> kv_blocks_used{0};

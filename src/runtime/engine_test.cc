@@ -141,6 +141,26 @@ void expect_speculative_engine_matches(int disable_batch_size) {
     EXPECT_LT(metrics.spec_accepted_tokens.load(), metrics.spec_draft_tokens.load());
     EXPECT_LE(metrics.spec_draft_tokens.load(), 3 * metrics.spec_verify_steps.load());
     EXPECT_GT(metrics.preemptions.load(), 0u);
+    // By position: each count of the totals once, the first position verified in every verification, a later one
+    // accepted only as often as the one before it, none past the 3 steps asked for.
+    uint64_t drafted = 0, accepted = 0;
+    for (int k = 0; k < EngineMetrics::kSpecPositions; ++k) {
+      const uint64_t d = metrics.spec_draft_tokens_at[static_cast<size_t>(k)].load();
+      const uint64_t a = metrics.spec_accepted_tokens_at[static_cast<size_t>(k)].load();
+      drafted += d;
+      accepted += a;
+      EXPECT_LE(a, d) << "position " << k;
+      if (k == 0) {
+        EXPECT_EQ(d, metrics.spec_verify_steps.load());
+      } else {
+        EXPECT_LE(a, metrics.spec_accepted_tokens_at[static_cast<size_t>(k - 1)].load()) << "position " << k;
+      }
+      if (k >= 3) {
+        EXPECT_EQ(d, 0u) << "position " << k;
+      }
+    }
+    EXPECT_EQ(drafted, metrics.spec_draft_tokens.load());
+    EXPECT_EQ(accepted, metrics.spec_accepted_tokens.load());
   }
 }
 

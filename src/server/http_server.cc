@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <thread>
+#include <tuple>
 
 #include "server/http_connection.h"
 #include "server/openai_response.h"
@@ -395,6 +396,16 @@ std::string HttpServer::render_metrics() const {
          metrics_.spec_verify_steps.load());
   metric("tern_spec_draft_tokens_total", "counter", "Draft tokens verified.", metrics_.spec_draft_tokens.load());
   metric("tern_spec_accepted_tokens_total", "counter", "Draft tokens accepted.", metrics_.spec_accepted_tokens.load());
+  for (const auto& [name, help, counts] :
+       {std::tuple{"tern_spec_draft_tokens_at_position_total", "Draft tokens verified, by draft position.",
+                   &metrics_.spec_draft_tokens_at},
+        std::tuple{"tern_spec_accepted_tokens_at_position_total", "Draft tokens accepted, by draft position.",
+                   &metrics_.spec_accepted_tokens_at}}) {
+    out += fmt::format("# HELP {} {}\n# TYPE {} counter\n", name, help, name);
+    for (size_t k = 0; k < counts->size(); ++k) {
+      out += fmt::format("{}{{position=\"{}\"}} {}\n", name, k, (*counts)[k].load());
+    }
+  }
   metric("tern_num_requests_running", "gauge", "Requests in the running batch.", metrics_.num_running.load());
   metric("tern_num_requests_waiting", "gauge", "Requests waiting to run.", metrics_.num_waiting.load());
   metric("tern_kv_blocks_used", "gauge", "KV-cache blocks in use.", metrics_.kv_blocks_used.load());
