@@ -35,6 +35,7 @@ struct ServeOptions {
   std::string reasoning_parser = "auto";
   std::string tool_parser = "auto";
   int speculative_disable_batch_size = 0;
+  bool speculative_adaptive = false;
 };
 
 std::atomic<int> g_signal{0};
@@ -84,6 +85,7 @@ Expected<EngineConfig> engine_config(ServeOptions& o, const ModelConfig& config)
                  .num_blocks = static_cast<int32_t>(KvBlockAllocator::blocks_for_tokens(o.max_total_tokens, kBlock))};
   e.speculative_steps = speculative_steps_of(o.model);
   e.speculative_disable_batch_size = o.speculative_disable_batch_size;
+  e.speculative_adaptive = o.speculative_adaptive;
   return e;
 }
 
@@ -143,10 +145,13 @@ int run_serve(ServeOptions& o) {
   spdlog::info("weights loaded in {:.2f} s", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   spdlog::info("running on {}", (*model)->describe());
   if (econfig->speculative_steps > 0) {
-    spdlog::info("speculative decoding: the model's MTP layer drafts {} tokens per step{}", econfig->speculative_steps,
+    spdlog::info("speculative decoding: the model's MTP layer drafts {} tokens per step{}{}",
+                 econfig->speculative_steps,
                  o.speculative_disable_batch_size > 0
                      ? fmt::format(", none in steps of {} or more sequences", o.speculative_disable_batch_size)
-                     : std::string());
+                     : std::string(),
+                 o.speculative_adaptive ? "; verified only at the batch sizes where the measured steps say it pays"
+                                        : "");
   }
   const ModelConfig config = (*model)->config();
   if (o.server.served_model_name.empty()) o.server.served_model_name = dir.filename().string();
@@ -228,6 +233,9 @@ void register_serve_command(CLI::App& app) {
   cmd->add_option("--speculative-disable-batch-size", o->speculative_disable_batch_size,
                   "With speculation: steps of this many decoding requests or more verify no drafts (0: never off)")
       ->check(CLI::Range(0, 1 << 20));
+  cmd->add_flag("--speculative-adaptive", o->speculative_adaptive,
+                "With speculation: verify drafts only at the batch sizes where the steps measured so far give more "
+                "tokens per second speculating than not (plain steps are probed now and then)");
   cmd->add_flag("--enforce-eager", o->model.enforce_eager,
                 "Launch every decode step's kernels from the host (no CUDA graphs)");
   cmd->add_flag("--no-pdl", o->model.no_pdl,

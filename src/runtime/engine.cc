@@ -213,8 +213,16 @@ void Engine::fail_step(const StepPlan& plan, const Error& error) {
 void Engine::step_speculative(const StepPlan& plan) {
   int sampling = 0;
   for (const StepItem& item : plan.items) sampling += item.samples ? 1 : 0;
-  // Past the batch size where verifying stops paying, this step verifies nothing; the draft module still follows.
-  const bool verify = config_.speculative_disable_batch_size <= 0 || sampling < config_.speculative_disable_batch_size;
+  // Past the batch size where verifying stops paying, or where the governor measured that it does not, this step
+  // verifies nothing; the draft module still follows.
+  const int limit = config_.speculative_disable_batch_size;
+  const bool verify = (limit <= 0 || sampling < limit) &&
+                      (!config_.speculative_adaptive || sampling == 0 || governor_.verify(sampling));
+  // A steady step (the previous step's mode, no prompt chunk) is what the governor learns from.
+  bool steady = verify == last_verified_ && sampling > 0;
+  for (const StepItem& item : plan.items) steady = steady && item.samples && item.count == 1;
+  last_verified_ = verify;
+  const auto start = std::chrono::steady_clock::now();
   std::vector<SpecSequence> seqs;
   seqs.reserve(plan.items.size());
   for (const StepItem& item : plan.items) {
@@ -235,6 +243,12 @@ void Engine::step_speculative(const StepPlan& plan) {
   if (!outcomes) {
     fail_step(plan, outcomes.error());
     return;
+  }
+  if (config_.speculative_adaptive && steady) {
+    int64_t tokens = 0;
+    for (const SpecOutcome& o : *outcomes) tokens += static_cast<int64_t>(o.tokens.size());
+    governor_.record(sampling, verify, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                     static_cast<double>(tokens) / sampling);
   }
   for (size_t i = 0; i < plan.items.size(); ++i) {
     if (!plan.items[i].samples) continue;

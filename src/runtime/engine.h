@@ -21,8 +21,9 @@
 #include <vector>
 
 #include "core/error.h"
-#include "runtime/model_runner.h"
 #include "runtime/engine_metrics.h"
+#include "runtime/model_runner.h"
+#include "runtime/speculative.h"
 #include "kernels/cpu/sampler.h"
 #include "runtime/scheduler.h"
 #include "runtime/stop.h"
@@ -74,6 +75,9 @@ struct EngineConfig {
   // sequence (0: off), and the number of sampling sequences in a step from which on it verifies none (0: never off).
   int speculative_steps = 0;
   int speculative_disable_batch_size = 0;
+  // Verify drafts only in the steps where the measured speculative steps give more tokens per second than plain ones
+  // at that batch size (runtime/speculative.h SpeculationGovernor); within speculative_disable_batch_size.
+  bool speculative_adaptive = false;
 };
 
 class Engine {
@@ -103,6 +107,8 @@ class Engine {
   void fail_step(const StepPlan& plan, const Error& error);
   // The step with speculation (runtime/speculative.h): up to speculative_steps + 1 tokens per sampling sequence.
   void step_speculative(const StepPlan& plan);
+  SpeculationGovernor governor_;
+  bool last_verified_ = false;  // the previous speculative step's mode (a step is steady when it repeats it)
   // Hands a sampled token (or the row's failure) to its request: stream, stop check, metrics. `computed`: the token
   // is already in the cache (an accepted draft). False when the request finished.
   bool take_token(Active& a, Expected<SampledToken> token, bool computed = false);

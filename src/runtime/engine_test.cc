@@ -105,7 +105,7 @@ std::unique_ptr<ModelRunner> load_demo_with_draft() {
   return model ? std::move(*model) : nullptr;
 }
 
-void expect_speculative_engine_matches(int disable_batch_size) {
+void expect_speculative_engine_matches(int disable_batch_size, bool adaptive = false) {
   auto reference = load_demo_with_draft();
   ASSERT_TRUE(reference);
   EngineMetrics metrics;
@@ -113,7 +113,8 @@ void expect_speculative_engine_matches(int disable_batch_size) {
   EngineConfig config{.scheduler = {.max_running = 4, .max_waiting = 64, .token_budget = 40, .block_size = 4,
                                     .num_blocks = 36},
                       .context_length = 256, .speculative_steps = 3,
-                      .speculative_disable_batch_size = disable_batch_size};
+                      .speculative_disable_batch_size = disable_batch_size,
+                      .speculative_adaptive = adaptive};
   Engine engine(load_demo_with_draft(), std::nullopt, config, metrics);
   std::mt19937 rng(11);
   std::vector<std::vector<int32_t>> prompts;
@@ -167,6 +168,10 @@ void expect_speculative_engine_matches(int disable_batch_size) {
 TEST(Engine, SpeculativeGreedyRequestsMatchTheSingleSequenceLoop) { expect_speculative_engine_matches(0); }
 
 TEST(Engine, SpeculationOffPastTheDisableBatchSizeGivesTheSameTokens) { expect_speculative_engine_matches(1); }
+
+// --speculative-adaptive: the engine switches between verifying and plain steps as the governor decides (first
+// verifying, then plain to measure it), and the tokens stay those of the plain loop.
+TEST(Engine, AdaptiveSpeculationGivesTheSameTokens) { expect_speculative_engine_matches(0, true); }
 
 TEST(Engine, CancelFreesTheSequenceAndShutdownAbortsTheRest) {
   EngineMetrics metrics;

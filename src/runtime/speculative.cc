@@ -1,6 +1,8 @@
 #include "runtime/speculative.h"
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 
 namespace tern {
 namespace {
@@ -163,6 +165,34 @@ Expected<std::vector<SpecOutcome>> speculative_step(ModelRunner& runner, std::sp
     }
   }
   return outcomes;
+}
+
+int SpeculationGovernor::bucket_of(int batch) { return std::bit_width(static_cast<unsigned>(std::max(batch, 1))) - 1; }
+
+bool SpeculationGovernor::verify(int batch) {
+  Bucket& b = buckets_[bucket_of(batch)];
+  const int64_t at = b.decisions++;
+  if (b.spec_samples < kMinSamples) return true;
+  if (b.plain_samples < kMinSamples) return false;
+  const bool spec_pays = b.n_spec * b.t_plain >= b.t_spec;
+  const bool probing = probe_every_ > 0 && at % probe_every_ >= probe_every_ - kProbeSteps;
+  return probing ? !spec_pays : spec_pays;
+}
+
+void SpeculationGovernor::record(int batch, bool verified, double seconds, double tokens_per_sequence) {
+  if (!(seconds > 0.0) || !std::isfinite(seconds)) return;
+  Bucket& b = buckets_[bucket_of(batch)];
+  auto blend = [](double& average, int& samples, double value) {
+    average = samples == 0 ? value : average + kWeight * (value - average);
+    ++samples;
+  };
+  if (verified) {
+    int spec_samples = b.spec_samples;
+    blend(b.n_spec, spec_samples, tokens_per_sequence);
+    blend(b.t_spec, b.spec_samples, seconds);
+  } else {
+    blend(b.t_plain, b.plain_samples, seconds);
+  }
 }
 
 }  // namespace tern

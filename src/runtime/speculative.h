@@ -55,4 +55,34 @@ struct SpecOutcome {
 Expected<std::vector<SpecOutcome>> speculative_step(ModelRunner& runner, std::span<SpecSequence> seqs,
                                                     int num_steps);
 
+// Whether verifying drafts pays at a batch size, decided from what the steps measured (--speculative-adaptive): per
+// power-of-two bucket of sampling sequences, the seconds of steady plain steps and of steady speculative steps and
+// the tokens each sequence got from a speculative step (exponentially weighted). A bucket verifies while n_spec /
+// t_spec, tokens per second per sequence, is at least 1 / t_plain; until both modes have kMinSamples steady steps it
+// tries the one short of them (speculation first), and each `probe_every` steps it runs the other mode for
+// kProbeSteps steps so that both stay current. A step is steady when it runs the mode of the step before it (a
+// speculative step after a plain one has no drafts to verify) and holds no prompt chunk; only those are recorded.
+class SpeculationGovernor {
+ public:
+  static constexpr int kMinSamples = 3;
+  static constexpr int kProbeSteps = 4;
+  static constexpr double kWeight = 0.25;  // of the newest sample
+
+  explicit SpeculationGovernor(int probe_every = 64) : probe_every_(probe_every) {}
+  // Whether a step of `batch` sampling sequences verifies drafts.
+  bool verify(int batch);
+  // The step just run: its mode, its seconds and the tokens each sampling sequence got.
+  void record(int batch, bool verified, double seconds, double tokens_per_sequence);
+
+ private:
+  struct Bucket {
+    double t_plain = 0.0, t_spec = 0.0, n_spec = 0.0;
+    int plain_samples = 0, spec_samples = 0;
+    int64_t decisions = 0;
+  };
+  static int bucket_of(int batch);
+  const int probe_every_;
+  Bucket buckets_[32];
+};
+
 }  // namespace tern

@@ -19,10 +19,12 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "runtime/free_port_test_util.h"
 #include "runtime/model_runner.h"
@@ -232,6 +234,80 @@ TEST(Speculative, ModelsWithoutAWholeDraftModuleAreRefused) {
   Sampler sampler(SamplingParams{.temperature = 0.0f});
   SpecSequence s{.input = {&cache, t}, .following = {}, .sample = {&sampler, t, {}}, .drafts = &drafts};
   EXPECT_FALSE(speculative_step(*plain, {&s, 1}, 2).has_value());
+}
+
+// The governor of --speculative-adaptive on simulated steps: a plain step takes t_plain and gives a token, a steady
+// speculative one takes t_spec and gives n_spec (the step after a switch is not steady and is not recorded, as in
+// the engine). Returns the share of steps that verified, from step `from` on.
+double verify_share(SpeculationGovernor& g, int steps, int from, const std::function<int(int)>& batch_at,
+                    const std::function<std::tuple<double, double, double>(int, int)>& costs) {
+  bool last = false;
+  int verified = 0;
+  for (int i = 0; i < steps; ++i) {
+    const int batch = batch_at(i);
+    const bool v = g.verify(batch);
+    const auto [t_plain, t_spec, n_spec] = costs(i, batch);
+    if (v == last) g.record(batch, v, v ? t_spec : t_plain, v ? n_spec : 1.0);
+    last = v;
+    if (i >= from && v) ++verified;
+  }
+  return static_cast<double>(verified) / (steps - from);
+}
+
+TEST(SpeculationGovernor, VerifiesWhereItPaysAndNotWhereItLoses) {
+  const auto one = [](int) { return 1; };
+  SpeculationGovernor pays, loses;
+  // 3 tokens in 20 ms (150 per second) against 1 in 10 ms: verify, but for the probes of plain steps.
+  const double share_pays = verify_share(pays, 1000, 100, one, [](int, int) { return std::tuple{0.010, 0.020, 3.0}; });
+  EXPECT_GT(share_pays, 0.85);
+  EXPECT_LT(share_pays, 1.0) << "plain steps are probed now and then";
+  // 1.5 tokens in 20 ms (75 per second): plain, but for the probes.
+  const double share_loses =
+      verify_share(loses, 1000, 100, one, [](int, int) { return std::tuple{0.010, 0.020, 1.5}; });
+  EXPECT_LT(share_loses, 0.15);
+  EXPECT_GT(share_loses, 0.0) << "speculative steps are probed now and then";
+}
+
+TEST(SpeculationGovernor, EachBatchSizeDecidesForItself) {
+  SpeculationGovernor g;
+  // Batches 1 and 64 alternate: speculation pays at 1 (3 tokens in 20 ms against 10 ms), not at 64 (1.5 tokens in
+  // 60 ms against 30 ms).
+  int verified[2] = {0, 0}, seen[2] = {0, 0};
+  bool last[2] = {false, false};
+  for (int i = 0; i < 2000; ++i) {
+    const int k = i % 2, batch = k == 0 ? 1 : 64;
+    const bool v = g.verify(batch);
+    const double t = k == 0 ? (v ? 0.020 : 0.010) : (v ? 0.060 : 0.030);
+    if (v == last[k]) g.record(batch, v, t, v ? (k == 0 ? 3.0 : 1.5) : 1.0);
+    last[k] = v;
+    if (i >= 200) {
+      ++seen[k];
+      verified[k] += v ? 1 : 0;
+    }
+  }
+  EXPECT_GT(static_cast<double>(verified[0]) / seen[0], 0.85);
+  EXPECT_LT(static_cast<double>(verified[1]) / seen[1], 0.15);
+}
+
+TEST(SpeculationGovernor, FollowsAChangeInAcceptance) {
+  const auto one = [](int) { return 1; };
+  // Acceptance drops after step 1000 (3 tokens a step, then 1.2): the governor stops verifying.
+  SpeculationGovernor falls;
+  const double after_fall = verify_share(falls, 2000, 1300, one, [](int i, int) {
+    return std::tuple{0.010, 0.020, i < 1000 ? 3.0 : 1.2};
+  });
+  EXPECT_LT(after_fall, 0.15);
+  // And rises: the probes of speculative steps find it paying again.
+  SpeculationGovernor rises;
+  const double after_rise = verify_share(rises, 2000, 1500, one, [](int i, int) {
+    return std::tuple{0.010, 0.020, i < 1000 ? 1.2 : 3.0};
+  });
+  EXPECT_GT(after_rise, 0.85);
+  // A step without a usable time teaches nothing.
+  SpeculationGovernor g;
+  for (int i = 0; i < 10; ++i) g.record(1, true, std::nan(""), 3.0);
+  for (int i = 0; i < 10; ++i) g.record(1, true, 0.0, 3.0);
+  EXPECT_TRUE(g.verify(1)) << "still exploring speculation";
 }
 
 std::unique_ptr<ModelRunner> load_glm(const std::filesystem::path& dir, bool draft = true) {

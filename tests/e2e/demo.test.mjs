@@ -130,4 +130,12 @@ test('with --speculative-algorithm, drafts are verified and accepted, and /metri
         accepted = m.tern_spec_accepted_tokens_total;
   assert.ok(steps > 0 && drafted > 0, JSON.stringify({ steps, drafted }));
   assert.ok(accepted > 0 && accepted < drafted, JSON.stringify({ accepted, drafted }));
+  // By draft position: every verification checks a first draft, the positions add up to the totals.
+  const at = (name, k) => m[`tern_spec_${name}_tokens_at_position_total{position="${k}"}`];
+  const positions = [0, 1, 2, 3];
+  assert.equal(at('draft', 0), steps);
+  assert.equal(positions.reduce((sum, k) => sum + at('draft', k), 0), drafted);
+  assert.equal(positions.reduce((sum, k) => sum + at('accepted', k), 0), accepted);
+  assert.equal(at('draft', 3), 0, 'three draft steps were asked for');
+  if (extraArgs.includes('--speculative-adaptive')) assert.match(server.log(), /verified only at the batch sizes/);
 });
