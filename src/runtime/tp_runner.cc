@@ -203,8 +203,9 @@ std::vector<int64_t> plan_words(const Plan& p, HeldMap& held) {
     w.insert(w.end(), {bits_of(s.temperature), s.top_k, bits_of(s.top_p), bits_of(s.min_p),
                        bits_of(s.repetition_penalty), bits_of(s.presence_penalty), bits_of(s.frequency_penalty),
                        s.logprobs, std::bit_cast<int64_t>(r.draw)});
-    if (!sampling_penalties_active(s)) continue;
-    HeldLists& lists = held[p.sequences[owner.at(i)].id];
+    // (A plan with more rows than its sequences return is refused by every receiver: no lists for those.)
+    if (!sampling_penalties_active(s) || i >= owner.size()) continue;
+    HeldLists& lists = held[p.sequences[owner[i]].id];
     put_change(w, lists.prompt_ids, r.prompt_ids);
     put_change(w, lists.output_ids, r.output_ids);
   }
