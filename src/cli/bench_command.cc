@@ -104,8 +104,14 @@ Expected<double> time_prefill(ModelRunner& model, int64_t length, int64_t repeat
 
 // `batch` sequences prefilled to `context` tokens, then greedy decode steps of one token each: the median step
 // time over o.steps steps after two untimed ones (for a CUDA graph: the eager warm-up and the capture).
-Expected<double> time_decode(ModelRunner& model, int64_t batch, const BenchOptions& o, int64_t max_chunk,
-                             std::mt19937_64& rng) {
+// The median decode step and, where the runner sends step plans to other nodes, the plan bytes a timed step sent.
+struct DecodeTiming {
+  double step_s = 0.0;
+  double plan_bytes_per_step = 0.0;
+};
+
+Expected<DecodeTiming> time_decode(ModelRunner& model, int64_t batch, const BenchOptions& o, int64_t max_chunk,
+                                   std::mt19937_64& rng) {
   std::vector<SequenceCache> caches;
   std::vector<std::vector<int32_t>> prompts, outputs(static_cast<size_t>(batch));
   std::vector<Sampler> samplers(static_cast<size_t>(batch), Sampler(SamplingParams{.temperature = 0.0f}));
@@ -120,6 +126,7 @@ Expected<double> time_decode(ModelRunner& model, int64_t batch, const BenchOptio
   }
   std::vector<int32_t> next = random_ids(batch, model.config().vocab_size, rng);
   std::vector<double> times;
+  int64_t plan_bytes = 0;
   for (int64_t step = 0; step < o.steps + 2; ++step) {
     std::vector<SequenceInput> inputs;
     std::vector<SampleRow> rows;
@@ -130,8 +137,12 @@ Expected<double> time_decode(ModelRunner& model, int64_t batch, const BenchOptio
     const bool last = step == o.steps + 1;
     profiler_bracket(o.profile_step && last, true);
     const auto start = Clock::now();
+    const int64_t sent = model.plan_bytes_sent();
     TERN_ASSIGN_OR_RETURN(SampleResults sampled, model.forward_sample(inputs, rows));
-    if (step >= 2) times.push_back(seconds_since(start));
+    if (step >= 2) {
+      times.push_back(seconds_since(start));
+      plan_bytes += model.plan_bytes_sent() - sent;
+    }
     profiler_bracket(o.profile_step && last, false);
     for (int64_t s = 0; s < batch; ++s) {
       if (!sampled[s]) return tl::unexpected<Error>(sampled[s].error());
@@ -139,7 +150,8 @@ Expected<double> time_decode(ModelRunner& model, int64_t batch, const BenchOptio
       next[s] = sampled[s]->id;
     }
   }
-  return median(times);
+  return DecodeTiming{.step_s = median(times),
+                      .plan_bytes_per_step = static_cast<double>(plan_bytes) / static_cast<double>(o.steps)};
 }
 
 // Speculative decode steps (runtime/speculative.h's step, with the acceptance drawn instead of computed, so that
@@ -276,8 +288,9 @@ nlohmann::ordered_json prefill_row(const StepTraffic& t, int64_t length, double 
   return row;
 }
 
-nlohmann::ordered_json decode_row(const StepTraffic& t, int64_t batch, const BenchOptions& o, double s,
+nlohmann::ordered_json decode_row(const StepTraffic& t, int64_t batch, const BenchOptions& o, const DecodeTiming& d,
                                   const std::optional<nlohmann::ordered_json>& roof) {
+  const double s = d.step_s;
   // The context grows by one per step: the timed steps average o.context + 2 + steps / 2 cached tokens.
   const double context = static_cast<double>(o.context) + 2 + static_cast<double>(o.steps) / 2;
   const double bytes = decode_step_bytes(t, batch, context), gbs = bytes / s / 1e9;
@@ -289,6 +302,8 @@ nlohmann::ordered_json decode_row(const StepTraffic& t, int64_t batch, const Ben
                              {"bytes_per_step", bytes},
                              {"gbs", gbs}};
   row["pct_of_copy"] = roof ? nlohmann::ordered_json(100 * gbs / (*roof)["copy_gbs"].get<double>()) : nullptr;
+  // Several nodes (or rank processes): what node 0 broadcast to the others per step, the step plan.
+  if (d.plan_bytes_per_step > 0) row["plan_bytes_per_step"] = d.plan_bytes_per_step;
   return row;
 }
 
@@ -314,9 +329,12 @@ void print_table(const nlohmann::ordered_json& report) {
                  r["ms"].get<double>(), r["tokens_per_s"].get<double>(), r["tflops"].get<double>(),
                  percent(r["pct_of_gemm"]));
     } else if (r["kind"] == "decode") {
-      fmt::print("{:<8} {:>6} {:>8} {:>11.3f} {:>12.1f} {:>10.0f} {:>9}\n", "decode", r["batch"].get<int64_t>(),
+      fmt::print("{:<8} {:>6} {:>8} {:>11.3f} {:>12.1f} {:>10.0f} {:>9}{}\n", "decode", r["batch"].get<int64_t>(),
                  r["context"].get<int64_t>(), r["ms_per_step"].get<double>(), r["tokens_per_s"].get<double>(),
-                 r["gbs"].get<double>(), percent(r["pct_of_copy"]));
+                 r["gbs"].get<double>(), percent(r["pct_of_copy"]),
+                 r.contains("plan_bytes_per_step") ? fmt::format("   step plan to the other nodes: {:.0f} bytes",
+                                                                 r["plan_bytes_per_step"].get<double>())
+                                                     : std::string());
     } else {
       fmt::print("{:<8} {:>6} {:>8} {:>11.3f} {:>12.1f}   {:.2f} tokens per step, {:.2f}x the plain step (ms: "
                  "verify {:.3f}, keep {:.3f}, draft {:.3f} + chain {:.3f})\n",
@@ -427,7 +445,7 @@ int run_bench(const BenchOptions& o) {
                               {"ms_per_step", t->step_s * 1e3},
                               {"tokens_per_step", t->tokens_per_step},
                               {"tokens_per_s", tokens_per_s},
-                              {"speedup_over_plain", tokens_per_s * *s / static_cast<double>(batch)},
+                              {"speedup_over_plain", tokens_per_s * s->step_s / static_cast<double>(batch)},
                               {"ms_verify", t->verify_s * 1e3},
                               {"ms_keep", t->keep_s * 1e3},
                               {"ms_draft_extend", t->extend_s * 1e3},

@@ -225,6 +225,20 @@ def main():
         close(m["ms_per_step"], m["ms_each"] * count, "all-reduce ms per step")
         close(m["share_of_step"], m["ms_per_step"] / row["ms_per_step"], "all-reduce share of the step")
 
+    # Rank processes (mp): each decode row reports the step plan node 0 broadcast, a few dozen words per sequence
+    # whatever the context (the growing lists go as changes); ranks that are threads of one process send none.
+    assert all("plan_bytes_per_step" not in row for row in decode), decode
+    sent = {}
+    for context in ("8", "64"):
+        out = run(tern, "bench", "--model", fixture, "--device", "cpu", "--tp", "2", "--distributed-executor-backend",
+                  "mp", "--prefill", "0", "--batch", "1,3", "--context", context, "--steps", "2", "--json")
+        assert out.returncode == 0, out
+        rows = [row for row in json.loads(out.stdout)["rows"] if row["kind"] == "decode"]
+        sent[context] = [row["plan_bytes_per_step"] for row in rows]
+        for row in rows:
+            assert 0 < row["plan_bytes_per_step"] <= row["batch"] * 64 * 8, row
+    assert sent["8"] == sent["64"], sent
+
     # Text output, and nothing of the model's size was allocated.
     text = run(tern, "bench", "--plan-only", "--model", full, "--tp", "8")
     assert text.returncode == 0 and "weights per rank" in text.stdout and "121 all-reduces" in text.stdout, text
