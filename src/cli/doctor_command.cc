@@ -4,7 +4,6 @@
 #include <fmt/ranges.h>
 
 #include <filesystem>
-#include <algorithm>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -163,7 +162,7 @@ int run_doctor(const DoctorOptions& o) {
   const TpSection tp = tp_section(o);
   // Which path the NVFP4 layers take on this device (--nvfp4-activations auto), where the model has any.
   std::optional<Nvfp4ActivationsChoice> nvfp4;
-  if (std::any_of(selections.begin(), selections.end(), [](const Selection& s) { return s.op == "gemm_nvfp4"; })) {
+  if (selftest_has_nvfp4(selections)) {
     const auto config = model_config_load(o.model_dir);
     const bool mla = config && config->attention == AttentionKind::kMla;
     if (auto choice = nvfp4_activations_of("auto", device.backend == Backend::kCuda, mla, selections)) nvfp4 = *choice;

@@ -189,9 +189,9 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
                                                                                config.attention == AttentionKind::kMla,
                                                                                selections));
   options.nvfp4_activations = nvfp4.policy;
-  const bool has_nvfp4 = std::any_of(selections.begin(), selections.end(),
-                                     [](const Selection& s) { return s.op.starts_with("gemm_nvfp4"); });
-  if (has_nvfp4 || o.nvfp4_activations != "auto") fmt::print(stderr, "NVFP4 layers: {}\n", nvfp4.why);
+  if (selftest_has_nvfp4(selections) || o.nvfp4_activations != "auto") {
+    fmt::print(stderr, "NVFP4 layers: {}\n", nvfp4.why);
+  }
   options.dummy_seed = o.dummy_seed;
   options.load_draft = !o.speculative_algorithm.empty();
   options.device_options.verify_rows = speculative_steps_of(o) + 1;

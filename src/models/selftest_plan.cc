@@ -386,6 +386,10 @@ Expected<Nvfp4ActivationsChoice> nvfp4_activations_of(const std::string& request
                                                 "W4A4 expert kernel yet)"};
 }
 
+bool selftest_has_nvfp4(std::span<const Selection> selections) {
+  return std::any_of(selections.begin(), selections.end(), [](const Selection& s) { return s.op == "gemm_nvfp4"; });
+}
+
 std::string selftest_fallback_of(const std::string& op) { return op == "gemm_nvfp4_w4a4" ? "gemm_nvfp4" : ""; }
 
 std::vector<std::pair<int64_t, int64_t>> selftest_lead_first(const std::vector<std::pair<int64_t, int64_t>>& shapes) {

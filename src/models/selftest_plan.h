@@ -39,6 +39,8 @@ std::string selftest_fallback_of(const std::string& op);
 //         SGLang run ModelOpt NVFP4 checkpoints there; W4A16 everywhere else (the CPU, Hopper, MLA models).
 //   dequantize: W4A16 everywhere.  quantize: W4A4 on every NVFP4 layer; on a GPU, an error unless the FP4 GEMM is
 //         verified there.
+// Whether the self-test planned NVFP4 GEMMs (the model has NVFP4 layers), so that the choice is worth reporting.
+bool selftest_has_nvfp4(std::span<const Selection> selections);
 struct Nvfp4ActivationsChoice {
   Nvfp4Activations policy = Nvfp4Activations::kDequantize;
   std::string why;

@@ -19,6 +19,7 @@
 #include "ops/gdn_op.h"
 #include "ops/gemm_op.h"
 #include "ops/gemm_w4a4_op.h"
+#include "ops/gemm_w4a4_test_util.h"
 #include "ops/mla_op.h"
 #include "ops/moe_op.h"
 #include "ops/silu_gemv_op.h"
@@ -240,19 +241,7 @@ TEST(Nvfp4ActivationsChoice, AutoRunsW4a4WhereTheFp4GemmIsVerified) {
   const auto* cases = cases_of(*table, "gemm_nvfp4_w4a4");
   ASSERT_NE(cases, nullptr);
   auto select_on = [&](const std::string& device_name) {
-    Registry r;
-    EXPECT_TRUE(gemm_w4a4_register_cpu(r).has_value());
-    const BinaryImage image{.sass = {"sm_90a", "sm_100a", "sm_120a"},
-                            .ptx = {"compute_90a", "compute_100a", "compute_120a"}};
-    EXPECT_TRUE(r.add(gemm_w4a4_native_implementation(image, [](const OpInputs&) -> Expected<RunOutput> {
-                   ADD_FAILURE() << "a simulated device ran a kernel";
-                   return make_error("simulated");
-                 })).has_value());
-    auto device = simulated_device(device_name);
-    EXPECT_TRUE(device.has_value());
-    auto s = registry_select(r, "gemm_nvfp4_w4a4", *device, *cases, {.mode = SelftestMode::kOff});
-    EXPECT_TRUE(s.has_value()) << (s ? "" : s.error().message);
-    return std::vector<Selection>{s ? *s : Selection{}};
+    return std::vector<Selection>{w4a4_test::select_on(device_name, w4a4_test::kFullImage, *cases)};
   };
   using enum Nvfp4Activations;
   for (const std::string name : {"b200", "rtx-pro-6000"}) {

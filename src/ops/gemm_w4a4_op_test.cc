@@ -10,6 +10,7 @@
 
 #include "core/formats.h"
 #include "core/nvfp4.h"
+#include "ops/gemm_w4a4_test_util.h"
 
 namespace tern {
 namespace {
@@ -121,23 +122,12 @@ TEST(GemmW4a4Op, BadCasesAreErrors) {
 // Selection of "fp4-native" on simulated devices. --selftest off: nothing runs, so a supported candidate is
 // "not tested" and chosen, and the stand-in run must never be called.
 
-const BinaryImage kFullImage{.sass = {"sm_90a", "sm_100a", "sm_120a"},
-                             .ptx = {"compute_90a", "compute_100a", "compute_120a"}};
+using w4a4_test::kFullImage;
 const BinaryImage kNoSm120Image{.sass = {"sm_90a", "sm_100a"}, .ptx = {"compute_90a", "compute_100a"}};
 
 Selection select_on(const std::string& device_name, const BinaryImage& image,
                     const std::vector<SelfTestCase>& cases = gemm_selftest_cases({{4096, 4096}}, {1, 64})) {
-  Registry r;
-  EXPECT_TRUE(gemm_w4a4_register_cpu(r).has_value());
-  EXPECT_TRUE(r.add(gemm_w4a4_native_implementation(image, [](const OpInputs&) -> Expected<RunOutput> {
-                 ADD_FAILURE() << "a simulated device ran a kernel";
-                 return make_error("simulated");
-               })).has_value());
-  auto device = simulated_device(device_name);
-  EXPECT_TRUE(device.has_value());
-  auto s = registry_select(r, kOp, *device, cases, {.mode = SelftestMode::kOff});
-  EXPECT_TRUE(s.has_value()) << (s ? "" : s.error().message);
-  return s ? *s : Selection{};
+  return w4a4_test::select_on(device_name, image, cases);
 }
 
 TEST(GemmW4a4Selection, UnsupportedWithoutFp4TensorCores) {
