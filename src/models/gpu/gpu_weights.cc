@@ -114,13 +114,16 @@ Expected<DeviceMatrix> DeviceWeights::matrix(const Linear& linear) {
   return matrix(linear.matrix(), linear.name());
 }
 
+Expected<void> DeviceWeights::check_w4a4_verified(const std::string& name) const {
+  if (nvfp4_w4a4_) return {};
+  return make_error("{}: NVFP4 with quantized activations (W4A4) runs on CUDA only on FP4 tensor cores that the "
+                    "self-test verified (gemm_nvfp4_w4a4 \"fp4-native\"), which this device's did not; use "
+                    "--nvfp4-activations auto or dequantize (W4A16)", name);
+}
+
 Expected<DeviceMatrix> DeviceWeights::stack_w4a4(std::span<const Linear* const> linears) {
   const Linear& first = *linears[0];
-  if (!nvfp4_w4a4_) {
-    return make_error("{}: NVFP4 with quantized activations (W4A4) runs on CUDA only on FP4 tensor cores that the "
-                      "self-test verified (gemm_nvfp4_w4a4 \"fp4-native\"), which this device's did not; use "
-                      "--nvfp4-activations auto or dequantize (W4A16)", first.name());
-  }
+  TERN_TRY(check_w4a4_verified(first.name()));
   const int64_t k = first.in_features();
   if (k % 32 != 0) {
     return make_error("{}: W4A4 on CUDA needs in_features a multiple of 32 (cuBLASLt's FP4 rows), got {}; use "
@@ -392,6 +395,7 @@ Expected<DeviceExperts> DeviceWeights::experts(const std::vector<MlpWeights>& ex
   d.hidden = experts[0].gate_proj.in_features();
   d.nvfp4 = is_nvfp4(experts[0].gate_proj);
   if (experts[0].gate_proj.quantizes_input() || experts[0].down_proj.quantizes_input()) {
+    TERN_TRY(check_w4a4_verified(name));  // the device's refusal first: it holds for every layer
     return make_error("{}: the routed experts have no W4A4 kernel on CUDA yet; use --nvfp4-activations auto (W4A4 "
                       "for the dense layers where the GPU verifies it, the experts W4A16) or dequantize", name);
   }

@@ -101,6 +101,8 @@ class DeviceWeights {
   Expected<DeviceMatrix> concat_bf16(std::span<const Linear* const> linears, int64_t rows_multiple);
   Expected<DeviceMatrix> stack_nvfp4(std::span<const Linear* const> linears);
   Expected<DeviceMatrix> stack_fp8(std::span<const Linear* const> linears);
+  // An error naming `name` unless the self-test verified the FP4 tensor-core GEMM on this device.
+  Expected<void> check_w4a4_verified(const std::string& name) const;
   // W4A4 linears sharing weight_scale_2 and input_scale, stacked by rows.
   Expected<DeviceMatrix> stack_w4a4(std::span<const Linear* const> linears);
   // rows [row, row + m.rows) of an FP8 stack: codes [., k] and row scales [., ceil(k/128)]
