@@ -1,5 +1,7 @@
 #include "layers/linear.h"
 
+#include <algorithm>
+
 #include "core/nvfp4.h"
 
 namespace tern {
@@ -17,6 +19,39 @@ void Linear::forward(const float* x, int64_t m, float* y) const {
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < out; ++j) y[i * out + j] += bias_[j];
   }
+}
+
+LinearKind linear_kind(const Linear& l) {
+  switch (l.matrix().format) {
+    case CpuWeightFormat::kNvfp4: return l.quantizes_input() ? LinearKind::kW4a4 : LinearKind::kNvfp4;
+    case CpuWeightFormat::kFp8Block128: return LinearKind::kFp8;
+    default: return LinearKind::kBf16;
+  }
+}
+
+std::vector<ProjectionRun> projection_runs(const std::vector<const Linear*>& parts) {
+  auto same_alpha = [](const Linear& a, const Linear& b) {
+    return a.matrix().global_scale == b.matrix().global_scale && a.input_scale() == b.input_scale();
+  };
+  std::vector<ProjectionRun> runs;
+  size_t i = 0;
+  while (i < parts.size()) {
+    ProjectionRun run{.kind = linear_kind(*parts[i]), .begin = i};
+    const bool nvfp4 = run.kind == LinearKind::kNvfp4 || run.kind == LinearKind::kW4a4;
+    const size_t max_parts = nvfp4 ? static_cast<size_t>(kNvfp4MaxStackedParts) : parts.size();
+    size_t j = i + 1;
+    while (j < parts.size() && j - i < max_parts && linear_kind(*parts[j]) == run.kind) ++j;
+    if (run.kind == LinearKind::kW4a4 &&
+        !std::all_of(parts.begin() + i, parts.begin() + j, [&](const Linear* l) { return same_alpha(*l, *parts[i]); })) {
+      j = i + 1;  // a GEMM a part
+    }
+    run.end = j;
+    for (size_t k = i; k < j; ++k) run.rows += parts[k]->out_features();
+    if (run.kind == LinearKind::kBf16 && j == parts.size()) run.rows = fused_projection_rows(run.rows);
+    runs.push_back(run);
+    i = j;
+  }
+  return runs;
 }
 
 }  // namespace tern

@@ -53,4 +53,22 @@ inline int64_t fused_projection_rows(int64_t rows) {
   return (rows + kFusedProjectionRowMultiple - 1) / kFusedProjectionRowMultiple * kFusedProjectionRowMultiple;
 }
 
+// How a device stores and multiplies a linear: BF16 (also fp32 / fp16 weights, rounded to it), NVFP4 with BF16
+// activations (W4A16), NVFP4 with quantized activations (W4A4), block-wise FP8.
+enum class LinearKind { kBf16, kNvfp4, kW4a4, kFp8 };
+LinearKind linear_kind(const Linear& l);
+
+// One GEMM of a block's fused input projections: parts [begin, end), adjacent and of one kind, their rows stacked.
+// BF16 and FP8 runs go as far as their kind does; NVFP4 and W4A4 runs take at most kNvfp4MaxStackedParts parts;
+// W4A4 parts whose weight_scale_2 or input_scale differ are a run each (cuBLASLt's FP4 GEMM takes one alpha). A BF16
+// run that ends the projection gets zero rows up to kFusedProjectionRowMultiple, so `rows` is the GEMM's.
+struct ProjectionRun {
+  LinearKind kind = LinearKind::kBf16;
+  size_t begin = 0, end = 0;
+  int64_t rows = 0;
+};
+// The runs a device computes `parts` in (DeviceWeights::projection), and so those the self-test plans
+// (models/selftest_plan.cc); the first run is the one a device may fuse the block's norm into.
+std::vector<ProjectionRun> projection_runs(const std::vector<const Linear*>& parts);
+
 }  // namespace tern

@@ -284,42 +284,26 @@ class Planner final : public BlockOps {
     (is_nvfp4(l) ? nvfp4_ : is_fp8(l) ? fp8_ : bf16_).insert({l.out_features(), l.in_features()});
     if (is_nvfp4(l)) w4a4_.insert({l.out_features(), l.in_features()});
   }
-  // Each part at its own shape, the NVFP4 parts as the stacked weights a device computes them in (runs of at most
-  // kNvfp4MaxStackedParts, DeviceWeights::projection), the FP8 parts as their one stacked weight, and the BF16
-  // parts as the one GEMM a device computes them in, which is also the GEMV a decode step may fuse the block's norm
-  // into.
+  // Each part at its own shape, and each run of parts a device computes as one GEMM (layers/linear.h
+  // projection_runs, as DeviceWeights::projection stacks them) at the run's shape; a first run in BF16 is also the
+  // GEMV a decode step may fuse the block's norm into (cuda_ops.cc norm_project).
   void projections(const std::vector<const Linear*>& parts) {
-    int64_t n = 0, count = 0, fp4_n = 0, fp4_count = 0, fp8_n = 0, fp8_count = 0;
-    for (const Linear* l : parts) {
-      linear(*l);
-      if (is_fp8(*l)) {
-        fp8_n += l->out_features();
-        ++fp8_count;
-        continue;
+    for (const Linear* l : parts) linear(*l);
+    const int64_t k = parts.front()->in_features();
+    const std::vector<ProjectionRun> runs = projection_runs(parts);
+    for (const ProjectionRun& r : runs) {
+      if (r.end - r.begin == 1 && r.rows == parts[r.begin]->out_features()) continue;  // the part's own shape
+      switch (r.kind) {
+        case LinearKind::kNvfp4:
+        case LinearKind::kW4a4:
+          nvfp4_.insert({r.rows, k});
+          w4a4_.insert({r.rows, k});
+          break;
+        case LinearKind::kFp8: fp8_.insert({r.rows, k}); break;
+        case LinearKind::kBf16: bf16_.insert({r.rows, k}); break;
       }
-      if (is_nvfp4(*l)) {
-        if (fp4_count == kNvfp4MaxStackedParts) {
-          nvfp4_.insert({fp4_n, l->in_features()});
-          w4a4_.insert({fp4_n, l->in_features()});
-          fp4_n = fp4_count = 0;
-        }
-        fp4_n += l->out_features();
-        ++fp4_count;
-        continue;
-      }
-      n += l->out_features();
-      ++count;
     }
-    if (fp4_count > 1) {
-      nvfp4_.insert({fp4_n, parts.front()->in_features()});
-      w4a4_.insert({fp4_n, parts.front()->in_features()});  // a run whose parts share their scales (W4A4 stacks)
-    }
-    if (fp8_count > 1) fp8_.insert({fp8_n, parts.front()->in_features()});
-    if (count == 0) return;
-    // A device pads the run's rows (layers/linear.h fused_projection_rows).
-    const int64_t rows = fused_projection_rows(n);
-    if (count > 1 || rows != n) bf16_.insert({rows, parts.front()->in_features()});
-    normed_.insert({rows, parts.front()->in_features()});
+    if (runs.front().kind == LinearKind::kBf16) normed_.insert({runs.front().rows, k});
   }
   // A down projection that reads a SiLU-and-mul (dense MLPs, shared experts).
   void silu_down(const Linear& down) {

@@ -30,12 +30,6 @@ const uint16_t* host_bf16(const CpuMatrix& m, std::vector<uint16_t>& scratch) {
 
 bool is_nvfp4(const Linear& l) { return l.matrix().format == CpuWeightFormat::kNvfp4; }
 bool is_fp8(const Linear& l) { return l.matrix().format == CpuWeightFormat::kFp8Block128; }
-// Formats whose adjacent parts stack into one device matrix in their own way; the rest become BF16.
-enum class Stacking { kBf16, kNvfp4, kFp8, kW4a4 };
-Stacking stacking(const Linear& l) {
-  if (is_nvfp4(l)) return l.quantizes_input() ? Stacking::kW4a4 : Stacking::kNvfp4;
-  return is_fp8(l) ? Stacking::kFp8 : Stacking::kBf16;
-}
 
 // Whether W4A4 linears can be one GEMM: cuBLASLt's FP4 GEMM takes one alpha = weight_scale_2 * input_scale.
 bool share_w4a4_scales(std::span<const Linear* const> linears) {
@@ -254,39 +248,21 @@ Expected<DeviceMatrix> DeviceWeights::stack_fp8(std::span<const Linear* const> l
 Expected<DeviceProjection> DeviceWeights::projection(std::span<const Linear* const> linears, int64_t width_multiple) {
   DeviceProjection p;
   p.in_features = linears.front()->in_features();
-  size_t i = 0;
-  while (i < linears.size()) {
-    if (linears[i]->in_features() != p.in_features) {
-      return make_error("{}: in_features {} differs from {} of the layers it is fused with", linears[i]->name(),
-                        linears[i]->in_features(), p.in_features);
+  for (const Linear* l : linears) {
+    if (l->in_features() != p.in_features) {
+      return make_error("{}: in_features {} differs from {} of the layers it is fused with", l->name(),
+                        l->in_features(), p.in_features);
     }
-    // [i, j): a run of BF16 or of FP8 parts, or of at most kNvfp4MaxStackedParts NVFP4 parts
-    const Stacking kind = stacking(*linears[i]);
-    const bool nvfp4 = kind == Stacking::kNvfp4 || kind == Stacking::kW4a4;
-    const size_t max_parts = nvfp4 ? static_cast<size_t>(kNvfp4MaxStackedParts) : linears.size();
-    size_t j = i + 1;
-    while (j < linears.size() && j - i < max_parts && stacking(*linears[j]) == kind &&
-           linears[j]->in_features() == p.in_features) {
-      ++j;
-    }
-    // A BF16 run that ends the projection gets zero rows up to kFusedProjectionRowMultiple (layers/linear.h); one
-    // inside it does not, so that the parts after it keep the columns their consumers compute.
-    const int64_t rows_multiple = j == linears.size() ? kFusedProjectionRowMultiple : 1;
-    const auto run = linears.subspan(i, j - i);
-    i = j;
-    if (kind == Stacking::kW4a4 && !share_w4a4_scales(run)) {  // a GEMM per part
-      for (const Linear* l : run) {
-        TERN_ASSIGN_OR_RETURN(DeviceMatrix m, stack_w4a4(std::span<const Linear* const>(std::array{l})));
-        p.offsets.push_back(p.width);
-        p.width += m.n;
-        p.parts.push_back(m);
-      }
-      continue;
-    }
-    TERN_ASSIGN_OR_RETURN(DeviceMatrix m, kind == Stacking::kNvfp4 ? stack_nvfp4(run)
-                                          : kind == Stacking::kW4a4 ? stack_w4a4(run)
-                                          : kind == Stacking::kFp8  ? stack_fp8(run)
-                                                                    : concat_bf16(run, rows_multiple));
+  }
+  for (const ProjectionRun& r : projection_runs({linears.begin(), linears.end()})) {
+    const auto run = linears.subspan(r.begin, r.end - r.begin);
+    // A BF16 run that ends the projection gets zero rows (layers/linear.h); one inside it does not, so that the
+    // parts after it keep the columns their consumers compute.
+    const int64_t rows_multiple = r.end == linears.size() ? kFusedProjectionRowMultiple : 1;
+    TERN_ASSIGN_OR_RETURN(DeviceMatrix m, r.kind == LinearKind::kNvfp4 ? stack_nvfp4(run)
+                                          : r.kind == LinearKind::kW4a4 ? stack_w4a4(run)
+                                          : r.kind == LinearKind::kFp8  ? stack_fp8(run)
+                                                                        : concat_bf16(run, rows_multiple));
     p.offsets.push_back(p.width);
     p.width += m.n;
     p.parts.push_back(m);
@@ -372,7 +348,7 @@ Expected<MoeExpertWeights> DeviceWeights::expert_stack(const std::vector<MlpWeig
         part == 0 ? std::vector<const Linear*>{&experts[e].gate_proj, &experts[e].up_proj}
                   : std::vector<const Linear*>{&pick(experts[e])};
     for (const Linear* l : parts) {
-      if (stacking(*l) != Stacking::kBf16 || l->in_features() != k) {
+      if (linear_kind(*l) != LinearKind::kBf16 || l->in_features() != k) {
         return make_error("{}: expert {} differs in format or shape", name, e);
       }
       std::vector<uint16_t> scratch;
