@@ -103,6 +103,7 @@ Expected<void> align_validate(const MoeAlignArgs& a) {
   TERN_TRY(check_ptr(k, "pair_row", a.pair_row, 4));
   if (a.decode_passes != nullptr) TERN_TRY(check_ptr(k, "decode_passes", a.decode_passes, 16));
   const size_t needed = moe_align_workspace_bytes(a.tokens, a.top_k, a.n_experts);
+  if (needed > 0) TERN_TRY(check_ptr(k, "workspace", a.workspace, 4));
   if (a.workspace_bytes < needed || (needed > 0 && a.workspace == nullptr)) {
     return make_error("{}: workspace of {} bytes at {} is smaller than the {} bytes needed", k, a.workspace_bytes,
                       a.workspace, needed);
@@ -333,7 +334,9 @@ Expected<void> combine_validate(const MoeCombineArgs& a) {
 
 }  // namespace
 
-size_t moe_align_workspace_bytes(int64_t, int64_t, int64_t) { return 0; }
+size_t moe_align_workspace_bytes(int64_t tokens, int64_t top_k, int64_t n_experts) {
+  return moe_align_workspace_ints(tokens, top_k, n_experts) * sizeof(int32_t);
+}
 
 Expected<void> moe_route(const DeviceContext& ctx, const MoeRouteArgs& args) {
   TERN_TRY(route_validate(args));

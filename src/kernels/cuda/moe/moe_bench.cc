@@ -320,6 +320,8 @@ void bench_small_kernels(const DeviceContext& ctx, const std::vector<int64_t>& t
     const DeviceBuffer ids(static_cast<size_t>(rows) * 4), weights(static_cast<size_t>(rows) * 4);
     const DeviceBuffer off((kExperts + 1) * 4), sorted(static_cast<size_t>(rows) * 4), pr(static_cast<size_t>(rows) * 4);
     const DeviceBuffer out(static_cast<size_t>(rows * kHidden) * 2), y(static_cast<size_t>(tokens * kHidden) * 2);
+    const size_t align_ws_bytes = moe_align_workspace_bytes(tokens, kTopK, kExperts);
+    const DeviceBuffer align_ws(std::max<size_t>(align_ws_bytes, 4));
     const double route_ms = time_ms(ctx, 20, [&](int) {
       if (!moe_route(ctx, {.logits = logits.as<uint16_t>(), .logits_stride = kExperts, .topk_ids = ids.as<int32_t>(),
                            .topk_weights = weights.as<float>(), .tokens = tokens, .n_experts = kExperts,
@@ -328,7 +330,8 @@ void bench_small_kernels(const DeviceContext& ctx, const std::vector<int64_t>& t
     const double align_ms = time_ms(ctx, 20, [&](int s) {
       if (!moe_align(ctx, {.topk_ids = r.ids.as<int32_t>() + s * rows, .tokens = tokens, .top_k = kTopK,
                            .n_experts = kExperts, .expert_offsets = off.as<int32_t>(),
-                           .sorted_pairs = sorted.as<int32_t>(), .pair_row = pr.as<int32_t>()})) std::abort();
+                           .sorted_pairs = sorted.as<int32_t>(), .pair_row = pr.as<int32_t>(),
+                           .workspace = align_ws.data(), .workspace_bytes = align_ws_bytes})) std::abort();
     });
     // Route and align in one launch where the pairs fit one block (as moe_forward does at decode).
     const double route_align_ms = rows > kMoeRouteAlignMaxPairs ? 0.0 : time_ms(ctx, 20, [&](int) {

@@ -69,7 +69,7 @@ struct MoeAlignArgs {
   int32_t* expert_offsets = nullptr;  // [n_experts + 1]: permuted rows of expert e are [off[e], off[e+1])
   int32_t* sorted_pairs = nullptr;    // [tokens*top_k]: pair index (t*top_k + j) at each permuted row
   int32_t* pair_row = nullptr;        // [tokens*top_k]: permuted row of each pair (the inverse)
-  void* workspace = nullptr;          // from moe_align_workspace_bytes() (the single-block kernel needs none)
+  void* workspace = nullptr;          // from moe_align_workspace_bytes() (one block's sort needs none), 4-aligned
   size_t workspace_bytes = 0;
   // Optional: the decode GEMM's passes (below) for these offsets, [moe_decode_pass_slots(tokens * top_k,
   // n_experts)][4] int32, 16-byte aligned (a route + align of at most 32 pairs then takes the block kernel).
@@ -200,6 +200,8 @@ inline constexpr int64_t kMoeRouteAlignMaxPairs = 2048;
 // Unchecked launches on ctx.stream() for arguments the checked launchers have validated (counts >= 1).
 void moe_route_launch(const DeviceContext& ctx, const MoeRouteArgs& args);
 void moe_align_launch(const DeviceContext& ctx, const MoeAlignArgs& args);
+// The ints of MoeAlignArgs::workspace moe_align_launch needs (0 when one block sorts them all).
+size_t moe_align_workspace_ints(int64_t tokens, int64_t top_k, int64_t n_experts);
 void moe_route_align_launch(const DeviceContext& ctx, const MoeRouteArgs& route, const MoeAlignArgs& align);
 void moe_combine_launch(const DeviceContext& ctx, const MoeCombineArgs& args);
 void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& args);

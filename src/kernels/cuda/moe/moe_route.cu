@@ -292,29 +292,29 @@ __device__ void align_write_passes(const int* bucket_start, const MoeAlignArgs& 
   }
 }
 
-// The sort of the pairs' ids (a.topk_ids, or the fused kernel's copy in shared memory) by the whole block.
-__device__ __forceinline__ void align_pairs(const int32_t* ids, const MoeAlignArgs& a) {
-  __shared__ int counts[kAlignWarps][kMoeMaxExperts + 1];
-  __shared__ int bucket_start[kMoeMaxExperts + 1];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n_experts = static_cast<int>(a.n_experts), n_buckets = n_experts + 1;
-  const int rows = static_cast<int>(a.tokens * a.top_k);
-  const int chunk = (rows + kAlignWarps - 1) / kAlignWarps;
-  const int begin = min(rows, warp * chunk), end = min(rows, begin + chunk);
+using AlignCounts = int[kAlignWarps][kMoeMaxExperts + 1];
+
+// Stage 1 over a block's pairs [begin, end), in kAlignWarps consecutive chunks, one a warp: counts[w][b] = the pairs
+// of chunk w in bucket b. Lanes past the chunk form their own group (bucket -1) and add nothing.
+__device__ void align_count(const int32_t* ids, int begin, int end, int n_experts, AlignCounts& counts) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_buckets = n_experts + 1;
   for (int i = threadIdx.x; i < kAlignWarps * n_buckets; i += blockDim.x) counts[i / n_buckets][i % n_buckets] = 0;
   __syncthreads();
-
-  // Stage 1: per-warp counts. Lanes past the chunk form their own group (bucket -1) and add nothing.
-  for (int base = begin; base < end; base += 32) {
+  const int chunk = (end - begin + kAlignWarps - 1) / kAlignWarps;
+  const int wb = min(end, begin + warp * chunk), we = min(end, wb + chunk);
+  for (int base = wb; base < we; base += 32) {
     const int pair = base + lane;
-    const int b = pair < end ? align_bucket(ids[pair], n_experts) : -1;
+    const int b = pair < we ? align_bucket(ids[pair], n_experts) : -1;
     const unsigned peers = __match_any_sync(kFullMask, b);
     if (b >= 0 && lane == __ffs(peers) - 1) counts[warp][b] += __popc(peers);
     __syncwarp();  // the next step's leader of the same bucket may be another lane
   }
   __syncthreads();
+}
 
-  // Stage 2: counts[w][b] becomes the rows of bucket b in warps before w; bucket_start the buckets' first rows.
+// Stage 2 inside the block: counts[w][b] becomes the rows of bucket b in the warps before w, and totals[b] the
+// block's rows of bucket b.
+__device__ void align_warp_offsets(AlignCounts& counts, int n_buckets, int* totals) {
   for (int b = threadIdx.x; b < n_buckets; b += blockDim.x) {
     int run = 0;
     for (int w = 0; w < kAlignWarps; ++w) {
@@ -322,21 +322,24 @@ __device__ __forceinline__ void align_pairs(const int32_t* ids, const MoeAlignAr
       counts[w][b] = run;
       run += c;
     }
-    bucket_start[b] = run;
+    totals[b] = run;
   }
   __syncthreads();
-  if (warp == 0) align_scan_buckets(bucket_start, n_buckets);
-  __syncthreads();
-  for (int e = threadIdx.x; e < n_buckets; e += blockDim.x) a.expert_offsets[e] = bucket_start[e];
-  if (a.decode_passes != nullptr) align_write_passes(bucket_start, a);  // block-uniform
+}
 
-  // Stage 3: scatter.
-  for (int base = begin; base < end; base += 32) {
+// Stage 3: every pair of the block's [begin, end) (the chunks of align_count) to row first[b] + counts[w][b] + its
+// rank among the warp's pairs of bucket b so far.
+__device__ void align_scatter(const int32_t* ids, int begin, int end, int n_experts, AlignCounts& counts,
+                              const int* first, const MoeAlignArgs& a) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int chunk = (end - begin + kAlignWarps - 1) / kAlignWarps;
+  const int wb = min(end, begin + warp * chunk), we = min(end, wb + chunk);
+  for (int base = wb; base < we; base += 32) {
     const int pair = base + lane;
-    const int b = pair < end ? align_bucket(ids[pair], n_experts) : -1;
+    const int b = pair < we ? align_bucket(ids[pair], n_experts) : -1;
     const unsigned peers = __match_any_sync(kFullMask, b);
     if (b >= 0) {
-      const int row = bucket_start[b] + counts[warp][b] + __popc(peers & lanemask_lt(lane));
+      const int row = first[b] + counts[warp][b] + __popc(peers & lanemask_lt(lane));
       a.sorted_pairs[row] = pair;
       a.pair_row[pair] = row;
     }
@@ -346,10 +349,86 @@ __device__ __forceinline__ void align_pairs(const int32_t* ids, const MoeAlignAr
   }
 }
 
+// The buckets' first rows from their sizes (bucket_start, in place), then expert_offsets and the decode passes.
+__device__ void align_finish(int* bucket_start, int n_buckets, const MoeAlignArgs& a) {
+  if (threadIdx.x < 32) align_scan_buckets(bucket_start, n_buckets);
+  __syncthreads();
+  for (int e = threadIdx.x; e < n_buckets; e += blockDim.x) a.expert_offsets[e] = bucket_start[e];
+  if (a.decode_passes != nullptr) align_write_passes(bucket_start, a);  // block-uniform
+}
+
+// The sort of the pairs' ids (a.topk_ids, or the fused kernel's copy in shared memory) by the whole block.
+__device__ __forceinline__ void align_pairs(const int32_t* ids, const MoeAlignArgs& a) {
+  __shared__ AlignCounts counts;
+  __shared__ int bucket_start[kMoeMaxExperts + 1];
+  const int n_experts = static_cast<int>(a.n_experts), n_buckets = n_experts + 1;
+  const int rows = static_cast<int>(a.tokens * a.top_k);
+  align_count(ids, 0, rows, n_experts, counts);
+  align_warp_offsets(counts, n_buckets, bucket_start);
+  align_finish(bucket_start, n_buckets, a);
+  align_scatter(ids, 0, rows, n_experts, counts, bucket_start, a);
+}
+
 __global__ void __launch_bounds__(kAlignWarps * 32) moe_align_kernel(const MoeAlignArgs a) {
   ptx::grid_dependency_begin();
   align_pairs(a.topk_ids, a);
 }
+
+// Past one block's worth of pairs (kAlignBlockPairs) the sort runs in three launches over blocks of that many
+// consecutive pairs: count (each block's rows per bucket into the workspace, [blocks][n_buckets] ints), scan (one
+// block: those become each block's first row inside each bucket; the buckets' first rows, expert_offsets, the
+// decode passes), scatter (each block counts per warp again and places its pairs). Stable in pair order, as the one
+// block's sort.
+constexpr int kAlignBlockPairs = kAlignWarps * 32 * 4;
+
+__global__ void __launch_bounds__(kAlignWarps * 32) moe_align_count_kernel(const MoeAlignArgs a) {
+  ptx::grid_dependency_begin();
+  __shared__ AlignCounts counts;
+  const int n_experts = static_cast<int>(a.n_experts), n_buckets = n_experts + 1;
+  const int rows = static_cast<int>(a.tokens * a.top_k), begin = static_cast<int>(blockIdx.x) * kAlignBlockPairs;
+  align_count(a.topk_ids, begin, min(rows, begin + kAlignBlockPairs), n_experts, counts);
+  int* block_rows = static_cast<int*>(a.workspace) + int64_t{blockIdx.x} * n_buckets;
+  for (int b = threadIdx.x; b < n_buckets; b += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < kAlignWarps; ++w) run += counts[w][b];
+    block_rows[b] = run;
+  }
+}
+
+__global__ void __launch_bounds__(kAlignWarps * 32) moe_align_scan_kernel(const MoeAlignArgs a, int blocks) {
+  ptx::grid_dependency_begin();
+  __shared__ int bucket_start[kMoeMaxExperts + 1];
+  const int n_buckets = static_cast<int>(a.n_experts) + 1;
+  int* block_rows = static_cast<int*>(a.workspace);
+  for (int b = threadIdx.x; b < n_buckets; b += blockDim.x) {
+    int run = 0;
+    for (int k = 0; k < blocks; ++k) {
+      const int c = block_rows[k * n_buckets + b];
+      block_rows[k * n_buckets + b] = run;
+      run += c;
+    }
+    bucket_start[b] = run;
+  }
+  __syncthreads();
+  align_finish(bucket_start, n_buckets, a);
+}
+
+__global__ void __launch_bounds__(kAlignWarps * 32) moe_align_scatter_kernel(const MoeAlignArgs a) {
+  ptx::grid_dependency_begin();
+  __shared__ AlignCounts counts;
+  __shared__ int first[kMoeMaxExperts + 1];
+  const int n_experts = static_cast<int>(a.n_experts), n_buckets = n_experts + 1;
+  const int rows = static_cast<int>(a.tokens * a.top_k), begin = static_cast<int>(blockIdx.x) * kAlignBlockPairs;
+  const int end = min(rows, begin + kAlignBlockPairs);
+  align_count(a.topk_ids, begin, end, n_experts, counts);
+  align_warp_offsets(counts, n_buckets, first);  // first[] is overwritten below
+  const int* block_rows = static_cast<const int*>(a.workspace) + int64_t{blockIdx.x} * n_buckets;
+  for (int b = threadIdx.x; b < n_buckets; b += blockDim.x) first[b] = a.expert_offsets[b] + block_rows[b];
+  __syncthreads();
+  align_scatter(a.topk_ids, begin, end, n_experts, counts, first, a);
+}
+
+int64_t align_blocks(int64_t tokens, int64_t top_k) { return (tokens * top_k + kAlignBlockPairs - 1) / kAlignBlockPairs; }
 
 // Route and align in one block: warp w routes tokens w, w + kAlignWarps, ..., writing the choices out and the ids
 // also to shared memory, from where the block sorts them once all are in. route_token and align_pairs are the two
@@ -479,11 +558,24 @@ void moe_route_launch(const DeviceContext& ctx, const MoeRouteArgs& a) {
   TERN_CUDA_CHECK_LAUNCH();
 }
 
-// One block: at decode sizes the whole sort is a few microseconds; at 8192 tokens x top-10 each warp walks 160
-// steps of 32 pairs twice, tens of microseconds against milliseconds of expert GEMMs.
+// One block up to kAlignBlockPairs pairs (a few microseconds at decode sizes), else the three launches. The one
+// block at 4096 tokens x top-8 walked 64 steps of 32 pairs twice per warp: docs/perf/gpu.md §align-blocks.
 void moe_align_launch(const DeviceContext& ctx, const MoeAlignArgs& a) {
-  launch_kernel(ctx, moe_align_kernel, dim3(1), dim3(kAlignWarps * 32), 0, a);
+  const int64_t blocks = align_blocks(a.tokens, a.top_k);
+  if (blocks <= 1) {
+    launch_kernel(ctx, moe_align_kernel, dim3(1), dim3(kAlignWarps * 32), 0, a);
+  } else {
+    const dim3 grid(static_cast<unsigned>(blocks)), block(kAlignWarps * 32);
+    launch_kernel(ctx, moe_align_count_kernel, grid, block, 0, a);
+    launch_kernel(ctx, moe_align_scan_kernel, dim3(1), block, 0, a, static_cast<int>(blocks));
+    launch_kernel(ctx, moe_align_scatter_kernel, grid, block, 0, a);
+  }
   TERN_CUDA_CHECK_LAUNCH();
+}
+
+size_t moe_align_workspace_ints(int64_t tokens, int64_t top_k, int64_t n_experts) {
+  const int64_t blocks = align_blocks(tokens, top_k);
+  return blocks <= 1 ? 0 : static_cast<size_t>(blocks * (n_experts + 1));
 }
 
 // The one-block route + align routes a warp's tokens one after another (each warp argmax round waits on the last),

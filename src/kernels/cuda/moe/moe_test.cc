@@ -225,7 +225,9 @@ TEST(MoeAlign, StableCountingSortByExpert) {
   };
   const Case cases[] = {{1, 2, 8, false},     {3, 8, 256, false},      {37, 8, 256, true},    {1000, 8, 256, false},
                         {1000, 8, 256, true}, {1000, 10, 512, false},  {8192, 10, 512, true}, {8192, 8, 256, false},
-                        {37, 1, 64, false},   {1, 32, 512, false},     {100, 1, 1, false}};
+                        {37, 1, 64, false},   {1, 32, 512, false},     {100, 1, 1, false},
+                        // one block's 2048 pairs, and 8 past them (the three-launch sort with a short last block)
+                        {256, 8, 256, false}, {257, 8, 256, true}};
   for (const Case& c : cases) {
     check_align(ctx, random_ids(c.tokens, c.top_k, c.n_experts, c.skew, rng), c.tokens, c.top_k, c.n_experts);
   }
@@ -241,6 +243,11 @@ TEST(MoeAlign, OutOfRangeIdsGoAfterTheLastExpert) {
   ids[17] = 64;
   ids[100] = 1 << 30;
   check_align(ctx, ids, 37, 4, 64);
+  std::vector<int32_t> many = random_ids(1000, 4, 64, false, rng);  // the sort over several blocks
+  many[7] = -3;
+  many[2500] = 64;
+  many[3999] = -1;
+  check_align(ctx, many, 1000, 4, 64);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
