@@ -1,5 +1,5 @@
 // Inline-PTX helpers shared by the tensor-core kernels (attention, the NVFP4 GEMMs, the MoE GEMM): shared-memory
-// addresses, cp.async copies with zero fill, ldmatrix and the bf16 mma.sync. All exist on sm_80 and later, so on
+// addresses, cp.async copies with zero fill, ldmatrix, the bf16 and TF32 mma.sync. All exist on sm_80 and later, so on
 // sm_90a, sm_100a and sm_120a alike. Include from .cu files only.
 #pragma once
 
@@ -76,6 +76,23 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// D = A B + D on the tensor cores: one m16n8k8 tile of TF32 operands (A row-major, 4 registers; B col-major, 2),
+// fp32 accumulators. The hardware reads an operand's top 19 bits.
+__device__ __forceinline__ void mma_tf32_1688(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// x = big + small with both TF32 (round to nearest): the split of "3xTF32", where a b ~ a_big b_big + a_big b_small
+// + a_small b_big keeps about fp32's accuracy (the dropped a_small b_small is ~2^-22 of a b).
+__device__ __forceinline__ void tf32_split(float x, uint32_t& big, uint32_t& small) {
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(big) : "f"(x));
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(small) : "f"(x - __uint_as_float(big)));
 }
 
 }  // namespace tern::ptx

@@ -66,9 +66,10 @@ __device__ __forceinline__ const int32_t* verify_slots(const GdnSequences& q, in
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// conv1d + SiLU. Block = kConvThreads threads as (token lanes) x (channel tile); lanes = 1 for decode, up to 8 for
-// long rows so a prefill has 8 runs in flight per channel. Loads are issued kConvBatch rows at a time so each
-// thread keeps several independent loads in flight.
+// conv1d + SiLU. Block = kConvThreads threads as (token lanes) x (channel tile); each thread takes kV adjacent
+// channels (8, with 16-byte loads and stores, where the channels and strides allow; else 1). lanes = 1 for decode,
+// more for long rows so a prefill has several runs in flight per channel. Loads are issued a batch of rows at a time
+// so each thread keeps several independent loads in flight.
 
 constexpr int kConvThreads = 256;
 constexpr int kConvBatch = 8;
@@ -76,67 +77,125 @@ constexpr int kConvBatch = 8;
 struct ConvParams {
   GdnConvArgs a;
   int lanes;    // token runs per channel
-  int ch_tile;  // channels per block = kConvThreads / lanes
+  int ch_tile;  // threads per token lane = kConvThreads / lanes
 };
 
-template <int kK, bool kVerify>
-__global__ void __launch_bounds__(kConvThreads) gdn_conv1d_kernel(const ConvParams p) {
+// kV consecutive bf16 at p, as raw bits: one 16-byte access at kV = 8 (conv_vector_width checked the alignment).
+template <int kV>
+struct Bf16s {
+  uint32_t w[(kV + 1) / 2];
+  __device__ __forceinline__ float operator[](int v) const {
+    return bf16_to_f32(static_cast<uint16_t>(v % 2 == 0 ? w[v / 2] & 0xFFFFu : w[v / 2] >> 16));
+  }
+};
+template <int kV>
+__device__ __forceinline__ Bf16s<kV> load_bf16s(const uint16_t* p) {
+  Bf16s<kV> r;
+  if constexpr (kV == 8) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    r.w[0] = u.x;
+    r.w[1] = u.y;
+    r.w[2] = u.z;
+    r.w[3] = u.w;
+  } else {
+    static_assert(kV == 1);
+    r.w[0] = p[0];
+  }
+  return r;
+}
+template <int kN>
+__device__ __forceinline__ void copy_u16s(uint16_t* dst, const uint16_t* src) {
+  if constexpr (kN % 8 == 0) {
+#pragma unroll
+    for (int i = 0; i < kN / 8; ++i) reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) dst[i] = src[i];
+  }
+}
+
+// Two blocks an SM where the registers allow (kV = 8 with Qwen3.5's kernel of 4 fits 128 registers).
+template <int kK, int kV, bool kVerify>
+__global__ void __launch_bounds__(kConvThreads, kV == 8 && kK <= 4 ? 2 : 1) gdn_conv1d_kernel(const ConvParams p) {
   ptx::grid_dependency_begin();
-  constexpr int kHist = kK - 1;
+  constexpr int kHist = kK - 1, kBatch = kV == 8 ? kConvBatch / 2 : kConvBatch;
   const GdnConvArgs& a = p.a;
   const SeqView sq = seq_view(a.seqs, blockIdx.x);
   if (!sq.valid) return;  // uniform over the block, before any barrier
   const int lane = threadIdx.x / p.ch_tile;
-  const int64_t c = int64_t{blockIdx.y} * p.ch_tile + threadIdx.x % p.ch_tile;
-  const bool active = c < a.channels;
+  const int64_t c = (int64_t{blockIdx.y} * p.ch_tile + threadIdx.x % p.ch_tile) * kV;
+  const bool active = c < a.channels;  // channels % kV == 0
+  // The state is [slot][channel][kHist]: channel c + v's entry j at state[v * kHist + j].
   uint16_t* state = a.conv_state + (sq.slot * a.channels + c) * kHist;
   // Stage 1: the old state (bf16 bits, zeros for a new sequence), kept to the end because the update is in place.
-  uint16_t old[kHist];
+  uint16_t old[kV * kHist];
+  if (active && !sq.fresh) {
+    copy_u16s<kV * kHist>(old, state);
+  } else {
 #pragma unroll
-  for (int j = 0; j < kHist; ++j) old[j] = (active && !sq.fresh) ? state[j] : uint16_t{0};
+    for (int i = 0; i < kV * kHist; ++i) old[i] = 0;
+  }
   const uint16_t* x = a.x + sq.begin * a.x_stride + c;
   uint16_t* y = a.y + sq.begin * a.channels + c;
   // Stage 2: this lane's run of rows [t0, t1), the window seeded with the kHist inputs before t0.
   const int64_t run = (sq.len + p.lanes - 1) / p.lanes;
   const int64_t t0 = lane * run, t1 = min(sq.len, t0 + run);
   if (active && t0 < t1) {
-    float w[kK], win[kK];
+    float w[kV][kK], win[kV][kK];
 #pragma unroll
-    for (int j = 0; j < kK; ++j) w[j] = a.weight[c * kK + j];
+    for (int v = 0; v < kV; ++v) {
+#pragma unroll
+      for (int j = 0; j < kK; ++j) w[v][j] = a.weight[(c + v) * kK + j];
+    }
 #pragma unroll
     for (int j = 0; j < kHist; ++j) {
       const int64_t pos = t0 - kHist + j;
-      win[j] = bf16_to_f32(pos >= 0 ? x[pos * a.x_stride] : old[kHist + pos]);
+      if (pos >= 0) {
+        const Bf16s<kV> in = load_bf16s<kV>(x + pos * a.x_stride);
+#pragma unroll
+        for (int v = 0; v < kV; ++v) win[v][j] = in[v];
+      } else {
+#pragma unroll
+        for (int v = 0; v < kV; ++v) win[v][j] = bf16_to_f32(old[v * kHist + kHist + pos]);
+      }
     }
-    for (int64_t t = t0; t < t1; t += kConvBatch) {
-      float next[kConvBatch];
+    for (int64_t t = t0; t < t1; t += kBatch) {
+      Bf16s<kV> next[kBatch];
 #pragma unroll
-      for (int u = 0; u < kConvBatch; ++u) next[u] = t + u < t1 ? bf16_to_f32(x[(t + u) * a.x_stride]) : 0.0f;
+      for (int u = 0; u < kBatch; ++u) next[u] = t + u < t1 ? load_bf16s<kV>(x + (t + u) * a.x_stride) : Bf16s<kV>{};
 #pragma unroll
-      for (int u = 0; u < kConvBatch; ++u) {
+      for (int u = 0; u < kBatch; ++u) {
         if (t + u >= t1) break;
-        win[kHist] = next[u];
-        float acc = 0.0f;
+        uint16_t out[kV];
 #pragma unroll
-        for (int j = 0; j < kK; ++j) acc += w[j] * win[j];
-        y[(t + u) * a.channels] = f32_to_bf16(silu_f32(acc));
+        for (int v = 0; v < kV; ++v) {
+          win[v][kHist] = next[u][v];
+          float acc = 0.0f;
 #pragma unroll
-        for (int j = 0; j < kHist; ++j) win[j] = win[j + 1];
+          for (int j = 0; j < kK; ++j) acc += w[v][j] * win[v][j];
+          out[v] = f32_to_bf16(silu_f32(acc));
+#pragma unroll
+          for (int j = 0; j < kHist; ++j) win[v][j] = win[v][j + 1];
+        }
+        copy_u16s<kV>(y + (t + u) * a.channels, out);
       }
     }
   }
-  // Stage 3: every thread has read the old state; lane 0 writes the last kHist inputs (older ones from the state).
-  __syncthreads();
-  if (active && lane == 0) {
+  // The window of kHist inputs ending at row `end` (exclusive), older ones from old[], into dst.
+  auto window = [&](uint16_t* dst, int64_t end) {
 #pragma unroll
     for (int j = 0; j < kHist; ++j) {
-      const int64_t pos = sq.len - kHist + j;
-      state[j] = pos >= 0 ? x[pos * a.x_stride] : old[kHist + pos];
+      const int64_t pos = end - kHist + j;
+#pragma unroll
+      for (int v = 0; v < kV; ++v) dst[v * kHist + j] = pos >= 0 ? x[pos * a.x_stride + v] : old[v * kHist + kHist + pos];
     }
-  }
-  // Stage 4, verifications only: the window after row t (the kHist inputs ending at row t, older ones from old[])
-  // into row slot t, for t < min(len, max_rows); the lanes take the rows in turn. The row slots are not the
-  // sequence's slot, so stage 3's write cannot have changed what they copy.
+  };
+  // Stage 3: every thread has read the old state; lane 0 writes the last kHist inputs.
+  __syncthreads();
+  if (active && lane == 0) window(state, sq.len);
+  // Stage 4, verifications only: the window after row t into row slot t, for t < min(len, max_rows); the lanes take
+  // the rows in turn. The row slots are not the sequence's slot, so stage 3's write cannot have changed what they
+  // copy.
   if constexpr (kVerify) {
     const int32_t* row_slots = verify_slots(a.seqs, blockIdx.x);
     if (active && row_slots != nullptr) {
@@ -144,12 +203,7 @@ __global__ void __launch_bounds__(kConvThreads) gdn_conv1d_kernel(const ConvPara
       for (int64_t t = lane; t < rows; t += p.lanes) {
         const int64_t slot = row_slots[t];
         if (slot < 0) continue;  // a broken caller: skipped rather than written out of bounds
-        uint16_t* row_state = a.conv_state + (slot * a.channels + c) * kHist;
-#pragma unroll
-        for (int j = 0; j < kHist; ++j) {
-          const int64_t pos = t + 1 - kHist + j;
-          row_state[j] = pos >= 0 ? x[pos * a.x_stride] : old[kHist + pos];
-        }
+        window(a.conv_state + (slot * a.channels + c) * kHist, t + 1);
       }
     }
   }
@@ -336,19 +390,16 @@ __global__ void __launch_bounds__(kRecThreads) gdn_recurrent_kernel(const GdnDel
 // kernels: the prepare kernel (one block per (sequence, chunk, value head), every chunk at once) computes the
 // normalised q and k, W, U, P and gamma into the workspace (GdnDeltaRuleArgs::workspace); the walk kernel (one block
 // per (sequence, value head, 32 value columns)) takes the sequence's chunks in order with S's slice in shared
-// memory: delta, the outputs, S. All math is fp32 on CUDA cores. Rows past n are zero (q = k = v = beta = 0, g = 0):
+// memory: delta, the outputs, S. The prepare kernel's math is fp32 on CUDA cores, the walk's products 3xTF32 on the
+// tensor cores (about fp32's accuracy). Rows past n are zero (q = k = v = beta = 0, g = 0):
 // inert in every sum, and never written.
 // A verification (GdnSequences::row_slots) also writes S_t = e^gamma_t S0 + sum_{i<=t} e^(gamma_t - gamma_i) k_i
 // delta_i^T for each of its rows t into the row's slot.
 
 constexpr int kChunkThreads = 256;  // the prepare kernel's block
 constexpr int kChunkWarps = kChunkThreads / 32;
-// The walk kernel's block: thread (tr, tc) = (tid / 8, tid % 8) takes rows tr, tr + kWalkRowStep, ... and value
-// columns 4 tc .. 4 tc + 3. (512 threads, twice the warps for the one block an SM gets at one sequence, measured
-// 8% slower: docs/perf/gpu.md "Gated DeltaNet prefill in two kernels".)
+// The walk kernel's block: eight warps (their roles at gdn_chunk_walk_kernel).
 constexpr int kWalkThreads = 256;
-constexpr int kWalkRowStep = kWalkThreads / 8;
-constexpr int kVLd = kGdnValueSlice + 4;  // row stride of the delta buffer (padding spreads banks)
 constexpr int kMaxValueDim = 128;         // gdn_head_dim_supported
 
 // The workspace, indexed by token row (a chunk's rows are its sequence's rows): per key head the normalised q (times
@@ -386,7 +437,48 @@ __device__ __forceinline__ ChunkWorkspace chunk_workspace(const GdnDeltaRuleArgs
 }
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+
+// 3xTF32 operand fragments of m16n8k8 from shared memory (ptx::tf32_split). A at p = &A[row0][k0], row-major with
+// row stride kLd; B at p = &B[k0][col0], B[k][n] row-major with row stride kLd.
+struct Tf32Frag4 {
+  uint32_t big[4], small[4];
+};
+struct Tf32Frag2 {
+  uint32_t big[2], small[2];
+};
+__device__ __forceinline__ Tf32Frag4 tf32_frag(float x0, float x1, float x2, float x3) {
+  Tf32Frag4 f;
+  ptx::tf32_split(x0, f.big[0], f.small[0]);
+  ptx::tf32_split(x1, f.big[1], f.small[1]);
+  ptx::tf32_split(x2, f.big[2], f.small[2]);
+  ptx::tf32_split(x3, f.big[3], f.small[3]);
+  return f;
+}
+template <int kLd>
+__device__ __forceinline__ Tf32Frag4 tf32_frag_a(const float* p, int g, int t4) {
+  return tf32_frag(p[g * kLd + t4], p[(g + 8) * kLd + t4], p[g * kLd + t4 + 4], p[(g + 8) * kLd + t4 + 4]);
+}
+// B = C^T for C row-major at p = &C[col0][k0] (row stride kLd): b[k][n] = C[n][k].
+template <int kLd>
+__device__ __forceinline__ Tf32Frag2 tf32_frag_bt(const float* p, int g, int t4) {
+  Tf32Frag2 f;
+  ptx::tf32_split(p[g * kLd + t4], f.big[0], f.small[0]);
+  ptx::tf32_split(p[g * kLd + t4 + 4], f.big[1], f.small[1]);
+  return f;
+}
+template <int kLd>
+__device__ __forceinline__ Tf32Frag2 tf32_frag_b(const float* p, int g, int t4) {
+  Tf32Frag2 f;
+  ptx::tf32_split(p[t4 * kLd + g], f.big[0], f.small[0]);
+  ptx::tf32_split(p[(t4 + 4) * kLd + g], f.big[1], f.small[1]);
+  return f;
+}
+// c += a b in 3xTF32, the small terms first.
+__device__ __forceinline__ void mma_3xtf32(float (&c)[4], const Tf32Frag4& a, const Tf32Frag2& b) {
+  ptx::mma_tf32_1688(c, a.small, b.big);
+  ptx::mma_tf32_1688(c, a.big, b.small);
+  ptx::mma_tf32_1688(c, a.big, b.big);
+}
 
 // Inclusive prefix sum of x[0, n) in place by one warp (n <= 64).
 __device__ __forceinline__ void warp_prefix_sum(float* x, int n) {
@@ -409,8 +501,12 @@ __device__ __forceinline__ void warp_prefix_sum(float* x, int n) {
 template <int kDk, int kChunk>
 struct PrepareLayout {
   static constexpr int kR0Ld = (kDk > kMaxValueDim ? kDk : kMaxValueDim) + 4, kLd = kDk + 4, kALd = kChunk + 4;
+  // T: the inverses of (I + A)'s diagonal 16 x 16 blocks; N: -T_r A[r][< r] (stage 4). Both row strides = 20 (mod
+  // 32), which spreads an A fragment's loads over 32 banks.
+  static constexpr int kTLd = 20, kNLd = kChunk - 16 + 4;
   static constexpr int kR0 = 0, kR1 = kR0 + kChunk * kR0Ld, kA = kR1 + kChunk * kLd, kGamma = kA + kChunk * kALd;
-  static constexpr int kBeta = kGamma + kChunk, kFloats = kBeta + kChunk;
+  static constexpr int kBeta = kGamma + kChunk, kKScale = kBeta + kChunk, kT = kKScale + kChunk;
+  static constexpr int kN = kT + kChunk * kTLd, kFloats = kN + kChunk * kNLd;
 };
 
 template <int kDk, int kChunk>
@@ -470,39 +566,38 @@ __global__ void __launch_bounds__(kChunkThreads) gdn_chunk_prepare_kernel(const 
   if (warp == 0) warp_prefix_sum(gamma, kChunk);
   __syncthreads();
 
-  // Stage 2: both Gram matrices in one pass over d; a 16 x 16 thread grid, each thread rows ty + 16 u and columns
-  // tx + 16 w. P goes to the workspace, A to shared memory.
+  // Stage 2: both Gram matrices (q k^T and k k^T) in 3xTF32 on the tensor cores; warp w takes 16 rows and
+  // kGramTiles tiles of 8 columns (tiles wholly above the diagonal are zero). P goes to the workspace, A to shared
+  // memory.
   {
-    constexpr int kT = kChunk / 16;
-    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    float acc_q[kT][kT] = {}, acc_k[kT][kT] = {};
-    for (int d = 0; d < kDk; d += 4) {
-      float4 qr[kT], kr[kT], kc[kT];
+    constexpr int kWarpsPerM = kChunkWarps / (kChunk / 16), kGramTiles = kChunk / 8 / kWarpsPerM;
+    const int g = lane / 4, t4 = lane % 4, m = warp / kWarpsPerM, nt0 = warp % kWarpsPerM * kGramTiles;
+    float acc_q[kGramTiles][4] = {}, acc_k[kGramTiles][4] = {};
+#pragma unroll 4
+    for (int d = 0; d < kDk; d += 8) {
+      const Tf32Frag4 fq = tf32_frag_a<L::kR0Ld>(q_s + 16 * m * L::kR0Ld + d, g, t4);
+      const Tf32Frag4 fk = tf32_frag_a<L::kLd>(k_s + 16 * m * L::kLd + d, g, t4);
 #pragma unroll
-      for (int u = 0; u < kT; ++u) {
-        qr[u] = ld4(q_s + (ty + 16 * u) * L::kR0Ld + d);
-        kr[u] = ld4(k_s + (ty + 16 * u) * L::kLd + d);
-        kc[u] = ld4(k_s + (tx + 16 * u) * L::kLd + d);
-      }
-#pragma unroll
-      for (int u = 0; u < kT; ++u) {
-#pragma unroll
-        for (int w = 0; w < kT; ++w) {
-          acc_q[u][w] += qr[u].x * kc[w].x + qr[u].y * kc[w].y + qr[u].z * kc[w].z + qr[u].w * kc[w].w;
-          acc_k[u][w] += kr[u].x * kc[w].x + kr[u].y * kc[w].y + kr[u].z * kc[w].z + kr[u].w * kc[w].w;
-        }
+      for (int nn = 0; nn < kGramTiles; ++nn) {
+        if (8 * (nt0 + nn) > 16 * m + 15) continue;
+        const Tf32Frag2 fb = tf32_frag_bt<L::kLd>(k_s + 8 * (nt0 + nn) * L::kLd + d, g, t4);
+        mma_3xtf32(acc_q[nn], fq, fb);
+        mma_3xtf32(acc_k[nn], fk, fb);
       }
     }
 #pragma unroll
-    for (int u = 0; u < kT; ++u) {
-      const int t = ty + 16 * u;
+    for (int h = 0; h < 2; ++h) {
+      const int t = 16 * m + g + 8 * h;
       float* p_row = ws.p + ((row0 + t) * hv + j) * ws.p_ld;
 #pragma unroll
-      for (int w = 0; w < kT; ++w) {
-        const int i = tx + 16 * w;
-        const float decay = expf(gamma[t] - gamma[i]);  // only used where i <= t, so <= 1
-        a_s[t * L::kALd + i] = i < t ? beta[t] * decay * acc_k[u][w] : 0.0f;
-        if (t < n) p_row[i] = i <= t ? decay * acc_q[u][w] : 0.0f;
+      for (int nn = 0; nn < kGramTiles; ++nn) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int i = 8 * (nt0 + nn) + 2 * t4 + c;
+          const float decay = i <= t ? expf(gamma[t] - gamma[i]) : 0.0f;  // <= 1
+          a_s[t * L::kALd + i] = i < t ? beta[t] * decay * acc_k[nn][2 * h + c] : 0.0f;
+          if (t < n) p_row[i] = decay * acc_q[nn][2 * h + c];
+        }
       }
     }
   }
@@ -517,39 +612,101 @@ __global__ void __launch_bounds__(kChunkThreads) gdn_chunk_prepare_kernel(const 
   }
   __syncthreads();
 
-  // Stage 4: thread c owns column c of [diag(beta e^gamma) K | diag(beta) V] in registers and solves (I + A) X = it
-  // by forward substitution; then W and U to the workspace, and gamma.
-  const int col = threadIdx.x;
-  if (col < kDk + dv) {
+  // Stage 4: X = [W | U] solves (I + A) X = B = [diag(beta e^gamma) K | diag(beta) V], 16 rows at a time on the
+  // tensor cores (3xTF32): with T_r = (I + A_rr)^-1 (A's diagonal blocks, by substitution) and N_r = -T_r A[r][< r],
+  // block row r of X is T_r B_r + N_r X[< r]. A warp owns 8-column tiles of X and overwrites B's columns with X's in
+  // place (k's in R1, v's in R0), so its block rows need no barrier between them.
+  constexpr int kBlocks = kChunk / 16;
+  float *kscale = sm + L::kKScale, *tinv = sm + L::kT, *nneg = sm + L::kN;
+  const int g = lane / 4, t4 = lane % 4;
+  if (threadIdx.x < kChunk) kscale[threadIdx.x] = beta[threadIdx.x] * expf(gamma[threadIdx.x]);
+  if (threadIdx.x < 16 * kBlocks) {  // thread (r, c): column c of T_r
+    const int r = threadIdx.x / 16, c = threadIdx.x % 16;
+    const float* arr = a_s + 16 * r * L::kALd + 16 * r;
+    float y[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float v = i == c ? 1.0f : 0.0f;
+#pragma unroll
+      for (int m = 0; m < i; ++m) v -= arr[i * L::kALd + m] * y[m];
+      y[i] = i < c ? 0.0f : v;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) tinv[(16 * r + i) * L::kTLd + c] = y[i];
+  }
+  __syncthreads();
+  {  // N_r, an 8-column tile (r, nt) per job, jobs dealt to the warps in turn
+    int job = 0;
+    for (int r = 1; r < kBlocks; ++r) {
+      for (int nt = 0; nt < 2 * r; ++nt, ++job) {
+        if (job % kChunkWarps != warp) continue;
+        float acc[4] = {};
+#pragma unroll
+        for (int k0 = 0; k0 < 16; k0 += 8) {
+          mma_3xtf32(acc, tf32_frag_a<L::kTLd>(tinv + 16 * r * L::kTLd + k0, g, t4),
+                     tf32_frag_b<L::kALd>(a_s + (16 * r + k0) * L::kALd + 8 * nt, g, t4));
+        }
+        float* o = nneg + (16 * r + g) * L::kNLd + 8 * nt + 2 * t4;
+        o[0] = -acc[0];
+        o[1] = -acc[1];
+        o[8 * L::kNLd] = -acc[2];
+        o[8 * L::kNLd + 1] = -acc[3];
+      }
+    }
+  }
+  __syncthreads();
+  const int n_tiles = static_cast<int>((kDk + dv) / 8);  // kDk and dv are multiples of 8: no tile straddles k | v
+  for (int nt = warp; nt < n_tiles; nt += kChunkWarps) {
+    const int col = 8 * nt;
     const bool is_k = col < kDk;
-    float x[kChunk];
-#pragma unroll
-    for (int t = 0; t < kChunk; ++t) {
-      x[t] = is_k ? k_s[t * L::kLd + col] * (beta[t] * expf(gamma[t])) : q_s[t * L::kR0Ld + col - kDk] * beta[t];
-    }
-#pragma unroll
-    for (int t = 1; t < kChunk; ++t) {
-      float s = 0.0f;
-#pragma unroll
-      for (int i = 0; i < t; ++i) s += a_s[t * L::kALd + i] * x[i];
-      x[t] -= s;
-    }
-    float* dst = is_k ? ws.w + j * kDk + col : ws.u + j * dv + col - kDk;
+    float* xb = is_k ? k_s + col : q_s + (col - kDk);
+    const int ld = is_k ? L::kLd : L::kR0Ld;
+    const float* row_scale = is_k ? kscale : beta;
+    float* dst = is_k ? ws.w + j * kDk + col : ws.u + j * dv + (col - kDk);
     const int64_t row_stride = is_k ? hv * kDk : hv * dv;
+    for (int r = 0; r < kBlocks; ++r) {
+      float acc[4] = {};
 #pragma unroll
-    for (int t = 0; t < kChunk; ++t) {
-      if (t < n) dst[(row0 + t) * row_stride] = x[t];
+      for (int k0 = 0; k0 < 16; k0 += 8) {
+        const int ta = 16 * r + k0 + t4, tb = ta + 4;
+        Tf32Frag2 fb;
+        ptx::tf32_split(xb[ta * ld + g] * row_scale[ta], fb.big[0], fb.small[0]);
+        ptx::tf32_split(xb[tb * ld + g] * row_scale[tb], fb.big[1], fb.small[1]);
+        mma_3xtf32(acc, tf32_frag_a<L::kTLd>(tinv + 16 * r * L::kTLd + k0, g, t4), fb);
+      }
+      for (int k0 = 0; k0 < 16 * r; k0 += 8) {
+        Tf32Frag2 fb;
+        ptx::tf32_split(xb[(k0 + t4) * ld + g], fb.big[0], fb.small[0]);
+        ptx::tf32_split(xb[(k0 + t4 + 4) * ld + g], fb.big[1], fb.small[1]);
+        mma_3xtf32(acc, tf32_frag_a<L::kNLd>(nneg + 16 * r * L::kNLd + k0, g, t4), fb);
+      }
+      __syncwarp();  // the block row's B values are read (the mma waited for every lane's)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int t = 16 * r + g + 8 * h;
+        xb[t * ld + 2 * t4] = acc[2 * h];
+        xb[t * ld + 2 * t4 + 1] = acc[2 * h + 1];
+        if (t < n) {
+          float* out = dst + (row0 + t) * row_stride + 2 * t4;
+          out[0] = acc[2 * h];
+          out[1] = acc[2 * h + 1];
+        }
+      }
+      __syncwarp();  // X's block row visible to the warp's lanes for the next block rows
     }
   }
   if (threadIdx.x < n) ws.gamma[(row0 + threadIdx.x) * hv + j] = gamma[threadIdx.x];
 }
 
-// Shared memory of the walk kernel, in floats.
+// Shared memory of the walk kernel, in floats. The products run on the tensor cores (TF32 m16n8k8), and each row
+// stride is chosen so that a warp's fragment loads hit 32 distinct banks: rows read along the row as an A operand
+// (q, W, P) are 4 (mod 32) floats apart, rows read down a column (k as the transposed A; delta and S as B) 8.
 template <int kDk, int kChunk>
 struct WalkLayout {
-  static constexpr int kLd = kDk + 4, kALd = kChunk + 4;
-  static constexpr int kS = 0, kQ = kS + kDk * kGdnValueSlice, kK = kQ + kChunk * kLd, kW = kK + kChunk * kLd;
-  static constexpr int kD = kW + kChunk * kLd, kP = kD + kChunk * kVLd, kGamma = kP + kChunk * kALd;
+  static constexpr int kRowLd = kDk + 4, kKLd = kDk + 8, kALd = kChunk + 4, kSLd = kGdnValueSlice + 8;
+  static constexpr int kDLd = kSLd;
+  static constexpr int kS = 0, kQ = kS + kDk * kSLd, kK = kQ + kChunk * kRowLd, kW = kK + kChunk * kKLd;
+  static constexpr int kD = kW + kChunk * kRowLd, kP = kD + kChunk * kDLd, kGamma = kP + kChunk * kALd;
   static constexpr int kWeight = kGamma + kChunk, kFloats = kWeight + kChunk;
 };
 
@@ -575,9 +732,9 @@ __device__ void walk_load_qw(const ChunkWorkspace& ws, const GdnDeltaRuleArgs& a
                              int64_t kh, float* sm) {
   using L = WalkLayout<kDk, kChunk>;
   const int64_t hv = a.n_value_heads, hk = a.n_key_heads;
-  walk_copy_rows<kChunk, kDk>(sm + L::kQ, L::kLd, row0, n,
+  walk_copy_rows<kChunk, kDk>(sm + L::kQ, L::kRowLd, row0, n,
                               [&](int64_t row) { return ws.qk + (row * hk + kh) * 2 * kDk; });
-  walk_copy_rows<kChunk, kDk>(sm + L::kW, L::kLd, row0, n, [&](int64_t row) { return ws.w + (row * hv + j) * kDk; });
+  walk_copy_rows<kChunk, kDk>(sm + L::kW, L::kRowLd, row0, n, [&](int64_t row) { return ws.w + (row * hv + j) * kDk; });
   ptx::cp_async_commit();
 }
 
@@ -586,7 +743,7 @@ __device__ void walk_load_u(const ChunkWorkspace& ws, const GdnDeltaRuleArgs& a,
                             int64_t e0, float* sm) {
   using L = WalkLayout<kDk, kChunk>;
   const int64_t hv = a.n_value_heads;
-  walk_copy_rows<kChunk, kGdnValueSlice>(sm + L::kD, kVLd, row0, n,
+  walk_copy_rows<kChunk, kGdnValueSlice>(sm + L::kD, L::kDLd, row0, n,
                                          [&](int64_t row) { return ws.u + (row * hv + j) * a.value_dim + e0; });
   ptx::cp_async_commit();
   if (threadIdx.x < kChunk) {
@@ -599,7 +756,7 @@ __device__ void walk_load_kp(const ChunkWorkspace& ws, const GdnDeltaRuleArgs& a
                              int64_t kh, float* sm) {
   using L = WalkLayout<kDk, kChunk>;
   const int64_t hv = a.n_value_heads, hk = a.n_key_heads;
-  walk_copy_rows<kChunk, kDk>(sm + L::kK, L::kLd, row0, n,
+  walk_copy_rows<kChunk, kDk>(sm + L::kK, L::kKLd, row0, n,
                               [&](int64_t row) { return ws.qk + (row * hk + kh) * 2 * kDk + kDk; });
   walk_copy_rows<kChunk, kChunk>(sm + L::kP, L::kALd, row0, n,
                                  [&](int64_t row) { return ws.p + (row * hv + j) * ws.p_ld; });
@@ -607,13 +764,14 @@ __device__ void walk_load_kp(const ChunkWorkspace& ws, const GdnDeltaRuleArgs& a
 }
 
 // S_t = e^gamma_t S0 + sum_{i<=t} e^(gamma_t - gamma_i) k_i delta_i^T for the verified rows t < rows into slot
-// slots[t], rows d = tr + kWalkRowStep r and columns 4 tc of the thread (the S update's layout, so the row that ends
-// the chunk gets the S update's values). Reads S before the same thread updates it.
+// slots[t] (fp32 on CUDA cores: a verification has a few rows), thread (tr, tc) rows d = tr + 32 r and columns
+// 4 tc ... Reads S0 from shared memory, so it runs before S's update is stored there.
 template <int kDk, int kChunk>
 __device__ void walk_row_states(const GdnDeltaRuleArgs& a, const int32_t* slots, int rows, int64_t j, int64_t e0,
                                 const float* sm) {
   using L = WalkLayout<kDk, kChunk>;
-  constexpr int kRows = (kDk + kWalkRowStep - 1) / kWalkRowStep;
+  constexpr int kRowStep = kWalkThreads / 8;
+  constexpr int kRows = (kDk + kRowStep - 1) / kRowStep;
   const int tr = threadIdx.x / 8, tc = threadIdx.x % 8;
   const float* gamma = sm + L::kGamma;
   const int64_t dv = a.value_dim;
@@ -623,11 +781,11 @@ __device__ void walk_row_states(const GdnDeltaRuleArgs& a, const int32_t* slots,
     float acc[kRows][4] = {};
     for (int i = 0; i <= t; ++i) {
       const float w = expf(gamma[t] - gamma[i]);
-      const float4 dl = ld4(sm + L::kD + i * kVLd + 4 * tc);
+      const float4 dl = ld4(sm + L::kD + i * L::kDLd + 4 * tc);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        const int d = tr + kWalkRowStep * r;
-        const float kw = d < kDk ? sm[L::kK + i * L::kLd + d] * w : 0.0f;
+        const int d = tr + kRowStep * r;
+        const float kw = d < kDk ? sm[L::kK + i * L::kKLd + d] * w : 0.0f;
         acc[r][0] += kw * dl.x;
         acc[r][1] += kw * dl.y;
         acc[r][2] += kw * dl.z;
@@ -638,21 +796,30 @@ __device__ void walk_row_states(const GdnDeltaRuleArgs& a, const int32_t* slots,
     float* out = a.state + (slot * a.n_value_heads + j) * kDk * dv + e0 + 4 * tc;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const int d = tr + kWalkRowStep * r;
+      const int d = tr + kRowStep * r;
       if (d >= kDk) continue;
-      const float* s = sm + L::kS + d * kGdnValueSlice + 4 * tc;
+      const float* s = sm + L::kS + d * L::kSLd + 4 * tc;
 #pragma unroll
       for (int c = 0; c < 4; ++c) out[d * dv + c] = decay * s[c] + acc[r][c];
     }
   }
 }
 
+// The walk: one block per (sequence, value head, 32 value columns), the sequence's chunks in order. Eight warps;
+// lane (g, t4) = (lane / 4, lane % 4) holds an m16n8 accumulator's rows g, g + 8 and columns 2 t4, 2 t4 + 1.
+//   phase 1: warps 0-3 W S0 (delta = U - W S0, stored in place of U), warps 4-7 Q S0 (kept in registers): 16-row
+//            tiles of the chunk, 32 / (kChunk / 16) ... columns each;
+//   phase 2: warps 4-7 the outputs e^gamma_t (Q S0) + P delta (P's blocks up to the diagonal); every warp its part
+//            of S (S0 scaled by e^gamma_last, plus (e^(gamma_last - gamma_i) k_i)^T delta), which it holds in
+//            registers from chunk to chunk and stores for the next chunk's phase 1.
+// Products in 3xTF32 (about fp32's accuracy: the same tolerances as the fp32 CUDA-core form this replaced).
 template <int kDk, int kChunk, bool kVerify>
 __global__ void __launch_bounds__(kWalkThreads) gdn_chunk_walk_kernel(const GdnDeltaRuleArgs a) {
+  static_assert(kWalkThreads == 256 && kGdnValueSlice == 32 && (kChunk == 32 || kChunk == 64));
   ptx::grid_dependency_begin();
   using L = WalkLayout<kDk, kChunk>;
-  constexpr int kRowsT = (kChunk + kWalkRowStep - 1) / kWalkRowStep;
-  constexpr int kRowsD = (kDk + kWalkRowStep - 1) / kWalkRowStep;
+  constexpr int kMTiles = kChunk / 16, kNSplit = 4 / kMTiles, kNTiles1 = 4 / kNSplit;  // phases 1 and 2
+  constexpr int kSNTiles = kDk / 32, kSWarpsPerM = 4 / kSNTiles;                        // S: 16 rows, kSNTiles x 8
   extern __shared__ float4 chunk_smem[];
   float* sm = reinterpret_cast<float*>(chunk_smem);
   const SeqView sq = seq_view(a.seqs, blockIdx.x);
@@ -662,12 +829,26 @@ __global__ void __launch_bounds__(kWalkThreads) gdn_chunk_walk_kernel(const GdnD
   const ChunkWorkspace ws = chunk_workspace(a, kChunk);
   float* state = a.state + (sq.slot * hv + j) * kDk * dv + e0;
   const int32_t* row_slots = kVerify ? verify_slots(a.seqs, blockIdx.x) : nullptr;
-  const int tr = threadIdx.x / 8, tc = threadIdx.x % 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  const bool q_warp = warp >= 4;
+  const int m1 = (warp % 4) / kNSplit, n1 = (warp % 4) % kNSplit * kNTiles1;
+  const int ms = warp / kSWarpsPerM, ns = warp % kSWarpsPerM * kSNTiles;
   for (int i = threadIdx.x; i < kDk * kGdnValueSlice; i += kWalkThreads) {
-    sm[L::kS + i] = sq.fresh ? 0.0f : state[(i / kGdnValueSlice) * dv + i % kGdnValueSlice];
+    const int d = i / kGdnValueSlice, e = i % kGdnValueSlice;
+    sm[L::kS + d * L::kSLd + e] = sq.fresh ? 0.0f : state[d * dv + e];
   }
   auto chunk_rows = [&](int64_t c0) { return static_cast<int>(min(int64_t{kChunk}, sq.len - c0)); };
   if (sq.len > 0) walk_load_qw<kDk, kChunk>(ws, a, sq.begin, chunk_rows(0), j, kh, sm);
+  __syncthreads();
+  float s_acc[kSNTiles][4];
+#pragma unroll
+  for (int nn = 0; nn < kSNTiles; ++nn) {
+    const float* p = sm + L::kS + (16 * ms + g) * L::kSLd + 8 * (ns + nn) + 2 * t4;
+    s_acc[nn][0] = p[0];
+    s_acc[nn][1] = p[1];
+    s_acc[nn][2] = p[8 * L::kSLd];
+    s_acc[nn][3] = p[8 * L::kSLd + 1];
+  }
   for (int64_t c0 = 0; c0 < sq.len; c0 += kChunk) {
     const int64_t row0 = sq.begin + c0;
     const int n = chunk_rows(c0);
@@ -679,104 +860,103 @@ __global__ void __launch_bounds__(kWalkThreads) gdn_chunk_walk_kernel(const GdnD
     if (threadIdx.x < kChunk) {
       sm[L::kWeight + threadIdx.x] = threadIdx.x < n ? expf(gamma[n - 1] - gamma[threadIdx.x]) : 0.0f;
     }
-    // Phase 1: W S0 and Q S0 for rows t = tr + kWalkRowStep r, columns 4 tc ..; delta = U - W S0 in place. (Rows
-    // past the chunk, t >= kChunk, exist only where the block has more row groups than the chunk rows.)
-    float qs[kRowsT][4] = {};
+    // Phase 1. Rows past n are zero in q, W and U, so delta's are too.
+    float acc[kNTiles1][4] = {};
     {
-      float ws0[kRowsT][4] = {};
-      for (int d = 0; d < kDk; d += 4) {
-        float4 s[4];
+      const float* arow = sm + (q_warp ? L::kQ : L::kW) + 16 * m1 * L::kRowLd;
+#pragma unroll 4
+      for (int k0 = 0; k0 < kDk; k0 += 8) {
+        const Tf32Frag4 fa = tf32_frag_a<L::kRowLd>(arow + k0, g, t4);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) s[u] = ld4(sm + L::kS + (d + u) * kGdnValueSlice + 4 * tc);
-#pragma unroll
-        for (int r = 0; r < kRowsT; ++r) {
-          const int t = min(tr + kWalkRowStep * r, kChunk - 1);  // past the chunk: row kChunk - 1, dropped
-          const float4 wv = ld4(sm + L::kW + t * L::kLd + d);
-          const float4 qv = ld4(sm + L::kQ + t * L::kLd + d);
-          const float wx[4] = {wv.x, wv.y, wv.z, wv.w}, qx[4] = {qv.x, qv.y, qv.z, qv.w};
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            ws0[r][0] += wx[u] * s[u].x;
-            ws0[r][1] += wx[u] * s[u].y;
-            ws0[r][2] += wx[u] * s[u].z;
-            ws0[r][3] += wx[u] * s[u].w;
-            qs[r][0] += qx[u] * s[u].x;
-            qs[r][1] += qx[u] * s[u].y;
-            qs[r][2] += qx[u] * s[u].z;
-            qs[r][3] += qx[u] * s[u].w;
-          }
+        for (int nn = 0; nn < kNTiles1; ++nn) {
+          mma_3xtf32(acc[nn], fa, tf32_frag_b<L::kSLd>(sm + L::kS + k0 * L::kSLd + 8 * (n1 + nn), g, t4));
         }
       }
+      if (!q_warp) {
 #pragma unroll
-      for (int r = 0; r < kRowsT; ++r) {
-        if (tr + kWalkRowStep * r >= kChunk) continue;
-        float* dl = sm + L::kD + (tr + kWalkRowStep * r) * kVLd + 4 * tc;
-        const float4 uv = ld4(dl);
-        st4(dl, make_float4(uv.x - ws0[r][0], uv.y - ws0[r][1], uv.z - ws0[r][2], uv.w - ws0[r][3]));
+        for (int nn = 0; nn < kNTiles1; ++nn) {
+          float* d = sm + L::kD + (16 * m1 + g) * L::kDLd + 8 * (n1 + nn) + 2 * t4;
+          d[0] -= acc[nn][0];
+          d[1] -= acc[nn][1];
+          d[8 * L::kDLd] -= acc[nn][2];
+          d[8 * L::kDLd + 1] -= acc[nn][3];
+        }
       }
     }
     ptx::cp_async_wait<0>();
-    __syncthreads();  // delta complete, k and P in, q and W read: the next chunk's q and W may come in now
+    __syncthreads();  // delta complete, k and P in, q, W and S0 read: the next chunk's q and W may come in now
     if (c0 + kChunk < sq.len) {
       walk_load_qw<kDk, kChunk>(ws, a, row0 + kChunk, chunk_rows(c0 + kChunk), j, kh, sm);
     }
-    // Phase 2: the outputs, the verified rows' states, then S (each thread updates only the S entries it read).
+    // Phase 2: the outputs.
+    if (q_warp) {
+      const int t_lo = 16 * m1 + g, t_hi = t_lo + 8;
+      const float d_lo = expf(gamma[t_lo]), d_hi = expf(gamma[t_hi]);
 #pragma unroll
-    for (int r = 0; r < kRowsT; ++r) {
-      const int t = tr + kWalkRowStep * r;
-      if (t >= kChunk) continue;
-      const float decay = expf(gamma[t]);
-      float o[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) o[c] = decay * qs[r][c];
-      for (int i = 0; i <= t; ++i) {
-        const float p = sm[L::kP + t * L::kALd + i];
-        const float4 dl = ld4(sm + L::kD + i * kVLd + 4 * tc);
-        o[0] += p * dl.x;
-        o[1] += p * dl.y;
-        o[2] += p * dl.z;
-        o[3] += p * dl.w;
+      for (int nn = 0; nn < kNTiles1; ++nn) {
+        acc[nn][0] *= d_lo;
+        acc[nn][1] *= d_lo;
+        acc[nn][2] *= d_hi;
+        acc[nn][3] *= d_hi;
       }
-      if (t >= n) continue;
-      uint16_t* out = a.out + ((row0 + t) * hv + j) * dv + e0 + 4 * tc;
+      for (int k0 = 0; k0 < 16 * (m1 + 1); k0 += 8) {
+        const Tf32Frag4 fa = tf32_frag_a<L::kALd>(sm + L::kP + 16 * m1 * L::kALd + k0, g, t4);
 #pragma unroll
-      for (int c = 0; c < 4; ++c) out[c] = f32_to_bf16(o[c]);
+        for (int nn = 0; nn < kNTiles1; ++nn) {
+          mma_3xtf32(acc[nn], fa, tf32_frag_b<L::kDLd>(sm + L::kD + k0 * L::kDLd + 8 * (n1 + nn), g, t4));
+        }
+      }
+#pragma unroll
+      for (int nn = 0; nn < kNTiles1; ++nn) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int t = t_lo + 8 * h;
+          if (t >= n) continue;
+          uint16_t* out = a.out + ((row0 + t) * hv + j) * dv + e0 + 8 * (n1 + nn) + 2 * t4;
+          const uint32_t pair = uint32_t{f32_to_bf16(acc[nn][2 * h])} | uint32_t{f32_to_bf16(acc[nn][2 * h + 1])} << 16;
+          *reinterpret_cast<uint32_t*>(out) = pair;
+        }
+      }
+    }
+    // Phase 2: S = e^gamma_last S0 + (e^(gamma_last - gamma_i) k_i)^T delta, in registers. Rows past n have zero
+    // k and delta and weight.
+    {
+      const float decay = expf(gamma[n - 1]);
+#pragma unroll
+      for (int nn = 0; nn < kSNTiles; ++nn) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s_acc[nn][c] *= decay;
+      }
+      for (int k0 = 0; k0 < n; k0 += 8) {
+        const float w0 = sm[L::kWeight + k0 + t4], w1 = sm[L::kWeight + k0 + t4 + 4];
+        const float* kp = sm + L::kK + (k0 + t4) * L::kKLd + 16 * ms + g;
+        const Tf32Frag4 fa = tf32_frag(kp[0] * w0, kp[8] * w0, kp[4 * L::kKLd] * w1, kp[4 * L::kKLd + 8] * w1);
+#pragma unroll
+        for (int nn = 0; nn < kSNTiles; ++nn) {
+          mma_3xtf32(s_acc[nn], fa, tf32_frag_b<L::kDLd>(sm + L::kD + k0 * L::kDLd + 8 * (ns + nn), g, t4));
+        }
+      }
     }
     if constexpr (kVerify) {
       if (row_slots != nullptr && c0 < a.seqs.max_rows) {
         const int rows = static_cast<int>(min(int64_t{n}, a.seqs.max_rows - c0));
         walk_row_states<kDk, kChunk>(a, row_slots + c0, rows, j, e0, sm);
       }
+      __syncthreads();  // S0 read by every thread before it is overwritten
     }
-    {
-      float acc[kRowsD][4] = {};
-      for (int i = 0; i < n; ++i) {
-        const float w = sm[L::kWeight + i];
-        const float4 dl = ld4(sm + L::kD + i * kVLd + 4 * tc);
 #pragma unroll
-        for (int r = 0; r < kRowsD; ++r) {
-          const int d = min(tr + kWalkRowStep * r, kDk - 1);  // past dk: row dk - 1, dropped
-          const float kw = sm[L::kK + i * L::kLd + d] * w;
-          acc[r][0] += kw * dl.x;
-          acc[r][1] += kw * dl.y;
-          acc[r][2] += kw * dl.z;
-          acc[r][3] += kw * dl.w;
-        }
-      }
-      const float decay = expf(gamma[n - 1]);
-#pragma unroll
-      for (int r = 0; r < kRowsD; ++r) {
-        if (tr + kWalkRowStep * r >= kDk) continue;
-        float* s = sm + L::kS + (tr + kWalkRowStep * r) * kGdnValueSlice + 4 * tc;
-        const float4 sv = ld4(s);
-        st4(s, make_float4(decay * sv.x + acc[r][0], decay * sv.y + acc[r][1], decay * sv.z + acc[r][2],
-                           decay * sv.w + acc[r][3]));
-      }
+    for (int nn = 0; nn < kSNTiles; ++nn) {
+      float* p = sm + L::kS + (16 * ms + g) * L::kSLd + 8 * (ns + nn) + 2 * t4;
+      p[0] = s_acc[nn][0];
+      p[1] = s_acc[nn][1];
+      p[8 * L::kSLd] = s_acc[nn][2];
+      p[8 * L::kSLd + 1] = s_acc[nn][3];
     }
     __syncthreads();
   }
   for (int i = threadIdx.x; i < kDk * kGdnValueSlice; i += kWalkThreads) {
-    state[(i / kGdnValueSlice) * dv + i % kGdnValueSlice] = sm[L::kS + i];
+    const int d = i / kGdnValueSlice, e = i % kGdnValueSlice;
+    state[d * dv + e] = sm[L::kS + d * L::kSLd + e];
   }
 }
 
@@ -814,18 +994,41 @@ void chunked_dispatch(const DeviceContext& ctx, const GdnDeltaRuleArgs& args) {
   }
 }
 
-template <int kK>
+template <int kK, int kV>
 void conv_launch(const DeviceContext& ctx, const ConvParams& p, dim3 grid) {
   if (p.a.seqs.row_slots != nullptr) {
-    launch_kernel(ctx, gdn_conv1d_kernel<kK, true>, grid, dim3(kConvThreads), 0, p);
+    launch_kernel(ctx, gdn_conv1d_kernel<kK, kV, true>, grid, dim3(kConvThreads), 0, p);
   } else {
-    launch_kernel(ctx, gdn_conv1d_kernel<kK, false>, grid, dim3(kConvThreads), 0, p);
+    launch_kernel(ctx, gdn_conv1d_kernel<kK, kV, false>, grid, dim3(kConvThreads), 0, p);
   }
 }
 
-int conv_lanes(int64_t max_query_len) {
+template <int kK>
+void conv_launch(const DeviceContext& ctx, const ConvParams& p, dim3 grid, int vector) {
+  if (vector == 8) {
+    conv_launch<kK, 8>(ctx, p, grid);
+  } else {
+    conv_launch<kK, 1>(ctx, p, grid);
+  }
+}
+
+// 8 channels a thread for long runs of rows (a prefill of at least kConvVectorMinRows), where every access of 8
+// stays 16-byte aligned; else 1. At decode and short runs the grid of one channel a thread keeps more loads in
+// flight: docs/perf/gpu.md §conv-vector.
+constexpr int64_t kConvVectorMinRows = 1024;
+
+int conv_vector_width(const GdnConvArgs& a) {
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const bool ok = a.channels % 8 == 0 && a.x_stride % 8 == 0 && aligned(a.x) && aligned(a.y) && aligned(a.conv_state);
+  return ok && a.seqs.max_query_len >= kConvVectorMinRows ? 8 : 1;
+}
+
+// Token runs per channel: enough that a long prefill has work for every SM (up to 8 at one channel a thread, whose
+// grid has 8x the blocks; up to 32 at 8), one for decode.
+int conv_lanes(int64_t max_query_len, int vector) {
+  const int max_lanes = vector == 8 ? 32 : 8;
   int lanes = 1;
-  while (lanes < 8 && int64_t{lanes} * kConvBatch < max_query_len) lanes *= 2;
+  while (lanes < max_lanes && int64_t{lanes} * kConvBatch < max_query_len) lanes *= 2;
   return lanes;
 }
 
@@ -869,18 +1072,19 @@ int64_t gdn_chunked_chunk_len(const DeviceProps& props, int64_t key_dim) {
 }
 
 void gdn_conv1d_launch(const DeviceContext& ctx, const GdnConvArgs& args) {
-  const int lanes = conv_lanes(args.seqs.max_query_len);
+  const int vector = conv_vector_width(args), lanes = conv_lanes(args.seqs.max_query_len, vector);
   const ConvParams p{.a = args, .lanes = lanes, .ch_tile = kConvThreads / lanes};
+  const int64_t block_channels = int64_t{p.ch_tile} * vector;
   const dim3 grid(static_cast<unsigned>(args.seqs.n_seqs),
-                  static_cast<unsigned>((args.channels + p.ch_tile - 1) / p.ch_tile));
+                  static_cast<unsigned>((args.channels + block_channels - 1) / block_channels));
   switch (args.kernel) {
-    case 2: conv_launch<2>(ctx, p, grid); break;
-    case 3: conv_launch<3>(ctx, p, grid); break;
-    case 4: conv_launch<4>(ctx, p, grid); break;
-    case 5: conv_launch<5>(ctx, p, grid); break;
-    case 6: conv_launch<6>(ctx, p, grid); break;
-    case 7: conv_launch<7>(ctx, p, grid); break;
-    default: conv_launch<8>(ctx, p, grid); break;
+    case 2: conv_launch<2>(ctx, p, grid, vector); break;
+    case 3: conv_launch<3>(ctx, p, grid, vector); break;
+    case 4: conv_launch<4>(ctx, p, grid, vector); break;
+    case 5: conv_launch<5>(ctx, p, grid, vector); break;
+    case 6: conv_launch<6>(ctx, p, grid, vector); break;
+    case 7: conv_launch<7>(ctx, p, grid, vector); break;
+    default: conv_launch<8>(ctx, p, grid, vector); break;
   }
   TERN_CUDA_CHECK_LAUNCH();
 }
@@ -941,7 +1145,7 @@ void gdn_delta_rule_launch_chunked(const DeviceContext& ctx, const GdnDeltaRuleA
 
 // What the driver loaded of this module for the current device (module_attributes.h).
 cudaError_t gated_delta_module_attributes(cudaFuncAttributes* out) {
-  return cudaFuncGetAttributes(out, gdn_conv1d_kernel<4, false>);
+  return cudaFuncGetAttributes(out, gdn_conv1d_kernel<4, 1, false>);
 }
 
 }  // namespace tern

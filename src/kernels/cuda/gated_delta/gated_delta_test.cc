@@ -307,8 +307,9 @@ std::vector<float> run_conv(const DeviceContext& ctx, const GdnConvInputs& in, c
 TEST_F(GdnKernels, ConvMatchesCpuOnRaggedBatchesAndContinues) {
   uint64_t seed = 300;
   for (const int64_t kernel : {2, 3, 4, 5, 8}) {
-    for (const int64_t channels : {64, 1000}) {
-      for (const auto& [n_seqs, max_len] : {std::pair<int64_t, int64_t>{9, 1}, {5, 21}, {2, 300}}) {
+    for (const int64_t channels : {64, 1000, 36}) {
+      // 1100 rows: a long prefill, 8 channels a thread (16-byte accesses) where the channels allow (not 36)
+      for (const auto& [n_seqs, max_len] : {std::pair<int64_t, int64_t>{9, 1}, {5, 21}, {2, 300}, {2, 1100}}) {
         const auto c = gdn_conv_case(n_seqs, max_len, channels, kernel);
         const auto in = make<GdnConvInputs>("gdn_conv", c, ++seed);
         const std::vector<float> want = gdn_conv_cpu(in);
@@ -641,19 +642,22 @@ VerifyConvRun run_verify_conv(const DeviceContext& ctx, const GdnConvInputs& in,
 
 // As check_verify_delta for the conv: y and the own windows bit-identical with and without row slots (and close to
 // the CPU path), each row slot's window exactly the CPU path's after that prefix, the other slots untouched. Mixed
-// and long batches run 8 token lanes per channel, the decode batch one.
+// and long batches run several token lanes per channel, the decode batch one.
 TEST_F(GdnKernels, ConvVerificationRowWindowsMatchPrefixes) {
   uint64_t seed = 600;
-  for (const VerifyCase& vc : kVerifyCases) {
-    for (const int64_t kernel : {2, 4, 8}) {
+  // A verification in the batch of a long prefill: 8 channels a thread where the channels allow (304, not 300).
+  std::vector<VerifyCase> cases(std::begin(kVerifyCases), std::end(kVerifyCases));
+  cases.push_back({"beside a long prefill", {{1100, true, false}, {4, true, true}, {3, false, true}}, 4});
+  for (const VerifyCase& vc : cases) {
+    for (const auto& [kernel, channels] : {std::pair<int64_t, int64_t>{2, 300}, {4, 304}, {8, 300}, {8, 304}}) {
       const VerifyBatch v = verify_batch(vc, ++seed);
-      const int64_t channels = 300, per_slot = channels * (kernel - 1);
+      const int64_t per_slot = channels * (kernel - 1);  // 304: 8 channels a thread; 300: one
       GdnConvInputs in = make<GdnConvInputs>("gdn_conv", gdn_conv_case(1, v.batch.tokens, channels, kernel), seed);
       in.batch = v.batch;
       in.conv_state = verify_states<uint16_t>(v, per_slot, kPoison, [&](bool continues, int64_t i) {
         return continues ? hashed_bf16(seed, 62, i, 2.0f) : uint16_t{0x7FC0};
       });
-      const std::string what = fmt::format("conv {} K={}", vc.name, kernel);
+      const std::string what = fmt::format("conv {} K={} channels={}", vc.name, kernel, channels);
       const VerifyConvRun plain = run_verify_conv(*ctx_, in, v, false);
       const VerifyConvRun with = run_verify_conv(*ctx_, in, v, true);
       expect_same_bits(with.y, plain.y, what + ": y with row slots vs without");
