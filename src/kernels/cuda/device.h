@@ -6,6 +6,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -94,6 +95,11 @@ class DeviceContext {
   DeviceContext& operator=(const DeviceContext&) = delete;
 
   const DeviceProps& props() const { return props_; }
+  // Tests: take this device as one that gives a block at most `bytes` of shared memory (an RTX PRO 6000's on an
+  // H200), so that kernels which size themselves by props() run the shapes such a device gets.
+  void limit_shared_memory(size_t bytes) {
+    props_.shared_mem_per_block_optin = std::min(props_.shared_mem_per_block_optin, bytes);
+  }
   cudaStream_t stream() const { return stream_; }
   cublasLtHandle_t cublaslt() const { return cublaslt_; }
   void* cublas_workspace() const { return workspace_.data(); }

@@ -599,6 +599,28 @@ TEST_F(GdnKernels, VerificationRowStatesMatchPrefixes) {
   }
 }
 
+// An RTX PRO 6000 (sm_120) gives a block about 99 KB of shared memory: the chunked kernels then take 32-row chunks
+// at dk 128 and the walk one buffer of what phase 2 reads (an H200 takes 64-row chunks and two). The same checks
+// with this GPU's shared memory limited to that, so those shapes run here too.
+TEST_F(GdnKernels, ChunkedKernelsWithAWorkstationBlackwellsSharedMemory) {
+  ctx_->limit_shared_memory(101376);
+  ASSERT_EQ(gdn_chunked_chunk_len(ctx_->props(), 128), 32);
+  ASSERT_EQ(gdn_chunked_chunk_len(ctx_->props(), 64), 64);
+  uint64_t seed = 900;
+  for (const Heads& h : kHeadShapes) {
+    const auto c = gdn_delta_rule_case(3, 130, h.hk, h.hv, h.dk, h.dv);
+    const auto in = make<GdnDeltaRuleInputs>("gdn_delta_rule", c, ++seed);
+    check_delta(in, run_delta(in, {whole(in.batch)}, GdnVariant::kChunked), "99 KB chunked " + c.label);
+  }
+  for (const Heads& h : {Heads{1, 2, 128, 64}, Heads{1, 1, 64, 32}}) {
+    const VerifyBatch v = verify_batch(kVerifyCases[2], ++seed);
+    const auto c = gdn_delta_rule_case(1, v.batch.tokens, h.hk, h.hv, h.dk, h.dv);
+    const auto in = verify_delta_inputs(make<GdnDeltaRuleInputs>("gdn_delta_rule", c, seed), v, seed);
+    check_verify_delta(*ctx_, in, v, GdnVariant::kChunked, nullptr,
+                       fmt::format("99 KB chunked long Hk={} Hv={} dk={} dv={}", h.hk, h.hv, h.dk, h.dv));
+  }
+}
+
 // The gated norm runs in the recurrent kernel (kAuto included, whatever the rows); its row states are the same.
 TEST_F(GdnKernels, VerificationRowStatesWithGatedNorm) {
   uint64_t seed = 500;
