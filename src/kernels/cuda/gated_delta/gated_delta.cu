@@ -807,8 +807,8 @@ __device__ void walk_row_states(const GdnDeltaRuleArgs& a, const int32_t* slots,
 
 // The walk: one block per (sequence, value head, 32 value columns), the sequence's chunks in order. Eight warps;
 // lane (g, t4) = (lane / 4, lane % 4) holds an m16n8 accumulator's rows g, g + 8 and columns 2 t4, 2 t4 + 1.
-//   phase 1: warps 0-3 W S0 (delta = U - W S0, stored in place of U), warps 4-7 Q S0 (kept in registers): 16-row
-//            tiles of the chunk, 32 / (kChunk / 16) ... columns each;
+//   phase 1: warps 0-3 W S0 (delta = U - W S0, stored in place of U), warps 4-7 Q S0 (kept in registers), each
+//            warp a 16-row tile of the chunk by 32 columns (64-row chunks) or 16 (32-row chunks);
 //   phase 2: warps 4-7 the outputs e^gamma_t (Q S0) + P delta (P's blocks up to the diagonal); every warp its part
 //            of S (S0 scaled by e^gamma_last, plus (e^(gamma_last - gamma_i) k_i)^T delta), which it holds in
 //            registers from chunk to chunk and stores for the next chunk's phase 1.
