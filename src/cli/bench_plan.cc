@@ -149,7 +149,7 @@ int run_bench_plan(const BenchPlanOptions& o) {
   if (!kv_cache_dtype) return fail(kv_cache_dtype.error().message);
   auto model = model_build_host(o.model_dir, {.load_format = LoadFormat::kShapes,
                                               .kv_cache_dtype = *kv_cache_dtype,
-                                              .shard = {0, o.world}});
+                                              .shard = {0, o.world, o.expert_parallel}});
   if (!model) return fail(fmt::format("{}: {}", what, model.error().message));
   report.update(plan_from_blocks(**model, o));
   report["plan_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -21,6 +21,7 @@ namespace tern {
 struct BenchPlanOptions {
   std::string model_dir;
   int world = 1;
+  bool expert_parallel = false;  // --enable-expert-parallel
   std::vector<int64_t> batch_sizes;
   int64_t context = 0;
   double hbm_gbs = 0;  // the bandwidth the decode time per step is computed at

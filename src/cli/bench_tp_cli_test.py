@@ -115,6 +115,21 @@ def main():
     check_qwen3_5(tern, full, c, 4, [1, 32], 1024, 3900)
     refuses(tern, full, 3, "model.language_model.layers.0.linear_attn.in_proj_qkv.weight")
 
+    # Expert parallelism: 1/8 of the 512 experts whole on each rank instead of 1/8 of every expert: the same bytes a
+    # rank holds and (averaged over the routing) reads a decode step; SGLang's --ep-size 8 says the same, and an
+    # --ep-size other than the --tp is refused naming the flag.
+    ep_args = ["--tp", "8", "--batch", "1,8,64", "--context", "4096", "--hbm-gbs", "4800"]
+    for flags in (["--enable-expert-parallel"], ["--ep-size", "8"]):
+        ep = plan(tern, full, *ep_args, *flags)
+        assert ep["weights"]["experts"] == c["num_experts"] // 8, (flags, ep["weights"])
+        assert r8["weights"]["experts"] == c["num_experts"], r8["weights"]
+        for key in ("per_rank_bytes", "dense_bytes", "expert_bytes", "embedding_bytes"):
+            close(ep["weights"][key], r8["weights"][key], f"expert-parallel {key}")
+        for a, b in zip(ep["rows"], r8["rows"]):
+            close(a["decode_bytes_per_step"], b["decode_bytes_per_step"], f"expert-parallel step at batch {a['batch']}")
+    bad = run(tern, "bench", "--plan-only", "--model", full, "--tp", "8", "--ep-size", "4")
+    assert bad.returncode == 2 and "--expert-parallel-size 4" in bad.stderr, bad
+
     # The one-GPU share of the 8-way split, unsplit, is the full model's rank 0 at --tp 8.
     tp8 = f"{configs}/qwen3.5-397b-a17b-nvfp4-tp8"
     share = plan(tern, tp8, "--batch", "1,8,64", "--context", "4096")
@@ -207,8 +222,15 @@ def main():
     planned = plan(tern, fixture, "--tp", "2", "--batch", "1,3")
     with open(f"{fixture}/config.json") as f:
         fc = json.load(f)["text_config"]
+    fc_experts = fc["num_experts"]
     assert ran["tensor_parallel_size"] == 2, ran
     close(ran["weights"]["per_rank_bytes"], planned["weights"]["per_rank_bytes"], "run and plan")
+    ep_ran = run(tern, "bench", "--model", fixture, "--device", "cpu", "--tp", "2", "--enable-expert-parallel",
+                 "--prefill", "8", "--batch", "1", "--context", "8", "--steps", "2", "--repeats", "1", "--json")
+    assert ep_ran.returncode == 0, ep_ran
+    ep_ran = json.loads(ep_ran.stdout)
+    assert ep_ran["weights"]["experts"] == fc_experts // 2, ep_ran["weights"]
+    close(ep_ran["weights"]["per_rank_bytes"], planned["weights"]["per_rank_bytes"], "expert-parallel run")
     assert ran["collectives_computed"] == planned["collectives_computed"], (ran, planned)
     assert ran["collectives_computed"]["all_reduces_per_step"] == 2 * fc["num_hidden_layers"] + 1, ran
     decode = [row for row in ran["rows"] if row["kind"] == "decode"]

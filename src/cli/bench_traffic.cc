@@ -108,9 +108,12 @@ class TrafficCounter final : public BlockOps {
       double bytes = 0, params = 0;
       add_mlp(w.experts.front(), bytes, params);
       t_.expert_bytes = bytes;
-      expert_params_ += params * static_cast<double>(m.shape().top_k);
       t_.n_experts = static_cast<int64_t>(w.experts.size());
+      t_.router_experts = w.router.out_features();
       t_.top_k = m.shape().top_k;
+      // Each token's top_k experts, of which this rank holds n_experts / router_experts on average (all of them,
+      // sliced, under tensor parallelism; a share of whole ones under expert parallelism).
+      expert_params_ += params * static_cast<double>(t_.top_k * t_.n_experts) / static_cast<double>(t_.router_experts);
       ++t_.moe_layers;
     }
     return nullptr;
@@ -154,7 +157,10 @@ double expected_distinct_experts(int64_t n_experts, int64_t top_k, int64_t token
 }
 
 double decode_step_bytes(const StepTraffic& t, int64_t batch, double context) {
-  const double experts = expected_distinct_experts(t.n_experts, t.top_k, batch);
+  // The router's experts any of the batch chose, of which this rank holds its share.
+  const double experts = t.router_experts <= 0 ? 0
+                         : expected_distinct_experts(t.router_experts, t.top_k, batch) *
+                               static_cast<double>(t.n_experts) / static_cast<double>(t.router_experts);
   // The Gated DeltaNet state is read and written back.
   return t.dense_weight_bytes + static_cast<double>(t.moe_layers) * experts * t.expert_bytes +
          static_cast<double>(batch) * (context * t.kv_bytes_per_token + 2 * t.state_bytes_per_sequence);
@@ -214,14 +220,15 @@ Expected<SchemaRankBytes> schema_rank_bytes(const WeightSchema& schema, const st
     b.linear_bytes += bytes;
   }
   for (const ExpertGroupSpec& g : schema.expert_groups) {
-    for (int64_t x = 0; x < g.num_experts; ++x) {
+    TERN_ASSIGN_OR_RETURN(const ExpertGroupRank mine, expert_group_rank(g, rank));
+    for (int64_t x = mine.first; x < mine.first + mine.count; ++x) {
       const std::string e = fmt::format("{}.{}.", g.prefix, x);
       TERN_ASSIGN_OR_RETURN(const double gate, rank_linear_bytes(e + "gate_proj", g.intermediate, g.hidden,
-                                                                 g.gate_up_shard, nvfp4(e + "gate_proj"), rank));
+                                                                 mine.gate_up, nvfp4(e + "gate_proj"), rank));
       TERN_ASSIGN_OR_RETURN(const double up, rank_linear_bytes(e + "up_proj", g.intermediate, g.hidden,
-                                                               g.gate_up_shard, nvfp4(e + "up_proj"), rank));
+                                                               mine.gate_up, nvfp4(e + "up_proj"), rank));
       TERN_ASSIGN_OR_RETURN(const double down, rank_linear_bytes(e + "down_proj", g.hidden, g.intermediate,
-                                                                 g.down_shard, nvfp4(e + "down_proj"), rank));
+                                                                 mine.down, nvfp4(e + "down_proj"), rank));
       b.expert_bytes += gate + up + down;
     }
   }

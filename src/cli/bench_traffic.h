@@ -31,7 +31,9 @@ namespace tern {
 struct StepTraffic {
   double dense_weight_bytes = 0;  // read whatever the batch size
   double expert_bytes = 0;        // one routed expert's gate, up and down (summed over MoE layers: per layer)
-  int64_t moe_layers = 0, n_experts = 0, top_k = 0;
+  int64_t moe_layers = 0, top_k = 0;
+  int64_t n_experts = 0;       // routed experts this rank holds per MoE layer (a share of them: expert parallelism)
+  int64_t router_experts = 0;  // routed experts the router chooses among
   double kv_bytes_per_token = 0;          // K and V of one position over all attention layers (bf16)
   double state_bytes_per_sequence = 0;    // Gated DeltaNet recurrent (fp32) + conv (bf16) state over all GDN layers
   double linear_flops_per_token = 0;      // 2 x active linear parameters

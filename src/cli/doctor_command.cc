@@ -28,6 +28,8 @@ struct DoctorOptions {
   bool json = false;
   BackendFlags backends;
   int tensor_parallel_size = 1;
+  bool enable_expert_parallel = false;
+  int expert_parallel_size = 0;
   std::vector<int> cuda_devices;
   std::string speculative_algorithm;  // set: the self-test adds speculative verifications' shapes
   int speculative_num_steps = 3;
@@ -135,12 +137,18 @@ int run_doctor(const DoctorOptions& o) {
     fmt::print(stderr, "tern doctor: {}\n", kv_cache_dtype.error().message);
     return 2;
   }
+  auto expert_parallel = expert_parallel_of(o.enable_expert_parallel, o.expert_parallel_size, o.tensor_parallel_size);
+  if (!expert_parallel) {
+    fmt::print(stderr, "tern doctor: {}\n", expert_parallel.error().message);
+    return 2;
+  }
   // The shapes rank 0 of the tensor-parallel group runs, and with speculative decoding its verifications'.
   const ModelSelftestOptions selftest{
       .mode = *mode,
       .device = o.device,
       .forced = *forced,
       .tensor_parallel_size = o.tensor_parallel_size,
+      .expert_parallel = *expert_parallel,
       .verify_rows = speculative_verify_rows(o.speculative_algorithm, o.speculative_num_steps),
       .kv_cache_dtype = *kv_cache_dtype};
   auto report = model_selftest_run(o.model_dir, selftest);
@@ -236,6 +244,7 @@ void register_doctor_command(CLI::App& app) {
   cmd->add_option("--cuda-devices", o->cuda_devices, "The GPU of each rank (default: rank r on GPU r)")
       ->delimiter(',')
       ->check(CLI::Range(0, 1023));
+  add_expert_parallel_options(*cmd, o->enable_expert_parallel, o->expert_parallel_size);
   add_speculative_options(*cmd, o->speculative_algorithm, o->speculative_num_steps);
   cmd->callback([o] { throw CLI::RuntimeError(run_doctor(*o)); });
 }

@@ -30,12 +30,15 @@ Expected<std::vector<Selection>> selftest_before_load(const ModelCliOptions& o, 
     }
     if (!any_forced) return std::vector<Selection>{};
   }
+  TERN_ASSIGN_OR_RETURN(const bool expert_parallel,
+                        expert_parallel_of(o.enable_expert_parallel, o.expert_parallel_size, o.tensor_parallel_size));
   // With speculative decoding the verifications' shapes are tested too.
   const ModelSelftestOptions selftest{
       .mode = mode == SelftestMode::kOff ? SelftestMode::kFast : mode,
       .device = cuda ? "cuda" : "cpu",
       .forced = forced,
       .tensor_parallel_size = o.tensor_parallel_size,
+      .expert_parallel = expert_parallel,
       .verify_rows = speculative_verify_rows(o.speculative_algorithm, o.speculative_num_steps),
       .kv_cache_dtype = kv_cache_dtype};
   TERN_ASSIGN_OR_RETURN(ModelSelftestReport r, model_selftest_run(o.model_dir, selftest));
@@ -117,6 +120,25 @@ void add_parallel_options(CLI::App& cmd, ModelCliOptions& o) {
                "Node 0 runs no rank: it serves (HTTP, tokenizer, scheduler); rank 0 samples with its requests' "
                "random streams and sends the tokens back; the ranks run on the other --nnodes nodes, or with "
                "--distributed-executor-backend mp in one process each (the same flag on every node)");
+  add_expert_parallel_options(cmd, o.enable_expert_parallel, o.expert_parallel_size);
+}
+
+void add_expert_parallel_options(CLI::App& cmd, bool& enable, int& size) {
+  cmd.add_flag("--enable-expert-parallel", enable,
+               "Each tensor-parallel rank holds whole routed experts (1 / --tp of them) instead of a slice of every "
+               "expert; attention, dense layers and shared experts split as before, and the block's one all-reduce "
+               "sums the experts' outputs");
+  cmd.add_option("--expert-parallel-size,--ep-size", size,
+                 "SGLang's form of --enable-expert-parallel: equal to --tensor-parallel-size (or 1: off)")
+      ->check(CLI::Range(1, 256));
+}
+
+Expected<bool> expert_parallel_of(bool enable, int size, int tensor_parallel_size) {
+  if (size > 1 && size != tensor_parallel_size) {
+    return make_error("--expert-parallel-size {}: tern spreads the experts over the tensor-parallel ranks, so it must "
+                      "equal --tensor-parallel-size ({}) or be 1", size, tensor_parallel_size);
+  }
+  return enable || size > 1;
 }
 
 void add_backend_options(CLI::App& cmd, BackendFlags& b) {
@@ -196,6 +218,8 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
   options.load_draft = !o.speculative_algorithm.empty();
   options.device_options.verify_rows = speculative_steps_of(o) + 1;
   options.tensor_parallel_size = o.tensor_parallel_size;
+  TERN_ASSIGN_OR_RETURN(options.expert_parallel,
+                        expert_parallel_of(o.enable_expert_parallel, o.expert_parallel_size, o.tensor_parallel_size));
   options.cuda_devices = o.cuda_devices;
   options.nnodes = o.nnodes;
   options.node_rank = o.node_rank;

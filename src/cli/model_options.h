@@ -28,6 +28,8 @@ struct ModelCliOptions {
   bool enforce_eager = false;     // no CUDA graphs for decode steps
   bool no_pdl = false;            // no programmatic dependent launch
   int tensor_parallel_size = 1;   // ranks the model is split over (runtime/tp_runner.h)
+  bool enable_expert_parallel = false;  // whole routed experts per rank (ModelLoadOptions::expert_parallel)
+  int expert_parallel_size = 0;         // SGLang's --ep-size: 0 (unset), 1 or tensor_parallel_size
   std::vector<int> cuda_devices;  // each rank's GPU (empty: rank r on GPU r)
   int nnodes = 1;                 // processes the ranks spread over (--nnodes; SGLang's names)
   int node_rank = 0;              // this one (--node-rank; > 0: runs node 0's steps, then exits)
@@ -47,6 +49,11 @@ struct ModelCliOptions {
 void add_model_options(CLI::App& cmd, ModelCliOptions& options);
 // --tensor-parallel-size / --tp (part of add_model_options; serve adds it on its own).
 void add_parallel_options(CLI::App& cmd, ModelCliOptions& options);
+// --enable-expert-parallel (vLLM's name), with SGLang's --expert-parallel-size / --ep-size N, which must equal
+// --tensor-parallel-size (tern's expert parallelism spreads the experts over the tensor-parallel ranks) or be 1.
+void add_expert_parallel_options(CLI::App& cmd, bool& enable, int& size);
+// Whether those flags ask for expert parallelism; an error for an --ep-size other than 1 or the tensor-parallel size.
+Expected<bool> expert_parallel_of(bool enable, int size, int tensor_parallel_size);
 void add_backend_options(CLI::App& cmd, BackendFlags& backends);
 // --speculative-algorithm and --speculative-num-steps (serve, generate, bench; doctor into its own fields).
 void add_speculative_options(CLI::App& cmd, ModelCliOptions& options);

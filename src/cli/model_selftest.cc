@@ -78,7 +78,7 @@ Expected<SelftestCaseTable> planned_cases(const std::string& model_dir, const Mo
   const bool has_weights = SafetensorsSet::open_dir(model_dir).has_value();
   ModelLoadOptions load{.load_format = has_weights ? LoadFormat::kAuto : LoadFormat::kShapes,
                         .kv_cache_dtype = o.kv_cache_dtype};
-  load.shard = {0, o.tensor_parallel_size};
+  load.shard = {0, o.tensor_parallel_size, o.expert_parallel};
   load.load_draft = o.verify_rows > 0 && weight_schema_has_draft(config);
   TERN_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> host, model_build_host(model_dir, load));
   return selftest_cases_of(*host, o.batch_sizes, o.verify_rows);

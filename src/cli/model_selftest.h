@@ -22,6 +22,7 @@ struct ModelSelftestOptions {
   std::map<std::string, std::string> forced;  // op -> implementation name ("auto" entries are ignored)
   std::vector<int64_t> batch_sizes = {1, 8};
   int tensor_parallel_size = 1;  // plan rank 0's shapes of the model split this many ways
+  bool expert_parallel = false;  // the routed experts split whole among the ranks (ShardRank::expert_parallel)
   int64_t verify_rows = 0;       // speculative decoding's rows per verification (0: none); models/selftest_plan.h
   KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;  // the cache form whose kernels the plan tests
 };

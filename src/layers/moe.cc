@@ -108,10 +108,11 @@ void Moe::forward(const float* x, float* y, int64_t rows, const std::string& tra
                                      : route(logits, rows, n_experts, s_.top_k, s_.renormalize);
 
   std::fill(y, y + rows * hidden, 0.0f);
-  // Experts in index order, each over the rows routed to it, so every row sums its experts in the same order
-  // whatever else is in the batch.
+  // This rank's experts in index order, each over the rows routed to it, so every row sums its experts in the same
+  // order whatever else is in the batch.
   std::vector<float> xs, out;
-  for (int64_t e = 0; e < n_experts; ++e) {
+  for (int64_t local = 0; local < static_cast<int64_t>(w_.experts.size()); ++local) {
+    const int64_t e = w_.first_expert + local;
     std::vector<int64_t> hit_rows;
     std::vector<float> hit_weights;
     for (int64_t i = 0; i < rows * s_.top_k; ++i) {
@@ -124,7 +125,7 @@ void Moe::forward(const float* x, float* y, int64_t rows, const std::string& tra
     xs.resize(n * hidden);
     out.resize(n * hidden);
     for (int64_t j = 0; j < n; ++j) std::copy(x + hit_rows[j] * hidden, x + (hit_rows[j] + 1) * hidden, &xs[j * hidden]);
-    mlp_forward(w_.experts[e], xs.data(), n, out.data());
+    mlp_forward(w_.experts[local], xs.data(), n, out.data());
     for (int64_t j = 0; j < n; ++j) {
       float* dst = y + hit_rows[j] * hidden;
       for (int64_t d = 0; d < hidden; ++d) dst[d] += out[j * hidden + d] * hit_weights[j];

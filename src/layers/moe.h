@@ -38,7 +38,11 @@ class Mlp final : public FeedForward {
 
 struct MoeWeights {
   Linear router;                       // [num_experts, hidden]
+  // The routed experts this rank holds: all of them (each whole, or its tensor-parallel slice), or under expert
+  // parallelism the router's experts [first_expert, first_expert + experts.size()); pairs routed to the others add
+  // nothing here (another rank adds them, in the block's all-reduce).
   std::vector<MlpWeights> experts;
+  int64_t first_expert = 0;
   std::unique_ptr<Mlp> shared_expert;  // null when absent
   Linear shared_expert_gate;           // [1, hidden], used when shared_expert is set and MoeShape::shared_gate
   std::vector<float> correction_bias;  // [num_experts] sigmoid routing's e_score_correction_bias (empty: none)

@@ -143,6 +143,9 @@ struct ModelLoadOptions {
   // Ranks to split the model over (runtime/tp_runner.h): each holds its slice of every weight (models/shard.h) and
   // runs on its own thread; 1: the whole model on one device.
   int tensor_parallel_size = 1;
+  // Expert parallelism (--enable-expert-parallel): each rank holds whole routed experts, a 1 / tensor_parallel_size
+  // share of them, instead of a slice of every expert; everything else splits as before (ShardRank::expert_parallel).
+  bool expert_parallel = false;
   // Which slice of the weights model_build_host reads (models/shard.h); {0, 1}: all of them. The tensor-parallel
   // runner sets it for each rank, with the rank's `communicator`, over which its blocks sum their partial outputs
   // (null: the whole model).

@@ -88,7 +88,9 @@ Expected<std::unique_ptr<FeedForward>> build_sigmoid_moe(const ModelConfig& c, W
     TERN_ASSIGN_OR_RETURN(m.correction_bias,
                           w.vector(layer_tensor(schema, layer, "mlp.gate.e_score_correction_bias"), {c.num_experts}));
   }
-  TERN_ASSIGN_OR_RETURN(m.experts, w.experts(*group));
+  TERN_ASSIGN_OR_RETURN(WeightStore::Experts experts, w.experts(*group));
+  m.first_expert = experts.first;
+  m.experts = std::move(experts.experts);
   if (c.n_shared_experts > 0) {
     TERN_ASSIGN_OR_RETURN(MlpWeights shared, build_mlp_weights(w, layer_tensor(schema, layer, "mlp.shared_experts"),
                                                                c.hidden_size, c.n_shared_experts *

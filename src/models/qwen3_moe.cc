@@ -16,7 +16,9 @@ Expected<std::unique_ptr<FeedForward>> build_moe(const ModelConfig& c, WeightSto
   if (group == schema.expert_groups.end()) return make_error("layer {} has no expert group in the schema", layer);
   MoeWeights m;
   TERN_ASSIGN_OR_RETURN(m.router, w.linear(layer_tensor(schema, layer, "mlp.gate"), c.num_experts, c.hidden_size));
-  TERN_ASSIGN_OR_RETURN(m.experts, w.experts(*group));
+  TERN_ASSIGN_OR_RETURN(WeightStore::Experts experts, w.experts(*group));
+  m.first_expert = experts.first;
+  m.experts = std::move(experts.experts);
   if (c.shared_expert_intermediate_size > 0) {
     TERN_ASSIGN_OR_RETURN(MlpWeights shared, build_mlp_weights(w, layer_tensor(schema, layer, "mlp.shared_expert"),
                                                                c.hidden_size, c.shared_expert_intermediate_size));

@@ -45,6 +45,9 @@ struct Shard {
 struct ShardRank {
   int rank = 0;
   int world = 1;
+  // Expert parallelism (--enable-expert-parallel): each rank holds whole routed experts, world of them splitting the
+  // experts between them (ExpertGroupSpec::experts_shard), instead of a slice of every expert.
+  bool expert_parallel = false;
 };
 
 // Every rank's range of the vocabulary is a multiple of this many rows (vLLM's DEFAULT_VOCAB_PADDING_SIZE). vLLM

@@ -191,7 +191,8 @@ class SchemaBuilder {
     }
     const int64_t inter = c_.moe_intermediate_size;  // the router is replicated, each expert split inside
     schema_.expert_groups.push_back({layer_name(i, "mlp.experts"), i, c_.num_experts, h, inter,
-                                     Shard::output({{inter, 1}}), Shard::input({{inter, 1}})});
+                                     Shard::output({{inter, 1}}), Shard::input({{inter, 1}}),
+                                     Shard::output({{c_.num_experts, 1}})});
     if (c_.shared_expert_intermediate_size > 0) {  // Qwen3-Next / Qwen3.5: one shared expert behind a sigmoid gate
       add_mlp(i, "mlp.shared_expert", c_.shared_expert_intermediate_size, LinearRole::kSharedExpert);
       linear(i, "mlp.shared_expert_gate", 1, h, LinearRole::kSharedExpertGate);
@@ -250,6 +251,18 @@ std::string WeightSchema::layer_prefix(int64_t layer) const {
     return fmt::format("{}layers.{}.", draft_prefix, layer - num_layers);
   }
   return fmt::format("{}layers.{}.", text_prefix, layer);
+}
+
+Expected<ExpertGroupRank> expert_group_rank(const ExpertGroupSpec& g, ShardRank rank) {
+  if (!rank.expert_parallel) return ExpertGroupRank{0, g.num_experts, g.gate_up_shard, g.down_shard};
+  if (g.num_experts % rank.world != 0) {
+    return make_error("{}: {} experts do not divide among {} expert-parallel ranks (use a tensor-parallel size that "
+                      "divides {}, or split every expert instead: no --enable-expert-parallel)", g.prefix,
+                      g.num_experts, rank.world, g.num_experts);
+  }
+  TERN_ASSIGN_OR_RETURN(const std::vector<ShardPiece> pieces,
+                        shard_pieces(g.experts_shard, g.num_experts, rank, g.prefix));
+  return ExpertGroupRank{pieces.front().offset, pieces.front().length, Shard::replicated(), Shard::replicated()};
 }
 
 bool weight_schema_has_draft(const ModelConfig& config) {

@@ -44,8 +44,18 @@ struct ExpertGroupSpec {
   int64_t intermediate;   // I: gate/up out_features, down in_features
   Shard gate_up_shard;    // each expert's gate_proj and up_proj (TP inside the expert: by output)
   Shard down_shard;       // each expert's down_proj (by input)
+  Shard experts_shard;    // expert parallelism instead: the experts themselves, consecutive ranges of whole ones
   int64_t parameters_per_expert() const { return 3 * hidden * intermediate; }
 };
+
+// What one rank holds of an expert group: experts [first, first + count), each sliced by gate_up / down (whole
+// experts under expert parallelism, a slice of every expert under tensor parallelism).
+struct ExpertGroupRank {
+  int64_t first = 0, count = 0;
+  Shard gate_up, down;
+};
+// Errors name the group and why it cannot split (experts, or an expert's width, that do not divide by the world).
+Expected<ExpertGroupRank> expert_group_rank(const ExpertGroupSpec& g, ShardRank rank);
 
 // A per-sequence cache a layer keeps, with the shape of one token's (KV) or one sequence's (GDN) state, split along
 // dim 0. Declared for the tensor-parallel execution to size per-rank caches; the loader does not read these.

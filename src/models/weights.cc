@@ -345,10 +345,11 @@ Expected<CpuMatrix> WeightStore::dense_matrix(const std::string& name, int64_t r
   return dense_slice(*t, rows, cols, 0, shard, name);
 }
 
-Expected<std::vector<MlpWeights>> WeightStore::experts(const ExpertGroupSpec& g) {
+Expected<WeightStore::Experts> WeightStore::experts(const ExpertGroupSpec& g) {
   const int64_t e = g.num_experts, h = g.hidden, i = g.intermediate;
   const bool quantize_input = nvfp4_activations_ == Nvfp4Activations::kQuantize;
-  std::vector<MlpWeights> out;
+  TERN_ASSIGN_OR_RETURN(const ExpertGroupRank mine, expert_group_rank(g, rank_));
+  Experts out{mine.first, {}};
   const TensorView* gate_up = find(g.prefix + ".gate_up_proj");
   if (gate_up != nullptr) {  // fused: gate_up [E, 2I, H] (rows [0, I) gate), down [E, H, I]
     const TensorView* down = find(g.prefix + ".down_proj");
@@ -359,24 +360,25 @@ Expected<std::vector<MlpWeights>> WeightStore::experts(const ExpertGroupSpec& g)
     if (down == nullptr || down->shape != std::vector<int64_t>{e, h, i}) {
       return make_error("tensor '{}.down_proj' must exist with shape [{}, {}, {}]", g.prefix, e, h, i);
     }
-    for (int64_t x = 0; x < e; ++x) {
+    for (int64_t x = mine.first; x < mine.first + mine.count; ++x) {
       const std::string name = fmt::format("{}.{}", g.prefix, x);
-      TERN_ASSIGN_OR_RETURN(CpuMatrix gm, dense_slice(*gate_up, i, h, x * 2 * i, g.gate_up_shard,
+      TERN_ASSIGN_OR_RETURN(CpuMatrix gm, dense_slice(*gate_up, i, h, x * 2 * i, mine.gate_up,
                                                       fmt::format("{} (expert {}, gate)", gate_up->name, x)));
-      TERN_ASSIGN_OR_RETURN(CpuMatrix um, dense_slice(*gate_up, i, h, x * 2 * i + i, g.gate_up_shard,
+      TERN_ASSIGN_OR_RETURN(CpuMatrix um, dense_slice(*gate_up, i, h, x * 2 * i + i, mine.gate_up,
                                                       fmt::format("{} (expert {}, up)", gate_up->name, x)));
       TERN_ASSIGN_OR_RETURN(
-          CpuMatrix dm, dense_slice(*down, h, i, x * h, g.down_shard, fmt::format("{} (expert {})", down->name, x)));
-      out.push_back({Linear(name + ".gate_proj", gm), Linear(name + ".up_proj", um), Linear(name + ".down_proj", dm)});
+          CpuMatrix dm, dense_slice(*down, h, i, x * h, mine.down, fmt::format("{} (expert {})", down->name, x)));
+      out.experts.push_back(
+          {Linear(name + ".gate_proj", gm), Linear(name + ".up_proj", um), Linear(name + ".down_proj", dm)});
     }
     return out;
   }
-  for (int64_t x = 0; x < e; ++x) {
+  for (int64_t x = mine.first; x < mine.first + mine.count; ++x) {
     const std::string name = fmt::format("{}.{}", g.prefix, x);
-    TERN_ASSIGN_OR_RETURN(Linear gate, sharded_linear(name + ".gate_proj", i, h, quantize_input, g.gate_up_shard));
-    TERN_ASSIGN_OR_RETURN(Linear up, sharded_linear(name + ".up_proj", i, h, quantize_input, g.gate_up_shard));
-    TERN_ASSIGN_OR_RETURN(Linear down, sharded_linear(name + ".down_proj", h, i, quantize_input, g.down_shard));
-    out.push_back({std::move(gate), std::move(up), std::move(down)});
+    TERN_ASSIGN_OR_RETURN(Linear gate, sharded_linear(name + ".gate_proj", i, h, quantize_input, mine.gate_up));
+    TERN_ASSIGN_OR_RETURN(Linear up, sharded_linear(name + ".up_proj", i, h, quantize_input, mine.gate_up));
+    TERN_ASSIGN_OR_RETURN(Linear down, sharded_linear(name + ".down_proj", h, i, quantize_input, mine.down));
+    out.experts.push_back({std::move(gate), std::move(up), std::move(down)});
   }
   return out;
 }

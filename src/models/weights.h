@@ -82,8 +82,13 @@ class WeightStore {
   Expected<std::vector<float>> vector(const std::string& name, const std::vector<int64_t>& shape);
   // A dense [rows, cols] matrix used in place (embeddings).
   Expected<CpuMatrix> dense_matrix(const std::string& name, int64_t rows, int64_t cols);
-  // The routed experts of one MoE layer, fused (gate_up_proj / down_proj) or one module per expert.
-  Expected<std::vector<MlpWeights>> experts(const ExpertGroupSpec& group);
+  // The routed experts of one MoE layer this rank holds (expert_group_rank), fused in the checkpoint (gate_up_proj /
+  // down_proj) or one module per expert.
+  struct Experts {
+    int64_t first = 0;  // the router's index of experts[0]
+    std::vector<MlpWeights> experts;
+  };
+  Expected<Experts> experts(const ExpertGroupSpec& group);
 
  private:
   WeightStore() = default;

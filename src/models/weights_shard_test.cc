@@ -263,7 +263,7 @@ TEST_P(WorldOne, IsTheWholeTensorInPlace) {
   expect_view(e, raw_linear(c.raw, embed_module, c.config.vocab_size, c.config.hidden_size),
               stored_planes(*store, embed_module), embed);
   for (const ExpertGroupSpec& g : c.schema.expert_groups) {
-    const std::vector<MlpWeights> got = value(store->experts(g), g.prefix);
+    const std::vector<MlpWeights> got = value(store->experts(g), g.prefix).experts;
     ASSERT_EQ(static_cast<int64_t>(got.size()), g.num_experts);
     for (int64_t x = 0; x < g.num_experts; ++x) {
       const std::vector<CpuMatrix> want = raw_expert(c.raw, g, x);
@@ -319,7 +319,11 @@ TEST_P(Reassembly, RanksPutBackTogetherGiveTheCheckpoint) {
                      embed);
   for (const ExpertGroupSpec& g : c.schema.expert_groups) {
     std::vector<std::vector<MlpWeights>> got;
-    for (auto& s : ranks) got.push_back(value(s->experts(g), g.prefix));
+    for (auto& s : ranks) {
+      WeightStore::Experts mine = value(s->experts(g), g.prefix);
+      ASSERT_EQ(mine.first, 0) << g.prefix;
+      got.push_back(std::move(mine.experts));
+    }
     for (int64_t x = 0; x < g.num_experts; ++x) {
       const std::vector<CpuMatrix> want = raw_expert(c.raw, g, x);
       std::vector<CpuMatrix> gate, up, down;
@@ -338,6 +342,63 @@ TEST_P(Reassembly, RanksPutBackTogetherGiveTheCheckpoint) {
 
 INSTANTIATE_TEST_SUITE_P(WorldTwo, Reassembly,
                          ::testing::Combine(::testing::ValuesIn(kFixtures), ::testing::Values(2)));
+
+// Expert parallelism: rank r holds experts [r E / world, (r + 1) E / world) whole, each the checkpoint's expert, so
+// the ranks' experts in rank order are the checkpoint's experts, every one once.
+class ExpertParallel : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(ExpertParallel, RanksHoldWholeExpertsInTurn) {
+  const auto& [name, world] = GetParam();
+  const Checkpoint c = open_fixture(name);
+  ASSERT_FALSE(c.schema.expert_groups.empty()) << name;
+  std::vector<std::unique_ptr<WeightStore>> ranks;
+  for (int r = 0; r < world; ++r) ranks.push_back(open_store(name, c.schema, {r, world, true}));
+  for (const ExpertGroupSpec& g : c.schema.expert_groups) {
+    int64_t next = 0;
+    for (int r = 0; r < world; ++r) {
+      const WeightStore::Experts mine = value(ranks[r]->experts(g), g.prefix);
+      EXPECT_EQ(mine.first, next) << g.prefix << " rank " << r;
+      ASSERT_EQ(static_cast<int64_t>(mine.experts.size()), g.num_experts / world) << g.prefix << " rank " << r;
+      for (size_t i = 0; i < mine.experts.size(); ++i) {
+        const int64_t x = mine.first + static_cast<int64_t>(i);
+        const std::vector<CpuMatrix> want = raw_expert(c.raw, g, x);
+        const std::string what = g.prefix + "." + std::to_string(x);
+        // One "slice" each: the whole matrix.
+        expect_reassembles(Shard::replicated(), {mine.experts[i].gate_proj.matrix()}, want[0], what + " gate");
+        expect_reassembles(Shard::replicated(), {mine.experts[i].up_proj.matrix()}, want[1], what + " up");
+        expect_reassembles(Shard::replicated(), {mine.experts[i].down_proj.matrix()}, want[2], what + " down");
+      }
+      next = mine.first + static_cast<int64_t>(mine.experts.size());
+    }
+    EXPECT_EQ(next, g.num_experts) << g.prefix;
+  }
+}
+
+// Every MoE fixture (8 experts) at 4, 2 and 1 expert a rank: the experts split whole whatever their widths.
+INSTANTIATE_TEST_SUITE_P(MoeFixtures, ExpertParallel,
+                         ::testing::Combine(::testing::Values("qwen3_moe", "qwen3_5_moe", "glm_moe_dsa",
+                                                              "qwen3_5_moe_fused", "qwen3_5_moe_nvfp4"),
+                                            ::testing::Values(2, 4, 8)));
+
+// Experts that do not divide among the ranks are refused naming the group, the counts and what to do instead.
+TEST(ExpertParallel, ExpertsThatDoNotDivideAreRefused) {
+  const Checkpoint c = open_fixture("qwen3_moe");
+  ASSERT_FALSE(c.schema.expert_groups.empty());
+  const ExpertGroupSpec& g = c.schema.expert_groups.front();
+  ASSERT_EQ(g.num_experts, 8);
+  const auto refused = expert_group_rank(g, {1, 3, true});
+  ASSERT_FALSE(refused.has_value());
+  const std::string& m = refused.error().message;
+  EXPECT_NE(m.find(g.prefix), std::string::npos) << m;
+  EXPECT_NE(m.find("8 experts do not divide among 3"), std::string::npos) << m;
+  EXPECT_NE(m.find("--enable-expert-parallel"), std::string::npos) << m;
+  // Without expert parallelism the same world slices every expert instead (which these widths may or may not allow).
+  const auto sliced = expert_group_rank(g, {1, 3, false});
+  ASSERT_TRUE(sliced.has_value());
+  EXPECT_EQ(sliced->first, 0);
+  EXPECT_EQ(sliced->count, 8);
+  EXPECT_EQ(sliced->gate_up.dim, ShardDim::kOutput);
+}
 // Qwen3.5's 2 GDN key heads and its NVFP4 experts' 32 intermediate columns do not split four ways.
 INSTANTIATE_TEST_SUITE_P(WorldFour, Reassembly,
                          ::testing::Combine(::testing::Values("qwen3", "qwen3_moe", "glm_moe_dsa"),
@@ -363,10 +424,10 @@ TEST(DummyWeights, RanksPutBackTogetherGiveTheWholeDummy) {
     expect_reassembles(l.shard, slices, full.matrix(), l.module);
   }
   const ExpertGroupSpec& g = c.schema.expert_groups.at(1);
-  const std::vector<MlpWeights> full = value(whole->experts(g), g.prefix);
+  const std::vector<MlpWeights> full = value(whole->experts(g), g.prefix).experts;
   ASSERT_EQ(full.at(3).down_proj.matrix().format, CpuWeightFormat::kNvfp4);
   std::vector<CpuMatrix> down;
-  for (auto& s : ranks) down.push_back(value(s->experts(g), g.prefix).at(3).down_proj.matrix());
+  for (auto& s : ranks) down.push_back(value(s->experts(g), g.prefix).experts.at(3).down_proj.matrix());
   expect_reassembles(g.down_shard, down, full.at(3).down_proj.matrix(), g.prefix + ".3.down_proj");
 }
 
@@ -411,7 +472,7 @@ TEST(DummyWeights, Fp8ConfigMakesBlockFp8Linears) {
     }
   }
   const ExpertGroupSpec& g = c.schema.expert_groups.at(0);
-  const std::vector<MlpWeights> experts = value(store->experts(g), g.prefix);
+  const std::vector<MlpWeights> experts = value(store->experts(g), g.prefix).experts;
   check(experts.at(1).gate_proj.matrix(), g.prefix + ".1.gate_proj");
   check(experts.at(1).down_proj.matrix(), g.prefix + ".1.down_proj");
   EXPECT_GT(fp8_linears, 4);
@@ -497,7 +558,7 @@ TEST(ShardSpotCheck, Nvfp4ExpertDownProjSplitsItsInputWithItsScales) {
   const Checkpoint c = open_fixture("qwen3_5_moe_nvfp4");
   const ExpertGroupSpec& g = c.schema.expert_groups.at(0);
   auto store = open_store("qwen3_5_moe_nvfp4", c.schema, {1, 2});
-  const std::vector<MlpWeights> experts = value(store->experts(g), g.prefix);
+  const std::vector<MlpWeights> experts = value(store->experts(g), g.prefix).experts;
   const CpuMatrix m = experts.at(5).down_proj.matrix();
   ASSERT_EQ(m.format, CpuWeightFormat::kNvfp4);
   ASSERT_EQ(m.rows, 64);

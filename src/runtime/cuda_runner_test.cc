@@ -43,18 +43,22 @@ struct Bf16Noise {
 // tp > 1: the model split over that many tensor-parallel ranks, held to the same references as the whole model:
 // sharing this one GPU (their collectives staged through the host, so every step runs eagerly), or with `nccl` one
 // GPU per rank over NCCL, decode graphs included (skipped where fewer GPUs are present).
+// ep: with expert parallelism (each rank holds whole routed experts).
 struct Case {
   std::string fixture;
   std::string reference;
   int tp = 1;
   bool nccl = false;
+  bool ep = false;
 };
 
-void PrintTo(const Case& c, std::ostream* os) { *os << c.fixture << "/" << c.reference << " at TP " << c.tp; }
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.fixture << "/" << c.reference << " at TP " << c.tp << (c.ep ? " with expert parallelism" : "");
+}
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   return info.param.fixture + (info.param.tp > 1 ? "_tp" + std::to_string(info.param.tp) : "") +
-         (info.param.nccl ? "_nccl" : "");
+         (info.param.nccl ? "_nccl" : "") + (info.param.ep ? "_ep" : "");
 }
 
 nlohmann::json read_json(const std::string& path) {
@@ -69,10 +73,11 @@ nlohmann::json reference_of(const Case& c) {
 }
 
 std::unique_ptr<ModelRunner> load_cuda(const std::string& fixture, DeviceModelOptions sizes = {}, int tp = 1,
-                                       bool nccl = false) {
+                                       bool nccl = false, bool expert_parallel = false) {
   ModelLoadOptions options;
   options.device = ModelDevice::kCuda;
   options.tensor_parallel_size = tp;
+  options.expert_parallel = expert_parallel;
   if (tp > 1 && !nccl) options.cuda_devices.assign(static_cast<size_t>(tp), 0);
   options.device_options = sizes;
   if (sizes.kv_cache_tokens == 0) options.device_options.kv_cache_tokens = 4096;
@@ -163,7 +168,7 @@ double expect_position_matches(const float* row, int64_t vocab, const nlohmann::
 
 TEST_P(GpuModelReference, TeacherForcedLogitsMatchTransformers) {
   const Case& c = GetParam();
-  auto model = load_cuda(c.fixture, {}, c.tp, c.nccl);
+  auto model = load_cuda(c.fixture, {}, c.tp, c.nccl, c.ep);
   ASSERT_TRUE(model);
   const auto ref = reference_of(c);
   const int64_t vocab = model->config().vocab_size;
@@ -201,7 +206,7 @@ TEST_P(GpuModelReference, OneRowStepsWithTheFusedGemvsMatchTransformers) {
   const Case& c = GetParam();
   auto model = load_cuda(
       c.fixture, DeviceModelOptions{.kernels = {.bf16_gemv = true, .norm_gemv = true, .silu_gemv = true,
-                                                .gdn_norm_in_rule = true}}, c.tp, c.nccl);
+                                                .gdn_norm_in_rule = true}}, c.tp, c.nccl, c.ep);
   ASSERT_TRUE(model);
   const auto ref = reference_of(c);
   const int64_t vocab = model->config().vocab_size;
@@ -235,7 +240,7 @@ TEST_P(GpuModelReference, OneRowStepsWithTheFusedGemvsMatchTransformers) {
 
 TEST_P(GpuModelReference, GreedyContinuationMatchesTransformers) {
   const Case& c = GetParam();
-  auto model = load_cuda(c.fixture, {}, c.tp, c.nccl);
+  auto model = load_cuda(c.fixture, {}, c.tp, c.nccl, c.ep);
   ASSERT_TRUE(model);
   const auto ref = reference_of(c);
   const Bf16Noise noise = bf16_noise(c.fixture);
@@ -269,7 +274,7 @@ TEST_P(GpuModelReference, GreedyContinuationMatchesTransformers) {
 // fixture's bf16 bound (kernels pick other tiles for other row counts, so rounding differs and is amplified as
 // any bf16 rounding is).
 TEST_P(GpuModelReference, CachedAndBatchedStepsMatchOnePass) {
-  auto model = load_cuda(GetParam().fixture, {}, GetParam().tp, GetParam().nccl);
+  auto model = load_cuda(GetParam().fixture, {}, GetParam().tp, GetParam().nccl, GetParam().ep);
   ASSERT_TRUE(model);
   const double bound = bf16_noise(GetParam().fixture).max_rel_logit_error;
   const int64_t vocab = model->config().vocab_size;
@@ -321,7 +326,7 @@ TEST_P(GpuModelReference, CachedAndBatchedStepsMatchOnePass) {
 // sequence's own lease: KV blocks out of order and a state slot of the other end give bit-identical logits, over a
 // prefill and decode steps replayed from a CUDA graph. Ids that do not fit the cache are errors naming them.
 TEST_P(GpuModelReference, StepsOnASchedulersIdsMatchTheLeasedSteps) {
-  auto model = load_cuda(GetParam().fixture, {}, GetParam().tp, GetParam().nccl);
+  auto model = load_cuda(GetParam().fixture, {}, GetParam().tp, GetParam().nccl, GetParam().ep);
   ASSERT_TRUE(model);
   const std::vector<int32_t> tokens{400, 5, 60, 7, 80, 9, 100, 21, 33, 250, 11, 4, 90, 17, 300, 42, 99, 5, 61, 2};
   const std::vector<int32_t> blocks{200, 3, 255, 17};  // 64 tokens in blocks of 16, none in the lease's order
@@ -376,8 +381,8 @@ TEST_P(GpuModelReference, StepsOnASchedulersIdsMatchTheLeasedSteps) {
 TEST_P(GpuModelReference, IntermediatesTrackTheCpuPath) {
   const Case& c = GetParam();
   // At several ranks both split alike, so that rank 0's own intermediates (a GDN layer's heads) are comparable.
-  auto gpu = load_cuda(c.fixture, {}, c.tp, c.nccl);
-  auto cpu = runner_load(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture, {.tensor_parallel_size = c.tp});
+  auto gpu = load_cuda(c.fixture, {}, c.tp, c.nccl, c.ep);
+  auto cpu = runner_load(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture, {.tensor_parallel_size = c.tp, .expert_parallel = c.ep});
   ASSERT_TRUE(gpu && cpu.has_value());
   const auto ref = reference_of(c);
   const auto prompt = ref["prompts"][0].get<std::vector<int32_t>>();
@@ -435,8 +440,8 @@ TEST_P(GpuModelReference, DecodeGraphsReplayTheEagerSteps) {
     GTEST_SKIP() << "collectives staged through the host are not captured into graphs";
   }
   auto eager = load_cuda(GetParam().fixture, DeviceModelOptions{.cuda_graphs = false, .programmatic_launch = false},
-                         GetParam().tp, GetParam().nccl);
-  auto graphed = load_cuda(GetParam().fixture, {}, GetParam().tp, GetParam().nccl);
+                         GetParam().tp, GetParam().nccl, GetParam().ep);
+  auto graphed = load_cuda(GetParam().fixture, {}, GetParam().tp, GetParam().nccl, GetParam().ep);
   ASSERT_TRUE(eager && graphed);
   // load_cuda: 64 sequences, a KV cache of 4096 tokens in blocks of 16 (256 blocks, widths 1 to 256).
   const std::string at_load = graphed->describe();
@@ -481,7 +486,7 @@ TEST_P(GpuModelReference, DecodeGraphsReplayTheEagerSteps) {
 // forward_sample samples on the GPU what the CPU Sampler samples from forward's logits of the same step: per row
 // the same id (greedy, and seeded random sampling with top_p and a repetition penalty), logprob and top logprobs.
 TEST_P(GpuModelReference, SamplingOnTheGpuPicksTheCpuSamplersTokens) {
-  auto model = load_cuda(GetParam().fixture, {}, GetParam().tp, GetParam().nccl);
+  auto model = load_cuda(GetParam().fixture, {}, GetParam().tp, GetParam().nccl, GetParam().ep);
   ASSERT_TRUE(model);
   const int64_t vocab = model->config().vocab_size;
   const std::vector<SamplingParams> params{
@@ -544,7 +549,15 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, GpuModelReference,
                                          Case{"qwen3_moe", "reference.json", 2, true},
                                          Case{"qwen3_5_moe", "reference.json", 2, true},
                                          Case{"qwen3_5_moe_nvfp4", "reference_w4a16.json", 2, true},
-                                         Case{"qwen3", "reference.json", 4, true}),
+                                         Case{"qwen3", "reference.json", 4, true},
+                                         // Expert parallelism: whole experts, 4 or 2 of the 8 a rank (at TP 4
+                                         // qwen3_moe's sliced experts would be too narrow: below)
+                                         Case{"qwen3_moe", "reference.json", 2, false, true},
+                                         Case{"qwen3_moe", "reference.json", 4, false, true},
+                                         Case{"qwen3_5_moe", "reference.json", 2, false, true},
+                                         Case{"qwen3_5_moe_nvfp4", "reference_w4a16.json", 2, false, true},
+                                         Case{"glm_moe_dsa", "reference.json", 2, false, true},
+                                         Case{"qwen3_5_moe", "reference.json", 2, true, true}),
                          case_name);
 
 // qwen3_moe's experts are 32 wide: 8 per rank at TP 4, below the 16 the CUDA MoE GEMMs step K by (the CPU path

@@ -577,7 +577,7 @@ class TpRunner final : public ModelRunner {
   Expected<void> load_front_end(const std::filesystem::path& dir, const ModelLoadOptions& options) {
     ModelLoadOptions shapes{.load_format = LoadFormat::kShapes,
                             .kv_cache_dtype = options.kv_cache_dtype,
-                            .shard = {0, world_},
+                            .shard = {0, world_, options.expert_parallel},
                             .nvfp4_activations = options.nvfp4_activations,
                             .load_draft = options.load_draft};
     TERN_ASSIGN_OR_RETURN(front_model_, model_build_host(dir, shapes));
@@ -590,7 +590,7 @@ class TpRunner final : public ModelRunner {
       ModelLoadOptions rank_options = options;
       rank_options.tensor_parallel_size = 1;
       rank_options.communicator = &host(r);
-      rank_options.shard = {first_rank_ + r, world_};
+      rank_options.shard = {first_rank_ + r, world_, options.expert_parallel};
       auto& runner = runners_[static_cast<size_t>(r)];
       if (devices_.empty()) {
         TERN_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model, model_build_host(dir, rank_options));

@@ -1,6 +1,6 @@
 // Tensor parallelism on the CPU against one device: every fixture that splits at 2 and 4 ranks gives the
 // teacher-forced logits of the whole model within 1e-5 (relative to the largest logit) and the same 24 greedy
-// tokens, batched sequences included; the ranks hold the same bits of every replicated result; a model that cannot
+// tokens, batched sequences included, with the routed experts sliced or (expert parallelism) whole on each rank; the ranks hold the same bits of every replicated result; a model that cannot
 // split is refused naming the tensor; a failing rank fails the step and every later one without hanging.
 // (The whole model is checked against transformers in model_reference_test.cc.)
 #include <gtest/gtest.h>
@@ -27,18 +27,22 @@ namespace {
 struct Case {
   std::string fixture;
   int world;
+  bool expert_parallel = false;
 };
 
-void PrintTo(const Case& c, std::ostream* os) { *os << c.fixture << " at " << c.world << " ranks"; }
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.fixture << " at " << c.world << " ranks" << (c.expert_parallel ? ", experts whole" : "");
+}
 std::string case_name(const testing::TestParamInfo<Case>& info) {
-  return info.param.fixture + "_tp" + std::to_string(info.param.world);
+  return info.param.fixture + "_tp" + std::to_string(info.param.world) + (info.param.expert_parallel ? "_ep" : "");
 }
 
 std::string fixture(const std::string& name) { return std::string(TERN_FIXTURES_DIR) + "/" + name; }
 
-std::unique_ptr<ModelRunner> load(const std::string& name, int world) {
+std::unique_ptr<ModelRunner> load(const std::string& name, int world, bool expert_parallel = false) {
   ModelLoadOptions options;
   options.tensor_parallel_size = world;
+  options.expert_parallel = expert_parallel;
   auto runner = runner_load(fixture(name), options);
   EXPECT_TRUE(runner.has_value()) << (runner ? "" : runner.error().message);
   return runner ? std::move(*runner) : nullptr;
@@ -59,7 +63,7 @@ class TensorParallel : public testing::TestWithParam<Case> {};
 
 TEST_P(TensorParallel, TeacherForcedLogitsMatchOneDevice) {
   const Case& c = GetParam();
-  auto one = load(c.fixture, 1), split = load(c.fixture, c.world);
+  auto one = load(c.fixture, 1), split = load(c.fixture, c.world, c.expert_parallel);
   ASSERT_TRUE(one && split);
   EXPECT_NE(split->describe().find(std::to_string(c.world) + " tensor-parallel ranks"), std::string::npos)
       << split->describe();
@@ -85,7 +89,7 @@ TEST_P(TensorParallel, TeacherForcedLogitsMatchOneDevice) {
 // first sequence is decoding.
 TEST_P(TensorParallel, BatchedGreedyDecodeMatchesOneDevice) {
   const Case& c = GetParam();
-  auto one = load(c.fixture, 1), split = load(c.fixture, c.world);
+  auto one = load(c.fixture, 1), split = load(c.fixture, c.world, c.expert_parallel);
   ASSERT_TRUE(one && split);
   const auto all = prompts(c.fixture);
   const int64_t vocab = one->config().vocab_size;
@@ -120,7 +124,7 @@ TEST_P(TensorParallel, BatchedGreedyDecodeMatchesOneDevice) {
 // ones one device samples from the same logits.
 TEST_P(TensorParallel, SampledTokensMatchOneDevice) {
   const Case& c = GetParam();
-  auto one = load(c.fixture, 1), split = load(c.fixture, c.world);
+  auto one = load(c.fixture, 1), split = load(c.fixture, c.world, c.expert_parallel);
   ASSERT_TRUE(one && split);
   SamplingParams params;
   params.temperature = 0.8f;
@@ -147,7 +151,11 @@ TEST_P(TensorParallel, SampledTokensMatchOneDevice) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, TensorParallel,
                          testing::Values(Case{"qwen3", 2}, Case{"qwen3", 4}, Case{"qwen3_moe", 2},
                                          Case{"qwen3_moe", 4}, Case{"qwen3_5_moe", 2}, Case{"qwen3_5_moe_fused", 2},
-                                         Case{"qwen3_5_moe_nvfp4", 2}, Case{"glm_moe_dsa", 2}, Case{"glm_moe_dsa", 4}),
+                                         Case{"qwen3_5_moe_nvfp4", 2}, Case{"glm_moe_dsa", 2}, Case{"glm_moe_dsa", 4},
+                                         // 8 experts: 4 or 2 whole ones on each rank
+                                         Case{"qwen3_moe", 2, true}, Case{"qwen3_moe", 4, true},
+                                         Case{"qwen3_5_moe", 2, true}, Case{"qwen3_5_moe_fused", 2, true},
+                                         Case{"qwen3_5_moe_nvfp4", 2, true}, Case{"glm_moe_dsa", 4, true}),
                          case_name);
 
 // GLM's fixture config with GLM-5's latent width (kv_lora_rank 512) and dummy weights, its latent cache in FP8 entries
@@ -198,14 +206,16 @@ TEST(TensorParallelFp8Latent, TheSplitModelReadsTheSameEntries) {
 // The ranks' own runners, driven by hand: after each step every rank holds the same bits of the logits (gathered)
 // as rank 0, and so of the residual stream they came from.
 TEST(TensorParallelRanks, EveryRankHoldsTheSameBits) {
-  for (const std::string name : {"qwen3_moe", "qwen3_5_moe"}) {
+  for (const auto& [name, expert_parallel] : {std::pair{"qwen3_moe", false}, std::pair{"qwen3_5_moe", false},
+                                              std::pair{"qwen3_moe", true}, std::pair{"qwen3_5_moe", true}}) {
+    SCOPED_TRACE(expert_parallel ? "experts whole on each rank" : "experts sliced");
     const int world = 2;
     LoopbackGroup group(world);
     std::vector<std::unique_ptr<ModelRunner>> ranks(world);
     for (int r = 0; r < world; ++r) {
       ModelLoadOptions options;
       options.communicator = &group.rank(r);
-      options.shard = {r, world};
+      options.shard = {r, world, expert_parallel};
       auto model = model_build_host(fixture(name), options);
       ASSERT_TRUE(model.has_value()) << model.error().message;
       auto runner = cpu_runner_create(std::move(*model), &group.rank(r));

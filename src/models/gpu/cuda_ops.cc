@@ -93,7 +93,8 @@ struct GpuMlp {
 
 struct GpuMoe {
   MoeShape shape;  // softmax or sigmoid routing (DeepSeek-V3 / GLM-5), the shared expert gated or not
-  int64_t n_experts = 0;
+  int64_t n_experts = 0;     // the router's
+  int64_t expert_begin = 0;  // the first of them `experts` holds (expert parallelism; MoeWeights::first_expert)
   // [shared expert gate | shared expert up | router | shared_expert_gate] as one GEMM over the block's input (the
   // shared expert's columns first, so its rows start 16-byte aligned for silu_mul; no shared_expert_gate column when
   // the shared expert is unweighted, Moe::input_projections); without a shared expert, the router.
@@ -375,6 +376,7 @@ Expected<std::unique_ptr<Block>> CudaOps::moe(const RmsNorm& post_norm, const Mo
   m.shape = moe.shape();
   const MoeWeights& w = moe.weights();
   m.n_experts = w.router.out_features();
+  m.expert_begin = w.first_expert;
   if (!w.correction_bias.empty()) {
     if (!m.shape.sigmoid || static_cast<int64_t>(w.correction_bias.size()) != m.n_experts) {
       return make_error("{}: a correction bias of {} values needs sigmoid routing over {} experts", w.router.name(),
@@ -1019,6 +1021,7 @@ Expected<void> CudaOps::run_moe(const GpuMoe& m, const GpuNorm& norm, int64_t la
                             .inter = e.inter,
                             .n_experts = m.n_experts,
                             .top_k = m.shape.top_k,
+                            .expert_begin = m.expert_begin,
                             .renormalize = m.shape.renormalize,
                             .sigmoid = m.shape.sigmoid,
                             .n_group = m.shape.sigmoid ? m.shape.n_group : 1,

@@ -96,6 +96,9 @@ Expected<void> gemv_combine_validate(const GemmBf16Args& a, const MoeCombineArgs
       reinterpret_cast<uintptr_t>(c.topk_weights) % 4 != 0) {
     return make_error("{}: a combine pointer is misaligned (bf16 ones 2 bytes, ids, rows and weights 4)", k);
   }
+  if (c.expert_begin < 0 || c.expert_begin >= c.expert_end) {
+    return make_error("{}: experts [{}, {}) are empty", k, c.expert_begin, c.expert_end);
+  }
   if (c.shared_gate != nullptr && c.shared_gate_stride < 1)
     return make_error("{}: shared_gate_stride={} must be positive", k, c.shared_gate_stride);
   return {};
@@ -177,7 +180,9 @@ Expected<void> gemv_bf16_silu_mul_moe_combine(const DeviceContext& ctx, const Ge
                                 .topk_weights = combine.topk_weights,
                                 .top_k = static_cast<int>(combine.top_k),
                                 .gate = combine.shared_gate,
-                                .gate_stride = combine.shared_gate_stride};
+                                .gate_stride = combine.shared_gate_stride,
+                                .expert_begin = combine.expert_begin,
+                                .expert_end = combine.expert_end};
   gemv_bf16_launch(ctx, p, &epilogue);
   return {};
 }

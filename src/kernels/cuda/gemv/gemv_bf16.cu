@@ -15,6 +15,7 @@
 #include "kernels/cuda/gemv/gemv_bf16_launch.h"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
+#include "kernels/cuda/moe/moe_launch.h"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/silu_mul.cuh"
 
@@ -156,7 +157,7 @@ template <int kRows>
 __device__ __forceinline__ float combine_routed(const GemvMoeCombine& c, int64_t n,
                                                 const int (&order)[kRows][kGemvCombineMaxTopK], int i, int64_t col) {
   float acc = 0.0f;
-  for (int s = 0; s < c.top_k; ++s) {
+  for (int s = 0; s < c.top_k && order[i][s] >= 0; ++s) {  // -1: past this rank's experts' pairs
     const int pair = i * c.top_k + order[i][s];
     const float v = bf16_to_f32(c.expert_out[int64_t{c.pair_row[pair]} * n + col]);
     acc = fmaf(v, c.topk_weights[pair], acc);
@@ -235,10 +236,13 @@ __device__ __forceinline__ void gemv_bf16_block(const GemvBf16Params& p, const G
     if (t < kRows * cb.top_k) {
       const int k = cb.top_k, i = t / k, j = t % k;
       const int32_t* ids = cb.topk_ids + i * k;
-      const int id = ids[j];
+      const int id = moe_combine_key(ids[j], cb.expert_begin, cb.expert_end);
       int rank = 0;
-      for (int q = 0; q < k; ++q) rank += ids[q] < id || (ids[q] == id && q < j);
-      order[i][rank] = j;
+      for (int q = 0; q < k; ++q) {
+        const int other = moe_combine_key(ids[q], cb.expert_begin, cb.expert_end);
+        rank += other < id || (other == id && q < j);
+      }
+      order[i][rank] = id == INT_MAX ? -1 : j;
     }
   }
 

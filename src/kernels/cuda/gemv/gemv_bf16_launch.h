@@ -3,6 +3,7 @@
 // arguments; validation lives in gemv_bf16.cc and callers use gemv_bf16() from gemv_bf16.h.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "kernels/cuda/device.h"
@@ -27,6 +28,7 @@ struct GemvMoeCombine {
   int top_k = 0;                         // 1 .. kGemvCombineMaxTopK
   const uint16_t* gate = nullptr;        // optional [m] bf16 at gate_stride elements apart; null: unweighted
   int64_t gate_stride = 1;
+  int32_t expert_begin = 0, expert_end = INT32_MAX;  // the experts whose pairs are summed (MoeCombineArgs)
 };
 
 // y[m, ldy] (columns [0, n)) = x[m, k] . w[n, k]^T, bf16 row-major, fp32 accumulation.

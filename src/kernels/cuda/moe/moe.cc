@@ -22,16 +22,33 @@ Expected<void> check_ptr(const char* kernel, const char* name, const void* ptr, 
   return {};
 }
 
-// tokens, n_experts and top_k as every MoE kernel takes them.
-Expected<void> check_routing_shape(const char* kernel, int64_t tokens, int64_t n_experts, int64_t top_k) {
+Expected<void> check_n_experts(const char* kernel, int64_t n_experts) {
   if (n_experts < 1 || n_experts > kMoeMaxExperts) {
     return make_error("{}: n_experts={} must be in [1, {}]", kernel, n_experts, kMoeMaxExperts);
   }
-  if (top_k < 1 || top_k > kMoeMaxTopK || top_k > n_experts) {
-    return make_error("{}: top_k={} must be in [1, min(n_experts={}, {})]", kernel, top_k, n_experts, kMoeMaxTopK);
-  }
+  return {};
+}
+
+// tokens and top_k: the (token, j) pairs.
+Expected<void> check_pairs(const char* kernel, int64_t tokens, int64_t top_k) {
+  if (top_k < 1 || top_k > kMoeMaxTopK) return make_error("{}: top_k={} must be in [1, {}]", kernel, top_k, kMoeMaxTopK);
   if (tokens < 0 || tokens > kMaxRows / top_k) {
     return make_error("{}: tokens={} out of range for top_k={}", kernel, tokens, top_k);
+  }
+  return {};
+}
+
+// tokens, n_experts and top_k as the routing takes them (top_k of the n_experts).
+Expected<void> check_routing_shape(const char* kernel, int64_t tokens, int64_t n_experts, int64_t top_k) {
+  TERN_TRY(check_n_experts(kernel, n_experts));
+  if (top_k > n_experts) return make_error("{}: top_k={} is more than n_experts={}", kernel, top_k, n_experts);
+  return check_pairs(kernel, tokens, top_k);
+}
+
+// This rank's experts [begin, begin + count) of the router's n_experts (expert parallelism; all of them: 0, n).
+Expected<void> check_expert_range(const char* kernel, int64_t begin, int64_t count, int64_t n_experts) {
+  if (begin < 0 || count < 1 || begin + count > n_experts) {
+    return make_error("{}: experts [{}, {}) are not within the router's {}", kernel, begin, begin + count, n_experts);
   }
   return {};
 }
@@ -96,7 +113,10 @@ Expected<void> route_validate(const MoeRouteArgs& a) {
 
 Expected<void> align_validate(const MoeAlignArgs& a) {
   constexpr const char* k = "moe_align";
-  TERN_TRY(check_routing_shape(k, a.tokens, a.n_experts, a.top_k));
+  // n_experts buckets; top_k may exceed them when they are one rank's share of the router's experts.
+  TERN_TRY(check_n_experts(k, a.n_experts));
+  TERN_TRY(check_pairs(k, a.tokens, a.top_k));
+  TERN_TRY(check_expert_range(k, a.expert_begin, a.n_experts, INT32_MAX));
   TERN_TRY(check_ptr(k, "topk_ids", a.topk_ids, 4));
   TERN_TRY(check_ptr(k, "expert_offsets", a.expert_offsets, 4));
   TERN_TRY(check_ptr(k, "sorted_pairs", a.sorted_pairs, 4));
@@ -115,10 +135,10 @@ Expected<void> align_validate(const MoeAlignArgs& a) {
 Expected<void> route_align_validate(const char* k, const MoeRouteArgs& route, const MoeAlignArgs& align) {
   TERN_TRY(route_validate(route));
   TERN_TRY(align_validate(align));
-  if (align.topk_ids != route.topk_ids || align.tokens != route.tokens || align.top_k != route.top_k ||
-      align.n_experts != route.n_experts) {
-    return make_error("{}: align must sort the route's topk_ids (same pointer, tokens, top_k and n_experts)", k);
+  if (align.topk_ids != route.topk_ids || align.tokens != route.tokens || align.top_k != route.top_k) {
+    return make_error("{}: align must sort the route's topk_ids (same pointer, tokens and top_k)", k);
   }
+  TERN_TRY(check_expert_range(k, align.expert_begin, align.n_experts, route.n_experts));
   return {};
 }
 
@@ -231,8 +251,9 @@ Expected<void> route_in_launch_validate(const MoeGemmArgs& a, bool decode) {
         "top_k = route.top_k; got {}, {}, {}, {}), gathered rows and no x_silu_mul",
         k, a.route.tokens, a.rows, a.top_k, a.route.top_k);
   }
-  if (a.route.n_experts != a.w.n_experts) {
-    return make_error("{}: route has {} experts, the weights {}", k, a.route.n_experts, a.w.n_experts);
+  if (a.route.n_experts != a.w.n_experts || a.align.expert_begin != 0) {
+    return make_error("{}: route has {} experts, the weights {} (from {}): routing in the launch needs all of them",
+                      k, a.route.n_experts, a.w.n_experts, a.align.expert_begin);
   }
   if (a.route.sigmoid) {
     return make_error("{}: routing in the launch is softmax only (route sigmoid routing with moe_route_align)", k);
@@ -287,19 +308,22 @@ Expected<void> forward_validate(const MoeForwardArgs& a) {
   TERN_TRY(check_routing_mode(k, {a.sigmoid, a.n_group, a.topk_group, a.routed_scaling, a.correction_bias},
                               a.n_experts, a.top_k));
   if (a.inter < 8 || a.inter % 8 != 0) return make_error("{}: inter={} must be a positive multiple of 8", k, a.inter);
+  // The weights hold this rank's experts [expert_begin, expert_begin + local) of the router's.
+  const int64_t local = a.gate_up.n_experts;
+  TERN_TRY(check_expert_range(k, a.expert_begin, local, a.n_experts));
   const bool split = a.up.n != 0;
   const int64_t gate_n = split ? a.inter : 2 * a.inter;
-  if (a.gate_up.n_experts != a.n_experts || a.gate_up.n != gate_n || a.gate_up.k != a.hidden) {
+  if (a.gate_up.n != gate_n || a.gate_up.k != a.hidden) {
     return make_error("{}: {} weights are [{}][{}][{}], want [{}][{}][{}]", k, split ? "gate" : "gate_up",
-                      a.gate_up.n_experts, a.gate_up.n, a.gate_up.k, a.n_experts, gate_n, a.hidden);
+                      a.gate_up.n_experts, a.gate_up.n, a.gate_up.k, local, gate_n, a.hidden);
   }
-  if (split && (a.up.n_experts != a.n_experts || a.up.n != a.inter || a.up.k != a.hidden)) {
+  if (split && (a.up.n_experts != local || a.up.n != a.inter || a.up.k != a.hidden)) {
     return make_error("{}: up weights are [{}][{}][{}], want [{}][{}][{}]", k, a.up.n_experts, a.up.n, a.up.k,
-                      a.n_experts, a.inter, a.hidden);
+                      local, a.inter, a.hidden);
   }
-  if (a.down.n_experts != a.n_experts || a.down.n != a.hidden || a.down.k != a.inter) {
+  if (a.down.n_experts != local || a.down.n != a.hidden || a.down.k != a.inter) {
     return make_error("{}: down weights are [{}][{}][{}], want [{}][{}][{}]", k, a.down.n_experts, a.down.n, a.down.k,
-                      a.n_experts, a.hidden, a.inter);
+                      local, a.hidden, a.inter);
   }
   const size_t needed = moe_forward_workspace_bytes(a.tokens, a.top_k, a.n_experts, a.inter, a.hidden);
   if (a.workspace_bytes < needed) {
@@ -320,6 +344,9 @@ Expected<void> combine_validate(const MoeCombineArgs& a) {
   TERN_TRY(check_ptr(k, "topk_ids", a.topk_ids, 4));
   TERN_TRY(check_ptr(k, "topk_weights", a.topk_weights, 4));
   TERN_TRY(check_ptr(k, "y", a.y, 16));
+  if (a.expert_begin < 0 || a.expert_begin >= a.expert_end) {
+    return make_error("{}: experts [{}, {}) are empty", k, a.expert_begin, a.expert_end);
+  }
   // A shared expert without a gate is added unweighted; a gate without a shared expert is a caller's mistake.
   if (a.shared_gate != nullptr) TERN_TRY(check_ptr(k, "shared_out (needed with shared_gate)", a.shared_out, 16));
   if (a.shared_out != nullptr) TERN_TRY(check_ptr(k, "shared_out", a.shared_out, 16));
@@ -441,7 +468,8 @@ Routing routing_args(const MoeForwardArgs& a, const ForwardBuffers& b) {
   const MoeAlignArgs align{.topk_ids = b.ids,
                            .tokens = a.tokens,
                            .top_k = a.top_k,
-                           .n_experts = a.n_experts,
+                           .n_experts = a.gate_up.n_experts,
+                           .expert_begin = a.expert_begin,
                            .expert_offsets = b.offsets,
                            .sorted_pairs = b.sorted_pairs,
                            .pair_row = b.pair_row,
@@ -527,13 +555,16 @@ Expected<MoeCombineArgs> moe_forward_experts(const DeviceContext& ctx, const Moe
                                .y = a.y,
                                .tokens = a.tokens,
                                .top_k = a.top_k,
-                               .hidden = a.hidden};
+                               .hidden = a.hidden,
+                               .expert_begin = static_cast<int32_t>(a.expert_begin),
+                               .expert_end = static_cast<int32_t>(a.expert_begin + a.gate_up.n_experts)};
   if (a.tokens == 0) return combine;
   const bool decode =
       a.variant == MoeGemmVariant::kDecode || (a.variant == MoeGemmVariant::kAuto && a.tokens <= kMoeDecodeMaxTokens);
   // One token at decode: the gate/up launch routes it, and route and align are no launch of their own (softmax
   // routing only: the gate/up kernel's block routing has no sigmoid variant, so moe_route_align routes that token).
-  const bool route_in_launch = decode && a.tokens == 1 && !a.sigmoid;
+  // Nor under expert parallelism: the gate/up kernel's blocks route to all of the router's experts.
+  const bool route_in_launch = decode && a.tokens == 1 && !a.sigmoid && a.gate_up.n_experts == a.n_experts;
   // Past kMoeDecodePassRows tokens an expert may have more rows than one decode pass: the align writes the pass
   // list and both decode GEMMs give each pass its own blocks (MoeGemmArgs::decode_passes).
   if (!decode || a.tokens <= kMoeDecodePassRows) b.passes = nullptr;

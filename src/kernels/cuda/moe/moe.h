@@ -47,6 +47,10 @@ struct MoeForwardArgs {
   const float* router_logits_f32 = nullptr; // or fp32 (sigmoid routing only: DeepSeek-V3 / GLM-5's fp32 router)
   int64_t logits_stride = 0;
   int64_t tokens = 0, hidden = 0, inter = 0, n_experts = 0, top_k = 0;
+  // Expert parallelism: the weights hold experts [expert_begin, expert_begin + gate_up.n_experts) of the router's
+  // n_experts, and only the pairs routed to them are computed and combined (y holds this rank's part of the block's
+  // sum; the shared expert, when given, is added here too). All of them: 0 with n_experts in the weights.
+  int64_t expert_begin = 0;
   bool renormalize = true;
   // The routing: softmax, or with sigmoid DeepSeek-V3 / GLM-5's (MoeRouteArgs, whose fields these are).
   bool sigmoid = false;

@@ -19,6 +19,7 @@
 // so every launch is sized for the worst case and blocks find their work in expert_offsets on the device.
 #pragma once
 
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 
@@ -60,12 +61,14 @@ struct MoeRouteArgs {
 };
 
 // Counting sort of the tokens*top_k (token, j) pairs by expert, stable in pair order (pair index t*top_k + j), so
-// an expert's rows are its tokens in ascending order. An id outside [0, n_experts) lands in a bucket after the
-// last expert: expert_offsets[n_experts] counts the valid pairs, and the rows past it belong to no expert (no
-// GEMM writes them); the pipeline's own route kernel never produces such ids.
+// an expert's rows are its tokens in ascending order. The buckets are experts expert_begin .. expert_begin +
+// n_experts - 1 (bucket id - expert_begin); an id outside them lands in a bucket after the last expert:
+// expert_offsets[n_experts] counts the valid pairs, and the rows past it belong to no expert (no GEMM writes them).
+// Under expert parallelism those are the pairs of other ranks' experts (the route kernels choose among all of them).
 struct MoeAlignArgs {
   const int32_t* topk_ids = nullptr;  // [tokens, top_k]
   int64_t tokens = 0, top_k = 0, n_experts = 0;
+  int64_t expert_begin = 0;           // the expert of bucket 0
   int32_t* expert_offsets = nullptr;  // [n_experts + 1]: permuted rows of expert e are [off[e], off[e+1])
   int32_t* sorted_pairs = nullptr;    // [tokens*top_k]: pair index (t*top_k + j) at each permuted row
   int32_t* pair_row = nullptr;        // [tokens*top_k]: permuted row of each pair (the inverse)
@@ -164,7 +167,8 @@ struct MoeGemmArgs {
 // y[t] = sum_j topk_weights[t,j] * expert_out[pair_row[t*top_k+j]] summed in fp32 in ascending expert index order
 // (as layers/moe.cc adds experts), then + sigmoid(shared_gate[t]) * shared_out[t] when shared_out is set, or
 // + shared_out[t] unweighted when shared_gate is null (DeepSeek-V3 / GLM-5's shared experts); one bf16 rounding per
-// output. Every pair must have a valid expert (the rows of out-of-range ids hold nothing).
+// output. Only the pairs of experts [expert_begin, expert_end) are summed (under expert parallelism this rank's; the
+// rows of the others' pairs hold nothing).
 struct MoeCombineArgs {
   const uint16_t* expert_out = nullptr;  // [tokens*top_k, hidden] bf16, permuted rows
   const int32_t* pair_row = nullptr;     // [tokens*top_k]
@@ -175,7 +179,15 @@ struct MoeCombineArgs {
   int64_t shared_gate_stride = 1;        // shared_out; null: the shared expert is added unweighted
   uint16_t* y = nullptr;                 // [tokens, hidden] bf16
   int64_t tokens = 0, top_k = 0, hidden = 0;
+  int32_t expert_begin = 0, expert_end = INT32_MAX;
 };
+
+// The key the combines order a token's pairs by: the expert id, or INT_MAX (after every id) for an expert outside
+// [begin, end), whose pair they leave out.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline int moe_combine_key(int32_t id, int32_t begin, int32_t end) { return id >= begin && id < end ? id : INT_MAX; }
 
 enum class MoeGemmVariant {
   kAuto,         // decode while tokens (= rows / top_k) <= kMoeDecodeMaxTokens, else prefill

@@ -246,8 +246,11 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const MoeRo
 
 constexpr int kAlignWarps = 16;  // counts[16][513] ints = 32.8 KB of static shared memory
 
-__device__ __forceinline__ int align_bucket(int32_t id, int n_experts) {
-  return id >= 0 && id < n_experts ? id : n_experts;  // out-of-range ids share the last bucket
+// Expert id - expert_begin, or n_experts for an id outside this rank's [expert_begin, expert_begin + n_experts):
+// out-of-range ids (other ranks' experts, under expert parallelism) share the last bucket.
+__device__ __forceinline__ int align_bucket(int32_t id, const MoeAlignArgs& a) {
+  const int64_t local = int64_t{id} - a.expert_begin;
+  return local >= 0 && local < a.n_experts ? static_cast<int>(local) : static_cast<int>(a.n_experts);
 }
 
 // Exclusive scan of totals[0, n) in place, by warp 0.
@@ -296,15 +299,24 @@ using AlignCounts = int[kAlignWarps][kMoeMaxExperts + 1];
 
 // Stage 1 over a block's pairs [begin, end), in kAlignWarps consecutive chunks, one a warp: counts[w][b] = the pairs
 // of chunk w in bucket b. Lanes past the chunk form their own group (bucket -1) and add nothing.
-__device__ void align_count(const int32_t* ids, int begin, int end, int n_experts, AlignCounts& counts) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_buckets = n_experts + 1;
+// This warp's chunk [first, end) of the block's pairs [begin, end), as align_count and align_scatter walk them.
+struct AlignChunk {
+  int first, end;
+};
+__device__ __forceinline__ AlignChunk align_warp_chunk(int begin, int end) {
+  const int chunk = (end - begin + kAlignWarps - 1) / kAlignWarps;
+  const int first = min(end, begin + static_cast<int>(threadIdx.x / 32) * chunk);
+  return {first, min(end, first + chunk)};
+}
+
+__device__ void align_count(const int32_t* ids, int begin, int end, const MoeAlignArgs& a, AlignCounts& counts) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_buckets = static_cast<int>(a.n_experts) + 1;
   for (int i = threadIdx.x; i < kAlignWarps * n_buckets; i += blockDim.x) counts[i / n_buckets][i % n_buckets] = 0;
   __syncthreads();
-  const int chunk = (end - begin + kAlignWarps - 1) / kAlignWarps;
-  const int wb = min(end, begin + warp * chunk), we = min(end, wb + chunk);
-  for (int base = wb; base < we; base += 32) {
+  const AlignChunk c = align_warp_chunk(begin, end);
+  for (int base = c.first; base < c.end; base += 32) {
     const int pair = base + lane;
-    const int b = pair < we ? align_bucket(ids[pair], n_experts) : -1;
+    const int b = pair < c.end ? align_bucket(ids[pair], a) : -1;
     const unsigned peers = __match_any_sync(kFullMask, b);
     if (b >= 0 && lane == __ffs(peers) - 1) counts[warp][b] += __popc(peers);
     __syncwarp();  // the next step's leader of the same bucket may be another lane
@@ -329,14 +341,13 @@ __device__ void align_warp_offsets(AlignCounts& counts, int n_buckets, int* tota
 
 // Stage 3: every pair of the block's [begin, end) (the chunks of align_count) to row first[b] + counts[w][b] + its
 // rank among the warp's pairs of bucket b so far.
-__device__ void align_scatter(const int32_t* ids, int begin, int end, int n_experts, AlignCounts& counts,
-                              const int* first, const MoeAlignArgs& a) {
+__device__ void align_scatter(const int32_t* ids, int begin, int end, AlignCounts& counts, const int* first,
+                              const MoeAlignArgs& a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int chunk = (end - begin + kAlignWarps - 1) / kAlignWarps;
-  const int wb = min(end, begin + warp * chunk), we = min(end, wb + chunk);
-  for (int base = wb; base < we; base += 32) {
+  const AlignChunk c = align_warp_chunk(begin, end);
+  for (int base = c.first; base < c.end; base += 32) {
     const int pair = base + lane;
-    const int b = pair < we ? align_bucket(ids[pair], n_experts) : -1;
+    const int b = pair < c.end ? align_bucket(ids[pair], a) : -1;
     const unsigned peers = __match_any_sync(kFullMask, b);
     if (b >= 0) {
       const int row = first[b] + counts[warp][b] + __popc(peers & lanemask_lt(lane));
@@ -361,12 +372,12 @@ __device__ void align_finish(int* bucket_start, int n_buckets, const MoeAlignArg
 __device__ __forceinline__ void align_pairs(const int32_t* ids, const MoeAlignArgs& a) {
   __shared__ AlignCounts counts;
   __shared__ int bucket_start[kMoeMaxExperts + 1];
-  const int n_experts = static_cast<int>(a.n_experts), n_buckets = n_experts + 1;
+  const int n_buckets = static_cast<int>(a.n_experts) + 1;
   const int rows = static_cast<int>(a.tokens * a.top_k);
-  align_count(ids, 0, rows, n_experts, counts);
+  align_count(ids, 0, rows, a, counts);
   align_warp_offsets(counts, n_buckets, bucket_start);
   align_finish(bucket_start, n_buckets, a);
-  align_scatter(ids, 0, rows, n_experts, counts, bucket_start, a);
+  align_scatter(ids, 0, rows, counts, bucket_start, a);
 }
 
 __global__ void __launch_bounds__(kAlignWarps * 32) moe_align_kernel(const MoeAlignArgs a) {
@@ -384,15 +395,10 @@ constexpr int kAlignBlockPairs = kAlignWarps * 32 * 4;
 __global__ void __launch_bounds__(kAlignWarps * 32) moe_align_count_kernel(const MoeAlignArgs a) {
   ptx::grid_dependency_begin();
   __shared__ AlignCounts counts;
-  const int n_experts = static_cast<int>(a.n_experts), n_buckets = n_experts + 1;
+  const int n_buckets = static_cast<int>(a.n_experts) + 1;
   const int rows = static_cast<int>(a.tokens * a.top_k), begin = static_cast<int>(blockIdx.x) * kAlignBlockPairs;
-  align_count(a.topk_ids, begin, min(rows, begin + kAlignBlockPairs), n_experts, counts);
-  int* block_rows = static_cast<int*>(a.workspace) + int64_t{blockIdx.x} * n_buckets;
-  for (int b = threadIdx.x; b < n_buckets; b += blockDim.x) {
-    int run = 0;
-    for (int w = 0; w < kAlignWarps; ++w) run += counts[w][b];
-    block_rows[b] = run;
-  }
+  align_count(a.topk_ids, begin, min(rows, begin + kAlignBlockPairs), a, counts);
+  align_warp_offsets(counts, n_buckets, static_cast<int*>(a.workspace) + int64_t{blockIdx.x} * n_buckets);
 }
 
 __global__ void __launch_bounds__(kAlignWarps * 32) moe_align_scan_kernel(const MoeAlignArgs a, int blocks) {
@@ -417,15 +423,15 @@ __global__ void __launch_bounds__(kAlignWarps * 32) moe_align_scatter_kernel(con
   ptx::grid_dependency_begin();
   __shared__ AlignCounts counts;
   __shared__ int first[kMoeMaxExperts + 1];
-  const int n_experts = static_cast<int>(a.n_experts), n_buckets = n_experts + 1;
+  const int n_buckets = static_cast<int>(a.n_experts) + 1;
   const int rows = static_cast<int>(a.tokens * a.top_k), begin = static_cast<int>(blockIdx.x) * kAlignBlockPairs;
   const int end = min(rows, begin + kAlignBlockPairs);
-  align_count(a.topk_ids, begin, end, n_experts, counts);
+  align_count(a.topk_ids, begin, end, a, counts);
   align_warp_offsets(counts, n_buckets, first);  // first[] is overwritten below
   const int* block_rows = static_cast<const int*>(a.workspace) + int64_t{blockIdx.x} * n_buckets;
   for (int b = threadIdx.x; b < n_buckets; b += blockDim.x) first[b] = a.expert_offsets[b] + block_rows[b];
   __syncthreads();
-  align_scatter(a.topk_ids, begin, end, n_experts, counts, first, a);
+  align_scatter(a.topk_ids, begin, end, counts, first, a);
 }
 
 int64_t align_blocks(int64_t tokens, int64_t top_k) { return (tokens * top_k + kAlignBlockPairs - 1) / kAlignBlockPairs; }
@@ -473,7 +479,7 @@ __global__ void __launch_bounds__(kRouteAlignWarpWarps * 32)
     if (lane < top_k) {
       r.topk_ids[int64_t{token} * top_k + lane] = c.id;
       r.topk_weights[int64_t{token} * top_k + lane] = c.weight;
-      pair_bucket[token * top_k + lane] = align_bucket(c.id, n_experts);
+      pair_bucket[token * top_k + lane] = align_bucket(c.id, a);
     }
   }
   __syncthreads();
@@ -509,24 +515,26 @@ constexpr int kVec = 8;  // load_bf16x8, store_bf16x8
 
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const MoeCombineArgs a) {
   ptx::grid_dependency_begin();
-  __shared__ int order[kMoeMaxTopK];  // order[s]: the j of the token's s-th smallest expert id
+  // order[s]: the j of the token's s-th smallest expert id; -1 past the pairs of experts in [begin, end)
+  __shared__ int order[kMoeMaxTopK];
   const int64_t token = blockIdx.x;
   const int top_k = static_cast<int>(a.top_k);
   const int64_t pair0 = token * top_k;
   if (threadIdx.x < top_k) {
-    const int j = threadIdx.x, id = a.topk_ids[pair0 + j];
+    const int j = threadIdx.x;
+    const int id = moe_combine_key(a.topk_ids[pair0 + j], a.expert_begin, a.expert_end);
     int rank = 0;
     for (int i = 0; i < top_k; ++i) {
-      const int other = a.topk_ids[pair0 + i];
+      const int other = moe_combine_key(a.topk_ids[pair0 + i], a.expert_begin, a.expert_end);
       rank += other < id || (other == id && i < j);
     }
-    order[rank] = j;
+    order[rank] = id == INT_MAX ? -1 : j;
   }
   __syncthreads();
   const int64_t col = (int64_t{blockIdx.y} * kCombineThreads + threadIdx.x) * kVec;
   if (col >= a.hidden) return;
   float acc[kVec] = {};
-  for (int s = 0; s < top_k; ++s) {
+  for (int s = 0; s < top_k && order[s] >= 0; ++s) {
     const int j = order[s];
     const float w = a.topk_weights[pair0 + j];
     float v[kVec];

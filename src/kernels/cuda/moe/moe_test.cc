@@ -80,9 +80,13 @@ struct HostAlign {
   std::vector<int32_t> offsets, sorted_pairs, pair_row;
 };
 
-// A stable counting sort of the pairs by id; out-of-range ids go to a last bucket.
-HostAlign align_reference(const std::vector<int32_t>& ids, int64_t n_experts) {
-  auto bucket = [&](int32_t id) { return id >= 0 && id < n_experts ? id : static_cast<int32_t>(n_experts); };
+// A stable counting sort of the pairs by id - expert_begin; ids outside [expert_begin, expert_begin + n_experts)
+// go to a last bucket.
+HostAlign align_reference(const std::vector<int32_t>& ids, int64_t n_experts, int64_t expert_begin = 0) {
+  auto bucket = [&](int32_t id) {
+    const int64_t local = id - expert_begin;
+    return static_cast<int32_t>(local >= 0 && local < n_experts ? local : n_experts);
+  };
   HostAlign a{std::vector<int32_t>(static_cast<size_t>(n_experts + 2), 0), std::vector<int32_t>(ids.size()),
               std::vector<int32_t>(ids.size())};
   for (int32_t id : ids) ++a.offsets[bucket(id) + 1];
@@ -190,7 +194,7 @@ TEST(MoeRoute, MatchesSoftmaxTopK) {
 // Align
 
 void check_align(const DeviceContext& ctx, const std::vector<int32_t>& ids, int64_t tokens, int64_t top_k,
-                 int64_t n_experts) {
+                 int64_t n_experts, int64_t expert_begin = 0) {
   const size_t pairs = ids.size();
   const DeviceBuffer d_ids = upload(ids);
   const DeviceBuffer offsets = poisoned(static_cast<size_t>(n_experts + 1) * 4);
@@ -200,15 +204,15 @@ void check_align(const DeviceContext& ctx, const std::vector<int32_t>& ids, int6
   const size_t pass_ints = 4 * static_cast<size_t>(moe_decode_pass_slots(tokens * top_k, n_experts));
   const DeviceBuffer passes = poisoned(std::max<size_t>(pass_ints * 4, 16));
   ASSERT_TRUE(moe_align(ctx, {.topk_ids = d_ids.as<int32_t>(), .tokens = tokens, .top_k = top_k,
-                              .n_experts = n_experts, .expert_offsets = offsets.as<int32_t>(),
-                              .sorted_pairs = sorted.as<int32_t>(), .pair_row = pair_row.as<int32_t>(),
-                              .workspace = ws.data(), .workspace_bytes = ws_bytes,
+                              .n_experts = n_experts, .expert_begin = expert_begin,
+                              .expert_offsets = offsets.as<int32_t>(), .sorted_pairs = sorted.as<int32_t>(),
+                              .pair_row = pair_row.as<int32_t>(), .workspace = ws.data(), .workspace_bytes = ws_bytes,
                               .decode_passes = passes.as<int32_t>()})
                   .has_value());
   ctx.synchronize();
-  const HostAlign want = align_reference(ids, n_experts);
+  const HostAlign want = align_reference(ids, n_experts, expert_begin);
   const std::string what = "T=" + std::to_string(tokens) + " k=" + std::to_string(top_k) + " E=" +
-                           std::to_string(n_experts);
+                           std::to_string(n_experts) + " from " + std::to_string(expert_begin);
   EXPECT_EQ(download<int32_t>(offsets, static_cast<size_t>(n_experts + 1)), want.offsets) << what;
   EXPECT_EQ(download<int32_t>(sorted, pairs), want.sorted_pairs) << what;
   EXPECT_EQ(download<int32_t>(pair_row, pairs), want.pair_row) << what;
@@ -232,6 +236,22 @@ TEST(MoeAlign, StableCountingSortByExpert) {
     check_align(ctx, random_ids(c.tokens, c.top_k, c.n_experts, c.skew, rng), c.tokens, c.top_k, c.n_experts);
   }
   check_align(ctx, {}, 0, 4, 16);  // no tokens: all-zero offsets
+}
+
+// One expert-parallel rank's buckets: experts [begin, begin + n) of ids drawn from all of them; the other ranks'
+// pairs fill the rows after the last bucket, in pair order. One block and the three-launch sort, a share smaller
+// than top_k, and the first and last ranks' shares.
+TEST(MoeAlign, OneRanksShareOfTheExperts) {
+  DeviceContext ctx;
+  std::mt19937 rng(2025);
+  struct Case {
+    int64_t tokens, top_k, n_experts, begin, count;
+  };
+  for (const Case& c : {Case{1, 8, 256, 64, 32}, Case{37, 8, 256, 64, 32}, Case{1000, 8, 256, 224, 32},
+                        Case{257, 8, 256, 0, 32}, Case{8192, 10, 512, 128, 128}, Case{5, 2, 8, 3, 1},
+                        Case{300, 2, 8, 7, 1}}) {
+    check_align(ctx, random_ids(c.tokens, c.top_k, c.n_experts, false, rng), c.tokens, c.top_k, c.count, c.begin);
+  }
 }
 
 // Out-of-range ids (bad input) stay memory-safe: they fill the rows after the last expert, in pair order.
@@ -685,6 +705,17 @@ struct ExpertWeights {
             .scales = d_scales.as<uint8_t>(), .scales_expert_stride = n * k / 16,
             .global_scales = d_global.as<float>(), .row_scales = d_row_scales.as<float>(),
             .row_scales_expert_stride = n * fp8_scale_cols(k)};
+  }
+  // Experts [first, first + count) only, as one expert-parallel rank holds them.
+  MoeExpertWeights view(int64_t first, int64_t count) const {
+    MoeExpertWeights v = view();
+    v.n_experts = count;
+    if (v.bf16 != nullptr) v.bf16 += first * v.bf16_expert_stride;
+    if (v.packed != nullptr) v.packed += first * v.packed_expert_stride;
+    if (v.scales != nullptr) v.scales += first * v.scales_expert_stride;
+    if (v.global_scales != nullptr) v.global_scales += first;
+    if (v.row_scales != nullptr) v.row_scales += first * v.row_scales_expert_stride;
+    return v;
   }
 };
 
@@ -1405,15 +1436,21 @@ TEST(MoeGemm, Fp8DecodeModelShapes) {
 // followed by moe_combine (every bit, and nothing of y past n written), and against the block's fp64 value. Against
 // fp64 the bf16 act (2^-9 relative per term), the shared output's rounding (2^-9) and y's own add up to about
 // 2^-8 of the summed magnitudes; leaving out one expert's term moves y by about its own magnitude. gated = false:
-// no shared gate, the shared expert added unweighted (DeepSeek-V3 / GLM-5).
+// no shared gate, the shared expert added unweighted (DeepSeek-V3 / GLM-5). `experts`: only the pairs of these
+// experts are summed (expert parallelism: one rank's); the others' expert_out rows are poison, so a pair of theirs
+// summed makes y NaN.
 void check_combine_gemv(const DeviceContext& ctx, int64_t m, int64_t top_k, int64_t n, int64_t k, bool gated,
-                        std::mt19937& rng) {
+                        std::mt19937& rng, std::pair<int32_t, int32_t> experts = {0, INT32_MAX}) {
   const int64_t n_experts = 64, pairs = m * top_k, ldx = 2 * k + 8, gate_stride = 3, ldy = n + 5;
   const std::vector<int32_t> ids = random_ids(m, top_k, n_experts, false, rng);
   const HostAlign al = align_reference(ids, n_experts);
   const std::vector<uint16_t> gate_up = gemm_test::random_bf16(static_cast<size_t>(m * ldx), rng);
   const std::vector<uint16_t> w = gemm_test::random_bf16(static_cast<size_t>(n * k), rng);
-  const std::vector<uint16_t> expert_out = gemm_test::random_bf16(static_cast<size_t>(pairs * n), rng);
+  std::vector<uint16_t> expert_out = gemm_test::random_bf16(static_cast<size_t>(pairs * n), rng);
+  const auto mine = [&](int64_t pair) { return ids[pair] >= experts.first && ids[pair] < experts.second; };
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    if (!mine(pair)) std::fill_n(&expert_out[al.pair_row[pair] * n], n, uint16_t{0x7FC0});  // NaN
+  }
   const std::vector<uint16_t> gates = gemm_test::random_bf16(static_cast<size_t>(m * gate_stride), rng);
   std::uniform_real_distribution<float> unit(0.05f, 1.0f);
   std::vector<float> weights(static_cast<size_t>(pairs));
@@ -1436,7 +1473,9 @@ void check_combine_gemv(const DeviceContext& ctx, int64_t m, int64_t top_k, int6
                             .y = y_two.as<uint16_t>(),
                             .tokens = m,
                             .top_k = top_k,
-                            .hidden = n};
+                            .hidden = n,
+                            .expert_begin = experts.first,
+                            .expert_end = experts.second};
   // moe_combine writes rows of hidden; y_two is read back at ldy = n for it.
   ASSERT_TRUE(moe_combine(ctx, comb).has_value());
   GemmBf16Args fused = args;
@@ -1446,7 +1485,9 @@ void check_combine_gemv(const DeviceContext& ctx, int64_t m, int64_t top_k, int6
   ASSERT_TRUE(status.has_value()) << status.error().message;
   ctx.synchronize();
   const std::string what = "combine in the GEMV: T=" + std::to_string(m) + " top" + std::to_string(top_k) +
-                           " n=" + std::to_string(n) + " k=" + std::to_string(k) + (gated ? "" : " ungated");
+                           " n=" + std::to_string(n) + " k=" + std::to_string(k) + (gated ? "" : " ungated") +
+                           (experts.second == INT32_MAX ? "" : " experts [" + std::to_string(experts.first) + ", " +
+                                                                   std::to_string(experts.second) + ")");
   const auto got = download<uint16_t>(y_one, static_cast<size_t>(m * ldy));
   const auto want = download<uint16_t>(y_two, static_cast<size_t>(m * n));
   EXPECT_EQ(y_columns(got, m, ldy, 0, n), want) << what << ": differs from gemv_bf16_silu_mul + moe_combine";
@@ -1469,6 +1510,7 @@ void check_combine_gemv(const DeviceContext& ctx, int64_t m, int64_t top_k, int6
         shared_abs += std::fabs(p);
       }
       for (int64_t j = 0; j < top_k; ++j) {
+        if (!mine(t * top_k + j)) continue;
         const double v = weights[t * top_k + j] * bf16_to_float(expert_out[al.pair_row[t * top_k + j] * n + col]);
         routed += v;
         routed_abs += std::fabs(v);
@@ -1496,6 +1538,12 @@ TEST(MoeCombine, FoldedIntoTheSharedExpertGemv) {
                          Shape{8, 4, 96, 136}, Shape{5, 10, 1000, 48}}) {
     for (bool gated : {true, false}) check_combine_gemv(ctx, s.m, s.top_k, s.n, s.k, gated, rng);
   }
+  // One expert-parallel rank's experts of the 64: [16, 32) (some tokens have none of theirs there), and an empty
+  // share of a top-1 token.
+  for (const Shape& s : {Shape{1, 8, 2048, 512}, Shape{8, 4, 96, 136}, Shape{3, 32, 136, 72}}) {
+    for (bool gated : {true, false}) check_combine_gemv(ctx, s.m, s.top_k, s.n, s.k, gated, rng, {16, 32});
+  }
+  check_combine_gemv(ctx, 1, 1, 200, 64, true, rng, {64, 65});
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1550,6 +1598,10 @@ struct BlockRun {
   MoeGemmVariant variant = MoeGemmVariant::kAuto;
   bool split = false;
   std::optional<BlockSigmoid> sigmoid;  // none: softmax routing, the shared expert behind sigmoid(its gate)
+  // Expert parallelism over this many ranks: rank r's moe_forward holds experts [r E / ranks, (r + 1) E / ranks)
+  // (MoeForwardArgs::expert_begin) and is checked against Moe::forward holding the same ones (MoeWeights::
+  // first_expert); the shared expert is rank 0's. The ranks' outputs summed are the block's.
+  int64_t expert_ranks = 1;
 };
 
 // With sigmoid routing, x rows whose routing has a near-tie (sigmoid_reference) are drawn again: Moe::forward and the
@@ -1591,13 +1643,6 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
   const ExpertWeights shared_gu = make_expert_weights(MoeWeightFormat::kBf16, 1, 2 * si, h, 1.0f / std::sqrt(float(h)), rng);
   const ExpertWeights shared_down = make_expert_weights(MoeWeightFormat::kBf16, 1, h, si, 1.0f / std::sqrt(float(si)), rng);
 
-  MoeWeights cpu_w{.router = Linear("router", {.format = CpuWeightFormat::kBf16, .rows = e_count, .cols = h,
-                                               .data = router.data()})};
-  for (int64_t e = 0; e < e_count; ++e) {
-    cpu_w.experts.push_back({Linear("gate", cpu_view(gate_up, e, 0, inter)),
-                             Linear("up", run.split ? cpu_view(up, e, 0, inter) : cpu_view(gate_up, e, inter, inter)),
-                             Linear("down", cpu_view(down, e, 0, h))});
-  }
   // Sigmoid routing: the shared expert has no gate (its router column is computed but must not be read), and a
   // correction bias that repeats expert 1's for the last expert keeps make_router's exact tie.
   const BlockSigmoid sig = run.sigmoid.value_or(BlockSigmoid{});
@@ -1605,7 +1650,17 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
   std::vector<float> bias = run.sigmoid ? random_bias(e_count, sig.bias_scale, rng) : std::vector<float>{};
   if (e_count > 2 && !bias.empty()) bias[e_count - 1] = bias[1];
   const SigmoidShape sig_shape{"block", e_count, s.top_k, sig.n_group, sig.topk_group, sig.routed_scaling, true};
-  if (s.shared_inter > 0) {
+  // The CPU block of experts [first, first + count), with the shared expert or without.
+  const auto cpu_block = [&](int64_t first, int64_t count, bool with_shared) {
+  MoeWeights cpu_w{.router = Linear("router", {.format = CpuWeightFormat::kBf16, .rows = e_count, .cols = h,
+                                               .data = router.data()})};
+  cpu_w.first_expert = first;
+  for (int64_t e = first; e < first + count; ++e) {
+    cpu_w.experts.push_back({Linear("gate", cpu_view(gate_up, e, 0, inter)),
+                             Linear("up", run.split ? cpu_view(up, e, 0, inter) : cpu_view(gate_up, e, inter, inter)),
+                             Linear("down", cpu_view(down, e, 0, h))});
+  }
+  if (with_shared && s.shared_inter > 0) {
     cpu_w.shared_expert = std::make_unique<Mlp>(MlpWeights{Linear("sg", cpu_view(shared_gu, 0, 0, si)),
                                                            Linear("su", cpu_view(shared_gu, 0, si, si)),
                                                            Linear("sd", cpu_view(shared_down, 0, 0, h))});
@@ -1615,14 +1670,19 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
     }
   }
   cpu_w.correction_bias = bias;
-  const Moe cpu(MoeShape{.top_k = s.top_k,
-                         .renormalize = true,
-                         .sigmoid = !gated,
-                         .n_group = sig.n_group,
-                         .topk_group = sig.topk_group,
-                         .routed_scaling = gated ? 1.0f : sig.routed_scaling,
-                         .shared_gate = gated},
-                std::move(cpu_w));
+  return Moe(MoeShape{.top_k = s.top_k,
+                      .renormalize = true,
+                      .sigmoid = !gated,
+                      .n_group = sig.n_group,
+                      .topk_group = sig.topk_group,
+                      .routed_scaling = gated ? 1.0f : sig.routed_scaling,
+                      .shared_gate = gated},
+             std::move(cpu_w));
+  };
+  const int64_t ranks = run.expert_ranks, local = e_count / ranks;
+  ASSERT_EQ(e_count % ranks, 0);
+  std::vector<Moe> cpu;
+  for (int64_t r = 0; r < ranks; ++r) cpu.push_back(cpu_block(r * local, local, r == 0));
   const DeviceBuffer d_router = upload(router), d_bias = upload(bias);
 
   for (int64_t tokens : run.tokens) {
@@ -1632,8 +1692,6 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
       if (::testing::Test::HasFatalFailure()) return;
     }
     const std::vector<float> xf = gemm_test::bf16_to_floats(x);
-    std::vector<float> want(static_cast<size_t>(tokens * h));
-    cpu.forward(xf.data(), want.data(), tokens, "", nullptr);
 
     // GPU: router (+ shared gate column) and shared expert with the dense kernels, then the routed part.
     const DeviceBuffer d_x = upload(x);
@@ -1651,62 +1709,68 @@ void check_block(const DeviceContext& ctx, const BlockShape& s, MoeWeightFormat 
       ASSERT_TRUE(gemm_bf16(ctx, {.x = s_act.as<uint16_t>(), .w = shared_down.d_bf16.as<uint16_t>(),
                                   .y = s_out.as<uint16_t>(), .m = tokens, .n = h, .k = si}).has_value());
     }
-    const size_t ws_bytes = moe_forward_workspace_bytes(tokens, s.top_k, e_count, inter, h);
-    const DeviceBuffer ws = poisoned(ws_bytes), d_y = poisoned(static_cast<size_t>(tokens * h) * 2);
-    const bool shared = s.shared_inter > 0;
-    const auto status = moe_forward(ctx, {.x = d_x.as<uint16_t>(),
-                                          .router_logits = logits.as<uint16_t>(),
-                                          .logits_stride = e_count + 1,
-                                          .tokens = tokens,
-                                          .hidden = h,
-                                          .inter = inter,
-                                          .n_experts = e_count,
-                                          .top_k = s.top_k,
-                                          .sigmoid = !gated,
-                                          .n_group = sig.n_group,
-                                          .topk_group = sig.topk_group,
-                                          .routed_scaling = gated ? 1.0f : sig.routed_scaling,
-                                          .correction_bias = bias.empty() ? nullptr : d_bias.as<float>(),
-                                          .gate_up = gate_up.view(),
-                                          .up = run.split ? up.view() : MoeExpertWeights{},
-                                          .down = down.view(),
-                                          .shared_out = shared ? s_out.as<uint16_t>() : nullptr,
-                                          .shared_gate = shared && gated ? logits.as<uint16_t>() + e_count : nullptr,
-                                          .shared_gate_stride = e_count + 1,
-                                          .y = d_y.as<uint16_t>(),
-                                          .workspace = ws.data(),
-                                          .workspace_bytes = ws_bytes,
-                                          .variant = run.variant});
-    ASSERT_TRUE(status.has_value()) << status.error().message;
-    ctx.synchronize();
-    const auto got = download<uint16_t>(d_y, static_cast<size_t>(tokens * h));
+    for (int64_t r = 0; r < ranks; ++r) {
+      const size_t ws_bytes = moe_forward_workspace_bytes(tokens, s.top_k, e_count, inter, h);
+      const DeviceBuffer ws = poisoned(ws_bytes), d_y = poisoned(static_cast<size_t>(tokens * h) * 2);
+      const bool shared = s.shared_inter > 0 && r == 0;
+      std::vector<float> want(static_cast<size_t>(tokens * h));
+      cpu[r].forward(xf.data(), want.data(), tokens, "", nullptr);
+      const auto status = moe_forward(ctx, {.x = d_x.as<uint16_t>(),
+                                            .router_logits = logits.as<uint16_t>(),
+                                            .logits_stride = e_count + 1,
+                                            .tokens = tokens,
+                                            .hidden = h,
+                                            .inter = inter,
+                                            .n_experts = e_count,
+                                            .top_k = s.top_k,
+                                            .expert_begin = r * local,
+                                            .sigmoid = !gated,
+                                            .n_group = sig.n_group,
+                                            .topk_group = sig.topk_group,
+                                            .routed_scaling = gated ? 1.0f : sig.routed_scaling,
+                                            .correction_bias = bias.empty() ? nullptr : d_bias.as<float>(),
+                                            .gate_up = gate_up.view(r * local, local),
+                                            .up = run.split ? up.view(r * local, local) : MoeExpertWeights{},
+                                            .down = down.view(r * local, local),
+                                            .shared_out = shared ? s_out.as<uint16_t>() : nullptr,
+                                            .shared_gate = shared && gated ? logits.as<uint16_t>() + e_count : nullptr,
+                                            .shared_gate_stride = e_count + 1,
+                                            .y = d_y.as<uint16_t>(),
+                                            .workspace = ws.data(),
+                                            .workspace_bytes = ws_bytes,
+                                            .variant = run.variant});
+      ASSERT_TRUE(status.has_value()) << status.error().message;
+      ctx.synchronize();
+      const auto got = download<uint16_t>(d_y, static_cast<size_t>(tokens * h));
 
-    // Tolerance per token row: 2^-6 of the row's largest |y|. The GPU rounds gate/up, the activation, each expert's
-    // output and the shared expert's to bf16 (2^-9 relative each, random in sign), so a row's error is about
-    // 2^-8.7 of its rms and its largest error about 2^-8.5 of its largest value; a dropped or misweighted expert
-    // (>= 1/top_k of the row) or a missing shared expert is several times the bound.
-    int bad = 0;
-    double worst = 0;
-    for (int64_t t = 0; t < tokens; ++t) {
-      double row_max = 0;
-      for (int64_t d = 0; d < h; ++d) row_max = std::max(row_max, std::fabs(double(want[t * h + d])));
-      const double allowed = 0x1p-6 * row_max;
-      for (int64_t d = 0; d < h; ++d) {
-        const double g = bf16_to_float(got[t * h + d]), err = std::fabs(g - want[t * h + d]);
-        if (std::isfinite(g)) worst = std::max(worst, err / allowed);
-        if ((!std::isfinite(g) || err > allowed) && ++bad <= 5) {
-          ADD_FAILURE() << "y[" << t << "," << d << "] = " << g << ", Moe::forward " << want[t * h + d]
-                        << " (allowed " << allowed << ")";
+      // Tolerance per token row: 2^-6 of the row's largest |y|. The GPU rounds gate/up, the activation, each expert's
+      // output and the shared expert's to bf16 (2^-9 relative each, random in sign), so a row's error is about
+      // 2^-8.7 of its rms and its largest error about 2^-8.5 of its largest value; a dropped or misweighted expert
+      // (>= 1/top_k of the row) or a missing shared expert is several times the bound.
+      int bad = 0;
+      double worst = 0;
+      for (int64_t t = 0; t < tokens; ++t) {
+        double row_max = 0;
+        for (int64_t d = 0; d < h; ++d) row_max = std::max(row_max, std::fabs(double(want[t * h + d])));
+        const double allowed = 0x1p-6 * row_max;
+        for (int64_t d = 0; d < h; ++d) {
+          const double g = bf16_to_float(got[t * h + d]), err = std::fabs(g - want[t * h + d]);
+          if (std::isfinite(g)) worst = std::max(worst, err / allowed);
+          if ((!std::isfinite(g) || err > allowed) && ++bad <= 5) {
+            ADD_FAILURE() << "y[" << t << "," << d << "] = " << g << ", Moe::forward " << want[t * h + d]
+                          << " (allowed " << allowed << ")";
+          }
         }
       }
+      const std::string routing = gated ? "" : " sigmoid " + std::to_string(sig.topk_group) + "/" +
+                                                   std::to_string(sig.n_group) + (bias.empty() ? "" : " +bias");
+      const std::string rank = ranks == 1 ? "" : " rank " + std::to_string(r) + "/" + std::to_string(ranks);
+      std::printf("block %s %s%s%s%s H=%ld I=%ld E=%ld top%ld shared=%ld T=%ld: max error / allowed = %.3f\n",
+                  format_name(format), variant_name(run.variant), run.split ? " split" : "", routing.c_str(),
+                  rank.c_str(), long(h), long(inter), long(e_count), long(s.top_k), long(s.shared_inter), long(tokens),
+                  worst);
+      EXPECT_EQ(bad, 0) << tokens << " tokens" << rank;
     }
-    const std::string routing = gated ? "" : " sigmoid " + std::to_string(sig.topk_group) + "/" +
-                                                 std::to_string(sig.n_group) + (bias.empty() ? "" : " +bias");
-    std::printf("block %s %s%s%s H=%ld I=%ld E=%ld top%ld shared=%ld T=%ld: max error / allowed = %.3f\n",
-                format_name(format), variant_name(run.variant),
-                run.split ? " split" : "", routing.c_str(), long(h), long(inter), long(e_count), long(s.top_k),
-                long(s.shared_inter), long(tokens), worst);
-    EXPECT_EQ(bad, 0) << tokens << " tokens";
   }
 }
 
@@ -1772,6 +1836,27 @@ TEST(MoeBlock, SigmoidRoutingMatchesCpuMoeForward) {
 // the shapes of MatchesCpuMoeForward at its token counts, the decode paths and kPrefill at decode token counts (gate
 // and up together and as two stacks), and the sigmoid routing of GLM-5-FP8 and DeepSeek-V3, the FP8 checkpoints'
 // models, with and without a shared expert.
+// Expert parallelism: each rank's moe_forward over its share of the experts (MoeForwardArgs::expert_begin; the
+// router's choice among all of them) against Moe::forward over the same share; a rank's output has only its experts'
+// terms (and rank 0's the shared expert), so a row none of whose experts it holds must be exactly 0. Shares of 4, 2
+// and 1 expert of the fixture's 8 (one fewer than top-2), 32 of a 35B-like 256 (top-8), 128 of a 397B-like 512,
+// one group of GLM-5-like grouped sigmoid routing each; at prefill and decode token counts.
+TEST(MoeBlock, ExpertParallelRanksMatchCpuMoeForward) {
+  DeviceContext ctx;
+  std::mt19937 rng(2024);
+  for (MoeWeightFormat f : {MoeWeightFormat::kBf16, MoeWeightFormat::kNvfp4}) {
+    for (int64_t ranks : {2, 4, 8}) check_block(ctx, {64, 32, 8, 2, 32}, f, rng, {.expert_ranks = ranks});
+    check_block(ctx, {512, 128, 256, 8, 128}, f, rng, {.expert_ranks = 8});
+    check_block(ctx, {256, 64, 512, 10, 0}, f, rng, {.expert_ranks = 4});
+    check_block(ctx, {256, 64, 256, 8, 64}, f, rng, {.sigmoid = BlockSigmoid{8, 4, 2.5f, 0.1f}, .expert_ranks = 8});
+    for (MoeGemmVariant v : {MoeGemmVariant::kAuto, MoeGemmVariant::kDecode, MoeGemmVariant::kPrefill}) {
+      check_block(ctx, {512, 128, 256, 8, 128}, f, rng,
+                  {.tokens = {1, 2, 7, 64}, .variant = v, .split = v == MoeGemmVariant::kDecode, .expert_ranks = 8});
+    }
+  }
+  check_block(ctx, {512, 128, 256, 8, 128}, MoeWeightFormat::kFp8, rng, {.expert_ranks = 4});
+}
+
 TEST(MoeBlock, Fp8MatchesCpuMoeForward) {
   DeviceContext ctx;
   std::mt19937 rng(2021);
@@ -1812,7 +1897,7 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
   auto* i32 = buf.as<int32_t>();
   const MoeRouteArgs route{.logits = u16, .logits_stride = 8, .topk_ids = i32, .topk_weights = buf.as<float>(),
                            .tokens = 1, .n_experts = 8, .top_k = 2};
-  expect_error([&] { auto a = route; a.top_k = 9; return moe_route(ctx, a); }, "top_k=9 must be in [1, min(n_experts=8");
+  expect_error([&] { auto a = route; a.top_k = 9; return moe_route(ctx, a); }, "top_k=9 is more than n_experts=8");
   expect_error([&] { auto a = route; a.n_experts = 513; a.logits_stride = 513; return moe_route(ctx, a); },
                "n_experts=513 must be in [1, 512]");
   expect_error([&] { auto a = route; a.logits_stride = 7; return moe_route(ctx, a); }, "logits_stride=7");
@@ -1989,6 +2074,8 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
   const MoeCombineArgs comb{.expert_out = u16, .pair_row = i32, .topk_ids = i32, .topk_weights = buf.as<float>(),
                             .y = buf.as<uint16_t>(), .tokens = 1, .top_k = 2, .hidden = 64};
   expect_error([&] { auto a = comb; a.hidden = 12; return moe_combine(ctx, a); }, "hidden=12 must be a positive multiple of 8");
+  expect_error([&] { auto a = comb; a.expert_begin = a.expert_end = 3; return moe_combine(ctx, a); },
+               "experts [3, 3) are empty");
   expect_error([&] { auto a = comb; a.shared_gate = u16; return moe_combine(ctx, a); },
                "shared_out (needed with shared_gate)");
   // A shared expert without a gate is added unweighted (no launch at no tokens).
@@ -2022,6 +2109,16 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
         return moe_route_align(ctx, route, a);
       },
       "align must sort the route's topk_ids");
+  // An expert-parallel share past the router's experts, or starting before them.
+  expect_error(
+      [&] {
+        auto a = align;
+        a.n_experts = 4;
+        a.expert_begin = 6;
+        return moe_route_align(ctx, route, a);
+      },
+      "experts [6, 10) are not within the router's 8");
+  expect_error([&] { auto a = align; a.expert_begin = -1; return moe_align(ctx, a); }, "experts [-1, 7)");
   expect_error(
       [&] {
         auto r = route;
@@ -2084,6 +2181,11 @@ TEST(MoeKernels, BadArgumentsAreErrors) {
   ASSERT_TRUE(moe_forward(ctx, forward).has_value());
   expect_error([&] { auto a = forward; a.top_k = 3; return moe_forward(ctx, a); },
                "moe_forward: top_k=3 is more than the 2 experts of the topk_group=1 kept groups of 2");
+  // Expert parallelism: the weights' experts from expert_begin must lie within the router's.
+  expect_error([&] { auto a = forward; a.expert_begin = 1; return moe_forward(ctx, a); },
+               "moe_forward: experts [1, 5) are not within the router's 4");
+  expect_error([&] { auto a = forward; a.down.n_experts = 2; return moe_forward(ctx, a); },
+               "down weights are [2][64][16], want [4][64][16]");
 }
 
 TEST(MoeCombine, FoldedCombineBadArgumentsAreErrors) {
