@@ -2,7 +2,8 @@
 """--front-end end to end on the CPU: `tern generate` with the ranks in processes of their own and the serving
 process holding none (--tensor-parallel-size 2 --distributed-executor-backend mp --front-end) gives, greedily, the
 tokens of one process without tensor parallelism, with speculative decoding on (the drafts' proposals and the
-verified rows' tokens come back: some drafts must be accepted) and off; and, sampled with a seed and MTP drafts, the
+verified rows' tokens come back: some drafts must be accepted) and off, with the routed experts whole on each rank
+(--enable-expert-parallel, the MTP layer's too) as with them sliced; and, sampled with a seed and MTP drafts, the
 tokens one process draws.
 
 usage: front_end_cli_test.py TERN DEMO_MODEL_DIR
@@ -33,6 +34,9 @@ def main():
     spec = generate(tern, model, front_end + greedy + mtp)
     assert spec["ids"] == want, f"front end with MTP {spec['ids']} != one process {want}"
     assert spec["speculative"]["accepted_tokens"] > 0, spec["speculative"]
+    experts = generate(tern, model, front_end + ["--enable-expert-parallel"] + greedy + mtp)
+    assert experts["ids"] == want, f"front end with expert parallelism {experts['ids']} != one process {want}"
+    assert experts["speculative"]["accepted_tokens"] > 0, experts["speculative"]
     # Sampled with a seed, with MTP drafts: rank 0 draws with the front end's stream, as one process draws.
     sampled = ["--temperature", "0.8", "--seed", "7", "--speculative-algorithm", "mtp"]
     one = generate(tern, model, sampled)
