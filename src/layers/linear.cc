@@ -29,20 +29,23 @@ LinearKind linear_kind(const Linear& l) {
   }
 }
 
+bool share_w4a4_scales(std::span<const Linear* const> linears) {
+  return std::all_of(linears.begin(), linears.end(), [&](const Linear* l) {
+    return l->matrix().global_scale == linears[0]->matrix().global_scale &&
+           l->input_scale() == linears[0]->input_scale();
+  });
+}
+
 std::vector<ProjectionRun> projection_runs(const std::vector<const Linear*>& parts) {
-  auto same_alpha = [](const Linear& a, const Linear& b) {
-    return a.matrix().global_scale == b.matrix().global_scale && a.input_scale() == b.input_scale();
-  };
   std::vector<ProjectionRun> runs;
   size_t i = 0;
   while (i < parts.size()) {
     ProjectionRun run{.kind = linear_kind(*parts[i]), .begin = i};
-    const bool nvfp4 = run.kind == LinearKind::kNvfp4 || run.kind == LinearKind::kW4a4;
+    const bool nvfp4 = is_nvfp4(*parts[i]);
     const size_t max_parts = nvfp4 ? static_cast<size_t>(kNvfp4MaxStackedParts) : parts.size();
     size_t j = i + 1;
     while (j < parts.size() && j - i < max_parts && linear_kind(*parts[j]) == run.kind) ++j;
-    if (run.kind == LinearKind::kW4a4 &&
-        !std::all_of(parts.begin() + i, parts.begin() + j, [&](const Linear* l) { return same_alpha(*l, *parts[i]); })) {
+    if (run.kind == LinearKind::kW4a4 && !share_w4a4_scales(std::span(parts).subspan(i, j - i))) {
       j = i + 1;  // a GEMM a part
     }
     run.end = j;

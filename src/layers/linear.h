@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,13 @@ inline int64_t fused_projection_rows(int64_t rows) {
 // activations (W4A16), NVFP4 with quantized activations (W4A4), block-wise FP8.
 enum class LinearKind { kBf16, kNvfp4, kW4a4, kFp8 };
 LinearKind linear_kind(const Linear& l);
+// Stored as NVFP4 codes (W4A16 or W4A4).
+inline bool is_nvfp4(const Linear& l) { return l.matrix().format == CpuWeightFormat::kNvfp4; }
+inline bool is_fp8(const Linear& l) { return linear_kind(l) == LinearKind::kFp8; }
+// Computed as BF16 on a device (BF16, or fp32 / fp16 rounded to it).
+inline bool is_bf16(const Linear& l) { return linear_kind(l) == LinearKind::kBf16; }
+// Whether W4A4 linears can be one GEMM: cuBLASLt's FP4 GEMM takes one alpha = weight_scale_2 * input_scale.
+bool share_w4a4_scales(std::span<const Linear* const> linears);
 
 // One GEMM of a block's fused input projections: parts [begin, end), adjacent and of one kind, their rows stacked.
 // BF16 and FP8 runs go as far as their kind does; NVFP4 and W4A4 runs take at most kNvfp4MaxStackedParts parts;

@@ -25,17 +25,6 @@ namespace {
 
 using Shapes = std::set<std::pair<int64_t, int64_t>>;  // {N, K}
 
-bool is_nvfp4(const Linear& l) {
-  return l.matrix().format == CpuWeightFormat::kNvfp4;
-}
-bool is_fp8(const Linear& l) {
-  return l.matrix().format == CpuWeightFormat::kFp8Block128;
-}
-// Computed as BF16 on a device (BF16, or fp32 / fp16 rounded to it).
-bool is_bf16(const Linear& l) {
-  return !is_nvfp4(l) && !is_fp8(l);
-}
-
 RmsNormForm form_of(const RmsNorm& n) {
   return n.zero_centred ? RmsNormForm::kZeroCentred : RmsNormForm::kPlain;
 }

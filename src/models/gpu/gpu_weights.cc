@@ -28,17 +28,6 @@ const uint16_t* host_bf16(const CpuMatrix& m, std::vector<uint16_t>& scratch) {
   return scratch.data();
 }
 
-bool is_nvfp4(const Linear& l) { return l.matrix().format == CpuWeightFormat::kNvfp4; }
-bool is_fp8(const Linear& l) { return l.matrix().format == CpuWeightFormat::kFp8Block128; }
-
-// Whether W4A4 linears can be one GEMM: cuBLASLt's FP4 GEMM takes one alpha = weight_scale_2 * input_scale.
-bool share_w4a4_scales(std::span<const Linear* const> linears) {
-  return std::all_of(linears.begin(), linears.end(), [&](const Linear* l) {
-    return l->matrix().global_scale == linears[0]->matrix().global_scale &&
-           l->input_scale() == linears[0]->input_scale();
-  });
-}
-
 int64_t fp8_scale_cols(int64_t k) { return (k + 127) / 128; }
 
 }  // namespace
