@@ -2,11 +2,13 @@
 # The runs that need several GPUs, from a bundle (bundle.sh) holding tern, device_communicator_test and
 # gpu_model_test, one phase per device call (each must end within the call's limit):
 #   t  the tests that need several GPUs: NCCL against a CPU sum (2, 4, 8 ranks as present; graph replay after the
-#      inputs changed in place), the model at TP 2 / 4 over NCCL against transformers; then greedy tokens of a fixture
-#      from one GPU, from rank processes (mp) and from rank processes behind a front end, side by side;
+#      inputs changed in place), the model at TP 2 / 4 over NCCL against transformers (experts sliced and, with
+#      expert parallelism, whole); then greedy tokens of a fixture from one GPU, from rank processes (mp), from rank
+#      processes behind a front end and with expert parallelism, side by side;
 #   d  tern doctor --tp N: peer access, NVLink or PCIe, the NCCL version, the timed all-reduce;
 #   b  tern bench --tp N --load-format dummy on Qwen3.5-397B-A17B NVFP4 (TP 4 and 8) and GLM-5 NVFP4 (TP 8), as many
 #      as the GPUs present allow: decode batch 1, 16, 64 at 4k context, prefill 4096, the all-reduce share, start-up;
+#   e  the same benches with --enable-expert-parallel (whole experts per rank), to set beside b's;
 #   s  tern serve --tp N --distributed-executor-backend mp on the 397B dummy under tern loadgen at concurrency 1, 16
 #      and 64, then one rank process killed mid-stream: the stream must fail, /health answer 503 and the server stay
 #      up, and SIGTERM must leave no rank process behind.
@@ -23,7 +25,7 @@ export NCCL_NVLS_ENABLE=0
 cublas=$(find /usr/local/cuda*/ /usr/lib /opt -name 'libcublasLt.so.13*' 2>/dev/null | head -1)
 nccl=$(find /usr/local/cuda*/ /usr/lib /opt /usr/local/lib/python3* -name 'libnccl.so.2' 2>/dev/null | head -1)
 export LD_LIBRARY_PATH="$here${cublas:+:$(dirname "$cublas")}${nccl:+:$(dirname "$nccl")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-phase=${1:?usage: multi_gpu.sh t|d|b|s [N]}
+phase=${1:?usage: multi_gpu.sh t|d|b|e|s [N]}
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 n=${2:-$((gpus < 8 ? gpus : 8))}
 tern="$here/tern"
@@ -54,9 +56,10 @@ EOF
 case $phase in
   t)
     LINES_PER=20 "$here/run.sh" -t 400 device_communicator_test "gpu_model_test:*nccl*:GpuModel.TheTensorParallel*"
-    for mode in "" "--tp 2 --distributed-executor-backend mp" "--tp 2 --distributed-executor-backend mp --front-end"; do
+    for mode in "" "--tp 2 --distributed-executor-backend mp" "--tp 2 --distributed-executor-backend mp --front-end" \
+                "--tp 2 --distributed-executor-backend mp --enable-expert-parallel"; do
       # shellcheck disable=SC2086  # $mode is a list of flags
-      tokens=$(timeout 120 "$tern" generate --model tests/fixtures/qwen3 --device cuda --prompt-ids 1,2,3,4,5 \
+      tokens=$(timeout 120 "$tern" generate --model tests/fixtures/qwen3_moe --device cuda --prompt-ids 1,2,3,4,5 \
         --max-tokens 16 --temperature 0 --json $mode 2> "$out/generate.err" | python3 -c \
         'import json, sys; print(json.load(sys.stdin).get("ids"))' 2>&1)
       echo "== generate ${mode:-(one GPU)}: $tokens"
@@ -76,6 +79,16 @@ case $phase in
     fi
     [[ $n -ge 4 ]] && bench qwen3.5-397b-a17b-nvfp4 4 --batch 1,16,64 --context 4096 --prefill 4096 --steps 8
     [[ $n -ge 2 && $n -lt 4 ]] && bench qwen3.5-35b-a3b-nvfp4 2 --batch 1,16,64 --context 4096 --prefill 4096 --steps 8
+    ;;
+  e)
+    if [[ $n -ge 8 ]]; then
+      bench glm-5-nvfp4 8 --batch 1,16,64 --context 4096 --prefill 4096 --steps 8 --enable-expert-parallel
+      bench qwen3.5-397b-a17b-nvfp4 8 --batch 1,16,64 --context 4096 --prefill 4096 --steps 8 --enable-expert-parallel
+    fi
+    [[ $n -ge 4 ]] && bench qwen3.5-397b-a17b-nvfp4 4 --batch 1,16,64 --context 4096 --prefill 4096 --steps 8 \
+      --enable-expert-parallel
+    [[ $n -ge 2 && $n -lt 4 ]] && bench qwen3.5-35b-a3b-nvfp4 2 --batch 1,16,64 --context 4096 --prefill 4096 \
+      --steps 8 --enable-expert-parallel
     ;;
   s)
     port=30177
