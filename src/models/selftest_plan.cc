@@ -179,11 +179,14 @@ class Planner final : public BlockOps {
     // The block's router (softmax, or GLM-5 / DeepSeek-V3's sigmoid with its groups and correction bias) and how
     // its shared expert is added.
     const MoeShape& s = m.shape();
+    // Under expert parallelism, this rank's share of the router's experts.
     const MoeCaseRouting routing{.sigmoid = s.sigmoid,
                                  .n_group = s.sigmoid ? s.n_group : 1,
                                  .topk_group = s.sigmoid ? s.topk_group : 1,
                                  .correction_bias = s.sigmoid && !w.correction_bias.empty(),
-                                 .shared_gate = s.shared_gate};
+                                 .shared_gate = s.shared_gate,
+                                 .expert_begin = w.first_expert,
+                                 .local_experts = static_cast<int64_t>(w.experts.size())};
     for (int64_t b : batches_) add("silu_mul", silu_mul_case(b * top_k, inter));
     // The decode batches, then a prefill chunk (past the decode kernels' token limit: the grouped prefill GEMM).
     for (int64_t b : batches_) {

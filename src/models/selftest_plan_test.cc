@@ -152,6 +152,22 @@ TEST(SelftestPlan, Nvfp4ExpertsAreTestedInTheirFormat) {
   EXPECT_TRUE(has(*table, "moe", moe_case(1, h, i, c.num_experts, c.num_experts_per_tok, true, true)));
 }
 
+// Under expert parallelism a rank's MoE cases are its share of the router's experts, whole (rank 1 of 2: experts
+// 4..7 of the fixture's 8, at the full expert width), so the self-test runs the kernels as that rank does.
+TEST(SelftestPlan, ExpertParallelRanksTestTheirShareOfTheExperts) {
+  auto model = model_build_host(std::string(TERN_FIXTURES_DIR) + "/qwen3_5_moe_nvfp4", {.shard = {1, 2, true}});
+  ASSERT_TRUE(model.has_value()) << model.error().message;
+  const ModelConfig& c = (*model)->config();
+  auto table = selftest_cases_of(**model, {1});
+  ASSERT_TRUE(table.has_value()) << table.error().message;
+  const int64_t h = c.hidden_size, i = c.moe_intermediate_size, e = c.num_experts;
+  const SelfTestCase share = moe_case(1, h, i, e, c.num_experts_per_tok, true, true,
+                                      {.expert_begin = e / 2, .local_experts = e / 2});
+  EXPECT_EQ(share.dims.size(), 13u);
+  EXPECT_TRUE(has(*table, "moe", share));
+  EXPECT_FALSE(has(*table, "moe", moe_case(1, h, i, e, c.num_experts_per_tok, true, true)));
+}
+
 // A block-wise FP8 checkpoint's linears run as gemm_fp8 on a device (q|k|v as one stacked weight), its experts as
 // FP8 MoE cases; nothing of it is planned as BF16 or NVFP4.
 TEST(SelftestPlan, Fp8CheckpointsAreTestedInTheirFormat) {

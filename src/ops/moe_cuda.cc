@@ -49,26 +49,28 @@ MoeDeviceInputs moe_upload(const MoeInputs& in, cudaStream_t s) {
   return d;
 }
 
-// One projection of every expert as the grouped GEMM reads it.
+// One projection of the experts the inputs hold ([expert_begin, expert_begin + local_experts) of the stacks) as the
+// grouped GEMM reads it.
 MoeExpertWeights expert_view(const MoeInputs& in, const DeviceBuffer& w, const DeviceBuffer& scales,
                              const DeviceBuffer& global, const DeviceBuffer& row_scales, int64_t n, int64_t k) {
   MoeExpertWeights v{.format = in.nvfp4 ? MoeWeightFormat::kNvfp4 : in.fp8 ? MoeWeightFormat::kFp8
                                                                             : MoeWeightFormat::kBf16,
-                     .n_experts = in.n_experts, .n = n, .k = k};
+                     .n_experts = in.held(), .n = n, .k = k};
+  const int64_t first = in.expert_begin;
   if (in.fp8) {
-    v.packed = w.as<uint8_t>();
     v.packed_expert_stride = n * k;
-    v.row_scales = row_scales.as<float>();
+    v.packed = w.as<uint8_t>() + first * v.packed_expert_stride;
     v.row_scales_expert_stride = n * ((k + 127) / 128);
+    v.row_scales = row_scales.as<float>() + first * v.row_scales_expert_stride;
   } else if (in.nvfp4) {
-    v.packed = w.as<uint8_t>();
     v.packed_expert_stride = n * k / 2;
-    v.scales = scales.as<uint8_t>();
+    v.packed = w.as<uint8_t>() + first * v.packed_expert_stride;
     v.scales_expert_stride = n * k / 16;
-    v.global_scales = global.as<float>();
+    v.scales = scales.as<uint8_t>() + first * v.scales_expert_stride;
+    v.global_scales = global.as<float>() + first;
   } else {
-    v.bf16 = w.as<uint16_t>();
     v.bf16_expert_stride = n * k;
+    v.bf16 = w.as<uint16_t>() + first * v.bf16_expert_stride;
   }
   return v;
 }
@@ -111,7 +113,7 @@ Expected<RunOutput> moe_cuda_run(const DeviceContext& ctx, const MoeInputs& in, 
     TERN_TRY(moe_dense_layers(ctx, in, d));
     MoeForwardArgs a{.x = d.x.as<uint16_t>(), .router_logits = d.logits.as<uint16_t>(), .logits_stride = e + 1,
                      .tokens = in.tokens, .hidden = in.hidden, .inter = in.inter, .n_experts = e, .top_k = in.top_k,
-                     .renormalize = true, .sigmoid = in.sigmoid, .n_group = in.n_group, .topk_group = in.topk_group,
+                     .expert_begin = in.expert_begin, .renormalize = true, .sigmoid = in.sigmoid, .n_group = in.n_group, .topk_group = in.topk_group,
                      .routed_scaling = in.routed_scaling,
                      .correction_bias = in.correction_bias.empty() ? nullptr : d.bias.as<float>(),
                      .gate_up = expert_view(in, d.gate_up, d.gate_up_scales, d.gate_up_global, d.gate_up_row_scales,

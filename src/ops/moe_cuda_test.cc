@@ -48,6 +48,15 @@ TEST_F(CudaMoeOp, PassesOnFixtureAndModelLikeShapes) {
       cases.push_back(moe_case(t, 64, 32, 8, 2, format, true, glm5));
       cases.push_back(moe_case(t, 512, 128, 256, 8, format, true, dsv3));
     }
+    // One expert-parallel rank's share (the others' experts NaN): the fixture's 8 over 4 ranks, a 35B-like 256
+    // over 8 with its shared expert, GLM-5's sigmoid router over 8.
+    for (int64_t t : {1, 3, 37, 1000}) {
+      cases.push_back(moe_case(t, 64, 32, 8, 2, format, true, {.expert_begin = 2, .local_experts = 2}));
+      cases.push_back(moe_case(t, 512, 128, 256, 8, format, true, {.expert_begin = 96, .local_experts = 32}));
+      cases.push_back(moe_case(t, 512, 128, 256, 8, format, true,
+                               {.sigmoid = true, .correction_bias = true, .shared_gate = false, .expert_begin = 224,
+                                .local_experts = 32}));
+    }
   }
   expect_chosen(cases);
 }

@@ -192,12 +192,12 @@ TokenRouting route_token(const MoeInputs& in, const std::vector<double>& logits)
   return in.sigmoid ? route_sigmoid(in, logits) : route_softmax(in, logits);
 }
 
-// The experts the tokens route to, as the reference routes them (the one-hot router makes every logit exact in
-// bf16, so an implementation selects the same experts).
+// The experts the implementation holds that the tokens route to, as the reference routes them (the one-hot router
+// makes every logit exact in bf16, so an implementation selects the same experts).
 std::vector<bool> routed_experts(const MoeInputs& in) {
   std::vector<bool> used(static_cast<size_t>(in.n_experts), false);
   for (int64_t t = 0; t < in.tokens; ++t) {
-    for (int32_t e : route_token(in, token_logits(in, t)).experts) used[e] = true;
+    for (int32_t e : route_token(in, token_logits(in, t)).experts) used[e] = in.holds(e);
   }
   return used;
 }
@@ -231,10 +231,18 @@ std::vector<uint16_t> make_router(uint64_t seed, int64_t n_experts, int64_t hidd
 
 Expected<std::unique_ptr<OpInputs>> moe_make(const SelfTestCase& c, uint64_t seed) {
   const char* layout =
-      "{tokens, hidden, inter, n_experts, top_k, format, shared}, optionally + {sigmoid, n_group, topk_group, bias}";
-  if (c.dims.size() != 7 && c.dims.size() != 11) return make_error("moe case '{}' needs dims {}", c.label, layout);
+      "{tokens, hidden, inter, n_experts, top_k, format, shared}, optionally + {sigmoid, n_group, topk_group, bias}, "
+      "then optionally + {expert_begin, local_experts}";
+  if (c.dims.size() != 7 && c.dims.size() != 11 && c.dims.size() != 13) {
+    return make_error("moe case '{}' needs dims {}", c.label, layout);
+  }
   std::vector<int64_t> d = c.dims;
   if (d.size() == 7) d.insert(d.end(), {0, 1, 1, 0});
+  if (d.size() == 11) d.insert(d.end(), {0, d[3]});
+  if (d[11] < 0 || d[12] < 1 || d[11] + d[12] > d[3]) {
+    return make_error("moe case '{}': experts [{}, {}) are not a range of the {} experts", c.label, d[11],
+                      d[11] + d[12], d[3]);
+  }
   if (d[0] < 0 || d[1] < 16 || d[1] % 16 || d[2] < 16 || d[2] % 16 || d[3] < 1 || d[4] < 1 || d[4] > d[3] ||
       d[5] < 0 || d[5] > 2 || d[6] < 0 || d[6] > 2) {
     return make_error("moe case '{}': bad dims (hidden and inter multiples of 16, 1 <= top_k <= n_experts)", c.label);
@@ -252,6 +260,7 @@ Expected<std::unique_ptr<OpInputs>> moe_make(const SelfTestCase& c, uint64_t see
   in->nvfp4 = d[5] == 1, in->fp8 = d[5] == 2, in->shared = d[6] != 0, in->shared_gate = d[6] != 2;
   in->sigmoid = sigmoid, in->n_group = d[8], in->topk_group = d[9];
   in->routed_scaling = sigmoid ? kSigmoidRoutedScaling : 1.0f;
+  in->expert_begin = d[11], in->local_experts = d[12];
   const int64_t h = in->hidden, i = in->inter, e = in->n_experts;
   if (d[10] == 1) {
     // Biases of about the scores' spread move experts across the selection's edge; expert 1's is repeated with its
@@ -349,6 +358,7 @@ std::vector<float> moe_reference(const OpInputs& base) {
     const std::vector<double> logits = token_logits(in, t);
     const TokenRouting routing = route_token(in, logits);
     for (int64_t j = 0; j < k; ++j) {
+      if (!in.holds(routing.experts[j])) continue;  // another expert-parallel rank's
       const int64_t u = slot[routing.experts[j]];
       swiglu_f64(x, &gate_up[u * 2 * inter * h], &down[u * h * inter], h, inter, out);
       for (int64_t d = 0; d < h; ++d) acc[d] += routing.weights[j] * out[d];
@@ -407,7 +417,8 @@ Expected<RunOutput> moe_cpu(const OpInputs& base) {
 std::unique_ptr<Moe> moe_cpu_layer(const MoeInputs& in) {
   const int64_t h = in.hidden, inter = in.inter;
   MoeWeights w{.router = Linear("router", bf16_matrix(in.router.data(), in.n_experts, h))};
-  for (int64_t e = 0; e < in.n_experts; ++e) {
+  w.first_expert = in.expert_begin;
+  for (int64_t e = in.expert_begin; e < in.expert_begin + in.held(); ++e) {
     w.experts.push_back(MlpWeights{Linear("gate_proj", expert_matrix(in, true, e, 0, inter)),
                                    Linear("up_proj", expert_matrix(in, true, e, inter, inter)),
                                    Linear("down_proj", expert_matrix(in, false, e, 0, h))});
@@ -455,10 +466,18 @@ SelfTestCase moe_case(int64_t tokens, int64_t hidden, int64_t inter, int64_t n_e
   std::string label = fmt::format("T={} H={} I={} E={} top{} {}{}", tokens, hidden, inter, n_experts, top_k, name,
                                   shared_dim == 0 ? "" : shared_dim == 1 ? " +shared" : " +shared(unweighted)");
   std::vector<int64_t> dims = {tokens, hidden, inter, n_experts, top_k, static_cast<int64_t>(format), shared_dim};
-  if (routing.sigmoid) {
-    label += fmt::format(" sigmoid groups {}/{}{}", routing.topk_group, routing.n_group,
-                         routing.correction_bias ? " +bias" : "");
-    dims.insert(dims.end(), {1, routing.n_group, routing.topk_group, routing.correction_bias ? 1 : 0});
+  const bool share = routing.local_experts > 0 && routing.local_experts < n_experts;
+  if (routing.sigmoid || share) {
+    if (routing.sigmoid) {
+      label += fmt::format(" sigmoid groups {}/{}{}", routing.topk_group, routing.n_group,
+                           routing.correction_bias ? " +bias" : "");
+    }
+    dims.insert(dims.end(), {routing.sigmoid ? 1 : 0, routing.n_group, routing.topk_group,
+                             routing.correction_bias ? 1 : 0});
+  }
+  if (share) {
+    label += fmt::format(" experts [{}, {})", routing.expert_begin, routing.expert_begin + routing.local_experts);
+    dims.insert(dims.end(), {routing.expert_begin, routing.local_experts});
   }
   return {std::move(label), std::move(dims)};
 }

@@ -9,6 +9,9 @@
 //        (bias = 1: a random one from the seed, large enough to change choices; 0: none) within the best topk_group
 //        of n_group groups, weighted by their renormalised scores times routed_scaling 2.5 (both models' factor);
 //        sigmoid = 0 is the softmax router (n_group = topk_group = 1, bias = 0).
+//        dims {... the 11 above ..., expert_begin, local_experts}: one expert-parallel rank's block: the implementation
+//        holds experts [expert_begin, expert_begin + local_experts) of the router's n_experts and its output sums
+//        only the pairs routed to them (plus the shared expert); every other expert's weights are NaN.
 // The harness draws fresh, non-zero, bf16-exact activations and weights from the seed. Router rows (and the shared
 // expert gate) are one-hot with a power-of-two value, so the logits are exact in every format: a GPU that rounds
 // them to bf16 (as transformers does) selects the experts the fp32 CPU layer selects, and the comparison measures
@@ -39,6 +42,11 @@ struct MoeInputs : OpInputs {
   int64_t n_group = 1, topk_group = 1;
   float routed_scaling = 1.0f;
   std::vector<float> correction_bias;
+  // The experts the implementation holds (expert parallelism): [expert_begin, expert_begin + held()); local_experts
+  // 0: all of them.
+  int64_t expert_begin = 0, local_experts = 0;
+  int64_t held() const { return local_experts > 0 ? local_experts : n_experts; }
+  bool holds(int64_t e) const { return e >= expert_begin && e < expert_begin + held(); }
   std::vector<uint16_t> x;       // [tokens, hidden] bf16
   std::vector<uint16_t> router;  // [n_experts + 1, hidden] bf16; row n_experts is the shared expert gate
   // Routed experts, bf16, NVFP4 or FP8. gate_up [E][2 * inter][hidden]: gate rows first, then up (NVFP4: one
@@ -60,6 +68,8 @@ struct MoeCaseRouting {
   int64_t n_group = 1, topk_group = 1;
   bool correction_bias = false;
   bool shared_gate = true;
+  // Expert parallelism: the block holds experts [expert_begin, expert_begin + local_experts) (0 local: all).
+  int64_t expert_begin = 0, local_experts = 0;
 };
 
 // The routed experts' weight format, as dims[5] encodes it.

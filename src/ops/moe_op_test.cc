@@ -26,7 +26,12 @@ std::vector<SelfTestCase> small_cases() {
           moe_case(37, 64, 32, 8, 2, false, true, glm5),   moe_case(5, 128, 64, 64, 8, true, true, grouped),
           moe_case(9, 64, 32, 64, 8, false, false, grouped),
           moe_case(3, 64, 32, 8, 2, MoeCaseFormat::kFp8, true),
-          moe_case(5, 256, 144, 64, 8, MoeCaseFormat::kFp8, true, grouped)};
+          moe_case(5, 256, 144, 64, 8, MoeCaseFormat::kFp8, true, grouped),
+          // one expert-parallel rank's share: 2 of 8 (as many as top-k), and 16 of a grouped sigmoid router's 64
+          moe_case(9, 64, 32, 8, 2, true, true, {.expert_begin = 4, .local_experts = 2}),
+          moe_case(5, 128, 64, 64, 8, false, true,
+                   {.sigmoid = true, .n_group = 8, .topk_group = 4, .correction_bias = true, .shared_gate = false,
+                    .expert_begin = 16, .local_experts = 16})};
 }
 
 TEST(MoeOp, CpuImplementationPassesItsSelfTest) {
@@ -217,6 +222,29 @@ TEST(MoeOp, BrokenImplementationsAreRejected) {
     const char* want = cand.name == "unwritten" ? "never written" : "exceeds the tolerance";
     EXPECT_NE(cand.reason.find(want), std::string::npos) << cand.name << ": " << cand.reason;
   }
+}
+
+// Expert parallelism's faults: every expert summed (the ones the rank does not hold are NaN), another rank's share,
+// the share's pairs left out.
+TEST(MoeOp, BrokenExpertParallelImplementationsAreRejected) {
+  Registry r;
+  ASSERT_TRUE(moe_register_cpu(r).has_value());
+  ASSERT_TRUE(r.add(broken(r, "every-expert", [](MoeInputs& in) { in.expert_begin = 0, in.local_experts = 0; }, {}))
+                  .has_value());
+  ASSERT_TRUE(r.add(broken(r, "next-share", [](MoeInputs& in) { in.expert_begin += in.local_experts; }, {}))
+                  .has_value());
+  ASSERT_TRUE(r.add(broken(r, "shared-only", [](MoeInputs& in) { in.top_k = 0; }, {})).has_value());
+  const SelfTestCase c = moe_case(17, 64, 32, 16, 4, true, true, {.expert_begin = 4, .local_experts = 4});
+  auto s = registry_select(r, "moe", cpu_device_describe(), std::span(&c, 1), {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_EQ(s->chosen, "cpu");
+  for (const auto& cand : s->candidates) {
+    if (cand.name == "cpu") continue;
+    EXPECT_EQ(cand.status, CandidateStatus::kFailed) << cand.name << ": " << cand.reason;
+  }
+  // A share outside the router's experts is a bad case.
+  const SelfTestCase outside = moe_case(1, 64, 32, 8, 2, false, false, {.expert_begin = 6, .local_experts = 4});
+  EXPECT_FALSE(r.harness("moe")->make_inputs(outside, 1).has_value());
 }
 
 // Sigmoid routing's faults: the bias ignored (other experts, which the harness left NaN, or other weights), the shared
