@@ -224,6 +224,17 @@ TEST(MoeOp, BrokenImplementationsAreRejected) {
   }
 }
 
+// The case selects the CPU implementation and fails every other one registered.
+void expect_only_cpu_passes(const Registry& r, const SelfTestCase& c) {
+  auto s = registry_select(r, "moe", cpu_device_describe(), std::span(&c, 1), {});
+  ASSERT_TRUE(s.has_value()) << s.error().message;
+  EXPECT_EQ(s->chosen, "cpu");
+  for (const auto& cand : s->candidates) {
+    if (cand.name == "cpu") continue;
+    EXPECT_EQ(cand.status, CandidateStatus::kFailed) << cand.name << ": " << cand.reason;
+  }
+}
+
 // Expert parallelism's faults: every expert summed (the ones the rank does not hold are NaN), another rank's share,
 // the share's pairs left out.
 TEST(MoeOp, BrokenExpertParallelImplementationsAreRejected) {
@@ -235,13 +246,7 @@ TEST(MoeOp, BrokenExpertParallelImplementationsAreRejected) {
                   .has_value());
   ASSERT_TRUE(r.add(broken(r, "shared-only", [](MoeInputs& in) { in.top_k = 0; }, {})).has_value());
   const SelfTestCase c = moe_case(17, 64, 32, 16, 4, true, true, {.expert_begin = 4, .local_experts = 4});
-  auto s = registry_select(r, "moe", cpu_device_describe(), std::span(&c, 1), {});
-  ASSERT_TRUE(s.has_value()) << s.error().message;
-  EXPECT_EQ(s->chosen, "cpu");
-  for (const auto& cand : s->candidates) {
-    if (cand.name == "cpu") continue;
-    EXPECT_EQ(cand.status, CandidateStatus::kFailed) << cand.name << ": " << cand.reason;
-  }
+  expect_only_cpu_passes(r, c);
   // A share outside the router's experts is a bad case.
   const SelfTestCase outside = moe_case(1, 64, 32, 8, 2, false, false, {.expert_begin = 6, .local_experts = 4});
   EXPECT_FALSE(r.harness("moe")->make_inputs(outside, 1).has_value());
@@ -258,13 +263,7 @@ TEST(MoeOp, BrokenSigmoidImplementationsAreRejected) {
   const SelfTestCase c = moe_case(7, 64, 32, 64, 8, false, true,
                                   {.sigmoid = true, .n_group = 8, .topk_group = 4, .correction_bias = true,
                                    .shared_gate = false});
-  auto s = registry_select(r, "moe", cpu_device_describe(), std::span(&c, 1), {});
-  ASSERT_TRUE(s.has_value()) << s.error().message;
-  EXPECT_EQ(s->chosen, "cpu");
-  for (const auto& cand : s->candidates) {
-    if (cand.name == "cpu") continue;
-    EXPECT_EQ(cand.status, CandidateStatus::kFailed) << cand.name << ": " << cand.reason;
-  }
+  expect_only_cpu_passes(r, c);
 }
 
 }  // namespace
