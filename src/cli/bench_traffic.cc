@@ -2,8 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <random>
+#include <vector>
 
 #include "layers/attention.h"
 #include "layers/block_ops.h"
@@ -156,11 +159,38 @@ double expected_distinct_experts(int64_t n_experts, int64_t top_k, int64_t token
   return e * (1.0 - std::pow(1.0 - static_cast<double>(top_k) / e, static_cast<double>(tokens)));
 }
 
+double expected_busiest_rank_experts(int64_t n_experts, int64_t ranks, int64_t top_k, int64_t tokens) {
+  if (n_experts <= 0 || ranks < 1 || n_experts % ranks != 0 || top_k > n_experts) return 0;
+  const int64_t per_rank = n_experts / ranks;
+  std::mt19937_64 rng(0x5eed);
+  std::uniform_int_distribution<int64_t> pick(0, n_experts - 1);
+  std::vector<char> hit(static_cast<size_t>(n_experts));
+  std::vector<int64_t> rank_hits(static_cast<size_t>(ranks)), chosen;
+  double total = 0;
+  for (int draw = 0; draw < kExpertDraws; ++draw) {
+    std::fill(hit.begin(), hit.end(), 0);
+    for (int64_t t = 0; t < tokens; ++t) {
+      chosen.clear();
+      while (static_cast<int64_t>(chosen.size()) < top_k) {  // top_k distinct experts, each set equally likely
+        const int64_t e = pick(rng);
+        if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+      }
+      for (int64_t e : chosen) hit[e] = 1;
+    }
+    std::fill(rank_hits.begin(), rank_hits.end(), 0);
+    for (int64_t e = 0; e < n_experts; ++e) rank_hits[e / per_rank] += hit[e];
+    total += static_cast<double>(*std::max_element(rank_hits.begin(), rank_hits.end()));
+  }
+  return total / kExpertDraws;
+}
+
 double decode_step_bytes(const StepTraffic& t, int64_t batch, double context) {
-  // The router's experts any of the batch chose, of which this rank holds its share.
+  // The router's experts any of the batch chose that this rank holds: all of them (each a slice) under tensor
+  // parallelism; under expert parallelism the busiest rank's share, which the step waits for.
+  const int64_t ranks = t.n_experts > 0 ? t.router_experts / t.n_experts : 1;
   const double experts = t.router_experts <= 0 ? 0
-                         : expected_distinct_experts(t.router_experts, t.top_k, batch) *
-                               static_cast<double>(t.n_experts) / static_cast<double>(t.router_experts);
+                         : ranks > 1 ? expected_busiest_rank_experts(t.router_experts, ranks, t.top_k, batch)
+                                     : expected_distinct_experts(t.router_experts, t.top_k, batch);
   // The Gated DeltaNet state is read and written back.
   return t.dense_weight_bytes + static_cast<double>(t.moe_layers) * experts * t.expert_bytes +
          static_cast<double>(batch) * (context * t.kv_bytes_per_token + 2 * t.state_bytes_per_sequence);

@@ -80,8 +80,14 @@ Expected<SchemaRankBytes> schema_rank_bytes(const WeightSchema& schema, const st
 
 // Expected distinct experts hit by `tokens` tokens choosing top_k of n_experts evenly.
 double expected_distinct_experts(int64_t n_experts, int64_t top_k, int64_t tokens);
+// Under expert parallelism (`ranks` holding n_experts / ranks consecutive experts each): the expected distinct
+// experts the busiest rank holds of those the tokens hit, whose reads the step waits for. Uniform routing, drawn
+// (kExpertDraws draws from a fixed seed, so the same arguments give the same value).
+inline constexpr int kExpertDraws = 4096;
+double expected_busiest_rank_experts(int64_t n_experts, int64_t ranks, int64_t top_k, int64_t tokens);
 
-// Bytes one decode step of `batch` sequences at `context` cached tokens each must move.
+// Bytes one decode step of `batch` sequences at `context` cached tokens each must move on one rank (under expert
+// parallelism the busiest rank's routed experts).
 double decode_step_bytes(const StepTraffic& t, int64_t batch, double context);
 
 // FLOPs of a prefill of `tokens` tokens in one sequence.

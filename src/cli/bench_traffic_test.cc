@@ -86,6 +86,40 @@ TEST(BenchTraffic, DistinctExpertsMatchSimulatedRouting) {
   EXPECT_DOUBLE_EQ(expected_distinct_experts(64, 4, 1), 4.0);
 }
 
+// The busiest expert-parallel rank's experts: by hand where the answer is exact (one token's 2 of 4 experts over 2
+// ranks: both on one rank for 2 of the 6 pairs, so 2 * 2/6 + 1 * 4/6 = 4/3; one expert a rank: always 1), and against
+// drawing here (a shuffle per token, another generator) at the 397B's 512 experts top-10 over 8 ranks and the 35B's
+// 256 top-8 over 4. At one rank it is every distinct expert.
+TEST(BenchTraffic, BusiestExpertParallelRankMatchesSimulatedRouting) {
+  EXPECT_NEAR(expected_busiest_rank_experts(4, 2, 2, 1), 4.0 / 3.0, 0.03);
+  EXPECT_DOUBLE_EQ(expected_busiest_rank_experts(8, 8, 2, 1), 1.0);
+  EXPECT_NEAR(expected_busiest_rank_experts(64, 1, 4, 16), expected_distinct_experts(64, 4, 16), 0.1);
+  std::mt19937 rng(11);
+  struct Shape {
+    int experts, ranks, top_k, tokens;
+  };
+  for (const Shape s : {Shape{512, 8, 10, 1}, Shape{512, 8, 10, 16}, Shape{256, 4, 8, 64}}) {
+    std::vector<int> experts(static_cast<size_t>(s.experts));
+    for (int e = 0; e < s.experts; ++e) experts[e] = e;
+    constexpr int kTrials = 4000;
+    double total = 0;
+    for (int trial = 0; trial < kTrials; ++trial) {
+      std::set<int> hit;
+      for (int t = 0; t < s.tokens; ++t) {
+        std::shuffle(experts.begin(), experts.end(), rng);
+        hit.insert(experts.begin(), experts.begin() + s.top_k);
+      }
+      std::vector<int> per_rank(static_cast<size_t>(s.ranks), 0);
+      for (int e : hit) ++per_rank[e / (s.experts / s.ranks)];
+      total += *std::max_element(per_rank.begin(), per_rank.end());
+    }
+    const double busiest = expected_busiest_rank_experts(s.experts, s.ranks, s.top_k, s.tokens);
+    EXPECT_NEAR(busiest, total / kTrials, 0.03 * busiest) << s.experts << " experts over " << s.ranks << " ranks";
+    // More than the mean share (the step waits for the busiest rank), by less as the batch grows.
+    EXPECT_GT(busiest, expected_distinct_experts(s.experts, s.top_k, s.tokens) / s.ranks * 1.01);
+  }
+}
+
 // Tensor parallelism, worked out here from the configs: rank 0's share of every linear as docs/architecture.md's
 // sharding table says (heads, KV heads replicated when fewer than the ranks, expert columns, vocabulary rows padded
 // to 64 x world), and the collectives a step adds.
