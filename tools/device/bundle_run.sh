@@ -20,7 +20,8 @@ for spec in "$@"; do
   bin=${spec%%:*} filter=()
   [[ "$spec" != "$bin" ]] && filter=(--gtest_filter="${spec#*:}")
   start=$SECONDS
-  timeout "$limit" "$here/$bin" "${filter[@]}" > "$out/$bin.log" 2>&1
+  # -k: a test stuck in a GPU wait may ignore SIGTERM; SIGKILL 10 s later keeps the call within its limit.
+  timeout -k 10 "$limit" "$here/$bin" "${filter[@]}" > "$out/$bin.log" 2>&1
   rc=$?
   echo "== $bin ${filter[*]} exit $rc ($((SECONDS - start)) s)"
   grep -E "^\[  (PASSED|FAILED)|Failure|max error" "$out/$bin.log" | head -"${LINES_PER:-12}"
