@@ -120,6 +120,13 @@ Expected<std::unique_ptr<CausalLm>> build_host(const std::filesystem::path& dir,
   WeightStore& store = *weights;
   auto model = std::make_unique<CausalLm>(config, std::move(weights));
   if (config.has_vision) model->notices.push_back("the vision tower's weights are skipped (text model only)");
+  if (options.expert_parallel || options.shard.expert_parallel) {
+    if (schema.expert_groups.empty()) {
+      model->notices.push_back("--enable-expert-parallel: this model has no routed experts, so nothing changes");
+    } else if (options.shard.world == 1) {
+      model->notices.push_back("--enable-expert-parallel with one rank: it holds every expert");
+    }
+  }
   if (options.nvfp4_activations != Nvfp4Activations::kDequantize && config.attention == AttentionKind::kMla) {
     return make_error("{}: NVFP4 with quantized activations (W4A4) is not supported for MLA models yet; use "
                       "--nvfp4-activations dequantize (W4A16)", dir.string());
