@@ -33,8 +33,8 @@ void MlaAttention::rope(float* v, int64_t n_vectors, int64_t stride, int64_t pos
   const std::vector<float>& inv_freq = rope_.inv_freq();
   for (size_t i = 0; i < inv_freq.size(); ++i) {
     const float angle = static_cast<float>(position) * inv_freq[i];
-    const float c = static_cast<float>(std::cos(static_cast<double>(angle)));
-    const float s = static_cast<float>(std::sin(static_cast<double>(angle)));
+    const float c = static_cast<float>(std::cos(static_cast<double>(angle))) * rope_.attention_factor();
+    const float s = static_cast<float>(std::sin(static_cast<double>(angle))) * rope_.attention_factor();
     for (int64_t h = 0; h < n_vectors; ++h) {
       float* p = v + h * stride + 2 * i;
       const float a = p[0], b = p[1];

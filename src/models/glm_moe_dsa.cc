@@ -37,9 +37,10 @@ Expected<std::unique_ptr<Mixer>> build_mla(const ModelConfig& c, WeightStore& w,
              .qk_nope_head_dim = c.qk_nope_head_dim,
              .qk_rope_head_dim = c.qk_rope_head_dim,
              .v_head_dim = c.v_head_dim,
-             .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(qk))),
+             // Under a scaled RoPE (DeepSeek-V3's yarn) times get_mscale(factor, mscale_all_dim)^2.
+             .scale = static_cast<float>(mla_softmax_mscale(c.rope) / std::sqrt(static_cast<double>(qk))),
              .rope_interleaved = c.rope.interleaved};
-  if (c.rope.type != "default") return make_error("MLA with rope_type '{}' is not supported yet", c.rope.type);
+  TERN_ASSIGN_OR_RETURN(RopeFrequencies frequencies, rope_frequencies(c.rope, c.qk_rope_head_dim));
   if (latent_fp8) {
     if (c.kv_lora_rank % kLatentFp8Tile != 0) {
       return make_error("an FP8 latent cache needs kv_lora_rank a multiple of {} (one scale per {} values); this model's "
@@ -70,7 +71,8 @@ Expected<std::unique_ptr<Mixer>> build_mla(const ModelConfig& c, WeightStore& w,
       s.selection_layer = last_full_indexer;
     }
   }
-  return std::make_unique<MlaAttention>(s, std::move(m), Rope(c.qk_rope_head_dim, c.rope.theta));
+  return std::make_unique<MlaAttention>(s, std::move(m),
+                                        Rope(c.qk_rope_head_dim, c.rope.theta, std::move(frequencies)));
 }
 
 Expected<std::unique_ptr<FeedForward>> build_sigmoid_moe(const ModelConfig& c, WeightStore& w,

@@ -229,14 +229,24 @@ std::string cache_summary(const ModelInfo& info) {
   return s;
 }
 
+// ", yarn x4 over 32768 positions" for a scaled RoPE; nothing for the default one.
+std::string rope_scaling_summary(const RopeConfig& r) {
+  if (r.type == "default") return "";
+  if (r.original_max_position_embeddings > 0) {
+    return fmt::format(", {} RoPE x{:g} over {} positions", r.type, r.factor, r.original_max_position_embeddings);
+  }
+  return fmt::format(", {} RoPE x{:g}", r.type, r.factor);
+}
+
 std::string attention_summary(const ModelConfig& c) {
   if (c.attention == AttentionKind::kMla) {
-    return fmt::format("MLA, {} heads, q_lora {} kv_lora {}, qk {}+{} (rope), v {}", c.num_attention_heads,
-                       c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim);
+    return fmt::format("MLA, {} heads, q_lora {} kv_lora {}, qk {}+{} (rope), v {}{}", c.num_attention_heads,
+                       c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+                       rope_scaling_summary(c.rope));
   }
-  return fmt::format("{}{} heads, {} KV heads, head dim {}, rotary dim {}, theta {:g}",
+  return fmt::format("{}{} heads, {} KV heads, head dim {}, rotary dim {}, theta {:g}{}",
                      c.attention == AttentionKind::kGatedGqa ? "gated, " : "", c.num_attention_heads,
-                     c.num_key_value_heads, c.head_dim, c.rope.rotary_dim, c.rope.theta);
+                     c.num_key_value_heads, c.head_dim, c.rope.rotary_dim, c.rope.theta, rope_scaling_summary(c.rope));
 }
 
 }  // namespace

@@ -36,7 +36,6 @@ Expected<void> build_embeddings_and_head(CausalLm& model, WeightStore& w, const 
 
 Expected<std::unique_ptr<Mixer>> build_attention(const ModelConfig& c, WeightStore& w, const WeightSchema& schema,
                                                  int64_t layer, bool gated) {
-  if (c.rope.type != "default") return make_error("rope_type '{}' is not supported on the CPU yet", c.rope.type);
   const int64_t h = c.hidden_size, hd = c.head_dim, nq = c.num_attention_heads, nkv = c.num_key_value_heads;
   auto name = [&](std::string_view rest) { return layer_tensor(schema, layer, rest); };
   AttentionWeights a;
@@ -47,10 +46,11 @@ Expected<std::unique_ptr<Mixer>> build_attention(const ModelConfig& c, WeightSto
   TERN_ASSIGN_OR_RETURN(a.q_norm, build_norm(w, name("self_attn.q_norm.weight"), hd, c.rms_norm_eps, gated));
   TERN_ASSIGN_OR_RETURN(a.k_norm, build_norm(w, name("self_attn.k_norm.weight"), hd, c.rms_norm_eps, gated));
   const int64_t rotary_dim = c.rope.rotary_dim > 0 ? c.rope.rotary_dim : hd;
+  TERN_ASSIGN_OR_RETURN(RopeFrequencies frequencies, rope_frequencies(c.rope, rotary_dim));
   // This rank's heads, as the projections were split (all of them on one device; KV heads possibly replicated).
   AttentionShape shape{.n_heads = a.q_proj.out_features() / (hd * (gated ? 2 : 1)),
                        .n_kv_heads = a.k_proj.out_features() / hd, .head_dim = hd, .gated = gated};
-  return std::make_unique<Attention>(shape, std::move(a), Rope(rotary_dim, c.rope.theta));
+  return std::make_unique<Attention>(shape, std::move(a), Rope(rotary_dim, c.rope.theta, std::move(frequencies)));
 }
 
 Expected<MlpWeights> build_mlp_weights(WeightStore& w, const std::string& prefix, int64_t hidden,

@@ -30,6 +30,7 @@
 #include "kernels/cuda/device.h"
 #include "runtime/fp8_checkpoint_test_util.h"
 #include "runtime/model_runner.h"
+#include "runtime/rope_scaling_test_util.h"
 #include "runtime/tp_runner.h"
 
 namespace tern {
@@ -574,6 +575,57 @@ TEST(GpuModel, AnExpertSplitBelowTheKernelsStepIsRefused) {
             std::string::npos) << model.error().message;
   EXPECT_NE(model.error().message.find("fewer than 4 tensor-parallel ranks"), std::string::npos)
       << model.error().message;
+}
+
+// Scaled RoPE on CUDA: DeepSeek-V3's yarn (a frequency table and the MLA softmax mscale^2, cos and sin unscaled)
+// runs, its logits within 1/16 of the largest CPU logit (IntermediatesTrackTheCpuPath's bound), while the unscaled
+// model's are further than that from them (so a device that kept the default table or scale would fail); YaRN with
+// an attention factor other than 1 is refused naming it.
+TEST(GpuModel, ScaledRopeRunsWhereTheKernelsTakeIt) {
+  const nlohmann::json deepseek = {{"rope_type", "yarn"}, {"rope_theta", 10000.0}, {"factor", 40.0},
+                                   {"original_max_position_embeddings", 4}, {"mscale", 1.0},
+                                   {"mscale_all_dim", 1.0}};
+  const auto dir = with_rope("glm_moe_dsa", deepseek, "gpu_glm_deepseek_yarn");
+  const std::vector<int32_t> prompt{5, 17, 300, 42, 99, 7, 250, 123, 11, 64, 3, 77};
+  auto logits = [&](const std::filesystem::path& model_dir, ModelDevice device) {
+    ModelLoadOptions options;
+    options.device = device;
+    options.device_options.kv_cache_tokens = 1024;
+    auto runner = runner_load(model_dir, options);
+    EXPECT_TRUE(runner.has_value()) << (runner ? "" : runner.error().message);
+    if (!runner) return std::vector<float>{};
+    SequenceCache cache = (*runner)->new_sequence();
+    const std::vector<SequenceInput> batch{{&cache, prompt}};
+    auto out = (*runner)->forward(batch, LogitsFor::kAllTokens);
+    EXPECT_TRUE(out.has_value()) << (out ? "" : out.error().message);
+    return out ? *out : std::vector<float>{};
+  };
+  const auto gpu = logits(dir, ModelDevice::kCuda), cpu = logits(dir, ModelDevice::kCpu);
+  const auto plain = logits(std::filesystem::path(TERN_FIXTURES_DIR) / "glm_moe_dsa", ModelDevice::kCpu);
+  ASSERT_FALSE(cpu.empty());
+  ASSERT_EQ(gpu.size(), cpu.size());
+  ASSERT_EQ(plain.size(), cpu.size());
+  double max_ref = 0, err = 0, moved = 0;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(gpu[i])) << i;
+    max_ref = std::max(max_ref, std::fabs(double{cpu[i]}));
+    err = std::max(err, std::fabs(double{gpu[i]} - cpu[i]));
+    moved = std::max(moved, std::fabs(double{plain[i]} - cpu[i]));
+  }
+  EXPECT_LE(err, max_ref / 16);
+  EXPECT_GT(moved, 2 * max_ref / 16) << "the scaled RoPE must move the logits more than the bound";
+  std::filesystem::remove_all(dir);
+
+  const nlohmann::json qwen = {{"rope_type", "yarn"}, {"rope_theta", 1000000.0}, {"factor", 4.0},
+                               {"original_max_position_embeddings", 8}};
+  const auto qwen_dir = with_rope("qwen3", qwen, "gpu_qwen3_yarn");
+  ModelLoadOptions options;
+  options.device = ModelDevice::kCuda;
+  options.device_options.kv_cache_tokens = 1024;
+  auto refused = runner_load(qwen_dir, options);
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_NE(refused.error().message.find("attention factor of 1.13"), std::string::npos) << refused.error().message;
+  std::filesystem::remove_all(qwen_dir);
 }
 
 // The start-up check of two ranks sharing this GPU: collectives staged through the host, the probe's exact sum.

@@ -111,6 +111,14 @@ struct GpuMoe {
 
 namespace {
 
+// The CUDA kernels take any frequency table (a scaled RoPE's too) but not yet a cos / sin multiplier (YaRN's attention
+// factor without DeepSeek-V3's mscale pair).
+Expected<void> check_rope_on_cuda(const Rope& rope, const std::string& name) {
+  if (rope.attention_factor() == 1.0f) return {};
+  return make_error("{}: this RoPE scales cos and sin by an attention factor of {} (YaRN), which the CUDA attention "
+                    "kernels do not apply yet; run it with --device cpu", name, rope.attention_factor());
+}
+
 class CudaEmbedding final : public Block {
  public:
   CudaEmbedding(CudaOps& ops, DeviceMatrix table) : ops_(ops), table_(table) {}
@@ -226,6 +234,7 @@ Expected<std::unique_ptr<Block>> CudaOps::attention(const RmsNorm& input_norm, c
   TERN_ASSIGN_OR_RETURN(g.q_norm, norm(w.q_norm));
   TERN_ASSIGN_OR_RETURN(g.k_norm, norm(w.k_norm));
   g.rotary_dim = a.rope().rotary_dim();
+  TERN_TRY(check_rope_on_cuda(a.rope(), w.q_proj.name()));
   TERN_ASSIGN_OR_RETURN(g.inv_freq, weights_.vector_f32(a.rope().inv_freq()));
   TERN_ASSIGN_OR_RETURN(const GpuNorm n, norm(input_norm));
   auto block = std::make_unique<CudaAttentionBlock>(*this, n, std::move(g));
@@ -326,6 +335,7 @@ Expected<std::unique_ptr<Block>> CudaOps::mla(const RmsNorm& input_norm, const M
   TERN_ASSIGN_OR_RETURN(g.w_uk_t, weights_.vector_bf16(uk_t));
   TERN_ASSIGN_OR_RETURN(g.w_uv, weights_.vector_bf16(uv));
   TERN_ASSIGN_OR_RETURN(g.o_proj, weights_.matrix(w.o_proj));
+  TERN_TRY(check_rope_on_cuda(a.rope(), w.o_proj.name()));
   TERN_ASSIGN_OR_RETURN(g.inv_freq, weights_.vector_f32(a.rope().inv_freq()));
   TERN_ASSIGN_OR_RETURN(const GpuNorm n, norm(input_norm));
   auto block = std::make_unique<CudaMlaBlock>(*this, n, std::move(g));
