@@ -7,6 +7,8 @@
 #include <bit>
 #include <charconv>
 #include <condition_variable>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -25,6 +27,31 @@
 
 namespace tern {
 namespace {
+
+// What every node must have been started with alike, or its ranks would hold other slices, caches or formats than
+// node 0 plans for, with nothing failing: each option as exact floats (22 bits a piece), config.json by its bytes'
+// FNV-1a hash (the same checkpoint may sit at different paths on different machines).
+struct NodeOption {
+  std::string flag;
+  uint64_t value;
+};
+constexpr int kOptionPieces = 3;  // 3 x 22 bits
+
+Expected<std::vector<NodeOption>> node_options(const std::filesystem::path& dir, const ModelLoadOptions& o) {
+  std::ifstream in(dir / "config.json", std::ios::binary);
+  if (!in) return make_error("{}: cannot read config.json to compare with the other nodes'", dir.string());
+  uint64_t hash = 0xCBF29CE484222325ull;
+  for (char c; in.get(c);) hash = (hash ^ static_cast<uint8_t>(c)) * 0x100000001B3ull;
+  return std::vector<NodeOption>{
+      {"config.json (its contents)", hash},
+      {"--enable-expert-parallel / --ep-size", o.expert_parallel ? 1u : 0u},
+      {"--kv-cache-dtype", static_cast<uint64_t>(o.kv_cache_dtype)},
+      {"--load-format", static_cast<uint64_t>(o.load_format)},
+      {"--dummy-seed", o.dummy_seed},
+      {"--speculative-algorithm", o.load_draft ? 1u : 0u},
+      {"--speculative-num-steps", static_cast<uint64_t>(o.device_options.verify_rows)},
+  };
+}
 
 // One thread per rank above 0; run() hands every rank the same job (rank 0 on the calling thread) and returns when
 // all have finished.
@@ -385,6 +412,35 @@ class TpRunner final : public ModelRunner {
     return {};
   }
 
+  // Every node compares its options with every other node's before loading; a difference fails start-up on all of
+  // them, naming the option and the nodes.
+  Expected<void> agree_on_options(const std::filesystem::path& dir, const ModelLoadOptions& options) {
+    if (control_ == nullptr) return {};
+    TERN_ASSIGN_OR_RETURN(const std::vector<NodeOption> mine, node_options(dir, options));
+    std::vector<float> pieces;
+    for (const NodeOption& o : mine) {
+      for (int p = 0; p < kOptionPieces; ++p) pieces.push_back(static_cast<float>((o.value >> (22 * p)) & 0x3FFFFF));
+    }
+    std::vector<float> all(pieces.size() * static_cast<size_t>(layout_.nnodes));
+    TERN_TRY(control_->all_gather(pieces, all));
+    for (int node = 1; node < layout_.nnodes; ++node) {
+      for (size_t i = 0; i < mine.size(); ++i) {
+        auto value = [&](int n) {
+          uint64_t v = 0;
+          for (int p = 0; p < kOptionPieces; ++p) {
+            v |= static_cast<uint64_t>(all[n * pieces.size() + i * kOptionPieces + p]) << (22 * p);
+          }
+          return v;
+        };
+        if (value(node) != value(0)) {
+          return make_error("node {} was started with another {} than node 0 ({} against {}): every node needs the "
+                            "same model and the same flags", node, mine[i].flag, value(node), value(0));
+        }
+      }
+    }
+    return {};
+  }
+
   // The other nodes' part: the plans node 0 sends, each run on this node's ranks, until node 0 stops (or fails:
   // an error).
   Expected<void> serve_plans() {
@@ -549,6 +605,7 @@ class TpRunner final : public ModelRunner {
   // Every rank's slice loaded, then the KV capacity agreed: the fewest tokens any rank of any node holds, so that
   // node 0's scheduler hands out only block ids every rank has.
   Expected<void> load(const std::filesystem::path& dir, const ModelLoadOptions& options) {
+    TERN_TRY(agree_on_options(dir, options));
     if (local_ == 0) return load_front_end(dir, options);
     TERN_TRY(load_ranks(dir, options));
     std::vector<int64_t> least(runners_.size(), 0);

@@ -371,6 +371,42 @@ TEST(TensorParallelNodes, TwoNodesOverLoopbackMatchOneDevice) {
   EXPECT_TRUE(worker_result.has_value()) << worker_result.error().message;
 }
 
+// Nodes started differently would run other slices than node 0 plans for without anything failing: a node with
+// expert parallelism beside one without, or with another checkpoint's config.json (the NVFP4 copy's), fails start-up
+// on both nodes, naming the option, before any weight loads.
+TEST(TensorParallelNodes, NodesStartedWithOtherFlagsAreRefused) {
+  struct Case {
+    std::string node1_model;
+    bool node1_expert_parallel;
+    std::string needle;
+  };
+  for (const Case& c : {Case{"qwen3_5_moe", true, "--enable-expert-parallel"},
+                        Case{"qwen3_5_moe_nvfp4", false, "config.json"}}) {
+    ModelLoadOptions options;
+    options.tensor_parallel_size = 2;
+    options.nnodes = 2;
+    options.dist_init_addr = "127.0.0.1:" + std::to_string(free_port());
+    options.tp_join_timeout = std::chrono::seconds(30);
+    Expected<void> worker_result = make_error("not run");
+    std::thread worker([&] {
+      ModelLoadOptions node1 = options;
+      node1.node_rank = 1;
+      node1.expert_parallel = c.node1_expert_parallel;
+      worker_result = tp_worker_run(fixture(c.node1_model), node1);
+    });
+    {
+      auto split = runner_load(fixture("qwen3_5_moe"), options);
+      EXPECT_FALSE(split.has_value()) << c.needle;
+      if (!split) {
+        EXPECT_NE(split.error().message.find(c.needle), std::string::npos) << split.error().message;
+      }
+    }  // a runner made in error goes before the join, so node 1 is told to stop
+    worker.join();
+    ASSERT_FALSE(worker_result.has_value()) << c.needle;
+    EXPECT_NE(worker_result.error().message.find(c.needle), std::string::npos) << worker_result.error().message;
+  }
+}
+
 // A front end without ranks (ModelLoadOptions::front_end) and the two nodes holding a rank each of a group of two,
 // the nodes running as threads of this test until the front end's runner goes (or a step fails there).
 struct FrontEndNodes {
