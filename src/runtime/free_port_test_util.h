@@ -1,12 +1,18 @@
-// Test-only: a loopback TCP port for a rendezvous store in tests that run several "nodes" in one process.
+// Test-only: a loopback TCP port for a rendezvous store in tests that run several "nodes" in one process, and the
+// options of a group of two such nodes.
 #pragma once
 
 #include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include "models/causal_lm.h"
 
 namespace tern {
 
@@ -21,6 +27,16 @@ inline int free_port() {
   EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
   close(fd);
   return ntohs(a.sin_port);
+}
+
+// Two ranks on two nodes meeting at a free loopback port; node 0's options (a node 1 sets node_rank = 1).
+inline ModelLoadOptions two_loopback_nodes(std::chrono::milliseconds join_timeout = std::chrono::seconds(30)) {
+  ModelLoadOptions o;
+  o.tensor_parallel_size = 2;
+  o.nnodes = 2;
+  o.dist_init_addr = "127.0.0.1:" + std::to_string(free_port());
+  o.tp_join_timeout = join_timeout;
+  return o;
 }
 
 }  // namespace tern

@@ -120,12 +120,8 @@ TEST(Speculative, TwoNodesDraftAndVerifyAsOneDevice) {
   // Node 1 (tp_worker_run on a thread, over Gloo and a TCP store) runs node 0's verification, keep and draft plans.
   auto one = load_demo(true, 1);
   ASSERT_TRUE(one);
-  ModelLoadOptions options;
+  ModelLoadOptions options = two_loopback_nodes();
   options.load_draft = true;
-  options.tensor_parallel_size = 2;
-  options.nnodes = 2;
-  options.dist_init_addr = "127.0.0.1:" + std::to_string(free_port());
-  options.tp_join_timeout = std::chrono::seconds(30);
   Expected<void> worker_result = make_error("not run");
   std::thread worker([&] {
     ModelLoadOptions node1 = options;

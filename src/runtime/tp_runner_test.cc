@@ -330,11 +330,7 @@ TEST(TensorParallelNodes, TwoNodesOverLoopbackMatchOneDevice) {
   const std::string name = "qwen3_5_moe";
   auto one = load(name, 1);
   ASSERT_TRUE(one);
-  ModelLoadOptions options;
-  options.tensor_parallel_size = 2;
-  options.nnodes = 2;
-  options.dist_init_addr = "127.0.0.1:" + std::to_string(free_port());
-  options.tp_join_timeout = std::chrono::seconds(30);
+  ModelLoadOptions options = two_loopback_nodes();
   Expected<void> worker_result = make_error("not run");
   std::thread worker([&] {
     ModelLoadOptions node1 = options;
@@ -382,11 +378,7 @@ TEST(TensorParallelNodes, NodesStartedWithOtherFlagsAreRefused) {
   };
   for (const Case& c : {Case{"qwen3_5_moe", true, "--enable-expert-parallel"},
                         Case{"qwen3_5_moe_nvfp4", false, "config.json"}}) {
-    ModelLoadOptions options;
-    options.tensor_parallel_size = 2;
-    options.nnodes = 2;
-    options.dist_init_addr = "127.0.0.1:" + std::to_string(free_port());
-    options.tp_join_timeout = std::chrono::seconds(30);
+    ModelLoadOptions options = two_loopback_nodes();
     Expected<void> worker_result = make_error("not run");
     std::thread worker([&] {
       ModelLoadOptions node1 = options;
@@ -659,11 +651,7 @@ TEST(TensorParallelNodes, ImpossibleLayoutsAreRefused) {
 }
 
 TEST(TensorParallelNodes, ANodeThatNeverComesIsADeadlineNotAHang) {
-  ModelLoadOptions options;
-  options.tensor_parallel_size = 2;
-  options.nnodes = 2;
-  options.dist_init_addr = "127.0.0.1:" + std::to_string(free_port());
-  options.tp_join_timeout = std::chrono::seconds(2);
+  ModelLoadOptions options = two_loopback_nodes(std::chrono::seconds(2));
   const auto start = std::chrono::steady_clock::now();
   auto r = runner_load(fixture("qwen3"), options);
   ASSERT_FALSE(r.has_value());
