@@ -12,6 +12,7 @@
 
 #include "layers/attention.h"
 #include "layers/mla.h"
+#include "models/model_info.h"
 #include "runtime/model_runner.h"
 #include "runtime/rope_scaling_test_util.h"
 
@@ -61,6 +62,11 @@ TEST(RopeScaling, QwenYarnReachesEveryAttentionBlock) {
     moved = std::max(moved, static_cast<double>(std::fabs(scaled[i] - plain[i])));
   }
   EXPECT_GT(moved, 1e-3);
+  // tern info names the scaling.
+  const auto info = model_info_inspect(dir);
+  ASSERT_TRUE(info.has_value()) << info.error().message;
+  const std::string text = model_info_to_text(*info);
+  EXPECT_NE(text.find("yarn RoPE x4 over 8 positions"), std::string::npos) << text;
   std::filesystem::remove_all(dir);
 }
 
