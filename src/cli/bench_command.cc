@@ -423,6 +423,7 @@ int run_bench(const BenchOptions& o) {
                        {"expert_bytes", traffic.expert_bytes},
                        {"moe_layers", traffic.moe_layers},
                        {"experts", traffic.n_experts},
+                       {"router_experts", traffic.router_experts},
                        {"top_k", traffic.top_k}};
   add_tensor_parallel_report(report, traffic, o.model.tensor_parallel_size, o.batch_sizes,
                              o.model.tensor_parallel_size > 1 ? "not measured" : "no collectives at one rank");

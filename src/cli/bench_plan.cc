@@ -39,6 +39,7 @@ Json plan_from_blocks(const CausalLm& model, const BenchPlanOptions& o) {
                 {"embedding_bytes", t.embedding_bytes},
                 {"moe_layers", t.moe_layers},
                 {"experts", t.n_experts},
+                {"router_experts", t.router_experts},
                 {"top_k", t.top_k}}},
               {"kv_bytes_per_token", t.kv_bytes_per_token},
               {"state_bytes_per_sequence", t.state_bytes_per_sequence},
@@ -71,8 +72,11 @@ void print_plan(const Json& r) {
   fmt::print("weights per rank: {} = {} linears outside the routed experts (lm_head included) + {} routed experts",
              gb(w["per_rank_bytes"]), gb(w["dense_bytes"]), gb(w["expert_bytes"]));
   if (w.contains("moe_layers") && w["moe_layers"].get<int64_t>() > 0) {
-    fmt::print(" ({} MoE layers x {} experts, top-{})", w["moe_layers"].get<int64_t>(), w["experts"].get<int64_t>(),
-               w["top_k"].get<int64_t>());
+    const int64_t held = w["experts"].get<int64_t>(), all = w.value("router_experts", held);
+    // Under expert parallelism a rank holds a share of the experts whole, and a step waits for the busiest rank.
+    fmt::print(" ({} MoE layers x {}, top-{}{})", w["moe_layers"].get<int64_t>(),
+               held == all ? fmt::format("{} experts", held) : fmt::format("{} of the {} experts, whole", held, all),
+               w["top_k"].get<int64_t>(), held == all ? "" : "; a decode step's bytes are the busiest rank's");
   }
   fmt::print(" + {} embedding rows\n", gb(w["embedding_bytes"]));
   fmt::print("caches per rank: {:.1f} KB per token (KV caches), {:.2f} MB per sequence (Gated DeltaNet state)\n",

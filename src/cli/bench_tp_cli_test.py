@@ -140,6 +140,7 @@ def main():
     for flags in (["--enable-expert-parallel"], ["--ep-size", "8"]):
         ep = plan(tern, full, *ep_args, *flags)
         assert ep["weights"]["experts"] == c["num_experts"] // 8, (flags, ep["weights"])
+        assert ep["weights"]["router_experts"] == c["num_experts"], (flags, ep["weights"])
         assert r8["weights"]["experts"] == c["num_experts"], r8["weights"]
         for key in ("per_rank_bytes", "dense_bytes", "expert_bytes", "embedding_bytes"):
             close(ep["weights"][key], r8["weights"][key], f"expert-parallel {key}")
@@ -150,6 +151,8 @@ def main():
             assert math.isclose(a["decode_bytes_per_step"], step, rel_tol=0.03), (a, step)
             if a["batch"] == 1:
                 assert a["decode_bytes_per_step"] > 1.1 * b["decode_bytes_per_step"], (a, b)
+    text = run(tern, "bench", "--plan-only", "--model", full, *ep_args, "--enable-expert-parallel")
+    assert text.returncode == 0 and f"{c['num_experts'] // 8} of the {c['num_experts']} experts, whole" in text.stdout, text
     bad = run(tern, "bench", "--plan-only", "--model", full, "--tp", "8", "--ep-size", "4")
     assert bad.returncode == 2 and "--expert-parallel-size 4" in bad.stderr, bad
 
