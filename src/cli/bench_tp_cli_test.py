@@ -152,7 +152,8 @@ def main():
             if a["batch"] == 1:
                 assert a["decode_bytes_per_step"] > 1.1 * b["decode_bytes_per_step"], (a, b)
     text = run(tern, "bench", "--plan-only", "--model", full, *ep_args, "--enable-expert-parallel")
-    assert text.returncode == 0 and f"{c['num_experts'] // 8} of the {c['num_experts']} experts, whole" in text.stdout, text
+    share = f"{c['num_experts'] // 8} of the {c['num_experts']} experts, whole"
+    assert text.returncode == 0 and share in text.stdout, text
     bad = run(tern, "bench", "--plan-only", "--model", full, "--tp", "8", "--ep-size", "4")
     assert bad.returncode == 2 and "--expert-parallel-size 4" in bad.stderr, bad
 
