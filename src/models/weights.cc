@@ -8,6 +8,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "core/fnv.h"
 #include "core/formats.h"
 #include "core/nvfp4.h"
 #include "io/linear_weight.h"
@@ -23,12 +24,6 @@ uint64_t splitmix64(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
-}
-
-uint64_t hash_name(const std::string& s, uint64_t seed) {
-  uint64_t h = seed ^ 0xCBF29CE484222325ull;
-  for (char c : s) h = (h ^ static_cast<uint8_t>(c)) * 0x100000001B3ull;
-  return h;
 }
 
 // Approximately N(0, 1) (Irwin-Hall of four uniforms), a pure function of (stream, index).
@@ -397,7 +392,7 @@ void WeightStore::add_dummy(std::string name, DType dtype, std::vector<int64_t> 
 
 void WeightStore::add_dummy_linear(const std::string& module, int64_t out, int64_t in, DummyFormat format,
                                    uint64_t seed) {
-  const uint64_t stream = hash_name(module, seed);
+  const uint64_t stream = fnv1a64(module, seed);
   if (format == DummyFormat::kBf16) {
     add_dummy(module + ".weight", DType::kBF16, {out, in}, {DummyKind::kNormal, stream});
     return;
@@ -537,7 +532,7 @@ std::unique_ptr<WeightStore> WeightStore::make_dummy(const ModelConfig& config, 
     if (p.name.ends_with("A_log")) kind = DummyKind::kALog;
     if (p.name.ends_with("dt_bias")) kind = DummyKind::kOne;
     if (p.name.ends_with("conv1d.weight")) kind = DummyKind::kConv;
-    store->add_dummy(p.name, DType::kBF16, p.shape, {kind, hash_name(p.name, seed)});
+    store->add_dummy(p.name, DType::kBF16, p.shape, {kind, fnv1a64(p.name, seed)});
   }
   for_each_dummy_linear(schema, quant, [&](const std::string& module, int64_t out, int64_t in, DummyFormat format) {
     store->add_dummy_linear(module, out, in, format, seed);

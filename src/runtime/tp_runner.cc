@@ -10,10 +10,12 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <thread>
 
+#include "core/fnv.h"
 #include "dist/gloo_communicator.h"
 #include "dist/device_communicator.h"
 #include "dist/loopback.h"
@@ -40,10 +42,9 @@ constexpr int kOptionPieces = 3;  // 3 x 22 bits
 Expected<std::vector<NodeOption>> node_options(const std::filesystem::path& dir, const ModelLoadOptions& o) {
   std::ifstream in(dir / "config.json", std::ios::binary);
   if (!in) return make_error("{}: cannot read config.json to compare with the other nodes'", dir.string());
-  uint64_t hash = 0xCBF29CE484222325ull;
-  for (char c; in.get(c);) hash = (hash ^ static_cast<uint8_t>(c)) * 0x100000001B3ull;
+  const std::string config((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   return std::vector<NodeOption>{
-      {"config.json (its contents)", hash},
+      {"config.json (its contents)", fnv1a64(config)},
       {"--enable-expert-parallel / --ep-size", o.expert_parallel ? 1u : 0u},
       {"--kv-cache-dtype", static_cast<uint64_t>(o.kv_cache_dtype)},
       {"--load-format", static_cast<uint64_t>(o.load_format)},
@@ -423,18 +424,19 @@ class TpRunner final : public ModelRunner {
     }
     std::vector<float> all(pieces.size() * static_cast<size_t>(layout_.nnodes));
     TERN_TRY(control_->all_gather(pieces, all));
+    // Option i of node n, put back together from its pieces.
+    auto value = [&](int n, size_t i) {
+      uint64_t v = 0;
+      for (int p = 0; p < kOptionPieces; ++p) {
+        v |= static_cast<uint64_t>(all[n * pieces.size() + i * kOptionPieces + p]) << (22 * p);
+      }
+      return v;
+    };
     for (int node = 1; node < layout_.nnodes; ++node) {
       for (size_t i = 0; i < mine.size(); ++i) {
-        auto value = [&](int n) {
-          uint64_t v = 0;
-          for (int p = 0; p < kOptionPieces; ++p) {
-            v |= static_cast<uint64_t>(all[n * pieces.size() + i * kOptionPieces + p]) << (22 * p);
-          }
-          return v;
-        };
-        if (value(node) != value(0)) {
+        if (value(node, i) != value(0, i)) {
           return make_error("node {} was started with another {} than node 0 ({} against {}): every node needs the "
-                            "same model and the same flags", node, mine[i].flag, value(node), value(0));
+                            "same model and the same flags", node, mine[i].flag, value(node, i), value(0, i));
         }
       }
     }
