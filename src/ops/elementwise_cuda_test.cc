@@ -141,6 +141,9 @@ std::vector<Fault> gpu_faults() {
        tweaked<RopeInputs, RopeArgs>(rope_cuda_run, [](RopeArgs& a) { a.interleaved = !a.interleaved; })},
       {"rope", "rotary-dim-halved", "exceeds the tolerance",
        tweaked<RopeInputs, RopeArgs>(rope_cuda_run, [](RopeArgs& a) { a.rotary_dim /= 2; })},
+      // The reference has no attention factor: a kernel that applies one is off (one that ignored it would pass).
+      {"rope", "attention-factor", "exceeds the tolerance",
+       tweaked<RopeInputs, RopeArgs>(rope_cuda_run, [](RopeArgs& a) { a.attention_factor = 1.25f; })},
       {"rope", "last-token-skipped", "never written",
        tweaked<RopeInputs, RopeArgs>(rope_cuda_run, [](RopeArgs& a) { a.tokens -= 1; })},
       {"silu_mul", "last-row-skipped", "never written",

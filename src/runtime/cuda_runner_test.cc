@@ -577,55 +577,69 @@ TEST(GpuModel, AnExpertSplitBelowTheKernelsStepIsRefused) {
       << model.error().message;
 }
 
-// Scaled RoPE on CUDA: DeepSeek-V3's yarn (a frequency table and the MLA softmax mscale^2, cos and sin unscaled)
-// runs, its logits within 1/16 of the largest CPU logit (IntermediatesTrackTheCpuPath's bound), while the unscaled
-// model's are further than that from them (so a device that kept the default table or scale would fail); YaRN with
-// an attention factor other than 1 is refused naming it.
-TEST(GpuModel, ScaledRopeRunsWhereTheKernelsTakeIt) {
+// The prompt's logits (every token) of the model in `dir` on `device`; empty after a failure the test reports.
+std::vector<float> prompt_logits(const std::filesystem::path& dir, ModelDevice device) {
+  const std::vector<int32_t> prompt{5, 17, 300, 42, 99, 7, 250, 123, 11, 64, 3, 77};
+  ModelLoadOptions options;
+  options.device = device;
+  options.device_options.kv_cache_tokens = 1024;
+  auto runner = runner_load(dir, options);
+  EXPECT_TRUE(runner.has_value()) << (runner ? "" : runner.error().message);
+  if (!runner) return {};
+  SequenceCache cache = (*runner)->new_sequence();
+  const std::vector<SequenceInput> batch{{&cache, prompt}};
+  auto out = (*runner)->forward(batch, LogitsFor::kAllTokens);
+  EXPECT_TRUE(out.has_value()) << (out ? "" : out.error().message);
+  return out ? *out : std::vector<float>{};
+}
+
+// Scaled RoPE on CUDA, each case against the CPU path: the GPU's logits within 1/16 of the largest CPU logit
+// (IntermediatesTrackTheCpuPath's bound), while the same model with one part of the scaling left out (`without`:
+// the default table, or an attention factor of 1) is further than twice that from them, so a kernel that dropped
+// that part would fail. DeepSeek-V3's yarn (a frequency table and the MLA softmax mscale^2, cos and sin unscaled);
+// DeepSeek's yarn with mscale != mscale_all_dim (cos and sin times their ratio: MLA and the DSA indexer); Qwen's
+// yarn (cos and sin times 0.1 ln(factor) + 1: gated attention's prepare kernel).
+TEST(GpuModel, ScaledRopeMatchesTheCpuPath) {
+  struct Case {
+    std::string fixture, tag;
+    nlohmann::json rope, without;  // `without` null: the fixture's own config
+  };
   const nlohmann::json deepseek = {{"rope_type", "yarn"}, {"rope_theta", 10000.0}, {"factor", 40.0},
                                    {"original_max_position_embeddings", 4}, {"mscale", 1.0},
                                    {"mscale_all_dim", 1.0}};
-  const auto dir = with_rope("glm_moe_dsa", deepseek, "gpu_glm_deepseek_yarn");
-  const std::vector<int32_t> prompt{5, 17, 300, 42, 99, 7, 250, 123, 11, 64, 3, 77};
-  auto logits = [&](const std::filesystem::path& model_dir, ModelDevice device) {
-    ModelLoadOptions options;
-    options.device = device;
-    options.device_options.kv_cache_tokens = 1024;
-    auto runner = runner_load(model_dir, options);
-    EXPECT_TRUE(runner.has_value()) << (runner ? "" : runner.error().message);
-    if (!runner) return std::vector<float>{};
-    SequenceCache cache = (*runner)->new_sequence();
-    const std::vector<SequenceInput> batch{{&cache, prompt}};
-    auto out = (*runner)->forward(batch, LogitsFor::kAllTokens);
-    EXPECT_TRUE(out.has_value()) << (out ? "" : out.error().message);
-    return out ? *out : std::vector<float>{};
-  };
-  const auto gpu = logits(dir, ModelDevice::kCuda), cpu = logits(dir, ModelDevice::kCpu);
-  const auto plain = logits(std::filesystem::path(TERN_FIXTURES_DIR) / "glm_moe_dsa", ModelDevice::kCpu);
-  ASSERT_FALSE(cpu.empty());
-  ASSERT_EQ(gpu.size(), cpu.size());
-  ASSERT_EQ(plain.size(), cpu.size());
-  double max_ref = 0, err = 0, moved = 0;
-  for (size_t i = 0; i < cpu.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(gpu[i])) << i;
-    max_ref = std::max(max_ref, std::fabs(double{cpu[i]}));
-    err = std::max(err, std::fabs(double{gpu[i]} - cpu[i]));
-    moved = std::max(moved, std::fabs(double{plain[i]} - cpu[i]));
-  }
-  EXPECT_LE(err, max_ref / 16);
-  EXPECT_GT(moved, 2 * max_ref / 16) << "the scaled RoPE must move the logits more than the bound";
-  std::filesystem::remove_all(dir);
-
+  nlohmann::json deepseek_ratio = deepseek;
+  deepseek_ratio["mscale_all_dim"] = 0.25;  // cos and sin times (0.1 ln 40 + 1) / (0.025 ln 40 + 1) = 1.24
+  nlohmann::json deepseek_ratio_unit = deepseek_ratio;
+  deepseek_ratio_unit["attention_factor"] = 1.0;
   const nlohmann::json qwen = {{"rope_type", "yarn"}, {"rope_theta", 1000000.0}, {"factor", 4.0},
                                {"original_max_position_embeddings", 8}};
-  const auto qwen_dir = with_rope("qwen3", qwen, "gpu_qwen3_yarn");
-  ModelLoadOptions options;
-  options.device = ModelDevice::kCuda;
-  options.device_options.kv_cache_tokens = 1024;
-  auto refused = runner_load(qwen_dir, options);
-  ASSERT_FALSE(refused.has_value());
-  EXPECT_NE(refused.error().message.find("attention factor of 1.13"), std::string::npos) << refused.error().message;
-  std::filesystem::remove_all(qwen_dir);
+  nlohmann::json qwen_unit = qwen;
+  qwen_unit["attention_factor"] = 1.0;
+  const std::vector<Case> cases{{"glm_moe_dsa", "deepseek_yarn", deepseek, nullptr},
+                                {"glm_moe_dsa", "deepseek_yarn_ratio", deepseek_ratio, deepseek_ratio_unit},
+                                {"qwen3", "qwen_yarn", qwen, qwen_unit}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.tag);
+    const auto dir = with_rope(c.fixture, c.rope, "gpu_" + c.tag);
+    const auto other = c.without.is_null() ? std::filesystem::path(TERN_FIXTURES_DIR) / c.fixture
+                                           : with_rope(c.fixture, c.without, "gpu_" + c.tag + "_without");
+    const auto gpu = prompt_logits(dir, ModelDevice::kCuda), cpu = prompt_logits(dir, ModelDevice::kCpu);
+    const auto without = prompt_logits(other, ModelDevice::kCpu);
+    std::filesystem::remove_all(dir);
+    if (!c.without.is_null()) std::filesystem::remove_all(other);
+    ASSERT_FALSE(cpu.empty());
+    ASSERT_EQ(gpu.size(), cpu.size());
+    ASSERT_EQ(without.size(), cpu.size());
+    double max_ref = 0, err = 0, moved = 0;
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(gpu[i])) << i;
+      max_ref = std::max(max_ref, std::fabs(double{cpu[i]}));
+      err = std::max(err, std::fabs(double{gpu[i]} - cpu[i]));
+      moved = std::max(moved, std::fabs(double{without[i]} - cpu[i]));
+    }
+    EXPECT_LE(err, max_ref / 16);
+    EXPECT_GT(moved, 2 * max_ref / 16) << "the scaling must move the logits more than the bound";
+  }
 }
 
 // The start-up check of two ranks sharing this GPU: collectives staged through the host, the probe's exact sum.

@@ -94,6 +94,42 @@ TEST(RopeScaling, MlaTakesDeepSeekV3sSoftmaxMscale) {
   std::filesystem::remove_all(dir);
 }
 
+// YaRN's attention factor (cos and sin times it) moves the logits by more than twice the GPU test's bound (1/16 of
+// the largest logit, GpuModel.ScaledRopeMatchesTheCpuPath), so that test fails a kernel that leaves the factor out:
+// Qwen's yarn (factor 0.1 ln 4 + 1 on gated attention) and DeepSeek's with mscale != mscale_all_dim (their ratio, on
+// MLA and the DSA indexer), each against the same config with attention_factor 1.
+TEST(RopeScaling, AnAttentionFactorMovesTheLogits) {
+  const nlohmann::json qwen = {{"rope_type", "yarn"}, {"rope_theta", 1000000.0}, {"factor", 4.0},
+                               {"original_max_position_embeddings", 8}};
+  nlohmann::json deepseek = {{"rope_type", "yarn"}, {"rope_theta", 10000.0}, {"factor", 40.0},
+                             {"original_max_position_embeddings", 4}, {"mscale", 1.0}, {"mscale_all_dim", 0.25}};
+  for (const auto& [fixture, rope] : {std::pair{"qwen3", qwen}, std::pair{"glm_moe_dsa", deepseek}}) {
+    SCOPED_TRACE(fixture);
+    nlohmann::json unit = rope;
+    unit["attention_factor"] = 1.0;
+    const auto dir = with_rope(fixture, rope, std::string(fixture) + "_factor");
+    const auto unit_dir = with_rope(fixture, unit, std::string(fixture) + "_unit_factor");
+    auto model = model_build_host(dir, {});
+    ASSERT_TRUE(model.has_value()) << model.error().message;
+    const RopeConfig& r = (*model)->config().rope;
+    const auto want = rope_frequencies(r, r.rotary_dim);
+    ASSERT_TRUE(want.has_value());
+    EXPECT_GT(want->attention_factor, 1.1f);
+    const std::vector<float> scaled = logits_of(dir), plain = logits_of(unit_dir);
+    ASSERT_FALSE(scaled.empty());
+    ASSERT_EQ(scaled.size(), plain.size());
+    double max_ref = 0, moved = 0;
+    for (size_t i = 0; i < scaled.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(scaled[i])) << i;
+      max_ref = std::max(max_ref, std::fabs(double{scaled[i]}));
+      moved = std::max(moved, std::fabs(double{scaled[i]} - plain[i]));
+    }
+    EXPECT_GT(moved, 2 * max_ref / 16) << "moved " << moved << ", largest logit " << max_ref;
+    std::filesystem::remove_all(dir);
+    std::filesystem::remove_all(unit_dir);
+  }
+}
+
 TEST(RopeScaling, DynamicRopeIsRefusedNamingIt) {
   const nlohmann::json dynamic = {{"rope_type", "dynamic"}, {"rope_theta", 1000000.0}, {"factor", 2.0}};
   const auto dir = with_rope("qwen3", dynamic, "qwen3_dynamic");

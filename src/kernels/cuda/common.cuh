@@ -1,5 +1,6 @@
 // Device helpers shared by the CUDA kernels: bf16 <-> fp32 conversions (one value, a pair, 8 values in 16 bytes),
-// the sigmoid and SiLU of the CPU path, and the warp sum. The tensor-core and inline-PTX helpers (mma_bf16_16816,
+// the sigmoid and SiLU of the CPU path, RoPE's scaled cos and sin, and the warp sum. The tensor-core and inline-PTX
+// helpers (mma_bf16_16816,
 // cp.async, ldmatrix) are in ptx.cuh, the NVFP4 ones in nvfp4_device.cuh. Include from .cu files only.
 #pragma once
 
@@ -55,6 +56,15 @@ __device__ __forceinline__ float sigmoid_f32(float x) {
 }
 __device__ __forceinline__ float silu_f32(float x) {
   return x / (1.0f + expf(-x));
+}
+
+// RoPE's cos and sin of `angle` times `factor` (YaRN's attention factor; 1 otherwise), in fp32 as layers/rope.cc
+// computes them.
+__device__ __forceinline__ void rope_cos_sin(float angle, float factor, float* cos_out, float* sin_out) {
+  float s, c;
+  sincosf(angle, &s, &c);
+  *cos_out = c * factor;
+  *sin_out = s * factor;
 }
 
 // The sum over the 32 lanes of a full warp (float, double or an integer type), as a butterfly with offsets 16, 8, 4,

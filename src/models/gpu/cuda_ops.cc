@@ -38,6 +38,7 @@ struct GpuAttention {
   GpuNorm q_norm, k_norm;
   const float* inv_freq = nullptr;
   int64_t rotary_dim = 0;
+  float rope_attention_factor = 1.0f;
   PagedKvCache cache{};
 };
 
@@ -55,6 +56,7 @@ struct GpuMla {
   const uint16_t* w_uv = nullptr;    // [heads, v_head_dim, kv_lora_rank]
   DeviceMatrix o_proj;
   const float* inv_freq = nullptr;   // [qk_rope_head_dim / 2]
+  float rope_attention_factor = 1.0f;
   PagedLatentCache cache{};
   // DSA (index_topk > 0). A layer with its own indexer: wk and weights_proj are columns of in_proj, wq_b of q_proj,
   // its keys have a paged cache; a "shared" layer (no indexer) attends the selection its nearest full layer made
@@ -110,14 +112,6 @@ struct GpuMoe {
 };
 
 namespace {
-
-// The CUDA kernels take any frequency table (a scaled RoPE's too) but not yet a cos / sin multiplier (YaRN's attention
-// factor without DeepSeek-V3's mscale pair).
-Expected<void> check_rope_on_cuda(const Rope& rope, const std::string& name) {
-  if (rope.attention_factor() == 1.0f) return {};
-  return make_error("{}: this RoPE scales cos and sin by an attention factor of {} (YaRN), which the CUDA attention "
-                    "kernels do not apply yet; run it with --device cpu", name, rope.attention_factor());
-}
 
 class CudaEmbedding final : public Block {
  public:
@@ -234,8 +228,8 @@ Expected<std::unique_ptr<Block>> CudaOps::attention(const RmsNorm& input_norm, c
   TERN_ASSIGN_OR_RETURN(g.q_norm, norm(w.q_norm));
   TERN_ASSIGN_OR_RETURN(g.k_norm, norm(w.k_norm));
   g.rotary_dim = a.rope().rotary_dim();
-  TERN_TRY(check_rope_on_cuda(a.rope(), w.q_proj.name()));
   TERN_ASSIGN_OR_RETURN(g.inv_freq, weights_.vector_f32(a.rope().inv_freq()));
+  g.rope_attention_factor = a.rope().attention_factor();
   TERN_ASSIGN_OR_RETURN(const GpuNorm n, norm(input_norm));
   auto block = std::make_unique<CudaAttentionBlock>(*this, n, std::move(g));
   attentions_.push_back(&block->device());
@@ -335,8 +329,8 @@ Expected<std::unique_ptr<Block>> CudaOps::mla(const RmsNorm& input_norm, const M
   TERN_ASSIGN_OR_RETURN(g.w_uk_t, weights_.vector_bf16(uk_t));
   TERN_ASSIGN_OR_RETURN(g.w_uv, weights_.vector_bf16(uv));
   TERN_ASSIGN_OR_RETURN(g.o_proj, weights_.matrix(w.o_proj));
-  TERN_TRY(check_rope_on_cuda(a.rope(), w.o_proj.name()));
   TERN_ASSIGN_OR_RETURN(g.inv_freq, weights_.vector_f32(a.rope().inv_freq()));
+  g.rope_attention_factor = a.rope().attention_factor();
   TERN_ASSIGN_OR_RETURN(const GpuNorm n, norm(input_norm));
   auto block = std::make_unique<CudaMlaBlock>(*this, n, std::move(g));
   mlas_.push_back(&block->device());
@@ -741,6 +735,7 @@ Expected<void> CudaOps::run_attention(const GpuAttention& a, const GpuNorm& norm
                                   .positions = step_.positions,
                                   .inv_freq = a.inv_freq,
                                   .rotary_dim = a.rotary_dim,
+                                  .attention_factor = a.rope_attention_factor,
                                   .slot_mapping = step_.slot_mapping,
                                   .q_out = q_,
                                   .gate_out = s.gated ? gate_ : nullptr,
@@ -810,6 +805,7 @@ Expected<void> CudaOps::run_mla(const GpuMla& a, const GpuNorm& norm, int64_t la
                                             .q_latent = q_latent,
                                             .positions = step_.positions,
                                             .inv_freq = a.inv_freq,
+                                            .attention_factor = a.rope_attention_factor,
                                             .interleaved = s.rope_interleaved,
                                             .slot_mapping = step_.slot_mapping,
                                             .cache = a.cache,
@@ -884,6 +880,7 @@ Expected<void> CudaOps::run_indexer(const GpuMla& a, uint16_t* idx_q) {
                                                     .positions = step_.positions,
                                                     .inv_freq = a.inv_freq,
                                                     .rope_dim = s.qk_rope_head_dim,
+                                                    .attention_factor = a.rope_attention_factor,
                                                     .interleaved = s.indexer_rope_interleaved,
                                                     .slot_mapping = step_.slot_mapping,
                                                     .cache = a.idx_cache,

@@ -28,11 +28,11 @@ struct PagedKvCache {
 };
 
 // Fused pre-attention step for `tokens` new tokens: per-head RMSNorm of q and k (a null weight means no norm),
-// RoPE on both (angle = float(positions[t]) * inv_freq[i] in fp32, NeoX rotate-half on the first rotary_dim dims;
-// rotary_dim 0 means no RoPE and inv_freq may be null), q written contiguous to q_out, the gate half of a gated
-// q_proj copied to gate_out, and k (normed + roped) and v written into the cache at slot_mapping[t]. A slot outside
-// [0, n_blocks * block_size) (e.g. -1 for a padding token) writes nothing to the cache. Norm and RoPE are computed in
-// fp32 and rounded to bf16 once.
+// RoPE on both (angle = float(positions[t]) * inv_freq[i] in fp32, cos and sin times attention_factor, NeoX
+// rotate-half on the first rotary_dim dims; rotary_dim 0 means no RoPE and inv_freq may be null), q written
+// contiguous to q_out, the gate half of a gated q_proj copied to gate_out, and k (normed + roped) and v written into
+// the cache at slot_mapping[t]. A slot outside [0, n_blocks * block_size) (e.g. -1 for a padding token) writes
+// nothing to the cache. Norm and RoPE are computed in fp32 and rounded to bf16 once.
 struct AttentionPrepareArgs {
   const uint16_t* q_proj = nullptr;  // [tokens, q_proj_stride]: per token n_heads * (gated ? 2 : 1) * head_dim,
   int64_t q_proj_stride = 0;         //   per head [query hd | gate hd] when gated
@@ -46,6 +46,7 @@ struct AttentionPrepareArgs {
   const int32_t* positions = nullptr;  // [tokens]
   const float* inv_freq = nullptr;     // [rotary_dim / 2] fp32
   int64_t rotary_dim = 0;
+  float attention_factor = 1.0f;  // cos and sin times this (YaRN's attention factor)
   const int32_t* slot_mapping = nullptr;  // [tokens]
   uint16_t* q_out = nullptr;              // [tokens, n_heads, head_dim]
   uint16_t* gate_out = nullptr;           // [tokens, n_heads, head_dim], when gated

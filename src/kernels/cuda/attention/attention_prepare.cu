@@ -27,7 +27,9 @@ __global__ void __launch_bounds__(kPrepareThreads) attention_prepare_kernel(cons
   const int half = static_cast<int>(a.rotary_dim / 2);
   if (half > 0) {
     const float position = static_cast<float>(a.positions[t]);
-    for (int i = threadIdx.x; i < half; i += kPrepareThreads) sincosf(position * a.inv_freq[i], &sin_s[i], &cos_s[i]);
+    for (int i = threadIdx.x; i < half; i += kPrepareThreads) {
+      cuda_common::rope_cos_sin(position * a.inv_freq[i], a.attention_factor, &cos_s[i], &sin_s[i]);
+    }
   }
   __syncthreads();
   const int64_t slot = a.slot_mapping[t];

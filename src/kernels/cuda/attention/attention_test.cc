@@ -294,6 +294,7 @@ TEST_F(CudaAttention, LongPrefill) {
 struct PrepareShape {
   int64_t tokens, n_heads, n_kv_heads, head_dim, rotary_dim;
   bool norm, zero_centred, gated;
+  float attention_factor = 1.0f;  // YaRN's: cos and sin times it
 };
 
 TEST_F(CudaAttention, PrepareMatchesCpuLayers) {
@@ -301,11 +302,14 @@ TEST_F(CudaAttention, PrepareMatchesCpuLayers) {
       {7, 4, 2, 64, 64, true, false, false},    {33, 8, 2, 256, 64, true, true, true},  // Qwen3.5: partial, (1+w)
       {5, 2, 1, 128, 128, false, false, false}, {9, 6, 3, 32, 16, true, false, true},
       {1, 16, 1, 128, 0, true, true, false},  // no RoPE
+      {11, 8, 4, 128, 128, true, false, false, 1.1386294f},  // Qwen3 with yarn x4
+      {6, 8, 2, 256, 64, true, true, true, 1.1386294f},      // Qwen3.5 with yarn x4
   };
   uint32_t seed = 700;
   for (const PrepareShape& s : shapes) {
-    SCOPED_TRACE(fmt::format("T={} heads {}/{} hd {} rot {} norm {} zc {} gated {}", s.tokens, s.n_heads, s.n_kv_heads,
-                             s.head_dim, s.rotary_dim, s.norm, s.zero_centred, s.gated));
+    SCOPED_TRACE(fmt::format("T={} heads {}/{} hd {} rot {} norm {} zc {} gated {} factor {}", s.tokens, s.n_heads,
+                             s.n_kv_heads, s.head_dim, s.rotary_dim, s.norm, s.zero_centred, s.gated,
+                             s.attention_factor));
     std::mt19937 rng(++seed);
     const int64_t hd = s.head_dim, qw = s.n_heads * hd * (s.gated ? 2 : 1), kvw = s.n_kv_heads * hd;
     const int64_t stride = qw + 2 * kvw + 8;  // a fused qkv projection output with a padded row
@@ -344,6 +348,7 @@ TEST_F(CudaAttention, PrepareMatchesCpuLayers) {
                                  .positions = d_pos.as<int32_t>(),
                                  .inv_freq = d_freq.as<float>(),
                                  .rotary_dim = s.rotary_dim,
+                                 .attention_factor = s.attention_factor,
                                  .slot_mapping = d_slots.as<int32_t>(),
                                  .q_out = q_out.as<uint16_t>(),
                                  .gate_out = s.gated ? gate_out.as<uint16_t>() : nullptr,
@@ -367,7 +372,7 @@ TEST_F(CudaAttention, PrepareMatchesCpuLayers) {
     // The CPU layers' fp32 math on the same bf16 inputs.
     const RmsNorm q_norm{.weight = widen(q_weight.data(), hd), .eps = 1e-6f, .zero_centred = s.zero_centred};
     const RmsNorm k_norm{.weight = widen(k_weight.data(), hd), .eps = 1e-6f, .zero_centred = s.zero_centred};
-    const Rope rope(s.rotary_dim, 1e6);
+    const Rope rope(s.rotary_dim, 1e6, {.inv_freq = inv_freq, .attention_factor = s.attention_factor});
     // Per head row: within 2^-8 (+2^-16 for fp32 order, sincosf) of the row's largest value.
     auto expect_row = [&](const uint16_t* got, const float* want, const std::string& what) {
       double row_max = 0.0;

@@ -129,7 +129,9 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kernel(const RopeArgs a) {
   const int64_t t = blockIdx.x;
   const int half = static_cast<int>(a.rotary_dim / 2);
   const float position = static_cast<float>(a.positions[t]);
-  for (int i = threadIdx.x; i < half; i += kRopeThreads) sincosf(position * a.inv_freq[i], &sin_s[i], &cos_s[i]);
+  for (int i = threadIdx.x; i < half; i += kRopeThreads) {
+    cuda_common::rope_cos_sin(position * a.inv_freq[i], a.attention_factor, &cos_s[i], &sin_s[i]);
+  }
   __syncthreads();
   const int64_t slots_per_head = a.head_dim / 2;
   const int64_t slot = int64_t{blockIdx.y} * kRopeThreads + threadIdx.x;

@@ -47,6 +47,7 @@ struct RopeArgs {
   int64_t head_dim = 0;
   int64_t rotary_dim = 0;
   bool interleaved = false;
+  float attention_factor = 1.0f;  // cos and sin times this (YaRN's attention factor)
 };
 
 // y[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]  (the SwiGLU activation over a fused [gate | up] output).

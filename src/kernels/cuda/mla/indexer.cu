@@ -79,7 +79,9 @@ __global__ void __launch_bounds__(kPrepareThreads) indexer_prepare_kernel(const 
   const int hd = static_cast<int>(a.head_dim), rope = static_cast<int>(a.rope_dim), half = rope / 2;
   if (half > 0) {
     const float position = static_cast<float>(a.positions[t]);
-    for (int i = threadIdx.x; i < half; i += kPrepareThreads) sincosf(position * a.inv_freq[i], &sin_s[i], &cos_s[i]);
+    for (int i = threadIdx.x; i < half; i += kPrepareThreads) {
+      cuda_common::rope_cos_sin(position * a.inv_freq[i], a.attention_factor, &cos_s[i], &sin_s[i]);
+    }
   }
   __syncthreads();
   const int64_t slot = a.slot_mapping[t];

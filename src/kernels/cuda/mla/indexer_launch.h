@@ -57,6 +57,7 @@ struct IndexerPrepareArgs {
   const int32_t* positions = nullptr;  // [tokens]
   const float* inv_freq = nullptr;     // [rope_dim / 2] fp32
   int64_t rope_dim = 0;
+  float attention_factor = 1.0f;  // cos and sin times this (YaRN's attention factor)
   bool interleaved = true;
   const int32_t* slot_mapping = nullptr;  // [tokens]
   PagedIndexerKeys cache;

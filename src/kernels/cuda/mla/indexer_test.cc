@@ -68,13 +68,26 @@ std::vector<float> make_inv_freq(int64_t rope_dim) {
   return out;
 }
 
-// RoPE in double on the first rope_dim values, the angle float(position) * inv_freq[i] in fp32 as specified.
-void ref_rope(double* v, int64_t rope_dim, int64_t position, const std::vector<float>& inv_freq, bool interleaved) {
-  const int64_t half = rope_dim / 2;
+// The RoPE of a case: the table, the rotated dims (0: none), the pair layout and YaRN's attention factor.
+struct CaseRope {
+  std::vector<float> inv_freq;
+  int64_t dim = 0;
+  bool interleaved = true;
+  float factor = 1.0f;
+};
+
+CaseRope case_rope(int64_t rope_dim, bool interleaved, float factor = 1.0f) {
+  return {make_inv_freq(rope_dim), rope_dim, interleaved, factor};
+}
+
+// RoPE in double on the first rope.dim values, the angle float(position) * inv_freq[i] in fp32 as specified, cos and
+// sin times the factor.
+void ref_rope(double* v, const CaseRope& rope, int64_t position) {
+  const int64_t half = rope.dim / 2;
   for (int64_t i = 0; i < half; ++i) {
-    const double angle = static_cast<double>(static_cast<float>(position) * inv_freq[i]);
-    const double c = std::cos(angle), s = std::sin(angle);
-    const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+    const double angle = static_cast<double>(static_cast<float>(position) * rope.inv_freq[i]);
+    const double c = rope.factor * std::cos(angle), s = rope.factor * std::sin(angle);
+    const int64_t ia = rope.interleaved ? 2 * i : i, ib = rope.interleaved ? 2 * i + 1 : i + half;
     const double a = v[ia], b = v[ib];
     v[ia] = a * c - b * s;
     v[ib] = b * c + a * s;
@@ -86,8 +99,8 @@ struct Norm {
 };
 
 // LayerNorm (biased variance) in double, then RoPE.
-std::vector<double> ref_key(const uint16_t* raw, int64_t hd, const Norm& norm, int64_t rope_dim, int64_t position,
-                            const std::vector<float>& inv_freq, bool interleaved) {
+std::vector<double> ref_key(const uint16_t* raw, int64_t hd, const Norm& norm, const CaseRope& rope,
+                            int64_t position) {
   std::vector<double> x(static_cast<size_t>(hd));
   double mean = 0.0;
   for (int64_t d = 0; d < hd; ++d) mean += (x[d] = bf16_to_float(raw[d]));
@@ -98,15 +111,14 @@ std::vector<double> ref_key(const uint16_t* raw, int64_t hd, const Norm& norm, i
   for (int64_t d = 0; d < hd; ++d) {
     x[d] = (x[d] - mean) * inv * bf16_to_float(norm.weight[d]) + bf16_to_float(norm.bias[d]);
   }
-  ref_rope(x.data(), rope_dim, position, inv_freq, interleaved);
+  ref_rope(x.data(), rope, position);
   return x;
 }
 
-std::vector<double> ref_query(const uint16_t* raw, int64_t hd, int64_t rope_dim, int64_t position,
-                              const std::vector<float>& inv_freq, bool interleaved) {
+std::vector<double> ref_query(const uint16_t* raw, int64_t hd, const CaseRope& rope, int64_t position) {
   std::vector<double> x(static_cast<size_t>(hd));
   for (int64_t d = 0; d < hd; ++d) x[d] = bf16_to_float(raw[d]);
-  ref_rope(x.data(), rope_dim, position, inv_freq, interleaved);
+  ref_rope(x.data(), rope, position);
   return x;
 }
 
@@ -146,12 +158,12 @@ struct PrepareResult {
 // indexer_prepare on raw rows (q [tokens, q_stride], k [tokens, k_stride]) into a cache of n_slots poisoned slots.
 Expected<PrepareResult> run_prepare(const DeviceContext& ctx, const std::vector<uint16_t>& q, int64_t q_stride,
                                     const std::vector<uint16_t>& k, int64_t k_stride, const Norm& norm,
-                                    const std::vector<int32_t>& positions, const std::vector<float>& inv_freq,
-                                    int64_t rope_dim, bool interleaved, const std::vector<int32_t>& slots,
-                                    int64_t n_blocks, int64_t block_size, int64_t n_heads, int64_t hd) {
+                                    const std::vector<int32_t>& positions, const CaseRope& rope,
+                                    const std::vector<int32_t>& slots, int64_t n_blocks, int64_t block_size,
+                                    int64_t n_heads, int64_t hd) {
   const int64_t tokens = static_cast<int64_t>(positions.size());
   const DeviceBuffer d_q = upload(q), d_k = upload(k), d_w = upload(norm.weight), d_b = upload(norm.bias);
-  const DeviceBuffer d_pos = upload(positions), d_freq = upload(inv_freq), d_slots = upload(slots);
+  const DeviceBuffer d_pos = upload(positions), d_freq = upload(rope.inv_freq), d_slots = upload(slots);
   const size_t n_q = static_cast<size_t>(tokens * n_heads * hd),
                n_cache = static_cast<size_t>(n_blocks * block_size * hd);
   DeviceBuffer q_out = upload(std::vector<uint16_t>(n_q, kPoison));
@@ -166,9 +178,10 @@ Expected<PrepareResult> run_prepare(const DeviceContext& ctx, const std::vector<
       .k_norm_bias = d_b.as<uint16_t>(),
       .eps = kEps,
       .positions = d_pos.as<int32_t>(),
-      .inv_freq = rope_dim > 0 ? d_freq.as<float>() : nullptr,
-      .rope_dim = rope_dim,
-      .interleaved = interleaved,
+      .inv_freq = rope.dim > 0 ? d_freq.as<float>() : nullptr,
+      .rope_dim = rope.dim,
+      .attention_factor = rope.factor,
+      .interleaved = rope.interleaved,
       .slot_mapping = d_slots.as<int32_t>(),
       .cache = {.k = cache.as<uint16_t>(), .n_blocks = n_blocks, .block_size = block_size, .head_dim = hd},
       .tokens = tokens,
@@ -185,18 +198,18 @@ Expected<PrepareResult> run_prepare(const DeviceContext& ctx, const std::vector<
 // slot still poisoned.
 void check_prepare(const PrepareResult& got, const std::vector<uint16_t>& q, int64_t q_stride,
                    const std::vector<uint16_t>& k, int64_t k_stride, const Norm& norm,
-                   const std::vector<int32_t>& positions, const std::vector<float>& inv_freq, int64_t rope_dim,
-                   bool interleaved, const std::vector<int32_t>& slots, int64_t n_slots, int64_t n_heads, int64_t hd) {
+                   const std::vector<int32_t>& positions, const CaseRope& rope, const std::vector<int32_t>& slots,
+                   int64_t n_slots, int64_t n_heads, int64_t hd) {
   std::vector<bool> written(static_cast<size_t>(n_slots), false);
   for (size_t t = 0; t < positions.size(); ++t) {
     for (int64_t h = 0; h < n_heads; ++h) {
-      const auto want = ref_query(&q[t * q_stride + h * hd], hd, rope_dim, positions[t], inv_freq, interleaved);
+      const auto want = ref_query(&q[t * q_stride + h * hd], hd, rope, positions[t]);
       expect_row(&got.q_out[(t * n_heads + h) * hd], want, fmt::format("q token {} head {}", t, h));
       if (::testing::Test::HasFatalFailure()) return;
     }
     if (slots[t] < 0 || slots[t] >= n_slots) continue;
     written[slots[t]] = true;
-    const auto want = ref_key(&k[t * k_stride], hd, norm, rope_dim, positions[t], inv_freq, interleaved);
+    const auto want = ref_key(&k[t * k_stride], hd, norm, rope, positions[t]);
     expect_row(&got.cache[slots[t] * hd], want, fmt::format("k token {} slot {}", t, slots[t]));
     if (::testing::Test::HasFatalFailure()) return;
   }
@@ -209,6 +222,7 @@ void check_prepare(const PrepareResult& got, const std::vector<uint16_t>& q, int
 struct PrepareShape {
   int64_t tokens, n_heads, head_dim, rope_dim, block_size;
   bool interleaved;
+  float attention_factor = 1.0f;  // YaRN's: cos and sin times it
 };
 
 TEST_F(CudaIndexer, PrepareMatchesDoubleReference) {
@@ -217,11 +231,12 @@ TEST_F(CudaIndexer, PrepareMatchesDoubleReference) {
       {9, 16, 32, 16, 16, true},   {9, 16, 32, 16, 4, false},     // the fixture
       {5, 20, 48, 16, 8, true},    {6, 64, 256, 256, 32, false},  // odd heads; rope over the whole head
       {4, 3, 16, 0, 1, true},                                     // no RoPE
+      {11, 32, 128, 64, 64, true, 1.24f},                         // DeepSeek's yarn, mscale != mscale_all_dim
   };
   uint32_t seed = 100;
   for (const PrepareShape& s : shapes) {
-    SCOPED_TRACE(fmt::format("tokens {} heads {} hd {} rope {} bs {} {}", s.tokens, s.n_heads, s.head_dim, s.rope_dim,
-                             s.block_size, s.interleaved ? "interleaved" : "neox"));
+    SCOPED_TRACE(fmt::format("tokens {} heads {} hd {} rope {} bs {} {} factor {}", s.tokens, s.n_heads, s.head_dim,
+                             s.rope_dim, s.block_size, s.interleaved ? "interleaved" : "neox", s.attention_factor));
     std::mt19937 rng(++seed);
     const int64_t hd = s.head_dim, q_stride = s.n_heads * hd + 16, k_stride = hd + 24;
     const auto q = random_bf16(rng, static_cast<size_t>(s.tokens * q_stride), 2.0f);
@@ -235,12 +250,11 @@ TEST_F(CudaIndexer, PrepareMatchesDoubleReference) {
     if (s.tokens > 2) slots[1] = -1;                                         // a padding row
     if (s.tokens > 3) slots[3] = static_cast<int32_t>(n_slots + 5);          // past the pool: nothing written
     for (auto& p : positions) p = static_cast<int32_t>(rng() % (1u << 17));  // angles up to ~1.3e5 rad
-    const auto inv_freq = make_inv_freq(s.rope_dim);
-    auto got = run_prepare(*ctx_, q, q_stride, k, k_stride, norm, positions, inv_freq, s.rope_dim, s.interleaved, slots,
-                           n_blocks, s.block_size, s.n_heads, hd);
+    const CaseRope rope = case_rope(s.rope_dim, s.interleaved, s.attention_factor);
+    auto got = run_prepare(*ctx_, q, q_stride, k, k_stride, norm, positions, rope, slots, n_blocks, s.block_size,
+                           s.n_heads, hd);
     ASSERT_TRUE(got.has_value()) << got.error().message;
-    check_prepare(*got, q, q_stride, k, k_stride, norm, positions, inv_freq, s.rope_dim, s.interleaved, slots, n_slots,
-                  s.n_heads, hd);
+    check_prepare(*got, q, q_stride, k, k_stride, norm, positions, rope, slots, n_slots, s.n_heads, hd);
     if (HasFatalFailure()) return;
   }
 }
@@ -365,12 +379,12 @@ void prepared_inputs(const DeviceContext& ctx, const SelectCase& c, uint32_t see
   const auto q = random_bf16(rng, static_cast<size_t>(n_rows * q_stride), 1.5f);
   const auto k = random_bf16(rng, static_cast<size_t>(n_rows * k_stride), 2.0f, 0.4f);
   const Norm norm = make_norm(rng, hd);
-  const auto inv_freq = make_inv_freq(c.rope_dim);
-  auto got = run_prepare(ctx, q, q_stride, k, k_stride, norm, positions, inv_freq, c.rope_dim, c.interleaved, slots,
-                         l.n_blocks, c.block_size, c.n_heads, hd);
+  const CaseRope rope = case_rope(c.rope_dim, c.interleaved);
+  auto got = run_prepare(ctx, q, q_stride, k, k_stride, norm, positions, rope, slots, l.n_blocks, c.block_size,
+                         c.n_heads, hd);
   ASSERT_TRUE(got.has_value()) << got.error().message;
-  check_prepare(*got, q, q_stride, k, k_stride, norm, positions, inv_freq, c.rope_dim, c.interleaved, slots,
-                l.n_blocks * c.block_size, c.n_heads, hd);
+  check_prepare(*got, q, q_stride, k, k_stride, norm, positions, rope, slots, l.n_blocks * c.block_size, c.n_heads,
+                hd);
   if (::testing::Test::HasFatalFailure()) return;
   // Unused slots back to NaN (prepare's check saw them poisoned), so a wrong read shows in the scores.
   in.pool = got->cache;

@@ -74,7 +74,9 @@ __global__ void __launch_bounds__(kPrepareThreads) mla_prepare_kernel(const MlaP
   const int lora = static_cast<int>(a.cache.kv_lora_rank), rope = static_cast<int>(a.cache.rope_dim);
   const int half = rope / 2, width = lora + rope, tid = threadIdx.x;
   const float position = static_cast<float>(a.positions[t]);
-  for (int i = tid; i < half; i += kPrepareThreads) sincosf(position * a.inv_freq[i], &sin_s[i], &cos_s[i]);
+  for (int i = tid; i < half; i += kPrepareThreads) {
+    cuda_common::rope_cos_sin(position * a.inv_freq[i], a.attention_factor, &cos_s[i], &sin_s[i]);
+  }
   const uint16_t* kv = a.kv_a + t * a.kv_a_stride;
   float sum = 0.0f;
   for (int i = tid; i < lora; i += kPrepareThreads) {

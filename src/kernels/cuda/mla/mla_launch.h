@@ -57,6 +57,7 @@ struct MlaPrepareArgs {
   uint16_t* q_latent = nullptr;  // [tokens, n_heads, kv_lora_rank + rope_dim]
   const int32_t* positions = nullptr;  // [tokens]
   const float* inv_freq = nullptr;     // [rope_dim / 2]
+  float attention_factor = 1.0f;       // cos and sin times this (YaRN's attention factor)
   bool interleaved = true;
   const int32_t* slot_mapping = nullptr;  // [tokens]
   PagedLatentCache cache;

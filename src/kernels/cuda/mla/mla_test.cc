@@ -52,15 +52,16 @@ std::vector<T> download(const DeviceBuffer& b, size_t count) {
 
 double bf(uint16_t v) { return static_cast<double>(bf16_to_float(v)); }
 
-// The rotation of pair slot j as mla_launch.h defines it, in double.
+// The rotation of pair slot j as mla_launch.h defines it, in double, cos and sin times `factor`.
 void rope_ref(const std::vector<double>& x, std::vector<double>& y, int64_t dim, double position,
-              const std::vector<float>& inv_freq, bool interleaved) {
+              const std::vector<float>& inv_freq, bool interleaved, double factor) {
   const int64_t half = dim / 2;
   for (int64_t j = 0; j < half; ++j) {
     const int64_t lo = interleaved ? 2 * j : j, hi = interleaved ? 2 * j + 1 : j + half;
     const double angle = static_cast<double>(static_cast<float>(position) * inv_freq[j]);
-    y[lo] = x[lo] * std::cos(angle) - x[hi] * std::sin(angle);
-    y[hi] = x[hi] * std::cos(angle) + x[lo] * std::sin(angle);
+    const double c = factor * std::cos(angle), s = factor * std::sin(angle);
+    y[lo] = x[lo] * c - x[hi] * s;
+    y[hi] = x[hi] * c + x[lo] * s;
   }
 }
 
@@ -80,6 +81,7 @@ struct PrepareShape {
   int64_t tokens, heads, lora, rope, nope;
   bool interleaved;
   std::optional<LatentFp8Scales> fp8 = {};  // the cache in FP8 entries with these scales
+  float attention_factor = 1.0f;            // YaRN's: cos and sin times it
 };
 
 // One token's FP8 entry against the fp64 latent c and roped k_pe it was made from (the definition in
@@ -154,6 +156,7 @@ void check_prepare(const PrepareShape& s, uint64_t seed) {
                                                       .q_latent = q_lat.as<uint16_t>(),
                                                       .positions = d_pos.as<int32_t>(),
                                                       .inv_freq = d_f.as<float>(),
+                                                      .attention_factor = s.attention_factor,
                                                       .interleaved = s.interleaved,
                                                       .slot_mapping = d_slot.as<int32_t>(),
                                                       .cache = pc,
@@ -170,7 +173,7 @@ void check_prepare(const PrepareShape& s, uint64_t seed) {
     std::vector<double> x(static_cast<size_t>(s.rope)), y(static_cast<size_t>(s.rope));
     for (int64_t h = 0; h < s.heads; ++h) {
       for (int64_t i = 0; i < s.rope; ++i) x[i] = bf(q[t * q_stride + h * (s.nope + s.rope) + s.nope + i]);
-      rope_ref(x, y, s.rope, positions[t], inv_freq, s.interleaved);
+      rope_ref(x, y, s.rope, positions[t], inv_freq, s.interleaved, s.attention_factor);
       const int64_t base = (t * s.heads + h) * width;
       for (int64_t i = 0; i < s.lora; ++i) ASSERT_EQ(got_q[base + i], kPoison) << what << ": q_lat written";
       for (int64_t i = 0; i < s.rope; ++i) {
@@ -185,7 +188,7 @@ void check_prepare(const PrepareShape& s, uint64_t seed) {
     std::vector<double> c(static_cast<size_t>(s.lora));
     for (int64_t i = 0; i < s.lora; ++i) c[i] = bf(kv_a[t * kv_stride + i]) * inv * bf(weight[i]);
     for (int64_t i = 0; i < s.rope; ++i) x[i] = bf(kv_a[t * kv_stride + s.lora + i]);
-    rope_ref(x, y, s.rope, positions[t], inv_freq, s.interleaved);
+    rope_ref(x, y, s.rope, positions[t], inv_freq, s.interleaved, s.attention_factor);
     const uint8_t* bytes = &got_cache[slots[t] * entry];
     if (s.fp8) {
       expect_fp8_entry(bytes, c, y, *s.fp8, what);
@@ -206,6 +209,9 @@ TEST(CudaMla, PrepareMatchesReference) {
   check_prepare({.tokens = 37, .heads = 16, .lora = 512, .rope = 64, .nope = 192, .interleaved = true}, 1);
   check_prepare({.tokens = 5, .heads = 16, .lora = 512, .rope = 64, .nope = 192, .interleaved = false}, 2);
   check_prepare({.tokens = 9, .heads = 4, .lora = 32, .rope = 16, .nope = 32, .interleaved = true}, 3);
+  // DeepSeek's yarn with mscale != mscale_all_dim: cos and sin times their ratio.
+  check_prepare({.tokens = 13, .heads = 16, .lora = 512, .rope = 64, .nope = 192, .interleaved = true,
+                 .attention_factor = 1.24f}, 6);
 }
 
 TEST(CudaMla, PrepareWritesFp8Entries) {
