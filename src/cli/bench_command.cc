@@ -380,8 +380,7 @@ void add_measured_all_reduces(nlohmann::ordered_json& report, ModelRunner& m, co
 int run_bench(const BenchOptions& o) {
   if (auto ok = check_options(o); !ok) return fail(ok.error().message);
   if (o.plan_only) {
-    const auto expert_parallel = expert_parallel_of(o.model.enable_expert_parallel, o.model.expert_parallel_size,
-                                                    o.model.tensor_parallel_size);
+    const auto expert_parallel = expert_parallel_of(o.model);
     if (!expert_parallel) return fail(expert_parallel.error().message);
     return run_bench_plan({.model_dir = o.model.model_dir,
                            .world = o.model.tensor_parallel_size,

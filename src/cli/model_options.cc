@@ -30,8 +30,7 @@ Expected<std::vector<Selection>> selftest_before_load(const ModelCliOptions& o, 
     }
     if (!any_forced) return std::vector<Selection>{};
   }
-  TERN_ASSIGN_OR_RETURN(const bool expert_parallel,
-                        expert_parallel_of(o.enable_expert_parallel, o.expert_parallel_size, o.tensor_parallel_size));
+  TERN_ASSIGN_OR_RETURN(const bool expert_parallel, expert_parallel_of(o));
   // With speculative decoding the verifications' shapes are tested too.
   const ModelSelftestOptions selftest{
       .mode = mode == SelftestMode::kOff ? SelftestMode::kFast : mode,
@@ -141,6 +140,10 @@ Expected<bool> expert_parallel_of(bool enable, int size, int tensor_parallel_siz
   return enable || size > 1;
 }
 
+Expected<bool> expert_parallel_of(const ModelCliOptions& o) {
+  return expert_parallel_of(o.enable_expert_parallel, o.expert_parallel_size, o.tensor_parallel_size);
+}
+
 void add_backend_options(CLI::App& cmd, BackendFlags& b) {
   cmd.add_option("--attention-backend", b.attention, "auto, or an implementation of `attention` (tern doctor lists them)");
   cmd.add_option("--moe-backend", b.moe, "auto, or an implementation of `moe`");
@@ -218,8 +221,7 @@ Expected<std::unique_ptr<ModelRunner>> load_model_from_options(const ModelCliOpt
   options.load_draft = !o.speculative_algorithm.empty();
   options.device_options.verify_rows = speculative_steps_of(o) + 1;
   options.tensor_parallel_size = o.tensor_parallel_size;
-  TERN_ASSIGN_OR_RETURN(options.expert_parallel,
-                        expert_parallel_of(o.enable_expert_parallel, o.expert_parallel_size, o.tensor_parallel_size));
+  TERN_ASSIGN_OR_RETURN(options.expert_parallel, expert_parallel_of(o));
   options.cuda_devices = o.cuda_devices;
   options.nnodes = o.nnodes;
   options.node_rank = o.node_rank;

@@ -54,6 +54,7 @@ void add_parallel_options(CLI::App& cmd, ModelCliOptions& options);
 void add_expert_parallel_options(CLI::App& cmd, bool& enable, int& size);
 // Whether those flags ask for expert parallelism; an error for an --ep-size other than 1 or the tensor-parallel size.
 Expected<bool> expert_parallel_of(bool enable, int size, int tensor_parallel_size);
+Expected<bool> expert_parallel_of(const ModelCliOptions& options);
 void add_backend_options(CLI::App& cmd, BackendFlags& backends);
 // --speculative-algorithm and --speculative-num-steps (serve, generate, bench; doctor into its own fields).
 void add_speculative_options(CLI::App& cmd, ModelCliOptions& options);

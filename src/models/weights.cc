@@ -29,8 +29,10 @@ uint64_t splitmix64(uint64_t x) {
 // Approximately N(0, 1) (Irwin-Hall of four uniforms), a pure function of (stream, index).
 float dummy_normal(uint64_t stream, int64_t index) {
   const uint64_t r = splitmix64(stream + static_cast<uint64_t>(index) * 0xD1B54A32D192ED03ull);
-  float s = 0.0f;
-  for (int i = 0; i < 4; ++i) s += static_cast<float>((r >> (16 * i)) & 0xFFFF) / 65536.0f;
+  // The four 16-bit uniforms summed as integers: the same value as summing them as floats (every partial sum is
+  // exact in fp32), one conversion instead of four.
+  const uint64_t sum = (r & 0xFFFF) + ((r >> 16) & 0xFFFF) + ((r >> 32) & 0xFFFF) + (r >> 48);
+  const float s = static_cast<float>(sum) / 65536.0f;
   return (s - 2.0f) * 1.7320508f;
 }
 
@@ -428,6 +430,12 @@ void WeightStore::add_dummy_linear(const std::string& module, int64_t out, int64
 
 namespace {
 
+// float_to_bf16 (round to nearest even) of a finite value, inline.
+inline uint16_t bf16_of_finite(float value) {
+  const uint32_t bits = std::bit_cast<uint32_t>(value);
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
 // Element k of a dummy BF16 tensor.
 uint16_t dummy_bf16(DummyKind kind, uint64_t stream, int64_t k) {
   float v = kDummyStd * dummy_normal(stream, k);
@@ -443,6 +451,7 @@ uint16_t dummy_bf16(DummyKind kind, uint64_t stream, int64_t k) {
 
 // Bytes [begin, begin + length) of a dummy tensor of `total` bytes into `out`.
 void dummy_fill(DummyKind kind, uint64_t stream, int64_t total, int64_t begin, int64_t length, std::byte* out) {
+  if (length <= 0) return;
   const int64_t end = begin + length;
   if (kind == DummyKind::kCodes || kind == DummyKind::kScales || kind == DummyKind::kFp8Codes) {
     // 8-byte words; the bytes past the last whole word are fixed (0x21: NVFP4 codes +0.5, +1, e4m3 0.140625; 0x38:
@@ -469,12 +478,29 @@ void dummy_fill(DummyKind kind, uint64_t stream, int64_t total, int64_t begin, i
     }
     return;
   }
-  for (int64_t b = begin; b < end;) {  // BF16 elements, little-endian
+  // BF16 elements, little-endian: the whole ones in one loop, a part of one at either end byte by byte.
+  auto part = [&](int64_t b, int64_t upto) {  // bytes [b, upto) of one element
     const uint16_t v = dummy_bf16(kind, stream, b / 2);
-    const int64_t from = b % 2, upto = std::min<int64_t>(2, end - (b - from));
-    std::memcpy(out + (b - begin), reinterpret_cast<const std::byte*>(&v) + from, static_cast<size_t>(upto - from));
-    b += upto - from;
+    std::memcpy(out + (b - begin), reinterpret_cast<const std::byte*>(&v) + b % 2, static_cast<size_t>(upto - b));
+  };
+  int64_t b = begin;
+  if (b % 2 == 1 && b < end) part(b, b + 1), ++b;
+  const int64_t first = b / 2, last = end / 2;  // whole elements [first, last); b is even and at most end
+  std::byte* at = out + (b - begin);
+  if (kind == DummyKind::kNormal || kind == DummyKind::kConv) {
+    // The normal kinds (all but a few small tensors), with dummy_bf16's arithmetic and rounding inlined.
+    const float scale = kind == DummyKind::kNormal ? kDummyStd : 0.2f;
+    for (int64_t k = first; k < last; ++k) {
+      const uint16_t v = bf16_of_finite(scale * dummy_normal(stream, k));
+      std::memcpy(at + 2 * (k - first), &v, 2);
+    }
+  } else {
+    for (int64_t k = first; k < last; ++k) {
+      const uint16_t v = dummy_bf16(kind, stream, k);
+      std::memcpy(at + 2 * (k - first), &v, 2);
+    }
   }
+  if (2 * last < end) part(2 * last, end);
 }
 
 }  // namespace
@@ -484,7 +510,9 @@ const std::byte* WeightStore::generate(const DummyTensor& d, int64_t offset, int
   int64_t per_row = 0;
   for (const ShardPiece& p : pieces) per_row += p.length;
   const int64_t size = by_rows ? per_row * row_bytes : per_row * rows;
-  std::vector<std::byte> out(static_cast<size_t>(size));
+  // Not zeroed first: each page is first touched by the thread that fills it.
+  std::unique_ptr<std::byte[]> buffer = std::make_unique_for_overwrite<std::byte[]>(static_cast<size_t>(size));
+  std::byte* const out = buffer.get();
   if (by_rows) {
     // Chunks of at most 1 MiB, generated in parallel.
     struct Chunk {
@@ -502,20 +530,20 @@ const std::byte* WeightStore::generate(const DummyTensor& d, int64_t offset, int
     }
 #pragma omp parallel for schedule(dynamic)
     for (size_t c = 0; c < chunks.size(); ++c) {
-      dummy_fill(d.kind, d.stream, d.bytes, chunks[c].source, chunks[c].length, out.data() + chunks[c].at);
+      dummy_fill(d.kind, d.stream, d.bytes, chunks[c].source, chunks[c].length, out + chunks[c].at);
     }
   } else {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       int64_t at = r * per_row;
       for (const ShardPiece& p : pieces) {
-        dummy_fill(d.kind, d.stream, d.bytes, offset + r * row_bytes + p.offset, p.length, out.data() + at);
+        dummy_fill(d.kind, d.stream, d.bytes, offset + r * row_bytes + p.offset, p.length, out + at);
         at += p.length;
       }
     }
   }
-  owned_bytes_.push_back(std::move(out));
-  return owned_bytes_.back().data();
+  generated_.push_back(std::move(buffer));
+  return out;
 }
 
 std::unique_ptr<WeightStore> WeightStore::make_dummy(const ModelConfig& config, const WeightSchema& schema,

@@ -136,6 +136,7 @@ class WeightStore {
   std::map<std::string, TensorView> owned_views_;
   std::map<std::string, DummyTensor> dummies_;  // make_dummy's tensors, each a view without data in owned_views_
   std::deque<std::vector<std::byte>> owned_bytes_;
+  std::deque<std::unique_ptr<std::byte[]>> generated_;  // generate's buffers
   std::string text_prefix_;
   ShardRank rank_;
   std::map<std::string, Shard> shards_;  // linear modules and parameter names; empty: every tensor whole

@@ -478,6 +478,34 @@ TEST(DummyWeights, Fp8ConfigMakesBlockFp8Linears) {
   EXPECT_GT(fp8_linears, 4);
 }
 
+// BF16 dummies (every linear of a BF16 model): the spread of N(0, 0.02), mean 0, each tensor distinct, no
+// non-finite value.
+TEST(DummyWeights, Bf16LinearsAreNormalWithTheirSpread) {
+  const Checkpoint c = open_fixture("qwen3");
+  auto store = WeightStore::make_dummy(c.config, c.schema, std::nullopt, 5);
+  std::vector<double> sums;  // one per tensor: all distinct (each its own stream)
+  for (const LinearSpec& l : c.schema.linears) {
+    if (!store->contains(l.module + ".weight")) continue;  // lm_head tied to the embedding
+    const CpuMatrix m = value(store->linear(l.module, l.out_features, l.in_features), l.module).matrix();
+    ASSERT_EQ(m.format, CpuWeightFormat::kBf16) << l.module;
+    double sum = 0.0, sq = 0.0;
+    const int64_t n = m.rows * m.cols;
+    for (int64_t i = 0; i < n; ++i) {
+      const double v = bf16_to_float(u16_at(m.data, i));
+      ASSERT_TRUE(std::isfinite(v)) << l.module << " element " << i;
+      sum += v;
+      sq += v * v;
+    }
+    const double mean = sum / static_cast<double>(n), sd = std::sqrt(sq / static_cast<double>(n) - mean * mean);
+    EXPECT_NEAR(sd, 0.02, 0.02 * (0.05 + 5 / std::sqrt(2.0 * static_cast<double>(n)))) << l.module;
+    EXPECT_NEAR(mean, 0.0, 5 * 0.02 / std::sqrt(static_cast<double>(n))) << l.module;
+    sums.push_back(sum);
+  }
+  ASSERT_GT(sums.size(), 4u);
+  std::sort(sums.begin(), sums.end());
+  EXPECT_EQ(std::adjacent_find(sums.begin(), sums.end()), sums.end());
+}
+
 // Spot checks: one slice element against the raw bytes, the index written out by hand.
 
 TEST(ShardSpotCheck, GatedQProjKeepsQueryAndGateOfEachHead) {
