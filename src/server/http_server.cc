@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -40,23 +41,66 @@ const char* error_type(int status) {
 
 }  // namespace
 
+// A request's choices: one engine request (its stream) and one response builder each, in index order.
+struct Choices {
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  std::vector<ResponseBuilder> builders;
+
+  bool finished() const {
+    return std::ranges::all_of(builders, [](const ResponseBuilder& b) { return b.finished(); });
+  }
+  // The events every stream has queued, each through its choice's builder (the chunks they make appended to
+  // `chunks` when given), waiting up to `timeout` for the first. Several choices wait on the first unfinished one
+  // at most 10 ms at a time, so that another's tokens are not held back long.
+  void poll(std::chrono::milliseconds timeout, std::vector<Json>* chunks) {
+    auto take = [&](size_t i, std::chrono::milliseconds wait) {
+      bool any = false;
+      for (const TokenEvent& e : streams[i]->wait(wait)) {
+        any = true;
+        std::vector<Json> made = builders[i].on_event(e);
+        if (chunks) chunks->insert(chunks->end(), made.begin(), made.end());
+      }
+      return any;
+    };
+    if (streams.size() == 1) {
+      take(0, timeout);
+      return;
+    }
+    bool any = false;
+    for (size_t i = 0; i < streams.size(); ++i) {
+      if (!builders[i].finished()) any = take(i, 0ms) || any;
+    }
+    if (any) return;
+    for (size_t i = 0; i < streams.size(); ++i) {
+      if (builders[i].finished()) continue;
+      take(i, std::min<std::chrono::milliseconds>(timeout, 10ms));
+      return;
+    }
+  }
+  // Ends the unfinished choices' requests; how many there were.
+  int cancel_unfinished() {
+    int n = 0;
+    for (size_t i = 0; i < streams.size(); ++i) {
+      if (builders[i].finished()) continue;
+      streams[i]->cancel();
+      ++n;
+    }
+    return n;
+  }
+};
+
 // What a streaming response needs after the handler returned; the count of open streams follows its lifetime.
 struct StreamState {
-  StreamState(std::shared_ptr<RequestStream> s, ResponseContext ctx, bool usage, std::atomic<int64_t>& active,
-              std::function<void()> on_abandoned)
-      : stream(std::move(s)), builder(std::move(ctx)), include_usage(usage), active_streams(active),
-        on_abandoned(std::move(on_abandoned)) {
+  StreamState(Choices c, bool usage, std::atomic<int64_t>& active, std::function<void()> on_abandoned)
+      : choices(std::move(c)), include_usage(usage), active_streams(active), on_abandoned(std::move(on_abandoned)) {
     ++active_streams;
   }
   ~StreamState() {
-    if (!builder.finished()) {  // the client went away before the end
-      stream->cancel();
-      on_abandoned();
-    }
+    // The client went away before the end: each unfinished choice's request ends as an abort.
+    for (int i = choices.cancel_unfinished(); i > 0; --i) on_abandoned();
     --active_streams;
   }
-  std::shared_ptr<RequestStream> stream;
-  ResponseBuilder builder;
+  Choices choices;
   bool include_usage;
   std::atomic<int64_t>& active_streams;
   std::function<void()> on_abandoned;
@@ -298,7 +342,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   auto parsed = api_request_parse(req.body, chat);
   if (!parsed) return fail(parsed.error());
   const ApiRequest& r = *parsed;
-  if (r.model != config_.served_model_name) {
+  if (!r.model.empty() && r.model != config_.served_model_name) {
     return fail({404, fmt::format("the model '{}' does not exist; this server serves '{}'", r.model,
                                   config_.served_model_name),
                  "invalid_request_error", "model", "model_not_found"});
@@ -308,13 +352,24 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   if (!ids) return fail(ids.error());
   auto max_tokens = api_request_max_tokens(r, static_cast<int64_t>(ids->size()), config_.context_length);
   if (!max_tokens) return fail(max_tokens.error());
-  GenerationRequest g{.prompt = *ids, .sampling = r.sampling,
-                      .stop = {.stop_token_ids = r.stop_token_ids, .stop_strings = r.stop_strings,
-                               .max_tokens = *max_tokens},
-                      .skip_special_tokens = r.skip_special_tokens, .ignore_eos = r.ignore_eos};
+  const GenerationRequest g{.prompt = *ids, .sampling = r.sampling,
+                            .stop = {.stop_token_ids = r.stop_token_ids, .stop_strings = r.stop_strings,
+                                     .max_tokens = *max_tokens},
+                            .skip_special_tokens = r.skip_special_tokens, .ignore_eos = r.ignore_eos};
   if (auto v = stop_criteria_validate(g.stop); !v) return fail({400, v.error().message, "invalid_request_error", "stop"});
-  auto stream = engine_.submit(std::move(g));
-  if (!stream) return fail({503, stream.error().message, "service_unavailable"});
+  // One engine request per choice; choice i of a seeded request samples with seed + i (vLLM's rule). A choice the
+  // engine cannot take ends the ones taken before it.
+  Choices choices;
+  for (int32_t i = 0; i < r.n; ++i) {
+    GenerationRequest one = g;
+    if (g.sampling.seed) one.sampling.seed = *g.sampling.seed + static_cast<uint64_t>(i);
+    auto stream = engine_.submit(std::move(one));
+    if (!stream) {
+      choices.cancel_unfinished();
+      return fail({503, stream.error().message, "service_unavailable"});
+    }
+    choices.streams.push_back(*stream);
+  }
 
   ResponseContext ctx{.chat = chat, .id = fmt::format("{}-{:x}{:04x}", chat ? "chatcmpl" : "cmpl", unix_now(),
                                                       next_request_++),
@@ -325,24 +380,28 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   if (chat && r.tools_enabled && config_.tool_format != ToolFormat::kNone) ctx.tools.emplace(config_.tool_format, r.tools);
   if (!chat && r.echo) ctx.echo_text = r.prompt_text ? *r.prompt_text : (tokenizer_ ? tokenizer_->decode(*ids) : "");
 
+  for (int32_t i = 0; i < r.n; ++i) {
+    ResponseContext c = ctx;
+    c.index = i;
+    choices.builders.emplace_back(std::move(c));
+  }
+
   Connection* conn = Connection::current();
   if (!r.stream) {
-    ResponseBuilder builder(std::move(ctx));
-    while (!builder.finished()) {
-      for (const TokenEvent& e : (*stream)->wait(100ms)) builder.on_event(e);
-      // Nobody waits for the answer any more: end the request, as an abandoned stream does.
-      if (!builder.finished() && conn && conn->peer_closed()) {
-        (*stream)->cancel();
-        count_outcome("abort");
+    while (!choices.finished()) {
+      choices.poll(100ms, nullptr);
+      // Nobody waits for the answer any more: end the requests, as an abandoned stream does.
+      if (!choices.finished() && conn && conn->peer_closed()) {
+        for (int i = choices.cancel_unfinished(); i > 0; --i) count_outcome("abort");
         conn->close_after_response();
         return;
       }
     }
-    count_outcome(builder.finish_reason());
-    res.set_content(dump(builder.final_response()), "application/json");
+    for (const ResponseBuilder& b : choices.builders) count_outcome(b.finish_reason());
+    res.set_content(dump(final_response(choices.builders)), "application/json");
     return;
   }
-  auto state = std::make_shared<StreamState>(*stream, std::move(ctx), r.include_usage, active_streams_,
+  auto state = std::make_shared<StreamState>(std::move(choices), r.include_usage, active_streams_,
                                              [this] { count_outcome("abort"); });
   // HTTP/1.0 has no chunked encoding: its stream is delimited by closing the connection.
   const bool http10 = req.version == "HTTP/1.0";
@@ -350,20 +409,20 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   auto provide = [this, state](size_t, httplib::DataSink& sink) {
     auto write = [&](const std::string& data) { return sink.write(data.data(), data.size()); };
     for (;;) {
-      std::vector<TokenEvent> events = state->stream->wait(100ms);
+      std::vector<Json> chunks;
+      state->choices.poll(100ms, &chunks);
       if (!sink.is_writable()) return false;
-      for (const TokenEvent& e : events) {
-        for (const Json& c : state->builder.on_event(e)) {
-          if (!write("data: " + dump(c) + "\n\n")) return false;
-        }
+      for (const Json& c : chunks) {
+        if (!write("data: " + dump(c) + "\n\n")) return false;
       }
-      if (state->builder.finished()) {
-        count_outcome(state->builder.finish_reason());
-        if (state->include_usage) write("data: " + dump(state->builder.usage_chunk()) + "\n\n");
-        // The final chunk only says "error"; the reason follows as an OpenAI error event (clients raise it).
-        if (!state->builder.error().empty()) {
-          write("data: " + api_error_body({500, state->builder.error(), "server_error"}) + "\n\n");
-        }
+      if (state->choices.finished()) {
+        const std::vector<ResponseBuilder>& builders = state->choices.builders;
+        for (const ResponseBuilder& b : builders) count_outcome(b.finish_reason());
+        if (state->include_usage) write("data: " + dump(usage_chunk(builders)) + "\n\n");
+        // A failed choice's final chunk only says "error"; the reason follows as an OpenAI error event (clients
+        // raise it): the first failed choice's.
+        auto failed = std::ranges::find_if(builders, [](const ResponseBuilder& b) { return !b.error().empty(); });
+        if (failed != builders.end()) write("data: " + api_error_body({500, failed->error(), "server_error"}) + "\n\n");
         write("data: [DONE]\n\n");
         sink.done();
         return true;
@@ -379,7 +438,8 @@ std::string HttpServer::render_metrics() const {
   auto metric = [&](const char* name, const char* type, const char* help, auto value) {
     out += fmt::format("# HELP {} {}\n# TYPE {} {}\n{} {}\n", name, help, name, type, name, value);
   };
-  out += "# HELP tern_requests_total Generation requests by outcome (finish reason, rejected, unavailable).\n"
+  out += "# HELP tern_requests_total Generation requests (each choice of one with n > 1) by outcome (finish reason, "
+         "rejected, unavailable).\n"
          "# TYPE tern_requests_total counter\n";
   {
     std::lock_guard lock(outcomes_mutex_);

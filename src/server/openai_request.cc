@@ -146,10 +146,12 @@ Result parse_stop(const Json& body, ApiRequest& r) {
 
 Result parse_common(const Json& body, ApiRequest& r) {
   TERN_API_FIELD(model, std::string, body, "model");
-  if (!model) return bad("model", "'model' is required");
-  r.model = *model;
+  if (model) r.model = *model;
   TERN_API_FIELD(n, int64_t, body, "n");
-  if (n && *n != 1) return bad("n", fmt::format("only n=1 is supported, got {}", *n));
+  if (n && (*n < 1 || *n > kApiMaxChoices)) {
+    return bad("n", fmt::format("'n' must be in [1, {}], got {}", kApiMaxChoices, *n));
+  }
+  if (n) r.n = static_cast<int32_t>(*n);
   TERN_API_FIELD(best_of, int64_t, body, "best_of");
   if (best_of && *best_of != 1) return bad("best_of", "only best_of=1 is supported");
   TERN_API_FIELD(stream, bool, body, "stream");

@@ -24,9 +24,15 @@ struct ApiError {
 
 std::string api_error_body(const ApiError& error);
 
+// The most choices one request may ask for ('n').
+inline constexpr int32_t kApiMaxChoices = 128;
+
 struct ApiRequest {
   bool chat = true;
-  std::string model;
+  std::string model;  // empty: not given (the served model, as vLLM, SGLang and llama.cpp take it)
+  // Choices to generate from the prompt, each its own sequence ('n'). With a seed, choice i samples with seed + i
+  // (vLLM's rule), so choice i equals the one-choice request with that seed.
+  int32_t n = 1;
   // chat: what the chat template sees (messages, tools, chat_template_kwargs flattened in).
   nlohmann::ordered_json template_request;
   nlohmann::ordered_json tools = nlohmann::ordered_json::array();

@@ -1,5 +1,6 @@
 #include "server/openai_request.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 namespace tern {
@@ -44,6 +45,21 @@ TEST(ApiRequest, CompletionPromptForms) {
   EXPECT_EQ(text->sampling.logprobs, 2);
 }
 
+// 'model' may be left out (the served model, as vLLM, SGLang and llama.cpp take it); 'n' asks for that many choices.
+TEST(ApiRequest, ModelMayBeLeftOutAndNChoices) {
+  auto r = api_request_parse(R"({"messages": [{"role": "user", "content": "x"}], "n": 3})", true);
+  ASSERT_TRUE(r) << r.error().message;
+  EXPECT_TRUE(r->model.empty());
+  EXPECT_EQ(r->n, 3);
+  auto most = api_request_parse(fmt::format(R"({{"prompt": [1], "n": {}}})", kApiMaxChoices), false);
+  ASSERT_TRUE(most) << most.error().message;
+  EXPECT_EQ(most->n, kApiMaxChoices);
+  auto one = api_request_parse(R"({"model": "m", "prompt": [1]})", false);
+  ASSERT_TRUE(one);
+  EXPECT_EQ(one->n, 1);
+  EXPECT_EQ(one->model, "m");
+}
+
 TEST(ApiRequest, ErrorsNameTheParameter) {
   struct Case {
     std::string body;
@@ -53,7 +69,6 @@ TEST(ApiRequest, ErrorsNameTheParameter) {
   const std::vector<Case> cases{
       {"{", ""},
       {"[1]", ""},
-      {R"({"messages": [{"role": "user", "content": "x"}]})", "model"},
       {R"({"model": 3, "messages": []})", "model"},
       {R"({"model": "m"})", "messages"},
       {R"({"model": "m", "messages": []})", "messages"},
@@ -61,7 +76,10 @@ TEST(ApiRequest, ErrorsNameTheParameter) {
       {R"({"model": "m", "messages": [{"role": "user"}]})", "messages[0].content"},
       {R"({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
        "messages[0].content[0]"},
-      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2})", "n"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0})", "n"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": -1})", "n"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 129})", "n"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2.5})", "n"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"})", "temperature"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3})", "temperature"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0})", "max_tokens"},

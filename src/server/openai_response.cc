@@ -12,7 +12,7 @@ ResponseBuilder::ResponseBuilder(ResponseContext context) : ctx_(std::move(conte
 }
 
 Json ResponseBuilder::chunk(Json delta_or_text, Json logprobs, Json finish_reason) const {
-  Json choice{{"index", 0}};
+  Json choice{{"index", ctx_.index}};
   if (ctx_.chat) {
     choice["delta"] = std::move(delta_or_text);
   } else {
@@ -123,18 +123,8 @@ std::vector<Json> ResponseBuilder::on_event(const TokenEvent& e) {
   return out;
 }
 
-Json ResponseBuilder::usage() const {
-  return Json{{"prompt_tokens", ctx_.num_prompt_tokens}, {"completion_tokens", num_tokens_},
-              {"total_tokens", ctx_.num_prompt_tokens + num_tokens_}};
-}
-
-Json ResponseBuilder::usage_chunk() const {
-  return Json{{"id", ctx_.id}, {"object", ctx_.chat ? "chat.completion.chunk" : "text_completion"},
-              {"created", ctx_.created}, {"model", ctx_.model}, {"choices", Json::array()}, {"usage", usage()}};
-}
-
-Json ResponseBuilder::final_response() const {
-  Json choice{{"index", 0}};
+Json ResponseBuilder::choice() const {
+  Json choice{{"index", ctx_.index}};
   if (ctx_.chat) {
     Json message{{"role", "assistant"}, {"content", content_.empty() && !tool_calls_.empty() ? Json() : Json(content_)}};
     if (!reasoning_.empty()) message["reasoning_content"] = reasoning_;
@@ -146,10 +136,38 @@ Json ResponseBuilder::final_response() const {
     choice["logprobs"] = ctx_.logprobs ? completion_lp_ : Json();
   }
   choice["finish_reason"] = finish_reason_;
-  Json body{{"id", ctx_.id}, {"object", ctx_.chat ? "chat.completion" : "text_completion"}, {"created", ctx_.created},
-            {"model", ctx_.model}, {"choices", Json::array({choice})}, {"usage", usage()}};
-  if (!error_.empty()) body["error"] = Json{{"message", error_}, {"type", "server_error"}};
+  return choice;
+}
+
+namespace {
+
+Json usage_of(std::span<const ResponseBuilder> choices) {
+  const int64_t prompt = choices.front().context().num_prompt_tokens;
+  int64_t completion = 0;
+  for (const ResponseBuilder& b : choices) completion += b.num_completion_tokens();
+  return Json{{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+}
+
+}  // namespace
+
+Json final_response(std::span<const ResponseBuilder> choices) {
+  const ResponseContext& c = choices.front().context();
+  Json list = Json::array();
+  for (const ResponseBuilder& b : choices) list.push_back(b.choice());
+  Json body{{"id", c.id}, {"object", c.chat ? "chat.completion" : "text_completion"}, {"created", c.created},
+            {"model", c.model}, {"choices", std::move(list)}, {"usage", usage_of(choices)}};
+  for (const ResponseBuilder& b : choices) {
+    if (b.error().empty()) continue;
+    body["error"] = Json{{"message", b.error()}, {"type", "server_error"}};
+    break;
+  }
   return body;
+}
+
+Json usage_chunk(std::span<const ResponseBuilder> choices) {
+  const ResponseContext& c = choices.front().context();
+  return Json{{"id", c.id}, {"object", c.chat ? "chat.completion.chunk" : "text_completion"}, {"created", c.created},
+              {"model", c.model}, {"choices", Json::array()}, {"usage", usage_of(choices)}};
 }
 
 }  // namespace tern

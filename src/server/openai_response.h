@@ -1,9 +1,12 @@
 // Turns a request's TokenEvents into OpenAI response objects: streamed chunks as the tokens arrive, and the whole
-// response at the end. Chat output goes through the reasoning and tool-call parsers when they are enabled.
+// response at the end. Chat output goes through the reasoning and tool-call parsers when they are enabled. A request
+// with n choices has one builder per choice (its index in the context); the whole response and the usage chunk
+// gather them.
 #pragma once
 
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -18,6 +21,7 @@ struct ResponseContext {
   bool chat = true;
   std::string id, model;
   int64_t created = 0;
+  int64_t index = 0;  // the choice's
   int64_t num_prompt_tokens = 0;
   bool logprobs = false;
   const Tokenizer* tokenizer = nullptr;  // for the tokens' text in logprobs
@@ -32,8 +36,8 @@ class ResponseBuilder {
 
   // Stream chunks (JSON objects) this event produces; the first call also yields the role chunk.
   std::vector<nlohmann::ordered_json> on_event(const TokenEvent& event);
-  nlohmann::ordered_json usage_chunk() const;
-  nlohmann::ordered_json final_response() const;  // the non-streaming body
+  nlohmann::ordered_json choice() const;  // the choice in the non-streaming body
+  const ResponseContext& context() const { return ctx_; }
   bool finished() const { return !finish_reason_.empty(); }
   const std::string& finish_reason() const { return finish_reason_; }
   const std::string& error() const { return error_; }  // why the request failed (finish_reason "error")
@@ -43,7 +47,6 @@ class ResponseBuilder {
   nlohmann::ordered_json chunk(nlohmann::ordered_json delta_or_text, nlohmann::ordered_json logprobs,
                                nlohmann::ordered_json finish_reason) const;
   nlohmann::ordered_json token_logprobs(const TokenEvent& event);
-  nlohmann::ordered_json usage() const;
   void route_text(const std::string& text, bool final, nlohmann::ordered_json& delta);
 
   ResponseContext ctx_;
@@ -55,5 +58,11 @@ class ResponseBuilder {
   nlohmann::ordered_json completion_lp_ = nlohmann::ordered_json::object();  // completions: the four arrays
   std::string finish_reason_, error_;
 };
+
+// The non-streaming body of a request's choices (one builder each, in index order, all finished): every choice, the
+// usage (the prompt counted once, the completions' tokens summed) and the first failed choice's error.
+nlohmann::ordered_json final_response(std::span<const ResponseBuilder> choices);
+// The stream's last chunk with stream_options.include_usage: that usage and no choices.
+nlohmann::ordered_json usage_chunk(std::span<const ResponseBuilder> choices);
 
 }  // namespace tern

@@ -155,6 +155,51 @@ test('streaming with include_usage equals the non-streamed result', async () => 
   assert.deepEqual(usage, whole.usage);
 });
 
+// n choices (vLLM's parallel sampling): choice i of a seeded request is the one-choice request with seed + i, streamed
+// or not, each with its index; the usage counts the prompt once and every choice's tokens. 'model' may be left out.
+test('n choices: each is the one-choice request with seed + i; streamed equals the whole; model optional', async () => {
+  const req = { model: MODEL, messages: [{ role: 'user', content: 'Tell me something' }], max_tokens: 10,
+                temperature: 1.0, ignore_eos: true, seed: 41 };
+  const whole = await client.chat.completions.create({ ...req, n: 3 });
+  assert.deepEqual(whole.choices.map((c) => c.index), [0, 1, 2]);
+  const alone = [];
+  for (let i = 0; i < 3; i++) {
+    const one = await client.chat.completions.create({ ...req, seed: 41 + i });
+    alone.push(one.choices[0].message.content);
+    assert.equal(whole.choices[i].message.content, alone[i], `choice ${i}`);
+    assert.equal(whole.choices[i].finish_reason, 'length');
+  }
+  assert.ok(new Set(alone).size > 1, 'different seeds sample different texts: ' + JSON.stringify(alone));
+  assert.equal(whole.usage.completion_tokens, 30);
+  assert.equal(whole.usage.total_tokens, whole.usage.prompt_tokens + 30);
+  const stream = await client.chat.completions.create({ ...req, n: 3, stream: true,
+                                                        stream_options: { include_usage: true } });
+  const text = ['', '', ''], finish = [null, null, null], roles = [null, null, null];
+  let usage = null;
+  for await (const c of stream) {
+    if (c.usage) usage = c.usage;
+    for (const ch of c.choices) {
+      roles[ch.index] ??= ch.delta.role;
+      text[ch.index] += ch.delta.content ?? '';
+      finish[ch.index] = ch.finish_reason ?? finish[ch.index];
+    }
+  }
+  assert.deepEqual(text, alone);
+  assert.deepEqual(finish, ['length', 'length', 'length']);
+  assert.deepEqual(roles, ['assistant', 'assistant', 'assistant']);
+  assert.deepEqual(usage, whole.usage);
+  // Without 'model' (the raw body: the client requires the field).
+  const res = await fetch(base + '/v1/completions', { method: 'POST', headers: { 'Content-Type': 'application/json',
+    Authorization: `Bearer ${KEY}` }, body: JSON.stringify({ prompt: [9707, 1879], max_tokens: 3, temperature: 0,
+    ignore_eos: true, n: 2 }) });
+  assert.equal(res.status, 200);
+  const body = await res.json();
+  assert.equal(body.model, MODEL);
+  assert.equal(body.choices.length, 2);
+  assert.equal(body.choices[0].text, body.choices[1].text, 'greedy choices agree');
+  await waitIdle();
+});
+
 test('chat logprobs with top_logprobs', async () => {
   const r = await client.chat.completions.create(chatReq('Hi', { max_tokens: 5, logprobs: true, top_logprobs: 3 }));
   const content = r.choices[0].logprobs.content;
@@ -214,7 +259,8 @@ test('64 concurrent greedy streams each get exactly the tokens they get alone; m
 const BAD = [
   // [body or raw string, status, param (null: none), path]
   ['{', 400, null], ['[]', 400, null], ['"x"', 400, null], ['', 400, null],
-  [{ messages: [{ role: 'user', content: 'x' }] }, 400, 'model'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], n: 0 }, 400, 'n'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], n: 129 }, 400, 'n'],
   [{ model: 7, messages: [{ role: 'user', content: 'x' }] }, 400, 'model'],
   [{ model: 'gpt-9', messages: [{ role: 'user', content: 'x' }] }, 404, 'model'],
   [{ model: MODEL }, 400, 'messages'],
@@ -225,7 +271,6 @@ const BAD = [
   [{ model: MODEL, messages: [{ role: 'user' }] }, 400, 'messages[0].content'],
   [{ model: MODEL, messages: [{ role: 'user', content: 5 }] }, 400, 'messages[0].content'],
   [{ model: MODEL, messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'x' } }] }] }, 400, 'messages[0].content[0]'],
-  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], n: 2 }, 400, 'n'],
   [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], temperature: 'hot' }, 400, 'temperature'],
   [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], temperature: -1 }, 400, 'temperature'],
   [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], top_p: 0 }, 400, 'top_p'],
