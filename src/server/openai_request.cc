@@ -178,6 +178,17 @@ Result parse_common(const Json& body, ApiRequest& r) {
       return bad("response_format", "'response_format' other than {\"type\": \"text\"} is not supported");
     }
   }
+  // Fields that would change what is generated and that tern does not apply are refused, not ignored: OpenAI's
+  // logit_bias and vLLM's extras. An empty, null, zero or false value asks for nothing and passes.
+  for (const char* name : {"logit_bias", "min_tokens", "prompt_logprobs", "use_beam_search", "guided_json",
+                           "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}) {
+    auto it = body.find(name);
+    if (it == body.end() || it->is_null() || (it->is_boolean() && !it->get<bool>()) ||
+        (it->is_number() && it->get<double>() == 0) || ((it->is_object() || it->is_array()) && it->empty())) {
+      continue;
+    }
+    return bad(name, fmt::format("'{}' is not supported", name));
+  }
   TERN_TRY_API(parse_stop(body, r));
   TERN_TRY_API(parse_sampling(body, r));
   if (auto v = sampling_params_validate(r.sampling); !v) return bad("", v.error().message);

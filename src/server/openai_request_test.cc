@@ -54,6 +54,10 @@ TEST(ApiRequest, ModelMayBeLeftOutAndNChoices) {
   auto most = api_request_parse(fmt::format(R"({{"prompt": [1], "n": {}}})", kApiMaxChoices), false);
   ASSERT_TRUE(most) << most.error().message;
   EXPECT_EQ(most->n, kApiMaxChoices);
+  // Fields that ask for nothing pass.
+  auto nothing = api_request_parse(R"({"prompt": [1], "logit_bias": {}, "min_tokens": 0, "use_beam_search": false,
+                                      "prompt_logprobs": null})", false);
+  EXPECT_TRUE(nothing) << nothing.error().message;
   auto one = api_request_parse(R"({"model": "m", "prompt": [1]})", false);
   ASSERT_TRUE(one);
   EXPECT_EQ(one->n, 1);
@@ -81,6 +85,12 @@ TEST(ApiRequest, ErrorsNameTheParameter) {
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 129})", "n"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2.5})", "n"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"})", "temperature"},
+      // Asked for, not applied: refused rather than ignored.
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -100}})", "logit_bias"},
+      {R"({"model": "m", "prompt": [1], "min_tokens": 4})", "min_tokens", false},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", "b"]})",
+       "guided_choice"},
+      {R"({"model": "m", "prompt": [1], "use_beam_search": true})", "use_beam_search", false},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3})", "temperature"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0})", "max_tokens"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5})", "max_tokens"},

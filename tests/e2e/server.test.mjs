@@ -260,6 +260,7 @@ const BAD = [
   // [body or raw string, status, param (null: none), path]
   ['{', 400, null], ['[]', 400, null], ['"x"', 400, null], ['', 400, null],
   [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], n: 0 }, 400, 'n'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], logit_bias: { 11: -100 } }, 400, 'logit_bias'],
   [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], n: 129 }, 400, 'n'],
   [{ model: 7, messages: [{ role: 'user', content: 'x' }] }, 400, 'model'],
   [{ model: 'gpt-9', messages: [{ role: 'user', content: 'x' }] }, 404, 'model'],
