@@ -283,6 +283,49 @@ void HttpServer::install_routes() {
          [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); });
   s.Post("/v1/completions",
          [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); });
+  s.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) { handle_tokenize(req, res); });
+  s.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) { handle_detokenize(req, res); });
+}
+
+std::optional<ApiError> HttpServer::check_model(const std::string& model) const {
+  if (model.empty() || model == config_.served_model_name) return std::nullopt;
+  return ApiError{404, fmt::format("the model '{}' does not exist; this server serves '{}'", model,
+                                   config_.served_model_name),
+                  "invalid_request_error", "model", "model_not_found"};
+}
+
+void HttpServer::handle_tokenize(const httplib::Request& req, httplib::Response& res) {
+  auto parsed = api_tokenize_parse(req.body);
+  if (!parsed) return send_error(res, parsed.error());
+  if (auto e = check_model(parsed->model)) return send_error(res, *e);
+  std::vector<int32_t> ids;
+  if (parsed->chat) {
+    bool starts_in_reasoning = false;
+    auto chat = prompt_tokens(*parsed->chat, starts_in_reasoning);
+    if (!chat) return send_error(res, chat.error());
+    ids = std::move(*chat);
+  } else {
+    if (!tokenizer_) return send_error(res, {400, "this model has no tokenizer", "invalid_request_error", "prompt"});
+    if (auto e = check_prompt_bytes(parsed->prompt->size(), "prompt")) return send_error(res, *e);
+    ids = tokenizer_->encode(*parsed->prompt, parsed->add_special_tokens);
+  }
+  res.set_content(dump(Json{{"count", ids.size()}, {"max_model_len", config_.context_length}, {"tokens", ids}}),
+                  "application/json");
+}
+
+void HttpServer::handle_detokenize(const httplib::Request& req, httplib::Response& res) {
+  auto parsed = api_detokenize_parse(req.body);
+  if (!parsed) return send_error(res, parsed.error());
+  if (auto e = check_model(parsed->model)) return send_error(res, *e);
+  if (!tokenizer_) return send_error(res, {400, "this model has no tokenizer", "invalid_request_error", "tokens"});
+  const int64_t vocab = engine_.model_config().vocab_size;
+  for (int32_t id : parsed->tokens) {
+    if (id >= vocab) {
+      return send_error(res, {400, fmt::format("token id {} is outside the vocabulary (size {})", id, vocab),
+                              "invalid_request_error", "tokens"});
+    }
+  }
+  res.set_content(dump(Json{{"prompt", tokenizer_->decode(parsed->tokens)}}), "application/json");
 }
 
 std::optional<ApiError> HttpServer::check_prompt_bytes(size_t bytes, const char* param) const {
@@ -342,11 +385,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   auto parsed = api_request_parse(req.body, chat);
   if (!parsed) return fail(parsed.error());
   const ApiRequest& r = *parsed;
-  if (!r.model.empty() && r.model != config_.served_model_name) {
-    return fail({404, fmt::format("the model '{}' does not exist; this server serves '{}'", r.model,
-                                  config_.served_model_name),
-                 "invalid_request_error", "model", "model_not_found"});
-  }
+  if (auto e = check_model(r.model)) return fail(*e);
   bool starts_in_reasoning = false;
   auto ids = prompt_tokens(r, starts_in_reasoning);
   if (!ids) return fail(ids.error());

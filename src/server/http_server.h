@@ -52,6 +52,11 @@ class HttpServer {
  private:
   void install_routes();
   void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat);
+  // POST /tokenize and /detokenize (vLLM's and SGLang's routes).
+  void handle_tokenize(const httplib::Request& req, httplib::Response& res);
+  void handle_detokenize(const httplib::Request& req, httplib::Response& res);
+  // The error for a request naming another model than the one served; nullopt when it names this one or none.
+  std::optional<ApiError> check_model(const std::string& model) const;
   void send_error(httplib::Response& res, const ApiError& error);
   // Refuses what the body's framing headers announce before a byte of the body is read (docs/server.md).
   std::optional<ApiError> check_framing(const httplib::Request& req) const;

@@ -356,6 +356,15 @@ Result parse_completion(const Json& body, ApiRequest& r) {
   return {};
 }
 
+tl::expected<Json, ApiError> body_object(std::string_view body) {
+  auto parsed = json_parse_untrusted_ordered(body);
+  if (!parsed) return bad("", fmt::format("the request body is not valid JSON: {}", parsed.error().message));
+  if (!parsed->is_object()) {
+    return bad("", fmt::format("the request body must be a JSON object, got {}", type_name(*parsed)));
+  }
+  return std::move(*parsed);
+}
+
 }  // namespace
 
 std::string api_error_body(const ApiError& e) {
@@ -366,15 +375,52 @@ std::string api_error_body(const ApiError& e) {
 }
 
 tl::expected<ApiRequest, ApiError> api_request_parse(std::string_view body, bool chat) {
-  auto parsed = json_parse_untrusted_ordered(body);
-  if (!parsed) return bad("", fmt::format("the request body is not valid JSON: {}", parsed.error().message));
+  auto parsed = body_object(body);
+  if (!parsed) return tl::unexpected(parsed.error());
   Json& j = *parsed;
-  if (!j.is_object()) return bad("", fmt::format("the request body must be a JSON object, got {}", type_name(j)));
   ApiRequest r;
   r.chat = chat;
   TERN_TRY_API(parse_common(j, r));
   TERN_TRY_API(chat ? parse_chat(j, r) : parse_completion(j, r));
   return r;
+}
+
+tl::expected<TokenizeRequest, ApiError> api_tokenize_parse(std::string_view body) {
+  auto j = body_object(body);
+  if (!j) return tl::unexpected(j.error());
+  TokenizeRequest t;
+  if (j->contains("messages")) {
+    auto chat = api_request_parse(body, true);
+    if (!chat) return tl::unexpected(chat.error());
+    t.model = chat->model;
+    t.chat = std::move(*chat);
+    return t;
+  }
+  TERN_API_FIELD(model, std::string, *j, "model");
+  if (model) t.model = *model;
+  TERN_API_FIELD(prompt, std::string, *j, "prompt");
+  if (!prompt) return bad("prompt", "'prompt' (a string) or 'messages' is required");
+  t.prompt = *prompt;
+  TERN_API_FIELD(add_special, bool, *j, "add_special_tokens");
+  t.add_special_tokens = add_special.value_or(true);
+  return t;
+}
+
+tl::expected<DetokenizeRequest, ApiError> api_detokenize_parse(std::string_view body) {
+  auto j = body_object(body);
+  if (!j) return tl::unexpected(j.error());
+  DetokenizeRequest d;
+  TERN_API_FIELD(model, std::string, *j, "model");
+  if (model) d.model = *model;
+  auto it = j->find("tokens");
+  if (it == j->end() || !it->is_array()) return bad("tokens", "'tokens' (an array of token ids) is required");
+  for (const Json& id : *it) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX) {
+      return bad("tokens", "'tokens' must hold non-negative integers");
+    }
+    d.tokens.push_back(id.get<int32_t>());
+  }
+  return d;
 }
 
 tl::expected<int32_t, ApiError> api_request_max_tokens(const ApiRequest& r, int64_t prompt_tokens,

@@ -56,6 +56,24 @@ struct ApiRequest {
 // `body`: the raw request body. `chat` selects the endpoint's schema.
 tl::expected<ApiRequest, ApiError> api_request_parse(std::string_view body, bool chat);
 
+// POST /tokenize (vLLM's and SGLang's route): a text prompt, {"prompt": "...", "add_special_tokens": true}, or chat
+// messages with the chat request's fields ({"messages": [...], "tools": ..., "chat_template_kwargs": ...}), which
+// are rendered by the chat template as a chat completion's prompt is.
+struct TokenizeRequest {
+  std::string model;  // empty: not given
+  std::optional<std::string> prompt;
+  bool add_special_tokens = true;
+  std::optional<ApiRequest> chat;  // the messages form
+};
+tl::expected<TokenizeRequest, ApiError> api_tokenize_parse(std::string_view body);
+
+// POST /detokenize: {"tokens": [ids]}, decoded with special tokens kept (vLLM's default).
+struct DetokenizeRequest {
+  std::string model;
+  std::vector<int32_t> tokens;
+};
+tl::expected<DetokenizeRequest, ApiError> api_detokenize_parse(std::string_view body);
+
 // Checks the prompt length and max_tokens against the context; fills max_tokens when absent (the rest of the
 // context, as vLLM does).
 tl::expected<int32_t, ApiError> api_request_max_tokens(const ApiRequest& request, int64_t prompt_tokens,

@@ -8,6 +8,7 @@ import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { pathToFileURL } from 'node:url';
+import { qwen3TokenizerDir, rustTokenizer } from './harness.mjs';
 
 const root = path.resolve(path.dirname(new URL(import.meta.url).pathname), '../..');
 const assets = path.join(root, 'tests/assets/node_modules');
@@ -198,6 +199,41 @@ test('n choices: each is the one-choice request with seed + i; streamed equals t
   assert.equal(body.choices.length, 2);
   assert.equal(body.choices[0].text, body.choices[1].text, 'greedy choices agree');
   await waitIdle();
+});
+
+// /tokenize and /detokenize (vLLM's and SGLang's routes) against the Rust tokenizers library on the same
+// tokenizer.json; the messages form gives the prompt a chat completion counts.
+test('tokenize and detokenize agree with the Rust tokenizers library', async () => {
+  const tok = await rustTokenizer(path.join(qwen3TokenizerDir, 'tokenizer.json'));
+  const post = async (route, body) => {
+    const res = await fetch(base + route, { method: 'POST', body: JSON.stringify(body),
+      headers: { 'Content-Type': 'application/json', Authorization: `Bearer ${KEY}` } });
+    return { status: res.status, body: await res.json() };
+  };
+  const text = 'Hello world, ünïcode 🌍 <|im_end|>\ttabs and  two spaces\n12345';
+  const want = await tok.encode(text);
+  const t = await post('/tokenize', { model: MODEL, prompt: text, add_special_tokens: false });
+  assert.equal(t.status, 200, JSON.stringify(t.body));
+  assert.deepEqual(t.body.tokens, want);
+  assert.equal(t.body.count, want.length);
+  assert.equal(t.body.max_model_len, 512);
+  const d = await post('/detokenize', { tokens: want });
+  assert.equal(d.status, 200, JSON.stringify(d.body));
+  assert.equal(d.body.prompt, await tok.decode(want, false));
+  assert.equal(d.body.prompt, text);
+  const messages = [{ role: 'user', content: 'How many tokens is this?' }];
+  const chat = await post('/tokenize', { messages });
+  const completion = await client.chat.completions.create({ model: MODEL, messages, max_tokens: 1 });
+  assert.equal(chat.body.count, completion.usage.prompt_tokens);
+  assert.ok((await post('/detokenize', { tokens: chat.body.tokens })).body.prompt.includes('How many tokens is this?'));
+  for (const [route, body, status, param] of [['/tokenize', {}, 400, 'prompt'],
+    ['/tokenize', { prompt: 7 }, 400, 'prompt'], ['/tokenize', { model: 'gpt-9', prompt: 'x' }, 404, 'model'],
+    ['/detokenize', { tokens: [-1] }, 400, 'tokens'], ['/detokenize', { tokens: [151936] }, 400, 'tokens'],
+    ['/detokenize', {}, 400, 'tokens']]) {
+    const r = await post(route, body);
+    assert.equal(r.status, status, `${route} ${JSON.stringify(body)}`);
+    assert.equal(r.body.error.param, param, `${route} ${JSON.stringify(body)}: ${r.body.error.message}`);
+  }
 });
 
 test('chat logprobs with top_logprobs', async () => {
