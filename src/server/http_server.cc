@@ -301,7 +301,7 @@ void HttpServer::handle_tokenize(const httplib::Request& req, httplib::Response&
   std::vector<int32_t> ids;
   if (parsed->chat) {
     bool starts_in_reasoning = false;
-    auto chat = prompt_tokens(*parsed->chat, starts_in_reasoning);
+    auto chat = prompt_tokens(*parsed->chat, 0, starts_in_reasoning);
     if (!chat) return send_error(res, chat.error());
     ids = std::move(*chat);
   } else {
@@ -341,7 +341,7 @@ std::optional<ApiError> HttpServer::check_prompt_bytes(size_t bytes, const char*
                   "invalid_request_error", param, "context_length_exceeded"};
 }
 
-tl::expected<std::vector<int32_t>, ApiError> HttpServer::prompt_tokens(const ApiRequest& r,
+tl::expected<std::vector<int32_t>, ApiError> HttpServer::prompt_tokens(const ApiRequest& r, size_t prompt,
                                                                       bool& starts_in_reasoning) const {
   std::vector<int32_t> ids;
   if (r.chat) {
@@ -356,14 +356,14 @@ tl::expected<std::vector<int32_t>, ApiError> HttpServer::prompt_tokens(const Api
     starts_in_reasoning = t.ends_with("<think>");
     if (auto e = check_prompt_bytes(text->size(), "messages")) return tl::unexpected(*e);
     ids = tokenizer_->encode(*text, false);
-  } else if (r.prompt_text) {
+  } else if (const ApiPrompt& p = r.prompts.at(prompt); p.text) {
     if (!tokenizer_) {
       return tl::unexpected(ApiError{400, "this model has no tokenizer: give the prompt as token ids", "", "prompt"});
     }
-    if (auto e = check_prompt_bytes(r.prompt_text->size(), "prompt")) return tl::unexpected(*e);
-    ids = tokenizer_->encode(*r.prompt_text, true);
+    if (auto e = check_prompt_bytes(p.text->size(), "prompt")) return tl::unexpected(*e);
+    ids = tokenizer_->encode(*p.text, true);
   } else {
-    ids = *r.prompt_ids;
+    ids = *p.ids;
   }
   const int64_t vocab = engine_.model_config().vocab_size;
   for (int32_t id : ids) {
@@ -386,43 +386,55 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   if (!parsed) return fail(parsed.error());
   const ApiRequest& r = *parsed;
   if (auto e = check_model(r.model)) return fail(*e);
+  // Every prompt (a chat request's one, or each of a completions batch) checked before anything is submitted.
+  struct Prompt {
+    std::vector<int32_t> ids;
+    int32_t max_tokens = 0;
+  };
+  std::vector<Prompt> prompts;
   bool starts_in_reasoning = false;
-  auto ids = prompt_tokens(r, starts_in_reasoning);
-  if (!ids) return fail(ids.error());
-  auto max_tokens = api_request_max_tokens(r, static_cast<int64_t>(ids->size()), config_.context_length);
-  if (!max_tokens) return fail(max_tokens.error());
-  const GenerationRequest g{.prompt = *ids, .sampling = r.sampling,
-                            .stop = {.stop_token_ids = r.stop_token_ids, .stop_strings = r.stop_strings,
-                                     .max_tokens = *max_tokens},
-                            .skip_special_tokens = r.skip_special_tokens, .ignore_eos = r.ignore_eos};
-  if (auto v = stop_criteria_validate(g.stop); !v) return fail({400, v.error().message, "invalid_request_error", "stop"});
-  // One engine request per choice; choice i of a seeded request samples with seed + i (vLLM's rule). A choice the
-  // engine cannot take ends the ones taken before it.
-  Choices choices;
-  for (int32_t i = 0; i < r.n; ++i) {
-    GenerationRequest one = g;
-    if (g.sampling.seed) one.sampling.seed = *g.sampling.seed + static_cast<uint64_t>(i);
-    auto stream = engine_.submit(std::move(one));
-    if (!stream) {
-      choices.cancel_unfinished();
-      return fail({503, stream.error().message, "service_unavailable"});
-    }
-    choices.streams.push_back(*stream);
+  for (size_t p = 0; p < (chat ? 1 : r.prompts.size()); ++p) {
+    auto ids = prompt_tokens(r, p, starts_in_reasoning);
+    if (!ids) return fail(ids.error());
+    auto max_tokens = api_request_max_tokens(r, static_cast<int64_t>(ids->size()), config_.context_length);
+    if (!max_tokens) return fail(max_tokens.error());
+    prompts.push_back({std::move(*ids), *max_tokens});
   }
+  const StopCriteria stop{.stop_token_ids = r.stop_token_ids, .stop_strings = r.stop_strings};
+  if (auto v = stop_criteria_validate(stop); !v) return fail({400, v.error().message, "invalid_request_error", "stop"});
 
   ResponseContext ctx{.chat = chat, .id = fmt::format("{}-{:x}{:04x}", chat ? "chatcmpl" : "cmpl", unix_now(),
                                                       next_request_++),
-                      .model = config_.served_model_name, .created = unix_now(),
-                      .num_prompt_tokens = static_cast<int64_t>(ids->size()), .logprobs = r.logprobs,
+                      .model = config_.served_model_name, .created = unix_now(), .logprobs = r.logprobs,
                       .tokenizer = tokenizer_ ? &*tokenizer_ : nullptr};
   if (chat && config_.reasoning && r.separate_reasoning) ctx.reasoning.emplace(starts_in_reasoning);
   if (chat && r.tools_enabled && config_.tool_format != ToolFormat::kNone) ctx.tools.emplace(config_.tool_format, r.tools);
-  if (!chat && r.echo) ctx.echo_text = r.prompt_text ? *r.prompt_text : (tokenizer_ ? tokenizer_->decode(*ids) : "");
 
-  for (int32_t i = 0; i < r.n; ++i) {
-    ResponseContext c = ctx;
-    c.index = i;
-    choices.builders.emplace_back(std::move(c));
+  // One engine request per choice, prompt by prompt; choice i of a prompt of a seeded request samples with seed + i
+  // (vLLM's rule). A choice the engine cannot take ends the ones taken before it.
+  Choices choices;
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    for (int32_t i = 0; i < r.n; ++i) {
+      GenerationRequest g{.prompt = prompts[p].ids, .sampling = r.sampling, .stop = stop,
+                          .skip_special_tokens = r.skip_special_tokens, .ignore_eos = r.ignore_eos};
+      g.stop.max_tokens = prompts[p].max_tokens;
+      if (r.sampling.seed) g.sampling.seed = *r.sampling.seed + static_cast<uint64_t>(i);
+      auto stream = engine_.submit(std::move(g));
+      if (!stream) {
+        choices.cancel_unfinished();
+        return fail({503, stream.error().message, "service_unavailable"});
+      }
+      choices.streams.push_back(*stream);
+      ResponseContext c = ctx;
+      c.index = static_cast<int64_t>(p) * r.n + i;
+      c.num_prompt_tokens = static_cast<int64_t>(prompts[p].ids.size());
+      c.counts_prompt = i == 0;
+      if (!chat && r.echo) {
+        const ApiPrompt& given = r.prompts[p];
+        c.echo_text = given.text ? *given.text : (tokenizer_ ? tokenizer_->decode(prompts[p].ids) : "");
+      }
+      choices.builders.emplace_back(std::move(c));
+    }
   }
 
   Connection* conn = Connection::current();

@@ -65,7 +65,9 @@ class HttpServer {
   void count_outcome(const std::string& outcome);
   // Refuses, before encoding, a text longer than the context can hold whatever it encodes to.
   std::optional<ApiError> check_prompt_bytes(size_t bytes, const char* param) const;
-  tl::expected<std::vector<int32_t>, ApiError> prompt_tokens(const ApiRequest& r, bool& starts_in_reasoning) const;
+  // The tokens of a chat request's prompt, or of a completions request's prompt number `prompt`.
+  tl::expected<std::vector<int32_t>, ApiError> prompt_tokens(const ApiRequest& r, size_t prompt,
+                                                             bool& starts_in_reasoning) const;
 
   ServerConfig config_;
   Engine& engine_;

@@ -315,32 +315,51 @@ Result parse_chat(const Json& body, ApiRequest& r) {
   return {};
 }
 
-Result parse_prompt(const Json& body, ApiRequest& r) {
-  auto it = body.find("prompt");
-  if (it == body.end() || it->is_null()) return bad("prompt", "'prompt' is required");
-  Json p = *it;
-  if (p.is_array() && p.size() == 1 && (p[0].is_string() || p[0].is_array())) p = Json(p[0]);
+// One prompt: a non-empty string or a non-empty array of token ids; `param` names it in errors.
+tl::expected<ApiPrompt, ApiError> parse_one_prompt(const Json& p, const std::string& param) {
   if (p.is_string()) {
-    if (p.get<std::string>().empty()) return bad("prompt", "'prompt' must not be empty");
-    r.prompt_text = p.get<std::string>();
-    return {};
+    if (p.get<std::string>().empty()) return bad(param, fmt::format("'{}' must not be empty", param));
+    return ApiPrompt{.text = p.get<std::string>()};
   }
   if (!p.is_array() || p.empty()) {
-    return bad("prompt", "'prompt' must be a string or an array of token ids (one prompt only)");
+    return bad(param, fmt::format("'{}' must be a string or a non-empty array of token ids", param));
   }
   std::vector<int32_t> ids;
   for (const Json& id : p) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX) {
-      return bad("prompt", "'prompt' token ids must be non-negative integers (one prompt only)");
+      return bad(param, fmt::format("'{}' token ids must be non-negative integers", param));
     }
     ids.push_back(id.get<int32_t>());
   }
-  r.prompt_ids = std::move(ids);
+  return ApiPrompt{.ids = std::move(ids)};
+}
+
+// 'prompt': a string, an array of token ids, or a batch: an array of strings or of token-id arrays.
+Result parse_prompt(const Json& body, ApiRequest& r) {
+  auto it = body.find("prompt");
+  if (it == body.end() || it->is_null()) return bad("prompt", "'prompt' is required");
+  const Json& p = *it;
+  const bool batch = p.is_array() && !p.empty() && (p[0].is_string() || p[0].is_array());
+  if (!batch) {
+    auto one = parse_one_prompt(p, "prompt");
+    if (!one) return tl::unexpected(one.error());
+    r.prompts.push_back(std::move(*one));
+    return {};
+  }
+  for (size_t k = 0; k < p.size(); ++k) {
+    auto one = parse_one_prompt(p[k], fmt::format("prompt[{}]", k));
+    if (!one) return tl::unexpected(one.error());
+    r.prompts.push_back(std::move(*one));
+  }
   return {};
 }
 
 Result parse_completion(const Json& body, ApiRequest& r) {
   TERN_TRY_API(parse_prompt(body, r));
+  if (static_cast<int64_t>(r.prompts.size()) * r.n > kApiMaxChoices) {
+    return bad("prompt", fmt::format("{} prompts times n = {} is more than the {} choices one request may ask for",
+                                     r.prompts.size(), r.n, kApiMaxChoices));
+  }
   TERN_API_FIELD(echo, bool, body, "echo");
   r.echo = echo.value_or(false);
   TERN_API_FIELD(logprobs, int32_t, body, "logprobs");

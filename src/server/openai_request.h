@@ -24,8 +24,14 @@ struct ApiError {
 
 std::string api_error_body(const ApiError& error);
 
-// The most choices one request may ask for ('n').
+// The most choices one request may ask for: 'n', times the prompts of a batched completions request.
 inline constexpr int32_t kApiMaxChoices = 128;
+
+// One completions prompt: token ids, or text.
+struct ApiPrompt {
+  std::optional<std::vector<int32_t>> ids;
+  std::optional<std::string> text;
+};
 
 struct ApiRequest {
   bool chat = true;
@@ -38,9 +44,9 @@ struct ApiRequest {
   nlohmann::ordered_json tools = nlohmann::ordered_json::array();
   bool tools_enabled = false;  // tools given and tool_choice is not "none"
   bool separate_reasoning = true;
-  // completions: the prompt as token ids, or as text.
-  std::optional<std::vector<int32_t>> prompt_ids;
-  std::optional<std::string> prompt_text;
+  // completions: the prompts (several: a batch, as vLLM takes a list of strings or of token-id lists); prompt p's
+  // choices have the indices p * n .. p * n + n - 1.
+  std::vector<ApiPrompt> prompts;
   bool echo = false;
   SamplingParams sampling;
   std::vector<std::string> stop_strings;

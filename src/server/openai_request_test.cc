@@ -37,12 +37,23 @@ TEST(ApiRequest, ChatWithPartsToolsAndSampling) {
 TEST(ApiRequest, CompletionPromptForms) {
   auto ids = api_request_parse(R"({"model": "m", "prompt": [1, 2, 3], "echo": true})", false);
   ASSERT_TRUE(ids);
-  EXPECT_EQ(*ids->prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+  ASSERT_EQ(ids->prompts.size(), 1u);
+  EXPECT_EQ(*ids->prompts[0].ids, (std::vector<int32_t>{1, 2, 3}));
   EXPECT_TRUE(ids->echo);
   auto text = api_request_parse(R"({"model": "m", "prompt": ["hello"], "logprobs": 2})", false);
   ASSERT_TRUE(text);
-  EXPECT_EQ(*text->prompt_text, "hello");
+  ASSERT_EQ(text->prompts.size(), 1u);
+  EXPECT_EQ(*text->prompts[0].text, "hello");
   EXPECT_EQ(text->sampling.logprobs, 2);
+  // A batch: strings, or token-id arrays, in order.
+  auto batch = api_request_parse(R"({"prompt": ["a", "bc", "d"], "n": 2})", false);
+  ASSERT_TRUE(batch) << batch.error().message;
+  ASSERT_EQ(batch->prompts.size(), 3u);
+  EXPECT_EQ(*batch->prompts[1].text, "bc");
+  auto id_batch = api_request_parse(R"({"prompt": [[1, 2], [3]]})", false);
+  ASSERT_TRUE(id_batch) << id_batch.error().message;
+  ASSERT_EQ(id_batch->prompts.size(), 2u);
+  EXPECT_EQ(*id_batch->prompts[1].ids, std::vector<int32_t>{3});
 }
 
 // 'model' may be left out (the served model, as vLLM, SGLang and llama.cpp take it); 'n' asks for that many choices.
@@ -107,7 +118,10 @@ TEST(ApiRequest, ErrorsNameTheParameter) {
       {R"({"model": "m", "messages": [{"role": ["assistant"], "content": null}]})", "messages[0].role"},
       {R"({"model": "m", "prompt": ""})", "prompt", false},
       {R"({"model": "m", "prompt": [1, -2]})", "prompt", false},
-      {R"({"model": "m", "prompt": ["a", "b"]})", "prompt", false},
+      {R"({"model": "m", "prompt": ["a", ""]})", "prompt[1]", false},
+      {R"({"model": "m", "prompt": [[1], [2, -3]]})", "prompt[1]", false},
+      {R"({"model": "m", "prompt": ["a", 7]})", "prompt[1]", false},
+      {R"({"model": "m", "prompt": [[1], [2]], "n": 65})", "prompt", false},
       {R"({"model": "m", "prompt": [1], "logprobs": 50})", "logprobs", false},
       // Numbers that wrap or leave float range: out of range, or refused before the sampler sees them.
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 9223372036854775808})", "n"},

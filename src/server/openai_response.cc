@@ -142,9 +142,11 @@ Json ResponseBuilder::choice() const {
 namespace {
 
 Json usage_of(std::span<const ResponseBuilder> choices) {
-  const int64_t prompt = choices.front().context().num_prompt_tokens;
-  int64_t completion = 0;
-  for (const ResponseBuilder& b : choices) completion += b.num_completion_tokens();
+  int64_t prompt = 0, completion = 0;
+  for (const ResponseBuilder& b : choices) {
+    if (b.context().counts_prompt) prompt += b.context().num_prompt_tokens;
+    completion += b.num_completion_tokens();
+  }
   return Json{{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
 }
 

@@ -23,6 +23,7 @@ struct ResponseContext {
   int64_t created = 0;
   int64_t index = 0;  // the choice's
   int64_t num_prompt_tokens = 0;
+  bool counts_prompt = true;  // the usage counts this choice's prompt (the first choice of each prompt)
   bool logprobs = false;
   const Tokenizer* tokenizer = nullptr;  // for the tokens' text in logprobs
   std::optional<ReasoningParser> reasoning;
@@ -60,7 +61,7 @@ class ResponseBuilder {
 };
 
 // The non-streaming body of a request's choices (one builder each, in index order, all finished): every choice, the
-// usage (the prompt counted once, the completions' tokens summed) and the first failed choice's error.
+// usage (each prompt counted once, the completions' tokens summed) and the first failed choice's error.
 nlohmann::ordered_json final_response(std::span<const ResponseBuilder> choices);
 // The stream's last chunk with stream_options.include_usage: that usage and no choices.
 nlohmann::ordered_json usage_chunk(std::span<const ResponseBuilder> choices);

@@ -201,6 +201,31 @@ test('n choices: each is the one-choice request with seed + i; streamed equals t
   await waitIdle();
 });
 
+// A completions batch (a list of prompts, as eval harnesses send): prompt p's choice i has index p * n + i and is
+// the one-prompt request's choice i; the usage counts each prompt once.
+test('completions batch: each prompt gives the choices it gives alone; usage counts each prompt once', async () => {
+  const prompts = ['The weather today', 'Once upon a time', 'The weather today'];
+  const req = { model: MODEL, max_tokens: 6, temperature: 0.9, ignore_eos: true, seed: 3, n: 2, echo: true };
+  const batch = await client.completions.create({ ...req, prompt: prompts });
+  assert.deepEqual(batch.choices.map((c) => c.index), [0, 1, 2, 3, 4, 5]);
+  let promptTokens = 0;
+  for (let p = 0; p < prompts.length; p++) {
+    const one = await client.completions.create({ ...req, prompt: prompts[p] });
+    promptTokens += one.usage.prompt_tokens;
+    for (let i = 0; i < 2; i++) {
+      assert.equal(batch.choices[p * 2 + i].text, one.choices[i].text, `prompt ${p} choice ${i}`);
+      assert.ok(batch.choices[p * 2 + i].text.startsWith(prompts[p]), 'echo');
+    }
+  }
+  assert.equal(batch.choices[0].text, batch.choices[4].text, 'the same prompt and seed give the same text');
+  assert.equal(batch.usage.prompt_tokens, promptTokens);
+  assert.equal(batch.usage.completion_tokens, 6 * 6);
+  const ids = await client.completions.create({ model: MODEL, prompt: [[9707, 1879], [1879]], max_tokens: 2,
+                                                temperature: 0, ignore_eos: true });
+  assert.equal(ids.choices.length, 2);
+  assert.equal(ids.usage.prompt_tokens, 3);
+});
+
 // /tokenize and /detokenize (vLLM's and SGLang's routes) against the Rust tokenizers library on the same
 // tokenizer.json; the messages form gives the prompt a chat completion counts.
 test('tokenize and detokenize agree with the Rust tokenizers library', async () => {
@@ -332,7 +357,7 @@ const BAD = [
   [{ model: MODEL, prompt: [1, 2, 200000] }, 400, 'prompt', '/v1/completions'],
   [{ model: MODEL, prompt: [] }, 400, 'prompt', '/v1/completions'],
   [{ model: MODEL, prompt: [1, -1] }, 400, 'prompt', '/v1/completions'],
-  [{ model: MODEL, prompt: ['a', 'b'] }, 400, 'prompt', '/v1/completions'],
+  [{ model: MODEL, prompt: ['a', ''] }, 400, 'prompt[1]', '/v1/completions'],
   [{ model: MODEL }, 400, 'prompt', '/v1/completions'],
   [{ model: MODEL, prompt: [1], logprobs: 40 }, 400, 'logprobs', '/v1/completions'],
   [{ model: MODEL, prompt: [1], suffix: 'x' }, 400, 'suffix', '/v1/completions'],
