@@ -48,7 +48,11 @@ struct Engine::Active {
   Clock::time_point arrival, last_token;
   bool has_token = false;
   std::vector<int32_t> drafts;  // speculative decoding: the draft tokens the next step verifies
+  int64_t prompt_logprobs_next = 1;  // the next prompt position whose logprob is to be sent
 
+  bool wants_prompt_logprobs() const {
+    return request.prompt_logprobs >= 0 && prompt_logprobs_next < static_cast<int64_t>(request.prompt.size());
+  }
   Active(GenerationRequest r, const StopCriteria& criteria)
       : request(std::move(r)), tokens(request.prompt), sampler(request.sampling), stop(criteria) {}
   std::span<const int32_t> output() const {
@@ -73,6 +77,9 @@ Engine::Engine(std::unique_ptr<ModelRunner> model, std::optional<Tokenizer> toke
 Engine::~Engine() { shutdown(); }
 
 Expected<std::shared_ptr<RequestStream>> Engine::submit(GenerationRequest request) {
+  if (request.prompt_logprobs >= 0 && config_.speculative_steps > 0) {
+    return make_error("prompt logprobs are not available with speculative decoding");
+  }
   StopCriteria criteria = request.stop;
   if (!request.ignore_eos) {
     for (int64_t id : model_->config().eos_token_ids) criteria.stop_token_ids.push_back(static_cast<int32_t>(id));
@@ -136,7 +143,8 @@ void Engine::admit_new() {
   for (auto& a : fresh) {
     a->cache = model_->new_sequence();
     const uint64_t id = a->id;
-    if (!scheduler_.add(id, static_cast<int64_t>(a->tokens.size()))) {
+    const int64_t max_chunk = a->request.prompt_logprobs >= 0 ? kPromptLogprobsChunk : 0;
+    if (!scheduler_.add(id, static_cast<int64_t>(a->tokens.size()), max_chunk)) {
       a->stream->push({.finished = true, .finish_reason = "error", .error = "the request queue is full"});
       continue;
     }
@@ -153,6 +161,18 @@ void Engine::sweep_cancelled() {
   for (uint64_t id : gone) finish(id, "abort");
 }
 
+namespace {
+
+SequenceInput input_of(std::span<const int32_t> tokens, const StepItem& item, SequenceCache& cache,
+                       const Scheduler& scheduler) {
+  return {.cache = &cache,
+          .tokens = tokens.subspan(static_cast<size_t>(item.begin), static_cast<size_t>(item.count)),
+          .kv_blocks = scheduler.kv_blocks_of(item.id),
+          .state_slot = scheduler.state_slot_of(item.id)};
+}
+
+}  // namespace
+
 void Engine::step() {
   const StepPlan plan = scheduler_.schedule();
   for (uint64_t id : plan.preempted) {
@@ -165,30 +185,79 @@ void Engine::step() {
     step_speculative(plan);
     return;
   }
-  std::vector<SequenceInput> batch;
-  batch.reserve(plan.items.size());
+  // Items of requests with prompt logprobs still to send run apart; the rest as one batch (those still active after
+  // the first part: a failure of the model for good ends them all).
+  StepPlan scored, rest;
   for (const StepItem& item : plan.items) {
-    Active& a = *active_.at(item.id);
-    batch.push_back({.cache = &a.cache,
-                     .tokens = std::span<const int32_t>(a.tokens).subspan(static_cast<size_t>(item.begin),
-                                                                          static_cast<size_t>(item.count)),
-                     .kv_blocks = scheduler_.kv_blocks_of(item.id),
-                     .state_slot = scheduler_.state_slot_of(item.id)});
+    (active_.at(item.id)->wants_prompt_logprobs() ? scored : rest).items.push_back(item);
   }
+  if (!scored.items.empty()) {
+    step_prompt_logprobs(scored);
+    std::erase_if(rest.items, [&](const StepItem& item) { return !active_.contains(item.id); });
+    if (rest.items.empty()) return;
+  }
+  std::vector<SequenceInput> batch;
   std::vector<SampleRow> rows;
-  rows.reserve(plan.items.size());
-  for (const StepItem& item : plan.items) {
+  batch.reserve(rest.items.size());
+  rows.reserve(rest.items.size());
+  for (const StepItem& item : rest.items) {
     Active& a = *active_.at(item.id);
+    batch.push_back(input_of(a.tokens, item, a.cache, scheduler_));
     rows.push_back(item.samples ? SampleRow{&a.sampler, a.request.prompt, a.output()} : SampleRow{});
   }
   auto sampled = model_->forward_sample(batch, rows);
   if (!sampled) {
-    fail_step(plan, sampled.error());
+    fail_step(rest, sampled.error());
     return;
   }
-  for (size_t i = 0; i < plan.items.size(); ++i) {
-    if (!plan.items[i].samples) continue;
-    take_token(*active_.at(plan.items[i].id), std::move((*sampled)[i]));
+  for (size_t i = 0; i < rest.items.size(); ++i) {
+    if (!rest.items[i].samples) continue;
+    take_token(*active_.at(rest.items[i].id), std::move((*sampled)[i]));
+  }
+}
+
+void Engine::step_prompt_logprobs(const StepPlan& plan) {
+  std::vector<SequenceInput> batch;
+  for (const StepItem& item : plan.items) {
+    Active& a = *active_.at(item.id);
+    batch.push_back(input_of(a.tokens, item, a.cache, scheduler_));
+  }
+  auto logits = model_->forward(batch, LogitsFor::kAllTokens);
+  if (!logits) {
+    fail_step(plan, logits.error());
+    return;
+  }
+  const auto vocab = static_cast<size_t>(model_->config().vocab_size);
+  size_t first_row = 0;
+  for (const StepItem& item : plan.items) {
+    Active& a = *active_.at(item.id);
+    const size_t base = first_row;
+    first_row += static_cast<size_t>(item.count);
+    auto row = [&](int64_t r) {
+      return std::span<const float>(*logits).subspan((base + static_cast<size_t>(r)) * vocab, vocab);
+    };
+    // Row r's logits give the token at position begin + r + 1; a recomputed prompt (after a preemption) sends
+    // nothing twice.
+    TokenEvent event;
+    std::optional<Error> failed;
+    const auto prompt_len = static_cast<int64_t>(a.request.prompt.size());
+    for (int64_t r = 0; r < item.count; ++r) {
+      const int64_t next = item.begin + r + 1;
+      if (next != a.prompt_logprobs_next || next >= prompt_len) continue;
+      auto lp = logits_token_logprob(row(r), a.request.prompt[static_cast<size_t>(next)], a.request.prompt_logprobs);
+      if (!lp) {
+        failed = lp.error();
+        break;
+      }
+      event.prompt_logprobs.push_back(std::move(*lp));
+      ++a.prompt_logprobs_next;
+    }
+    if (!event.prompt_logprobs.empty()) a.stream->push(std::move(event));
+    if (failed) {
+      take_token(a, tl::unexpected<Error>(*failed));
+      continue;
+    }
+    if (item.samples) take_token(a, a.sampler.sample(row(item.count - 1), a.request.prompt, a.output()));
   }
 }
 

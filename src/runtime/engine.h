@@ -32,18 +32,28 @@
 
 namespace tern {
 
+// A step of a sequence whose prompt logprobs were asked for runs at most this many of its tokens, so that the
+// logits the step returns for them stay small (rows x vocab floats).
+inline constexpr int64_t kPromptLogprobsChunk = 256;
+
 struct GenerationRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
   StopCriteria stop;  // the engine adds the model's EOS ids
   bool skip_special_tokens = true;
   bool ignore_eos = false;  // keep generating past the model's EOS (benchmarks, tests)
+  // >= 0: the raw logprob of every prompt token after the first and the top `prompt_logprobs` at each position
+  // (vLLM's prompt_logprobs; OpenAI's echo with logprobs), sent before the first token. Not with speculative decoding.
+  int32_t prompt_logprobs = -1;
 };
 
 struct TokenEvent {
-  int32_t token_id = -1;  // -1: no token (a final event alone)
+  int32_t token_id = -1;  // -1: no token (a final event alone, or prompt logprobs)
   float logprob = 0.0f;
   std::vector<std::pair<int32_t, float>> top_logprobs;
+  // Prompt tokens' logprobs (GenerationRequest::prompt_logprobs), in order from the second prompt token on; each
+  // event carries the next ones.
+  std::vector<SampledToken> prompt_logprobs;
   std::string text;  // text the client may see now (after stop-string hold-back)
   bool finished = false;
   std::string finish_reason;  // "stop", "length", "error" (with `error`) or "abort"
@@ -93,6 +103,7 @@ class Engine {
   void shutdown();
 
   const ModelConfig& model_config() const { return model_->config(); }
+  bool speculative() const { return config_.speculative_steps > 0; }
   // Why the engine can serve nothing more (its model failed for good, e.g. a tensor-parallel rank); nullopt while it
   // is healthy. /health answers 503 with it, and submit refuses new requests.
   std::optional<std::string> failure() const;
@@ -103,6 +114,9 @@ class Engine {
   void admit_new();
   void sweep_cancelled();
   void step();
+  // The step's items of requests with prompt logprobs still to send: run apart with every row's logits, their
+  // prompt tokens' logprobs sent and their samples drawn on the host.
+  void step_prompt_logprobs(const StepPlan& plan);
   // A step's failure: every request of the plan ends with it, and every other one too if the model failed for good.
   void fail_step(const StepPlan& plan, const Error& error);
   // The step with speculation (runtime/speculative.h): up to speculative_steps + 1 tokens per sampling sequence.

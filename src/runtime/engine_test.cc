@@ -2,7 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
+#include <cmath>
+#include <fstream>
 #include <random>
 
 namespace tern {
@@ -172,6 +176,128 @@ TEST(Engine, SpeculationOffPastTheDisableBatchSizeGivesTheSameTokens) { expect_s
 // --speculative-adaptive: the engine switches between verifying and plain steps as the governor decides (first
 // verifying, then plain to measure it), and the tokens stay those of the plain loop.
 TEST(Engine, AdaptiveSpeculationGivesTheSameTokens) { expect_speculative_engine_matches(0, true); }
+
+// A request's prompt logprobs (GenerationRequest::prompt_logprobs) and its generated ids.
+struct Scored {
+  std::vector<SampledToken> prompt;
+  Result result;
+};
+
+Scored drain_scored(RequestStream& stream) {
+  Scored s;
+  for (int spins = 0; spins < 600; ++spins) {
+    for (TokenEvent& e : stream.wait(100ms)) {
+      s.prompt.insert(s.prompt.end(), e.prompt_logprobs.begin(), e.prompt_logprobs.end());
+      if (e.token_id >= 0) {
+        EXPECT_TRUE(e.prompt_logprobs.empty()) << "prompt logprobs come before the first token";
+        s.result.ids.push_back(e.token_id);
+      }
+      if (e.finished) {
+        s.result.finish_reason = e.finish_reason;
+        return s;
+      }
+    }
+  }
+  ADD_FAILURE() << "no final event";
+  return s;
+}
+
+// Prompt logprobs against transformers (the fixture's teacher-forced top-16 logits, float64): at each position after
+// the first, the prompt token's logprob and the top 3 differ from the best one as the reference logits do, the
+// top 3 are the reference's best ids, and the first generated token is transformers' greedy one. The requests run
+// together with a plain greedy one, which still gets the single-sequence loop's tokens.
+TEST(Engine, PromptLogprobsMatchTransformers) {
+  std::ifstream in(std::string(TERN_FIXTURES_DIR) + "/qwen3/reference.json");
+  const nlohmann::json ref = nlohmann::json::parse(in);
+  EngineMetrics metrics;
+  EngineConfig config{.scheduler = {.max_running = 8, .token_budget = 64}, .context_length = 256};
+  Engine engine(load_fixture(), std::nullopt, config, metrics);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (const auto& prompt : ref["prompts"]) {
+    GenerationRequest r = greedy(prompt.get<std::vector<int32_t>>(), 1);
+    r.prompt_logprobs = 3;
+    auto s = engine.submit(std::move(r));
+    ASSERT_TRUE(s) << s.error().message;
+    streams.push_back(*s);
+  }
+  const std::vector<int32_t> plain_prompt{7, 100, 3, 250, 9, 41};
+  auto plain = engine.submit(greedy(plain_prompt, 12));
+  ASSERT_TRUE(plain);
+  for (size_t p = 0; p < streams.size(); ++p) {
+    SCOPED_TRACE("prompt " + std::to_string(p));
+    const auto prompt = ref["prompts"][p].get<std::vector<int32_t>>();
+    const Scored got = drain_scored(*streams[p]);
+    ASSERT_EQ(got.prompt.size(), prompt.size() - 1);
+    for (size_t t = 0; t + 1 < prompt.size(); ++t) {
+      const SampledToken& lp = got.prompt[t];
+      const auto& pos = ref["teacher_forced"][p]["positions"][t];
+      const auto ids = pos["ids"].get<std::vector<int32_t>>();
+      const auto logits = pos["logits"].get<std::vector<double>>();
+      double max_ref = 0.0;
+      for (double v : logits) max_ref = std::max(max_ref, std::abs(v));
+      const double tol = 2e-3 * max_ref;
+      EXPECT_EQ(lp.id, prompt[t + 1]);
+      ASSERT_TRUE(std::isfinite(lp.logprob) && lp.logprob <= 0.0f) << lp.logprob;
+      ASSERT_EQ(lp.top_logprobs.size(), 3u);
+      for (size_t j = 0; j < 3; ++j) {
+        if (logits[j] - logits[j + 1] > tol && (j == 0 || logits[j - 1] - logits[j] > tol)) {
+          EXPECT_EQ(lp.top_logprobs[j].first, ids[j]) << "position " << t << " rank " << j;
+        }
+        EXPECT_NEAR(lp.top_logprobs[0].second - lp.top_logprobs[j].second, logits[0] - logits[j], tol)
+            << "position " << t << " rank " << j;
+      }
+      auto at = std::find(ids.begin(), ids.end(), prompt[t + 1]);
+      if (at != ids.end()) {
+        EXPECT_NEAR(lp.logprob - lp.top_logprobs[0].second, logits[at - ids.begin()] - logits[0], tol)
+            << "position " << t;
+      } else {
+        EXPECT_LT(lp.logprob - lp.top_logprobs[0].second, logits.back() - logits[0] + tol) << "position " << t;
+      }
+    }
+    ASSERT_EQ(got.result.ids.size(), 1u);
+    EXPECT_EQ(got.result.ids[0], ref["greedy"][p]["continuation"][0].get<int32_t>());
+  }
+  auto alone = load_fixture();
+  ASSERT_TRUE(alone);
+  EXPECT_EQ(drain(**plain).ids, generate_alone(*alone, plain_prompt, 12));
+}
+
+// A prompt longer than a prompt-logprobs step (kPromptLogprobsChunk) runs over several steps: every position's
+// logprob is sent once, in order, and equals the one of a single forward over the whole prompt; the tokens
+// generated after it are the single-sequence loop's.
+TEST(Engine, PromptLogprobsOverSeveralStepsEqualOneForward) {
+  std::mt19937 rng(17);
+  std::vector<int32_t> prompt(2 * kPromptLogprobsChunk + 37);
+  for (int32_t& id : prompt) id = static_cast<int32_t>(rng() % 512);
+  EngineMetrics metrics;
+  EngineConfig config{.scheduler = {.token_budget = 2048}, .context_length = 1024};
+  Engine engine(load_fixture(), std::nullopt, config, metrics);
+  GenerationRequest r = greedy(prompt, 5);
+  r.prompt_logprobs = 1;
+  auto s = engine.submit(std::move(r));
+  ASSERT_TRUE(s) << s.error().message;
+  const Scored got = drain_scored(**s);
+
+  auto alone = load_fixture();
+  ASSERT_TRUE(alone);
+  SequenceCache seq = alone->new_sequence();
+  const std::vector<SequenceInput> batch{{&seq, prompt}};
+  auto logits = alone->forward(batch, LogitsFor::kAllTokens);
+  ASSERT_TRUE(logits);
+  const auto vocab = static_cast<size_t>(alone->config().vocab_size);
+  ASSERT_EQ(got.prompt.size(), prompt.size() - 1);
+  for (size_t t = 0; t + 1 < prompt.size(); ++t) {
+    auto want = logits_token_logprob(std::span<const float>(*logits).subspan(t * vocab, vocab), prompt[t + 1], 1);
+    ASSERT_TRUE(want);
+    EXPECT_EQ(got.prompt[t].id, prompt[t + 1]) << t;
+    EXPECT_NEAR(got.prompt[t].logprob, want->logprob, 1e-4) << "position " << t;
+    ASSERT_EQ(got.prompt[t].top_logprobs.size(), 1u);
+    EXPECT_NEAR(got.prompt[t].top_logprobs[0].second, want->top_logprobs[0].second, 1e-4) << "position " << t;
+  }
+  auto fresh = load_fixture();
+  ASSERT_TRUE(fresh);
+  EXPECT_EQ(got.result.ids, generate_alone(*fresh, prompt, 5));
+}
 
 TEST(Engine, CancelFreesTheSequenceAndShutdownAbortsTheRest) {
   EngineMetrics metrics;

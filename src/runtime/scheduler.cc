@@ -11,10 +11,10 @@ Scheduler::Scheduler(const SchedulerConfig& config)
       blocks_(config.num_blocks, config.block_size),
       slots_(config.num_state_slots > 0 ? config.num_state_slots : config.max_running, 1) {}
 
-bool Scheduler::add(uint64_t id, int64_t num_tokens) {
+bool Scheduler::add(uint64_t id, int64_t num_tokens, int64_t max_chunk) {
   TERN_CHECK(!seqs_.contains(id) && num_tokens > 0);
   if (num_waiting() >= config_.max_waiting) return false;
-  seqs_[id] = Seq{.num_tokens = num_tokens};
+  seqs_[id] = Seq{.num_tokens = num_tokens, .max_chunk = max_chunk};
   waiting_.push_back(id);
   return true;
 }
@@ -37,6 +37,11 @@ void Scheduler::append_token(uint64_t id, bool computed) {
     TERN_CHECK(it->second.num_computed < it->second.num_tokens);
     ++it->second.num_computed;
   }
+}
+
+int64_t Scheduler::chunk_of(const Seq& seq, int64_t budget) {
+  const int64_t count = std::min(seq.num_tokens - seq.num_computed, budget);
+  return seq.max_chunk > 0 ? std::min(count, seq.max_chunk) : count;
 }
 
 bool Scheduler::reserve(Seq& seq, int64_t num_cached) {
@@ -71,7 +76,7 @@ void Scheduler::preempt(uint64_t id, StepPlan& plan) {
 // the sequence itself had to be preempted.
 bool Scheduler::schedule_running(uint64_t id, int64_t& budget, StepPlan& plan) {
   Seq& seq = seqs_.at(id);
-  const int64_t count = std::min(seq.num_tokens - seq.num_computed, budget);
+  const int64_t count = chunk_of(seq, budget);
   if (count <= 0) return true;
   const bool samples = seq.num_computed + count == seq.num_tokens;
   const int64_t lookahead = samples ? config_.num_lookahead : 0;
@@ -101,7 +106,7 @@ StepPlan Scheduler::schedule() {
   while (budget > 0 && !waiting_.empty() && num_running() < config_.max_running && slots_.num_free() > 0) {
     const uint64_t id = waiting_.front();
     Seq& seq = seqs_.at(id);
-    const int64_t count = std::min(seq.num_tokens - seq.num_computed, budget);
+    const int64_t count = chunk_of(seq, budget);
     const bool samples = seq.num_computed + count == seq.num_tokens;
     const int64_t lookahead = samples ? config_.num_lookahead : 0;
     if (!reserve(seq, seq.num_computed + count + lookahead)) break;

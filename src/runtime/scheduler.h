@@ -57,7 +57,8 @@ class Scheduler {
  public:
   explicit Scheduler(const SchedulerConfig& config);
 
-  bool add(uint64_t id, int64_t num_tokens);
+  // `max_chunk` > 0: the most tokens a step runs of this sequence (a prompt whose logits the caller reads whole).
+  bool add(uint64_t id, int64_t num_tokens, int64_t max_chunk = 0);
   void remove(uint64_t id);
   // A token the sequence gained; `computed`: one the step already ran into the cache (an accepted draft).
   void append_token(uint64_t id, bool computed = false);
@@ -76,6 +77,7 @@ class Scheduler {
   struct Seq {
     int64_t num_tokens = 0;    // prompt + output tokens known so far
     int64_t num_computed = 0;  // tokens in the cache (or planned into it)
+    int64_t max_chunk = 0;     // > 0: the most tokens of one step
     std::vector<int32_t> blocks;
     int32_t state_slot = -1;
   };
@@ -83,6 +85,8 @@ class Scheduler {
   void preempt(uint64_t id, StepPlan& plan);
   void release_slot(Seq& seq);
   bool schedule_running(uint64_t id, int64_t& budget, StepPlan& plan);
+  // The tokens of `seq` the next step may run within `budget`.
+  static int64_t chunk_of(const Seq& seq, int64_t budget);
 
   SchedulerConfig config_;
   KvBlockAllocator blocks_;

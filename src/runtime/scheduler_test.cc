@@ -37,6 +37,29 @@ TEST(Scheduler, ChunksPrefillUnderTheTokenBudget) {
   EXPECT_EQ(s.num_running(), 0);
 }
 
+// A sequence's max_chunk caps its steps below the budget; the budget left goes to the next sequence.
+TEST(Scheduler, MaxChunkCapsOneSequencesSteps) {
+  Scheduler s(small_config());
+  ASSERT_TRUE(s.add(1, 7, 3));
+  ASSERT_TRUE(s.add(2, 4));
+  StepPlan p = s.schedule();
+  ASSERT_EQ(p.items.size(), 2u);
+  EXPECT_EQ(p.items[0].id, 1u);
+  EXPECT_EQ(p.items[0].count, 3);
+  EXPECT_FALSE(p.items[0].samples);
+  EXPECT_EQ(p.items[1].id, 2u);
+  EXPECT_EQ(p.items[1].count, 4);
+  p = s.schedule();
+  ASSERT_GE(p.items.size(), 1u);
+  EXPECT_EQ(p.items[0].begin, 3);
+  EXPECT_EQ(p.items[0].count, 3);
+  p = s.schedule();
+  ASSERT_GE(p.items.size(), 1u);
+  EXPECT_EQ(p.items[0].begin, 6);
+  EXPECT_EQ(p.items[0].count, 1);
+  EXPECT_TRUE(p.items[0].samples);
+}
+
 TEST(Scheduler, MixesDecodesWithAPrefillChunkAndCapsRunning) {
   Scheduler s(small_config());
   ASSERT_TRUE(s.add(1, 3));

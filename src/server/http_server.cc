@@ -401,6 +401,10 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
     prompts.push_back({std::move(*ids), *max_tokens});
   }
   const StopCriteria stop{.stop_token_ids = r.stop_token_ids, .stop_strings = r.stop_strings};
+  if (r.prompt_logprobs >= 0 && engine_.speculative()) {
+    return fail({400, "'logprobs' with 'echo' (the prompt's logprobs) is not available with speculative decoding",
+                 "invalid_request_error", "echo"});
+  }
   if (auto v = stop_criteria_validate(stop); !v) return fail({400, v.error().message, "invalid_request_error", "stop"});
 
   ResponseContext ctx{.chat = chat, .id = fmt::format("{}-{:x}{:04x}", chat ? "chatcmpl" : "cmpl", unix_now(),
@@ -416,7 +420,8 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   for (size_t p = 0; p < prompts.size(); ++p) {
     for (int32_t i = 0; i < r.n; ++i) {
       GenerationRequest g{.prompt = prompts[p].ids, .sampling = r.sampling, .stop = stop,
-                          .skip_special_tokens = r.skip_special_tokens, .ignore_eos = r.ignore_eos};
+                          .skip_special_tokens = r.skip_special_tokens, .ignore_eos = r.ignore_eos,
+                          .prompt_logprobs = r.prompt_logprobs};
       g.stop.max_tokens = prompts[p].max_tokens;
       if (r.sampling.seed) g.sampling.seed = *r.sampling.seed + static_cast<uint64_t>(i);
       auto stream = engine_.submit(std::move(g));
@@ -432,6 +437,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
       if (!chat && r.echo) {
         const ApiPrompt& given = r.prompts[p];
         c.echo_text = given.text ? *given.text : (tokenizer_ ? tokenizer_->decode(prompts[p].ids) : "");
+        if (r.prompt_logprobs >= 0) c.echo_ids = prompts[p].ids;
       }
       choices.builders.emplace_back(std::move(c));
     }

@@ -367,7 +367,10 @@ Result parse_completion(const Json& body, ApiRequest& r) {
     if (*logprobs < 0 || *logprobs > kSamplingMaxLogprobs) {
       return bad("logprobs", fmt::format("'logprobs' must be in [0, 20], got {}", *logprobs));
     }
-    if (r.echo) return bad("logprobs", "'logprobs' together with 'echo' (prompt logprobs) is not supported");
+    if (r.echo && r.stream) {
+      return bad("logprobs", "'logprobs' with 'echo' (the prompt's logprobs) is not available when streaming");
+    }
+    if (r.echo) r.prompt_logprobs = *logprobs;
     r.logprobs = true;
     r.sampling.logprobs = *logprobs;
   }

@@ -57,6 +57,8 @@ struct ApiRequest {
   bool stream = false;
   bool include_usage = false;
   bool logprobs = false;  // chat: logprobs; completions: logprobs given (>= 0)
+  // completions with echo and logprobs: the prompt tokens' logprobs too, with this many top ones (-1: none).
+  int32_t prompt_logprobs = -1;
 };
 
 // `body`: the raw request body. `chat` selects the endpoint's schema.

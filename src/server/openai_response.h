@@ -29,6 +29,9 @@ struct ResponseContext {
   std::optional<ReasoningParser> reasoning;
   std::optional<ToolCallParser> tools;
   std::string echo_text;  // completions with echo: the prompt, sent first
+  // completions with echo and logprobs: the prompt's tokens, whose logprobs (from the second on) arrive in
+  // TokenEvent::prompt_logprobs and come first in the choice's logprobs.
+  std::vector<int32_t> echo_ids;
 };
 
 class ResponseBuilder {
@@ -48,6 +51,10 @@ class ResponseBuilder {
   nlohmann::ordered_json chunk(nlohmann::ordered_json delta_or_text, nlohmann::ordered_json logprobs,
                                nlohmann::ordered_json finish_reason) const;
   nlohmann::ordered_json token_logprobs(const TokenEvent& event);
+  // Appends one token to the completions logprobs (null logprob and top for a prompt's first token).
+  void completion_logprob(int32_t id, std::optional<float> logprob, const std::vector<std::pair<int32_t, float>>& top,
+                          int64_t offset);
+  std::string text_of(int32_t id) const;
   void route_text(const std::string& text, bool final, nlohmann::ordered_json& delta);
 
   ResponseContext ctx_;
@@ -58,6 +65,7 @@ class ResponseBuilder {
   nlohmann::ordered_json logprobs_ = nlohmann::ordered_json::array();      // chat: content entries
   nlohmann::ordered_json completion_lp_ = nlohmann::ordered_json::object();  // completions: the four arrays
   std::string finish_reason_, error_;
+  int64_t prompt_offset_ = 0;  // text_offset of the next prompt token (echo with logprobs)
 };
 
 // The non-streaming body of a request's choices (one builder each, in index order, all finished): every choice, the

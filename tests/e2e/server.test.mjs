@@ -138,6 +138,34 @@ test('completions with token ids, echo, and logprobs', async () => {
   assert.ok(echo.choices[0].text.startsWith('Hello world'));
 });
 
+// Echo with logprobs (lm-eval's loglikelihood request: token-id prompts in a batch, max_tokens 1): the prompt's
+// tokens come first in the logprobs, the first without a logprob; a prompt token's logprob is the same whichever
+// prompt it continues, and the generated token is the greedy one.
+test('completions with echo and logprobs give the prompt tokens their logprobs', async () => {
+  const prompts = [[9707, 1879, 11, 1588], [9707, 1879, 11, 3555, 42]];
+  const r = await client.completions.create({ model: MODEL, prompt: prompts, max_tokens: 1, temperature: 0,
+                                              ignore_eos: true, logprobs: 1, echo: true });
+  assert.equal(r.usage.prompt_tokens, 9);
+  const lp = r.choices.map((c) => c.logprobs);
+  for (let p = 0; p < 2; p++) {
+    const n = prompts[p].length;
+    assert.equal(lp[p].tokens.length, n + 1);
+    assert.equal(lp[p].token_logprobs[0], null);
+    assert.equal(lp[p].top_logprobs[0], null);
+    assert.equal(lp[p].tokens.join(''), r.choices[p].text);
+    for (let i = 1; i <= n; i++) {
+      assert.ok(Number.isFinite(lp[p].token_logprobs[i]) && lp[p].token_logprobs[i] <= 0, `${p} ${i}`);
+      assert.equal(Object.keys(lp[p].top_logprobs[i]).length, 1);
+      assert.ok(Math.max(...Object.values(lp[p].top_logprobs[i])) >= lp[p].token_logprobs[i] - 1e-6);
+    }
+    const last = Object.values(lp[p].top_logprobs[n])[0];
+    assert.ok(Math.abs(last - lp[p].token_logprobs[n]) < 1e-6, 'the generated token is the greedy one');
+  }
+  // Positions 1..2 see the same tokens in both prompts (causal attention): the same logprobs.
+  for (let i = 1; i <= 2; i++) assert.ok(Math.abs(lp[0].token_logprobs[i] - lp[1].token_logprobs[i]) < 1e-4, `${i}`);
+  assert.ok(Math.abs(lp[0].token_logprobs[3] - lp[1].token_logprobs[3]) > 1e-6, "other tokens, other logprobs");
+});
+
 test('streaming with include_usage equals the non-streamed result', async () => {
   const req = chatReq('Count to three');
   const whole = await client.chat.completions.create(req);
@@ -358,6 +386,7 @@ const BAD = [
   [{ model: MODEL, prompt: [] }, 400, 'prompt', '/v1/completions'],
   [{ model: MODEL, prompt: [1, -1] }, 400, 'prompt', '/v1/completions'],
   [{ model: MODEL, prompt: ['a', ''] }, 400, 'prompt[1]', '/v1/completions'],
+  [{ model: MODEL, prompt: [1, 2], echo: true, logprobs: 1, stream: true }, 400, 'logprobs', '/v1/completions'],
   [{ model: MODEL }, 400, 'prompt', '/v1/completions'],
   [{ model: MODEL, prompt: [1], logprobs: 40 }, 400, 'logprobs', '/v1/completions'],
   [{ model: MODEL, prompt: [1], suffix: 'x' }, 400, 'suffix', '/v1/completions'],

@@ -125,6 +125,17 @@ std::vector<std::pair<int32_t, float>> logits_top_logprobs(std::span<const float
 
 }  // namespace
 
+Expected<SampledToken> logits_token_logprob(std::span<const float> logits, int32_t id, int32_t top) {
+  if (id < 0 || static_cast<size_t>(id) >= logits.size()) {
+    return make_error("token id {} is outside the vocabulary (size {})", id, logits.size());
+  }
+  TERN_ASSIGN_OR_RETURN(const float max, logits_check_finite(logits));
+  const double log_sum = logits_log_sum_exp(logits, max);
+  SampledToken t{.id = id, .logprob = raw_logprob(logits[static_cast<size_t>(id)], max, log_sum)};
+  if (top > 0) t.top_logprobs = logits_top_logprobs(logits, top, max, log_sum);
+  return t;
+}
+
 bool sampling_penalties_active(const SamplingParams& p) {
   return p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f;
 }

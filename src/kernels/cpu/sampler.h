@@ -61,6 +61,11 @@ struct SampledToken {
   std::vector<std::pair<int32_t, float>> top_logprobs;
 };
 
+// What a prompt token gets (vLLM's prompt_logprobs, OpenAI's echo with logprobs): the raw log_softmax of `logits` at
+// `id` and the `top` highest raw log-probabilities (as SampledToken: highest first, ties to the lower id). A
+// non-finite logit or an id outside the row is an error naming it.
+Expected<SampledToken> logits_token_logprob(std::span<const float> logits, int32_t id, int32_t top);
+
 // xoshiro256** seeded through splitmix64: fixed integer arithmetic, so one seed gives one stream everywhere.
 class SamplerRng {
  public:

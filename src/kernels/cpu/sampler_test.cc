@@ -483,6 +483,36 @@ TEST(Sampler, LogprobsAreTheRawLogSoftmax) {
   }
 }
 
+// A prompt token's logprob (vLLM's prompt_logprobs): the raw log_softmax at any id, not only a likely one, with the
+// top ones; a non-finite logit or an id outside the row is an error.
+TEST(Sampler, PromptTokenLogprobIsTheRawLogSoftmaxAtTheToken) {
+  const std::vector<float> row = random_row(3000, 21, 5.0f);
+  const std::vector<double> reference = log_softmax_double(row);
+  std::vector<int32_t> by_value(row.size());
+  std::iota(by_value.begin(), by_value.end(), 0);
+  std::stable_sort(by_value.begin(), by_value.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+  for (const int32_t id : {by_value[0], by_value[1500], by_value[2999]}) {
+    auto t = logits_token_logprob(row, id, 3);
+    ASSERT_TRUE(t.has_value()) << t.error().message;
+    EXPECT_EQ(t->id, id);
+    EXPECT_NEAR(t->logprob, reference[id], logprob_tolerance(reference[id]));
+    ASSERT_EQ(t->top_logprobs.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_EQ(t->top_logprobs[i].first, by_value[i]);
+      EXPECT_NEAR(t->top_logprobs[i].second, reference[by_value[i]], logprob_tolerance(reference[by_value[i]]));
+    }
+  }
+  auto none = logits_token_logprob(row, 7, 0);
+  ASSERT_TRUE(none.has_value());
+  EXPECT_TRUE(none->top_logprobs.empty());
+  EXPECT_FALSE(logits_token_logprob(row, 3000, 1).has_value());
+  std::vector<float> bad = row;
+  bad[17] = std::nanf("");
+  auto nan = logits_token_logprob(bad, 3, 1);
+  ASSERT_FALSE(nan.has_value());
+  EXPECT_NE(nan.error().message.find("id 17"), std::string::npos) << nan.error().message;
+}
+
 TEST(Sampler, LogprobsOfGreedyTokensAndTieOrder) {
   const std::vector<float> row = {-3.0f, 1.5f, 0.25f, 1.5f, -40.0f, 0.25f};
   const std::vector<double> reference = log_softmax_double(row);
