@@ -143,7 +143,10 @@ void Engine::admit_new() {
   for (auto& a : fresh) {
     a->cache = model_->new_sequence();
     const uint64_t id = a->id;
-    const int64_t max_chunk = a->request.prompt_logprobs >= 0 ? kPromptLogprobsChunk : 0;
+    // A prompt whose logprobs are asked for runs at most max_running tokens a step: the rows of logits a GPU runner
+    // holds without growing the buffer its CUDA graphs read (which would drop them).
+    const int64_t max_chunk =
+        a->request.prompt_logprobs >= 0 ? std::min<int64_t>(kPromptLogprobsChunk, config_.scheduler.max_running) : 0;
     if (!scheduler_.add(id, static_cast<int64_t>(a->tokens.size()), max_chunk)) {
       a->stream->push({.finished = true, .finish_reason = "error", .error = "the request queue is full"});
       continue;
@@ -217,24 +220,19 @@ void Engine::step() {
 }
 
 void Engine::step_prompt_logprobs(const StepPlan& plan) {
-  std::vector<SequenceInput> batch;
-  for (const StepItem& item : plan.items) {
-    Active& a = *active_.at(item.id);
-    batch.push_back(input_of(a.tokens, item, a.cache, scheduler_));
-  }
-  auto logits = model_->forward(batch, LogitsFor::kAllTokens);
-  if (!logits) {
-    fail_step(plan, logits.error());
-    return;
-  }
+  // One forward per sequence, so that no step returns more rows of logits than one sequence's chunk.
   const auto vocab = static_cast<size_t>(model_->config().vocab_size);
-  size_t first_row = 0;
   for (const StepItem& item : plan.items) {
+    if (!active_.contains(item.id)) continue;  // ended by a failure of the model for good
     Active& a = *active_.at(item.id);
-    const size_t base = first_row;
-    first_row += static_cast<size_t>(item.count);
+    const std::vector<SequenceInput> batch{input_of(a.tokens, item, a.cache, scheduler_)};
+    auto logits = model_->forward(batch, LogitsFor::kAllTokens);
+    if (!logits) {
+      fail_step(StepPlan{.items = {item}}, logits.error());
+      continue;
+    }
     auto row = [&](int64_t r) {
-      return std::span<const float>(*logits).subspan((base + static_cast<size_t>(r)) * vocab, vocab);
+      return std::span<const float>(*logits).subspan(static_cast<size_t>(r) * vocab, vocab);
     };
     // Row r's logits give the token at position begin + r + 1; a recomputed prompt (after a preemption) sends
     // nothing twice.

@@ -32,8 +32,8 @@
 
 namespace tern {
 
-// A step of a sequence whose prompt logprobs were asked for runs at most this many of its tokens, so that the
-// logits the step returns for them stay small (rows x vocab floats).
+// A step of a sequence whose prompt logprobs were asked for runs at most this many of its tokens (and at most the
+// scheduler's max_running), so that the logits the step returns for them stay small (rows x vocab floats).
 inline constexpr int64_t kPromptLogprobsChunk = 256;
 
 struct GenerationRequest {
@@ -114,8 +114,8 @@ class Engine {
   void admit_new();
   void sweep_cancelled();
   void step();
-  // The step's items of requests with prompt logprobs still to send: run apart with every row's logits, their
-  // prompt tokens' logprobs sent and their samples drawn on the host.
+  // The step's items of requests with prompt logprobs still to send: each run apart with every row's logits, its
+  // prompt tokens' logprobs sent and its sample drawn on the host.
   void step_prompt_logprobs(const StepPlan& plan);
   // A step's failure: every request of the plan ends with it, and every other one too if the model failed for good.
   void fail_step(const StepPlan& plan, const Error& error);

@@ -262,7 +262,7 @@ TEST(Engine, PromptLogprobsMatchTransformers) {
   EXPECT_EQ(drain(**plain).ids, generate_alone(*alone, plain_prompt, 12));
 }
 
-// A prompt longer than a prompt-logprobs step (kPromptLogprobsChunk) runs over several steps: every position's
+// A prompt longer than a prompt-logprobs step (max_running = 64 tokens here) runs over several steps: every position's
 // logprob is sent once, in order, and equals the one of a single forward over the whole prompt; the tokens
 // generated after it are the single-sequence loop's.
 TEST(Engine, PromptLogprobsOverSeveralStepsEqualOneForward) {
