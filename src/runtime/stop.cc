@@ -91,7 +91,7 @@ StopUpdate StopChecker::feed(int32_t token_id, std::string_view text_delta) {
     }
   }
   if (matched != nullptr) {
-    StopUpdate update = finish(kFinishStop, match_at);
+    StopUpdate update = finish(kFinishStop, match_at + (criteria_.include_stop_string ? matched->size() : 0));
     update.stop_string = *matched;
     return update;
   }

@@ -2,7 +2,8 @@
 // added (the incremental detokenizer's delta), a StopChecker
 //   - ends on a stop token id (finish_reason "stop"); the stop token's own text is not emitted (vLLM's default,
 //     include_stop_str_in_output = false). Put the model's EOS ids in stop_token_ids.
-//   - ends on a stop string (finish_reason "stop"); the text is cut just before it, as OpenAI and vLLM do.
+//   - ends on a stop string (finish_reason "stop"); the text is cut just before it, as OpenAI and vLLM do, or just
+//     after it with include_stop_string (vLLM's include_stop_str_in_output).
 //     Text that could still become the start of a stop string is held back until it can no longer match.
 //   - ends after max_tokens tokens (finish_reason "length"), unless the last token completed a stop string.
 //   - never cuts inside a UTF-8 character: a trailing incomplete sequence is held back like a stop-string prefix.
@@ -26,6 +27,7 @@ struct StopCriteria {
   std::vector<int32_t> stop_token_ids;
   std::vector<std::string> stop_strings;
   int32_t max_tokens = 16;
+  bool include_stop_string = false;  // the matched stop string stays in the text
 };
 
 // max_tokens >= 1; stop strings non-empty and valid UTF-8. Errors name the field and the index.

@@ -53,6 +53,20 @@ TEST(StopChecker, StopStringSpanningSeveralDeltas) {
   EXPECT_FALSE(run.last.stop_token_id.has_value());
 }
 
+// include_stop_string (vLLM's include_stop_str_in_output): the text ends with the stop string, not before it; what
+// followed it in the same delta is still dropped.
+TEST(StopChecker, IncludedStopStringEndsTheText) {
+  StopCriteria criteria = stops({"END", "ST"});
+  criteria.include_stop_string = true;
+  const FeedResult r = feed_all(criteria, {"abc E", "NDxyz", "more"});
+  EXPECT_EQ(r.emitted, "abc END");
+  EXPECT_TRUE(r.last.finished);
+  EXPECT_EQ(r.last.stop_string, "END");
+  EXPECT_EQ(r.flushed, "");
+  const FeedResult first = feed_all(criteria, {"ST", "x"});
+  EXPECT_EQ(first.emitted, "ST");
+}
+
 TEST(StopChecker, HeldBackPrefixIsReleasedWhenItStopsMatching) {
   const FeedResult run = feed_all(stops({"STOP"}), {"ST", "ART", "S", "x"});
   EXPECT_EQ(run.texts, (std::vector<std::string>{"", "START", "", "Sx"}));

@@ -400,7 +400,8 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
     if (!max_tokens) return fail(max_tokens.error());
     prompts.push_back({std::move(*ids), *max_tokens});
   }
-  const StopCriteria stop{.stop_token_ids = r.stop_token_ids, .stop_strings = r.stop_strings};
+  const StopCriteria stop{.stop_token_ids = r.stop_token_ids, .stop_strings = r.stop_strings,
+                          .include_stop_string = r.include_stop_string};
   if (r.prompt_logprobs >= 0 && engine_.speculative()) {
     return fail({400, "'logprobs' with 'echo' (the prompt's logprobs) is not available with speculative decoding",
                  "invalid_request_error", "echo"});

@@ -190,6 +190,8 @@ Result parse_common(const Json& body, ApiRequest& r) {
     return bad(name, fmt::format("'{}' is not supported", name));
   }
   TERN_TRY_API(parse_stop(body, r));
+  TERN_API_FIELD(include_stop, bool, body, "include_stop_str_in_output");
+  r.include_stop_string = include_stop.value_or(false);
   TERN_TRY_API(parse_sampling(body, r));
   if (auto v = sampling_params_validate(r.sampling); !v) return bad("", v.error().message);
   return {};

@@ -50,6 +50,7 @@ struct ApiRequest {
   bool echo = false;
   SamplingParams sampling;
   std::vector<std::string> stop_strings;
+  bool include_stop_string = false;  // vLLM's include_stop_str_in_output
   std::vector<int32_t> stop_token_ids;
   std::optional<int32_t> max_tokens;
   bool ignore_eos = false;

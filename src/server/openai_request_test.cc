@@ -18,6 +18,7 @@ TEST(ApiRequest, ChatWithPartsToolsAndSampling) {
   auto r = api_request_parse(R"({"model": "m", "messages": [{"role": "system", "content": "Be brief."},
       {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
       "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 7, "stop": "END", "max_completion_tokens": 9,
+      "include_stop_str_in_output": true,
       "logprobs": true, "top_logprobs": 3, "stream": true, "stream_options": {"include_usage": true},
       "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
       "chat_template_kwargs": {"enable_thinking": false}})", true);
@@ -30,6 +31,7 @@ TEST(ApiRequest, ChatWithPartsToolsAndSampling) {
   EXPECT_EQ(r->sampling.seed, 7u);
   EXPECT_EQ(r->sampling.logprobs, 3);
   EXPECT_EQ(r->stop_strings, std::vector<std::string>{"END"});
+  EXPECT_TRUE(r->include_stop_string);
   EXPECT_EQ(r->max_tokens, 9);
   EXPECT_TRUE(r->stream && r->include_usage && r->logprobs);
 }
