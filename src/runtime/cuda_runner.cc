@@ -563,8 +563,17 @@ Expected<std::vector<float>> CudaRunner::step(std::span<const SequenceInput> bat
   return download_logits(plan.graphed ? plan.real_seqs * plan.rows : ops_.step().n_head_rows);
 }
 
+// The device sampler has no logit bias: a step with a row that has one samples on the host (the CPU Sampler, the
+// reference the device sampler follows).
+bool any_logit_bias(std::span<const SampleRow> rows) {
+  return std::any_of(rows.begin(), rows.end(), [](const SampleRow& r) {
+    return r.sampler != nullptr && !r.sampler->params().logit_bias.empty();
+  });
+}
+
 Expected<SampleResults> CudaRunner::sample_rows_step(std::span<const SequenceInput> batch,
                                                     std::span<const SampleRow> rows) {
+  if (any_logit_bias(rows)) return ModelRunner::sample_rows_step(batch, rows);
   for (const SampleRow& r : rows) {
     if (r.sampler != nullptr) TERN_TRY(sampling_params_validate(r.sampler->params()));
   }
@@ -617,6 +626,7 @@ Expected<std::vector<float>> CudaRunner::download_logits(int64_t n) {
 
 Expected<SampleResults> CudaRunner::sample_step(std::span<const SequenceInput> batch,
                                                std::span<const SampleRow> rows) {
+  if (any_logit_bias(rows)) return ModelRunner::sample_rows_step(batch, rows);
   for (const SampleRow& r : rows) {
     if (r.sampler != nullptr) TERN_TRY(sampling_params_validate(r.sampler->params()));
   }

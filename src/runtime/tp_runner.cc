@@ -231,6 +231,8 @@ std::vector<int64_t> plan_words(const Plan& p, HeldMap& held) {
     w.insert(w.end(), {bits_of(s.temperature), s.top_k, bits_of(s.top_p), bits_of(s.min_p),
                        bits_of(s.repetition_penalty), bits_of(s.presence_penalty), bits_of(s.frequency_penalty),
                        s.logprobs, std::bit_cast<int64_t>(r.draw)});
+    w.push_back(static_cast<int64_t>(s.logit_bias.size()));
+    for (const auto& [id, bias] : s.logit_bias) w.insert(w.end(), {int64_t{id}, bits_of(bias)});
     // (A plan with more rows than its sequences return is refused by every receiver: no lists for those.)
     if (!sampling_penalties_active(s) || i >= owner.size()) continue;
     HeldLists& lists = held[p.sequences[owner[i]].id];
@@ -307,6 +309,13 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w, HeldMap& held) {
                                 .presence_penalty = float_of(f[5]), .frequency_penalty = float_of(f[6]),
                                 .seed = 0, .logprobs = static_cast<int32_t>(f[7])};
       r.draw = std::bit_cast<double>(f[8]);
+      TERN_ASSIGN_OR_RETURN(const size_t n_bias, count());
+      if (n_bias > kSamplingMaxLogitBias || 2 * n_bias > w.size() - at) {
+        return make_error("a sampling plan from node 0 has a logit bias of {} entries", n_bias);
+      }
+      for (size_t k = 0; k < n_bias; ++k, at += 2) {
+        r.params.logit_bias.emplace_back(static_cast<int32_t>(w[at]), float_of(w[at + 1]));
+      }
       if (sampling_penalties_active(r.params)) {
         HeldLists& lists = held[p.sequences[owner[i]].id];
         TERN_TRY(change(lists.prompt_ids, r.prompt_ids));

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <charconv>
 #include <cmath>
 
 #include "core/json_parse.h"
@@ -105,6 +107,22 @@ Result parse_sampling(const Json& body, ApiRequest& r) {
   }
   if (repetition) s.repetition_penalty = static_cast<float>(*repetition);
   if (seed) s.seed = static_cast<uint64_t>(*seed);
+  // logit_bias: {"token id": bias}, the ids written as decimal strings (OpenAI's form), kept in id order.
+  if (auto lb = body.find("logit_bias"); lb != body.end() && !lb->is_null()) {
+    if (!lb->is_object()) return bad("logit_bias", "'logit_bias' must be an object of token ids to biases");
+    for (const auto& [key, value] : lb->items()) {
+      int64_t id = -1;
+      const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), id);
+      if (ec != std::errc() || end != key.data() + key.size() || id < 0 || id > INT32_MAX) {
+        return bad("logit_bias", fmt::format("'logit_bias' keys must be token ids, got '{}'", key));
+      }
+      if (!value.is_number()) {
+        return bad("logit_bias", fmt::format("'logit_bias' values must be numbers, got {}", type_name(value)));
+      }
+      s.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(value.get<double>()));
+    }
+    std::sort(s.logit_bias.begin(), s.logit_bias.end());
+  }
   // What the sampler would refuse later (top_p outside (0, 1], min_p outside [0, 1], ...) is a 400 naming the
   // parameter now.
   if (auto valid = sampling_params_validate(s); !valid) {
@@ -178,9 +196,9 @@ Result parse_common(const Json& body, ApiRequest& r) {
       return bad("response_format", "'response_format' other than {\"type\": \"text\"} is not supported");
     }
   }
-  // Fields that would change what is generated and that tern does not apply are refused, not ignored: OpenAI's
-  // logit_bias and vLLM's extras. An empty, null, zero or false value asks for nothing and passes.
-  for (const char* name : {"logit_bias", "min_tokens", "prompt_logprobs", "use_beam_search", "guided_json",
+  // Fields that would change what is generated and that tern does not apply are refused, not ignored: vLLM's
+  // extras. An empty, null, zero or false value asks for nothing and passes.
+  for (const char* name : {"min_tokens", "prompt_logprobs", "use_beam_search", "guided_json",
                            "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}) {
     auto it = body.find(name);
     if (it == body.end() || it->is_null() || (it->is_boolean() && !it->get<bool>()) ||

@@ -32,6 +32,9 @@ TEST(ApiRequest, ChatWithPartsToolsAndSampling) {
   EXPECT_EQ(r->sampling.logprobs, 3);
   EXPECT_EQ(r->stop_strings, std::vector<std::string>{"END"});
   EXPECT_TRUE(r->include_stop_string);
+  auto biased = api_request_parse(R"({"prompt": [1], "logit_bias": {"300": -100, "7": 2.5}})", false);
+  ASSERT_TRUE(biased) << biased.error().message;
+  EXPECT_EQ(biased->sampling.logit_bias, (std::vector<std::pair<int32_t, float>>{{7, 2.5f}, {300, -100.0f}}));
   EXPECT_EQ(r->max_tokens, 9);
   EXPECT_TRUE(r->stream && r->include_usage && r->logprobs);
 }
@@ -99,7 +102,11 @@ TEST(ApiRequest, ErrorsNameTheParameter) {
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2.5})", "n"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"})", "temperature"},
       // Asked for, not applied: refused rather than ignored.
-      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -100}})", "logit_bias"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -101}})", "logit_bias"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"x5": 1}})", "logit_bias"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"-1": 1}})", "logit_bias"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": "up"}})", "logit_bias"},
+      {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": [5]})", "logit_bias"},
       {R"({"model": "m", "prompt": [1], "min_tokens": 4})", "min_tokens", false},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", "b"]})",
        "guided_choice"},

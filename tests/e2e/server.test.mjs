@@ -254,6 +254,27 @@ test('completions batch: each prompt gives the choices it gives alone; usage cou
   assert.equal(ids.usage.prompt_tokens, 3);
 });
 
+// logit_bias: +100 on a token makes it every greedy pick and every sampled one; -100 on the unbiased greedy
+// token bans it, and the logprobs stay the raw model's (the banned token keeps its logprob as the top one).
+test('logit_bias forces and bans tokens; logprobs stay raw', async () => {
+  const req = { model: MODEL, prompt: [9707, 1879, 11], max_tokens: 5, ignore_eos: true };
+  const forced = await client.completions.create({ ...req, temperature: 0, logit_bias: { 1879: 100 } });
+  const sampled = await client.completions.create({ ...req, temperature: 1, seed: 2, logit_bias: { 1879: 100 },
+                                                    logprobs: 1 });
+  const plain = await client.completions.create({ ...req, temperature: 0, logprobs: 1 });
+  const first = plain.choices[0].logprobs.tokens[0];
+  const ids = async (text) => (await (await fetch(base + '/tokenize', { method: 'POST',
+    headers: { 'Content-Type': 'application/json', Authorization: `Bearer ${KEY}` },
+    body: JSON.stringify({ prompt: text, add_special_tokens: false }) })).json()).tokens;
+  assert.deepEqual(await ids(forced.choices[0].text), [1879, 1879, 1879, 1879, 1879]);
+  assert.deepEqual(await ids(sampled.choices[0].text), [1879, 1879, 1879, 1879, 1879]);
+  const firstId = (await ids(first))[0];
+  const banned = await client.completions.create({ ...req, max_tokens: 1, temperature: 0, logprobs: 1,
+                                                   logit_bias: { [firstId]: -100 } });
+  assert.notEqual(banned.choices[0].logprobs.tokens[0], first);
+  assert.deepEqual(banned.choices[0].logprobs.top_logprobs[0], plain.choices[0].logprobs.top_logprobs[0]);
+});
+
 // /tokenize and /detokenize (vLLM's and SGLang's routes) against the Rust tokenizers library on the same
 // tokenizer.json; the messages form gives the prompt a chat completion counts.
 test('tokenize and detokenize agree with the Rust tokenizers library', async () => {
@@ -349,7 +370,8 @@ const BAD = [
   // [body or raw string, status, param (null: none), path]
   ['{', 400, null], ['[]', 400, null], ['"x"', 400, null], ['', 400, null],
   [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], n: 0 }, 400, 'n'],
-  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], logit_bias: { 11: -100 } }, 400, 'logit_bias'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], logit_bias: { 11: -300 } }, 400, 'logit_bias'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], min_tokens: 3 }, 400, 'min_tokens'],
   [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], n: 129 }, 400, 'n'],
   [{ model: 7, messages: [{ role: 'user', content: 'x' }] }, 400, 'model'],
   [{ model: 'gpt-9', messages: [{ role: 'user', content: 'x' }] }, 404, 'model'],

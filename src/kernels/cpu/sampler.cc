@@ -159,6 +159,13 @@ Expected<void> sampling_params_validate(const SamplingParams& p) {
   if (p.logprobs < 0 || p.logprobs > kSamplingMaxLogprobs) {
     return make_error("logprobs must be in [0, {}], got {}", kSamplingMaxLogprobs, p.logprobs);
   }
+  if (p.logit_bias.size() > kSamplingMaxLogitBias) {
+    return make_error("logit_bias must have at most {} entries, got {}", kSamplingMaxLogitBias, p.logit_bias.size());
+  }
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (id < 0) return make_error("logit_bias must have token ids >= 0, got {}", id);
+    if (!is_within(bias, -100.0f, 100.0f)) return make_error("logit_bias must be in [-100, 100], got {}", bias);
+  }
   return {};
 }
 
@@ -243,7 +250,7 @@ Expected<std::span<const float>> Sampler::prepare(std::span<const float> logits,
     return make_error("logits row has {} entries, more than int32 token ids can address", logits.size());
   }
   TERN_ASSIGN_OR_RETURN(raw_max, logits_check_finite(logits));
-  return apply_penalties(logits, prompt_ids, output_ids);
+  return apply_bias_and_penalties(logits, prompt_ids, output_ids);
 }
 
 void Sampler::describe(std::span<const float> logits, float raw_max, SampledToken& token) const {
@@ -264,11 +271,17 @@ Expected<SampledToken> Sampler::sample(std::span<const float> logits, std::span<
   return token;
 }
 
-Expected<std::span<const float>> Sampler::apply_penalties(std::span<const float> logits,
-                                                          std::span<const int32_t> prompt_ids,
-                                                          std::span<const int32_t> output_ids) {
-  if (!sampling_penalties_active(params_)) return logits;
+Expected<std::span<const float>> Sampler::apply_bias_and_penalties(std::span<const float> logits,
+                                                                   std::span<const int32_t> prompt_ids,
+                                                                   std::span<const int32_t> output_ids) {
+  if (params_.logit_bias.empty() && !sampling_penalties_active(params_)) return logits;
   penalized_.assign(logits.begin(), logits.end());
+  for (const auto& [id, bias] : params_.logit_bias) {
+    if (static_cast<size_t>(id) >= logits.size()) {
+      return make_error("logit_bias names token id {}, outside the vocabulary (size {})", id, logits.size());
+    }
+    penalized_[static_cast<size_t>(id)] += bias;
+  }
   TERN_TRY(sampling_apply_penalties(params_, penalized_, prompt_ids, output_ids));
   return std::span<const float>(penalized_);
 }

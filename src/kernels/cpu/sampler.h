@@ -36,9 +36,14 @@ struct SamplingParams {
   float frequency_penalty = 0.0f;   // [-2, 2]
   std::optional<uint64_t> seed;     // none = a fresh random seed per Sampler
   int32_t logprobs = 0;             // number of top logprobs to return, [0, 20]
+  // OpenAI's logit_bias: (id, bias in [-100, 100]) added to the logits the token is chosen from, before the
+  // penalties; the logprobs stay the raw row's. At most kSamplingMaxLogitBias entries; an id outside the vocabulary
+  // is an error of the step that meets it.
+  std::vector<std::pair<int32_t, float>> logit_bias;
 };
 
 constexpr int32_t kSamplingMaxLogprobs = 20;
+constexpr size_t kSamplingMaxLogitBias = 1024;
 // Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 constexpr float kSamplingGreedyTemperature = 1e-5f;
 
@@ -105,13 +110,14 @@ class Sampler {
   // which a standard library's nth_element leaves the candidates.
   uint64_t mass(const Candidate& c) const { return static_cast<uint64_t>(c.weight * mass_scale_); }
 
-  // The checks and penalties sample() begins with: the processed row (and its raw maximum).
+  // The checks, logit bias and penalties sample() begins with: the processed row (and its raw maximum).
   Expected<std::span<const float>> prepare(std::span<const float> logits, std::span<const int32_t> prompt_ids,
                                            std::span<const int32_t> output_ids, float& raw_max);
   // `token`'s logprob and the top logprobs from the raw row.
   void describe(std::span<const float> logits, float raw_max, SampledToken& token) const;
-  Expected<std::span<const float>> apply_penalties(std::span<const float> logits, std::span<const int32_t> prompt_ids,
-                                                   std::span<const int32_t> output_ids);
+  Expected<std::span<const float>> apply_bias_and_penalties(std::span<const float> logits,
+                                                            std::span<const int32_t> prompt_ids,
+                                                            std::span<const int32_t> output_ids);
   int32_t sample_random(std::span<const float> logits);
   void select_candidates(std::span<const float> logits);
   void apply_top_p();
@@ -123,7 +129,7 @@ class Sampler {
   SamplerRng rng_;
   std::optional<double> given_draw_;  // give_draw's, for the next draw only
   double take_draw();
-  std::vector<float> penalized_;           // [vocab] logits after penalties (only when a penalty is active)
+  std::vector<float> penalized_;  // [vocab] logits after the bias and penalties (only when one is active)
   std::vector<float> value_scratch_;       // [top_k] heap or [vocab] copy for the top-k selection
   std::vector<Candidate> candidates_;      // tokens still allowed after min_p / top_k / top_p, in id order
   std::vector<Candidate> select_scratch_;  // reordered copy for the top_p selection

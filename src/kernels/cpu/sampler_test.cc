@@ -513,6 +513,37 @@ TEST(Sampler, PromptTokenLogprobIsTheRawLogSoftmaxAtTheToken) {
   EXPECT_NE(nan.error().message.find("id 17"), std::string::npos) << nan.error().message;
 }
 
+// logit_bias: a bias moves the choice (greedy: the argmax of logits + bias; -100 bans the best token), the
+// logprobs stay the raw row's, an id outside the row is an error naming it, and the validation bounds the entries.
+TEST(Sampler, LogitBiasMovesTheChoiceButNotTheLogprobs) {
+  const std::vector<float> row = random_row(1000, 31, 3.0f);
+  const std::vector<double> reference = log_softmax_double(row);
+  std::vector<int32_t> by_value(row.size());
+  std::iota(by_value.begin(), by_value.end(), 0);
+  std::stable_sort(by_value.begin(), by_value.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+  Sampler banned(SamplingParams{.temperature = 0.0f, .logit_bias = {{by_value[0], -100.0f}}});
+  const SampledToken second = sample_ok(banned, row, {}, {});
+  EXPECT_EQ(second.id, by_value[1]);
+  EXPECT_NEAR(second.logprob, reference[by_value[1]], logprob_tolerance(reference[by_value[1]]));
+  // A low token lifted just past the best one by its bias.
+  const int32_t low = by_value[700];
+  const float lift = row[by_value[0]] - row[low] + 0.25f;
+  Sampler lifted(SamplingParams{.temperature = 0.0f, .logit_bias = {{low, lift}}});
+  EXPECT_EQ(sample_ok(lifted, row, {}, {}).id, low);
+  // Sampling at temperature 1 with +100 on one token: that token every time.
+  Sampler forced(SamplingParams{.seed = 9, .logit_bias = {{low, 100.0f}}});
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(sample_ok(forced, row, {}, {}).id, low);
+  Sampler outside(SamplingParams{.temperature = 0.0f, .logit_bias = {{1000, 1.0f}}});
+  auto bad = outside.sample(row, {}, {});
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_NE(bad.error().message.find("token id 1000"), std::string::npos) << bad.error().message;
+  EXPECT_FALSE(sampling_params_validate(SamplingParams{.logit_bias = {{3, 100.5f}}}).has_value());
+  EXPECT_FALSE(sampling_params_validate(SamplingParams{.logit_bias = {{-3, 1.0f}}}).has_value());
+  SamplingParams many;
+  for (int32_t id = 0; id <= static_cast<int32_t>(kSamplingMaxLogitBias); ++id) many.logit_bias.emplace_back(id, 1.0f);
+  EXPECT_FALSE(sampling_params_validate(many).has_value());
+}
+
 TEST(Sampler, LogprobsOfGreedyTokensAndTieOrder) {
   const std::vector<float> row = {-3.0f, 1.5f, 0.25f, 1.5f, -40.0f, 0.25f};
   const std::vector<double> reference = log_softmax_double(row);
