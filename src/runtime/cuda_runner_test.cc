@@ -536,6 +536,45 @@ TEST_P(GpuModelReference, SamplingOnTheGpuPicksTheCpuSamplersTokens) {
   }
 }
 
+// A step with a logit_bias row samples on the host (the device sampler has no bias): the biased row gets the CPU
+// Sampler's choice with the bias (+100 forces token 17), the unbiased row in the same step the greedy token of the
+// same batch's logits.
+TEST(GpuModel, ALogitBiasStepSamplesTheCpuSamplersTokens) {
+  ModelLoadOptions options;
+  options.device = ModelDevice::kCuda;
+  options.device_options.kv_cache_tokens = 1024;
+  auto model = runner_load(std::string(TERN_FIXTURES_DIR) + "/qwen3", options);
+  ASSERT_TRUE(model.has_value()) << model.error().message;
+  const int64_t vocab = (*model)->config().vocab_size;
+  Sampler biased(SamplingParams{.temperature = 0.7f, .seed = 3, .logit_bias = {{17, 100.0f}}});
+  Sampler plain(SamplingParams{.temperature = 0.0f});
+  SequenceCache a = (*model)->new_sequence(), b = (*model)->new_sequence();
+  SequenceCache c = (*model)->new_sequence(), d = (*model)->new_sequence();  // the same steps through forward
+  const std::vector<int32_t> prompt{5, 9, 2};
+  std::vector<int32_t> out_a, out_b;
+  std::vector<int32_t> next_a = prompt, next_b = prompt;
+  for (int step = 0; step < 4; ++step) {
+    const std::vector<SequenceInput> batch{{&a, next_a}, {&b, next_b}};
+    const std::vector<SampleRow> rows{{&biased, prompt, out_a}, {&plain, prompt, out_b}};
+    auto sampled = (*model)->forward_sample(batch, rows);
+    ASSERT_TRUE(sampled.has_value()) << sampled.error().message;
+    ASSERT_TRUE((*sampled)[0].has_value() && (*sampled)[1].has_value());
+    EXPECT_EQ((*sampled)[0]->id, 17) << "step " << step;
+    const std::vector<SequenceInput> same{{&c, next_a}, {&d, next_b}};
+    auto logits = (*model)->forward(same, LogitsFor::kLastToken);
+    ASSERT_TRUE(logits.has_value()) << logits.error().message;
+    Sampler greedy(SamplingParams{.temperature = 0.0f});
+    const auto row_b = std::span<const float>(*logits).subspan(static_cast<size_t>(vocab), static_cast<size_t>(vocab));
+    auto want = greedy.sample(row_b, prompt, out_b);
+    ASSERT_TRUE(want.has_value());
+    EXPECT_EQ((*sampled)[1]->id, want->id) << "step " << step;
+    out_a.push_back((*sampled)[0]->id);
+    out_b.push_back((*sampled)[1]->id);
+    next_a = {out_a.back()};
+    next_b = {out_b.back()};
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, GpuModelReference,
                          testing::Values(Case{"qwen3", "reference.json"}, Case{"qwen3_moe", "reference.json"},
                                          Case{"qwen3_5_moe", "reference.json"},
