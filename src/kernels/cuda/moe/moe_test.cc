@@ -275,17 +275,20 @@ TEST(MoeAlign, OutOfRangeIdsGoAfterTheLastExpert) {
 
 // The outputs of routing and alignment, poisoned.
 struct RoutingBuffers {
-  DeviceBuffer ids, weights, offsets, sorted_pairs, pair_row, passes;
+  DeviceBuffer ids, weights, offsets, sorted_pairs, pair_row, passes, workspace;
   bool with_passes = false;  // align() asks for the decode pass list
+  size_t workspace_bytes = 0;  // moe_align's, for more pairs than one block sorts
 
-  RoutingBuffers(int64_t pairs, int64_t n_experts, bool with_passes = false)
+  RoutingBuffers(int64_t pairs, int64_t n_experts, bool with_passes = false, size_t workspace_bytes = 0)
       : ids(poisoned(static_cast<size_t>(pairs) * 4)),
         weights(poisoned(static_cast<size_t>(pairs) * 4)),
         offsets(poisoned(static_cast<size_t>(n_experts + 1) * 4)),
         sorted_pairs(poisoned(static_cast<size_t>(pairs) * 4)),
         pair_row(poisoned(static_cast<size_t>(pairs) * 4)),
         passes(poisoned(std::max<size_t>(16 * static_cast<size_t>(moe_decode_pass_slots(pairs, n_experts)), 16))),
-        with_passes(with_passes) {}
+        workspace(poisoned(std::max<size_t>(workspace_bytes, 4))),
+        with_passes(with_passes),
+        workspace_bytes(workspace_bytes) {}
   MoeRouteArgs route(const DeviceBuffer& logits, const RouteCase& c) const {
     return {.logits = logits.as<uint16_t>(),
             .logits_stride = c.n_experts + 3,
@@ -304,6 +307,8 @@ struct RoutingBuffers {
             .expert_offsets = offsets.as<int32_t>(),
             .sorted_pairs = sorted_pairs.as<int32_t>(),
             .pair_row = pair_row.as<int32_t>(),
+            .workspace = workspace_bytes > 0 ? workspace.data() : nullptr,
+            .workspace_bytes = workspace_bytes,
             .decode_passes = with_passes ? passes.as<int32_t>() : nullptr};
   }
 };
@@ -544,7 +549,9 @@ void check_sigmoid_route(const DeviceContext& ctx, const SigmoidShape& s, int64_
   const std::vector<float> bias = random_bias(s.n_experts, bias_scale, rng);
   const DeviceBuffer d_logits = upload(logits), d_bias = upload(bias);
   const DeviceBuffer* bias_ptr = bias.empty() ? nullptr : &d_bias;
-  const RoutingBuffers two(pairs, s.n_experts), one(pairs, s.n_experts);
+  // moe_route + moe_align sorts past one block's pairs too (three launches with a workspace).
+  const RoutingBuffers two(pairs, s.n_experts, false, moe_align_workspace_bytes(tokens, k, s.n_experts));
+  const RoutingBuffers one(pairs, s.n_experts);
   const RouteCase c{tokens, s.n_experts, k, s.renormalize, false};
   auto status = moe_route(ctx, sigmoid_route_args(two, d_logits, bias_ptr, s, tokens));
   ASSERT_TRUE(status.has_value()) << status.error().message;
