@@ -28,14 +28,16 @@ std::string ResponseBuilder::text_of(int32_t id) const {
   return ctx_.tokenizer ? ctx_.tokenizer->decode(std::vector<int32_t>{id}) : fmt::format("token_id:{}", id);
 }
 
-void ResponseBuilder::completion_logprob(int32_t id, std::optional<float> logprob,
-                                         const std::vector<std::pair<int32_t, float>>& top, int64_t offset) {
+std::string ResponseBuilder::completion_logprob(int32_t id, std::optional<float> logprob,
+                                                const std::vector<std::pair<int32_t, float>>& top, int64_t offset) {
   Json top_json = Json::object();
   for (auto [t, lp] : top) top_json[text_of(t)] = lp;
-  completion_lp_["tokens"].push_back(text_of(id));
+  std::string token = text_of(id);
+  completion_lp_["tokens"].push_back(token);
   completion_lp_["token_logprobs"].push_back(logprob ? Json(*logprob) : Json());
   completion_lp_["top_logprobs"].push_back(logprob ? top_json : Json());
   completion_lp_["text_offset"].push_back(offset);
+  return token;
 }
 
 Json ResponseBuilder::token_logprobs(const TokenEvent& e) {
@@ -44,8 +46,8 @@ Json ResponseBuilder::token_logprobs(const TokenEvent& e) {
     for (unsigned char c : s) b.push_back(static_cast<int>(c));
     return b;
   };
-  const std::string token = text_of(e.token_id);
   if (ctx_.chat) {
+    const std::string token = text_of(e.token_id);
     Json top = Json::array();
     for (auto [id, lp] : e.top_logprobs) {
       const std::string t = text_of(id);
@@ -56,7 +58,7 @@ Json ResponseBuilder::token_logprobs(const TokenEvent& e) {
     return Json{{"content", Json::array({entry})}};
   }
   const int64_t offset = static_cast<int64_t>(ctx_.echo_text.size() + content_.size());
-  completion_logprob(e.token_id, e.logprob, e.top_logprobs, offset);
+  const std::string token = completion_logprob(e.token_id, e.logprob, e.top_logprobs, offset);
   return Json{{"tokens", Json::array({token})}, {"token_logprobs", Json::array({e.logprob})},
               {"top_logprobs", Json::array({completion_lp_["top_logprobs"].back()})},
               {"text_offset", Json::array({offset})}};
@@ -109,13 +111,12 @@ std::vector<Json> ResponseBuilder::on_event(const TokenEvent& e) {
     if (ctx_.chat) out.push_back(chunk(Json{{"role", "assistant"}, {"content", ""}}, nullptr, nullptr));
     if (!ctx_.chat && !ctx_.echo_text.empty()) out.push_back(chunk(ctx_.echo_text, nullptr, nullptr));
     if (!ctx_.echo_ids.empty()) {  // the prompt's first token has no logprob
-      completion_logprob(ctx_.echo_ids.front(), std::nullopt, {}, 0);
-      prompt_offset_ = static_cast<int64_t>(text_of(ctx_.echo_ids.front()).size());
+      prompt_offset_ = static_cast<int64_t>(completion_logprob(ctx_.echo_ids.front(), std::nullopt, {}, 0).size());
     }
   }
   for (const SampledToken& p : e.prompt_logprobs) {
-    completion_logprob(p.id, p.logprob, p.top_logprobs, prompt_offset_);
-    prompt_offset_ += static_cast<int64_t>(text_of(p.id).size());
+    const std::string token = completion_logprob(p.id, p.logprob, p.top_logprobs, prompt_offset_);
+    prompt_offset_ += static_cast<int64_t>(token.size());
   }
   Json lp = nullptr;
   if (e.token_id >= 0) {

@@ -51,9 +51,9 @@ class ResponseBuilder {
   nlohmann::ordered_json chunk(nlohmann::ordered_json delta_or_text, nlohmann::ordered_json logprobs,
                                nlohmann::ordered_json finish_reason) const;
   nlohmann::ordered_json token_logprobs(const TokenEvent& event);
-  // Appends one token to the completions logprobs (null logprob and top for a prompt's first token).
-  void completion_logprob(int32_t id, std::optional<float> logprob, const std::vector<std::pair<int32_t, float>>& top,
-                          int64_t offset);
+  // Appends one token to the completions logprobs (null logprob and top for a prompt's first token); its text.
+  std::string completion_logprob(int32_t id, std::optional<float> logprob,
+                                 const std::vector<std::pair<int32_t, float>>& top, int64_t offset);
   std::string text_of(int32_t id) const;
   void route_text(const std::string& text, bool final, nlohmann::ordered_json& delta);
 

@@ -33,6 +33,14 @@ std::vector<double> log_softmax_double(const std::vector<float>& logits) {
   return out;
 }
 
+// The row's ids from the highest logit down, ties in id order.
+std::vector<int32_t> ids_by_value(const std::vector<float>& row) {
+  std::vector<int32_t> ids(row.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  std::stable_sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+  return ids;
+}
+
 SampledToken sample_ok(Sampler& sampler, const std::vector<float>& logits, const std::vector<int32_t>& prompt = {},
                        const std::vector<int32_t>& output = {}) {
   auto token = sampler.sample(logits, prompt, output);
@@ -460,9 +468,7 @@ TEST(Sampler, LogprobsAreTheRawLogSoftmax) {
   // default logprobs_mode "raw_logprobs").
   const std::vector<float> row = random_row(5000, 8, 4.0f);
   const std::vector<double> reference = log_softmax_double(row);
-  std::vector<int32_t> by_value(row.size());
-  std::iota(by_value.begin(), by_value.end(), 0);
-  std::stable_sort(by_value.begin(), by_value.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+  const std::vector<int32_t> by_value = ids_by_value(row);
 
   // The whole row is in the prompt, so the repetition penalty reshapes every logit the sampler sees.
   std::vector<int32_t> prompt(row.size());
@@ -488,9 +494,7 @@ TEST(Sampler, LogprobsAreTheRawLogSoftmax) {
 TEST(Sampler, PromptTokenLogprobIsTheRawLogSoftmaxAtTheToken) {
   const std::vector<float> row = random_row(3000, 21, 5.0f);
   const std::vector<double> reference = log_softmax_double(row);
-  std::vector<int32_t> by_value(row.size());
-  std::iota(by_value.begin(), by_value.end(), 0);
-  std::stable_sort(by_value.begin(), by_value.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+  const std::vector<int32_t> by_value = ids_by_value(row);
   for (const int32_t id : {by_value[0], by_value[1500], by_value[2999]}) {
     auto t = logits_token_logprob(row, id, 3);
     ASSERT_TRUE(t.has_value()) << t.error().message;
@@ -518,9 +522,7 @@ TEST(Sampler, PromptTokenLogprobIsTheRawLogSoftmaxAtTheToken) {
 TEST(Sampler, LogitBiasMovesTheChoiceButNotTheLogprobs) {
   const std::vector<float> row = random_row(1000, 31, 3.0f);
   const std::vector<double> reference = log_softmax_double(row);
-  std::vector<int32_t> by_value(row.size());
-  std::iota(by_value.begin(), by_value.end(), 0);
-  std::stable_sort(by_value.begin(), by_value.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+  const std::vector<int32_t> by_value = ids_by_value(row);
   Sampler banned(SamplingParams{.temperature = 0.0f, .logit_bias = {{by_value[0], -100.0f}}});
   const SampledToken second = sample_ok(banned, row, {}, {});
   EXPECT_EQ(second.id, by_value[1]);
