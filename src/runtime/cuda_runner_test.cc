@@ -29,6 +29,7 @@
 
 #include "kernels/cuda/device.h"
 #include "runtime/fp8_checkpoint_test_util.h"
+#include "runtime/logits_test_util.h"
 #include "runtime/model_runner.h"
 #include "runtime/rope_scaling_test_util.h"
 #include "runtime/tp_runner.h"
@@ -618,18 +619,10 @@ TEST(GpuModel, AnExpertSplitBelowTheKernelsStepIsRefused) {
 
 // The prompt's logits (every token) of the model in `dir` on `device`; empty after a failure the test reports.
 std::vector<float> prompt_logits(const std::filesystem::path& dir, ModelDevice device) {
-  const std::vector<int32_t> prompt{5, 17, 300, 42, 99, 7, 250, 123, 11, 64, 3, 77};
   ModelLoadOptions options;
   options.device = device;
   options.device_options.kv_cache_tokens = 1024;
-  auto runner = runner_load(dir, options);
-  EXPECT_TRUE(runner.has_value()) << (runner ? "" : runner.error().message);
-  if (!runner) return {};
-  SequenceCache cache = (*runner)->new_sequence();
-  const std::vector<SequenceInput> batch{{&cache, prompt}};
-  auto out = (*runner)->forward(batch, LogitsFor::kAllTokens);
-  EXPECT_TRUE(out.has_value()) << (out ? "" : out.error().message);
-  return out ? *out : std::vector<float>{};
+  return all_token_logits(dir, options, {5, 17, 300, 42, 99, 7, 250, 123, 11, 64, 3, 77});
 }
 
 // Scaled RoPE on CUDA, each case against the CPU path: the GPU's logits within 1/16 of the largest CPU logit

@@ -22,6 +22,7 @@
 #include "models/weight_schema.h"
 #include "models/weights.h"
 #include "runtime/fp8_checkpoint_test_util.h"
+#include "runtime/logits_test_util.h"
 #include "runtime/model_runner.h"
 
 namespace tern {
@@ -32,14 +33,7 @@ namespace fs = std::filesystem;
 using fp8_test::Fp8Pair;
 
 std::vector<float> logits_of(const fs::path& dir, const std::vector<int32_t>& tokens) {
-  auto model = runner_load(dir, {});
-  EXPECT_TRUE(model.has_value()) << (model ? "" : model.error().message);
-  if (!model) return {};
-  SequenceCache cache = (*model)->new_sequence();
-  const std::vector<SequenceInput> batch{{&cache, tokens}};
-  auto logits = (*model)->forward(batch, LogitsFor::kAllTokens);
-  EXPECT_TRUE(logits.has_value()) << (logits ? "" : logits.error().message);
-  return logits ? *logits : std::vector<float>{};
+  return all_token_logits(dir, {}, tokens);
 }
 
 class Fp8Fixture : public ::testing::TestWithParam<const char*> {};

@@ -13,6 +13,7 @@
 #include "layers/attention.h"
 #include "layers/mla.h"
 #include "models/model_info.h"
+#include "runtime/logits_test_util.h"
 #include "runtime/model_runner.h"
 #include "runtime/rope_scaling_test_util.h"
 
@@ -20,15 +21,7 @@ namespace tern {
 namespace {
 
 std::vector<float> logits_of(const std::filesystem::path& dir) {
-  auto runner = runner_load(dir, {});
-  EXPECT_TRUE(runner.has_value()) << (runner ? "" : runner.error().message);
-  if (!runner) return {};
-  SequenceCache cache = (*runner)->new_sequence();
-  const std::vector<int32_t> prompt{5, 17, 300, 42, 99, 7, 250, 123, 11, 64};
-  const std::vector<SequenceInput> batch{{&cache, prompt}};
-  auto logits = (*runner)->forward(batch, LogitsFor::kAllTokens);
-  EXPECT_TRUE(logits.has_value()) << (logits ? "" : logits.error().message);
-  return logits ? *logits : std::vector<float>{};
+  return all_token_logits(dir, {}, {5, 17, 300, 42, 99, 7, 250, 123, 11, 64});
 }
 
 TEST(RopeScaling, QwenYarnReachesEveryAttentionBlock) {
