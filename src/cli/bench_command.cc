@@ -4,10 +4,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
+#include <string>
+#include <string_view>
 
 #include "cli/bench_plan.h"
 #include "cli/bench_traffic.h"
@@ -311,9 +314,26 @@ std::string percent(const nlohmann::ordered_json& v) {
   return v.is_null() ? std::string("-") : fmt::format("{:.1f}%", v.get<double>());
 }
 
+// This process's resident host memory after the load, and its peak (Linux /proc/self/status, GiB); null where the
+// file is not there.
+nlohmann::ordered_json host_memory_report() {
+  std::ifstream in("/proc/self/status");
+  nlohmann::ordered_json out;
+  for (std::string line; std::getline(in, line);) {
+    for (const auto& [key, name] : {std::pair{"VmRSS:", "resident_gib"}, std::pair{"VmHWM:", "peak_gib"}}) {
+      if (line.starts_with(key)) out[name] = std::stod(line.substr(std::string_view(key).size())) / (1 << 20);
+    }
+  }
+  return out.size() == 2 ? out : nlohmann::ordered_json(nullptr);
+}
+
 void print_table(const nlohmann::ordered_json& report) {
   fmt::print("{}\nloaded in {:.1f} s (weights, caches and the start-up self-test)\n",
              report["device"].get<std::string>(), report["load_s"].get<double>());
+  if (const auto& mem = report["host_memory"]; !mem.is_null()) {
+    fmt::print("host memory after the load: {:.2f} GiB resident, {:.2f} GiB at the peak\n",
+               mem["resident_gib"].get<double>(), mem["peak_gib"].get<double>());
+  }
   fmt::print("weights{}: {:.2f} GB\n", report["tensor_parallel_size"].get<int64_t>() > 1 ? " per rank" : "",
              report["weights"]["per_rank_bytes"].get<double>() / 1e9);
   print_tensor_parallel_report(report);
@@ -405,10 +425,22 @@ int run_bench(const BenchOptions& o) {
   if (!model) return fail(model.error().message);
   const double load_s = seconds_since(load_start);
   ModelRunner& m = **model;
-  const StepTraffic traffic = step_traffic_of(m.model());
+  // Counted from the model's shapes (rank 0's slice): a device runner releases its host weights once placed.
+  auto kv_cache_dtype = kv_cache_dtype_of(o.model.kv_cache_dtype);
+  auto expert_parallel = expert_parallel_of(o.model);
+  if (!kv_cache_dtype || !expert_parallel) {
+    return fail(!kv_cache_dtype ? kv_cache_dtype.error().message : expert_parallel.error().message);
+  }
+  auto shapes = model_build_host(o.model.model_dir, {.load_format = LoadFormat::kShapes,
+                                                     .kv_cache_dtype = *kv_cache_dtype,
+                                                     .shard = {0, o.model.tensor_parallel_size, *expert_parallel}});
+  if (!shapes) return fail(shapes.error().message);
+  const StepTraffic traffic = step_traffic_of(**shapes);
+  shapes->reset();
   nlohmann::ordered_json report{{"model", o.model.model_dir},
                                 {"device", m.describe()},
-                                {"load_s", load_s}};
+                                {"load_s", load_s},
+                                {"host_memory", host_memory_report()}};
   // Rank 0's GPU (runtime/tp_runner.h: --cuda-devices, else rank r on GPU r).
   const int rank0_device = o.model.tensor_parallel_size == 1 ? o.model.cuda_device
                            : o.model.cuda_devices.empty()    ? 0

@@ -59,6 +59,9 @@ class BlockOps {
                                                        const Linear& fc) = 0;
   // Hands the last block's output [rows, hidden] to the step's tracer, if it has one, as `name`.
   virtual Expected<void> trace_output(std::string_view name) = 0;
+  // Whether the blocks it makes hold copies of their weights (a device's memory) and never read the host blocks'
+  // again, so that a runner may release the host weights once the model is placed (CausalLm::release_host_weights).
+  virtual bool blocks_copy_weights() const { return false; }
 };
 
 }  // namespace tern

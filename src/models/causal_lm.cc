@@ -16,6 +16,7 @@ SequenceCache CausalLm::new_cache() const {
 }
 
 Expected<std::vector<std::unique_ptr<Block>>> CausalLm::make_blocks(BlockOps& ops, bool with_draft) const {
+  if (host_released_) return make_error("the model's host weights were released when it was placed on its device");
   std::vector<std::unique_ptr<Block>> blocks;
   blocks.reserve(2 * layers.size() + 6);
   TERN_ASSIGN_OR_RETURN(blocks.emplace_back(), ops.embedding(embed_tokens, vocab));
@@ -49,6 +50,22 @@ Expected<void> CausalLm::place(BlockOps& ops) {
     draft->head_block = std::move(blocks[b++]);
   }
   return {};
+}
+
+void CausalLm::release_host_weights() {
+  const auto release = [](DecoderLayer& layer) {
+    layer.mixer.reset();
+    layer.ffn.reset();
+  };
+  embed_tokens = {};
+  for (DecoderLayer& layer : layers) release(layer);
+  lm_head = {};
+  if (draft) {
+    draft->fc = {};
+    release(draft->layer);
+  }
+  weights_.reset();
+  host_released_ = true;
 }
 
 Expected<void> CausalLm::visit_blocks(BlockOps& ops, bool with_draft) const {

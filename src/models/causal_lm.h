@@ -66,12 +66,18 @@ class CausalLm {
   SequenceCache new_cache() const;
 
   // Makes every block for `ops`'s device and keeps them: from then on run_blocks runs them (a runner does this once
-  // at load; the host weights stay mapped, since the device's blocks may read them).
+  // at load; the host weights stay, since the device's blocks may read them, unless the runner releases them).
   Expected<void> place(BlockOps& ops);
   // Hands every host block to `ops` in the model's order (embedding, each layer's mixer and feed-forward block,
   // lm_head; then, `with_draft`, the draft module's) and drops what it makes: for devices that only look, such as
   // the self-test's planner.
   Expected<void> visit_blocks(BlockOps& ops, bool with_draft = false) const;
+  // Frees the host blocks' weights and the store behind them (the dummy and tensor-parallel copies, the mapped
+  // checkpoint), keeping the placed blocks, the config and the structure (vocab, draft, notices): for a device
+  // whose blocks hold their own copies (BlockOps::blocks_copy_weights), which the runner calls once placed. Blocks
+  // can be neither placed nor visited after it.
+  void release_host_weights();
+  bool host_weights_released() const { return host_released_; }
 
   // The layer loop, the same on every device and every tensor-parallel rank: embedding, each layer's mixer and
   // feed-forward block, the final norm and lm_head, as placed by place(ops). The runner sets up the step its blocks
@@ -97,6 +103,7 @@ class CausalLm {
 
   ModelConfig config_;
   std::unique_ptr<WeightStore> weights_;  // owns the memory the views above point into
+  bool host_released_ = false;
   std::unique_ptr<Block> embedding_block_, head_block_;
 };
 

@@ -386,6 +386,12 @@ TEST_P(GpuModelReference, IntermediatesTrackTheCpuPath) {
   auto gpu = load_cuda(c.fixture, {}, c.tp, c.nccl, c.ep);
   auto cpu = runner_load(std::string(TERN_FIXTURES_DIR) + "/" + c.fixture, {.tensor_parallel_size = c.tp, .expert_parallel = c.ep});
   ASSERT_TRUE(gpu && cpu.has_value());
+  // The GPU's blocks hold copies of every weight, so its host weights were freed once placed; the CPU's read them.
+  // (A tensor-parallel runner's model() is the front end's shapes-only slice.)
+  if (c.tp == 1) {
+    EXPECT_TRUE(gpu->model().host_weights_released());
+  }
+  EXPECT_FALSE((*cpu)->model().host_weights_released());
   const auto ref = reference_of(c);
   const auto prompt = ref["prompts"][0].get<std::vector<int32_t>>();
   std::vector<std::pair<std::string, std::vector<float>>> seen_cpu, seen_gpu;

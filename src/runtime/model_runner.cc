@@ -19,7 +19,11 @@ SequenceCache DeviceRunner::new_sequence() {
 
 Expected<void> DeviceRunner::place() {
   TERN_TRY(model_->place(ops()));
-  return finish_load();
+  TERN_TRY(finish_load());
+  // A device that copied every weight never reads the host's again: the dummy weights and the tensor-parallel
+  // slices the store copied (all of a rank's row-parallel weights) are freed, not held for the server's life.
+  if (ops().blocks_copy_weights()) model_->release_host_weights();
+  return {};
 }
 
 Expected<std::vector<float>> ModelRunner::forward(std::span<const SequenceInput> batch, LogitsFor which,

@@ -167,7 +167,8 @@ class DeviceRunner : public ModelRunner {
   explicit DeviceRunner(std::unique_ptr<CausalLm> model) : model_(std::move(model)) {}
 
   // Makes the model's blocks through ops(), then sizes the device's activations and caches from them
-  // (finish_load). A device's factory calls it once, before the runner is handed out.
+  // (finish_load), then releases the host weights where the device's blocks hold copies of them
+  // (BlockOps::blocks_copy_weights). A device's factory calls it once, before the runner is handed out.
   Expected<void> place();
   // The model's layer loop over the step the device has set up.
   Expected<void> run_model() { return model_->run_blocks(ops()); }

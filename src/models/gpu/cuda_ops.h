@@ -88,6 +88,7 @@ class CudaOps final : public BlockOps {
   Expected<std::unique_ptr<Block>> draft_input(const RmsNorm& norm_embedding, const RmsNorm& norm_hidden,
                                                const Linear& fc) override;
   Expected<void> trace_output(std::string_view name) override;
+  bool blocks_copy_weights() const override { return true; }  // every block's weights uploaded (DeviceWeights)
 
   // Once every block is made: the activation arena for max_batch_tokens rows, the GDN state slots, and the KV
   // cache (DeviceModelOptions::kv_cache_tokens, or what fits in half of the free memory).
