@@ -299,11 +299,15 @@ void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::v
   const Routings r = make_routings(tokens, rng);
   for (const auto& [proj, w, gather] : {std::tuple{"gate_up", &gate_up, true}, std::tuple{"down", &down, false}}) {
     // The kernel the model runs (wgmma on sm_90a) and the mma.sync one every GPU has.
-    for (const MoeGemmVariant v : {MoeGemmVariant::kPrefill, MoeGemmVariant::kPrefillMma}) {
+    // (and, for NVFP4, the register-sourced wgmma kernel being measured against it).
+    for (const MoeGemmVariant v : {MoeGemmVariant::kPrefill, MoeGemmVariant::kPrefillMma, MoeGemmVariant::kPrefillRs}) {
+      if (v == MoeGemmVariant::kPrefillRs && format != MoeWeightFormat::kNvfp4) continue;
       const GemmTiming t = time_gemm(ctx, *w, r, tokens, gather, v, x, y);
       std::printf("%-6s %-11s T=%-5lld %-8s %9.2f us %7.1f TFLOP/s\n", name,
-                  v == MoeGemmVariant::kPrefill ? "prefill" : "prefill-mma", static_cast<long long>(tokens), proj,
-                  t.ms * 1e3, t.flops / (t.ms * 1e9));
+                  v == MoeGemmVariant::kPrefill      ? "prefill"
+                  : v == MoeGemmVariant::kPrefillRs ? "prefill-rs"
+                                                    : "prefill-mma",
+                  static_cast<long long>(tokens), proj, t.ms * 1e3, t.flops / (t.ms * 1e9));
     }
   }
   std::fflush(stdout);

@@ -285,6 +285,203 @@ __global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const Gem
 #endif  // TERN_WGMMA_AVAILABLE
 }
 
+// ---- NVFP4 with the weight in registers (RS wgmma) ----
+//
+// The products transposed: y^T = W x^T, so the weight is wgmma's A operand, dequantized from its codes straight into
+// the A fragment registers (no bf16 tile in shared memory, which the kernel above writes and both warpgroups then
+// read), and the expert's gathered x rows are B, N = kRsTokens of them. A block of two warpgroups takes 128 weight
+// rows (64 each: the wgmma M) of one expert against one tile of its rows, in 64-k steps through a kStages ring of
+// {x tile (cp.async, the 128-byte-swizzled K-major layout), the 128 rows' 32 bytes of codes and 4 block scales
+// (cp.async)}; 84 KB at 128 tokens and 4 stages, so two blocks share an SM. Per step each thread reads its rows'
+// codes (rows g and g + 8 of its warp's 16: bytes t, t + 4, ... of each 32-byte row, the k pairs its A fragment
+// slots hold), turns each byte into the bf16 pair e2m1 · 2^-126 (as decode_e2m1_pairs does) times the block scale
+// e4m3 · 2^116, issues four m64nNk16 wgmmas, refills the stage of the step before, and waits for its products
+// (the registers they read are the next step's to write). Outputs equal the kernel above's (the same exact
+// factors, summed in fp32). Requires k % 64 == 0.
+constexpr int kRsRows = 128;  // weight rows per block
+
+template <int kTokens>
+__host__ __device__ constexpr uint32_t rs_x_bytes() {
+  return static_cast<uint32_t>(kTokens * kWgBk * 2);
+}
+constexpr uint32_t kRsCodeBytes = kRsRows * kWgBk / 2;    // 32 bytes a row
+constexpr uint32_t kRsScaleBytes = kRsRows * kWgBk / 16;  // 4 a row
+// The output tile staged for its stores: kTokens rows of 128 bf16, padded so the fragment writes do not collide.
+constexpr int kRsOutStride = kRsRows + 8;
+// x tiles (1024-aligned), code tiles, scale tiles, 1024 bytes of alignment slack, the gathered row offsets.
+template <int kTokens, int kStages>
+constexpr size_t rs_smem_bytes() {
+  return static_cast<size_t>(kStages) * (rs_x_bytes<kTokens>() + kRsCodeBytes + kRsScaleBytes) + 1024 +
+         kTokens * sizeof(int64_t);
+}
+static_assert(rs_x_bytes<64>() * 4 >= 64 * kRsOutStride * 2, "the output tile fits the x ring");
+
+#if TERN_WGMMA_AVAILABLE
+// Byte b (0..3) of q as the bf16 pair (e2m1 of its low nibble, of its high nibble) · 2^-126: the nibbles to bits
+// 0..3 and 16..19, then decode_e2m1_pairs' multiply and mask.
+template <int kByte>
+__device__ __forceinline__ uint32_t rs_byte_pair(uint32_t q) {
+  const uint32_t b = byte_perm(q, 0, 0x4440 | kByte);
+  return (((b * 0x1001u) & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;
+}
+
+// The A fragments of one step for rows r0 (g) and r0 + 8 of the thread's warp tile, k16 slice j in a[j]: codes of
+// row r at bytes 8 j + t (k 16 j + 2 t, + 1) and 8 j + t + 4 (k 16 j + 2 t + 8, + 9) of its 32.
+__device__ __forceinline__ void rs_build_a(const unsigned char* codes, const unsigned char* scales, int r0,
+                                           uint32_t (&a)[4][4]) {
+  const int t = threadIdx.x % 4;
+  const uint4 p0 = *reinterpret_cast<const uint4*>(codes + r0 * 32);
+  const uint4 p1 = *reinterpret_cast<const uint4*>(codes + r0 * 32 + 16);
+  const uint4 q0 = *reinterpret_cast<const uint4*>(codes + (r0 + 8) * 32);
+  const uint4 q1 = *reinterpret_cast<const uint4*>(codes + (r0 + 8) * 32 + 16);
+  const uint32_t s0 = *reinterpret_cast<const uint32_t*>(scales + r0 * 4);
+  const uint32_t s1 = *reinterpret_cast<const uint32_t*>(scales + (r0 + 8) * 4);
+  const uint32_t w0[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+  const uint32_t w1[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+  // Byte t of words 2 j and 2 j + 1 of each row, as [row r0: k 2t.., k 2t+8..; row r0 + 8: the same].
+  const uint32_t sel = static_cast<uint32_t>(t) | static_cast<uint32_t>(t + 4) << 4;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t q = byte_perm(byte_perm(w0[2 * j], w0[2 * j + 1], sel), byte_perm(w1[2 * j], w1[2 * j + 1], sel),
+                                 0x5410);
+    uint32_t sc[2];  // rows r0 and r0 + 8, block j
+    decode_scales(byte_perm(s0, s1, static_cast<uint32_t>(j) | static_cast<uint32_t>(j + 4) << 4), sc);
+    a[j][0] = bf16x2_mul(rs_byte_pair<0>(q), sc[0]);
+    a[j][1] = bf16x2_mul(rs_byte_pair<2>(q), sc[1]);
+    a[j][2] = bf16x2_mul(rs_byte_pair<1>(q), sc[0]);
+    a[j][3] = bf16x2_mul(rs_byte_pair<3>(q), sc[1]);
+  }
+}
+
+__device__ __forceinline__ void rs_fence_a(uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) wgmma::fence_operands(a[j]);
+}
+#endif  // TERN_WGMMA_AVAILABLE
+
+template <int kTokens, int kStages>
+__global__ void __launch_bounds__(kWgThreads, 2) moe_prefill_rs_kernel(const GemmParams p) {
+#if TERN_WGMMA_AVAILABLE
+  static_assert(kStages >= 2, "a step in flight and one loaded ahead");
+  constexpr int kLead = kStages - 1;  // steps loaded ahead
+  constexpr int kAcc = kTokens / 2;
+  ptx::grid_dependency_begin();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw_addr = ptx::smem_addr(smem_raw);
+  unsigned char* ring = smem_raw + ((1024 - raw_addr % 1024) % 1024);
+  unsigned char* code_ring = ring + kStages * rs_x_bytes<kTokens>();
+  unsigned char* scale_ring = code_ring + kStages * kRsCodeBytes;
+  int64_t* xoff = reinterpret_cast<int64_t*>(scale_ring + kStages * kRsScaleBytes);
+  const TileWork tw = find_row_tile(p.offsets, p.n_experts, blockIdx.y, kTokens);
+  if (tw.expert < 0) return;  // every warp found the same: the whole block leaves
+  const int e = tw.expert, n0 = blockIdx.x * kRsRows, n_ksteps = p.k / kWgBk;
+  const float out_scale = p.global_scales[e] * static_cast<float>(1u << kDecodeShift);
+  const uint8_t* packed = p.packed + e * p.packed_stride;
+  const uint8_t* scales = p.scales + e * p.scales_stride;
+  for (int i = threadIdx.x; i < kTokens; i += kWgThreads) {
+    xoff[i] = tw.row0 + i < tw.row_end ? x_row_offset(p, tw.row0 + i) : -1;
+  }
+  __syncthreads();
+  auto x_tile = [&](int s) { return ring + (s % kStages) * rs_x_bytes<kTokens>(); };
+  auto code_tile = [&](int s) { return code_ring + (s % kStages) * kRsCodeBytes; };
+  auto scale_tile = [&](int s) { return scale_ring + (s % kStages) * kRsScaleBytes; };
+  // Step s into its stage: x rows, the 128 rows' 32 bytes of codes (two 16-byte copies a row) and their 4 scales.
+  auto fill = [&](int s) {
+    if (s < n_ksteps) {
+      wg_load_x<kTokens>(p, xoff, s, x_tile(s));
+      const int row = threadIdx.x / 2, half = threadIdx.x % 2;
+      const bool valid = n0 + row < p.n;
+      cp_async_16_zfill(code_tile(s) + row * 32 + half * 16,
+                        valid ? packed + static_cast<int64_t>(n0 + row) * (p.k / 2) + s * 32 + half * 16 : packed,
+                        valid);
+      if (threadIdx.x < kRsRows) {
+        const bool v = n0 + static_cast<int>(threadIdx.x) < p.n;
+        ptx::cp_async_4_zfill(scale_tile(s) + threadIdx.x * 4,
+                              v ? scales + static_cast<int64_t>(n0 + threadIdx.x) * (p.k / 16) + s * 4 : scales, v);
+      }
+    }
+    cp_async_commit();  // always, so the group count per step stays uniform
+  };
+#pragma unroll
+  for (int s = 0; s < kLead; ++s) fill(s);
+
+  const int wg = threadIdx.x / 128, v = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int r0 = 64 * wg + 16 * v + lane / 4;  // the thread's first weight row in the block's 128
+  float acc[kAcc];
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+  uint32_t a[4][4];
+  for (int s = 0; s < n_ksteps; ++s) {
+    cp_async_wait<kLead - 1>();  // this thread's copies of step s have landed
+    wgmma::fence_proxy_async_shared();
+    __syncthreads();  // ... and everyone's; every warpgroup is done with step s - 1
+    rs_build_a(code_tile(s), scale_tile(s), r0, a);
+    const uint32_t xa = ptx::smem_addr(x_tile(s));
+    wgmma::fence();
+#pragma unroll
+    for (int j = 0; j < kWgBk / 16; ++j) {
+      wgmma::mma_rs_m64k16<kTokens>(acc, a[j], wgmma::sw128_desc(xa + 32 * j), 1);
+    }
+    wgmma::commit_group();
+    fill(s + kLead);
+    // All of this step's products before the next step's fragments are written: ptxas serializes the wgmmas when
+    // registers are defined while a group is in flight (C7515), also a second buffer's. The other warpgroup and the
+    // SM's other block keep the tensor cores busy meanwhile.
+    wgmma::wait_group<0>();
+    wgmma::fence_operands(acc);
+    rs_fence_a(a);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is free: every thread's copies landed and every wgmma retired
+
+  // Accumulator 4 j + 2 h + c: weight row r0 + 8 h, token 8 j + 2 (lane % 4) + c of the tile. Staged as
+  // [token][weight row] bf16, then stored a pair of columns a thread, a warp along one token's row.
+  uint16_t* out = reinterpret_cast<uint16_t*>(ring);
+#pragma unroll
+  for (int j = 0; j < kTokens / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        out[(8 * j + 2 * (lane % 4) + c) * kRsOutStride + r0 + 8 * h] = f32_to_bf16(acc[4 * j + 2 * h + c] * out_scale);
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kTokens * kRsRows / 2; i += kWgThreads) {
+    const int r = i / (kRsRows / 2), col = 2 * (i % (kRsRows / 2));
+    const int row = tw.row0 + r, n = n0 + col;
+    if (row >= tw.row_end || n >= p.n) continue;
+    uint16_t* dst = p.y + static_cast<int64_t>(row) * p.ldy + n;
+    const uint16_t* src = out + r * kRsOutStride + col;
+    if (p.y_pairs) {
+      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src);
+    } else {
+      dst[0] = src[0];
+      if (n + 1 < p.n) dst[1] = src[1];
+    }
+  }
+#endif  // TERN_WGMMA_AVAILABLE
+}
+
+template <int kTokens, int kStages>
+void rs_launch(const GemmParams& p, int64_t rows, int64_t n_experts, const DeviceContext& ctx) {
+  constexpr size_t kSmem = rs_smem_bytes<kTokens, kStages>();
+  TERN_CUDA_CHECK(cudaFuncSetAttribute(moe_prefill_rs_kernel<kTokens, kStages>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  const dim3 grid(static_cast<unsigned>((p.n + kRsRows - 1) / kRsRows),
+                  static_cast<unsigned>((rows + kTokens - 1) / kTokens + n_experts));
+  launch_kernel(ctx, moe_prefill_rs_kernel<kTokens, kStages>, grid, dim3(kWgThreads), kSmem, p);
+  TERN_CUDA_CHECK_LAUNCH();
+}
+
+void rs_launch_projection(const DeviceContext& ctx, const MoeGemmArgs& a) {
+  const GemmParams p = make_params(a);
+  // 128-token tiles once experts average 64 rows, as the kernel above chooses its x tiles.
+  if (a.rows >= 64 * a.w.n_experts) return rs_launch<128, 4>(p, a.rows, a.w.n_experts, ctx);
+  rs_launch<64, 4>(p, a.rows, a.w.n_experts, ctx);
+}
+
 template <MoeWeightFormat kFormat, int kBm, int kBn, int kStages>
 void wg_launch(const GemmParams& p, int64_t rows, int64_t n_experts, const DeviceContext& ctx) {
   constexpr size_t kSmem = wg_smem_bytes<kBm, kBn, kStages>();
@@ -327,6 +524,25 @@ bool moe_gemm_prefill_sm90_fits(const DeviceContext& ctx, const MoeGemmArgs& a) 
   (void)a;
   return false;  // no sm_90a machine code in this build: the kernel's body would be empty
 #endif
+}
+
+bool moe_gemm_prefill_rs_fits(const DeviceContext& ctx, const MoeGemmArgs& a) {
+#if TERN_BUILD_HAS_SM90A
+  const auto fits = [](const MoeExpertWeights& w) {
+    return w.n == 0 || (w.format == MoeWeightFormat::kNvfp4 && w.k % kWgBk == 0);
+  };
+  return ctx.props().cc_major == 9 && ctx.props().cc_minor == 0 && fits(a.w) && fits(a.w2) && a.ldx % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(a.x) % 16 == 0 && rs_smem_bytes<128, 4>() <= ctx.props().shared_mem_per_block_optin;
+#else
+  (void)ctx;
+  (void)a;
+  return false;
+#endif
+}
+
+void moe_gemm_launch_prefill_rs(const DeviceContext& ctx, const MoeGemmArgs& a) {
+  rs_launch_projection(ctx, a);
+  if (a.w2.n != 0) rs_launch_projection(ctx, second_projection(a));
 }
 
 void moe_gemm_launch_prefill_sm90(const DeviceContext& ctx, const MoeGemmArgs& a) {

@@ -194,6 +194,8 @@ enum class MoeGemmVariant {
   kDecode,       // weight streaming: any row count (an expert's rows are taken 16 at a time), best for few rows
   kPrefill,      // tensor-core tiles over each expert's rows: wgmma where it fits (below), else mma.sync
   kPrefillMma,   // the mma.sync prefill kernel (every GPU), as a fallback and to compare against
+  kPrefillRs,    // NVFP4 on sm_90a: the wgmma kernel with the weight in registers (moe_gemm_prefill_rs_fits); else
+                 // as kPrefill. Being measured against kPrefill's (docs/perf/gpu.md §moe-prefill-rs)
 };
 
 // Up to here each expert has at most this many rows (a token picks an expert once), so decode reads each active
@@ -225,5 +227,9 @@ void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& args);
 // summed in fp32).
 bool moe_gemm_prefill_sm90_fits(const DeviceContext& ctx, const MoeGemmArgs& args);
 void moe_gemm_launch_prefill_sm90(const DeviceContext& ctx, const MoeGemmArgs& args);
+// The register-sourced NVFP4 variant (kPrefillRs): NVFP4 weights for every projection, the rest as
+// moe_gemm_prefill_sm90_fits. Same results.
+bool moe_gemm_prefill_rs_fits(const DeviceContext& ctx, const MoeGemmArgs& args);
+void moe_gemm_launch_prefill_rs(const DeviceContext& ctx, const MoeGemmArgs& args);
 
 }  // namespace tern

@@ -874,6 +874,7 @@ const char* variant_name(MoeGemmVariant v) {
     case MoeGemmVariant::kDecode: return "decode";
     case MoeGemmVariant::kPrefill: return "prefill";
     case MoeGemmVariant::kPrefillMma: return "prefill-mma";
+    case MoeGemmVariant::kPrefillRs: return "prefill-rs";
     case MoeGemmVariant::kAuto: break;
   }
   return "auto";
@@ -1042,6 +1043,27 @@ void check_gemm_shapes(MoeWeightFormat format) {
     check_gemm(ctx, w, {300, 2, false, true, 130, 0, 1, true}, v, rng);
     check_gemm(ctx, w, {3, 4, true, false, 0, 0, 0, true}, v, rng);
   }
+}
+
+// The register-sourced NVFP4 prefill kernel (kPrefillRs, sm_90a; elsewhere it is kPrefill's): 64- and 128-token
+// tiles, an odd n (a partial 128-row block), ragged and empty experts, ungathered input, a column window of a wider
+// y (odd, so stored an element at a time) and the 35B's gate_up shape.
+TEST(MoeGemm, Nvfp4RegisterSourcedPrefill) {
+  DeviceContext ctx;
+  std::mt19937 rng(2041);
+  for (const auto& [n_experts, n, k, top_k] : {std::tuple{8, 32, 64, 2}, std::tuple{64, 271, 768, 8},
+                                             std::tuple{256, 1024, 2048, 8}}) {
+    const ExpertWeights w = make_expert_weights(MoeWeightFormat::kNvfp4, n_experts, n, k, 1.0f, rng);
+    for (int64_t tokens : {3, 37, 600}) {
+      if (n_experts == 256 && tokens == 600) continue;  // the host reference would take minutes
+      check_gemm(ctx, w, {tokens, top_k, true, false}, MoeGemmVariant::kPrefillRs, rng);
+    }
+  }
+  const ExpertWeights w = make_expert_weights(MoeWeightFormat::kNvfp4, 16, 130, 256, 1.0f, rng);
+  check_gemm(ctx, w, {1000, 4, true, true}, MoeGemmVariant::kPrefillRs, rng);
+  check_gemm(ctx, w, {37, 4, false, true, 0, 6}, MoeGemmVariant::kPrefillRs, rng);
+  check_gemm(ctx, w, {300, 2, true, false, 130, 0}, MoeGemmVariant::kPrefillRs, rng);
+  check_gemm(ctx, w, {300, 2, true, false, 131, 0}, MoeGemmVariant::kPrefillRs, rng);
 }
 
 TEST(MoeGemm, Bf16BothVariants) { check_gemm_shapes(MoeWeightFormat::kBf16); }
