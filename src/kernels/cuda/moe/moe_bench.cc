@@ -1,6 +1,6 @@
 // MoE kernel timings on one GPU for Qwen3.5-35B-A3B's expert shapes (hidden 2048, 256 experts, top-8,
 // moe_intermediate 512), bf16, NVFP4 and block-wise FP8 experts. Plain main (not run by ctest):
-//   moe_bench [--quick | --decode | --small | --forward | --tiles [--skew S]] [--bf16 | --nvfp4 | --fp8]
+//   moe_bench [--quick | --decode | --small | --forward | --rs-shapes | --tiles [--skew S]] [--bf16 | --nvfp4 | --fp8]
 // Decode (tokens 1..64, both GEMM variants): the grouped gate_up (n = 1024, k = 2048) and down (n = 2048, k = 512)
 // GEMMs, reported as GB/s of the active experts' weight bytes (packed + block scales for NVFP4, codes + per-row
 // block scales for FP8) against a
@@ -14,7 +14,8 @@
 // tile width forced and with the pass list (MoeGemmArgs::decode_token_tiles, decode_passes), on random and on skewed
 // routings (make_routings; --skew sets their exponent, 0.5 by default). A format flag times that weight format
 // alone (with --tiles: NVFP4 unless one is given). --forward: the whole routed block (moe_forward) at decode token
-// counts, NVFP4 (bench_forward).
+// counts, NVFP4 (bench_forward). --rs-shapes: the register-sourced NVFP4 prefill kernel at each of its shapes
+// against the model's prefill kernel, at 1024 and 4096 tokens (bench_rs_shapes).
 // Each timing is a CUDA graph of back-to-back launches, replayed after a warm-up; the median replay is reported.
 #include <cuda_runtime.h>
 
@@ -33,6 +34,7 @@
 #include "core/formats.h"
 #include "kernels/cuda/bench_timing.h"
 #include "kernels/cuda/moe/moe.h"
+#include "kernels/cuda/moe/moe_launch.h"
 #include "kernels/cuda/roofline.h"
 
 namespace tern {
@@ -201,7 +203,7 @@ struct GemmTiming {
 // is set.
 GemmTiming time_gemm(const DeviceContext& ctx, const BenchWeights& w, const Routings& r, int64_t tokens, bool gather,
                      MoeGemmVariant variant, const DeviceBuffer& x, const DeviceBuffer& y,
-                     const std::function<void(MoeGemmArgs&, int)>& tweak = nullptr) {
+                     const std::function<void(MoeGemmArgs&, int)>& tweak = nullptr, int rs_shape = -1) {
   const int64_t rows = tokens * kTopK;
   MoeExpertWeights w2;
   const double ms = time_ms(ctx, 4 * kSlots, [&](int s) {
@@ -217,7 +219,11 @@ GemmTiming time_gemm(const DeviceContext& ctx, const BenchWeights& w, const Rout
                   .rows = rows};
     if (tweak) tweak(a, s);
     w2 = a.w2;
-    if (!moe_gemm(ctx, a, variant)) std::abort();
+    if (rs_shape >= 0) {
+      moe_gemm_launch_prefill_rs(ctx, a, rs_shape);  // the caller checked moe_gemm_prefill_rs_fits
+    } else if (!moe_gemm(ctx, a, variant)) {
+      std::abort();
+    }
   });
   const double flops = 2.0 * static_cast<double>(rows * (w.view.n + w2.n) * w.view.k);
   return {ms, r.mean_active * (expert_bytes(w.view) + (w2.n != 0 ? expert_bytes(w2) : 0.0)), flops};
@@ -413,8 +419,35 @@ void bench_forward(const DeviceContext& ctx, double copy_gbs, std::mt19937& rng)
   }
 }
 
+// The register-sourced NVFP4 prefill kernel at each of its shapes against the kernel the model runs (kPrefill), at
+// 1024 and 4096 tokens.
+void bench_rs_shapes(const DeviceContext& ctx, std::mt19937& rng) {
+  const BenchWeights gate_up = make_weights(MoeWeightFormat::kNvfp4, 2 * kInter, kHidden, rng);
+  const BenchWeights down = make_weights(MoeWeightFormat::kNvfp4, kHidden, kInter, rng);
+  const int64_t max_rows = 4096 * kTopK;
+  const DeviceBuffer x = fill_random<uint16_t>(static_cast<size_t>(max_rows * kHidden), [&] {
+    return float_to_bf16(std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng));
+  });
+  const DeviceBuffer y(static_cast<size_t>(max_rows * kHidden) * 2);
+  const std::vector<std::string> shapes = moe_gemm_prefill_rs_shapes();
+  for (int64_t tokens : {1024, 4096}) {
+    const Routings r = make_routings(tokens, rng);
+    for (const auto& [proj, w, gather] : {std::tuple{"gate_up", &gate_up, true}, std::tuple{"down", &down, false}}) {
+      const MoeGemmArgs probe{.x = x.as<uint16_t>(), .ldx = w->view.k, .w = w->view, .rows = tokens * kTopK};
+      for (int shape = -1; shape < static_cast<int>(shapes.size()); ++shape) {
+        if (shape >= 0 && !moe_gemm_prefill_rs_fits(ctx, probe)) continue;
+        const GemmTiming t = time_gemm(ctx, *w, r, tokens, gather, MoeGemmVariant::kPrefill, x, y, nullptr, shape);
+        std::printf("nvfp4 T=%-5lld %-8s %-36s %9.2f us %7.1f TFLOP/s\n", static_cast<long long>(tokens), proj,
+                    shape < 0 ? "prefill (the model's)" : ("rs " + shapes[static_cast<size_t>(shape)]).c_str(),
+                    t.ms * 1e3, t.flops / (t.ms * 1e9));
+      }
+    }
+  }
+  std::fflush(stdout);
+}
+
 // formats empty: every format (--tiles: NVFP4).
-int bench_main(bool quick, bool decode_only, bool small_only, bool tiles, bool forward, double skew,
+int bench_main(bool quick, bool decode_only, bool small_only, bool tiles, bool forward, bool rs_shapes, double skew,
                std::vector<MoeWeightFormat> formats) {
   DeviceContext ctx;
   const DeviceProps& p = ctx.props();
@@ -430,6 +463,10 @@ int bench_main(bool quick, bool decode_only, bool small_only, bool tiles, bool f
   std::mt19937 rng(4242);
   if (forward) {
     bench_forward(ctx, copy_gbs, rng);
+    return 0;
+  }
+  if (rs_shapes) {
+    bench_rs_shapes(ctx, rng);
     return 0;
   }
   if (small_only) {
@@ -452,7 +489,7 @@ int bench_main(bool quick, bool decode_only, bool small_only, bool tiles, bool f
 }  // namespace tern
 
 int main(int argc, char** argv) {
-  bool quick = false, decode_only = false, small_only = false, tiles = false, forward = false;
+  bool quick = false, decode_only = false, small_only = false, tiles = false, forward = false, rs_shapes = false;
   double skew = 0.5;
   std::vector<tern::MoeWeightFormat> formats;
   for (int i = 1; i < argc; ++i) {
@@ -467,6 +504,8 @@ int main(int argc, char** argv) {
       tiles = true;
     } else if (std::strcmp(a, "--forward") == 0) {
       forward = true;
+    } else if (std::strcmp(a, "--rs-shapes") == 0) {
+      rs_shapes = true;
     } else if (std::strcmp(a, "--skew") == 0 && i + 1 < argc) {
       skew = std::atof(argv[++i]);
     } else if (std::strcmp(a, "--bf16") == 0) {
@@ -477,10 +516,10 @@ int main(int argc, char** argv) {
       formats.push_back(tern::MoeWeightFormat::kFp8);
     } else {
       std::fprintf(stderr,
-                   "usage: moe_bench [--quick | --decode | --small | --forward | --tiles [--skew S]] "
+                   "usage: moe_bench [--quick | --decode | --small | --forward | --rs-shapes | --tiles [--skew S]] "
                    "[--bf16 | --nvfp4 | --fp8]\n");
       return 2;
     }
   }
-  return tern::bench_main(quick, decode_only, small_only, tiles, forward, skew, std::move(formats));
+  return tern::bench_main(quick, decode_only, small_only, tiles, forward, rs_shapes, skew, std::move(formats));
 }

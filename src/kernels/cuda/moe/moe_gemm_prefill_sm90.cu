@@ -16,7 +16,9 @@
 // Why a stage is refilled two steps behind: after the barrier of step s every warpgroup has waited for its step
 // s - 2 group (wait_group<1> at the end of step s - 1), so the stage of step s - 2 is free while step s - 1 may still
 // be in the tensor cores. Requires k % 64 == 0 (the launcher falls back to the mma.sync kernel otherwise).
+#include <string>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
@@ -295,9 +297,9 @@ __global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const Gem
 // (cp.async)}; 84 KB at 128 tokens and 4 stages, so two blocks share an SM. Per step each thread reads its rows'
 // codes (rows g and g + 8 of its warp's 16: bytes t, t + 4, ... of each 32-byte row, the k pairs its A fragment
 // slots hold), turns each byte into the bf16 pair e2m1 · 2^-126 (as decode_e2m1_pairs does) times the block scale
-// e4m3 · 2^116, issues four m64nNk16 wgmmas, refills the stage of the step before, and waits for its products
-// (the registers they read are the next step's to write). Outputs equal the kernel above's (the same exact
-// factors, summed in fp32). Requires k % 64 == 0.
+// e4m3 · 2^116, and issues four m64nNk16 wgmmas; the next step's fragments are built (into a second buffer) while
+// they run. Outputs equal the kernel above's (the same exact factors, summed in fp32). Requires k % 128 == 0 (steps
+// in pairs, one per fragment buffer).
 constexpr int kRsRows = 128;  // weight rows per block
 
 template <int kTokens>
@@ -314,7 +316,6 @@ constexpr size_t rs_smem_bytes() {
   return static_cast<size_t>(kStages) * (rs_x_bytes<kTokens>() + kRsCodeBytes + kRsScaleBytes) + 1024 +
          kTokens * sizeof(int64_t);
 }
-static_assert(rs_x_bytes<64>() * 4 >= 64 * kRsOutStride * 2, "the output tile fits the x ring");
 
 #if TERN_WGMMA_AVAILABLE
 // Byte b (0..3) of q as the bf16 pair (e2m1 of its low nibble, of its high nibble) · 2^-126: the nibbles to bits
@@ -359,10 +360,11 @@ __device__ __forceinline__ void rs_fence_a(uint32_t (&a)[4][4]) {
 }
 #endif  // TERN_WGMMA_AVAILABLE
 
-template <int kTokens, int kStages>
-__global__ void __launch_bounds__(kWgThreads, 2) moe_prefill_rs_kernel(const GemmParams p) {
+template <int kTokens, int kStages, int kMinBlocks>
+__global__ void __launch_bounds__(kWgThreads, kMinBlocks) moe_prefill_rs_kernel(const GemmParams p) {
 #if TERN_WGMMA_AVAILABLE
-  static_assert(kStages >= 2, "a step in flight and one loaded ahead");
+  static_assert(kStages >= 3, "a step in flight, its successor being read, one loading");
+  static_assert(kStages * rs_x_bytes<kTokens>() >= kTokens * kRsOutStride * 2, "the output tile fits the x ring");
   constexpr int kLead = kStages - 1;  // steps loaded ahead
   constexpr int kAcc = kTokens / 2;
   ptx::grid_dependency_begin();
@@ -410,12 +412,16 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_prefill_rs_kernel(const Gem
   float acc[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
-  uint32_t a[4][4];
-  for (int s = 0; s < n_ksteps; ++s) {
-    cp_async_wait<kLead - 1>();  // this thread's copies of step s have landed
-    wgmma::fence_proxy_async_shared();
-    __syncthreads();  // ... and everyone's; every warpgroup is done with step s - 1
-    rs_build_a(code_tile(s), scale_tile(s), r0, a);
+  // Iteration s: issue step s's wgmmas (fragments a[s % 2], x in stage s), then while they run, refill the stage of
+  // step s - 1 and build step s + 1's fragments into the other buffer, then wait for step s's products. Every wgmma
+  // is retired before the next is issued: ptxas serializes wgmmas when registers that one in flight shares a
+  // pipeline stage with are defined meanwhile (C7515), so the overlap is the dequantization under the products.
+  uint32_t a0[4][4], a1[4][4];
+  cp_async_wait<kLead - 1>();  // step 0 has landed
+  wgmma::fence_proxy_async_shared();
+  __syncthreads();
+  rs_build_a(code_tile(0), scale_tile(0), r0, a0);
+  auto iteration = [&](int s, uint32_t(&a)[4][4], uint32_t(&next)[4][4]) {
     const uint32_t xa = ptx::smem_addr(x_tile(s));
     wgmma::fence();
 #pragma unroll
@@ -423,13 +429,18 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_prefill_rs_kernel(const Gem
       wgmma::mma_rs_m64k16<kTokens>(acc, a[j], wgmma::sw128_desc(xa + 32 * j), 1);
     }
     wgmma::commit_group();
+    cp_async_wait<kLead - 2>();  // step s + 1 has landed
+    wgmma::fence_proxy_async_shared();
+    __syncthreads();  // ... for everyone, and everyone retired step s - 1: its stage is free
     fill(s + kLead);
-    // All of this step's products before the next step's fragments are written: ptxas serializes the wgmmas when
-    // registers are defined while a group is in flight (C7515), also a second buffer's. The other warpgroup and the
-    // SM's other block keep the tensor cores busy meanwhile.
+    if (s + 1 < n_ksteps) rs_build_a(code_tile(s + 1), scale_tile(s + 1), r0, next);
     wgmma::wait_group<0>();
     wgmma::fence_operands(acc);
     rs_fence_a(a);
+  };
+  for (int s = 0; s < n_ksteps; s += 2) {  // n_ksteps is even
+    iteration(s, a0, a1);
+    iteration(s + 1, a1, a0);
   }
   cp_async_wait<0>();
   __syncthreads();  // the ring is free: every thread's copies landed and every wgmma retired
@@ -464,22 +475,35 @@ __global__ void __launch_bounds__(kWgThreads, 2) moe_prefill_rs_kernel(const Gem
 #endif  // TERN_WGMMA_AVAILABLE
 }
 
-template <int kTokens, int kStages>
+template <int kTokens, int kStages, int kMinBlocks>
 void rs_launch(const GemmParams& p, int64_t rows, int64_t n_experts, const DeviceContext& ctx) {
   constexpr size_t kSmem = rs_smem_bytes<kTokens, kStages>();
-  TERN_CUDA_CHECK(cudaFuncSetAttribute(moe_prefill_rs_kernel<kTokens, kStages>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  auto* kernel = moe_prefill_rs_kernel<kTokens, kStages, kMinBlocks>;
+  TERN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   const dim3 grid(static_cast<unsigned>((p.n + kRsRows - 1) / kRsRows),
                   static_cast<unsigned>((rows + kTokens - 1) / kTokens + n_experts));
-  launch_kernel(ctx, moe_prefill_rs_kernel<kTokens, kStages>, grid, dim3(kWgThreads), kSmem, p);
+  launch_kernel(ctx, kernel, grid, dim3(kWgThreads), kSmem, p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
-void rs_launch_projection(const DeviceContext& ctx, const MoeGemmArgs& a) {
+// The shapes moe_bench --rs-shapes times: {tokens per tile, stages, blocks an SM the registers are sized for}.
+constexpr int kRsShapes[][3] = {{128, 4, 2}, {64, 4, 2}, {128, 6, 1}, {64, 8, 2}};
+
+void rs_launch_shape(const GemmParams& p, int64_t rows, int64_t n_experts, const DeviceContext& ctx, int shape) {
+  constexpr auto& t = kRsShapes;
+  switch (shape) {
+    case 1: return rs_launch<t[1][0], t[1][1], t[1][2]>(p, rows, n_experts, ctx);
+    case 2: return rs_launch<t[2][0], t[2][1], t[2][2]>(p, rows, n_experts, ctx);
+    case 3: return rs_launch<t[3][0], t[3][1], t[3][2]>(p, rows, n_experts, ctx);
+    default: return rs_launch<t[0][0], t[0][1], t[0][2]>(p, rows, n_experts, ctx);
+  }
+}
+
+// shape < 0: the launcher's choice; 128-token tiles once experts average 64 rows, as the kernel above chooses.
+void rs_launch_projection(const DeviceContext& ctx, const MoeGemmArgs& a, int shape) {
   const GemmParams p = make_params(a);
-  // 128-token tiles once experts average 64 rows, as the kernel above chooses its x tiles.
-  if (a.rows >= 64 * a.w.n_experts) return rs_launch<128, 4>(p, a.rows, a.w.n_experts, ctx);
-  rs_launch<64, 4>(p, a.rows, a.w.n_experts, ctx);
+  if (shape < 0) shape = a.rows >= 64 * a.w.n_experts ? 0 : 1;
+  rs_launch_shape(p, a.rows, a.w.n_experts, ctx, shape);
 }
 
 template <MoeWeightFormat kFormat, int kBm, int kBn, int kStages>
@@ -529,10 +553,10 @@ bool moe_gemm_prefill_sm90_fits(const DeviceContext& ctx, const MoeGemmArgs& a) 
 bool moe_gemm_prefill_rs_fits(const DeviceContext& ctx, const MoeGemmArgs& a) {
 #if TERN_BUILD_HAS_SM90A
   const auto fits = [](const MoeExpertWeights& w) {
-    return w.n == 0 || (w.format == MoeWeightFormat::kNvfp4 && w.k % kWgBk == 0);
+    return w.n == 0 || (w.format == MoeWeightFormat::kNvfp4 && w.k % (2 * kWgBk) == 0);
   };
   return ctx.props().cc_major == 9 && ctx.props().cc_minor == 0 && fits(a.w) && fits(a.w2) && a.ldx % 8 == 0 &&
-         reinterpret_cast<uintptr_t>(a.x) % 16 == 0 && rs_smem_bytes<128, 4>() <= ctx.props().shared_mem_per_block_optin;
+         reinterpret_cast<uintptr_t>(a.x) % 16 == 0 && rs_smem_bytes<128, 6>() <= ctx.props().shared_mem_per_block_optin;
 #else
   (void)ctx;
   (void)a;
@@ -540,9 +564,18 @@ bool moe_gemm_prefill_rs_fits(const DeviceContext& ctx, const MoeGemmArgs& a) {
 #endif
 }
 
-void moe_gemm_launch_prefill_rs(const DeviceContext& ctx, const MoeGemmArgs& a) {
-  rs_launch_projection(ctx, a);
-  if (a.w2.n != 0) rs_launch_projection(ctx, second_projection(a));
+void moe_gemm_launch_prefill_rs(const DeviceContext& ctx, const MoeGemmArgs& a, int shape) {
+  rs_launch_projection(ctx, a, shape);
+  if (a.w2.n != 0) rs_launch_projection(ctx, second_projection(a), shape);
+}
+
+std::vector<std::string> moe_gemm_prefill_rs_shapes() {
+  std::vector<std::string> out;
+  for (const auto& sh : kRsShapes) {
+    out.push_back(std::to_string(sh[0]) + " tokens, " + std::to_string(sh[1]) + " stages, " + std::to_string(sh[2]) +
+                  " blocks/SM");
+  }
+  return out;
 }
 
 void moe_gemm_launch_prefill_sm90(const DeviceContext& ctx, const MoeGemmArgs& a) {

@@ -22,6 +22,8 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "kernels/cuda/device.h"
 
@@ -227,9 +229,11 @@ void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& args);
 // summed in fp32).
 bool moe_gemm_prefill_sm90_fits(const DeviceContext& ctx, const MoeGemmArgs& args);
 void moe_gemm_launch_prefill_sm90(const DeviceContext& ctx, const MoeGemmArgs& args);
-// The register-sourced NVFP4 variant (kPrefillRs): NVFP4 weights for every projection, the rest as
+// The register-sourced NVFP4 variant (kPrefillRs): NVFP4 weights and k % 128 == 0 for every projection, the rest as
 // moe_gemm_prefill_sm90_fits. Same results.
 bool moe_gemm_prefill_rs_fits(const DeviceContext& ctx, const MoeGemmArgs& args);
-void moe_gemm_launch_prefill_rs(const DeviceContext& ctx, const MoeGemmArgs& args);
+// shape >= 0 forces one of moe_gemm_prefill_rs_shapes() (for moe_bench --rs-shapes); -1: the launcher's choice.
+void moe_gemm_launch_prefill_rs(const DeviceContext& ctx, const MoeGemmArgs& args, int shape = -1);
+std::vector<std::string> moe_gemm_prefill_rs_shapes();
 
 }  // namespace tern

@@ -1051,7 +1051,7 @@ void check_gemm_shapes(MoeWeightFormat format) {
 TEST(MoeGemm, Nvfp4RegisterSourcedPrefill) {
   DeviceContext ctx;
   std::mt19937 rng(2041);
-  for (const auto& [n_experts, n, k, top_k] : {std::tuple{8, 32, 64, 2}, std::tuple{64, 271, 768, 8},
+  for (const auto& [n_experts, n, k, top_k] : {std::tuple{8, 32, 128, 2}, std::tuple{64, 271, 768, 8},
                                              std::tuple{256, 1024, 2048, 8}}) {
     const ExpertWeights w = make_expert_weights(MoeWeightFormat::kNvfp4, n_experts, n, k, 1.0f, rng);
     for (int64_t tokens : {3, 37, 600}) {
