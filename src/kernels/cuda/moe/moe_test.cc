@@ -1047,7 +1047,7 @@ void check_gemm_shapes(MoeWeightFormat format) {
 
 // The register-sourced NVFP4 prefill kernel (kPrefillRs, sm_90a; elsewhere it is kPrefill's): 64- and 128-token
 // tiles, an odd n (a partial 128-row block), ragged and empty experts, ungathered input, a column window of a wider
-// y (odd, so stored an element at a time) and the 35B's gate_up shape.
+// y (with an odd row pitch, so stored an element at a time) and the 35B's gate_up shape.
 TEST(MoeGemm, Nvfp4RegisterSourcedPrefill) {
   DeviceContext ctx;
   std::mt19937 rng(2041);
@@ -1063,7 +1063,7 @@ TEST(MoeGemm, Nvfp4RegisterSourcedPrefill) {
   check_gemm(ctx, w, {1000, 4, true, true}, MoeGemmVariant::kPrefillRs, rng);
   check_gemm(ctx, w, {37, 4, false, true, 0, 6}, MoeGemmVariant::kPrefillRs, rng);
   check_gemm(ctx, w, {300, 2, true, false, 130, 0}, MoeGemmVariant::kPrefillRs, rng);
-  check_gemm(ctx, w, {300, 2, true, false, 131, 0}, MoeGemmVariant::kPrefillRs, rng);
+  check_gemm(ctx, w, {300, 2, true, false, 130, 1}, MoeGemmVariant::kPrefillRs, rng);  // ldy odd: no pair stores
 }
 
 TEST(MoeGemm, Bf16BothVariants) { check_gemm_shapes(MoeWeightFormat::kBf16); }
