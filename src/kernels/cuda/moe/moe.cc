@@ -398,7 +398,7 @@ Expected<void> moe_gemm(const DeviceContext& ctx, const MoeGemmArgs& args, MoeGe
   if (args.rows == 0) return {};
   if (decode) {
     moe_gemm_launch_decode(ctx, args);
-  } else if (variant == MoeGemmVariant::kPrefillRs && moe_gemm_prefill_rs_fits(ctx, args)) {
+  } else if (variant != MoeGemmVariant::kPrefillMma && moe_gemm_prefill_rs_fits(ctx, args)) {
     moe_gemm_launch_prefill_rs(ctx, args);
   } else if (variant != MoeGemmVariant::kPrefillMma && moe_gemm_prefill_sm90_fits(ctx, args)) {
     moe_gemm_launch_prefill_sm90(ctx, args);

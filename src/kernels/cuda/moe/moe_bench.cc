@@ -14,8 +14,8 @@
 // tile width forced and with the pass list (MoeGemmArgs::decode_token_tiles, decode_passes), on random and on skewed
 // routings (make_routings; --skew sets their exponent, 0.5 by default). A format flag times that weight format
 // alone (with --tiles: NVFP4 unless one is given). --forward: the whole routed block (moe_forward) at decode token
-// counts, NVFP4 (bench_forward). --rs-shapes: the register-sourced NVFP4 prefill kernel at each of its shapes
-// against the model's prefill kernel, at 1024 and 4096 tokens (bench_rs_shapes).
+// counts, NVFP4 (bench_forward). --rs-shapes: the NVFP4 prefill kernel with the weight in registers at each of its
+// shapes against the launcher's choice, at 1024 and 4096 tokens (bench_rs_shapes).
 // Each timing is a CUDA graph of back-to-back launches, replayed after a warm-up; the median replay is reported.
 #include <cuda_runtime.h>
 
@@ -305,15 +305,11 @@ void bench_format(const DeviceContext& ctx, MoeWeightFormat format, const std::v
   const Routings r = make_routings(tokens, rng);
   for (const auto& [proj, w, gather] : {std::tuple{"gate_up", &gate_up, true}, std::tuple{"down", &down, false}}) {
     // The kernel the model runs (wgmma on sm_90a) and the mma.sync one every GPU has.
-    // (and, for NVFP4, the register-sourced wgmma kernel being measured against it).
-    for (const MoeGemmVariant v : {MoeGemmVariant::kPrefill, MoeGemmVariant::kPrefillMma, MoeGemmVariant::kPrefillRs}) {
-      if (v == MoeGemmVariant::kPrefillRs && format != MoeWeightFormat::kNvfp4) continue;
+    for (const MoeGemmVariant v : {MoeGemmVariant::kPrefill, MoeGemmVariant::kPrefillMma}) {
       const GemmTiming t = time_gemm(ctx, *w, r, tokens, gather, v, x, y);
       std::printf("%-6s %-11s T=%-5lld %-8s %9.2f us %7.1f TFLOP/s\n", name,
-                  v == MoeGemmVariant::kPrefill      ? "prefill"
-                  : v == MoeGemmVariant::kPrefillRs ? "prefill-rs"
-                                                    : "prefill-mma",
-                  static_cast<long long>(tokens), proj, t.ms * 1e3, t.flops / (t.ms * 1e9));
+                  v == MoeGemmVariant::kPrefill ? "prefill" : "prefill-mma", static_cast<long long>(tokens), proj,
+                  t.ms * 1e3, t.flops / (t.ms * 1e9));
     }
   }
   std::fflush(stdout);
@@ -419,8 +415,8 @@ void bench_forward(const DeviceContext& ctx, double copy_gbs, std::mt19937& rng)
   }
 }
 
-// The register-sourced NVFP4 prefill kernel at each of its shapes against the kernel the model runs (kPrefill), at
-// 1024 and 4096 tokens.
+// The NVFP4 prefill kernel with the weight in registers at each of its shapes against the launcher's choice
+// (kPrefill), at 1024 and 4096 tokens.
 void bench_rs_shapes(const DeviceContext& ctx, std::mt19937& rng) {
   const BenchWeights gate_up = make_weights(MoeWeightFormat::kNvfp4, 2 * kInter, kHidden, rng);
   const BenchWeights down = make_weights(MoeWeightFormat::kNvfp4, kHidden, kInter, rng);

@@ -1,5 +1,7 @@
 // The prefill variant of the grouped expert GEMM on Hopper (sm_90a): the same contract and row tiles as
-// moe_gemm_prefill.cu (moe_launch.h, moe_gemm_device.cuh), with the products on wgmma instead of mma.sync.
+// moe_gemm_prefill.cu (moe_launch.h, moe_gemm_device.cuh), with the products on wgmma instead of mma.sync. Two
+// kernels: the first below (every format; the weight dequantized into a shared-memory tile), and for NVFP4 with
+// k % 128 == 0 the second, with the weight in registers (moe_prefill_rs_kernel, docs/perf/gpu.md §moe-prefill-rs).
 //
 // A block of two warpgroups computes a kBm x kBn tile of one expert's rows (kBn weight rows, 256 as launched) over K
 // in 64-k steps. Every stage of a kStages-deep ring holds the step's x tile (kBm gathered rows, by cp.async) and W

@@ -194,10 +194,9 @@ inline int moe_combine_key(int32_t id, int32_t begin, int32_t end) { return id >
 enum class MoeGemmVariant {
   kAuto,         // decode while tokens (= rows / top_k) <= kMoeDecodeMaxTokens, else prefill
   kDecode,       // weight streaming: any row count (an expert's rows are taken 16 at a time), best for few rows
-  kPrefill,      // tensor-core tiles over each expert's rows: wgmma where it fits (below), else mma.sync
+  kPrefill,      // tensor-core tiles over each expert's rows: wgmma where it fits (below; for NVFP4 the kernel with
+                 // the weight in registers), else mma.sync
   kPrefillMma,   // the mma.sync prefill kernel (every GPU), as a fallback and to compare against
-  kPrefillRs,    // NVFP4 on sm_90a: the wgmma kernel with the weight in registers (moe_gemm_prefill_rs_fits); else
-                 // as kPrefill. Being measured against kPrefill's (docs/perf/gpu.md §moe-prefill-rs)
 };
 
 // Up to here each expert has at most this many rows (a token picks an expert once), so decode reads each active
@@ -229,8 +228,8 @@ void moe_gemm_launch_prefill(const DeviceContext& ctx, const MoeGemmArgs& args);
 // summed in fp32).
 bool moe_gemm_prefill_sm90_fits(const DeviceContext& ctx, const MoeGemmArgs& args);
 void moe_gemm_launch_prefill_sm90(const DeviceContext& ctx, const MoeGemmArgs& args);
-// The register-sourced NVFP4 variant (kPrefillRs): NVFP4 weights and k % 128 == 0 for every projection, the rest as
-// moe_gemm_prefill_sm90_fits. Same results.
+// The NVFP4 variant with the weight in registers, which kPrefill takes first (docs/perf/gpu.md §moe-prefill-rs):
+// NVFP4 weights and k % 128 == 0 for every projection, the rest as moe_gemm_prefill_sm90_fits. Same results.
 bool moe_gemm_prefill_rs_fits(const DeviceContext& ctx, const MoeGemmArgs& args);
 // shape >= 0 forces one of moe_gemm_prefill_rs_shapes() (for moe_bench --rs-shapes); -1: the launcher's choice.
 void moe_gemm_launch_prefill_rs(const DeviceContext& ctx, const MoeGemmArgs& args, int shape = -1);

@@ -874,7 +874,6 @@ const char* variant_name(MoeGemmVariant v) {
     case MoeGemmVariant::kDecode: return "decode";
     case MoeGemmVariant::kPrefill: return "prefill";
     case MoeGemmVariant::kPrefillMma: return "prefill-mma";
-    case MoeGemmVariant::kPrefillRs: return "prefill-rs";
     case MoeGemmVariant::kAuto: break;
   }
   return "auto";
@@ -1045,7 +1044,7 @@ void check_gemm_shapes(MoeWeightFormat format) {
   }
 }
 
-// The register-sourced NVFP4 prefill kernel (kPrefillRs, sm_90a; elsewhere it is kPrefill's): 64- and 128-token
+// The NVFP4 prefill kernel with the weight in registers (what kPrefill takes on sm_90a where k % 128 == 0): 64- and 128-token
 // tiles, an odd n (a partial 128-row block), ragged and empty experts, ungathered input, a column window of a wider
 // y (with an odd row pitch, so stored an element at a time) and the 35B's gate_up shape.
 TEST(MoeGemm, Nvfp4RegisterSourcedPrefill) {
@@ -1056,14 +1055,14 @@ TEST(MoeGemm, Nvfp4RegisterSourcedPrefill) {
     const ExpertWeights w = make_expert_weights(MoeWeightFormat::kNvfp4, n_experts, n, k, 1.0f, rng);
     for (int64_t tokens : {3, 37, 600}) {
       if (n_experts == 256 && tokens == 600) continue;  // the host reference would take minutes
-      check_gemm(ctx, w, {tokens, top_k, true, false}, MoeGemmVariant::kPrefillRs, rng);
+      check_gemm(ctx, w, {tokens, top_k, true, false}, MoeGemmVariant::kPrefill, rng);
     }
   }
   const ExpertWeights w = make_expert_weights(MoeWeightFormat::kNvfp4, 16, 130, 256, 1.0f, rng);
-  check_gemm(ctx, w, {1000, 4, true, true}, MoeGemmVariant::kPrefillRs, rng);
-  check_gemm(ctx, w, {37, 4, false, true, 0, 6}, MoeGemmVariant::kPrefillRs, rng);
-  check_gemm(ctx, w, {300, 2, true, false, 130, 0}, MoeGemmVariant::kPrefillRs, rng);
-  check_gemm(ctx, w, {300, 2, true, false, 130, 1}, MoeGemmVariant::kPrefillRs, rng);  // ldy odd: no pair stores
+  check_gemm(ctx, w, {1000, 4, true, true}, MoeGemmVariant::kPrefill, rng);
+  check_gemm(ctx, w, {37, 4, false, true, 0, 6}, MoeGemmVariant::kPrefill, rng);
+  check_gemm(ctx, w, {300, 2, true, false, 130, 0}, MoeGemmVariant::kPrefill, rng);
+  check_gemm(ctx, w, {300, 2, true, false, 130, 1}, MoeGemmVariant::kPrefill, rng);  // ldy odd: no pair stores
 }
 
 TEST(MoeGemm, Bf16BothVariants) { check_gemm_shapes(MoeWeightFormat::kBf16); }
@@ -1101,11 +1100,16 @@ TEST(MoeGemm, PrefillUsesWgmmaOnHopper) {
   MoeGemmArgs a{.x = x.as<uint16_t>(), .ldx = 2048, .w = {.format = MoeWeightFormat::kNvfp4, .n_experts = 8,
                                                             .n = 512, .k = 2048}};
   EXPECT_TRUE(moe_gemm_prefill_sm90_fits(ctx, a));
+  EXPECT_TRUE(moe_gemm_prefill_rs_fits(ctx, a));  // NVFP4, k % 128 == 0: the weight in registers
+  a.w.k = 192;  // a multiple of 64 only: the kernel with the weight tile in shared memory
+  EXPECT_TRUE(moe_gemm_prefill_sm90_fits(ctx, a));
+  EXPECT_FALSE(moe_gemm_prefill_rs_fits(ctx, a));
   a.w.k = 784;  // not a multiple of 64: the mma.sync kernel
   EXPECT_FALSE(moe_gemm_prefill_sm90_fits(ctx, a));
   a.w.k = 2048;
-  a.w.format = MoeWeightFormat::kFp8;  // FP8 weight tiles too
+  a.w.format = MoeWeightFormat::kFp8;  // FP8 weight tiles too, in shared memory
   EXPECT_TRUE(moe_gemm_prefill_sm90_fits(ctx, a));
+  EXPECT_FALSE(moe_gemm_prefill_rs_fits(ctx, a));
   a.w.k = 208;
   EXPECT_FALSE(moe_gemm_prefill_sm90_fits(ctx, a));
 }
