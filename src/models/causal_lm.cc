@@ -2,6 +2,10 @@
 
 #include <fmt/format.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <new>
 #include <stdexcept>
 
@@ -66,6 +70,9 @@ void CausalLm::release_host_weights() {
   }
   weights_.reset();
   host_released_ = true;
+#if defined(__GLIBC__)
+  malloc_trim(0);  // the freed tensors below glibc's mmap threshold go back to the system too
+#endif
 }
 
 Expected<void> CausalLm::visit_blocks(BlockOps& ops, bool with_draft) const {

@@ -29,7 +29,6 @@
 
 #include "kernels/cuda/device.h"
 #include "runtime/fp8_checkpoint_test_util.h"
-#include "runtime/logits_test_util.h"
 #include "runtime/model_runner.h"
 #include "runtime/rope_scaling_test_util.h"
 #include "runtime/tp_runner.h"
@@ -621,14 +620,6 @@ TEST(GpuModel, AnExpertSplitBelowTheKernelsStepIsRefused) {
             std::string::npos) << model.error().message;
   EXPECT_NE(model.error().message.find("fewer than 4 tensor-parallel ranks"), std::string::npos)
       << model.error().message;
-}
-
-// The prompt's logits (every token) of the model in `dir` on `device`; empty after a failure the test reports.
-std::vector<float> prompt_logits(const std::filesystem::path& dir, ModelDevice device) {
-  ModelLoadOptions options;
-  options.device = device;
-  options.device_options.kv_cache_tokens = 1024;
-  return all_token_logits(dir, options, {5, 17, 300, 42, 99, 7, 250, 123, 11, 64, 3, 77});
 }
 
 using Traced = std::vector<std::pair<std::string, std::vector<float>>>;
