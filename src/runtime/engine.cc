@@ -50,6 +50,20 @@ struct Engine::Active {
   std::vector<int32_t> drafts;  // speculative decoding: the draft tokens the next step verifies
   int64_t prompt_logprobs_next = 1;  // the next prompt position whose logprob is to be sent
 
+  // The ids min_tokens keeps from being sampled (the stop ids, the model's EOS among them unless ignore_eos), and
+  // whether the sampler bans them now.
+  std::vector<int32_t> min_tokens_ban;
+  bool banning = false;
+
+  // Before a sampling step: the ban on while fewer than min_tokens tokens are out, off after.
+  void update_ban() {
+    const bool ban = static_cast<int64_t>(tokens.size() - request.prompt.size()) < request.stop.min_tokens &&
+                     !min_tokens_ban.empty();
+    if (ban == banning) return;
+    sampler.set_banned_ids(ban ? min_tokens_ban : std::vector<int32_t>{});
+    banning = ban;
+  }
+
   bool wants_prompt_logprobs() const {
     return request.prompt_logprobs >= 0 && prompt_logprobs_next < static_cast<int64_t>(request.prompt.size());
   }
@@ -80,11 +94,20 @@ Expected<std::shared_ptr<RequestStream>> Engine::submit(GenerationRequest reques
   if (request.prompt_logprobs >= 0 && config_.speculative_steps > 0) {
     return make_error("prompt logprobs are not available with speculative decoding");
   }
+  if (request.stop.min_tokens > 0 && config_.speculative_steps > 0) {
+    return make_error("min_tokens is not available with speculative decoding");
+  }
   StopCriteria criteria = request.stop;
   if (!request.ignore_eos) {
     for (int64_t id : model_->config().eos_token_ids) criteria.stop_token_ids.push_back(static_cast<int32_t>(id));
   }
   auto active = std::make_unique<Active>(std::move(request), criteria);
+  if (criteria.min_tokens > 0) {
+    active->min_tokens_ban = criteria.stop_token_ids;
+    std::ranges::sort(active->min_tokens_ban);
+    const auto [first, last] = std::ranges::unique(active->min_tokens_ban);
+    active->min_tokens_ban.erase(first, last);
+  }
   active->stream = std::make_shared<RequestStream>(static_cast<int64_t>(active->tokens.size()));
   active->arrival = Clock::now();
   if (tokenizer_) active->detokenizer.emplace(*tokenizer_, active->request.skip_special_tokens);
@@ -206,6 +229,7 @@ void Engine::step() {
   for (const StepItem& item : rest.items) {
     Active& a = *active_.at(item.id);
     batch.push_back(input_of(a.tokens, item, a.cache, scheduler_));
+    if (item.samples) a.update_ban();
     rows.push_back(item.samples ? SampleRow{&a.sampler, a.request.prompt, a.output()} : SampleRow{});
   }
   auto sampled = model_->forward_sample(batch, rows);
@@ -255,7 +279,9 @@ void Engine::step_prompt_logprobs(const StepPlan& plan) {
       take_token(a, tl::unexpected<Error>(*failed));
       continue;
     }
-    if (item.samples) take_token(a, a.sampler.sample(row(item.count - 1), a.request.prompt, a.output()));
+    if (!item.samples) continue;
+    a.update_ban();
+    take_token(a, a.sampler.sample(row(item.count - 1), a.request.prompt, a.output()));
   }
 }
 

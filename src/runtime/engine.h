@@ -39,7 +39,7 @@ inline constexpr int64_t kPromptLogprobsChunk = 256;
 struct GenerationRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
-  StopCriteria stop;  // the engine adds the model's EOS ids
+  StopCriteria stop;  // the engine adds the model's EOS ids; with min_tokens it bans the stop ids until then
   bool skip_special_tokens = true;
   bool ignore_eos = false;  // keep generating past the model's EOS (benchmarks, tests)
   // >= 0: the raw logprob of every prompt token after the first and the top `prompt_logprobs` at each position

@@ -317,6 +317,42 @@ TEST(Engine, CancelFreesTheSequenceAndShutdownAbortsTheRest) {
   EXPECT_EQ(metrics.kv_blocks_used.load(), 0);
 }
 
+// vLLM's min_tokens: with the EOS pushed to the top by a +100 bias, a request gets the EOS at once, and with
+// min_tokens 4 four other tokens first, then the EOS ("stop"), greedy and drawn. Also on a two-rank tensor-parallel
+// model, where the ban travels in each step's plan.
+TEST(Engine, MinTokensHoldsOffTheEos) {
+  for (int tp : {1, 2}) {
+    SCOPED_TRACE("tensor-parallel size " + std::to_string(tp));
+    EngineMetrics metrics;
+    auto model = runner_load(std::string(TERN_FIXTURES_DIR) + "/qwen3", {.tensor_parallel_size = tp});
+    ASSERT_TRUE(model) << model.error().message;
+    const auto eos = static_cast<int32_t>((*model)->config().eos_token_ids.at(0));
+    Engine engine(std::move(*model), std::nullopt, EngineConfig{}, metrics);
+    auto request = [&](int32_t min_tokens, float temperature) {
+      GenerationRequest r = greedy({1, 2, 3, 4}, 10);
+      r.sampling.temperature = temperature;
+      r.sampling.seed = 11;
+      r.sampling.logit_bias = {{eos, 100.0f}};
+      r.stop.min_tokens = min_tokens;
+      return r;
+    };
+    auto at_once = engine.submit(request(0, 0.0f));
+    ASSERT_TRUE(at_once);
+    const Result first = drain(**at_once);
+    EXPECT_EQ(first.ids, std::vector<int32_t>{eos});
+    EXPECT_EQ(first.finish_reason, "stop");
+    for (float temperature : {0.0f, 1.0f}) {
+      auto held = engine.submit(request(4, temperature));
+      ASSERT_TRUE(held);
+      const Result r = drain(**held);
+      ASSERT_EQ(r.ids.size(), 5u) << "temperature " << temperature;
+      for (size_t i = 0; i < 4; ++i) EXPECT_NE(r.ids[i], eos) << i;
+      EXPECT_EQ(r.ids[4], eos);
+      EXPECT_EQ(r.finish_reason, "stop");
+    }
+  }
+}
+
 TEST(Engine, ContextLengthEndsGenerationWithLength) {
   EngineMetrics metrics;
   EngineConfig config{.scheduler = {}, .context_length = 10};

@@ -56,6 +56,9 @@ size_t utf8_incomplete_tail(std::string_view text) {
 
 Expected<void> stop_criteria_validate(const StopCriteria& criteria) {
   if (criteria.max_tokens < 1) return make_error("max_tokens must be at least 1, got {}", criteria.max_tokens);
+  if (criteria.min_tokens < 0 || criteria.min_tokens > criteria.max_tokens) {
+    return make_error("min_tokens must be in [0, max_tokens = {}], got {}", criteria.max_tokens, criteria.min_tokens);
+  }
   for (size_t i = 0; i < criteria.stop_strings.size(); ++i) {
     if (criteria.stop_strings[i].empty()) return make_error("stop[{}] is an empty string", i);
     if (!utf8_is_valid(criteria.stop_strings[i])) return make_error("stop[{}] is not valid UTF-8", i);
@@ -71,8 +74,9 @@ StopChecker::StopChecker(StopCriteria criteria) : criteria_(std::move(criteria))
 StopUpdate StopChecker::feed(int32_t token_id, std::string_view text_delta) {
   if (finished_) return StopUpdate{.finished = true, .finish_reason = finish_reason_};
   ++num_tokens_;
+  const bool may_stop = num_tokens_ > criteria_.min_tokens;
   const auto& stop_ids = criteria_.stop_token_ids;
-  if (std::find(stop_ids.begin(), stop_ids.end(), token_id) != stop_ids.end()) {
+  if (may_stop && std::find(stop_ids.begin(), stop_ids.end(), token_id) != stop_ids.end()) {
     StopUpdate update = finish(kFinishStop, pending_.size());
     update.stop_token_id = token_id;
     return update;
@@ -84,7 +88,7 @@ StopUpdate StopChecker::feed(int32_t token_id, std::string_view text_delta) {
   size_t match_at = std::string::npos;
   const std::string* matched = nullptr;
   for (const std::string& stop : criteria_.stop_strings) {
-    const size_t at = pending_.find(stop);
+    const size_t at = may_stop ? pending_.find(stop) : std::string::npos;
     if (at < match_at) {
       match_at = at;
       matched = &stop;

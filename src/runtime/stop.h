@@ -6,6 +6,9 @@
 //     after it with include_stop_string (vLLM's include_stop_str_in_output).
 //     Text that could still become the start of a stop string is held back until it can no longer match.
 //   - ends after max_tokens tokens (finish_reason "length"), unless the last token completed a stop string.
+//   - with min_tokens (vLLM's), neither a stop token id nor a stop string ends it until more than min_tokens
+//     tokens are out; a stop string may then end it that began earlier, but not one that lay wholly in them (the
+//     engine also keeps the stop ids from being sampled before then: SamplingParams::banned_ids).
 //   - never cuts inside a UTF-8 character: a trailing incomplete sequence is held back like a stop-string prefix.
 // When it finishes, everything held back (up to a stop string) is emitted with the final update.
 //
@@ -27,10 +30,12 @@ struct StopCriteria {
   std::vector<int32_t> stop_token_ids;
   std::vector<std::string> stop_strings;
   int32_t max_tokens = 16;
+  int32_t min_tokens = 0;  // [0, max_tokens]
   bool include_stop_string = false;  // the matched stop string stays in the text
 };
 
-// max_tokens >= 1; stop strings non-empty and valid UTF-8. Errors name the field and the index.
+// max_tokens >= 1, 0 <= min_tokens <= max_tokens; stop strings non-empty and valid UTF-8. Errors name the field and
+// the index.
 Expected<void> stop_criteria_validate(const StopCriteria& criteria);
 
 struct StopUpdate {

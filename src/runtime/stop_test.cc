@@ -37,6 +37,33 @@ StopCriteria stops(std::vector<std::string> strings, int32_t max_tokens = 1000) 
   return StopCriteria{.stop_token_ids = {}, .stop_strings = std::move(strings), .max_tokens = max_tokens};
 }
 
+// vLLM's min_tokens: no stop id or stop string ends the sequence until more than min_tokens tokens are out. A stop
+// string lying wholly in those tokens is passed over (vLLM's test_min_tokens_with_stop: min_tokens 5, stop "e",
+// " Lee" passed, " student" cut at "stud"); one that starts in them and ends after may end it.
+TEST(StopChecker, MinTokensHoldsOffStops) {
+  StopCriteria criteria = stops({"e"});
+  criteria.min_tokens = 5;
+  const FeedResult run = feed_all(criteria, {" is", " Lee", ",", " and", " I", "'m", " a", " student", " in"});
+  EXPECT_EQ(run.emitted, " is Lee, and I'm a stud");
+  EXPECT_EQ(run.last.finish_reason, "stop");
+  criteria.min_tokens = 0;
+  EXPECT_EQ(feed_all(criteria, {" is", " Lee", ","}).emitted, " is L");
+  // Spanning the boundary: "STOP" starts in token 2 of min_tokens 2 and ends in token 3.
+  StopCriteria spanning = stops({"STOP"});
+  spanning.min_tokens = 2;
+  const FeedResult span = feed_all(spanning, {"a", "bST", "OPc"});
+  EXPECT_EQ(span.emitted, "ab");
+  EXPECT_EQ(span.last.stop_string, "STOP");
+  // A stop token id: passed over as token 2 of min_tokens 2, ends the sequence as token 3.
+  StopCriteria ids{.stop_token_ids = {101, 102}, .max_tokens = 10, .min_tokens = 2};
+  const FeedResult by_id = feed_all(ids, {"x", "y", "z", "w"});
+  EXPECT_EQ(by_id.emitted, "xy");
+  EXPECT_EQ(by_id.last.stop_token_id, 102);
+  EXPECT_FALSE(stop_criteria_validate(StopCriteria{.max_tokens = 4, .min_tokens = 5}).has_value());
+  EXPECT_FALSE(stop_criteria_validate(StopCriteria{.max_tokens = 4, .min_tokens = -1}).has_value());
+  EXPECT_TRUE(stop_criteria_validate(StopCriteria{.max_tokens = 4, .min_tokens = 4}).has_value());
+}
+
 TEST(StopChecker, TextPassesThroughWithoutStopStrings) {
   const FeedResult run = feed_all(stops({}), {"Hello", ", ", "world"});
   EXPECT_EQ(run.texts, (std::vector<std::string>{"Hello", ", ", "world"}));

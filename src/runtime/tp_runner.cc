@@ -233,6 +233,8 @@ std::vector<int64_t> plan_words(const Plan& p, HeldMap& held) {
                        s.logprobs, std::bit_cast<int64_t>(r.draw)});
     w.push_back(static_cast<int64_t>(s.logit_bias.size()));
     for (const auto& [id, bias] : s.logit_bias) w.insert(w.end(), {int64_t{id}, bits_of(bias)});
+    w.push_back(static_cast<int64_t>(s.banned_ids.size()));
+    w.insert(w.end(), s.banned_ids.begin(), s.banned_ids.end());
     // (A plan with more rows than its sequences return is refused by every receiver: no lists for those.)
     if (!sampling_penalties_active(s) || i >= owner.size()) continue;
     HeldLists& lists = held[p.sequences[owner[i]].id];
@@ -316,6 +318,11 @@ Expected<Plan> plan_of(const std::vector<int64_t>& w, HeldMap& held) {
       for (size_t k = 0; k < n_bias; ++k, at += 2) {
         r.params.logit_bias.emplace_back(static_cast<int32_t>(w[at]), float_of(w[at + 1]));
       }
+      TERN_ASSIGN_OR_RETURN(const size_t n_banned, count());
+      if (n_banned > kSamplingMaxLogitBias || n_banned > w.size() - at) {
+        return make_error("a sampling plan from node 0 bans {} token ids", n_banned);
+      }
+      for (size_t k = 0; k < n_banned; ++k) r.params.banned_ids.push_back(static_cast<int32_t>(w[at++]));
       if (sampling_penalties_active(r.params)) {
         HeldLists& lists = held[p.sequences[owner[i]].id];
         TERN_TRY(change(lists.prompt_ids, r.prompt_ids));

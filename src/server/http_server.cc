@@ -398,10 +398,20 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
     if (!ids) return fail(ids.error());
     auto max_tokens = api_request_max_tokens(r, static_cast<int64_t>(ids->size()), config_.context_length);
     if (!max_tokens) return fail(max_tokens.error());
+    if (r.min_tokens > *max_tokens) {
+      return fail({400,
+                   fmt::format("min_tokens is {}, but the prompt has {} tokens and the context length is {} (at most "
+                               "{} more)", r.min_tokens, ids->size(), config_.context_length, *max_tokens),
+                   "invalid_request_error", "min_tokens"});
+    }
     prompts.push_back({std::move(*ids), *max_tokens});
   }
   const StopCriteria stop{.stop_token_ids = r.stop_token_ids, .stop_strings = r.stop_strings,
                           .include_stop_string = r.include_stop_string};
+  if (r.min_tokens > 0 && engine_.speculative()) {
+    return fail({400, "'min_tokens' is not available with speculative decoding", "invalid_request_error",
+                 "min_tokens"});
+  }
   if (r.prompt_logprobs >= 0 && engine_.speculative()) {
     return fail({400, "'logprobs' with 'echo' (the prompt's logprobs) is not available with speculative decoding",
                  "invalid_request_error", "echo"});
@@ -424,6 +434,7 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
                           .skip_special_tokens = r.skip_special_tokens, .ignore_eos = r.ignore_eos,
                           .prompt_logprobs = r.prompt_logprobs};
       g.stop.max_tokens = prompts[p].max_tokens;
+      g.stop.min_tokens = r.min_tokens;
       if (r.sampling.seed) g.sampling.seed = *r.sampling.seed + static_cast<uint64_t>(i);
       auto stream = engine_.submit(std::move(g));
       if (!stream) {

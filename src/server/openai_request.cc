@@ -191,6 +191,13 @@ Result parse_common(const Json& body, ApiRequest& r) {
     return bad(max_completion_tokens ? "max_completion_tokens" : "max_tokens",
                fmt::format("the most tokens to generate must be at least 1, got {}", *r.max_tokens));
   }
+  TERN_API_FIELD(min_tokens, int32_t, body, "min_tokens");
+  r.min_tokens = min_tokens.value_or(0);
+  if (r.min_tokens < 0) return bad("min_tokens", fmt::format("'min_tokens' must be at least 0, got {}", r.min_tokens));
+  if (r.max_tokens && r.min_tokens > *r.max_tokens) {
+    return bad("min_tokens", fmt::format("'min_tokens' ({}) must not exceed the most tokens to generate ({})",
+                                         r.min_tokens, *r.max_tokens));
+  }
   if (auto it = body.find("response_format"); it != body.end() && !it->is_null()) {
     if (!it->is_object() || it->value("type", "") != "text") {
       return bad("response_format", "'response_format' other than {\"type\": \"text\"} is not supported");
@@ -198,7 +205,7 @@ Result parse_common(const Json& body, ApiRequest& r) {
   }
   // Fields that would change what is generated and that tern does not apply are refused, not ignored: vLLM's
   // extras. An empty, null, zero or false value asks for nothing and passes.
-  for (const char* name : {"min_tokens", "prompt_logprobs", "use_beam_search", "guided_json",
+  for (const char* name : {"prompt_logprobs", "use_beam_search", "guided_json",
                            "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}) {
     auto it = body.find(name);
     if (it == body.end() || it->is_null() || (it->is_boolean() && !it->get<bool>()) ||

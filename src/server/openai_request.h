@@ -53,6 +53,7 @@ struct ApiRequest {
   bool include_stop_string = false;  // vLLM's include_stop_str_in_output
   std::vector<int32_t> stop_token_ids;
   std::optional<int32_t> max_tokens;
+  int32_t min_tokens = 0;  // vLLM's: no stop id or stop string ends a choice before this many tokens
   bool ignore_eos = false;
   bool skip_special_tokens = true;
   bool stream = false;

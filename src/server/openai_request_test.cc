@@ -78,6 +78,10 @@ TEST(ApiRequest, ModelMayBeLeftOutAndNChoices) {
   ASSERT_TRUE(one);
   EXPECT_EQ(one->n, 1);
   EXPECT_EQ(one->model, "m");
+  EXPECT_EQ(one->min_tokens, 0);
+  auto min = api_request_parse(R"({"prompt": [1], "min_tokens": 4, "max_tokens": 4})", false);
+  ASSERT_TRUE(min) << min.error().message;
+  EXPECT_EQ(min->min_tokens, 4);
 }
 
 TEST(ApiRequest, ErrorsNameTheParameter) {
@@ -107,7 +111,9 @@ TEST(ApiRequest, ErrorsNameTheParameter) {
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"-1": 1}})", "logit_bias"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": "up"}})", "logit_bias"},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": [5]})", "logit_bias"},
-      {R"({"model": "m", "prompt": [1], "min_tokens": 4})", "min_tokens", false},
+      {R"({"model": "m", "prompt": [1], "min_tokens": -1})", "min_tokens", false},
+      {R"({"model": "m", "prompt": [1], "min_tokens": 5, "max_tokens": 4})", "min_tokens", false},
+      {R"({"model": "m", "prompt": [1], "min_tokens": 1.5})", "min_tokens", false},
       {R"({"model": "m", "messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", "b"]})",
        "guided_choice"},
       {R"({"model": "m", "prompt": [1], "use_beam_search": true})", "use_beam_search", false},

@@ -166,6 +166,12 @@ Expected<void> sampling_params_validate(const SamplingParams& p) {
     if (id < 0) return make_error("logit_bias must have token ids >= 0, got {}", id);
     if (!is_within(bias, -100.0f, 100.0f)) return make_error("logit_bias must be in [-100, 100], got {}", bias);
   }
+  if (p.banned_ids.size() > kSamplingMaxLogitBias) {
+    return make_error("at most {} banned token ids, got {}", kSamplingMaxLogitBias, p.banned_ids.size());
+  }
+  for (int32_t id : p.banned_ids) {
+    if (id < 0) return make_error("banned token ids must be >= 0, got {}", id);
+  }
   return {};
 }
 
@@ -231,6 +237,11 @@ Sampler::Sampler(const SamplingParams& params)
   if (auto valid = sampling_params_validate(params_); !valid) invalid_ = valid.error();
 }
 
+void Sampler::set_banned_ids(std::vector<int32_t> ids) {
+  params_.banned_ids = std::move(ids);
+  if (auto valid = sampling_params_validate(params_); !valid) invalid_ = valid.error();
+}
+
 double Sampler::next_draw() {
   return params_.temperature < kSamplingGreedyTemperature ? 0.0 : take_draw();
 }
@@ -274,7 +285,7 @@ Expected<SampledToken> Sampler::sample(std::span<const float> logits, std::span<
 Expected<std::span<const float>> Sampler::apply_bias_and_penalties(std::span<const float> logits,
                                                                    std::span<const int32_t> prompt_ids,
                                                                    std::span<const int32_t> output_ids) {
-  if (params_.logit_bias.empty() && !sampling_penalties_active(params_)) return logits;
+  if (params_.logit_bias.empty() && params_.banned_ids.empty() && !sampling_penalties_active(params_)) return logits;
   penalized_.assign(logits.begin(), logits.end());
   for (const auto& [id, bias] : params_.logit_bias) {
     if (static_cast<size_t>(id) >= logits.size()) {
@@ -283,6 +294,16 @@ Expected<std::span<const float>> Sampler::apply_bias_and_penalties(std::span<con
     penalized_[static_cast<size_t>(id)] += bias;
   }
   TERN_TRY(sampling_apply_penalties(params_, penalized_, prompt_ids, output_ids));
+  // After the penalties, which refuse a logit they would push past the float range.
+  for (int32_t id : params_.banned_ids) {
+    if (static_cast<size_t>(id) >= logits.size()) {
+      return make_error("banned token id {} is outside the vocabulary (size {})", id, logits.size());
+    }
+    penalized_[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
+  }
+  if (!params_.banned_ids.empty() && std::ranges::all_of(penalized_, [](float v) { return std::isinf(v) && v < 0; })) {
+    return make_error("every token id of the vocabulary is banned (min_tokens bans the stop ids)");
+  }
   return std::span<const float>(penalized_);
 }
 

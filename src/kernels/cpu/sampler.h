@@ -40,6 +40,10 @@ struct SamplingParams {
   // penalties; the logprobs stay the raw row's. At most kSamplingMaxLogitBias entries; an id outside the vocabulary
   // is an error of the step that meets it.
   std::vector<std::pair<int32_t, float>> logit_bias;
+  // Ids that cannot be sampled (their logits -inf after the bias and the penalties; the logprobs stay raw): the
+  // engine's ban of the stop ids until a request's min_tokens are out (vLLM's min_tokens). At most
+  // kSamplingMaxLogitBias entries, each >= 0; an id outside the vocabulary is an error of the step that meets it.
+  std::vector<int32_t> banned_ids;
 };
 
 constexpr int32_t kSamplingMaxLogprobs = 20;
@@ -93,6 +97,8 @@ class Sampler {
                                 std::span<const int32_t> output_ids);
 
   const SamplingParams& params() const { return params_; }
+  // Replaces SamplingParams::banned_ids from the next step on (checked as the constructor checks its params).
+  void set_banned_ids(std::vector<int32_t> ids);
   // For a device sampler that reproduces sample(): the uniform this step's random draw uses, taken from this
   // Sampler's stream exactly as sample() would take it (one value), or 0 for a greedy step (none taken).
   double next_draw();

@@ -546,6 +546,38 @@ TEST(Sampler, LogitBiasMovesTheChoiceButNotTheLogprobs) {
   EXPECT_FALSE(sampling_params_validate(many).has_value());
 }
 
+// min_tokens' ban (SamplingParams::banned_ids): a banned id is never the token, greedy or drawn, also when a bias
+// or a penalty would favour it, and the logprobs stay the raw row's; lifting the ban restores the choice.
+TEST(Sampler, BannedIdsAreNeverSampled) {
+  const std::vector<float> row = random_row(1000, 37, 3.0f);
+  const std::vector<double> reference = log_softmax_double(row);
+  const std::vector<int32_t> by_value = ids_by_value(row);
+  Sampler greedy(SamplingParams{.temperature = 0.0f, .logit_bias = {{by_value[0], 100.0f}}});
+  EXPECT_EQ(sample_ok(greedy, row, {}, {}).id, by_value[0]);
+  greedy.set_banned_ids({by_value[0], by_value[1]});
+  const SampledToken third = sample_ok(greedy, row, {}, {});
+  EXPECT_EQ(third.id, by_value[2]);
+  EXPECT_NEAR(third.logprob, reference[by_value[2]], logprob_tolerance(reference[by_value[2]]));
+  greedy.set_banned_ids({});
+  EXPECT_EQ(sample_ok(greedy, row, {}, {}).id, by_value[0]);
+  // Drawn at temperature 2 with a repetition penalty on the banned ids' rivals: 500 draws, none banned.
+  const std::vector<int32_t> banned(by_value.begin(), by_value.begin() + 5);
+  Sampler drawn(SamplingParams{.temperature = 2.0f, .repetition_penalty = 1.5f, .seed = 4, .banned_ids = banned});
+  const std::vector<int32_t> output{by_value[6], by_value[7], by_value[0]};
+  for (int i = 0; i < 500; ++i) {
+    const int32_t id = sample_ok(drawn, row, {}, output).id;
+    EXPECT_EQ(std::find(banned.begin(), banned.end(), id), banned.end()) << id;
+  }
+  Sampler outside(SamplingParams{.temperature = 0.0f, .banned_ids = {1000}});
+  auto bad = outside.sample(row, {}, {});
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_NE(bad.error().message.find("1000"), std::string::npos) << bad.error().message;
+  EXPECT_FALSE(sampling_params_validate(SamplingParams{.banned_ids = {-1}}).has_value());
+  Sampler all(SamplingParams{.temperature = 0.0f});
+  all.set_banned_ids({0, 1, 2});
+  EXPECT_FALSE(all.sample(std::vector<float>{1.0f, 2.0f, 3.0f}, {}, {}).has_value());
+}
+
 TEST(Sampler, LogprobsOfGreedyTokensAndTieOrder) {
   const std::vector<float> row = {-3.0f, 1.5f, 0.25f, 1.5f, -40.0f, 0.25f};
   const std::vector<double> reference = log_softmax_double(row);
