@@ -275,6 +275,20 @@ test('logit_bias forces and bans tokens; logprobs stay raw', async () => {
   assert.deepEqual(banned.choices[0].logprobs.top_logprobs[0], plain.choices[0].logprobs.top_logprobs[0]);
 });
 
+// vLLM's min_tokens: with the EOS (151645) pushed to the top by a +100 bias, a request ends on it at once, and with
+// min_tokens 3 only after three other tokens ("stop" both times; the EOS counts as a completion token).
+test('min_tokens holds off the EOS', async () => {
+  const req = { model: MODEL, prompt: [9707, 1879, 11], max_tokens: 6, temperature: 0, logit_bias: { 151645: 100 } };
+  const atOnce = await client.completions.create(req);
+  assert.equal(atOnce.choices[0].finish_reason, 'stop');
+  assert.equal(atOnce.usage.completion_tokens, 1);
+  assert.equal(atOnce.choices[0].text, '');
+  const held = await client.completions.create({ ...req, min_tokens: 3 });
+  assert.equal(held.choices[0].finish_reason, 'stop');
+  assert.equal(held.usage.completion_tokens, 4);
+  assert.notEqual(held.choices[0].text, '');
+});
+
 // /tokenize and /detokenize (vLLM's and SGLang's routes) against the Rust tokenizers library on the same
 // tokenizer.json; the messages form gives the prompt a chat completion counts.
 test('tokenize and detokenize agree with the Rust tokenizers library', async () => {
@@ -371,7 +385,8 @@ const BAD = [
   ['{', 400, null], ['[]', 400, null], ['"x"', 400, null], ['', 400, null],
   [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], n: 0 }, 400, 'n'],
   [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], logit_bias: { 11: -300 } }, 400, 'logit_bias'],
-  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], min_tokens: 3 }, 400, 'min_tokens'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], min_tokens: 3, max_tokens: 2 }, 400, 'min_tokens'],
+  [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], min_tokens: -1 }, 400, 'min_tokens'],
   [{ model: MODEL, messages: [{ role: 'user', content: 'x' }], n: 129 }, 400, 'n'],
   [{ model: 7, messages: [{ role: 'user', content: 'x' }] }, 400, 'model'],
   [{ model: 'gpt-9', messages: [{ role: 'user', content: 'x' }] }, 404, 'model'],
