@@ -366,7 +366,6 @@ template <int kTokens, int kStages, int kMinBlocks>
 __global__ void __launch_bounds__(kWgThreads, kMinBlocks) moe_prefill_rs_kernel(const GemmParams p) {
 #if TERN_WGMMA_AVAILABLE
   static_assert(kStages >= 3, "a step in flight, its successor being read, one loading");
-  static_assert(kStages * rs_x_bytes<kTokens>() >= kTokens * kRsOutStride * 2, "the output tile fits the x ring");
   constexpr int kLead = kStages - 1;  // steps loaded ahead
   constexpr int kAcc = kTokens / 2;
   ptx::grid_dependency_begin();
@@ -479,6 +478,7 @@ __global__ void __launch_bounds__(kWgThreads, kMinBlocks) moe_prefill_rs_kernel(
 
 template <int kTokens, int kStages, int kMinBlocks>
 void rs_launch(const GemmParams& p, int64_t rows, int64_t n_experts, const DeviceContext& ctx) {
+  static_assert(kStages * rs_x_bytes<kTokens>() >= kTokens * kRsOutStride * 2, "the output tile fits the x ring");
   constexpr size_t kSmem = rs_smem_bytes<kTokens, kStages>();
   auto* kernel = moe_prefill_rs_kernel<kTokens, kStages, kMinBlocks>;
   TERN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
