@@ -375,6 +375,50 @@ TEST_P(GpuModelReference, StepsOnASchedulersIdsMatchTheLeasedSteps) {
   }
 }
 
+using Traced = std::vector<std::pair<std::string, std::vector<float>>>;
+
+// A tracer that appends every intermediate it is handed (name, all rows) to `seen`.
+Tracer tracing_into(Traced& seen) {
+  return Tracer([&seen](std::string_view name, const float* data, int64_t rows, int64_t cols) {
+    seen.push_back({std::string(name), std::vector<float>(data, data + rows * cols)});
+  });
+}
+
+// The traced intermediates (tracer names, every row) of one prefill of `prompt` by the model in `dir` on `device`;
+// empty after a failure the test reports.
+Traced traced_prefill(const std::filesystem::path& dir, ModelDevice device, const std::vector<int32_t>& prompt) {
+  ModelLoadOptions options;
+  options.device = device;
+  options.device_options.kv_cache_tokens = 1024;
+  auto model = runner_load(dir, options);
+  EXPECT_TRUE(model.has_value()) << (model ? "" : model.error().message);
+  if (!model) return {};
+  Traced seen;
+  const Tracer tracer = tracing_into(seen);
+  SequenceCache cache = (*model)->new_sequence();
+  const std::vector<SequenceInput> batch{{&cache, prompt}};
+  const auto ran = (*model)->forward(batch, LogitsFor::kLastToken, &tracer);
+  EXPECT_TRUE(ran.has_value()) << (ran ? "" : ran.error().message);
+  return ran ? seen : Traced{};
+}
+
+// max |a - b| / max |b| over intermediate `name` of two traces of the same model shape (-1 if either lacks it or
+// a value of `a` is not finite).
+double relative_gap(const Traced& a, const Traced& b, const std::string& name) {
+  const auto find = [&](const Traced& t) {
+    return std::find_if(t.begin(), t.end(), [&](const auto& e) { return e.first == name; });
+  };
+  const auto ia = find(a), ib = find(b);
+  if (ia == a.end() || ib == b.end() || ia->second.size() != ib->second.size()) return -1.0;
+  double max_ref = 0.0, max_err = 0.0;
+  for (size_t i = 0; i < ia->second.size(); ++i) {
+    if (!std::isfinite(ia->second[i])) return -1.0;
+    max_ref = std::max(max_ref, std::abs(static_cast<double>(ib->second[i])));
+    max_err = std::max(max_err, std::abs(static_cast<double>(ia->second[i]) - ib->second[i]));
+  }
+  return max_err == 0.0 ? 0.0 : max_err / max_ref;
+}
+
 // Layer by layer against the CPU path on the same prompt: every traced intermediate (mixer and feed-forward
 // outputs, GDN core, router logits, final norm) within 2^-4 of the tensor's largest CPU value. The CPU path is
 // fp32 and matches transformers to 1e-3 (model_reference_test), so this locates a wrong kernel in the layer
@@ -393,13 +437,8 @@ TEST_P(GpuModelReference, IntermediatesTrackTheCpuPath) {
   EXPECT_FALSE((*cpu)->model().host_weights_released());
   const auto ref = reference_of(c);
   const auto prompt = ref["prompts"][0].get<std::vector<int32_t>>();
-  std::vector<std::pair<std::string, std::vector<float>>> seen_cpu, seen_gpu;
-  auto collect = [](auto& into) {
-    return Tracer([&into](std::string_view name, const float* data, int64_t rows, int64_t cols) {
-      into.push_back({std::string(name), std::vector<float>(data, data + rows * cols)});
-    });
-  };
-  const Tracer t_cpu = collect(seen_cpu), t_gpu = collect(seen_gpu);
+  Traced seen_cpu, seen_gpu;
+  const Tracer t_cpu = tracing_into(seen_cpu), t_gpu = tracing_into(seen_gpu);
   SequenceCache s_cpu = (*cpu)->new_sequence(), s_gpu = gpu->new_sequence();
   const std::vector<SequenceInput> b_cpu{{&s_cpu, prompt}}, b_gpu{{&s_gpu, prompt}};
   ASSERT_TRUE((*cpu)->forward(b_cpu, LogitsFor::kLastToken, &t_cpu).has_value());
@@ -407,17 +446,10 @@ TEST_P(GpuModelReference, IntermediatesTrackTheCpuPath) {
   ASSERT_TRUE(r.has_value()) << r.error().message;
   ASSERT_FALSE(seen_gpu.empty());
   for (const auto& [name, got] : seen_gpu) {
-    const auto it = std::find_if(seen_cpu.begin(), seen_cpu.end(), [&](const auto& e) { return e.first == name; });
-    ASSERT_NE(it, seen_cpu.end()) << name << " is not traced on the CPU";
-    ASSERT_EQ(it->second.size(), got.size()) << name;
-    double max_ref = 0.0, max_err = 0.0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      ASSERT_TRUE(std::isfinite(got[i])) << name << " element " << i;
-      max_ref = std::max(max_ref, std::abs(static_cast<double>(it->second[i])));
-      max_err = std::max(max_err, std::abs(static_cast<double>(got[i]) - it->second[i]));
-    }
-    std::printf("%-28s max |gpu - cpu| / max |cpu| = %.4f\n", name.c_str(), max_err / max_ref);
-    EXPECT_LE(max_err, max_ref / 16) << name;
+    const double gap = relative_gap(seen_gpu, seen_cpu, name);
+    ASSERT_GE(gap, 0.0) << name << " is not traced alike on the CPU, or not finite";
+    std::printf("%-28s max |gpu - cpu| / max |cpu| = %.4f\n", name.c_str(), gap);
+    EXPECT_LE(gap, 1.0 / 16) << name;
   }
 }
 
@@ -620,45 +652,6 @@ TEST(GpuModel, AnExpertSplitBelowTheKernelsStepIsRefused) {
             std::string::npos) << model.error().message;
   EXPECT_NE(model.error().message.find("fewer than 4 tensor-parallel ranks"), std::string::npos)
       << model.error().message;
-}
-
-using Traced = std::vector<std::pair<std::string, std::vector<float>>>;
-
-// The traced intermediates (tracer names, every row) of one prefill of `prompt` by the model in `dir` on `device`;
-// empty after a failure the test reports.
-Traced traced_prefill(const std::filesystem::path& dir, ModelDevice device, const std::vector<int32_t>& prompt) {
-  ModelLoadOptions options;
-  options.device = device;
-  options.device_options.kv_cache_tokens = 1024;
-  auto model = runner_load(dir, options);
-  EXPECT_TRUE(model.has_value()) << (model ? "" : model.error().message);
-  if (!model) return {};
-  Traced seen;
-  const Tracer tracer([&seen](std::string_view name, const float* data, int64_t rows, int64_t cols) {
-    seen.push_back({std::string(name), std::vector<float>(data, data + rows * cols)});
-  });
-  SequenceCache cache = (*model)->new_sequence();
-  const std::vector<SequenceInput> batch{{&cache, prompt}};
-  const auto ran = (*model)->forward(batch, LogitsFor::kLastToken, &tracer);
-  EXPECT_TRUE(ran.has_value()) << (ran ? "" : ran.error().message);
-  return ran ? seen : Traced{};
-}
-
-// max |a - b| / max |b| over intermediate `name` of two traces of the same model shape (-1 if either lacks it or
-// a value of `a` is not finite).
-double relative_gap(const Traced& a, const Traced& b, const std::string& name) {
-  const auto find = [&](const Traced& t) {
-    return std::find_if(t.begin(), t.end(), [&](const auto& e) { return e.first == name; });
-  };
-  const auto ia = find(a), ib = find(b);
-  if (ia == a.end() || ib == b.end() || ia->second.size() != ib->second.size()) return -1.0;
-  double max_ref = 0.0, max_err = 0.0;
-  for (size_t i = 0; i < ia->second.size(); ++i) {
-    if (!std::isfinite(ia->second[i])) return -1.0;
-    max_ref = std::max(max_ref, std::abs(static_cast<double>(ib->second[i])));
-    max_err = std::max(max_err, std::abs(static_cast<double>(ia->second[i]) - ib->second[i]));
-  }
-  return max_err / max_ref;
 }
 
 // Scaled RoPE on CUDA against the CPU path, where RoPE enters: the first layer's attention output (mixer_out) of a

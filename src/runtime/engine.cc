@@ -50,18 +50,15 @@ struct Engine::Active {
   std::vector<int32_t> drafts;  // speculative decoding: the draft tokens the next step verifies
   int64_t prompt_logprobs_next = 1;  // the next prompt position whose logprob is to be sent
 
-  // The ids min_tokens keeps from being sampled (the stop ids, the model's EOS among them unless ignore_eos), and
-  // whether the sampler bans them now.
+  // The ids min_tokens keeps from being sampled (the stop ids, the model's EOS among them unless ignore_eos).
   std::vector<int32_t> min_tokens_ban;
-  bool banning = false;
 
   // Before a sampling step: the ban on while fewer than min_tokens tokens are out, off after.
   void update_ban() {
     const bool ban = static_cast<int64_t>(tokens.size() - request.prompt.size()) < request.stop.min_tokens &&
                      !min_tokens_ban.empty();
-    if (ban == banning) return;
+    if (ban == !sampler.params().banned_ids.empty()) return;
     sampler.set_banned_ids(ban ? min_tokens_ban : std::vector<int32_t>{});
-    banning = ban;
   }
 
   bool wants_prompt_logprobs() const {

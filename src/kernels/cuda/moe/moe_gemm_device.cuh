@@ -83,6 +83,18 @@ __device__ __forceinline__ int64_t x_row_offset(const GemmParams& p, int r) {
   return static_cast<int64_t>(src) * p.ldx;
 }
 
+// y[row][col] = v0 and, when col + 1 < n, y[row][col + 1] = v1: one 4-byte store where p.y_pairs allows it (the
+// prefill kernels' epilogues).
+__device__ __forceinline__ void store_y_pair(const GemmParams& p, int row, int col, uint16_t v0, uint16_t v1) {
+  uint16_t* dst = p.y + static_cast<int64_t>(row) * p.ldy + col;
+  if (p.y_pairs) {
+    *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(v0) | (static_cast<uint32_t>(v1) << 16);
+  } else {
+    dst[0] = v0;
+    if (col + 1 < p.n) dst[1] = v1;
+  }
+}
+
 // The prefill kernels' row tiles (moe_gemm_prefill.cu, moe_gemm_prefill_sm90.cu).
 struct TileWork {
   int expert;   // -1: no tile with this index

@@ -76,15 +76,8 @@ __device__ __forceinline__ void prefill_store_y(const GemmParams& p, const TileW
         const int row = tw.row0 + (warp / 4) * (kBm / 2) + mi * 16 + g + 8 * h;
         const int col = n0 + (warp % 4) * 32 + ni * 8 + 2 * t;
         if (row >= tw.row_end || col >= p.n) continue;
-        uint16_t* dst = p.y + static_cast<int64_t>(row) * p.ldy + col;
-        const uint16_t v0 = f32_to_bf16(acc[mi][ni][2 * h] * out_scale);
-        const uint16_t v1 = f32_to_bf16(acc[mi][ni][2 * h + 1] * out_scale);
-        if (p.y_pairs) {
-          *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(v0) | (static_cast<uint32_t>(v1) << 16);
-        } else {
-          dst[0] = v0;
-          if (col + 1 < p.n) dst[1] = v1;
-        }
+        store_y_pair(p, row, col, f32_to_bf16(acc[mi][ni][2 * h] * out_scale),
+                     f32_to_bf16(acc[mi][ni][2 * h + 1] * out_scale));
       }
     }
   }
