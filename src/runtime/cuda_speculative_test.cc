@@ -9,7 +9,8 @@
 //   plain decoding of the same tokens does (a state left after a rejected row is off by O(1));
 // - sampling: the output's distribution over many seeds is the model's (a chi-square test);
 // - refusals: a verification longer than the runner was sized for;
-// - GLM-5's MTP layer (the GLM fixture with one written at test time) against the CPU path and greedy decoding.
+// - GLM-5's MTP layer (the GLM fixture with one written at test time) against the CPU path and greedy decoding, also
+//   with every sequence the runner holds verifying at its longest graphed context.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -146,7 +147,9 @@ INSTANTIATE_TEST_SUITE_P(CudaSpeculative, CudaGreedySteps, testing::Values(1, 3,
 TEST(CudaSpeculative, GlmMtpLayerTracksTheCpuPath) {
   if (runner_cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const std::filesystem::path dir = glm_with_mtp("glm_mtp_gpu");
-  auto gpu = runner_load(dir, gpu_draft_options(4, 256, 4096, 4));
+  ModelLoadOptions gpu_options = gpu_draft_options(4, 256, 4096, 4);
+  gpu_options.device_options.max_context_tokens = 256;  // the fixture's max_position_embeddings, as serve sets it
+  auto gpu = runner_load(dir, gpu_options);
   ASSERT_TRUE(gpu.has_value()) << gpu.error().message;
   ModelLoadOptions cpu_options;
   cpu_options.load_draft = true;
@@ -189,6 +192,17 @@ TEST(CudaSpeculative, GlmMtpLayerTracksTheCpuPath) {
                          "GLM, " + std::to_string(steps) + " steps");
       EXPECT_GT(r.drafted, 0);
     }
+  }
+  // Every sequence the runner holds verifying at once in the widest decode graph (contexts past 128 of the 256): the
+  // DSA indexer's graph workspace must hold max_sequences x verify_rows score rows (it held max_sequences once).
+  std::vector<SpecRun> full;
+  for (uint32_t seed = 20; seed < 24; ++seed) {
+    full.emplace_back(**gpu, random_prompt(200, seed, vocab), SamplingParams{.temperature = 0.0f});
+  }
+  run_speculative(**gpu, full, 8, 3, 64);
+  for (SpecRun& r : full) {
+    r.output.resize(8);
+    expect_same_greedy(**gpu, **cpu, r.prompt, r.output, plain_greedy(**gpu, r.prompt, 8), "GLM, a full batch");
   }
   const std::vector<int32_t> p = random_prompt(20, 14, vocab);
   const std::vector<int32_t> want = plain_greedy(**gpu, p, 24);

@@ -457,8 +457,7 @@ Expected<std::unique_ptr<Block>> CudaOps::draft_input(const RmsNorm& norm_embedd
 // ---- Buffers and caches ----
 
 Expected<void> CudaOps::allocate() {
-  const int64_t graphed_rows = std::max<int64_t>(options_.max_sequences, 1) * std::max<int64_t>(verify_rows(), 1);
-  TERN_TRY(reserve_head_rows(graphed_rows, head_graph_));
+  TERN_TRY(reserve_head_rows(graphed_rows(), head_graph_));
   TERN_TRY(allocate_activations());
   return allocate_caches();
 }
@@ -544,8 +543,8 @@ Expected<void> CudaOps::allocate_caches() {
     return make_error("out of device memory for the MLA attention workspace");
   }
   // DSA: the selection of a step ([rows, index_topk] key positions) and the indexer's score rows. The graphs' score
-  // buffer is sized here for every graphed step (max_sequences rows over the widest graph's max_seq_len, up to twice
-  // the context) and never reallocated, since the captured graphs hold its address; a longer prefill grows a
+  // buffer is sized here for every graphed step (graphed_rows(): a verification's rows too, over the widest graph's
+  // max_seq_len, up to twice the context) and never reallocated, since the captured graphs hold its address; a longer prefill grows a
   // buffer of its own.
   for (const GpuMla* a : mlas_) {
     if (a->shape.index_topk <= 0) continue;
@@ -555,7 +554,7 @@ Expected<void> CudaOps::allocate_caches() {
     }
     const int64_t context = options_.max_context_tokens > 0 ? options_.max_context_tokens : kv_blocks_ * bs;
     const int64_t graph_seq_len = decode_graph_max_blocks(context, kv_blocks_, bs) * bs;
-    TERN_TRY(reserve_indexer_workspace(indexer_select_workspace_bytes(options_.max_sequences, graph_seq_len),
+    TERN_TRY(reserve_indexer_workspace(indexer_select_workspace_bytes(graphed_rows(), graph_seq_len),
                                        indexer_workspace_));
     break;
   }

@@ -107,6 +107,11 @@ class CudaOps final : public BlockOps {
   int64_t state_slots() const { return options_.max_sequences * (verify_rows() + 1) + 1; }
   int32_t spare_slot() const { return static_cast<int32_t>(state_slots() - 1); }
   int64_t verify_rows() const { return has_draft_ ? options_.verify_rows : 0; }
+  // The most rows a graphed step has: a decode step's max_sequences, or a verification's max_sequences x
+  // verify_rows. Buffers that captured graphs read are sized for it at load.
+  int64_t graphed_rows() const {
+    return std::max<int64_t>(options_.max_sequences, 1) * std::max<int64_t>(verify_rows(), 1);
+  }
   // The normed hidden states of every row of the last model step and of the last draft step ([max_batch_tokens,
   // hidden] each; a model with a draft module only).
   uint16_t* model_hidden() const { return model_hidden_; }

@@ -171,6 +171,10 @@ Expected<void> paged_attention(const DeviceContext& ctx, const PagedAttentionArg
     paged_attention_decode_launch(ctx, args);
     return {};
   }
+  if (variant == AttentionVariant::kPrefill && attention_prefill_sm90_fits(ctx.props(), args.cache.head_dim)) {
+    paged_attention_prefill_sm90_launch(ctx, args);
+    return {};
+  }
   const AttentionPrefillTiles tiles = attention_prefill_tiles(ctx.props(), args.cache.head_dim);
   if (tiles.stages == 0) {
     return make_error(

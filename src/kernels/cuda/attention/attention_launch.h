@@ -84,9 +84,10 @@ struct PagedAttentionArgs {
 };
 
 enum class AttentionVariant {
-  kAuto,     // decode for max_query_len <= kAttentionDecodeMaxQueryLen, else prefill
-  kDecode,   // split-K flash decoding, one block per (token, kv head, split); any query count, best for few
-  kPrefill,  // tensor-core flash attention over 64-row query tiles
+  kAuto,        // decode for max_query_len <= kAttentionDecodeMaxQueryLen, else prefill
+  kDecode,      // split-K flash decoding, one block per (token, kv head, split); any query count, best for few
+  kPrefill,     // tensor-core flash attention: on wgmma where attention_prefill_sm90_fits, else as kPrefillMma
+  kPrefillMma,  // tensor-core flash attention on mma.sync over 64-row query tiles (every sm_80+ device)
 };
 
 inline constexpr int64_t kAttentionDecodeMaxQueryLen = 4;
@@ -134,9 +135,17 @@ struct AttentionPrefillTiles {
 };
 AttentionPrefillTiles attention_prefill_tiles(const DeviceProps& props, int64_t head_dim);
 
+// The prefill on wgmma (attention_prefill_sm90.cu): 128-row query tiles of two warpgroups; an sm_90 device, a build
+// with sm_90a code, head_dim 64, 128 or 256 and the shared memory for its tiles.
+bool attention_prefill_sm90_fits(const DeviceProps& props, int64_t head_dim);
+
 // Unchecked launches on ctx.stream() for arguments the checked launchers have validated (counts >= 1).
 void attention_prepare_launch(const DeviceContext& ctx, const AttentionPrepareArgs& args);
 void paged_attention_decode_launch(const DeviceContext& ctx, const PagedAttentionArgs& args);
 void paged_attention_prefill_launch(const DeviceContext& ctx, const PagedAttentionArgs& args);
+// shape: one of attention_prefill_sm90_shapes(head_dim) tile shapes, 0 the one kPrefill takes (attention_bench
+// --prefill times the others).
+void paged_attention_prefill_sm90_launch(const DeviceContext& ctx, const PagedAttentionArgs& args, int shape = 0);
+int attention_prefill_sm90_shapes(int64_t head_dim);
 
 }  // namespace tern

@@ -7,11 +7,6 @@
 namespace tern {
 namespace {
 
-// The cache slot of key j of a sequence whose block table row is `table`.
-__device__ __forceinline__ int64_t key_slot(const int32_t* table, int j, int log2_bs) {
-  return int64_t{table[j >> log2_bs]} * (int64_t{1} << log2_bs) + (j & ((1 << log2_bs) - 1));
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // Prefill (flash attention on tensor cores). Block (query tile, head, sequence), 4 warps; warp w owns query rows
 // 16w..16w+15 of the tile. The Q tile stays in shared memory; K/V tiles of kKvTile keys are gathered from the cache
@@ -23,23 +18,6 @@ __device__ __forceinline__ int64_t key_slot(const int32_t* table, int j, int log
 
 constexpr int kPrefillWarps = 4;
 constexpr int kPrefillThreads = kPrefillWarps * 32;
-
-struct PrefillParams {
-  PagedAttentionArgs a;
-  int group;
-  int log2_bs;
-  float scale_log2;
-};
-
-// Where the tile of a block sits in its sequence.
-struct PrefillTile {
-  int q0;      // first query row of the sequence
-  int row0;    // first row of the tile within the sequence
-  int n_q;     // the sequence's query rows
-  int pos0;    // position of the tile's row 0
-  int n_keys;  // keys the tile's last valid row attends
-  int64_t table_row;
-};
 
 // Gathers keys [key0, key0 + kKvTile) of the kv head into k_s / v_s ([kKvTile][kLd] each), zero past n_keys.
 template <int kHeadDim, int kKvTile>
@@ -99,48 +77,6 @@ __device__ __forceinline__ void prefill_pv(const float (&s)[kKvTile / 8][4], con
   }
 }
 
-// Causal mask and the online softmax update of one K/V tile. A thread holds rows lane/4 (r = 0) and lane/4 + 8
-// (r = 1) of its warp's 16, columns 2 * (lane % 4) + {0, 1} of each 8-key group; a row's four lanes are a quad.
-template <int kHeadDim, int kKvTile>
-__device__ __forceinline__ void prefill_softmax(float (&s)[kKvTile / 8][4], float (&o)[kHeadDim / 8][4], float (&m)[2],
-                                                float (&l)[2], const int (&qpos)[2], int key0, float scale_log2) {
-  const int lane = threadIdx.x % 32;
-  float mx[2] = {m[0], m[1]};
-#pragma unroll
-  for (int n = 0; n < kKvTile / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int key = key0 + n * 8 + (lane % 4) * 2 + (e % 2);
-      const float v = key <= qpos[e / 2] ? s[n][e] * scale_log2 : -INFINITY;
-      s[n][e] = v;
-      mx[e / 2] = fmaxf(mx[e / 2], v);
-    }
-  }
-  float base[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xFFFFFFFFu, mx[r], 1));
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xFFFFFFFFu, mx[r], 2));
-    base[r] = mx[r] == -INFINITY ? 0.0f : mx[r];  // a row with no key yet keeps p = 0 instead of NaN
-    const float corr = exp2f(m[r] - base[r]);
-    m[r] = mx[r];
-    l[r] *= corr;
-#pragma unroll
-    for (int dn = 0; dn < kHeadDim / 8; ++dn) {
-      o[dn][2 * r] *= corr;
-      o[dn][2 * r + 1] *= corr;
-    }
-  }
-#pragma unroll
-  for (int n = 0; n < kKvTile / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[n][e] = exp2f(s[n][e] - base[e / 2]);
-      l[e / 2] += s[n][e];
-    }
-  }
-}
-
 template <int kHeadDim, int kKvTile, int kStages>
 __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const PrefillParams p) {
   ptx::grid_dependency_begin();
@@ -149,16 +85,9 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
   uint16_t* q_s = smem;                 // [kRows][kLd]
   uint16_t* kv_s = smem + kRows * kLd;  // per stage: K [kKvTile][kLd], then V [kKvTile][kLd]
   const PagedAttentionArgs& a = p.a;
-  const int h = blockIdx.y, seq = blockIdx.z, kvh = h / p.group;
+  const int h = blockIdx.y, kvh = h / p.group;
   PrefillTile tile;
-  tile.q0 = a.query_start[seq];
-  tile.n_q = a.query_start[seq + 1] - tile.q0;
-  tile.row0 = (gridDim.x - 1 - blockIdx.x) * kRows;  // the latest (longest) tiles start first
-  if (tile.row0 >= tile.n_q) return;
-  const int past = a.seq_lens[seq] - tile.n_q;
-  tile.pos0 = past + tile.row0;
-  tile.n_keys = min(past + min(tile.row0 + kRows, tile.n_q), static_cast<int>(a.max_blocks_per_seq << p.log2_bs));
-  tile.table_row = int64_t{seq} * a.max_blocks_per_seq;
+  if (!prefill_tile(p, kRows, tile)) return;
   const int n_tiles = (tile.n_keys + kKvTile - 1) / kKvTile;
 
   // Q tile and the first K/V tile in one cp.async group.
@@ -190,7 +119,9 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
     const uint16_t* k_s = kv_s + (j % kStages) * 2 * kKvTile * kLd;
     float s[kKvTile / 8][4];
     prefill_scores<kHeadDim, kKvTile>(q_s, k_s, s);
-    prefill_softmax<kHeadDim, kKvTile>(s, o, m, l, qpos, j * kKvTile, p.scale_log2);
+    prefill_softmax<kKvTile, kHeadDim>([&](int i) -> float& { return s[i / 4][i % 4]; },
+                                       [&](int i) -> float& { return o[i / 4][i % 4]; }, m, l, qpos, j * kKvTile,
+                                       true, p.scale_log2);
     prefill_pv<kHeadDim, kKvTile>(s, k_s + kKvTile * kLd, o);
     __syncthreads();  // the stage just read is overwritten by the next load
     if constexpr (kStages == 1) {
@@ -202,25 +133,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
   }
   cp_async_wait<0>();
 
-  // Row sums over the quad, normalise, gate, store bf16 pairs.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xFFFFFFFFu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xFFFFFFFFu, l[r], 2);
-    const int row = tile.row0 + warp * 16 + lane / 4 + 8 * r;
-    if (row >= tile.n_q) continue;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    const int64_t base = ((int64_t{tile.q0} + row) * a.n_heads + h) * kHeadDim + (lane % 4) * 2;
-#pragma unroll
-    for (int dn = 0; dn < kHeadDim / 8; ++dn) {
-      float y0 = o[dn][2 * r] * inv, y1 = o[dn][2 * r + 1] * inv;
-      if (a.gate != nullptr) {
-        y0 *= sigmoid_f32(bf16_to_f32(a.gate[base + dn * 8]));
-        y1 *= sigmoid_f32(bf16_to_f32(a.gate[base + dn * 8 + 1]));
-      }
-      *reinterpret_cast<uint32_t*>(a.out + base + dn * 8) = pack_bf16x2(y0, y1);
-    }
-  }
+  prefill_store<kHeadDim>(a, tile, h, warp * 16 + lane / 4, l, [&](int i) { return o[i / 4][i % 4]; });
 }
 
 // K/V tile keys: 64 keep S at 32 fp32 registers next to O's head_dim / 2 up to head_dim 128; head_dim 256 holds

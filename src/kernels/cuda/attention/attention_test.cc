@@ -1,7 +1,8 @@
 // The paged attention kernels against the CPU reference (label gpu): paged_attention against cpu_attention_causal
-// (kernels/cpu/attention.h) on ragged batches whose blocks are shuffled through the pool, both variants, every head
-// dim, GQA groups 1..16, gated and not, contexts up to 32k; attention_prepare against the CPU layers' RmsNorm and
-// Rope (layers/norms.h, layers/rope.h), including partial rotary, zero-centred norms and untouched cache slots.
+// (kernels/cpu/attention.h) on ragged batches whose blocks are shuffled through the pool, every variant (prefill on
+// wgmma where the device has it, and on mma.sync), every head dim, GQA groups 1..16, gated and not, contexts up to
+// 32k; attention_prepare against the CPU layers' RmsNorm and Rope (layers/norms.h, layers/rope.h), including partial
+// rotary, zero-centred norms and untouched cache slots.
 // Inputs are fresh random non-zero bf16 values; outputs start poisoned, unused cache slots hold NaN so a read of a
 // wrong slot shows in the output.
 //
@@ -152,7 +153,8 @@ class CudaAttention : public ::testing::Test {
   }
 
   // The kernel's output on the batch (bf16 widened; poison stays recognisable as kPoison bits).
-  Expected<std::vector<uint16_t>> run(const Batch& b, AttentionVariant variant) {
+  // sm90_shape >= 0: that tile shape of the wgmma prefill kernel, launched directly (the variant unused).
+  Expected<std::vector<uint16_t>> run(const Batch& b, AttentionVariant variant, int sm90_shape) {
     const Shape& s = b.shape;
     const DeviceBuffer q = upload(b.q), gate = upload(b.gate), kp = upload(b.k_pool), vp = upload(b.v_pool);
     const DeviceBuffer tables = upload(b.tables), starts = upload(b.query_start), lens = upload(b.seq_lens);
@@ -181,7 +183,11 @@ class CudaAttention : public ::testing::Test {
                                .scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim)),
                                .workspace = ws.data(),
                                .workspace_bytes = ws_bytes};
-    TERN_TRY(paged_attention(*ctx_, a, variant));
+    if (sm90_shape >= 0) {
+      paged_attention_prefill_sm90_launch(*ctx_, a, sm90_shape);
+    } else {
+      TERN_TRY(paged_attention(*ctx_, a, variant));
+    }
     if (cudaError_t e = cudaStreamSynchronize(ctx_->stream()); e != cudaSuccess) {
       return make_error("kernel failed: {}", cudaGetErrorString(e));
     }
@@ -189,10 +195,11 @@ class CudaAttention : public ::testing::Test {
   }
 
   // Every output element written, finite and within rel * (largest reference output of its sequence).
-  void check(const Shape& shape, AttentionVariant variant, double rel, uint32_t seed) {
-    SCOPED_TRACE(shape.label() + fmt::format(" variant {} seed {}", static_cast<int>(variant), seed));
+  void check(const Shape& shape, AttentionVariant variant, double rel, uint32_t seed, int sm90_shape = -1) {
+    SCOPED_TRACE(shape.label() +
+                 fmt::format(" variant {} sm90 shape {} seed {}", static_cast<int>(variant), sm90_shape, seed));
     const Batch b = make_batch(shape, seed);
-    auto got = run(b, variant);
+    auto got = run(b, variant, sm90_shape);
     ASSERT_TRUE(got.has_value()) << got.error().message;
     const std::vector<float> want = reference(b);
     const int64_t width = shape.n_heads * shape.head_dim;
@@ -235,7 +242,29 @@ TEST_F(CudaAttention, PrefillMatchesCpuOnRaggedBatches) {
     for (int64_t group : {1, 2, 8}) {
       const Shape shape{kPrefillSeqs, 2 * group, 2, hd, 16, (hd + group) % 3 != 0};
       check(shape, AttentionVariant::kPrefill, kPrefillRel, ++seed);
+      check(shape, AttentionVariant::kPrefillMma, kPrefillRel, ++seed);
       check(shape, AttentionVariant::kAuto, kPrefillRel, ++seed);
+    }
+  }
+}
+
+// On an H100/H200 (compute capability 9.0; tern's builds carry sm_90a code) kPrefill must take the wgmma kernel for
+// the head dims it has, so the prefill checks here test it rather than a silent fallback (kPrefillMma tests the
+// mma.sync kernel on the same device).
+TEST_F(CudaAttention, PrefillUsesWgmmaOnHopper) {
+  if (ctx_->props().cc_major != 9 || ctx_->props().cc_minor != 0) GTEST_SKIP() << "not a compute capability 9.0 GPU";
+  for (int64_t hd : {64, 128, 256}) EXPECT_TRUE(attention_prefill_sm90_fits(ctx_->props(), hd)) << hd;
+  EXPECT_FALSE(attention_prefill_sm90_fits(ctx_->props(), 32));
+}
+
+// Every tile shape of the wgmma kernel (kPrefill takes the first; attention_bench times the others).
+TEST_F(CudaAttention, WgmmaPrefillTileShapes) {
+  if (!attention_prefill_sm90_fits(ctx_->props(), 128)) GTEST_SKIP() << "no wgmma prefill on this device";
+  uint32_t seed = 700;
+  for (int64_t hd : {64, 128, 256}) {
+    for (int shape = 0; shape < attention_prefill_sm90_shapes(hd); ++shape) {
+      check(Shape{kPrefillSeqs, 8, 2, hd, 16, true}, AttentionVariant::kPrefill, kPrefillRel, ++seed, shape);
+      check(Shape{{{0, 700}, {300, 129}}, 4, 4, hd, 32, false}, AttentionVariant::kPrefill, kPrefillRel, ++seed, shape);
     }
   }
 }
@@ -286,6 +315,8 @@ TEST_F(CudaAttention, LargeBatchDecode) {
 
 TEST_F(CudaAttention, LongPrefill) {
   check(Shape{{{0, 2048}, {4000, 300}}, 8, 2, 128, 16, true}, AttentionVariant::kPrefill, kPrefillRel, 601);
+  check(Shape{{{0, 1500}, {700, 333}}, 16, 2, 256, 16, true}, AttentionVariant::kPrefill, kPrefillRel, 602);
+  check(Shape{{{0, 2048}, {4000, 300}}, 8, 2, 128, 16, false}, AttentionVariant::kPrefillMma, kPrefillRel, 603);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
