@@ -19,6 +19,7 @@ std::vector<CudaModuleReport> cuda_modules_describe() {
                                                    {"attention_prepare", attention_prepare_module_attributes},
                                                    {"attention_decode", attention_decode_module_attributes},
                                                    {"attention_prefill", attention_prefill_module_attributes},
+                                                   {"attention_prefill_sm90", attention_prefill_sm90_module_attributes},
                                                    {"gated_delta", gated_delta_module_attributes},
                                                    {"moe_route", moe_route_module_attributes},
                                                    {"moe_gemm", moe_gemm_module_attributes},

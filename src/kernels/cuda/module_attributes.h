@@ -17,6 +17,7 @@ cudaError_t moe_route_module_attributes(cudaFuncAttributes* out);
 cudaError_t moe_gemm_module_attributes(cudaFuncAttributes* out);  // moe_gemm_prefill.cu, reported as moe_gemm
 cudaError_t moe_gemm_decode_module_attributes(cudaFuncAttributes* out);
 cudaError_t moe_gemm_prefill_sm90_module_attributes(cudaFuncAttributes* out);
+cudaError_t attention_prefill_sm90_module_attributes(cudaFuncAttributes* out);
 cudaError_t sampling_module_attributes(cudaFuncAttributes* out);
 cudaError_t sampling_partials_module_attributes(cudaFuncAttributes* out);
 cudaError_t gemm_nvfp4_module_attributes(cudaFuncAttributes* out);

@@ -17,6 +17,7 @@
 
 #include "kernels/cuda/attention/attention_device.cuh"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/module_attributes.h"
 #include "kernels/cuda/wgmma.cuh"
 
 namespace tern {
@@ -209,6 +210,12 @@ void paged_attention_prefill_sm90_launch(const DeviceContext& ctx, const PagedAt
       break;
   }
   TERN_CUDA_CHECK_LAUNCH();
+}
+
+// What the driver loaded of this module for the current device (module_attributes.h). Its kernels have a body only
+// in sm_90a machine code.
+cudaError_t attention_prefill_sm90_module_attributes(cudaFuncAttributes* out) {
+  return cudaFuncGetAttributes(out, paged_prefill_wgmma_kernel<128, kWgShapes[0].kv_tile, kWgShapes[0].min_blocks>);
 }
 
 }  // namespace tern
