@@ -25,7 +25,7 @@ cases=(
   "cuda_gemm_bf16_test:*"
   "cuda_gemv_bf16_test:GemvBf16.MatchesReferenceOnSmallOddShapes:GemvBf16.WritesOnlyItsColumnsOfAWiderOutput:GemvBf16.EveryGroupSizeMatchesReference:GemvBf16.RmsNormPrologueMatchesReference:GemvBf16.SiluMulPrologueMatchesReference:GemvBf16.SiluMulEveryGroupSizeMatches"
   "ops_elementwise_cuda_test:*RmsNorm*:*Rope*:*SiluMul*:*Embedding*"
-  "cuda_attention_test:CudaAttention.DecodeMatchesCpuOnRaggedBatches:CudaAttention.PrefillMatchesCpuOnRaggedBatches:CudaAttention.PrepareMatchesCpuLayers:CudaAttention.WgmmaPrefillTileShapes"
+  "cuda_attention_test:CudaAttention.DecodeMatchesCpuOnRaggedBatches:CudaAttention.PrefillMatchesCpuOnRaggedBatches:CudaAttention.PrepareMatchesCpuLayers:CudaAttention.WgmmaPrefillAcrossTiles"
   "cuda_gdn_test:GdnKernels.DeltaRuleMatchesCpuOnRaggedBatches:GdnKernels.ConvMatchesCpuOnRaggedBatchesAndContinues"
   "cuda_moe_test:MoeRoute.*:MoeAlign.*:MoeBlock.*:MoeGemm.Nvfp4DecodeModelShapes"
   "cuda_moe_test:MoeRouteAlign.*:MoeGemm.SecondProjectionInTheSameLaunch:MoeGemm.SiluMulFoldedIntoTheDecodeKernel"

@@ -4,9 +4,9 @@
 // 1 x 32k, for 32/8 heads of 128 and 32/2 heads of 256); achieved GB/s of K and V read, next to the bandwidth of the
 // copy kernel (roofline.h, bytes read + written) of the same run as the ceiling. Successive calls read disjoint
 // regions of a large pool so small batches are not served from the L2.
-// prefill: 4096 new tokens (one prompt, and two of 2048), causal, on mma.sync and on each tile shape of the wgmma
-// kernel (sm_90a; shape 0 is the one kPrefill takes); TFLOP/s counting 4 * head_dim FLOPs per (query, visible key,
-// head) for q.k and p.v. --prefill: only those, at the model shapes.
+// prefill: 4096 new tokens (one prompt, and two of 2048), causal, on mma.sync (kPrefillMma) and on what kPrefill
+// takes (the wgmma kernel on sm_90a); TFLOP/s counting 4 * head_dim FLOPs per (query, visible key, head) for q.k and
+// p.v. --prefill: only those, at the model shapes.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -102,7 +102,7 @@ BatchMeta make_meta(int64_t n_seqs, int64_t n_q, int64_t seq_len, int64_t block_
 
 // Times paged_attention over `n_regions` disjoint batches of the pool; returns ms per call.
 double time_attention(const DeviceContext& ctx, const Pool& pool, const HeadConfig& h, int64_t n_seqs, int64_t n_q,
-                      int64_t seq_len, AttentionVariant variant, int sm90_shape = -1) {
+                      int64_t seq_len, AttentionVariant variant) {
   const int64_t bs = pool.cache.block_size, blocks = n_seqs * ((seq_len + bs - 1) / bs);
   const int64_t n_regions = std::clamp<int64_t>(pool.cache.n_blocks / blocks, 1, 8);
   std::vector<BatchMeta> metas;
@@ -130,10 +130,6 @@ double time_attention(const DeviceContext& ctx, const Pool& pool, const HeadConf
                                .scale = 0.08f,
                                .workspace = ws.data(),
                                .workspace_bytes = ws_bytes};
-    if (sm90_shape >= 0) {  // a tile shape of the wgmma kernel, launched unchecked (the arguments are valid)
-      paged_attention_prefill_sm90_launch(ctx, a, sm90_shape);
-      return;
-    }
     if (auto r = paged_attention(ctx, a, variant); !r) {
       std::fprintf(stderr, "%s\n", r.error().message.c_str());
       std::abort();
@@ -163,16 +159,14 @@ void bench_decode(const DeviceContext& ctx, const HeadConfig& h, const std::vect
 
 void bench_prefill(const DeviceContext& ctx, const HeadConfig& h) {
   const Pool pool = make_pool(h, 8 * 4096, 16);
-  // -1: the mma.sync kernel; 0..: the wgmma kernel's tile shapes, 0 the one kPrefill takes.
-  const int shapes = attention_prefill_sm90_fits(ctx.props(), h.head_dim) ? attention_prefill_sm90_shapes(h.head_dim)
-                                                                          : 0;
   for (int64_t n_seqs : {int64_t{1}, int64_t{2}}) {
-    for (int shape = -1; shape < shapes; ++shape) {
+    for (const AttentionVariant v : {AttentionVariant::kPrefillMma, AttentionVariant::kPrefill}) {
       const int64_t n_q = 4096 / n_seqs;
-      const double ms = time_attention(ctx, pool, h, n_seqs, n_q, n_q, AttentionVariant::kPrefillMma, shape);
+      const double ms = time_attention(ctx, pool, h, n_seqs, n_q, n_q, v);
       // Query i sees i + 1 keys.
       const double flops = 4.0 * static_cast<double>(h.n_heads * h.head_dim) * n_seqs * (n_q * (n_q + 1) / 2.0);
-      const std::string kernel = shape < 0 ? "mma.sync" : "wgmma " + std::to_string(shape);
+      const bool wgmma = v == AttentionVariant::kPrefill && attention_prefill_sm90_fits(ctx.props(), h.head_dim);
+      const std::string kernel = wgmma ? "wgmma" : "mma.sync";
       std::printf("prefill %-8s %2lld/%lld x %3lld | seqs %3lld x %4lld tokens | %9.1f us %7.1f TFLOP/s\n",
                   kernel.c_str(), static_cast<long long>(h.n_heads), static_cast<long long>(h.n_kv_heads),
                   static_cast<long long>(h.head_dim), static_cast<long long>(n_seqs), static_cast<long long>(n_q),

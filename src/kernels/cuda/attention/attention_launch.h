@@ -143,9 +143,6 @@ bool attention_prefill_sm90_fits(const DeviceProps& props, int64_t head_dim);
 void attention_prepare_launch(const DeviceContext& ctx, const AttentionPrepareArgs& args);
 void paged_attention_decode_launch(const DeviceContext& ctx, const PagedAttentionArgs& args);
 void paged_attention_prefill_launch(const DeviceContext& ctx, const PagedAttentionArgs& args);
-// shape: one of attention_prefill_sm90_shapes(head_dim) tile shapes, 0 the one kPrefill takes (attention_bench
-// --prefill times the others).
-void paged_attention_prefill_sm90_launch(const DeviceContext& ctx, const PagedAttentionArgs& args, int shape = 0);
-int attention_prefill_sm90_shapes(int64_t head_dim);
+void paged_attention_prefill_sm90_launch(const DeviceContext& ctx, const PagedAttentionArgs& args);
 
 }  // namespace tern

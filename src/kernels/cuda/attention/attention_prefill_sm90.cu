@@ -8,13 +8,11 @@
 //   kernel: wgmma's accumulator layout is mma.m16n8's, per warp and 8-column group);
 //   O += P V: m64n{head_dim}k16 with P as the register A operand (bf16) and V [key][dim] as an N-major B.
 // The next tile's loads run under this tile's products; the two warpgroups' softmaxes and products interleave on
-// the SM, and with those of a second block where the registers allow (kWgShapes). Every warpgroup issues its
+// the SM (one block an SM; docs/perf/gpu.md §attention-wgmma for the shapes measured). Every warpgroup issues its
 // products, also for tiles wholly past its rows (all masked): the wgmmas stay out of branches, which ptxas would
 // otherwise serialize (as in the MoE kernels, docs/perf/gpu.md §moe-prefill-wgmma). Head dims 64, 128 and 256
-// (whole 128-byte rows per 64 dims); kBn keys a K/V tile (kWgShapes), so S, P and O fit the registers (at 256: O
+// (whole 128-byte rows per 64 dims); kBn keys a K/V tile (wg_kv_tile), so S, P and O fit the registers (at 256: O
 // 128, S 32, P 16 a thread).
-#include <iterator>
-
 #include "kernels/cuda/attention/attention_device.cuh"
 #include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/module_attributes.h"
@@ -27,16 +25,10 @@ constexpr int kWgRows = 128;     // query rows per block
 constexpr int kWgThreads = 256;  // two warpgroups
 constexpr int kWgStages = 2;
 
-// Tile shapes {keys per K/V tile, blocks an SM} up to head_dim 128, the first the one kPrefill takes: two blocks of
-// 64-key tiles an SM beat one of 128-key tiles by 12% though they spill a word (docs/perf/gpu.md §attention-wgmma),
-// the four warpgroups hiding more of each other's softmax. Head dim 256 has one shape, {64, 1} (its O alone holds
-// 128 registers a thread). attention_bench --prefill times them all.
-struct WgShape {
-  int kv_tile, min_blocks;
-};
-constexpr WgShape kWgShapes[] = {{64, 2}, {128, 1}};
-constexpr WgShape kWgShape256 = {64, 1};
-constexpr WgShape wg_default_shape(int head_dim) { return head_dim <= 128 ? kWgShapes[0] : kWgShape256; }
+// Keys a K/V tile: 128 up to head_dim 128, 64 at 256 (its O alone holds 128 registers a thread). Two blocks an SM of
+// 64-key tiles measured 8-12% faster at head_dim 128, but only with ptxas serializing their wgmmas for want of
+// registers, which the build refuses (docs/perf/gpu.md §attention-wgmma).
+__host__ __device__ constexpr int wg_kv_tile(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 
 // Q tile, the K/V ring, 1024 bytes of alignment slack.
 constexpr size_t wg_smem_bytes(int head_dim, int kv_tile) {
@@ -70,11 +62,11 @@ __device__ __forceinline__ void wg_load_kv(const PrefillParams& p, const Prefill
 
 #endif  // TERN_WGMMA_AVAILABLE
 
-template <int kHeadDim, int kBn, int kMinBlocks>
-__global__ void __launch_bounds__(kWgThreads, kMinBlocks) paged_prefill_wgmma_kernel(const PrefillParams p) {
+template <int kHeadDim>
+__global__ void __launch_bounds__(kWgThreads, 1) paged_prefill_wgmma_kernel(const PrefillParams p) {
 #if TERN_WGMMA_AVAILABLE
   ptx::grid_dependency_begin();
-  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kBn = wg_kv_tile(kHeadDim), kChunks = kHeadDim / 8;
   constexpr uint32_t kQBytes = kWgRows * kHeadDim * 2, kKvBytes = kBn * kHeadDim * 2;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
@@ -157,24 +149,14 @@ __global__ void __launch_bounds__(kWgThreads, kMinBlocks) paged_prefill_wgmma_ke
 #endif  // TERN_WGMMA_AVAILABLE
 }
 
-template <int kHeadDim, int kBn, int kMinBlocks>
+template <int kHeadDim>
 void wg_launch(const DeviceContext& ctx, const PrefillParams& p) {
-  constexpr size_t kSmem = wg_smem_bytes(kHeadDim, kBn);
-  auto* kernel = paged_prefill_wgmma_kernel<kHeadDim, kBn, kMinBlocks>;
+  constexpr size_t kSmem = wg_smem_bytes(kHeadDim, wg_kv_tile(kHeadDim));
+  auto* kernel = paged_prefill_wgmma_kernel<kHeadDim>;
   TERN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   const dim3 grid(static_cast<unsigned>((p.a.max_query_len + kWgRows - 1) / kWgRows),
                   static_cast<unsigned>(p.a.n_heads), static_cast<unsigned>(p.a.n_seqs));
   launch_kernel(ctx, kernel, grid, dim3(kWgThreads), kSmem, p);
-}
-
-template <int kHeadDim>
-void wg_launch_shape(const DeviceContext& ctx, const PrefillParams& p, int shape) {
-  if constexpr (kHeadDim <= 128) {
-    if (shape == 1) return wg_launch<kHeadDim, kWgShapes[1].kv_tile, kWgShapes[1].min_blocks>(ctx, p);
-  }
-  (void)shape;
-  constexpr WgShape kDefault = wg_default_shape(kHeadDim);
-  wg_launch<kHeadDim, kDefault.kv_tile, kDefault.min_blocks>(ctx, p);
 }
 
 }  // namespace
@@ -182,7 +164,7 @@ void wg_launch_shape(const DeviceContext& ctx, const PrefillParams& p, int shape
 bool attention_prefill_sm90_fits(const DeviceProps& props, int64_t head_dim) {
 #if TERN_BUILD_HAS_SM90A
   return props.cc_major == 9 && props.cc_minor == 0 && (head_dim == 64 || head_dim == 128 || head_dim == 256) &&
-         wg_smem_bytes(static_cast<int>(head_dim), wg_default_shape(static_cast<int>(head_dim)).kv_tile) <=
+         wg_smem_bytes(static_cast<int>(head_dim), wg_kv_tile(static_cast<int>(head_dim))) <=
              props.shared_mem_per_block_optin;
 #else
   (void)props;
@@ -191,22 +173,20 @@ bool attention_prefill_sm90_fits(const DeviceProps& props, int64_t head_dim) {
 #endif
 }
 
-int attention_prefill_sm90_shapes(int64_t head_dim) { return head_dim <= 128 ? std::size(kWgShapes) : 1; }
-
-void paged_attention_prefill_sm90_launch(const DeviceContext& ctx, const PagedAttentionArgs& args, int shape) {
+void paged_attention_prefill_sm90_launch(const DeviceContext& ctx, const PagedAttentionArgs& args) {
   const PrefillParams p{.a = args,
                         .group = static_cast<int>(args.n_heads / args.cache.n_kv_heads),
                         .log2_bs = log2_int(args.cache.block_size),
                         .scale_log2 = args.scale * kLog2e};
   switch (args.cache.head_dim) {
     case 64:
-      wg_launch_shape<64>(ctx, p, shape);
+      wg_launch<64>(ctx, p);
       break;
     case 128:
-      wg_launch_shape<128>(ctx, p, shape);
+      wg_launch<128>(ctx, p);
       break;
     default:
-      wg_launch_shape<256>(ctx, p, shape);
+      wg_launch<256>(ctx, p);
       break;
   }
   TERN_CUDA_CHECK_LAUNCH();
@@ -215,7 +195,7 @@ void paged_attention_prefill_sm90_launch(const DeviceContext& ctx, const PagedAt
 // What the driver loaded of this module for the current device (module_attributes.h). Its kernels have a body only
 // in sm_90a machine code.
 cudaError_t attention_prefill_sm90_module_attributes(cudaFuncAttributes* out) {
-  return cudaFuncGetAttributes(out, paged_prefill_wgmma_kernel<128, kWgShapes[0].kv_tile, kWgShapes[0].min_blocks>);
+  return cudaFuncGetAttributes(out, paged_prefill_wgmma_kernel<128>);
 }
 
 }  // namespace tern
