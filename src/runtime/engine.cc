@@ -53,12 +53,13 @@ struct Engine::Active {
   // The ids min_tokens keeps from being sampled (the stop ids, the model's EOS among them unless ignore_eos).
   std::vector<int32_t> min_tokens_ban;
 
-  // Before a sampling step: the ban on while fewer than min_tokens tokens are out, off after.
+  // Before a sampling step: the ban on while fewer than min_tokens tokens are out, off after. Within a step the
+  // sampler lifts it for each row whose output (drafts included) has reached min_tokens (banned_until).
   void update_ban() {
     const bool ban = static_cast<int64_t>(tokens.size() - request.prompt.size()) < request.stop.min_tokens &&
                      !min_tokens_ban.empty();
     if (ban == !sampler.params().banned_ids.empty()) return;
-    sampler.set_banned_ids(ban ? min_tokens_ban : std::vector<int32_t>{});
+    sampler.set_banned_ids(ban ? min_tokens_ban : std::vector<int32_t>{}, ban ? request.stop.min_tokens : 0);
   }
 
   bool wants_prompt_logprobs() const {
@@ -90,9 +91,6 @@ Engine::~Engine() { shutdown(); }
 Expected<std::shared_ptr<RequestStream>> Engine::submit(GenerationRequest request) {
   if (request.prompt_logprobs >= 0 && config_.speculative_steps > 0) {
     return make_error("prompt logprobs are not available with speculative decoding");
-  }
-  if (request.stop.min_tokens > 0 && config_.speculative_steps > 0) {
-    return make_error("min_tokens is not available with speculative decoding");
   }
   StopCriteria criteria = request.stop;
   if (!request.ignore_eos) {
@@ -325,7 +323,10 @@ void Engine::step_speculative(const StepPlan& plan) {
                .kv_blocks = scheduler_.kv_blocks_of(item.id),
                .state_slot = scheduler_.state_slot_of(item.id)};
     s.following = known.subspan(static_cast<size_t>(item.begin) + 1);
-    if (item.samples) s.sample = {&a.sampler, a.request.prompt, a.output()};
+    if (item.samples) {
+      a.update_ban();
+      s.sample = {&a.sampler, a.request.prompt, a.output()};
+    }
     s.drafts = &a.drafts;
     seqs.push_back(s);
   }

@@ -808,6 +808,10 @@ class TpRunner final : public ModelRunner {
       TERN_TRY(sampling_params_validate(row.sampler->params()));
       r.sample = true;
       r.params = row.sampler->params();
+      // min_tokens' ban resolved for this row (its output holding the drafts before it), so the plan carries the ids
+      // only where they apply and the ranks need not know the output.
+      if (!sampling_ban_active(r.params, row.output_ids.size())) r.params.banned_ids.clear();
+      r.params.banned_until = 0;
       r.draw = row.sampler->next_draw();
       if (sampling_penalties_active(r.params)) {
         r.prompt_ids.assign(row.prompt_ids.begin(), row.prompt_ids.end());

@@ -408,10 +408,6 @@ void HttpServer::handle_generate(const httplib::Request& req, httplib::Response&
   }
   const StopCriteria stop{.stop_token_ids = r.stop_token_ids, .stop_strings = r.stop_strings,
                           .include_stop_string = r.include_stop_string};
-  if (r.min_tokens > 0 && engine_.speculative()) {
-    return fail({400, "'min_tokens' is not available with speculative decoding", "invalid_request_error",
-                 "min_tokens"});
-  }
   if (r.prompt_logprobs >= 0 && engine_.speculative()) {
     return fail({400, "'logprobs' with 'echo' (the prompt's logprobs) is not available with speculative decoding",
                  "invalid_request_error", "echo"});

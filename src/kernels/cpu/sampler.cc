@@ -172,6 +172,7 @@ Expected<void> sampling_params_validate(const SamplingParams& p) {
   for (int32_t id : p.banned_ids) {
     if (id < 0) return make_error("banned token ids must be >= 0, got {}", id);
   }
+  if (p.banned_until < 0) return make_error("banned_until must be >= 0, got {}", p.banned_until);
   return {};
 }
 
@@ -237,8 +238,9 @@ Sampler::Sampler(const SamplingParams& params)
   if (auto valid = sampling_params_validate(params_); !valid) invalid_ = valid.error();
 }
 
-void Sampler::set_banned_ids(std::vector<int32_t> ids) {
+void Sampler::set_banned_ids(std::vector<int32_t> ids, int64_t until) {
   params_.banned_ids = std::move(ids);
+  params_.banned_until = until;
   if (auto valid = sampling_params_validate(params_); !valid) invalid_ = valid.error();
 }
 
@@ -285,7 +287,8 @@ Expected<SampledToken> Sampler::sample(std::span<const float> logits, std::span<
 Expected<std::span<const float>> Sampler::apply_bias_and_penalties(std::span<const float> logits,
                                                                    std::span<const int32_t> prompt_ids,
                                                                    std::span<const int32_t> output_ids) {
-  if (params_.logit_bias.empty() && params_.banned_ids.empty() && !sampling_penalties_active(params_)) return logits;
+  const bool ban = sampling_ban_active(params_, output_ids.size());
+  if (params_.logit_bias.empty() && !ban && !sampling_penalties_active(params_)) return logits;
   penalized_.assign(logits.begin(), logits.end());
   for (const auto& [id, bias] : params_.logit_bias) {
     if (static_cast<size_t>(id) >= logits.size()) {
@@ -295,13 +298,13 @@ Expected<std::span<const float>> Sampler::apply_bias_and_penalties(std::span<con
   }
   TERN_TRY(sampling_apply_penalties(params_, penalized_, prompt_ids, output_ids));
   // After the penalties, which refuse a logit they would push past the float range.
-  for (int32_t id : params_.banned_ids) {
+  for (int32_t id : ban ? std::span<const int32_t>(params_.banned_ids) : std::span<const int32_t>()) {
     if (static_cast<size_t>(id) >= logits.size()) {
       return make_error("banned token id {} is outside the vocabulary (size {})", id, logits.size());
     }
     penalized_[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
   }
-  if (!params_.banned_ids.empty() && std::ranges::all_of(penalized_, [](float v) { return std::isinf(v) && v < 0; })) {
+  if (ban && std::ranges::all_of(penalized_, [](float v) { return std::isinf(v) && v < 0; })) {
     return make_error("every token id of the vocabulary is banned (min_tokens bans the stop ids)");
   }
   return std::span<const float>(penalized_);

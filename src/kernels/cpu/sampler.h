@@ -44,7 +44,15 @@ struct SamplingParams {
   // engine's ban of the stop ids until a request's min_tokens are out (vLLM's min_tokens). At most
   // kSamplingMaxLogitBias entries, each >= 0; an id outside the vocabulary is an error of the step that meets it.
   std::vector<int32_t> banned_ids;
+  // The ban holds while the row's output (output_ids) has fewer tokens than this; 0: always. So each row of a
+  // speculative verification, whose output includes the drafts before it, is banned or not on its own.
+  int64_t banned_until = 0;
 };
+
+// Whether banned_ids apply to a row whose output has n_output tokens.
+inline bool sampling_ban_active(const SamplingParams& p, size_t n_output) {
+  return !p.banned_ids.empty() && (p.banned_until <= 0 || static_cast<int64_t>(n_output) < p.banned_until);
+}
 
 constexpr int32_t kSamplingMaxLogprobs = 20;
 constexpr size_t kSamplingMaxLogitBias = 1024;
@@ -97,8 +105,9 @@ class Sampler {
                                 std::span<const int32_t> output_ids);
 
   const SamplingParams& params() const { return params_; }
-  // Replaces SamplingParams::banned_ids from the next step on (checked as the constructor checks its params).
-  void set_banned_ids(std::vector<int32_t> ids);
+  // Replaces SamplingParams::banned_ids and banned_until from the next step on (checked as the constructor checks its
+  // params).
+  void set_banned_ids(std::vector<int32_t> ids, int64_t until = 0);
   // For a device sampler that reproduces sample(): the uniform this step's random draw uses, taken from this
   // Sampler's stream exactly as sample() would take it (one value), or 0 for a greedy step (none taken).
   double next_draw();

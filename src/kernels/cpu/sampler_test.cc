@@ -578,6 +578,26 @@ TEST(Sampler, BannedIdsAreNeverSampled) {
   EXPECT_FALSE(all.sample(std::vector<float>{1.0f, 2.0f, 3.0f}, {}, {}).has_value());
 }
 
+// banned_until: the ban holds for a row whose output is shorter than it and not for one that has reached it (a
+// speculative verification's rows differ only in the drafts their output holds).
+TEST(Sampler, BanLiftsOnceTheOutputReachesBannedUntil) {
+  const std::vector<float> row = random_row(500, 41, 3.0f);
+  const std::vector<int32_t> by_value = ids_by_value(row);
+  Sampler greedy(SamplingParams{.temperature = 0.0f});
+  greedy.set_banned_ids({by_value[0]}, 3);
+  const std::vector<int32_t> output{by_value[9], by_value[8], by_value[7]};
+  for (size_t n = 0; n < output.size(); ++n) {
+    const std::vector<int32_t> shorter(output.begin(), output.begin() + static_cast<ptrdiff_t>(n));
+    EXPECT_EQ(sample_ok(greedy, row, {}, shorter).id, by_value[1]) << n << " output tokens";
+  }
+  EXPECT_EQ(sample_ok(greedy, row, {}, output).id, by_value[0]);
+  EXPECT_TRUE(sampling_ban_active(greedy.params(), 2));
+  EXPECT_FALSE(sampling_ban_active(greedy.params(), 3));
+  greedy.set_banned_ids({by_value[0]});  // until 0: always
+  EXPECT_EQ(sample_ok(greedy, row, {}, output).id, by_value[1]);
+  EXPECT_FALSE(sampling_params_validate(SamplingParams{.banned_ids = {1}, .banned_until = -1}).has_value());
+}
+
 TEST(Sampler, LogprobsOfGreedyTokensAndTieOrder) {
   const std::vector<float> row = {-3.0f, 1.5f, 0.25f, 1.5f, -40.0f, 0.25f};
   const std::vector<double> reference = log_softmax_double(row);
