@@ -59,7 +59,6 @@ __device__ __forceinline__ void wg_load_kv(const PrefillParams& p, const Prefill
     cp_async_16_zfill(v_s + at, cache.v + offset, valid);
   }
 }
-
 #endif  // TERN_WGMMA_AVAILABLE
 
 template <int kHeadDim>
