@@ -121,6 +121,21 @@ test('a text completion continues a prompt in English, the same streamed and not
   assert.equal(streamed, text);
 });
 
+// vLLM's min_tokens, with --speculative-algorithm too (each row of a verification that crosses it is banned or not by
+// its own output): the EOS <|im_end|> (4085) pushed to the top by a +100 bias ends a completion at once, and with
+// min_tokens 5 after five other tokens ("stop" both times; the EOS counts as a completion token).
+test('min_tokens holds off the EOS', async () => {
+  const req = { model: MODEL, prompt: 'The old man walked down to the river.', max_tokens: 12, temperature: 0,
+                logit_bias: { 4085: 100 } };
+  const atOnce = await server.client.completions.create(req);
+  assert.equal(atOnce.choices[0].finish_reason, 'stop');
+  assert.equal(atOnce.usage.completion_tokens, 1);
+  const held = await server.client.completions.create({ ...req, min_tokens: 5 });
+  assert.equal(held.choices[0].finish_reason, 'stop');
+  assert.equal(held.usage.completion_tokens, 6);
+  assert.notEqual(held.choices[0].text, '');
+});
+
 test('with --speculative-algorithm, drafts are verified and accepted, and /metrics counts them', { skip: !speculative },
      async () => {
   assert.match(server.log(), /speculative decoding: the model's MTP layer drafts \d+ tokens per step/);
