@@ -152,5 +152,36 @@ __device__ __forceinline__ int64_t key_slot(const int32_t* table, int j, int log
   return int64_t{table[j >> log2_bs]} * (int64_t{1} << log2_bs) + (j & ((1 << log2_bs) - 1));
 }
 
+// The prefill kernels' gathers by cp.async, kThreads threads sharing the 16-byte copies; at(r, c) is the byte offset
+// of row r's dims 8 c .. 8 c + 7 in a shared-memory tile (each kernel's own layout). Query rows row0 .. row0 + kRows
+// - 1 of head h into q_s, zero past the sequence's rows:
+template <int kHeadDim, int kRows, int kThreads, class At>
+__device__ __forceinline__ void prefill_load_q(const PrefillParams& p, const PrefillTile& tile, int h, uint8_t* q_s,
+                                               At at) {
+  constexpr int kChunks = kHeadDim / 8;
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool valid = tile.row0 + r < tile.n_q;
+    const int64_t offset = valid ? ((int64_t{tile.q0} + tile.row0 + r) * p.a.n_heads + h) * kHeadDim + c * 8 : 0;
+    cp_async_16_zfill(q_s + at(r, c), p.a.q + offset, valid);
+  }
+}
+
+// and keys key0 .. key0 + kKeys - 1 of kv head kvh into the K and V tiles k_s and v_s, zero past n_keys.
+template <int kHeadDim, int kKeys, int kThreads, class At>
+__device__ __forceinline__ void prefill_load_kv(const PrefillParams& p, const PrefillTile& tile, int kvh, int key0,
+                                                uint8_t* k_s, uint8_t* v_s, At at) {
+  constexpr int kChunks = kHeadDim / 8;
+  const PagedKvCache& cache = p.a.cache;
+  const int32_t* table = p.a.block_tables + tile.table_row;
+  for (int i = threadIdx.x; i < kKeys * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks, key = key0 + r;
+    const bool valid = key < tile.n_keys;
+    const int64_t offset = valid ? (key_slot(table, key, p.log2_bs) * cache.n_kv_heads + kvh) * kHeadDim + c * 8 : 0;
+    cp_async_16_zfill(k_s + at(r, c), cache.k + offset, valid);
+    cp_async_16_zfill(v_s + at(r, c), cache.v + offset, valid);
+  }
+}
+
 }  // namespace
 }  // namespace tern

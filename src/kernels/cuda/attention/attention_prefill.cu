@@ -19,20 +19,18 @@ namespace {
 constexpr int kPrefillWarps = 4;
 constexpr int kPrefillThreads = kPrefillWarps * 32;
 
+// Row r's dims 8 c .. of a padded [rows][kLd] tile, in bytes (prefill_load_q / prefill_load_kv).
+template <int kHeadDim>
+__device__ __forceinline__ uint32_t padded_at(int r, int c) {
+  return static_cast<uint32_t>((r * (kHeadDim + 8) + c * 8) * 2);
+}
+
 // Gathers keys [key0, key0 + kKvTile) of the kv head into k_s / v_s ([kKvTile][kLd] each), zero past n_keys.
 template <int kHeadDim, int kKvTile>
-__device__ __forceinline__ void prefill_load_kv(const PrefillParams& p, const PrefillTile& tile, int kvh, int key0,
-                                                uint16_t* k_s, uint16_t* v_s) {
-  constexpr int kLd = kHeadDim + 8, kChunks = kHeadDim / 8;
-  const PagedKvCache& cache = p.a.cache;
-  const int32_t* table = p.a.block_tables + tile.table_row;
-  for (int i = threadIdx.x; i < kKvTile * kChunks; i += kPrefillThreads) {
-    const int r = i / kChunks, c = i % kChunks, key = key0 + r;
-    const bool valid = key < tile.n_keys;
-    const int64_t offset = valid ? (key_slot(table, key, p.log2_bs) * cache.n_kv_heads + kvh) * kHeadDim + c * 8 : 0;
-    cp_async_16_zfill(k_s + r * kLd + c * 8, cache.k + offset, valid);
-    cp_async_16_zfill(v_s + r * kLd + c * 8, cache.v + offset, valid);
-  }
+__device__ __forceinline__ void prefill_gather_kv(const PrefillParams& p, const PrefillTile& tile, int kvh, int key0,
+                                                  uint16_t* k_s, uint16_t* v_s) {
+  prefill_load_kv<kHeadDim, kKvTile, kPrefillThreads>(p, tile, kvh, key0, reinterpret_cast<uint8_t*>(k_s),
+                                                      reinterpret_cast<uint8_t*>(v_s), padded_at<kHeadDim>);
 }
 
 // S = Q K^T for the warp's 16 rows and the tile's keys.
@@ -80,7 +78,7 @@ __device__ __forceinline__ void prefill_pv(const float (&s)[kKvTile / 8][4], con
 template <int kHeadDim, int kKvTile, int kStages>
 __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const PrefillParams p) {
   ptx::grid_dependency_begin();
-  constexpr int kLd = kHeadDim + 8, kRows = 16 * kPrefillWarps, kChunks = kHeadDim / 8;
+  constexpr int kLd = kHeadDim + 8, kRows = 16 * kPrefillWarps;
   extern __shared__ __align__(16) uint16_t smem[];
   uint16_t* q_s = smem;                 // [kRows][kLd]
   uint16_t* kv_s = smem + kRows * kLd;  // per stage: K [kKvTile][kLd], then V [kKvTile][kLd]
@@ -91,13 +89,8 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
   const int n_tiles = (tile.n_keys + kKvTile - 1) / kKvTile;
 
   // Q tile and the first K/V tile in one cp.async group.
-  for (int i = threadIdx.x; i < kRows * kChunks; i += kPrefillThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    const bool valid = tile.row0 + r < tile.n_q;
-    const int64_t offset = valid ? ((int64_t{tile.q0} + tile.row0 + r) * a.n_heads + h) * kHeadDim + c * 8 : 0;
-    cp_async_16_zfill(q_s + r * kLd + c * 8, a.q + offset, valid);
-  }
-  prefill_load_kv<kHeadDim, kKvTile>(p, tile, kvh, 0, kv_s, kv_s + kKvTile * kLd);
+  prefill_load_q<kHeadDim, kRows, kPrefillThreads>(p, tile, h, reinterpret_cast<uint8_t*>(q_s), padded_at<kHeadDim>);
+  prefill_gather_kv<kHeadDim, kKvTile>(p, tile, kvh, 0, kv_s, kv_s + kKvTile * kLd);
   cp_async_commit();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -108,7 +101,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
     if constexpr (kStages == 2) {  // prefetch tile j + 1 into the other stage, then wait for tile j only
       if (j + 1 < n_tiles) {
         uint16_t* next = kv_s + ((j + 1) % 2) * 2 * kKvTile * kLd;
-        prefill_load_kv<kHeadDim, kKvTile>(p, tile, kvh, (j + 1) * kKvTile, next, next + kKvTile * kLd);
+        prefill_gather_kv<kHeadDim, kKvTile>(p, tile, kvh, (j + 1) * kKvTile, next, next + kKvTile * kLd);
       }
       cp_async_commit();  // always, so the group count per step stays uniform
       cp_async_wait<1>();
@@ -126,7 +119,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
     __syncthreads();  // the stage just read is overwritten by the next load
     if constexpr (kStages == 1) {
       if (j + 1 < n_tiles) {
-        prefill_load_kv<kHeadDim, kKvTile>(p, tile, kvh, (j + 1) * kKvTile, kv_s, kv_s + kKvTile * kLd);
+        prefill_gather_kv<kHeadDim, kKvTile>(p, tile, kvh, (j + 1) * kKvTile, kv_s, kv_s + kKvTile * kLd);
         cp_async_commit();
       }
     }

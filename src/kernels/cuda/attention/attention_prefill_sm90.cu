@@ -47,17 +47,7 @@ __device__ __forceinline__ uint32_t wg_chunk(int r, int c) {
 template <int kHeadDim, int kBn>
 __device__ __forceinline__ void wg_load_kv(const PrefillParams& p, const PrefillTile& tile, int kvh, int key0,
                                            uint8_t* k_s, uint8_t* v_s) {
-  constexpr int kChunks = kHeadDim / 8;
-  const PagedKvCache& cache = p.a.cache;
-  const int32_t* table = p.a.block_tables + tile.table_row;
-  for (int i = threadIdx.x; i < kBn * kChunks; i += kWgThreads) {
-    const int r = i / kChunks, c = i % kChunks, key = key0 + r;
-    const bool valid = key < tile.n_keys;
-    const int64_t offset = valid ? (key_slot(table, key, p.log2_bs) * cache.n_kv_heads + kvh) * kHeadDim + c * 8 : 0;
-    const uint32_t at = wg_chunk<kBn>(r, c);
-    cp_async_16_zfill(k_s + at, cache.k + offset, valid);
-    cp_async_16_zfill(v_s + at, cache.v + offset, valid);
-  }
+  prefill_load_kv<kHeadDim, kBn, kWgThreads>(p, tile, kvh, key0, k_s, v_s, wg_chunk<kBn>);
 }
 #endif  // TERN_WGMMA_AVAILABLE
 
@@ -65,7 +55,7 @@ template <int kHeadDim>
 __global__ void __launch_bounds__(kWgThreads, 1) paged_prefill_wgmma_kernel(const PrefillParams p) {
 #if TERN_WGMMA_AVAILABLE
   ptx::grid_dependency_begin();
-  constexpr int kBn = wg_kv_tile(kHeadDim), kChunks = kHeadDim / 8;
+  constexpr int kBn = wg_kv_tile(kHeadDim);
   constexpr uint32_t kQBytes = kWgRows * kHeadDim * 2, kKvBytes = kBn * kHeadDim * 2;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
@@ -78,12 +68,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) paged_prefill_wgmma_kernel(cons
   const int n_tiles = (tile.n_keys + kBn - 1) / kBn;
 
   // Q tile and the first K/V tile in one cp.async group.
-  for (int i = threadIdx.x; i < kWgRows * kChunks; i += kWgThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    const bool valid = tile.row0 + r < tile.n_q;
-    const int64_t offset = valid ? ((int64_t{tile.q0} + tile.row0 + r) * a.n_heads + h) * kHeadDim + c * 8 : 0;
-    cp_async_16_zfill(q_s + wg_chunk<kWgRows>(r, c), a.q + offset, valid);
-  }
+  prefill_load_q<kHeadDim, kWgRows, kWgThreads>(p, tile, h, q_s, wg_chunk<kWgRows>);
   wg_load_kv<kHeadDim, kBn>(p, tile, kvh, 0, kv_s, kv_s + kKvBytes);
   cp_async_commit();
 
