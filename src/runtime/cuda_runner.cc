@@ -563,11 +563,13 @@ Expected<std::vector<float>> CudaRunner::step(std::span<const SequenceInput> bat
   return download_logits(plan.graphed ? plan.real_seqs * plan.rows : ops_.step().n_head_rows);
 }
 
-// The device sampler has no logit bias and no banned ids: a step with a row that has either samples on the host (the
-// CPU Sampler, the reference the device sampler follows).
+// The device sampler has no logit bias and no banned ids: a step with a row that has either (a ban only while it
+// applies to that row's output, sampling_ban_active) samples on the host (the CPU Sampler, the reference the device
+// sampler follows).
 bool any_logit_bias(std::span<const SampleRow> rows) {
   return std::any_of(rows.begin(), rows.end(), [](const SampleRow& r) {
-    return r.sampler != nullptr && (!r.sampler->params().logit_bias.empty() || !r.sampler->params().banned_ids.empty());
+    return r.sampler != nullptr && (!r.sampler->params().logit_bias.empty() ||
+                                    sampling_ban_active(r.sampler->params(), r.output_ids.size()));
   });
 }
 

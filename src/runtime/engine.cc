@@ -50,18 +50,6 @@ struct Engine::Active {
   std::vector<int32_t> drafts;  // speculative decoding: the draft tokens the next step verifies
   int64_t prompt_logprobs_next = 1;  // the next prompt position whose logprob is to be sent
 
-  // The ids min_tokens keeps from being sampled (the stop ids, the model's EOS among them unless ignore_eos).
-  std::vector<int32_t> min_tokens_ban;
-
-  // Before a sampling step: the ban on while fewer than min_tokens tokens are out, off after. Within a step the
-  // sampler lifts it for each row whose output (drafts included) has reached min_tokens (banned_until).
-  void update_ban() {
-    const bool ban = static_cast<int64_t>(tokens.size() - request.prompt.size()) < request.stop.min_tokens &&
-                     !min_tokens_ban.empty();
-    if (ban == !sampler.params().banned_ids.empty()) return;
-    sampler.set_banned_ids(ban ? min_tokens_ban : std::vector<int32_t>{}, ban ? request.stop.min_tokens : 0);
-  }
-
   bool wants_prompt_logprobs() const {
     return request.prompt_logprobs >= 0 && prompt_logprobs_next < static_cast<int64_t>(request.prompt.size());
   }
@@ -97,11 +85,15 @@ Expected<std::shared_ptr<RequestStream>> Engine::submit(GenerationRequest reques
     for (int64_t id : model_->config().eos_token_ids) criteria.stop_token_ids.push_back(static_cast<int32_t>(id));
   }
   auto active = std::make_unique<Active>(std::move(request), criteria);
-  if (criteria.min_tokens > 0) {
-    active->min_tokens_ban = criteria.stop_token_ids;
-    std::ranges::sort(active->min_tokens_ban);
-    const auto [first, last] = std::ranges::unique(active->min_tokens_ban);
-    active->min_tokens_ban.erase(first, last);
+  if (criteria.min_tokens > 0 && !criteria.stop_token_ids.empty()) {
+    // min_tokens keeps the stop ids (the model's EOS among them unless ignore_eos) from being sampled by every row
+    // whose output is shorter: the sampler decides per row, so a speculative verification's rows each by the drafts
+    // before them (SamplingParams::banned_until).
+    std::vector<int32_t> ban = criteria.stop_token_ids;
+    std::ranges::sort(ban);
+    const auto [first, last] = std::ranges::unique(ban);
+    ban.erase(first, last);
+    active->sampler.set_banned_ids(std::move(ban), criteria.min_tokens);
   }
   active->stream = std::make_shared<RequestStream>(static_cast<int64_t>(active->tokens.size()));
   active->arrival = Clock::now();
@@ -224,7 +216,6 @@ void Engine::step() {
   for (const StepItem& item : rest.items) {
     Active& a = *active_.at(item.id);
     batch.push_back(input_of(a.tokens, item, a.cache, scheduler_));
-    if (item.samples) a.update_ban();
     rows.push_back(item.samples ? SampleRow{&a.sampler, a.request.prompt, a.output()} : SampleRow{});
   }
   auto sampled = model_->forward_sample(batch, rows);
@@ -274,9 +265,7 @@ void Engine::step_prompt_logprobs(const StepPlan& plan) {
       take_token(a, tl::unexpected<Error>(*failed));
       continue;
     }
-    if (!item.samples) continue;
-    a.update_ban();
-    take_token(a, a.sampler.sample(row(item.count - 1), a.request.prompt, a.output()));
+    if (item.samples) take_token(a, a.sampler.sample(row(item.count - 1), a.request.prompt, a.output()));
   }
 }
 
@@ -323,10 +312,7 @@ void Engine::step_speculative(const StepPlan& plan) {
                .kv_blocks = scheduler_.kv_blocks_of(item.id),
                .state_slot = scheduler_.state_slot_of(item.id)};
     s.following = known.subspan(static_cast<size_t>(item.begin) + 1);
-    if (item.samples) {
-      a.update_ban();
-      s.sample = {&a.sampler, a.request.prompt, a.output()};
-    }
+    if (item.samples) s.sample = {&a.sampler, a.request.prompt, a.output()};
     s.drafts = &a.drafts;
     seqs.push_back(s);
   }

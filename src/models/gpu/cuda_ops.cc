@@ -544,8 +544,8 @@ Expected<void> CudaOps::allocate_caches() {
   }
   // DSA: the selection of a step ([rows, index_topk] key positions) and the indexer's score rows. The graphs' score
   // buffer is sized here for every graphed step (graphed_rows(): a verification's rows too, over the widest graph's
-  // max_seq_len, up to twice the context) and never reallocated, since the captured graphs hold its address; a longer prefill grows a
-  // buffer of its own.
+  // max_seq_len, up to twice the context) and never reallocated, since the captured graphs hold its address; a
+  // longer prefill grows a buffer of its own.
   for (const GpuMla* a : mlas_) {
     if (a->shape.index_topk <= 0) continue;
     const int64_t topk = a->shape.index_topk;
