@@ -36,31 +36,51 @@ struct DecodeParams {
   int64_t ldy;
 };
 
-template <int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
+// kFull: n a multiple of the warp tile's rows and k of 128 (the host's choice), the unchecked loop of DecodeRows
+// (nvfp4_device.cuh); else the checked one, with 16-byte loads where kVec16.
+template <int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kFull>
 __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32, decode_min_blocks(kSplitK, kTokenTiles))
     nvfp4_decode_kernel(const DecodeParams p) {
+  static_assert(kVec16 || !kFull);
   constexpr int kTiles = decode_block_tiles(kSplitK), kRows = 16 * kMTiles;
   __shared__ __align__(16) float red[decode_red_floats<kSplitK, kMTiles, kTokenTiles>()];
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4;
   const int split = warp % kSplitK;
   const int n0 = (blockIdx.x * kTiles + warp / kSplitK) * kRows;
   float acc[kTokenTiles][kMTiles][4] = {};
+  constexpr bool kPrefetch = decode_prefetch(kMTiles, kTokenTiles);
   // The warp's first weight step leaves before the programmatic-launch wait (ptx.cuh): no kernel writes weights,
   // and at one token most warps have no other step, so their whole read overlaps the kernel before.
   ptx::grid_dependents_launch();
   DecodeW<kMTiles> w;
-  if (n0 < p.n) decode_load_w<kMTiles, kVec16>(p.packed, p.scales, p.n, p.k, n0, split, w);
-  ptx::grid_dependency_wait();
-  if (n0 < p.n) {  // warp-uniform; a tile past n still takes part in the reduction's barriers
-    int64_t xoff[kTokenTiles];
+  if constexpr (kFull) {
+    // Warp-uniform: a block's last tiles may lie past n (they still take part in the reduction's barriers). The
+    // launcher splits K over no more warps than steps, so every warp has step `split`.
+    const DecodeRows rows = decode_rows(p.packed, p.scales, p.k, n0, split);
+    if (n0 < p.n) decode_load_rows<kMTiles>(rows, w);
+    ptx::grid_dependency_wait();
+    if (n0 < p.n) {
+      const uint16_t* xp[kTokenTiles];
 #pragma unroll
-    for (int tt = 0; tt < kTokenTiles; ++tt) {
-      const int token = tt * 8 + g;
-      xoff[tt] = token < p.m ? static_cast<int64_t>(token) * p.k : -1;
+      for (int tt = 0; tt < kTokenTiles; ++tt) {
+        const int token = min(tt * 8 + g, p.m - 1);
+        xp[tt] = p.x + static_cast<int64_t>(token) * p.k + split * kDecodeStepK + (threadIdx.x % 4) * 32;
+      }
+      decode_k_loop_rows<kMTiles, kTokenTiles, kPrefetch, false>(rows, xp, p.k, split, kSplitK, w, acc);
     }
-    auto weight = [&] { return DecodeWeightPtrs{p.packed, p.scales}; };
-    constexpr bool kPrefetch = decode_prefetch(kMTiles, kTokenTiles);
-    decode_k_loop<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, p.n, p.k, n0, p.x, xoff, split, kSplitK, w, acc);
+  } else {
+    if (n0 < p.n) decode_load_w<kMTiles, kVec16>(p.packed, p.scales, p.n, p.k, n0, split, w);
+    ptx::grid_dependency_wait();
+    if (n0 < p.n) {  // warp-uniform; a tile past n still takes part in the reduction's barriers
+      int64_t xoff[kTokenTiles];
+#pragma unroll
+      for (int tt = 0; tt < kTokenTiles; ++tt) {
+        const int token = tt * 8 + g;
+        xoff[tt] = token < p.m ? static_cast<int64_t>(token) * p.k : -1;
+      }
+      auto weight = [&] { return DecodeWeightPtrs{p.packed, p.scales}; };
+      decode_k_loop<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, p.n, p.k, n0, p.x, xoff, split, kSplitK, w, acc);
+    }
   }
   decode_reduce_store<kSplitK, kMTiles, kTokenTiles>(acc, red, [&](int tile, int row, int token, float sum) {
     const int col = (blockIdx.x * kTiles + tile) * kRows + row;
@@ -73,42 +93,49 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32, decode_min_b
 // ---------------------------------------------------------------------------------------------------------------
 // Host side: validation, tile choice, launch.
 
-bool is_aligned(const void* ptr, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+bool is_aligned(const void* ptr, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+}
 
-template <int kMTiles, int kSplitK, int kTokenTiles, bool kVec16>
+template <int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kFull>
 void decode_launch_kernel(const DecodeParams& p, const DeviceContext& ctx) {
   constexpr int kTileRows = 16 * kMTiles * decode_block_tiles(kSplitK);
   const dim3 grid(static_cast<unsigned>((p.n + kTileRows - 1) / kTileRows));
-  launch_kernel(ctx, nvfp4_decode_kernel<kMTiles, kSplitK, kTokenTiles, kVec16>, grid,
+  launch_kernel(ctx, nvfp4_decode_kernel<kMTiles, kSplitK, kTokenTiles, kVec16, kFull>, grid,
                 dim3(decode_block_warps(kSplitK) * 32), 0, p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
-template <int kMTiles, int kTokenTiles, bool kVec16>
+template <int kMTiles, int kTokenTiles, bool kVec16, bool kFull>
 void decode_launch_split(const DecodeParams& p, int split_k, const DeviceContext& ctx) {
   switch (split_k) {
     case 1:
-      return decode_launch_kernel<kMTiles, 1, kTokenTiles, kVec16>(p, ctx);
+      return decode_launch_kernel<kMTiles, 1, kTokenTiles, kVec16, kFull>(p, ctx);
     case 2:
-      return decode_launch_kernel<kMTiles, 2, kTokenTiles, kVec16>(p, ctx);
+      return decode_launch_kernel<kMTiles, 2, kTokenTiles, kVec16, kFull>(p, ctx);
     case 4:
-      return decode_launch_kernel<kMTiles, 4, kTokenTiles, kVec16>(p, ctx);
+      return decode_launch_kernel<kMTiles, 4, kTokenTiles, kVec16, kFull>(p, ctx);
     case 8:
-      return decode_launch_kernel<kMTiles, 8, kTokenTiles, kVec16>(p, ctx);
+      return decode_launch_kernel<kMTiles, 8, kTokenTiles, kVec16, kFull>(p, ctx);
     case 16:
-      return decode_launch_kernel<kMTiles, 16, kTokenTiles, kVec16>(p, ctx);
+      return decode_launch_kernel<kMTiles, 16, kTokenTiles, kVec16, kFull>(p, ctx);
   }
   if constexpr (decode_max_split_k(kMTiles, kTokenTiles) == 32) {
-    decode_launch_kernel<kMTiles, 32, kTokenTiles, kVec16>(p, ctx);
+    decode_launch_kernel<kMTiles, 32, kTokenTiles, kVec16, kFull>(p, ctx);
   }
 }
 
 // Two m16 tiles per warp only with 16-byte loads: the byte-wise path serves odd k and is not worth the code.
 template <int kTokenTiles>
-void decode_launch_tiles(const DecodeParams& p, const DecodeShape& shape, bool vec16, const DeviceContext& ctx) {
-  if (!vec16) return decode_launch_split<1, kTokenTiles, false>(p, shape.split_k, ctx);
-  if (shape.m_tiles == 2) return decode_launch_split<2, kTokenTiles, true>(p, shape.split_k, ctx);
-  decode_launch_split<1, kTokenTiles, true>(p, shape.split_k, ctx);
+void decode_launch_tiles(const DecodeParams& p, const DecodeShape& shape, bool vec16, bool full,
+                         const DeviceContext& ctx) {
+  if (!vec16) return decode_launch_split<1, kTokenTiles, false, false>(p, shape.split_k, ctx);
+  if (full) {
+    if (shape.m_tiles == 2) return decode_launch_split<2, kTokenTiles, true, true>(p, shape.split_k, ctx);
+    return decode_launch_split<1, kTokenTiles, true, true>(p, shape.split_k, ctx);
+  }
+  if (shape.m_tiles == 2) return decode_launch_split<2, kTokenTiles, true, false>(p, shape.split_k, ctx);
+  decode_launch_split<1, kTokenTiles, true, false>(p, shape.split_k, ctx);
 }
 
 }  // namespace
@@ -127,10 +154,12 @@ void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Arg
   const bool vec16 = a.w.k % 32 == 0 && is_aligned(a.w.packed, 16) && is_aligned(a.w.scales, 2);
   const int token_tiles = a.m <= 8 ? 1 : 2;
   const DecodeShape shape = decode_choose_shape(ctx.props().num_sms, a.w.n, a.w.k, 1, token_tiles, vec16);
-  if (token_tiles == 1) return decode_launch_tiles<1>(p, shape, vec16, ctx);
-  decode_launch_tiles<2>(p, shape, vec16, ctx);
+  // The unchecked loop wants whole tiles over whole steps, and no warp without a step (decode_choose_shape splits K
+  // over at most as many warps as steps).
+  const bool full = vec16 && a.w.n % (16 * shape.m_tiles) == 0 && a.w.k % kDecodeStepK == 0;
+  if (token_tiles == 1) return decode_launch_tiles<1>(p, shape, vec16, full, ctx);
+  decode_launch_tiles<2>(p, shape, vec16, full, ctx);
 }
-
 
 namespace {
 

@@ -225,9 +225,11 @@ TEST(GemmNvfp4W4a16, ModelSizes) {
   }
 }
 
-// The decode sizes of the dense projections the decode kernel is tuned for (M = 1 and 8), and two shapes off every
-// tile and step size that take its 32-row warp tiles on a 132-SM GPU (one and two token tiles). The launch shape
-// (rows per warp, warps per tile) follows from n, k and the SM count, so together these reach both tile heights.
+// The decode sizes of the dense projections the decode kernel is tuned for (M = 1 and 8), and shapes that reach each
+// of its loops on a 132-SM GPU (one and two token tiles): off every tile and step size (the checked loop, 16-row
+// tiles), 32-row tiles unchecked (24576 x 4096, Qwen3-8B's gate|up) and checked (24592 x 4128: rows past n, a
+// partial step), and 16-row tiles unchecked in blocks whose last tiles lie past n (8208 x 512: 513 tiles, four a
+// block). The launch shape (rows per warp, warps per tile) follows from n, k and the SM count.
 TEST(GemmNvfp4W4a16, DecodeModelShapes) {
   DeviceContext ctx;
   std::mt19937 rng(1008);
@@ -237,7 +239,8 @@ TEST(GemmNvfp4W4a16, DecodeModelShapes) {
       for (int64_t m : {1, 8}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng);
     }
   }
-  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{6000, 4128}, {12000, 1056}}) {
+  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{
+           {6000, 4128}, {12000, 1056}, {24576, 4096}, {24592, 4128}, {8208, 512}}) {
     const TestWeight w = make_weight(n, k, rng);
     for (int64_t m : {1, 9, 16}) run_and_check(ctx, w, m, Nvfp4GemmVariant::kDecode, rng);
   }

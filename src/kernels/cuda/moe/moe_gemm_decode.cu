@@ -100,8 +100,8 @@ constexpr int kBf16DecodeStepK = 64;
 
 template <int kTokenTiles>
 struct Bf16DecodeChunk {
-  uint4 w[2][2];              // rows g and g+8: 16 bf16 each
-  uint4 x[kTokenTiles][2];    // token g of each tile: the same 16 k
+  uint4 w[2][2];            // rows g and g+8: 16 bf16 each
+  uint4 x[kTokenTiles][2];  // token g of each tile: the same 16 k
 };
 
 __device__ __forceinline__ uint32_t word_of(const uint4 (&v)[2], int m) {  // bf16 pair m of 16 values
@@ -203,13 +203,16 @@ __device__ __forceinline__ void stage_silu_act(const GemmParams& p, int r0, int 
   __syncthreads();
 }
 
-template <MoeWeightFormat kFormat, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kSiluX>
+// kFull (NVFP4 only): both projections' n a multiple of the warp tile's rows and k of 128 (the host's choice): the
+// unchecked loop of DecodeRows (nvfp4_device.cuh); else the checked one, with 16-byte loads where kVec16.
+template <MoeWeightFormat kFormat, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kFull, bool kSiluX>
 __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
                                   moe_decode_min_blocks(kFormat, kMTiles, kSplitK, kTokenTiles))
     moe_decode_kernel(const GemmParams p) {
   ptx::grid_dependency_begin();
   constexpr bool kIsNvfp4 = kFormat == MoeWeightFormat::kNvfp4, kIsFp8 = kFormat == MoeWeightFormat::kFp8;
   static_assert(kIsNvfp4 || kMTiles == 1);
+  static_assert(!kFull || (kIsNvfp4 && kVec16));
   constexpr int kTiles = decode_block_tiles(kSplitK), kRows = 16 * kMTiles;
   __shared__ __align__(16) float red[decode_red_floats<kSplitK, kMTiles, kTokenTiles>()];
   static_assert(sizeof(red) <= kDecodeMaxRedBytes);
@@ -250,10 +253,29 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
         xoff[tt] = r >= ae.row_end ? -1 : kSiluX ? int64_t{tt * 8 + g} * (p.k + kActPad) : x_row_offset(p, r);
       }
     };
+    // The unchecked loop's x: a lane past the pass's rows reads its last row (those columns are never stored).
+    auto x_row_pointers = [&](const uint16_t* base, const uint16_t*(&xp)[kTokenTiles]) {
+#pragma unroll
+      for (int tt = 0; tt < kTokenTiles; ++tt) {
+        const int r = min(r0 + tt * 8 + g, ae.row_end - 1);
+        xp[tt] = base + (kSiluX ? int64_t{r - r0} * (p.k + kActPad) : x_row_offset(p, r)) + split * kDecodeStepK +
+                 (threadIdx.x % 4) * 32;
+      }
+    };
     // Stage 1: the K loop of each warp whose tile is inside n (warp-uniform; a tile past n still takes part in
     // the barriers of the staging and the reduction).
-    if constexpr (kSiluX && kIsNvfp4) {
+    if constexpr (kSiluX && kIsNvfp4 && kFull) {
       // The first weight loads leave before the act rows are computed, which they do not depend on.
+      DecodeW<kMTiles> w;
+      const DecodeRows rows = decode_rows(weight().packed, weight().scales, p.k, n0, split);
+      if (n0 < n) decode_load_rows<kMTiles>(rows, w);
+      stage_silu_act<kTokenTiles>(p, r0, ae.row_end, act);
+      if (n0 < n) {
+        const uint16_t* xp[kTokenTiles];
+        x_row_pointers(act, xp);
+        decode_k_loop_rows<kMTiles, kTokenTiles, kPrefetch, true>(rows, xp, p.k, split, kSplitK, w, acc);
+      }
+    } else if constexpr (kSiluX && kIsNvfp4) {
       DecodeW<kMTiles> w;
       if (n0 < n) decode_load_w<kMTiles, kVec16>(weight().packed, weight().scales, n, p.k, n0, split, w);
       stage_silu_act<kTokenTiles>(p, r0, ae.row_end, act);
@@ -277,8 +299,15 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
       find_x_rows();
       if (n0 < n) bf16_decode_k_loop<kSplitK, kTokenTiles, true>(p, bf16_weight(), n, n0, split, act, xoff, acc);
     } else if (n0 < n) {
-      if constexpr (kIsNvfp4) {
+      if constexpr (kFull) {
         // The first weight loads leave before the gathered row lookups, which they do not depend on.
+        DecodeW<kMTiles> w;
+        const DecodeRows rows = decode_rows(weight().packed, weight().scales, p.k, n0, split);
+        decode_load_rows<kMTiles>(rows, w);
+        const uint16_t* xp[kTokenTiles];
+        x_row_pointers(p.x, xp);
+        decode_k_loop_rows<kMTiles, kTokenTiles, kPrefetch, false>(rows, xp, p.k, split, kSplitK, w, acc);
+      } else if constexpr (kIsNvfp4) {
         DecodeW<kMTiles> w;
         const DecodeWeightPtrs first = weight();
         decode_load_w<kMTiles, kVec16>(first.packed, first.scales, n, p.k, n0, split, w);
@@ -324,40 +353,44 @@ constexpr size_t silu_act_bytes(int64_t k, int token_tiles) {
 }
 
 // Grid x: the tiles of w, then those of w2 (none without it), so both projections share one wave of blocks.
-template <MoeWeightFormat kFormat, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kSiluX>
+template <MoeWeightFormat kFormat, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kFull, bool kSiluX>
 void decode_launch_kernel(const DecodeLaunch& l) {
-  constexpr int kTileRows = 16 * kMTiles * decode_block_tiles(kSplitK);
-  GemmParams p = l.p;
-  const int64_t blocks = (p.n + kTileRows - 1) / kTileRows, blocks2 = (p.n2 + kTileRows - 1) / kTileRows;
-  p.w2_block = static_cast<int>(blocks);
-  const dim3 grid(static_cast<unsigned>(blocks + blocks2), static_cast<unsigned>(l.slots));
-  auto* kernel = moe_decode_kernel<kFormat, kMTiles, kSplitK, kTokenTiles, kVec16, kSiluX>;
-  const size_t act_bytes = kSiluX ? silu_act_bytes(p.k, kTokenTiles) : 0;
-  constexpr size_t kRedBytes = decode_red_floats<kSplitK, kMTiles, kTokenTiles>() * sizeof(float);
-  if (act_bytes + kRedBytes > l.default_smem) {
-    TERN_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(act_bytes)));
+  if constexpr (kFull && kMTiles == 2 && kSplitK >= 8) {
+    return;  // never chosen (decode_launch_format), so not compiled
+  } else {
+    constexpr int kTileRows = 16 * kMTiles * decode_block_tiles(kSplitK);
+    GemmParams p = l.p;
+    const int64_t blocks = (p.n + kTileRows - 1) / kTileRows, blocks2 = (p.n2 + kTileRows - 1) / kTileRows;
+    p.w2_block = static_cast<int>(blocks);
+    const dim3 grid(static_cast<unsigned>(blocks + blocks2), static_cast<unsigned>(l.slots));
+    auto* kernel = moe_decode_kernel<kFormat, kMTiles, kSplitK, kTokenTiles, kVec16, kFull, kSiluX>;
+    const size_t act_bytes = kSiluX ? silu_act_bytes(p.k, kTokenTiles) : 0;
+    constexpr size_t kRedBytes = decode_red_floats<kSplitK, kMTiles, kTokenTiles>() * sizeof(float);
+    if (act_bytes + kRedBytes > l.default_smem) {
+      TERN_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(act_bytes)));
+    }
+    launch_kernel(*l.ctx, kernel, grid, dim3(decode_block_warps(kSplitK) * 32), act_bytes, p);
+    TERN_CUDA_CHECK_LAUNCH();
   }
-  launch_kernel(*l.ctx, kernel, grid, dim3(decode_block_warps(kSplitK) * 32), act_bytes, p);
-  TERN_CUDA_CHECK_LAUNCH();
 }
 
-template <MoeWeightFormat kFormat, int kMTiles, int kTokenTiles, bool kVec16, bool kSiluX>
+template <MoeWeightFormat kFormat, int kMTiles, int kTokenTiles, bool kVec16, bool kFull, bool kSiluX>
 void decode_launch_split(const DecodeLaunch& l, int split_k) {
   switch (split_k) {
     case 1:
-      return decode_launch_kernel<kFormat, kMTiles, 1, kTokenTiles, kVec16, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 1, kTokenTiles, kVec16, kFull, kSiluX>(l);
     case 2:
-      return decode_launch_kernel<kFormat, kMTiles, 2, kTokenTiles, kVec16, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 2, kTokenTiles, kVec16, kFull, kSiluX>(l);
     case 4:
-      return decode_launch_kernel<kFormat, kMTiles, 4, kTokenTiles, kVec16, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 4, kTokenTiles, kVec16, kFull, kSiluX>(l);
     case 8:
-      return decode_launch_kernel<kFormat, kMTiles, 8, kTokenTiles, kVec16, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 8, kTokenTiles, kVec16, kFull, kSiluX>(l);
     case 16:
-      return decode_launch_kernel<kFormat, kMTiles, 16, kTokenTiles, kVec16, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 16, kTokenTiles, kVec16, kFull, kSiluX>(l);
   }
   if constexpr (kFormat == MoeWeightFormat::kNvfp4 && decode_max_split_k(kMTiles, kTokenTiles) == 32) {
-    decode_launch_kernel<kFormat, kMTiles, 32, kTokenTiles, kVec16, kSiluX>(l);
+    decode_launch_kernel<kFormat, kMTiles, 32, kTokenTiles, kVec16, kFull, kSiluX>(l);
   }
 }
 
@@ -392,15 +425,15 @@ constexpr int kPassMinSplitK = 2;  // NVFP4 with a pass list (decode_launch_form
 template <int kTokenTiles, bool kSiluX>
 void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, const DeviceContext& ctx) {
   // The active experts (passes) are unknown on the host; min(n_experts, rows) (moe_decode_pass_slots) bounds them.
-  const int64_t slots = a.decode_passes != nullptr ? moe_decode_pass_slots(a.rows, a.w.n_experts)
-                                                   : std::min(a.w.n_experts, a.rows);
+  const int64_t slots =
+      a.decode_passes != nullptr ? moe_decode_pass_slots(a.rows, a.w.n_experts) : std::min(a.w.n_experts, a.rows);
   const DecodeLaunch l{make_params(a), slots, props.shared_mem_per_block, &ctx};
   if (a.w.format == MoeWeightFormat::kBf16) {
-    return decode_launch_split<MoeWeightFormat::kBf16, 1, kTokenTiles, false, kSiluX>(
+    return decode_launch_split<MoeWeightFormat::kBf16, 1, kTokenTiles, false, false, kSiluX>(
         l, step64_decode_split(props, a, slots));
   }
   if (a.w.format == MoeWeightFormat::kFp8) {
-    return decode_launch_split<MoeWeightFormat::kFp8, 1, kTokenTiles, false, kSiluX>(
+    return decode_launch_split<MoeWeightFormat::kFp8, 1, kTokenTiles, false, false, kSiluX>(
         l, fp8_decode_split<kTokenTiles>(props, a, slots));
   }
   // 16-byte weight loads need 16-byte aligned rows (k % 32) in every expert of both projections; the 2-byte scale
@@ -423,11 +456,21 @@ void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, const 
     shape.split_k = kPassMinSplitK;
   }
   constexpr MoeWeightFormat kNvfp4 = MoeWeightFormat::kNvfp4;
-  if (!vec16) return decode_launch_split<kNvfp4, 1, kTokenTiles, false, kSiluX>(l, shape.split_k);
+  if (!vec16) return decode_launch_split<kNvfp4, 1, kTokenTiles, false, false, kSiluX>(l, shape.split_k);
+  // The unchecked loop wants whole tiles of both projections over whole steps, and every warp a step.
+  const int tile_rows = 16 * shape.m_tiles;
+  const bool full = a.w.n % tile_rows == 0 && a.w2.n % tile_rows == 0 && a.w.k % kDecodeStepK == 0 &&
+                    shape.split_k <= a.w.k / kDecodeStepK;
   if constexpr (kTwoMTilesOk) {
-    if (shape.m_tiles == 2) return decode_launch_split<kNvfp4, 2, kTokenTiles, true, kSiluX>(l, shape.split_k);
+    if (shape.m_tiles == 2) {
+      // At 8 or more warps a tile (64 registers, moe_decode_min_blocks) the unchecked loop's pointers spill.
+      if (full && shape.split_k < 8)
+        return decode_launch_split<kNvfp4, 2, kTokenTiles, true, true, kSiluX>(l, shape.split_k);
+      return decode_launch_split<kNvfp4, 2, kTokenTiles, true, false, kSiluX>(l, shape.split_k);
+    }
   }
-  decode_launch_split<kNvfp4, 1, kTokenTiles, true, kSiluX>(l, shape.split_k);
+  if (full) return decode_launch_split<kNvfp4, 1, kTokenTiles, true, true, kSiluX>(l, shape.split_k);
+  decode_launch_split<kNvfp4, 1, kTokenTiles, true, false, kSiluX>(l, shape.split_k);
 }
 
 }  // namespace
@@ -437,8 +480,8 @@ void moe_gemm_launch_decode(const DeviceContext& ctx, const MoeGemmArgs& a) {
   // list gives each 8-row pass its own blocks (moe_forward passes one); without a list, two tiles (the rule measured
   // before the list: docs/perf/gpu.md §decode-token-tiles, §decode-passes).
   static_assert(kMoeDecodePassRows == 8);  // a pass is one token tile
-  const bool one_tile = a.decode_passes != nullptr || a.decode_token_tiles == 1 ||
-                        (a.decode_token_tiles == 0 && a.rows <= 8 * a.top_k);
+  const bool one_tile =
+      a.decode_passes != nullptr || a.decode_token_tiles == 1 || (a.decode_token_tiles == 0 && a.rows <= 8 * a.top_k);
   if (a.x_silu_mul) {
     if (one_tile) return decode_launch_format<1, true>(a, ctx.props(), ctx);
     return decode_launch_format<2, true>(a, ctx.props(), ctx);
@@ -453,7 +496,7 @@ size_t moe_gemm_silu_smem_bytes(int64_t k) {
 
 // What the driver loaded of this module for the current device (module_attributes.h).
 cudaError_t moe_gemm_decode_module_attributes(cudaFuncAttributes* out) {
-  return cudaFuncGetAttributes(out, moe_decode_kernel<MoeWeightFormat::kNvfp4, 1, 4, 1, true, false>);
+  return cudaFuncGetAttributes(out, moe_decode_kernel<MoeWeightFormat::kNvfp4, 1, 4, 1, true, true, false>);
 }
 
 }  // namespace tern
