@@ -348,11 +348,11 @@ __device__ __forceinline__ void decode_k_loop(WeightOf&& weight, int n, int k, i
 }
 
 // Full tiles: n a multiple of the warp tile's rows (a tile lies inside n or wholly past it, and a warp past it
-// skips the loop), k a multiple of 128, 16-byte aligned rows. The lane keeps
-// pointers to its row g at the current step (the other rows are whole multiples of 8 rows further) and advances
-// them by the warp's stride of steps, with no bounds checks or zero fills; x likewise, one pointer per token tile
-// to a valid row (a lane past the last token reads the last token's row: its columns are never stored). Against the
-// checked loop this removes a fifth of the instructions of a step (docs/perf/gemm.md §full-tiles).
+// skips the loop), k a multiple of 128, 16-byte aligned rows. The lane keeps pointers to its row g at the current
+// step (the other rows are whole multiples of 8 rows further) and advances them by the warp's stride of steps, with
+// no bounds checks or zero fills; x likewise, one pointer per token tile to a valid row (a lane past the last token
+// reads the last token's row: its columns are never stored). Against the checked loop this removes a fifth of the
+// instructions of a step (docs/perf/gemm.md, "Decode, the unchecked loop").
 struct DecodeRows {
   const uint8_t* packed;  // row n0 + g, the lane's 16 bytes of the current step
   const uint8_t* scales;  // row n0 + g, the lane's 2 scale bytes of the current step
