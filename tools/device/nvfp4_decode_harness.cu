@@ -1,8 +1,8 @@
-// An experiment on the dense NVFP4 decode GEMV (M = 1) at Qwen3-8B's shapes (docs/perf/gemm.md §full-tiles): the
-// kernel (gemm_nvfp4_w4a16.cu, through its launcher) against a variant that feeds the same mma code from a per-warp
-// ring of cp.async stages in shared memory, so that a warp has several steps of weight in flight without holding
-// them in registers, and that ring with the mmas replaced by a XOR of the words (what its loads alone reach).
-// Built and run on the GPU machine by tools/device/nvfp4_decode_harness.sh:
+// An experiment on the dense NVFP4 decode GEMV (M = 1) at Qwen3-8B's shapes (docs/perf/gemm.md, "Decode, the
+// unchecked loop"): the kernel (gemm_nvfp4_w4a16.cu, through its launcher) against a variant that feeds the same mma
+// code from a per-warp ring of cp.async stages in shared memory, so that a warp has several steps of weight in
+// flight without holding them in registers, and that ring with the mmas replaced by a XOR of the words (what its
+// loads alone reach). Built and run on the GPU machine by tools/device/nvfp4_decode_harness.sh:
 //   nvfp4_decode_harness [time | profile]
 // `time`: medians of graph replays over enough weight copies to defeat L2, GB/s of packed + scales + x + y, and the
 // ring's output against the kernel's. `profile`: the kernel and the ring launched a few times, for ncu.
