@@ -17,6 +17,7 @@ using nvfp4_device::decode_block_tiles;
 using nvfp4_device::decode_block_warps;
 using nvfp4_device::decode_red_floats;
 using nvfp4_device::decode_reduce_store;
+using nvfp4_device::decode_token_offsets;
 using nvfp4_device::f32_to_bf16;
 
 namespace {
@@ -26,10 +27,10 @@ namespace {
 // kSplitK warps per tile splitting K (nvfp4_device.cuh's block layout and fixed-order split-K reduction).
 
 struct DecodeParams {
-  const uint16_t* x;         // [m, k]
-  const uint8_t* codes;      // [n, k]
-  const float* row_scales;   // [n, ceil(k / 128)]
-  uint16_t* y;               // [m, ldy], columns [0, n) written
+  const uint16_t* x;        // [m, k]
+  const uint8_t* codes;     // [n, k]
+  const float* row_scales;  // [n, ceil(k / 128)]
+  uint16_t* y;              // [m, ldy], columns [0, n) written
   int m, n, k;
   int64_t ldy;
 };
@@ -48,18 +49,13 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32, decode_min_b
   ptx::grid_dependency_begin();
   constexpr int kTiles = decode_block_tiles(kSplitK);
   __shared__ __align__(16) float red[decode_red_floats<kSplitK, 1, kTokenTiles>()];
-  const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4;
+  const int warp = threadIdx.x / 32;
   const int n0 = (blockIdx.x * kTiles + warp / kSplitK) * 16;
   float acc[kTokenTiles][1][4] = {};
   if (n0 < p.n) {  // warp-uniform; a tile past n still takes part in the reduction's barriers
     int64_t xoff[kTokenTiles];
-#pragma unroll
-    for (int tt = 0; tt < kTokenTiles; ++tt) {
-      const int token = tt * 8 + g;
-      xoff[tt] = token < p.m ? static_cast<int64_t>(token) * p.k : -1;
-    }
-    fp8_decode_k_loop<kTokenTiles, false>(p.codes, p.row_scales, p.n, p.k, n0, warp % kSplitK, kSplitK, p.x, xoff,
-                                          acc);
+    decode_token_offsets<kTokenTiles>(p.m, p.k, xoff);
+    fp8_decode_k_loop<kTokenTiles, false>(p.codes, p.row_scales, p.n, p.k, n0, warp % kSplitK, kSplitK, p.x, xoff, acc);
   }
   decode_reduce_store<kSplitK, 1, kTokenTiles>(acc, red, [&](int tile, int row, int token, float sum) {
     const int col = (blockIdx.x * kTiles + tile) * 16 + row;
@@ -116,7 +112,6 @@ void fp8_w8a16_launch_decode(const DeviceContext& ctx, const GemmFp8W8a16Args& a
   if (a.m <= 8) return decode_launch_split<1>(p, split, ctx);
   decode_launch_split<2>(p, split, ctx);
 }
-
 
 namespace {
 

@@ -63,8 +63,7 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32, decode_min_b
       const uint16_t* xp[kTokenTiles];
 #pragma unroll
       for (int tt = 0; tt < kTokenTiles; ++tt) {
-        const int token = min(tt * 8 + g, p.m - 1);
-        xp[tt] = p.x + static_cast<int64_t>(token) * p.k + split * kDecodeStepK + (threadIdx.x % 4) * 32;
+        xp[tt] = decode_x_at(p.x + static_cast<int64_t>(min(tt * 8 + g, p.m - 1)) * p.k, split);
       }
       decode_k_loop_rows<kMTiles, kTokenTiles, kPrefetch, false>(rows, xp, p.k, split, kSplitK, w, acc);
     }
@@ -73,11 +72,7 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32, decode_min_b
     ptx::grid_dependency_wait();
     if (n0 < p.n) {  // warp-uniform; a tile past n still takes part in the reduction's barriers
       int64_t xoff[kTokenTiles];
-#pragma unroll
-      for (int tt = 0; tt < kTokenTiles; ++tt) {
-        const int token = tt * 8 + g;
-        xoff[tt] = token < p.m ? static_cast<int64_t>(token) * p.k : -1;
-      }
+      decode_token_offsets<kTokenTiles>(p.m, p.k, xoff);
       auto weight = [&] { return DecodeWeightPtrs{p.packed, p.scales}; };
       decode_k_loop<kMTiles, kTokenTiles, kVec16, kPrefetch>(weight, p.n, p.k, n0, p.x, xoff, split, kSplitK, w, acc);
     }

@@ -258,8 +258,7 @@ __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
 #pragma unroll
       for (int tt = 0; tt < kTokenTiles; ++tt) {
         const int r = min(r0 + tt * 8 + g, ae.row_end - 1);
-        xp[tt] = base + (kSiluX ? int64_t{r - r0} * (p.k + kActPad) : x_row_offset(p, r)) + split * kDecodeStepK +
-                 (threadIdx.x % 4) * 32;
+        xp[tt] = decode_x_at(base + (kSiluX ? int64_t{r - r0} * (p.k + kActPad) : x_row_offset(p, r)), split);
       }
     };
     // Stage 1: the K loop of each warp whose tile is inside n (warp-uniform; a tile past n still takes part in

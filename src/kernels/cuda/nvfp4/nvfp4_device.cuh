@@ -216,6 +216,18 @@ __device__ __forceinline__ void decode_load_w(const uint8_t* packed, const uint8
   for (int mt = 0; mt < kMTiles; ++mt) w.s[mt] = byte_perm(s[2 * mt], s[2 * mt + 1], 0x5140);
 }
 
+// The offset of the lane's token row (token 8 tt + g of each token tile) in a dense x of m rows of k, -1 past the
+// last row: the checked decode loops' xoff (this NVFP4 kernel's and the FP8 one's).
+template <int kTokenTiles>
+__device__ __forceinline__ void decode_token_offsets(int m, int k, int64_t (&xoff)[kTokenTiles]) {
+  const int g = (threadIdx.x % 32) / 4;
+#pragma unroll
+  for (int tt = 0; tt < kTokenTiles; ++tt) {
+    const int token = tt * 8 + g;
+    xoff[tt] = token < m ? static_cast<int64_t>(token) * k : -1;
+  }
+}
+
 // x for step `step`: the 32 k of the lane's token in each token tile, from x + xoff[tt] (xoff < 0: no token).
 // x is global memory, read-only for the kernel's life, or with kXShared rows a block staged in shared memory.
 template <int kTokenTiles, bool kXShared = false>
@@ -383,6 +395,11 @@ __device__ __forceinline__ void decode_load_rows(const DecodeRows& r, DecodeW<kM
   }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) w.s[mt] = byte_perm(s[2 * mt], s[2 * mt + 1], 0x5140);
+}
+
+// Where the lane's x of step `step` starts in an x row: its 32 k of the step (the unchecked loop's xp).
+__device__ __forceinline__ const uint16_t* decode_x_at(const uint16_t* row, int step) {
+  return row + step * kDecodeStepK + (threadIdx.x % 4) * 32;
 }
 
 // The lane's x for the current step of each token tile: xp[tt] points at its token's row, k offset t * 32 of the
