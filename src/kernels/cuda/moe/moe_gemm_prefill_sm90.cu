@@ -12,8 +12,8 @@
 // and waits for the previous step's group before the next barrier, so loads, dequantization and tensor-core work
 // overlap. Warpgroup tiles: kBm = 128: warpgroup w takes rows 64 w .. 64 w + 63 and all kBn columns (m64n256);
 // kBm = 64: all 64 rows and columns kBn / 2 * w onwards (m64n128). Every warpgroup issues its products, also one
-// whose rows all lie past its expert's last row (zero rows, never stored): skipping them puts the wgmmas under a
-// branch, and ptxas then serializes them (docs/perf/gpu.md §moe-prefill-wgmma).
+// whose rows all lie past its expert's last row (copies of the tile's first row, never stored): skipping them puts the
+// wgmmas under a branch, and ptxas then serializes them (docs/perf/gpu.md §moe-prefill-wgmma).
 //
 // Why a stage is refilled two steps behind: after the barrier of step s every warpgroup has waited for its step
 // s - 2 group (wait_group<1> at the end of step s - 1), so the stage of step s - 2 is free while step s - 1 may still
@@ -45,10 +45,10 @@ template <int kBm, int kBn>
 __host__ __device__ constexpr uint32_t wg_stage_bytes() {
   return static_cast<uint32_t>((kBm + kBn) * kWgBk * 2);
 }
-// The ring, 1024 bytes of alignment slack, the gathered row offsets.
+// The ring, 1024 bytes of alignment slack, the tile's x row addresses (wg_x_rows).
 template <int kBm, int kBn, int kStages>
 constexpr size_t wg_smem_bytes() {
-  return static_cast<size_t>(kStages) * wg_stage_bytes<kBm, kBn>() + 1024 + kBm * sizeof(int64_t);
+  return static_cast<size_t>(kStages) * wg_stage_bytes<kBm, kBn>() + 1024 + kBm * sizeof(const void*);
 }
 
 #if TERN_WGMMA_AVAILABLE  // the device helpers exist only where the kernel has a body
@@ -56,26 +56,46 @@ constexpr size_t wg_smem_bytes() {
 // more step loaded ahead) measured the same within 2% (docs/perf/gpu.md §moe-prefill-wgmma).
 constexpr int kWgLag = 2;
 
-// x rows of step `kstep` into a stage's x tile (xoff[r] < 0: zeros).
+// The tile's x rows, kBm of them, a 64-k step at a time into a stage's 128-byte-swizzled tile by cp.async: thread t
+// copies 16-byte chunk t % 8 of rows t / 8 + 32 i (rows 32 apart share the swizzle, so their chunks lie 4096 bytes
+// apart in the tile). The rows' source addresses are looked up once in a table in shared memory (wg_x_rows), and rows
+// past the expert's end copy the tile's first row: their products are never stored, so every copy is unconditional
+// and a step costs a table load and an add per chunk.
+struct WgXCopy {
+  const unsigned char* const* rows;  // the thread's first row in the table
+  uint32_t dst;                      // its first chunk's offset in a tile
+  int src;                           // its chunk's byte offset in a row
+};
+
+// Fills `table` with the source addresses of the tile's kBm rows (the caller syncs before the first copy).
 template <int kBm>
-__device__ __forceinline__ void wg_load_x(const GemmParams& p, const int64_t* xoff, int kstep, unsigned char* xs) {
-#pragma unroll
-  for (int i = 0; i < kBm * 8 / kWgThreads; ++i) {
-    const int id = threadIdx.x + i * kWgThreads, r = id / 8, c = id % 8;
-    const bool valid = xoff[r] >= 0;
-    cp_async_16_zfill(xs + wgmma::sw128_offset(r, c), valid ? p.x + xoff[r] + kstep * kWgBk + c * 8 : p.x, valid);
+__device__ __forceinline__ WgXCopy wg_x_rows(const GemmParams& p, const TileWork& tw, const unsigned char** table) {
+  for (int i = threadIdx.x; i < kBm; i += kWgThreads) {
+    const int r = tw.row0 + i < tw.row_end ? tw.row0 + i : tw.row0;
+    table[i] = reinterpret_cast<const unsigned char*>(p.x + x_row_offset(p, r));
   }
+  return {table + threadIdx.x / 8, wgmma::sw128_offset(threadIdx.x / 8, threadIdx.x % 8),
+          static_cast<int>(threadIdx.x % 8) * 16};
 }
 
-// bf16 W rows n0 .. n0 + kBn - 1 of step `kstep` into a stage's W tile (zeros past n).
+// Step `kstep`'s x into the tile at shared address `tile`.
+template <int kBm>
+__device__ __forceinline__ void wg_load_x(const WgXCopy& c, uint32_t tile, int kstep) {
+  const int src = kstep * kWgBk * 2 + c.src;
+#pragma unroll
+  for (int i = 0; i < kBm * 8 / kWgThreads; ++i) ptx::cp_async_16(tile + c.dst + 4096 * i, c.rows[32 * i] + src);
+}
+
+// bf16 W rows n0 .. n0 + kBn - 1 of step `kstep` into a stage's W tile at shared address `tile` (rows past n copy row
+// n - 1: their columns of y are never stored).
 template <int kBn>
-__device__ __forceinline__ void wg_load_w_bf16(const uint16_t* w, int n, int k, int n0, int kstep, unsigned char* ws) {
+__device__ __forceinline__ void wg_load_w_bf16(const uint16_t* w, int n, int k, int n0, int kstep, uint32_t tile) {
+  const int r = threadIdx.x / 8, c = threadIdx.x % 8;
+  const uint32_t dst = tile + wgmma::sw128_offset(r, c);
+  const uint16_t* src = w + kstep * kWgBk + c * 8;
 #pragma unroll
   for (int i = 0; i < kBn * 8 / kWgThreads; ++i) {
-    const int id = threadIdx.x + i * kWgThreads, r = id / 8, c = id % 8;
-    const bool valid = n0 + r < n;
-    cp_async_16_zfill(ws + wgmma::sw128_offset(r, c),
-                      valid ? w + static_cast<int64_t>(n0 + r) * k + kstep * kWgBk + c * 8 : w, valid);
+    ptx::cp_async_16(dst + 4096 * i, src + static_cast<int64_t>(min(n0 + r + 32 * i, n - 1)) * k);
   }
 }
 
@@ -198,7 +218,7 @@ __global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const Gem
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t raw_addr = ptx::smem_addr(smem_raw);
   unsigned char* ring = smem_raw + ((1024 - raw_addr % 1024) % 1024);
-  int64_t* xoff = reinterpret_cast<int64_t*>(ring + kStages * wg_stage_bytes<kBm, kBn>());
+  const unsigned char** xrows = reinterpret_cast<const unsigned char**>(ring + kStages * wg_stage_bytes<kBm, kBn>());
   const TileWork tw = find_row_tile(p.offsets, p.n_experts, blockIdx.y, kBm);
   if (tw.expert < 0) return;  // every warp found the same: the whole block leaves
   const int e = tw.expert, n0 = blockIdx.x * kBn, n_ksteps = p.k / kWgBk;
@@ -209,9 +229,7 @@ __global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const Gem
   const float* row_scales = kIsFp8 ? p.row_scales + e * p.row_scales_stride : nullptr;
   const uint16_t* wbf = kIsNvfp4 || kIsFp8 ? nullptr : p.wbf + e * p.wbf_stride;
 
-  for (int i = threadIdx.x; i < kBm; i += kWgThreads) {
-    xoff[i] = tw.row0 + i < tw.row_end ? x_row_offset(p, tw.row0 + i) : -1;
-  }
+  const WgXCopy xcopy = wg_x_rows<kBm>(p, tw, xrows);
   __syncthreads();
   auto x_tile = [&](int stage) { return ring + stage * wg_stage_bytes<kBm, kBn>(); };
   auto w_tile = [&](int stage) { return ring + stage * wg_stage_bytes<kBm, kBn>() + kBm * kWgBk * 2; };
@@ -220,7 +238,7 @@ __global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const Gem
   typename WgWRegs<kFormat, kBn>::type wr{};
   auto fill = [&](int s) {
     if (s < n_ksteps) {
-      wg_load_x<kBm>(p, xoff, s, x_tile(s % kStages));
+      wg_load_x<kBm>(xcopy, ptx::smem_addr(x_tile(s % kStages)), s);
       if constexpr (kIsNvfp4) {
         wg_store_w_fp4(wr, w_tile(s % kStages));
         if (s + 1 < n_ksteps) wr = wg_load_w_fp4<kBn>(packed, scales, p.n, p.k, n0, s + 1);
@@ -228,7 +246,7 @@ __global__ void __launch_bounds__(kWgThreads) moe_prefill_wgmma_kernel(const Gem
         wg_store_w_fp8(wr, w_tile(s % kStages));
         if (s + 1 < n_ksteps) wr = wg_load_w_fp8<kBn>(packed, row_scales, p.n, p.k, n0, s + 1);
       } else {
-        wg_load_w_bf16<kBn>(wbf, p.n, p.k, n0, s, w_tile(s % kStages));
+        wg_load_w_bf16<kBn>(wbf, p.n, p.k, n0, s, ptx::smem_addr(w_tile(s % kStages)));
       }
     }
     cp_async_commit();  // always, so the group count per step stays uniform
@@ -305,47 +323,57 @@ constexpr uint32_t kRsCodeBytes = kRsRows * kWgBk / 2;    // 32 bytes a row
 constexpr uint32_t kRsScaleBytes = kRsRows * kWgBk / 16;  // 4 a row
 // The output tile staged for its stores: kTokens rows of 128 bf16, padded so the fragment writes do not collide.
 constexpr int kRsOutStride = kRsRows + 8;
-// x tiles (1024-aligned), code tiles, scale tiles, 1024 bytes of alignment slack, the gathered row offsets.
+// x tiles (1024-aligned), code tiles, scale tiles, 1024 bytes of alignment slack, the x row addresses.
 template <int kTokens, int kStages>
 constexpr size_t rs_smem_bytes() {
   return static_cast<size_t>(kStages) * (rs_x_bytes<kTokens>() + kRsCodeBytes + kRsScaleBytes) + 1024 +
-         kTokens * sizeof(int64_t);
+         kTokens * sizeof(const void*);
 }
 
 #if TERN_WGMMA_AVAILABLE
-// Byte b (0..3) of q as the bf16 pair (e2m1 of its low nibble, of its high nibble) · 2^-126: the nibbles to bits
-// 0..3 and 16..19, then decode_e2m1_pairs' multiply and mask.
-template <int kByte>
-__device__ __forceinline__ uint32_t rs_byte_pair(uint32_t q) {
-  const uint32_t b = byte_perm(q, 0, 0x4440 | kByte);
-  return (((b * 0x1001u) & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;
+// The four code bytes of q (each the codes of k and k + 1: low nibble, high nibble) as bf16 pairs (e2m1 of the low
+// nibble, e2m1 of the high) · 2^-126, in byte order. The nibbles of byte b go to bits 3:0 and 19:16 with one permute
+// of the low and the high nibbles (bytes 1 and 3 from selector nibbles with bit 3 set: the sign of a byte whose bit 7
+// is clear, so zero), then decode_e2m1_pairs' multiply and mask.
+__device__ __forceinline__ void rs_code_pairs(uint32_t q, uint32_t (&pair)[4]) {
+  const uint32_t lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    uint32_t spread;
+    asm("prmt.b32 %0, %1, %2, %3;\n"
+        : "=r"(spread)
+        : "r"(lo), "r"(hi), "r"(b | (8 | b) << 4 | (4 + b) << 8 | (8 | b) << 12));
+    pair[b] = (spread * 0x1040u) & 0x81C081C0u;
+  }
 }
 
 // The A fragments of one step for rows r0 (g) and r0 + 8 of the thread's warp tile, k16 slice j in a[j]: codes of
-// row r at bytes 8 j + t (k 16 j + 2 t, + 1) and 8 j + t + 4 (k 16 j + 2 t + 8, + 9) of its 32.
-__device__ __forceinline__ void rs_build_a(const unsigned char* codes, const unsigned char* scales, int r0,
+// row r at bytes 8 j + t (k 16 j + 2 t, + 1) and 8 j + t + 4 (k 16 j + 2 t + 8, + 9) of its 32. `codes` and
+// `scales` point at row r0's codes and scales in the stage.
+__device__ __forceinline__ void rs_build_a(const unsigned char* codes, const unsigned char* scales, uint32_t sel,
                                            uint32_t (&a)[4][4]) {
-  const int t = threadIdx.x % 4;
-  const uint4 p0 = *reinterpret_cast<const uint4*>(codes + r0 * 32);
-  const uint4 p1 = *reinterpret_cast<const uint4*>(codes + r0 * 32 + 16);
-  const uint4 q0 = *reinterpret_cast<const uint4*>(codes + (r0 + 8) * 32);
-  const uint4 q1 = *reinterpret_cast<const uint4*>(codes + (r0 + 8) * 32 + 16);
-  const uint32_t s0 = *reinterpret_cast<const uint32_t*>(scales + r0 * 4);
-  const uint32_t s1 = *reinterpret_cast<const uint32_t*>(scales + (r0 + 8) * 4);
+  const uint4 p0 = *reinterpret_cast<const uint4*>(codes);
+  const uint4 p1 = *reinterpret_cast<const uint4*>(codes + 16);
+  const uint4 q0 = *reinterpret_cast<const uint4*>(codes + 8 * 32);
+  const uint4 q1 = *reinterpret_cast<const uint4*>(codes + 8 * 32 + 16);
+  const uint32_t s0 = *reinterpret_cast<const uint32_t*>(scales);
+  const uint32_t s1 = *reinterpret_cast<const uint32_t*>(scales + 8 * 4);
   const uint32_t w0[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
   const uint32_t w1[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-  // Byte t of words 2 j and 2 j + 1 of each row, as [row r0: k 2t.., k 2t+8..; row r0 + 8: the same].
-  const uint32_t sel = static_cast<uint32_t>(t) | static_cast<uint32_t>(t + 4) << 4;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint32_t q = byte_perm(byte_perm(w0[2 * j], w0[2 * j + 1], sel), byte_perm(w1[2 * j], w1[2 * j + 1], sel),
-                                 0x5410);
+    // Byte t of words 2 j and 2 j + 1 of each row (sel = t | (t + 4) << 4), as [row r0: k 2t.., k 2t+8..; row r0 + 8:
+    // the same].
+    const uint32_t q =
+        byte_perm(byte_perm(w0[2 * j], w0[2 * j + 1], sel), byte_perm(w1[2 * j], w1[2 * j + 1], sel), 0x5410);
     uint32_t sc[2];  // rows r0 and r0 + 8, block j
     decode_scales(byte_perm(s0, s1, static_cast<uint32_t>(j) | static_cast<uint32_t>(j + 4) << 4), sc);
-    a[j][0] = bf16x2_mul(rs_byte_pair<0>(q), sc[0]);
-    a[j][1] = bf16x2_mul(rs_byte_pair<2>(q), sc[1]);
-    a[j][2] = bf16x2_mul(rs_byte_pair<1>(q), sc[0]);
-    a[j][3] = bf16x2_mul(rs_byte_pair<3>(q), sc[1]);
+    uint32_t pair[4];
+    rs_code_pairs(q, pair);
+    a[j][0] = bf16x2_mul(pair[0], sc[0]);
+    a[j][1] = bf16x2_mul(pair[2], sc[1]);
+    a[j][2] = bf16x2_mul(pair[1], sc[0]);
+    a[j][3] = bf16x2_mul(pair[3], sc[1]);
   }
 }
 
@@ -365,36 +393,35 @@ __global__ void __launch_bounds__(kWgThreads, kMinBlocks) moe_prefill_rs_kernel(
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t raw_addr = ptx::smem_addr(smem_raw);
   unsigned char* ring = smem_raw + ((1024 - raw_addr % 1024) % 1024);
-  unsigned char* code_ring = ring + kStages * rs_x_bytes<kTokens>();
-  unsigned char* scale_ring = code_ring + kStages * kRsCodeBytes;
-  int64_t* xoff = reinterpret_cast<int64_t*>(scale_ring + kStages * kRsScaleBytes);
+  // x tiles, code tiles, scale tiles, then the tile's x row addresses.
+  const unsigned char** xrows =
+      reinterpret_cast<const unsigned char**>(ring + kStages * (rs_x_bytes<kTokens>() + kRsCodeBytes + kRsScaleBytes));
   const TileWork tw = find_row_tile(p.offsets, p.n_experts, blockIdx.y, kTokens);
   if (tw.expert < 0) return;  // every warp found the same: the whole block leaves
   const int e = tw.expert, n0 = blockIdx.x * kRsRows, n_ksteps = p.k / kWgBk;
   const float out_scale = p.global_scales[e] * static_cast<float>(1u << kDecodeShift);
-  const uint8_t* packed = p.packed + e * p.packed_stride;
-  const uint8_t* scales = p.scales + e * p.scales_stride;
-  for (int i = threadIdx.x; i < kTokens; i += kWgThreads) {
-    xoff[i] = tw.row0 + i < tw.row_end ? x_row_offset(p, tw.row0 + i) : -1;
-  }
+  const WgXCopy xcopy = wg_x_rows<kTokens>(p, tw, xrows);
   __syncthreads();
-  auto x_tile = [&](int s) { return ring + (s % kStages) * rs_x_bytes<kTokens>(); };
-  auto code_tile = [&](int s) { return code_ring + (s % kStages) * kRsCodeBytes; };
-  auto scale_tile = [&](int s) { return scale_ring + (s % kStages) * kRsScaleBytes; };
+  // The thread's share of the weight in every fill (rows past n copy row n - 1, whose products are never stored):
+  // half threadIdx.x % 2 of row threadIdx.x / 2's 32 code bytes, and (threads below 128) row threadIdx.x's 4 scales.
+  const uint8_t* code_src = p.packed + e * p.packed_stride +
+                            static_cast<int64_t>(min(n0 + static_cast<int>(threadIdx.x) / 2, p.n - 1)) * (p.k / 2) +
+                            (threadIdx.x % 2) * 16;
+  const uint8_t* scale_src =
+      p.scales + e * p.scales_stride +
+      static_cast<int64_t>(min(n0 + static_cast<int>(threadIdx.x) % kRsRows, p.n - 1)) * (p.k / 16);
+  const uint32_t ring_addr = ptx::smem_addr(ring);
+  auto x_tile = [&](int s) { return ring_addr + (s % kStages) * rs_x_bytes<kTokens>(); };
+  auto code_tile = [&](int s) { return ring_addr + kStages * rs_x_bytes<kTokens>() + (s % kStages) * kRsCodeBytes; };
+  auto scale_tile = [&](int s) {
+    return ring_addr + kStages * (rs_x_bytes<kTokens>() + kRsCodeBytes) + (s % kStages) * kRsScaleBytes;
+  };
   // Step s into its stage: x rows, the 128 rows' 32 bytes of codes (two 16-byte copies a row) and their 4 scales.
   auto fill = [&](int s) {
     if (s < n_ksteps) {
-      wg_load_x<kTokens>(p, xoff, s, x_tile(s));
-      const int row = threadIdx.x / 2, half = threadIdx.x % 2;
-      const bool valid = n0 + row < p.n;
-      cp_async_16_zfill(code_tile(s) + row * 32 + half * 16,
-                        valid ? packed + static_cast<int64_t>(n0 + row) * (p.k / 2) + s * 32 + half * 16 : packed,
-                        valid);
-      if (threadIdx.x < kRsRows) {
-        const bool v = n0 + static_cast<int>(threadIdx.x) < p.n;
-        ptx::cp_async_4_zfill(scale_tile(s) + threadIdx.x * 4,
-                              v ? scales + static_cast<int64_t>(n0 + threadIdx.x) * (p.k / 16) + s * 4 : scales, v);
-      }
+      wg_load_x<kTokens>(xcopy, x_tile(s), s);
+      ptx::cp_async_16(code_tile(s) + threadIdx.x * 16, code_src + s * 32);
+      if (threadIdx.x < kRsRows) ptx::cp_async_4(scale_tile(s) + threadIdx.x * 4, scale_src + s * 4);
     }
     cp_async_commit();  // always, so the group count per step stays uniform
   };
@@ -403,6 +430,12 @@ __global__ void __launch_bounds__(kWgThreads, kMinBlocks) moe_prefill_rs_kernel(
 
   const int wg = threadIdx.x / 128, v = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
   const int r0 = 64 * wg + 16 * v + lane / 4;  // the thread's first weight row in the block's 128
+  const uint32_t sel = static_cast<uint32_t>(lane % 4) | static_cast<uint32_t>(lane % 4 + 4) << 4;
+  const unsigned char* const codes_r0 = ring + kStages * rs_x_bytes<kTokens>() + r0 * 32;
+  const unsigned char* const scales_r0 = ring + kStages * (rs_x_bytes<kTokens>() + kRsCodeBytes) + r0 * 4;
+  auto build = [&](int s, uint32_t(&a)[4][4]) {
+    rs_build_a(codes_r0 + (s % kStages) * kRsCodeBytes, scales_r0 + (s % kStages) * kRsScaleBytes, sel, a);
+  };
   float acc[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
@@ -414,9 +447,9 @@ __global__ void __launch_bounds__(kWgThreads, kMinBlocks) moe_prefill_rs_kernel(
   cp_async_wait<kLead - 1>();  // step 0 has landed
   wgmma::fence_proxy_async_shared();
   __syncthreads();
-  rs_build_a(code_tile(0), scale_tile(0), r0, a0);
+  build(0, a0);
   auto iteration = [&](int s, uint32_t(&a)[4][4], uint32_t(&next)[4][4]) {
-    const uint32_t xa = ptx::smem_addr(x_tile(s));
+    const uint32_t xa = x_tile(s);
     wgmma::fence();
 #pragma unroll
     for (int j = 0; j < kWgBk / 16; ++j) {
@@ -427,7 +460,7 @@ __global__ void __launch_bounds__(kWgThreads, kMinBlocks) moe_prefill_rs_kernel(
     wgmma::fence_proxy_async_shared();
     __syncthreads();  // ... for everyone, and everyone retired step s - 1: its stage is free
     fill(s + kLead);
-    if (s + 1 < n_ksteps) rs_build_a(code_tile(s + 1), scale_tile(s + 1), r0, next);
+    if (s + 1 < n_ksteps) build(s + 1, next);
     wgmma::wait_group<0>();
     wgmma::fence_operands(acc);
     rs_fence_a(a);
@@ -473,15 +506,15 @@ void rs_launch(const GemmParams& p, int64_t rows, int64_t n_experts, const Devic
   TERN_CUDA_CHECK_LAUNCH();
 }
 
-// The shapes moe_bench --rs-shapes times: {tokens per tile, stages, blocks an SM the registers are sized for}.
-constexpr int kRsShapes[][3] = {{128, 4, 2}, {64, 4, 2}, {128, 6, 1}, {64, 8, 2}};
+// The shapes moe_bench --rs-shapes times: {tokens per tile, stages, blocks an SM the registers are sized for}; the
+// launcher takes one of the two. (128 tokens at 6 stages and 1 block an SM, 64 at 8 stages, and the next step's
+// fragments built between the step's wgmmas were slower: docs/perf/gpu.md §moe-prefill-rs.)
+constexpr int kRsShapes[][3] = {{128, 4, 2}, {64, 4, 2}};
 
 void rs_launch_shape(const GemmParams& p, int64_t rows, int64_t n_experts, const DeviceContext& ctx, int shape) {
   constexpr auto& t = kRsShapes;
   switch (shape) {
     case 1: return rs_launch<t[1][0], t[1][1], t[1][2]>(p, rows, n_experts, ctx);
-    case 2: return rs_launch<t[2][0], t[2][1], t[2][2]>(p, rows, n_experts, ctx);
-    case 3: return rs_launch<t[3][0], t[3][1], t[3][2]>(p, rows, n_experts, ctx);
     default: return rs_launch<t[0][0], t[0][1], t[0][2]>(p, rows, n_experts, ctx);
   }
 }
@@ -542,7 +575,7 @@ bool moe_gemm_prefill_rs_fits(const DeviceContext& ctx, const MoeGemmArgs& a) {
     return w.n == 0 || (w.format == MoeWeightFormat::kNvfp4 && w.k % (2 * kWgBk) == 0);
   };
   // Its largest shape needs less shared memory than the kernel above, whose fit the first check includes.
-  static_assert(rs_smem_bytes<128, 6>() <= wg_smem_bytes<128, 256, 4>());
+  static_assert(rs_smem_bytes<128, 4>() <= wg_smem_bytes<128, 256, 4>());
   return moe_gemm_prefill_sm90_fits(ctx, a) && fits(a.w) && fits(a.w2);
 }
 

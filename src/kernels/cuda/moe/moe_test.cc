@@ -885,6 +885,7 @@ struct GemmCase {
   int64_t col0 = 0, ldy_extra = 0;  // write columns [col0, col0 + n) of rows ldy = col0 + n + ldy_extra wide
   int token_tiles = 0;               // MoeGemmArgs::decode_token_tiles
   bool passes = false;               // MoeGemmArgs::decode_passes from the host's pass list
+  int rs_shape = -1;                 // >= 0: the register-sourced prefill kernel in that shape (moe_launch.h)
 };
 
 // FP8 weights through moe_gemm's prefill variant (moe.cc's rule for kAuto): the prefill kernel rounds each
@@ -986,8 +987,13 @@ void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const Gemm
                          .rows = rows,
                          .decode_token_tiles = c.token_tiles,
                          .decode_passes = c.passes ? d_passes.as<int32_t>() : nullptr};
-  const auto status = moe_gemm(ctx, args, variant);
-  ASSERT_TRUE(status.has_value()) << status.error().message;
+  if (c.rs_shape >= 0) {
+    if (!moe_gemm_prefill_rs_fits(ctx, args)) GTEST_SKIP() << "no register-sourced prefill kernel on this GPU";
+    moe_gemm_launch_prefill_rs(ctx, args, c.rs_shape);
+  } else {
+    const auto status = moe_gemm(ctx, args, variant);
+    ASSERT_TRUE(status.has_value()) << status.error().message;
+  }
   ctx.synchronize();
   const auto y = download<uint16_t>(d_y, static_cast<size_t>(rows * ldy));
   EXPECT_EQ(written_outside(y, rows, ldy, {{c.col0, c.col0 + n}}), 0)
@@ -997,7 +1003,8 @@ void check_gemm_ids(const DeviceContext& ctx, const ExpertWeights& w, const Gemm
                         expert_reference(w, x, ldx, al, c.gather, c.top_k, false, bf16_w), rows, n,
                         gemm_name(w, variant, c.tokens, c.top_k) + (c.skew ? " skewed" : "") +
                             (c.token_tiles > 0 ? " tiles=" + std::to_string(c.token_tiles) : "") +
-                            (c.passes ? " passes" : ""));
+                            (c.passes ? " passes" : "") +
+                            (c.rs_shape >= 0 ? " rs shape " + std::to_string(c.rs_shape) : ""));
 }
 
 // The same on a fresh random routing (skew: see random_ids).
@@ -1063,6 +1070,17 @@ TEST(MoeGemm, Nvfp4RegisterSourcedPrefill) {
   check_gemm(ctx, w, {37, 4, false, true, 0, 6}, MoeGemmVariant::kPrefill, rng);
   check_gemm(ctx, w, {300, 2, true, false, 130, 0}, MoeGemmVariant::kPrefill, rng);
   check_gemm(ctx, w, {300, 2, true, false, 130, 1}, MoeGemmVariant::kPrefill, rng);  // ldy odd: no pair stores
+  // Every shape moe_bench --rs-shapes times, whichever the launcher takes: a 768-k shape with a partial weight block,
+  // ragged experts, ungathered x and a column window with an odd row pitch.
+  const int n_shapes = static_cast<int>(moe_gemm_prefill_rs_shapes().size());
+  ASSERT_GT(n_shapes, 0);
+  const ExpertWeights w2 = make_expert_weights(MoeWeightFormat::kNvfp4, 64, 271, 768, 1.0f, rng);
+  for (int shape = 0; shape < n_shapes; ++shape) {
+    check_gemm(ctx, w2, {37, 8, true, false, 0, 0, 0, false, shape}, MoeGemmVariant::kPrefill, rng);
+    check_gemm(ctx, w2, {600, 8, true, false, 0, 0, 0, false, shape}, MoeGemmVariant::kPrefill, rng);
+    check_gemm(ctx, w, {1000, 4, true, true, 0, 0, 0, false, shape}, MoeGemmVariant::kPrefill, rng);
+    check_gemm(ctx, w, {300, 2, false, false, 130, 1, 0, false, shape}, MoeGemmVariant::kPrefill, rng);
+  }
 }
 
 TEST(MoeGemm, Bf16BothVariants) { check_gemm_shapes(MoeWeightFormat::kBf16); }
