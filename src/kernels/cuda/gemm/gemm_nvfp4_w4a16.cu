@@ -36,12 +36,12 @@ struct DecodeParams {
   int64_t ldy;
 };
 
-// kFull: n a multiple of the warp tile's rows and k of 128 (the host's choice), the unchecked loop of DecodeRows
-// (nvfp4_device.cuh); else the checked one, with 16-byte loads where kVec16.
-template <int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kFull>
+// kLoads (nvfp4_device.cuh): kUnchecked16 where n is a multiple of the warp tile's rows and k of 128 (the host's
+// choice), the unchecked loop of DecodeRows; else the checked one.
+template <int kMTiles, int kSplitK, int kTokenTiles, DecodeLoads kLoads>
 __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32, decode_min_blocks(kSplitK, kTokenTiles))
     nvfp4_decode_kernel(const DecodeParams p) {
-  static_assert(kVec16 || !kFull);
+  constexpr bool kVec16 = kLoads != DecodeLoads::kBytes, kFull = kLoads == DecodeLoads::kUnchecked16;
   constexpr int kTiles = decode_block_tiles(kSplitK), kRows = 16 * kMTiles;
   __shared__ __align__(16) float red[decode_red_floats<kSplitK, kMTiles, kTokenTiles>()];
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4;
@@ -92,45 +92,47 @@ bool is_aligned(const void* ptr, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
 
-template <int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kFull>
+template <int kMTiles, int kSplitK, int kTokenTiles, DecodeLoads kLoads>
 void decode_launch_kernel(const DecodeParams& p, const DeviceContext& ctx) {
   constexpr int kTileRows = 16 * kMTiles * decode_block_tiles(kSplitK);
   const dim3 grid(static_cast<unsigned>((p.n + kTileRows - 1) / kTileRows));
-  launch_kernel(ctx, nvfp4_decode_kernel<kMTiles, kSplitK, kTokenTiles, kVec16, kFull>, grid,
+  launch_kernel(ctx, nvfp4_decode_kernel<kMTiles, kSplitK, kTokenTiles, kLoads>, grid,
                 dim3(decode_block_warps(kSplitK) * 32), 0, p);
   TERN_CUDA_CHECK_LAUNCH();
 }
 
-template <int kMTiles, int kTokenTiles, bool kVec16, bool kFull>
+template <int kMTiles, int kTokenTiles, DecodeLoads kLoads>
 void decode_launch_split(const DecodeParams& p, int split_k, const DeviceContext& ctx) {
   switch (split_k) {
     case 1:
-      return decode_launch_kernel<kMTiles, 1, kTokenTiles, kVec16, kFull>(p, ctx);
+      return decode_launch_kernel<kMTiles, 1, kTokenTiles, kLoads>(p, ctx);
     case 2:
-      return decode_launch_kernel<kMTiles, 2, kTokenTiles, kVec16, kFull>(p, ctx);
+      return decode_launch_kernel<kMTiles, 2, kTokenTiles, kLoads>(p, ctx);
     case 4:
-      return decode_launch_kernel<kMTiles, 4, kTokenTiles, kVec16, kFull>(p, ctx);
+      return decode_launch_kernel<kMTiles, 4, kTokenTiles, kLoads>(p, ctx);
     case 8:
-      return decode_launch_kernel<kMTiles, 8, kTokenTiles, kVec16, kFull>(p, ctx);
+      return decode_launch_kernel<kMTiles, 8, kTokenTiles, kLoads>(p, ctx);
     case 16:
-      return decode_launch_kernel<kMTiles, 16, kTokenTiles, kVec16, kFull>(p, ctx);
+      return decode_launch_kernel<kMTiles, 16, kTokenTiles, kLoads>(p, ctx);
   }
   if constexpr (decode_max_split_k(kMTiles, kTokenTiles) == 32) {
-    decode_launch_kernel<kMTiles, 32, kTokenTiles, kVec16, kFull>(p, ctx);
+    decode_launch_kernel<kMTiles, 32, kTokenTiles, kLoads>(p, ctx);
   }
 }
 
 // Two m16 tiles per warp only with 16-byte loads: the byte-wise path serves odd k and is not worth the code.
 template <int kTokenTiles>
-void decode_launch_tiles(const DecodeParams& p, const DecodeShape& shape, bool vec16, bool full,
+void decode_launch_tiles(const DecodeParams& p, const DecodeShape& shape, DecodeLoads loads,
                          const DeviceContext& ctx) {
-  if (!vec16) return decode_launch_split<1, kTokenTiles, false, false>(p, shape.split_k, ctx);
-  if (full) {
-    if (shape.m_tiles == 2) return decode_launch_split<2, kTokenTiles, true, true>(p, shape.split_k, ctx);
-    return decode_launch_split<1, kTokenTiles, true, true>(p, shape.split_k, ctx);
+  constexpr DecodeLoads kBytes = DecodeLoads::kBytes, kChecked16 = DecodeLoads::kChecked16,
+                        kUnchecked16 = DecodeLoads::kUnchecked16;
+  if (loads == kBytes) return decode_launch_split<1, kTokenTiles, kBytes>(p, shape.split_k, ctx);
+  if (loads == kUnchecked16) {
+    if (shape.m_tiles == 2) return decode_launch_split<2, kTokenTiles, kUnchecked16>(p, shape.split_k, ctx);
+    return decode_launch_split<1, kTokenTiles, kUnchecked16>(p, shape.split_k, ctx);
   }
-  if (shape.m_tiles == 2) return decode_launch_split<2, kTokenTiles, true, false>(p, shape.split_k, ctx);
-  decode_launch_split<1, kTokenTiles, true, false>(p, shape.split_k, ctx);
+  if (shape.m_tiles == 2) return decode_launch_split<2, kTokenTiles, kChecked16>(p, shape.split_k, ctx);
+  decode_launch_split<1, kTokenTiles, kChecked16>(p, shape.split_k, ctx);
 }
 
 }  // namespace
@@ -152,8 +154,9 @@ void nvfp4_w4a16_launch_decode(const DeviceContext& ctx, const GemmNvfp4W4a16Arg
   // The unchecked loop wants whole tiles over whole steps, and no warp without a step (decode_choose_shape splits K
   // over at most as many warps as steps).
   const bool full = vec16 && a.w.n % (16 * shape.m_tiles) == 0 && a.w.k % kDecodeStepK == 0;
-  if (token_tiles == 1) return decode_launch_tiles<1>(p, shape, vec16, full, ctx);
-  decode_launch_tiles<2>(p, shape, vec16, full, ctx);
+  const DecodeLoads loads = full ? DecodeLoads::kUnchecked16 : vec16 ? DecodeLoads::kChecked16 : DecodeLoads::kBytes;
+  if (token_tiles == 1) return decode_launch_tiles<1>(p, shape, loads, ctx);
+  decode_launch_tiles<2>(p, shape, loads, ctx);
 }
 
 namespace {

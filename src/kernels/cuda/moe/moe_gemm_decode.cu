@@ -203,16 +203,17 @@ __device__ __forceinline__ void stage_silu_act(const GemmParams& p, int r0, int 
   __syncthreads();
 }
 
-// kFull (NVFP4 only): both projections' n a multiple of the warp tile's rows and k of 128 (the host's choice): the
-// unchecked loop of DecodeRows (nvfp4_device.cuh); else the checked one, with 16-byte loads where kVec16.
-template <MoeWeightFormat kFormat, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kFull, bool kSiluX>
+// kLoads (nvfp4_device.cuh; NVFP4 only): kUnchecked16 where both projections' n is a multiple of the warp tile's rows
+// and k of 128 (the host's choice), the unchecked loop of DecodeRows; else the checked one.
+template <MoeWeightFormat kFormat, int kMTiles, int kSplitK, int kTokenTiles, DecodeLoads kLoads, bool kSiluX>
 __global__ void __launch_bounds__(decode_block_warps(kSplitK) * 32,
                                   moe_decode_min_blocks(kFormat, kMTiles, kSplitK, kTokenTiles))
     moe_decode_kernel(const GemmParams p) {
   ptx::grid_dependency_begin();
   constexpr bool kIsNvfp4 = kFormat == MoeWeightFormat::kNvfp4, kIsFp8 = kFormat == MoeWeightFormat::kFp8;
   static_assert(kIsNvfp4 || kMTiles == 1);
-  static_assert(!kFull || (kIsNvfp4 && kVec16));
+  constexpr bool kVec16 = kLoads != DecodeLoads::kBytes, kFull = kLoads == DecodeLoads::kUnchecked16;
+  static_assert(kIsNvfp4 || kLoads == DecodeLoads::kBytes);
   constexpr int kTiles = decode_block_tiles(kSplitK), kRows = 16 * kMTiles;
   __shared__ __align__(16) float red[decode_red_floats<kSplitK, kMTiles, kTokenTiles>()];
   static_assert(sizeof(red) <= kDecodeMaxRedBytes);
@@ -352,9 +353,9 @@ constexpr size_t silu_act_bytes(int64_t k, int token_tiles) {
 }
 
 // Grid x: the tiles of w, then those of w2 (none without it), so both projections share one wave of blocks.
-template <MoeWeightFormat kFormat, int kMTiles, int kSplitK, int kTokenTiles, bool kVec16, bool kFull, bool kSiluX>
+template <MoeWeightFormat kFormat, int kMTiles, int kSplitK, int kTokenTiles, DecodeLoads kLoads, bool kSiluX>
 void decode_launch_kernel(const DecodeLaunch& l) {
-  if constexpr (kFull && kMTiles == 2 && kSplitK >= 8) {
+  if constexpr (kLoads == DecodeLoads::kUnchecked16 && kMTiles == 2 && kSplitK >= 8) {
     return;  // never chosen (decode_launch_format), so not compiled
   } else {
     constexpr int kTileRows = 16 * kMTiles * decode_block_tiles(kSplitK);
@@ -362,7 +363,7 @@ void decode_launch_kernel(const DecodeLaunch& l) {
     const int64_t blocks = (p.n + kTileRows - 1) / kTileRows, blocks2 = (p.n2 + kTileRows - 1) / kTileRows;
     p.w2_block = static_cast<int>(blocks);
     const dim3 grid(static_cast<unsigned>(blocks + blocks2), static_cast<unsigned>(l.slots));
-    auto* kernel = moe_decode_kernel<kFormat, kMTiles, kSplitK, kTokenTiles, kVec16, kFull, kSiluX>;
+    auto* kernel = moe_decode_kernel<kFormat, kMTiles, kSplitK, kTokenTiles, kLoads, kSiluX>;
     const size_t act_bytes = kSiluX ? silu_act_bytes(p.k, kTokenTiles) : 0;
     constexpr size_t kRedBytes = decode_red_floats<kSplitK, kMTiles, kTokenTiles>() * sizeof(float);
     if (act_bytes + kRedBytes > l.default_smem) {
@@ -374,22 +375,22 @@ void decode_launch_kernel(const DecodeLaunch& l) {
   }
 }
 
-template <MoeWeightFormat kFormat, int kMTiles, int kTokenTiles, bool kVec16, bool kFull, bool kSiluX>
+template <MoeWeightFormat kFormat, int kMTiles, int kTokenTiles, DecodeLoads kLoads, bool kSiluX>
 void decode_launch_split(const DecodeLaunch& l, int split_k) {
   switch (split_k) {
     case 1:
-      return decode_launch_kernel<kFormat, kMTiles, 1, kTokenTiles, kVec16, kFull, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 1, kTokenTiles, kLoads, kSiluX>(l);
     case 2:
-      return decode_launch_kernel<kFormat, kMTiles, 2, kTokenTiles, kVec16, kFull, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 2, kTokenTiles, kLoads, kSiluX>(l);
     case 4:
-      return decode_launch_kernel<kFormat, kMTiles, 4, kTokenTiles, kVec16, kFull, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 4, kTokenTiles, kLoads, kSiluX>(l);
     case 8:
-      return decode_launch_kernel<kFormat, kMTiles, 8, kTokenTiles, kVec16, kFull, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 8, kTokenTiles, kLoads, kSiluX>(l);
     case 16:
-      return decode_launch_kernel<kFormat, kMTiles, 16, kTokenTiles, kVec16, kFull, kSiluX>(l);
+      return decode_launch_kernel<kFormat, kMTiles, 16, kTokenTiles, kLoads, kSiluX>(l);
   }
   if constexpr (kFormat == MoeWeightFormat::kNvfp4 && decode_max_split_k(kMTiles, kTokenTiles) == 32) {
-    decode_launch_kernel<kFormat, kMTiles, 32, kTokenTiles, kVec16, kFull, kSiluX>(l);
+    decode_launch_kernel<kFormat, kMTiles, 32, kTokenTiles, kLoads, kSiluX>(l);
   }
 }
 
@@ -428,11 +429,11 @@ void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, const 
       a.decode_passes != nullptr ? moe_decode_pass_slots(a.rows, a.w.n_experts) : std::min(a.w.n_experts, a.rows);
   const DecodeLaunch l{make_params(a), slots, props.shared_mem_per_block, &ctx};
   if (a.w.format == MoeWeightFormat::kBf16) {
-    return decode_launch_split<MoeWeightFormat::kBf16, 1, kTokenTiles, false, false, kSiluX>(
+    return decode_launch_split<MoeWeightFormat::kBf16, 1, kTokenTiles, DecodeLoads::kBytes, kSiluX>(
         l, step64_decode_split(props, a, slots));
   }
   if (a.w.format == MoeWeightFormat::kFp8) {
-    return decode_launch_split<MoeWeightFormat::kFp8, 1, kTokenTiles, false, false, kSiluX>(
+    return decode_launch_split<MoeWeightFormat::kFp8, 1, kTokenTiles, DecodeLoads::kBytes, kSiluX>(
         l, fp8_decode_split<kTokenTiles>(props, a, slots));
   }
   // 16-byte weight loads need 16-byte aligned rows (k % 32) in every expert of both projections; the 2-byte scale
@@ -455,7 +456,8 @@ void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, const 
     shape.split_k = kPassMinSplitK;
   }
   constexpr MoeWeightFormat kNvfp4 = MoeWeightFormat::kNvfp4;
-  if (!vec16) return decode_launch_split<kNvfp4, 1, kTokenTiles, false, false, kSiluX>(l, shape.split_k);
+  constexpr DecodeLoads kChecked16 = DecodeLoads::kChecked16, kUnchecked16 = DecodeLoads::kUnchecked16;
+  if (!vec16) return decode_launch_split<kNvfp4, 1, kTokenTiles, DecodeLoads::kBytes, kSiluX>(l, shape.split_k);
   // The unchecked loop wants whole tiles of both projections over whole steps, and every warp a step.
   const int tile_rows = 16 * shape.m_tiles;
   const bool full = a.w.n % tile_rows == 0 && a.w2.n % tile_rows == 0 && a.w.k % kDecodeStepK == 0 &&
@@ -464,12 +466,12 @@ void decode_launch_format(const MoeGemmArgs& a, const DeviceProps& props, const 
     if (shape.m_tiles == 2) {
       // At 8 or more warps a tile (64 registers, moe_decode_min_blocks) the unchecked loop's pointers spill.
       if (full && shape.split_k < 8)
-        return decode_launch_split<kNvfp4, 2, kTokenTiles, true, true, kSiluX>(l, shape.split_k);
-      return decode_launch_split<kNvfp4, 2, kTokenTiles, true, false, kSiluX>(l, shape.split_k);
+        return decode_launch_split<kNvfp4, 2, kTokenTiles, kUnchecked16, kSiluX>(l, shape.split_k);
+      return decode_launch_split<kNvfp4, 2, kTokenTiles, kChecked16, kSiluX>(l, shape.split_k);
     }
   }
-  if (full) return decode_launch_split<kNvfp4, 1, kTokenTiles, true, true, kSiluX>(l, shape.split_k);
-  decode_launch_split<kNvfp4, 1, kTokenTiles, true, false, kSiluX>(l, shape.split_k);
+  if (full) return decode_launch_split<kNvfp4, 1, kTokenTiles, kUnchecked16, kSiluX>(l, shape.split_k);
+  decode_launch_split<kNvfp4, 1, kTokenTiles, kChecked16, kSiluX>(l, shape.split_k);
 }
 
 }  // namespace
@@ -495,7 +497,8 @@ size_t moe_gemm_silu_smem_bytes(int64_t k) {
 
 // What the driver loaded of this module for the current device (module_attributes.h).
 cudaError_t moe_gemm_decode_module_attributes(cudaFuncAttributes* out) {
-  return cudaFuncGetAttributes(out, moe_decode_kernel<MoeWeightFormat::kNvfp4, 1, 4, 1, true, true, false>);
+  return cudaFuncGetAttributes(out,
+                               moe_decode_kernel<MoeWeightFormat::kNvfp4, 1, 4, 1, DecodeLoads::kUnchecked16, false>);
 }
 
 }  // namespace tern

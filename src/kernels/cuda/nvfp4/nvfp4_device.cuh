@@ -178,6 +178,11 @@ __device__ __forceinline__ uint32_t ld_scale_1(const uint8_t* p) {
   return v;
 }
 
+// How a decode kernel reads its NVFP4 weight steps (kernels of other formats take kBytes and ignore it): byte-wise
+// with bounds checks (decode_load_w), 16-byte loads with bounds checks (decode_load_w<kVec16>), or 16-byte loads
+// without them, for whole tiles over whole steps (DecodeRows, the host's choice).
+enum class DecodeLoads { kBytes, kChecked16, kUnchecked16 };
+
 // Step `step` of rows n0 + g + 8h of an [n, k] NVFP4 weight (zeros past n or k). kVec16: one 16-byte load and one
 // 2-byte scale load per row (k % 32 == 0, 16-byte aligned packed rows); else 8-byte loads and byte scales, since a
 // row may end after the first 16 codes of a lane's 32 (k is a multiple of 16).
