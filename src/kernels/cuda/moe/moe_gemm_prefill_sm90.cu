@@ -394,8 +394,8 @@ __global__ void __launch_bounds__(kWgThreads, kMinBlocks) moe_prefill_rs_kernel(
   const uint32_t raw_addr = ptx::smem_addr(smem_raw);
   unsigned char* ring = smem_raw + ((1024 - raw_addr % 1024) % 1024);
   // x tiles, code tiles, scale tiles, then the tile's x row addresses.
-  const unsigned char** xrows =
-      reinterpret_cast<const unsigned char**>(ring + kStages * (rs_x_bytes<kTokens>() + kRsCodeBytes + kRsScaleBytes));
+  constexpr uint32_t kCodeRing = kStages * rs_x_bytes<kTokens>(), kScaleRing = kCodeRing + kStages * kRsCodeBytes;
+  const unsigned char** xrows = reinterpret_cast<const unsigned char**>(ring + kScaleRing + kStages * kRsScaleBytes);
   const TileWork tw = find_row_tile(p.offsets, p.n_experts, blockIdx.y, kTokens);
   if (tw.expert < 0) return;  // every warp found the same: the whole block leaves
   const int e = tw.expert, n0 = blockIdx.x * kRsRows, n_ksteps = p.k / kWgBk;
@@ -412,10 +412,8 @@ __global__ void __launch_bounds__(kWgThreads, kMinBlocks) moe_prefill_rs_kernel(
       static_cast<int64_t>(min(n0 + static_cast<int>(threadIdx.x) % kRsRows, p.n - 1)) * (p.k / 16);
   const uint32_t ring_addr = ptx::smem_addr(ring);
   auto x_tile = [&](int s) { return ring_addr + (s % kStages) * rs_x_bytes<kTokens>(); };
-  auto code_tile = [&](int s) { return ring_addr + kStages * rs_x_bytes<kTokens>() + (s % kStages) * kRsCodeBytes; };
-  auto scale_tile = [&](int s) {
-    return ring_addr + kStages * (rs_x_bytes<kTokens>() + kRsCodeBytes) + (s % kStages) * kRsScaleBytes;
-  };
+  auto code_tile = [&](int s) { return ring_addr + kCodeRing + (s % kStages) * kRsCodeBytes; };
+  auto scale_tile = [&](int s) { return ring_addr + kScaleRing + (s % kStages) * kRsScaleBytes; };
   // Step s into its stage: x rows, the 128 rows' 32 bytes of codes (two 16-byte copies a row) and their 4 scales.
   auto fill = [&](int s) {
     if (s < n_ksteps) {
@@ -431,8 +429,8 @@ __global__ void __launch_bounds__(kWgThreads, kMinBlocks) moe_prefill_rs_kernel(
   const int wg = threadIdx.x / 128, v = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
   const int r0 = 64 * wg + 16 * v + lane / 4;  // the thread's first weight row in the block's 128
   const uint32_t sel = static_cast<uint32_t>(lane % 4) | static_cast<uint32_t>(lane % 4 + 4) << 4;
-  const unsigned char* const codes_r0 = ring + kStages * rs_x_bytes<kTokens>() + r0 * 32;
-  const unsigned char* const scales_r0 = ring + kStages * (rs_x_bytes<kTokens>() + kRsCodeBytes) + r0 * 4;
+  const unsigned char* const codes_r0 = ring + kCodeRing + r0 * 32;
+  const unsigned char* const scales_r0 = ring + kScaleRing + r0 * 4;
   auto build = [&](int s, uint32_t(&a)[4][4]) {
     rs_build_a(codes_r0 + (s % kStages) * kRsCodeBytes, scales_r0 + (s % kStages) * kRsScaleBytes, sel, a);
   };
